@@ -1,0 +1,45 @@
+//! deltafin's engine: model forward passes, the routed-expert store, and generation.
+//!
+//! - [`experts`]: reading routed-expert records from `experts.pack` on demand into a byte-budgeted
+//!   cache, verifying checksums, counting bytes and hits.
+//! - [`models`]: one file per model family (`deepseek_v3`), built from shared blocks
+//!   ([`rope`], [`moe`]).
+//! - [`generate`]: the greedy decode loop with timing statistics.
+
+pub mod experts;
+pub mod generate;
+pub mod mem;
+pub mod models;
+pub mod moe;
+pub mod rope;
+
+use std::path::PathBuf;
+
+/// Errors while loading or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Format(#[from] deltafin_format::FormatError),
+    #[error(transparent)]
+    Tokenizer(#[from] deltafin_tokenizer::TokenizerError),
+    #[error("{path}: reading expert (layer {layer}, expert {expert}): {source}")]
+    ExpertIo {
+        path: PathBuf,
+        layer: usize,
+        expert: usize,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: expert (layer {layer}, expert {expert}) failed its checksum: expected xxh3 {expected}, found {found} (the expert pack is corrupted; re-run `deltafin convert`)")]
+    ExpertChecksum {
+        path: PathBuf,
+        layer: usize,
+        expert: usize,
+        expected: String,
+        found: String,
+    },
+    #[error("token id {id} is outside the vocabulary (size {vocab_size})")]
+    TokenOutOfRange { id: u32, vocab_size: usize },
+    #[error("{0}")]
+    Invalid(String),
+}

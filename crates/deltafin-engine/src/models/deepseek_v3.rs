@@ -1,0 +1,408 @@
+//! DeepSeek-V3 / Kimi K2 forward pass, one token at a time, matching transformers'
+//! `models/deepseek_v3/modeling_deepseek_v3.py` in f32.
+//!
+//! Per decoder layer (PyTorch equivalent in the comments):
+//! ```text
+//! h = x + self_attn(input_layernorm(x))           # MLA, latent KV cache
+//! x = h + mlp(post_attention_layernorm(h))        # dense MLP below first_k_dense_replace, else MoE
+//! ```
+//! then `logits = lm_head(norm(x))`.
+//!
+//! MLA (DeepSeek-V2 paper §2.1, arXiv:2405.04434) runs in its weight-absorbed form: the KV cache
+//! holds, per position, the normalised latent `c_kv: [kv_lora_rank]` and the rotated shared key
+//! `k_pe: [qk_rope_head_dim]`, never per-head keys and values. For head h,
+//! `q_nope_h · (W_UK_h c_t) = (W_UK_h^T q_nope_h) · c_t` and `Σ_t p_t W_UV_h c_t = W_UV_h Σ_t p_t c_t`,
+//! which equal the reference's expanded form up to f32 summation order. [MLA_ABSORB]
+
+use std::sync::Arc;
+
+use deltafin_format::{DeepseekV3Config, ModelDir, Rope};
+use deltafin_kernels::{argmax, rms_norm, silu, softmax_inplace, MatRef};
+use rayon::prelude::*;
+
+use crate::experts::{Expert, ExpertStore};
+use crate::moe::{route, RouterConfig, Routing};
+use crate::rope::{yarn_mscale, RotaryEmbedding};
+use crate::EngineError;
+
+use deltafin_format::model_dir::Backbone;
+
+/// Tensor names of one decoder layer, as in the Hugging Face checkpoint.
+struct LayerNames {
+    input_layernorm: String,
+    post_attention_layernorm: String,
+    q_proj: String,
+    q_a_proj: String,
+    q_a_layernorm: String,
+    q_b_proj: String,
+    kv_a_proj_with_mqa: String,
+    kv_a_layernorm: String,
+    kv_b_proj: String,
+    o_proj: String,
+    gate_proj: String,
+    up_proj: String,
+    down_proj: String,
+    router: String,
+    router_bias: String,
+    shared_gate_proj: String,
+    shared_up_proj: String,
+    shared_down_proj: String,
+}
+
+impl LayerNames {
+    fn new(l: usize) -> Self {
+        let p = format!("model.layers.{l}");
+        let a = format!("{p}.self_attn");
+        let m = format!("{p}.mlp");
+        LayerNames {
+            input_layernorm: format!("{p}.input_layernorm.weight"),
+            post_attention_layernorm: format!("{p}.post_attention_layernorm.weight"),
+            q_proj: format!("{a}.q_proj.weight"),
+            q_a_proj: format!("{a}.q_a_proj.weight"),
+            q_a_layernorm: format!("{a}.q_a_layernorm.weight"),
+            q_b_proj: format!("{a}.q_b_proj.weight"),
+            kv_a_proj_with_mqa: format!("{a}.kv_a_proj_with_mqa.weight"),
+            kv_a_layernorm: format!("{a}.kv_a_layernorm.weight"),
+            kv_b_proj: format!("{a}.kv_b_proj.weight"),
+            o_proj: format!("{a}.o_proj.weight"),
+            gate_proj: format!("{m}.gate_proj.weight"),
+            up_proj: format!("{m}.up_proj.weight"),
+            down_proj: format!("{m}.down_proj.weight"),
+            router: format!("{m}.gate.weight"),
+            router_bias: format!("{m}.gate.e_score_correction_bias"),
+            shared_gate_proj: format!("{m}.shared_experts.gate_proj.weight"),
+            shared_up_proj: format!("{m}.shared_experts.up_proj.weight"),
+            shared_down_proj: format!("{m}.shared_experts.down_proj.weight"),
+        }
+    }
+}
+
+/// Per-sequence decode state: the MLA latent KV cache of every layer.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    /// `[layer][n_tokens * kv_lora_rank]`: normalised latents `c_kv`.
+    c_kv: Vec<Vec<f32>>,
+    /// `[layer][n_tokens * qk_rope_head_dim]`: rotated shared rope keys.
+    k_pe: Vec<Vec<f32>>,
+    /// Tokens cached.
+    len: usize,
+}
+
+impl KvCache {
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes held by the cache.
+    pub fn bytes(&self) -> usize {
+        self.c_kv.iter().chain(&self.k_pe).map(|v| v.capacity() * 4).sum()
+    }
+
+    /// Drops every position at or after `len` (rollback).
+    pub fn truncate(&mut self, len: usize, kv_lora_rank: usize, rope_dim: usize) {
+        if len < self.len {
+            for v in &mut self.c_kv {
+                v.truncate(len * kv_lora_rank);
+            }
+            for v in &mut self.k_pe {
+                v.truncate(len * rope_dim);
+            }
+            self.len = len;
+        }
+    }
+}
+
+/// Which routed experts each MoE layer chose for the last token (for traces and tests).
+pub type LayerRoutes = Vec<(usize, Routing)>;
+
+/// A loaded DeepSeek-V3-family model: resident backbone plus the routed-expert store.
+pub struct DeepseekV3 {
+    pub cfg: DeepseekV3Config,
+    backbone: Backbone,
+    names: Vec<LayerNames>,
+    rope: RotaryEmbedding,
+    /// Softmax scale `qk_head_dim^-0.5 · mscale²`. [YARN_MSCALE]
+    softmax_scale: f32,
+    router: RouterConfig,
+    pub store: Arc<ExpertStore>,
+}
+
+impl DeepseekV3 {
+    /// Loads the backbone into memory and opens the expert store with a cache of `ram_budget`
+    /// bytes.
+    ///
+    /// Errors: a missing or malformed tensor in the backbone, unreadable files.
+    pub fn load(dir: &ModelDir, ram_budget: u64) -> Result<Self, EngineError> {
+        let cfg = dir.manifest.config.clone();
+        let backbone = dir.load_backbone()?;
+        let names: Vec<LayerNames> = (0..cfg.num_hidden_layers).map(LayerNames::new).collect();
+        // Check every tensor the forward pass uses once, so a bad directory fails at load.
+        backbone.matrix("model.embed_tokens.weight")?;
+        backbone.matrix("lm_head.weight")?;
+        backbone.vector("model.norm.weight")?;
+        for (l, n) in names.iter().enumerate() {
+            backbone.vector(&n.input_layernorm)?;
+            backbone.vector(&n.post_attention_layernorm)?;
+            if cfg.q_lora_rank.is_some() {
+                backbone.matrix(&n.q_a_proj)?;
+                backbone.vector(&n.q_a_layernorm)?;
+                backbone.matrix(&n.q_b_proj)?;
+            } else {
+                backbone.matrix(&n.q_proj)?;
+            }
+            backbone.matrix(&n.kv_a_proj_with_mqa)?;
+            backbone.vector(&n.kv_a_layernorm)?;
+            backbone.matrix(&n.kv_b_proj)?;
+            backbone.matrix(&n.o_proj)?;
+            if cfg.is_moe_layer(l) {
+                backbone.matrix(&n.router)?;
+                backbone.vector(&n.router_bias)?;
+                if cfg.n_shared_experts > 0 {
+                    backbone.matrix(&n.shared_gate_proj)?;
+                    backbone.matrix(&n.shared_up_proj)?;
+                    backbone.matrix(&n.shared_down_proj)?;
+                }
+            } else {
+                backbone.matrix(&n.gate_proj)?;
+                backbone.matrix(&n.up_proj)?;
+                backbone.matrix(&n.down_proj)?;
+            }
+        }
+        let rope = RotaryEmbedding::new(&cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave);
+        let mut softmax_scale = (cfg.qk_head_dim() as f64).powf(-0.5);
+        if let Rope::Yarn {
+            factor,
+            mscale_all_dim: Some(m),
+            ..
+        } = cfg.rope
+        {
+            let ms = yarn_mscale(factor, m);
+            softmax_scale *= ms * ms;
+        }
+        let router = RouterConfig {
+            n_routed_experts: cfg.n_routed_experts,
+            top_k: cfg.num_experts_per_tok,
+            n_group: cfg.n_group,
+            topk_group: cfg.topk_group,
+            norm_topk_prob: cfg.norm_topk_prob,
+            routed_scaling_factor: cfg.routed_scaling_factor,
+        };
+        let store = Arc::new(ExpertStore::open(dir, ram_budget)?);
+        Ok(DeepseekV3 {
+            cfg,
+            backbone,
+            names,
+            rope,
+            softmax_scale: softmax_scale as f32,
+            router,
+            store,
+        })
+    }
+
+    /// Bytes of the resident backbone.
+    pub fn backbone_bytes(&self) -> usize {
+        self.backbone.bytes()
+    }
+
+    /// A fresh, empty KV cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache {
+            c_kv: vec![Vec::new(); self.cfg.num_hidden_layers],
+            k_pe: vec![Vec::new(); self.cfg.num_hidden_layers],
+            len: 0,
+        }
+    }
+
+    fn m(&self, name: &str) -> Result<MatRef<'_>, EngineError> {
+        Ok(self.backbone.matrix(name)?)
+    }
+
+    fn v(&self, name: &str) -> Result<&[f32], EngineError> {
+        Ok(self.backbone.vector(name)?)
+    }
+
+    /// Runs one token at the next position of `cache`; returns the logits `[vocab_size]` and
+    /// the routing of every MoE layer.
+    ///
+    /// Errors: token id outside the vocabulary, expert read or checksum failures.
+    pub fn forward(&self, cache: &mut KvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        let c = &self.cfg;
+        if token as usize >= c.vocab_size {
+            return Err(EngineError::TokenOutOfRange {
+                id: token,
+                vocab_size: c.vocab_size,
+            });
+        }
+        let pos = cache.len;
+        let h = c.hidden_size;
+        // x: [hidden]
+        let mut x = vec![0f32; h];
+        self.m("model.embed_tokens.weight")?.row_into(token as usize, &mut x);
+        let mut xn = vec![0f32; h];
+        let mut routes = Vec::new();
+        for l in 0..c.num_hidden_layers {
+            let n = &self.names[l];
+            rms_norm(&x, self.v(&n.input_layernorm)?, c.rms_norm_eps, &mut xn);
+            let attn = self.attention(l, &xn, pos, cache)?;
+            for (a, b) in x.iter_mut().zip(&attn) {
+                *a += b;
+            }
+            rms_norm(&x, self.v(&n.post_attention_layernorm)?, c.rms_norm_eps, &mut xn);
+            let mlp = if c.is_moe_layer(l) {
+                let (out, r) = self.moe(l, &xn)?;
+                routes.push((l, r));
+                out
+            } else {
+                self.mlp(self.m(&n.gate_proj)?, self.m(&n.up_proj)?, self.m(&n.down_proj)?, &xn)
+            };
+            for (a, b) in x.iter_mut().zip(&mlp) {
+                *a += b;
+            }
+        }
+        cache.len += 1;
+        rms_norm(&x.clone(), self.v("model.norm.weight")?, c.rms_norm_eps, &mut x);
+        let lm = self.m("lm_head.weight")?;
+        let mut logits = vec![0f32; lm.rows];
+        lm.matvec(&x, &mut logits);
+        Ok((logits, routes))
+    }
+
+    /// MLA for one token at position `pos`; appends this token's latent and rope key to the
+    /// cache. xn: `[hidden]` → `[hidden]`.
+    fn attention(&self, l: usize, xn: &[f32], pos: usize, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
+        let c = &self.cfg;
+        let n = &self.names[l];
+        let (nh, nope, rope, vd, kvl) = (
+            c.num_attention_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        );
+        let qk = nope + rope;
+        // q: [n_heads, qk_head_dim]
+        let mut q = vec![0f32; nh * qk];
+        match c.q_lora_rank {
+            Some(r) => {
+                // q = q_b_proj(q_a_layernorm(q_a_proj(x)))
+                let mut qa = vec![0f32; r];
+                self.m(&n.q_a_proj)?.matvec(xn, &mut qa);
+                let mut qan = vec![0f32; r];
+                rms_norm(&qa, self.v(&n.q_a_layernorm)?, c.rms_norm_eps, &mut qan);
+                self.m(&n.q_b_proj)?.matvec(&qan, &mut q);
+            }
+            None => self.m(&n.q_proj)?.matvec(xn, &mut q),
+        }
+        // compressed_kv: [kv_lora_rank + qk_rope_head_dim] = kv_a_proj_with_mqa(x)
+        let mut ckv = vec![0f32; kvl + rope];
+        self.m(&n.kv_a_proj_with_mqa)?.matvec(xn, &mut ckv);
+        let mut latent = vec![0f32; kvl];
+        rms_norm(&ckv[..kvl], self.v(&n.kv_a_layernorm)?, c.rms_norm_eps, &mut latent);
+        let mut k_pe = ckv[kvl..].to_vec();
+        self.rope.apply(&mut k_pe, pos);
+        cache.c_kv[l].extend_from_slice(&latent);
+        cache.k_pe[l].extend_from_slice(&k_pe);
+        let t_len = pos + 1;
+        let ckv_cache = &cache.c_kv[l];
+        let kpe_cache = &cache.k_pe[l];
+        // kv_b_proj: [n_heads * (nope + v), kv_lora_rank]; per head: W_UK rows then W_UV rows.
+        let kv_b = self.m(&n.kv_b_proj)?;
+        let scale = self.softmax_scale;
+        let rope_emb = &self.rope;
+        // out: [n_heads, v_head_dim]
+        let heads: Vec<Vec<f32>> = (0..nh)
+            .into_par_iter()
+            .map(|hh| {
+                let qh = &q[hh * qk..(hh + 1) * qk];
+                let mut q_pe = qh[nope..].to_vec();
+                rope_emb.apply(&mut q_pe, pos);
+                let base = hh * (nope + vd);
+                // q_abs = W_UK_h^T q_nope: [kv_lora_rank]
+                let mut q_abs = vec![0f32; kvl];
+                kv_b.rows(base, base + nope).matvec_t(&qh[..nope], &mut q_abs);
+                // scores[t] = (q_abs · c_t + q_pe · k_pe_t) · scale, t ≤ pos (causal)
+                let mut scores: Vec<f32> = (0..t_len)
+                    .map(|t| {
+                        let s = deltafin_kernels::dot(&q_abs, &ckv_cache[t * kvl..(t + 1) * kvl])
+                            + deltafin_kernels::dot(&q_pe, &kpe_cache[t * rope..(t + 1) * rope]);
+                        s * scale
+                    })
+                    .collect();
+                softmax_inplace(&mut scores);
+                // ctx = Σ_t p_t c_t: [kv_lora_rank]; o_h = W_UV_h ctx: [v_head_dim]
+                let mut ctx = vec![0f32; kvl];
+                for (t, p) in scores.iter().enumerate() {
+                    deltafin_kernels::axpy(*p, &ckv_cache[t * kvl..(t + 1) * kvl], &mut ctx);
+                }
+                let mut o = vec![0f32; vd];
+                kv_b.rows(base + nope, base + nope + vd).matvec(&ctx, &mut o);
+                o
+            })
+            .collect();
+        let flat: Vec<f32> = heads.concat();
+        let mut out = vec![0f32; c.hidden_size];
+        self.m(&n.o_proj)?.matvec(&flat, &mut out);
+        Ok(out)
+    }
+
+    /// SwiGLU MLP: `down_proj(silu(gate_proj(x)) * up_proj(x))`. x: `[hidden]` → `[hidden]`.
+    fn mlp(&self, gate: MatRef<'_>, up: MatRef<'_>, down: MatRef<'_>, xn: &[f32]) -> Vec<f32> {
+        let mut g = vec![0f32; gate.rows];
+        let mut u = vec![0f32; up.rows];
+        gate.matvec(xn, &mut g);
+        up.matvec(xn, &mut u);
+        for (a, b) in g.iter_mut().zip(&u) {
+            *a = silu(*a) * b;
+        }
+        let mut out = vec![0f32; down.rows];
+        down.matvec(&g, &mut out);
+        out
+    }
+
+    /// MoE block: routed experts (read through the expert store) weighted by the router, plus
+    /// the shared experts. x: `[hidden]` → `[hidden]`.
+    fn moe(&self, l: usize, xn: &[f32]) -> Result<(Vec<f32>, Routing), EngineError> {
+        let c = &self.cfg;
+        let n = &self.names[l];
+        // router_logits = x · W_gate^T in f32: [n_routed_experts]
+        let gate = self.m(&n.router)?;
+        let mut logits = vec![0f32; gate.rows];
+        gate.matvec(xn, &mut logits);
+        let routing = route(&self.router, &logits, self.v(&n.router_bias)?);
+        // Issue the reads of the chosen experts now; compute the shared experts meanwhile is a
+        // later optimisation (the expert-store issue); here reads run concurrently per layer.
+        let experts: Vec<Arc<Expert>> = self.store.get(l, &routing.experts)?;
+        let mut out = vec![0f32; c.hidden_size];
+        // Sum in ascending expert id, as the reference's index_add loop does.
+        let outs: Vec<Vec<f32>> = experts
+            .par_iter()
+            .map(|e| self.mlp(e.matrix(0), e.matrix(1), e.matrix(2), xn))
+            .collect();
+        for (o, w) in outs.iter().zip(&routing.weights) {
+            deltafin_kernels::axpy(*w, o, &mut out);
+        }
+        if c.n_shared_experts > 0 {
+            let s = self.mlp(
+                self.m(&n.shared_gate_proj)?,
+                self.m(&n.shared_up_proj)?,
+                self.m(&n.shared_down_proj)?,
+                xn,
+            );
+            for (a, b) in out.iter_mut().zip(&s) {
+                *a += b;
+            }
+        }
+        Ok((out, routing))
+    }
+
+    /// Greedy choice from logits.
+    pub fn greedy(logits: &[f32]) -> u32 {
+        argmax(logits) as u32
+    }
+}

@@ -1,0 +1,493 @@
+//! `config.json` of a DeepSeek-V3-family checkpoint, resolved into concrete hyperparameters.
+//!
+//! Accepted `model_type`s: `deepseek_v3`, `kimi_k2`, and multimodal wrappers (`kimi_k25`, or any
+//! config with a `text_config` object) whose `text_config` holds one of those. Keys a checkpoint
+//! omits take the defaults of transformers' `DeepseekV3Config`
+//! (`src/transformers/models/deepseek_v3/configuration_deepseek_v3.py`); `scoring_func` defaults
+//! to `sigmoid` and `topk_method` to `noaux_tc`, which is what that implementation hard-codes.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::path::Path;
+
+use crate::FormatError;
+
+/// RoPE frequency scheme, resolved from either `rope_scaling` + `rope_theta` (transformers 4.x
+/// spelling) or `rope_parameters` (transformers 5 spelling).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "snake_case")]
+pub enum Rope {
+    /// Plain RoPE: `inv_freq[i] = theta^(-2i/dim)`.
+    Default { theta: f64 },
+    /// YaRN (Peng et al. 2023, arXiv:2309.00071) as transformers' `_compute_yarn_parameters`.
+    Yarn {
+        theta: f64,
+        /// Context extension factor.
+        factor: f64,
+        /// Pre-extension context length in tokens.
+        original_max_position_embeddings: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        /// `mscale` of the YaRN attention factor (None when the config omits it or sets 0).
+        mscale: Option<f64>,
+        /// `mscale_all_dim`: also scales the MLA softmax by `yarn_mscale(factor, mscale_all_dim)^2`.
+        mscale_all_dim: Option<f64>,
+        /// Explicit cos/sin multiplier, when the config sets `attention_factor`.
+        attention_factor: Option<f64>,
+        /// Whether the correction range is rounded to whole dimensions (`truncate`, default true).
+        truncate: bool,
+    },
+}
+
+/// Concrete hyperparameters of a DeepSeek-V3 / Kimi K2 text model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeepseekV3Config {
+    /// `model_type` of the text config (`deepseek_v3` or `kimi_k2`).
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    /// Intermediate width of the dense MLP layers (below `first_k_dense_replace`).
+    pub intermediate_size: usize,
+    /// Intermediate width of one routed expert; shared experts use `n_shared_experts ×` this.
+    pub moe_intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub n_shared_experts: usize,
+    pub n_routed_experts: usize,
+    /// Multiplier on the routed experts' combined weights, applied once.
+    pub routed_scaling_factor: f32,
+    pub kv_lora_rank: usize,
+    /// None: queries come from one `q_proj`; Some(r): `q_a_proj` → `q_a_layernorm` → `q_b_proj`.
+    pub q_lora_rank: Option<usize>,
+    pub qk_rope_head_dim: usize,
+    pub qk_nope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    /// top-k: routed experts chosen per token.
+    pub num_experts_per_tok: usize,
+    /// Layers `< first_k_dense_replace` use a dense MLP; the rest are MoE.
+    pub first_k_dense_replace: usize,
+    pub norm_topk_prob: bool,
+    pub rms_norm_eps: f32,
+    pub max_position_embeddings: usize,
+    /// Rotary pairs are adjacent (`x[2i], x[2i+1]`) when true, split halves when false.
+    pub rope_interleave: bool,
+    pub rope: Rope,
+    pub attention_bias: bool,
+    pub tie_word_embeddings: bool,
+    /// end-of-sequence id(s) named by config.json (int or list).
+    pub eos_token_id: Vec<u32>,
+    pub bos_token_id: Option<u32>,
+}
+
+fn get<'a>(obj: &'a Value, key: &str) -> Option<&'a Value> {
+    obj.get(key).filter(|v| !v.is_null())
+}
+
+fn field_err(path: &Path, field: &str, msg: impl Into<String>) -> FormatError {
+    FormatError::Config {
+        path: path.to_path_buf(),
+        field: field.to_string(),
+        message: msg.into(),
+    }
+}
+
+fn usize_or(obj: &Value, path: &Path, key: &str, default: usize) -> Result<usize, FormatError> {
+    match get(obj, key) {
+        None => Ok(default),
+        Some(v) => v
+            .as_u64()
+            .map(|x| x as usize)
+            .ok_or_else(|| field_err(path, key, format!("expected a non-negative integer, got {v}"))),
+    }
+}
+
+fn f64_or(obj: &Value, path: &Path, key: &str, default: f64) -> Result<f64, FormatError> {
+    match get(obj, key) {
+        None => Ok(default),
+        Some(v) => v
+            .as_f64()
+            .ok_or_else(|| field_err(path, key, format!("expected a number, got {v}"))),
+    }
+}
+
+fn opt_f64(obj: &Value, path: &Path, key: &str) -> Result<Option<f64>, FormatError> {
+    match get(obj, key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| field_err(path, key, format!("expected a number, got {v}"))),
+    }
+}
+
+fn bool_or(obj: &Value, path: &Path, key: &str, default: bool) -> Result<bool, FormatError> {
+    match get(obj, key) {
+        None => Ok(default),
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| field_err(path, key, format!("expected true or false, got {v}"))),
+    }
+}
+
+/// Reads `eos_token_id`-style fields: an integer or a list of integers.
+pub fn token_ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// The supported text-model types.
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["deepseek_v3", "kimi_k2"];
+
+/// Returns the text config object of a `config.json`: the top level, or its `text_config` when
+/// the top level is a multimodal wrapper (e.g. `kimi_k25`).
+pub fn text_config(raw: &Value) -> &Value {
+    match get(raw, "text_config") {
+        Some(tc) if tc.is_object() => tc,
+        _ => raw,
+    }
+}
+
+impl DeepseekV3Config {
+    /// Reads and resolves `config.json`.
+    ///
+    /// Errors: unreadable file, malformed JSON, unknown `model_type`, a field of the wrong type,
+    /// or a setting this implementation does not support (`scoring_func` other than `sigmoid`,
+    /// `topk_method` other than `noaux_tc`, `hidden_act` other than `silu`, a RoPE type other than
+    /// `default`/`yarn`, inconsistent expert grouping).
+    pub fn from_file(path: &Path) -> Result<(Self, Value), FormatError> {
+        let text = std::fs::read_to_string(path).map_err(|e| FormatError::Io {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        let raw: Value = serde_json::from_str(&text).map_err(|e| FormatError::Json {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        let cfg = Self::from_value(&raw, path)?;
+        Ok((cfg, raw))
+    }
+
+    /// Resolves a parsed `config.json` (`path` is only used in error messages).
+    pub fn from_value(raw: &Value, path: &Path) -> Result<Self, FormatError> {
+        let tc = text_config(raw);
+        let model_type = get(tc, "model_type").and_then(|v| v.as_str()).unwrap_or("").to_string();
+        if !SUPPORTED_MODEL_TYPES.contains(&model_type.as_str()) {
+            let top = get(raw, "model_type").and_then(|v| v.as_str()).unwrap_or("");
+            let shown = if model_type.is_empty() { top } else { &model_type };
+            return Err(field_err(
+                path,
+                "model_type",
+                format!(
+                    "unsupported model_type {shown:?} (supported: {})",
+                    SUPPORTED_MODEL_TYPES.join(", ")
+                ),
+            ));
+        }
+        if let Some(s) = get(tc, "scoring_func").and_then(|v| v.as_str()) {
+            if s != "sigmoid" {
+                return Err(field_err(
+                    path,
+                    "scoring_func",
+                    format!("{s:?} is not supported (only \"sigmoid\")"),
+                ));
+            }
+        }
+        if let Some(s) = get(tc, "topk_method").and_then(|v| v.as_str()) {
+            if s != "noaux_tc" {
+                return Err(field_err(
+                    path,
+                    "topk_method",
+                    format!("{s:?} is not supported (only \"noaux_tc\")"),
+                ));
+            }
+        }
+        if let Some(s) = get(tc, "hidden_act").and_then(|v| v.as_str()) {
+            if s != "silu" {
+                return Err(field_err(
+                    path,
+                    "hidden_act",
+                    format!("{s:?} is not supported (only \"silu\")"),
+                ));
+            }
+        }
+        // q_lora_rank: an explicit null means "no query compression"; an omitted key takes the
+        // transformers default (1536), as DeepseekV3Config does.
+        let q_lora_rank = match tc.get("q_lora_rank") {
+            Some(Value::Null) => None,
+            None => Some(1536),
+            Some(v) => Some(
+                v.as_u64()
+                    .ok_or_else(|| field_err(path, "q_lora_rank", format!("expected an integer or null, got {v}")))?
+                    as usize,
+            ),
+        };
+        let max_position_embeddings = usize_or(tc, path, "max_position_embeddings", 4096)?;
+        let rope = resolve_rope(tc, path, max_position_embeddings)?;
+        let mut eos = token_ids(get(tc, "eos_token_id"));
+        if tc as *const Value != raw as *const Value {
+            for id in token_ids(get(raw, "eos_token_id")) {
+                if !eos.contains(&id) {
+                    eos.push(id);
+                }
+            }
+        }
+        let bos = get(tc, "bos_token_id")
+            .or_else(|| get(raw, "bos_token_id"))
+            .and_then(|v| v.as_u64())
+            .map(|x| x as u32);
+        let cfg = DeepseekV3Config {
+            model_type,
+            vocab_size: usize_or(tc, path, "vocab_size", 129280)?,
+            hidden_size: usize_or(tc, path, "hidden_size", 7168)?,
+            intermediate_size: usize_or(tc, path, "intermediate_size", 18432)?,
+            moe_intermediate_size: usize_or(tc, path, "moe_intermediate_size", 2048)?,
+            num_hidden_layers: usize_or(tc, path, "num_hidden_layers", 61)?,
+            num_attention_heads: usize_or(tc, path, "num_attention_heads", 128)?,
+            n_shared_experts: usize_or(tc, path, "n_shared_experts", 1)?,
+            n_routed_experts: usize_or(tc, path, "n_routed_experts", 256)?,
+            routed_scaling_factor: f64_or(tc, path, "routed_scaling_factor", 2.5)? as f32,
+            kv_lora_rank: usize_or(tc, path, "kv_lora_rank", 512)?,
+            q_lora_rank,
+            qk_rope_head_dim: usize_or(tc, path, "qk_rope_head_dim", 64)?,
+            qk_nope_head_dim: usize_or(tc, path, "qk_nope_head_dim", 128)?,
+            v_head_dim: usize_or(tc, path, "v_head_dim", 128)?,
+            n_group: usize_or(tc, path, "n_group", 8)?,
+            topk_group: usize_or(tc, path, "topk_group", 4)?,
+            num_experts_per_tok: usize_or(tc, path, "num_experts_per_tok", 8)?,
+            first_k_dense_replace: usize_or(tc, path, "first_k_dense_replace", 3)?,
+            norm_topk_prob: bool_or(tc, path, "norm_topk_prob", true)?,
+            rms_norm_eps: f64_or(tc, path, "rms_norm_eps", 1e-6)? as f32,
+            max_position_embeddings,
+            rope_interleave: bool_or(tc, path, "rope_interleave", true)?,
+            rope,
+            attention_bias: bool_or(tc, path, "attention_bias", false)?,
+            tie_word_embeddings: bool_or(tc, path, "tie_word_embeddings", false)?,
+            eos_token_id: eos,
+            bos_token_id: bos,
+        };
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    /// Fails fast on hyperparameters this implementation cannot run.
+    pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
+        let nonzero = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("kv_lora_rank", self.kv_lora_rank),
+            ("v_head_dim", self.v_head_dim),
+            ("n_group", self.n_group),
+            ("topk_group", self.topk_group),
+        ];
+        for (k, v) in nonzero {
+            if v == 0 {
+                return Err(field_err(path, k, "must be greater than 0"));
+            }
+        }
+        if self.qk_rope_head_dim % 2 != 0 {
+            return Err(field_err(path, "qk_rope_head_dim", "must be even"));
+        }
+        if self.has_moe() {
+            if self.n_routed_experts == 0 || self.num_experts_per_tok == 0 {
+                return Err(field_err(
+                    path,
+                    "n_routed_experts",
+                    "MoE layers need routed experts and num_experts_per_tok > 0",
+                ));
+            }
+            if self.n_routed_experts % self.n_group != 0 {
+                return Err(field_err(
+                    path,
+                    "n_group",
+                    format!(
+                        "n_routed_experts {} is not divisible by n_group {}",
+                        self.n_routed_experts, self.n_group
+                    ),
+                ));
+            }
+            if self.topk_group > self.n_group {
+                return Err(field_err(
+                    path,
+                    "topk_group",
+                    format!("topk_group {} exceeds n_group {}", self.topk_group, self.n_group),
+                ));
+            }
+            if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts / self.n_group) {
+                return Err(field_err(
+                    path,
+                    "num_experts_per_tok",
+                    "more experts per token than the chosen groups hold",
+                ));
+            }
+            if self.n_group > 1 && self.n_routed_experts / self.n_group < 2 {
+                return Err(field_err(
+                    path,
+                    "n_group",
+                    "groups need at least 2 experts (group score = sum of top-2)",
+                ));
+            }
+        }
+        if self.attention_bias {
+            return Err(field_err(path, "attention_bias", "attention biases are not supported"));
+        }
+        if self.tie_word_embeddings {
+            return Err(field_err(
+                path,
+                "tie_word_embeddings",
+                "tied embeddings are not supported (DeepSeek-V3 has an untied lm_head)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether any layer is a MoE layer.
+    pub fn has_moe(&self) -> bool {
+        self.first_k_dense_replace < self.num_hidden_layers
+    }
+
+    /// Whether decoder layer `layer` (0-based) is a MoE layer.
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        layer >= self.first_k_dense_replace && layer < self.num_hidden_layers
+    }
+
+    /// Query/key head width: `qk_nope_head_dim + qk_rope_head_dim`.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+}
+
+fn resolve_rope(tc: &Value, path: &Path, max_pos: usize) -> Result<Rope, FormatError> {
+    // transformers 5 writes `rope_parameters` (holding rope_theta); 4.x writes `rope_scaling`
+    // plus a top-level `rope_theta`. Either may be absent.
+    let params = get(tc, "rope_parameters")
+        .filter(|v| v.is_object())
+        .or_else(|| get(tc, "rope_scaling").filter(|v| v.is_object()));
+    let top_theta = f64_or(tc, path, "rope_theta", 10000.0)?;
+    let Some(p) = params else {
+        return Ok(Rope::Default { theta: top_theta });
+    };
+    let field = if get(tc, "rope_parameters").is_some() {
+        "rope_parameters"
+    } else {
+        "rope_scaling"
+    };
+    let theta = f64_or(p, path, "rope_theta", top_theta)?;
+    let kind = get(p, "rope_type")
+        .or_else(|| get(p, "type"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok(Rope::Default { theta }),
+        "yarn" => {
+            let original = f64_or(p, path, "original_max_position_embeddings", max_pos as f64)?;
+            let factor = match opt_f64(p, path, "factor")? {
+                Some(f) => f,
+                None => max_pos as f64 / original,
+            };
+            let nonzero = |x: Option<f64>| x.filter(|v| *v != 0.0);
+            Ok(Rope::Yarn {
+                theta,
+                factor,
+                original_max_position_embeddings: original,
+                beta_fast: nonzero(opt_f64(p, path, "beta_fast")?).unwrap_or(32.0),
+                beta_slow: nonzero(opt_f64(p, path, "beta_slow")?).unwrap_or(1.0),
+                mscale: nonzero(opt_f64(p, path, "mscale")?),
+                mscale_all_dim: nonzero(opt_f64(p, path, "mscale_all_dim")?),
+                attention_factor: opt_f64(p, path, "attention_factor")?,
+                truncate: bool_or(p, path, "truncate", true)?,
+            })
+        }
+        other => Err(field_err(
+            path,
+            &format!("{field}.rope_type"),
+            format!("RoPE type {other:?} is not supported (supported: default, yarn)"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn p() -> &'static Path {
+        Path::new("config.json")
+    }
+
+    #[test]
+    fn defaults_follow_transformers() {
+        let c = DeepseekV3Config::from_value(&json!({"model_type": "deepseek_v3"}), p()).unwrap();
+        assert_eq!(c.hidden_size, 7168);
+        assert_eq!(c.q_lora_rank, Some(1536));
+        assert_eq!(c.n_group, 8);
+        assert_eq!(c.topk_group, 4);
+        assert!(c.rope_interleave);
+        assert_eq!(c.rope, Rope::Default { theta: 10000.0 });
+    }
+
+    #[test]
+    fn null_q_lora_rank_means_no_compression() {
+        let c = DeepseekV3Config::from_value(&json!({"model_type": "kimi_k2", "q_lora_rank": null}), p()).unwrap();
+        assert_eq!(c.q_lora_rank, None);
+    }
+
+    #[test]
+    fn both_rope_spellings() {
+        let a = json!({"model_type": "deepseek_v3", "rope_theta": 50000.0, "max_position_embeddings": 1000,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 250, "mscale": 1.0, "mscale_all_dim": 1.0}});
+        let b = json!({"model_type": "deepseek_v3", "max_position_embeddings": 1000,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 250, "mscale": 1.0, "mscale_all_dim": 1.0}});
+        let ca = DeepseekV3Config::from_value(&a, p()).unwrap();
+        let cb = DeepseekV3Config::from_value(&b, p()).unwrap();
+        assert_eq!(ca.rope, cb.rope);
+        match ca.rope {
+            Rope::Yarn {
+                theta,
+                factor,
+                beta_fast,
+                beta_slow,
+                ..
+            } => {
+                assert_eq!((theta, factor, beta_fast, beta_slow), (50000.0, 4.0, 32.0, 1.0));
+            }
+            _ => panic!("expected yarn"),
+        }
+    }
+
+    #[test]
+    fn nested_text_config() {
+        let raw = json!({"model_type": "kimi_k25", "eos_token_id": 7,
+            "text_config": {"model_type": "kimi_k2", "eos_token_id": 5, "hidden_size": 64}});
+        let c = DeepseekV3Config::from_value(&raw, p()).unwrap();
+        assert_eq!(c.hidden_size, 64);
+        assert_eq!(c.eos_token_id, vec![5, 7]);
+    }
+
+    #[test]
+    fn rejects_unknown_model_type_and_settings() {
+        let e = DeepseekV3Config::from_value(&json!({"model_type": "llama"}), p()).unwrap_err();
+        assert!(
+            e.to_string().contains("model_type") && e.to_string().contains("llama"),
+            "{e}"
+        );
+        let e = DeepseekV3Config::from_value(&json!({"model_type": "deepseek_v3", "scoring_func": "softmax"}), p())
+            .unwrap_err();
+        assert!(e.to_string().contains("scoring_func"), "{e}");
+        let e =
+            DeepseekV3Config::from_value(&json!({"model_type": "deepseek_v3", "hidden_size": "big"}), p()).unwrap_err();
+        assert!(e.to_string().contains("hidden_size"), "{e}");
+        let e = DeepseekV3Config::from_value(
+            &json!({"model_type": "deepseek_v3", "rope_scaling": {"type": "longrope", "factor": 2.0}}),
+            p(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("longrope"), "{e}");
+    }
+}

@@ -1,0 +1,563 @@
+//! `deltafin convert`: Hugging Face checkpoint directory → deltafin model directory.
+//!
+//! The output is built in a sibling directory `.<name>.partial` and renamed into place only after
+//! every file (manifest last) is written and fsynced, so an interrupted convert never leaves a
+//! directory that loads as a model, and re-running it starts clean.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::{BufWriter, Seek, Write};
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+use serde_json::Value;
+
+use crate::checkpoint::Checkpoint;
+use crate::model_dir::{
+    BackboneIndex, ExpertPackIndex, ExpertRecord, ExpertTensorLayout, Manifest, StoredDtype, TensorRecord, FORMAT_NAME,
+    FORMAT_VERSION, RECORD_ALIGN, TENSOR_ALIGN,
+};
+use crate::{DeepseekV3Config, FormatError};
+
+/// Files copied verbatim from the source directory when present.
+pub const COPIED_FILES: &[&str] = &[
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tiktoken.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+];
+
+/// Conversion settings.
+#[derive(Debug, Clone)]
+pub struct ConvertOptions {
+    /// Dtype of 2-D backbone matrices: `Int8` (default), `Bf16` or `F32`.
+    pub backbone: StoredDtype,
+    /// Dtype of routed experts: `Mxfp4` (default), `Bf16` or `F32`.
+    pub experts: StoredDtype,
+    /// Replace an existing model directory.
+    pub force: bool,
+}
+
+impl Default for ConvertOptions {
+    fn default() -> Self {
+        ConvertOptions {
+            backbone: StoredDtype::Int8,
+            experts: StoredDtype::Mxfp4,
+            force: false,
+        }
+    }
+}
+
+/// Receives progress in source bytes processed.
+pub trait Progress: Sync {
+    fn start(&self, total_bytes: u64);
+    fn advance(&self, bytes: u64);
+    fn finish(&self);
+}
+
+/// A progress sink that ignores everything.
+pub struct NoProgress;
+impl Progress for NoProgress {
+    fn start(&self, _: u64) {}
+    fn advance(&self, _: u64) {}
+    fn finish(&self) {}
+}
+
+/// What a conversion produced.
+#[derive(Debug, Clone)]
+pub struct ConvertReport {
+    pub backbone_bytes: u64,
+    pub expert_pack_bytes: u64,
+    pub expert_records: usize,
+    /// Bytes of one expert record including alignment padding.
+    pub record_stride: u64,
+    /// Source tensors deliberately left out (MTP layers, non-text towers, rotary buffers).
+    pub ignored_tensors: Vec<String>,
+}
+
+/// Where a checkpoint tensor goes.
+enum Role {
+    /// Kept f32 whatever `--backbone` says (norms, router weight and bias).
+    BackboneF32,
+    /// 2-D matrix stored in the backbone dtype.
+    BackboneMatrix,
+}
+
+/// The backbone tensors of a DeepSeek-V3 checkpoint with their shapes, in checkpoint order.
+fn backbone_table(c: &DeepseekV3Config) -> Vec<(String, Vec<usize>, Role)> {
+    let h = c.hidden_size;
+    let nh = c.num_attention_heads;
+    let mut t = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![c.vocab_size, h],
+        Role::BackboneMatrix,
+    )];
+    for l in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        t.push((format!("{p}.input_layernorm.weight"), vec![h], Role::BackboneF32));
+        t.push((
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            Role::BackboneF32,
+        ));
+        let a = format!("{p}.self_attn");
+        match c.q_lora_rank {
+            Some(r) => {
+                t.push((format!("{a}.q_a_proj.weight"), vec![r, h], Role::BackboneMatrix));
+                t.push((format!("{a}.q_a_layernorm.weight"), vec![r], Role::BackboneF32));
+                t.push((
+                    format!("{a}.q_b_proj.weight"),
+                    vec![nh * c.qk_head_dim(), r],
+                    Role::BackboneMatrix,
+                ));
+            }
+            None => t.push((
+                format!("{a}.q_proj.weight"),
+                vec![nh * c.qk_head_dim(), h],
+                Role::BackboneMatrix,
+            )),
+        }
+        t.push((
+            format!("{a}.kv_a_proj_with_mqa.weight"),
+            vec![c.kv_lora_rank + c.qk_rope_head_dim, h],
+            Role::BackboneMatrix,
+        ));
+        t.push((
+            format!("{a}.kv_a_layernorm.weight"),
+            vec![c.kv_lora_rank],
+            Role::BackboneF32,
+        ));
+        t.push((
+            format!("{a}.kv_b_proj.weight"),
+            vec![nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank],
+            Role::BackboneMatrix,
+        ));
+        t.push((
+            format!("{a}.o_proj.weight"),
+            vec![h, nh * c.v_head_dim],
+            Role::BackboneMatrix,
+        ));
+        let m = format!("{p}.mlp");
+        if c.is_moe_layer(l) {
+            t.push((
+                format!("{m}.gate.weight"),
+                vec![c.n_routed_experts, h],
+                Role::BackboneF32,
+            ));
+            t.push((
+                format!("{m}.gate.e_score_correction_bias"),
+                vec![c.n_routed_experts],
+                Role::BackboneF32,
+            ));
+            if c.n_shared_experts > 0 {
+                let si = c.moe_intermediate_size * c.n_shared_experts;
+                t.push((
+                    format!("{m}.shared_experts.gate_proj.weight"),
+                    vec![si, h],
+                    Role::BackboneMatrix,
+                ));
+                t.push((
+                    format!("{m}.shared_experts.up_proj.weight"),
+                    vec![si, h],
+                    Role::BackboneMatrix,
+                ));
+                t.push((
+                    format!("{m}.shared_experts.down_proj.weight"),
+                    vec![h, si],
+                    Role::BackboneMatrix,
+                ));
+            }
+        } else {
+            let i = c.intermediate_size;
+            t.push((format!("{m}.gate_proj.weight"), vec![i, h], Role::BackboneMatrix));
+            t.push((format!("{m}.up_proj.weight"), vec![i, h], Role::BackboneMatrix));
+            t.push((format!("{m}.down_proj.weight"), vec![h, i], Role::BackboneMatrix));
+        }
+    }
+    t.push(("model.norm.weight".to_string(), vec![h], Role::BackboneF32));
+    t.push((
+        "lm_head.weight".to_string(),
+        vec![c.vocab_size, h],
+        Role::BackboneMatrix,
+    ));
+    t
+}
+
+/// Backbone tensor names and shapes of a DeepSeek-V3 checkpoint, in checkpoint order.
+pub fn backbone_names_and_shapes(c: &DeepseekV3Config) -> Vec<(String, Vec<usize>)> {
+    backbone_table(c).into_iter().map(|(n, s, _)| (n, s)).collect()
+}
+
+/// The three matrices of one routed expert: (checkpoint suffix, rows, cols).
+pub fn expert_matrices(c: &DeepseekV3Config) -> [(&'static str, usize, usize); 3] {
+    let (h, i) = (c.hidden_size, c.moe_intermediate_size);
+    [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
+}
+
+fn expert_name(layer: usize, expert: usize, m: &str) -> String {
+    format!("model.layers.{layer}.mlp.experts.{expert}.{m}.weight")
+}
+
+/// Names the converter deliberately skips: MTP layers (index ≥ num_hidden_layers) and rotary
+/// frequency buffers.
+fn is_ignored(name: &str, c: &DeepseekV3Config) -> bool {
+    if name.ends_with("rotary_emb.inv_freq") {
+        return true;
+    }
+    if let Some(rest) = name.strip_prefix("model.layers.") {
+        if let Some(idx) = rest.split('.').next().and_then(|s| s.parse::<usize>().ok()) {
+            return idx >= c.num_hidden_layers;
+        }
+    }
+    false
+}
+
+fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+/// Encodes an f32 matrix `[rows, cols]` in a stored dtype: values then scales.
+pub fn encode_matrix(dtype: StoredDtype, w: &[f32], rows: usize, cols: usize) -> Vec<u8> {
+    let vb = dtype.value_bytes(rows, cols);
+    let sb = dtype.scale_bytes(rows, cols);
+    let mut out = vec![0u8; vb + sb];
+    match dtype {
+        StoredDtype::F32 => {
+            for (o, x) in out.chunks_exact_mut(4).zip(w) {
+                o.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        StoredDtype::Bf16 => {
+            for (o, x) in out.chunks_exact_mut(2).zip(w) {
+                o.copy_from_slice(&half::bf16::from_f32(*x).to_bits().to_le_bytes());
+            }
+        }
+        StoredDtype::Int8 => {
+            let mut q = vec![0i8; rows * cols];
+            let mut s = vec![0f32; rows];
+            deltafin_kernels::int8::quantize(w, rows, cols, &mut q, &mut s);
+            out[..vb].copy_from_slice(bytemuck::cast_slice(&q));
+            for (o, x) in out[vb..].chunks_exact_mut(4).zip(&s) {
+                o.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        StoredDtype::Mxfp4 => {
+            let (v, s) = out.split_at_mut(vb);
+            deltafin_kernels::mxfp4::quantize(w, rows, cols, v, s);
+        }
+    }
+    out
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> FormatError + '_ {
+    move |e| FormatError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    }
+}
+
+/// Converts `hf_dir` into a deltafin model directory at `out_dir`.
+///
+/// Errors: anything wrong with the source (named file/tensor/field), an existing output without
+/// `force`, or an I/O failure writing the output (including no space left), in which case the
+/// partial output is removed.
+pub fn convert(
+    hf_dir: &Path,
+    out_dir: &Path,
+    opts: &ConvertOptions,
+    progress: &dyn Progress,
+) -> Result<ConvertReport, FormatError> {
+    if !matches!(opts.backbone, StoredDtype::Int8 | StoredDtype::Bf16 | StoredDtype::F32) {
+        return Err(FormatError::Output {
+            path: out_dir.into(),
+            message: format!("--backbone {} is not supported (int8, bf16, f32)", opts.backbone.name()),
+        });
+    }
+    if opts.experts == StoredDtype::Int8 {
+        return Err(FormatError::Output {
+            path: out_dir.into(),
+            message: "--experts int8 is not supported (mxfp4, bf16, f32)".into(),
+        });
+    }
+    let (cfg, raw) = DeepseekV3Config::from_file(&hf_dir.join("config.json"))?;
+    let ck = Checkpoint::open(hf_dir)?;
+
+    if out_dir.exists() {
+        let nonempty = std::fs::read_dir(out_dir).map_err(io(out_dir))?.next().is_some();
+        if nonempty && !opts.force {
+            return Err(FormatError::Output {
+                path: out_dir.into(),
+                message: "output directory exists and is not empty (pass --force to replace it)".into(),
+            });
+        }
+    }
+    let name = out_dir
+        .file_name()
+        .ok_or_else(|| FormatError::Output {
+            path: out_dir.into(),
+            message: "output path has no directory name".into(),
+        })?
+        .to_string_lossy()
+        .into_owned();
+    let parent = match out_dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).map_err(io(&parent))?;
+    let tmp = parent.join(format!(".{name}.partial"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    }
+    std::fs::create_dir(&tmp).map_err(io(&tmp))?;
+    match write_all(&ck, &cfg, raw, hf_dir, &tmp, opts, progress) {
+        Ok(report) => {
+            finalize(&tmp, out_dir, &parent, &name)?;
+            Ok(report)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Err(e)
+        }
+    }
+}
+
+fn finalize(tmp: &Path, out_dir: &Path, parent: &Path, name: &str) -> Result<(), FormatError> {
+    if out_dir.exists() {
+        let old = parent.join(format!(".{name}.old"));
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(io(&old))?;
+        }
+        std::fs::rename(out_dir, &old).map_err(io(out_dir))?;
+        std::fs::rename(tmp, out_dir).map_err(io(out_dir))?;
+        std::fs::remove_dir_all(&old).map_err(io(&old))?;
+    } else {
+        std::fs::rename(tmp, out_dir).map_err(io(out_dir))?;
+    }
+    File::open(parent).and_then(|d| d.sync_all()).map_err(io(parent))?;
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn write_all(
+    ck: &Checkpoint,
+    cfg: &DeepseekV3Config,
+    raw: Value,
+    hf_dir: &Path,
+    out: &Path,
+    opts: &ConvertOptions,
+    progress: &dyn Progress,
+) -> Result<ConvertReport, FormatError> {
+    // Completeness check before writing anything: every tensor we need is present with the right
+    // shape and a supported dtype, and every tensor present is either used or deliberately ignored.
+    let table = backbone_table(cfg);
+    let mut needed: BTreeSet<String> = BTreeSet::new();
+    let check = |name: &str, shape: &[usize]| -> Result<(), FormatError> {
+        let e = ck.entry(name).ok_or_else(|| FormatError::MissingTensor {
+            path: hf_dir.to_path_buf(),
+            tensor: name.to_string(),
+        })?;
+        let path = ck.shard_path(e);
+        if e.shape != shape {
+            return Err(FormatError::ShapeMismatch {
+                path: path.to_path_buf(),
+                tensor: e.file_name.clone(),
+                expected: shape.to_vec(),
+                found: e.shape.clone(),
+            });
+        }
+        crate::checkpoint::check_dtype(path, &e.file_name, e.dtype)
+    };
+    for (n, s, _) in &table {
+        check(n, s)?;
+        needed.insert(n.clone());
+    }
+    let mats = expert_matrices(cfg);
+    for l in (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)) {
+        for e in 0..cfg.n_routed_experts {
+            for (m, r, c) in mats {
+                let n = expert_name(l, e, m);
+                check(&n, &[r, c])?;
+                needed.insert(n);
+            }
+        }
+    }
+    let mut ignored: Vec<String> = ck.skipped.clone();
+    for n in ck.names() {
+        if needed.contains(n) {
+            continue;
+        }
+        if is_ignored(n, cfg) {
+            ignored.push(n.to_string());
+            continue;
+        }
+        let e = ck.entry(n).expect("name from the checkpoint");
+        return Err(FormatError::UnexpectedTensor {
+            path: ck.shard_path(e).to_path_buf(),
+            tensor: e.file_name.clone(),
+            family: cfg.model_type.clone(),
+        });
+    }
+    progress.start(ck.bytes_where(|n| needed.contains(n)));
+
+    // Backbone.
+    let bb_path = out.join("backbone.bin");
+    let mut bb = BufWriter::with_capacity(8 << 20, File::create(&bb_path).map_err(io(&bb_path))?);
+    let mut pos = 0u64;
+    let mut tensors = std::collections::BTreeMap::new();
+    for (n, shape, role) in &table {
+        let w = ck.read_f32(n, shape)?;
+        let dtype = match role {
+            Role::BackboneF32 => StoredDtype::F32,
+            Role::BackboneMatrix => opts.backbone,
+        };
+        let (rows, cols) = if shape.len() == 2 {
+            (shape[0], shape[1])
+        } else {
+            (1, shape[0])
+        };
+        let bytes = encode_matrix(dtype, &w, rows, cols);
+        let off = align_up(pos, TENSOR_ALIGN);
+        bb.write_all(&vec![0u8; (off - pos) as usize]).map_err(io(&bb_path))?;
+        bb.write_all(&bytes).map_err(io(&bb_path))?;
+        pos = off + bytes.len() as u64;
+        let scales_offset = match dtype {
+            StoredDtype::Int8 | StoredDtype::Mxfp4 => Some(off + dtype.value_bytes(rows, cols) as u64),
+            _ => None,
+        };
+        tensors.insert(
+            n.clone(),
+            TensorRecord {
+                dtype,
+                shape: shape.clone(),
+                offset: off,
+                bytes: bytes.len() as u64,
+                scales_offset,
+            },
+        );
+        progress.advance(ck.entry(n).map(|e| e.len).unwrap_or(0));
+    }
+    let bb_file = bb.into_inner().map_err(|e| io(&bb_path)(e.into_error()))?;
+    bb_file.sync_all().map_err(io(&bb_path))?;
+    let backbone_bytes = pos;
+
+    // Expert pack.
+    let mut layout = Vec::new();
+    let mut roff = 0u64;
+    for (m, r, c) in mats {
+        let vb = opts.experts.value_bytes(r, c) as u64;
+        let sb = opts.experts.scale_bytes(r, c) as u64;
+        // Keep each matrix 64-byte aligned inside the record so f32/bf16 views are aligned.
+        let off = align_up(roff, TENSOR_ALIGN);
+        layout.push(ExpertTensorLayout {
+            name: m.to_string(),
+            rows: r,
+            cols: c,
+            dtype: opts.experts,
+            offset: off,
+            scales_offset: off + vb,
+            bytes: vb + sb,
+        });
+        roff = off + vb + sb;
+    }
+    let rec_len = roff;
+    let stride = align_up(rec_len, RECORD_ALIGN);
+    let ep_path = out.join("experts.pack");
+    let mut ep = File::create(&ep_path).map_err(io(&ep_path))?;
+    let mut records = Vec::new();
+    let mut offset = 0u64;
+    let moe_layers: Vec<usize> = (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)).collect();
+    // Encode a few experts in parallel, write them in order.
+    let batch = rayon::current_num_threads().max(1) * 2;
+    for &l in &moe_layers {
+        let experts: Vec<usize> = (0..cfg.n_routed_experts).collect();
+        for chunk in experts.chunks(batch) {
+            let encoded: Vec<Result<(usize, Vec<u8>, u64), FormatError>> = chunk
+                .par_iter()
+                .map(|&e| {
+                    let mut rec = vec![0u8; stride as usize];
+                    let mut src = 0u64;
+                    for lay in &layout {
+                        let n = expert_name(l, e, &lay.name);
+                        let w = ck.read_f32(&n, &[lay.rows, lay.cols])?;
+                        let b = encode_matrix(opts.experts, &w, lay.rows, lay.cols);
+                        rec[lay.offset as usize..lay.offset as usize + b.len()].copy_from_slice(&b);
+                        src += ck.entry(&n).map(|x| x.len).unwrap_or(0);
+                    }
+                    Ok((e, rec, src))
+                })
+                .collect();
+            for r in encoded {
+                let (e, rec, src) = r?;
+                let hash = xxhash_rust::xxh3::xxh3_64(&rec[..rec_len as usize]);
+                ep.write_all(&rec).map_err(io(&ep_path))?;
+                records.push(ExpertRecord {
+                    layer: l as u32,
+                    expert: e as u32,
+                    offset,
+                    length: rec_len,
+                    xxh3: format!("{hash:016x}"),
+                });
+                offset += stride;
+                progress.advance(src);
+            }
+        }
+    }
+    ep.sync_all().map_err(io(&ep_path))?;
+    debug_assert_eq!(ep.stream_position().unwrap_or(offset), offset);
+
+    // Tokenizer and generation files.
+    let mut copied = Vec::new();
+    for f in COPIED_FILES {
+        let src = hf_dir.join(f);
+        if src.is_file() {
+            let dst = out.join(f);
+            std::fs::copy(&src, &dst).map_err(io(&dst))?;
+            File::open(&dst).and_then(|x| x.sync_all()).map_err(io(&dst))?;
+            copied.push(f.to_string());
+        }
+    }
+
+    let manifest = Manifest {
+        format: FORMAT_NAME.into(),
+        format_version: FORMAT_VERSION,
+        family: "deepseek_v3".into(),
+        config: cfg.clone(),
+        source_config: raw,
+        backbone: BackboneIndex {
+            file: "backbone.bin".into(),
+            bytes: backbone_bytes,
+            matrix_dtype: opts.backbone,
+            tensors,
+        },
+        experts: ExpertPackIndex {
+            file: "experts.pack".into(),
+            bytes: offset,
+            dtype: opts.experts,
+            record_align: RECORD_ALIGN,
+            layout,
+            records,
+        },
+        tokenizer_files: copied,
+        created_by: format!("deltafin {}", env!("CARGO_PKG_VERSION")),
+    };
+    let mpath = out.join("manifest.json");
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| FormatError::Json {
+        path: mpath.clone(),
+        message: e.to_string(),
+    })?;
+    let mut mf = File::create(&mpath).map_err(io(&mpath))?;
+    mf.write_all(&json).map_err(io(&mpath))?;
+    mf.sync_all().map_err(io(&mpath))?;
+    File::open(out).and_then(|d| d.sync_all()).map_err(io(out))?;
+    progress.finish();
+    Ok(ConvertReport {
+        backbone_bytes,
+        expert_pack_bytes: offset,
+        expert_records: manifest.experts.records.len(),
+        record_stride: stride,
+        ignored_tensors: ignored,
+    })
+}

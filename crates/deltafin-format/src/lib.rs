@@ -1,0 +1,70 @@
+//! Reading Hugging Face checkpoints and reading/writing the deltafin model directory.
+//!
+//! - [`config`]: `config.json` of the DeepSeek-V3 family, resolved with transformers' defaults.
+//! - [`checkpoint`]: validated safetensors reading (single file or index + shards).
+//! - [`model_dir`]: the deltafin model directory: `manifest.json`, `backbone.bin` (resident
+//!   weights), `experts.pack` (one 4 KiB-aligned record per (layer, routed expert)).
+//! - [`convert`]: Hugging Face checkpoint → deltafin model directory, crash-safe.
+
+pub mod aligned;
+pub mod checkpoint;
+pub mod config;
+pub mod convert;
+pub mod model_dir;
+pub mod synth;
+
+pub use aligned::AlignedBuf;
+pub use config::{DeepseekV3Config, Rope};
+pub use model_dir::{ExpertRecord, Manifest, ModelDir, StoredDtype};
+
+use std::path::PathBuf;
+
+/// Errors of checkpoint reading, conversion and model-directory loading. Each names the file
+/// (and tensor or field) at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum FormatError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: malformed JSON: {message}")]
+    Json { path: PathBuf, message: String },
+    #[error("{path}: field `{field}`: {message}")]
+    Config {
+        path: PathBuf,
+        field: String,
+        message: String,
+    },
+    #[error("{path}: {message}")]
+    Safetensors { path: PathBuf, message: String },
+    #[error("{path}: {message}")]
+    Checkpoint { path: PathBuf, message: String },
+    #[error("{path}: missing tensor {tensor}")]
+    MissingTensor { path: PathBuf, tensor: String },
+    #[error("{path}: tensor {tensor} has shape {found:?}, expected {expected:?}")]
+    ShapeMismatch {
+        path: PathBuf,
+        tensor: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("{path}: tensor {tensor} has dtype {dtype}: {message}")]
+    UnsupportedDtype {
+        path: PathBuf,
+        tensor: String,
+        dtype: String,
+        message: String,
+    },
+    #[error("{path}: unexpected tensor {tensor} (not part of a {family} checkpoint)")]
+    UnexpectedTensor {
+        path: PathBuf,
+        tensor: String,
+        family: String,
+    },
+    #[error("{path}: not a deltafin model directory: {message}")]
+    ModelDir { path: PathBuf, message: String },
+    #[error("{path}: {message}")]
+    Output { path: PathBuf, message: String },
+}

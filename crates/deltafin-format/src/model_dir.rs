@@ -1,0 +1,411 @@
+//! The deltafin model directory.
+//!
+//! ```text
+//! model_dir/
+//!   manifest.json      format version, resolved + source config, tensor index, expert records
+//!   backbone.bin       resident tensors, each at a 64-byte-aligned offset
+//!   experts.pack       one record per (MoE layer, routed expert), each at a 4096-byte-aligned
+//!                      offset: gate_proj | up_proj | down_proj (each: values, then scales)
+//!   config.json, generation_config.json, tokenizer.json, tokenizer_config.json, tiktoken.model
+//!                      copied from the source when present
+//! ```
+//!
+//! Stored dtypes: `f32`, `bf16` (little-endian), `int8` (i8 values `[rows, cols]` then one f32
+//! scale per row), `mxfp4` (OCP MX v1.0 E2M1 values two per byte, low nibble first, `[rows,
+//! ceil(cols/32)*16]`, then E8M0 scales `[rows, ceil(cols/32)]`). `manifest.json` is written
+//! last and the directory is renamed into place only when complete, so a directory with a
+//! manifest is always whole.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use deltafin_kernels::{MatData, MatRef};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{AlignedBuf, DeepseekV3Config, FormatError};
+
+/// Current model-directory format version; readers refuse other versions.
+pub const FORMAT_VERSION: u32 = 1;
+/// `format` field of every manifest.
+pub const FORMAT_NAME: &str = "deltafin-model";
+/// Alignment of each expert record in `experts.pack`, bytes.
+pub const RECORD_ALIGN: u64 = 4096;
+/// Alignment of each tensor in `backbone.bin`, bytes.
+pub const TENSOR_ALIGN: u64 = 64;
+
+/// How a tensor is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoredDtype {
+    F32,
+    Bf16,
+    Int8,
+    Mxfp4,
+}
+
+impl StoredDtype {
+    /// Bytes of the values part of a `[rows, cols]` matrix.
+    pub fn value_bytes(self, rows: usize, cols: usize) -> usize {
+        match self {
+            StoredDtype::F32 => rows * cols * 4,
+            StoredDtype::Bf16 => rows * cols * 2,
+            StoredDtype::Int8 => rows * cols,
+            StoredDtype::Mxfp4 => rows * deltafin_kernels::mxfp4::packed_row_bytes(cols),
+        }
+    }
+
+    /// Bytes of the scales part of a `[rows, cols]` matrix (0 for unscaled dtypes).
+    pub fn scale_bytes(self, rows: usize, cols: usize) -> usize {
+        match self {
+            StoredDtype::F32 | StoredDtype::Bf16 => 0,
+            StoredDtype::Int8 => rows * 4,
+            StoredDtype::Mxfp4 => rows * deltafin_kernels::mxfp4::scale_row_bytes(cols),
+        }
+    }
+
+    /// Name as used on the command line and in the manifest.
+    pub fn name(self) -> &'static str {
+        match self {
+            StoredDtype::F32 => "f32",
+            StoredDtype::Bf16 => "bf16",
+            StoredDtype::Int8 => "int8",
+            StoredDtype::Mxfp4 => "mxfp4",
+        }
+    }
+}
+
+/// One backbone tensor's place in `backbone.bin`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorRecord {
+    pub dtype: StoredDtype,
+    /// Shape as in the source checkpoint (`[rows, cols]` for matrices, `[n]` for vectors).
+    pub shape: Vec<usize>,
+    /// Byte offset of the values.
+    pub offset: u64,
+    /// Bytes of values plus scales.
+    pub bytes: u64,
+    /// Byte offset of the scales (int8/mxfp4 only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scales_offset: Option<u64>,
+}
+
+/// One matrix inside every expert record (all records share this layout).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpertTensorLayout {
+    /// `gate_proj`, `up_proj` or `down_proj` (the checkpoint's names).
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: StoredDtype,
+    /// Offset of the values inside the record, bytes.
+    pub offset: u64,
+    /// Offset of the scales inside the record, bytes (equal to the end of the values when none).
+    pub scales_offset: u64,
+    /// Values plus scales, bytes.
+    pub bytes: u64,
+}
+
+/// One routed expert's record in `experts.pack`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpertRecord {
+    pub layer: u32,
+    pub expert: u32,
+    /// Byte offset in `experts.pack` (multiple of [`RECORD_ALIGN`]).
+    pub offset: u64,
+    /// Bytes of data (the record is padded with zeros to the next alignment boundary).
+    pub length: u64,
+    /// XXH3-64 of the `length` data bytes, lowercase hex.
+    pub xxh3: String,
+}
+
+/// Backbone section of the manifest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BackboneIndex {
+    pub file: String,
+    pub bytes: u64,
+    /// Dtype chosen for 2-D weight matrices (norms, router weights and biases stay f32).
+    pub matrix_dtype: StoredDtype,
+    pub tensors: BTreeMap<String, TensorRecord>,
+}
+
+/// Expert-pack section of the manifest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpertPackIndex {
+    pub file: String,
+    pub bytes: u64,
+    pub dtype: StoredDtype,
+    pub record_align: u64,
+    /// Layout shared by all records.
+    pub layout: Vec<ExpertTensorLayout>,
+    /// Records ordered by (layer, expert).
+    pub records: Vec<ExpertRecord>,
+}
+
+/// `manifest.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub format_version: u32,
+    /// Model family, e.g. `deepseek_v3`.
+    pub family: String,
+    /// Resolved hyperparameters.
+    pub config: DeepseekV3Config,
+    /// The source `config.json`, verbatim.
+    pub source_config: Value,
+    pub backbone: BackboneIndex,
+    pub experts: ExpertPackIndex,
+    /// Tokenizer and generation files copied from the source.
+    pub tokenizer_files: Vec<String>,
+    /// `deltafin <version>` that wrote the directory.
+    pub created_by: String,
+}
+
+/// An opened model directory: manifest checked against the files on disk.
+pub struct ModelDir {
+    pub path: PathBuf,
+    pub manifest: Manifest,
+    /// Index into `manifest.experts.records` by `[layer][expert]` (None for dense layers).
+    record_index: Vec<Vec<usize>>,
+}
+
+impl ModelDir {
+    /// Opens and validates a model directory (manifest version, file sizes, record offsets).
+    ///
+    /// Errors name the directory and what is wrong: no manifest (including an interrupted
+    /// convert), another format version, a file shorter than the manifest says, a record out of
+    /// range or misaligned.
+    pub fn open(path: &Path) -> Result<Self, FormatError> {
+        let mpath = path.join("manifest.json");
+        let bad = |m: String| FormatError::ModelDir {
+            path: path.to_path_buf(),
+            message: m,
+        };
+        if !mpath.exists() {
+            return Err(bad("manifest.json not found (was it written by `deltafin convert`? an interrupted convert leaves no model)".into()));
+        }
+        let text = std::fs::read_to_string(&mpath).map_err(|e| FormatError::Io {
+            path: mpath.clone(),
+            source: e,
+        })?;
+        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| FormatError::Json {
+            path: mpath.clone(),
+            message: e.to_string(),
+        })?;
+        if manifest.format != FORMAT_NAME {
+            return Err(bad(format!(
+                "manifest format is {:?}, expected {FORMAT_NAME:?}",
+                manifest.format
+            )));
+        }
+        if manifest.format_version != FORMAT_VERSION {
+            return Err(bad(format!(
+                "manifest format_version {} is not supported by this deltafin (expects {FORMAT_VERSION}); re-run `deltafin convert`",
+                manifest.format_version
+            )));
+        }
+        for (file, bytes) in [
+            (&manifest.backbone.file, manifest.backbone.bytes),
+            (&manifest.experts.file, manifest.experts.bytes),
+        ] {
+            let p = path.join(file);
+            let len = std::fs::metadata(&p)
+                .map_err(|e| FormatError::Io {
+                    path: p.clone(),
+                    source: e,
+                })?
+                .len();
+            if len < bytes {
+                return Err(bad(format!(
+                    "{file} is {len} bytes, manifest says {bytes}: the file is truncated"
+                )));
+            }
+        }
+        for (name, t) in &manifest.backbone.tensors {
+            if t.offset % TENSOR_ALIGN != 0 || t.offset + t.bytes > manifest.backbone.bytes {
+                return Err(bad(format!("backbone tensor {name} is out of range or misaligned")));
+            }
+        }
+        let cfg = &manifest.config;
+        let mut record_index = vec![Vec::new(); cfg.num_hidden_layers];
+        let layout_end = manifest
+            .experts
+            .layout
+            .iter()
+            .map(|l| l.offset + l.bytes)
+            .max()
+            .unwrap_or(0);
+        for (i, r) in manifest.experts.records.iter().enumerate() {
+            let (l, e) = (r.layer as usize, r.expert as usize);
+            if l >= cfg.num_hidden_layers || !cfg.is_moe_layer(l) || e >= cfg.n_routed_experts {
+                return Err(bad(format!(
+                    "expert record (layer {l}, expert {e}) does not exist in this model"
+                )));
+            }
+            if r.offset % manifest.experts.record_align != 0
+                || r.offset + r.length > manifest.experts.bytes
+                || r.length < layout_end
+            {
+                return Err(bad(format!(
+                    "expert record (layer {l}, expert {e}) is out of range, misaligned or short"
+                )));
+            }
+            if record_index[l].is_empty() {
+                record_index[l] = vec![usize::MAX; cfg.n_routed_experts];
+            }
+            record_index[l][e] = i;
+        }
+        for l in 0..cfg.num_hidden_layers {
+            if cfg.is_moe_layer(l) && (record_index[l].is_empty() || record_index[l].contains(&usize::MAX)) {
+                return Err(bad(format!("MoE layer {l} is missing expert records")));
+            }
+        }
+        Ok(ModelDir {
+            path: path.to_path_buf(),
+            manifest,
+            record_index,
+        })
+    }
+
+    /// The record of routed expert `expert` in layer `layer`. Panics if the pair does not exist
+    /// (the router can only produce valid ids; callers check with `is_moe_layer`).
+    pub fn record(&self, layer: usize, expert: usize) -> &ExpertRecord {
+        &self.manifest.experts.records[self.record_index[layer][expert]]
+    }
+
+    /// Path of `experts.pack`.
+    pub fn expert_pack_path(&self) -> PathBuf {
+        self.path.join(&self.manifest.experts.file)
+    }
+
+    /// Reads `backbone.bin` into memory (resident for the life of the process).
+    pub fn load_backbone(&self) -> Result<Backbone, FormatError> {
+        let p = self.path.join(&self.manifest.backbone.file);
+        let f = File::open(&p).map_err(|e| FormatError::Io {
+            path: p.clone(),
+            source: e,
+        })?;
+        let mut buf = AlignedBuf::zeroed(self.manifest.backbone.bytes as usize, 4096);
+        read_full_at(&f, buf.as_mut_slice(), 0).map_err(|e| FormatError::Io {
+            path: p.clone(),
+            source: e,
+        })?;
+        Ok(Backbone {
+            path: p,
+            buf,
+            index: self.manifest.backbone.tensors.clone(),
+        })
+    }
+}
+
+/// Reads exactly `buf.len()` bytes at `offset`, in chunks (large reads are split by the kernel).
+pub fn read_full_at(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    const CHUNK: usize = 64 << 20;
+    let mut done = 0;
+    while done < buf.len() {
+        let end = (done + CHUNK).min(buf.len());
+        f.read_exact_at(&mut buf[done..end], offset + done as u64)?;
+        done = end;
+    }
+    Ok(())
+}
+
+/// The resident backbone: `backbone.bin` in memory plus its tensor index.
+pub struct Backbone {
+    path: PathBuf,
+    buf: AlignedBuf,
+    index: BTreeMap<String, TensorRecord>,
+}
+
+impl Backbone {
+    /// Bytes held in memory.
+    pub fn bytes(&self) -> usize {
+        self.buf.len()
+    }
+
+    fn rec(&self, name: &str) -> Result<&TensorRecord, FormatError> {
+        self.index.get(name).ok_or_else(|| FormatError::MissingTensor {
+            path: self.path.clone(),
+            tensor: name.to_string(),
+        })
+    }
+
+    /// A 2-D weight `[rows, cols]` as a matrix view.
+    ///
+    /// Errors: the tensor is missing, not 2-D, or its bytes do not match its shape.
+    pub fn matrix(&self, name: &str) -> Result<MatRef<'_>, FormatError> {
+        let r = self.rec(name)?;
+        if r.shape.len() != 2 {
+            return Err(FormatError::ShapeMismatch {
+                path: self.path.clone(),
+                tensor: name.into(),
+                expected: vec![0, 0],
+                found: r.shape.clone(),
+            });
+        }
+        let (rows, cols) = (r.shape[0], r.shape[1]);
+        let bytes = &self.buf.as_slice()[r.offset as usize..(r.offset + r.bytes) as usize];
+        matrix_from_bytes(
+            r.dtype,
+            rows,
+            cols,
+            bytes,
+            r.scales_offset.map(|s| (s - r.offset) as usize),
+        )
+        .map_err(|m| FormatError::ModelDir {
+            path: self.path.clone(),
+            message: format!("tensor {name}: {m}"),
+        })
+    }
+
+    /// A 1-D f32 tensor (norm weight, router bias).
+    pub fn vector(&self, name: &str) -> Result<&[f32], FormatError> {
+        let r = self.rec(name)?;
+        if r.dtype != StoredDtype::F32 || r.shape.len() != 1 || r.bytes != r.shape[0] as u64 * 4 {
+            return Err(FormatError::ModelDir {
+                path: self.path.clone(),
+                message: format!("tensor {name} is not an f32 vector"),
+            });
+        }
+        let bytes = &self.buf.as_slice()[r.offset as usize..(r.offset + r.bytes) as usize];
+        bytemuck::try_cast_slice(bytes).map_err(|e| FormatError::ModelDir {
+            path: self.path.clone(),
+            message: format!("tensor {name}: {e}"),
+        })
+    }
+}
+
+/// Builds a matrix view over stored bytes (values, then scales at `scales_at` bytes in).
+pub fn matrix_from_bytes(
+    dtype: StoredDtype,
+    rows: usize,
+    cols: usize,
+    bytes: &[u8],
+    scales_at: Option<usize>,
+) -> Result<MatRef<'_>, String> {
+    let vb = dtype.value_bytes(rows, cols);
+    let sb = dtype.scale_bytes(rows, cols);
+    let s_at = scales_at.unwrap_or(vb);
+    if bytes.len() < vb || bytes.len() < s_at + sb {
+        return Err(format!(
+            "{} bytes is too short for {} [{rows}, {cols}]",
+            bytes.len(),
+            dtype.name()
+        ));
+    }
+    let vals = &bytes[..vb];
+    let scales = &bytes[s_at..s_at + sb];
+    let cast_err = |e: bytemuck::PodCastError| format!("misaligned data: {e}");
+    let data = match dtype {
+        StoredDtype::F32 => MatData::F32(bytemuck::try_cast_slice(vals).map_err(cast_err)?),
+        StoredDtype::Bf16 => MatData::Bf16(bytemuck::try_cast_slice(vals).map_err(cast_err)?),
+        StoredDtype::Int8 => MatData::Int8 {
+            q: bytemuck::cast_slice(vals),
+            scales: bytemuck::try_cast_slice(scales).map_err(cast_err)?,
+        },
+        StoredDtype::Mxfp4 => MatData::Mxfp4 { packed: vals, scales },
+    };
+    MatRef::new(rows, cols, data)
+}

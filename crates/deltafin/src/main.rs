@@ -1,0 +1,329 @@
+//! The `deltafin` command line: convert, run, demo.
+
+mod demo;
+mod size;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use deltafin_engine::generate::{generate, GenerateOptions, GenerateStats};
+use deltafin_engine::models::DeepseekV3;
+use deltafin_format::convert::{convert, ConvertOptions, Progress};
+use deltafin_format::{ModelDir, StoredDtype};
+use deltafin_tokenizer::Tokenizer;
+
+#[derive(Parser)]
+#[command(
+    name = "deltafin",
+    version,
+    about = "Run Mixture-of-Experts models larger than memory, routed experts streamed from storage"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum BackboneDtype {
+    Int8,
+    Bf16,
+    F32,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ExpertDtype {
+    Mxfp4,
+    Bf16,
+    F32,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Convert a Hugging Face checkpoint directory into a deltafin model directory.
+    Convert {
+        /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files).
+        hf_dir: PathBuf,
+        /// Output model directory (created; must not exist or be empty unless --force).
+        model_dir: PathBuf,
+        /// Storage of 2-D backbone matrices (norms and routers always stay f32).
+        #[arg(long, value_enum, default_value = "int8")]
+        backbone: BackboneDtype,
+        /// Storage of routed experts. `f32` with `--backbone f32` is the lossless reference layout.
+        #[arg(long, value_enum, default_value = "mxfp4")]
+        experts: ExpertDtype,
+        /// Replace an existing model directory.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Generate text greedily from a converted model.
+    Run(RunArgs),
+    /// Synthesize a small random model of the DeepSeek-V3 architecture, convert it, and generate
+    /// from it with an expert pack larger than the RAM budget (no download).
+    Demo {
+        /// Where to keep the demo files (default: a temporary directory, removed afterwards).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Tokens to generate.
+        #[arg(long, default_value_t = 32)]
+        max_new_tokens: usize,
+    },
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Model directory written by `deltafin convert`.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt text.
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids (no tokenizer involved).
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// Wrap the prompt as one user message with the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: usize,
+    /// Keep generating after an end-of-sequence token.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory).
+    #[arg(long, value_parser = size::parse_size)]
+    ram_budget: Option<u64>,
+    /// Write prompt ids, generated ids and every step's logits as JSON to this file.
+    #[arg(long)]
+    logits_out: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Convert {
+            hf_dir,
+            model_dir,
+            backbone,
+            experts,
+            force,
+        } => cmd_convert(&hf_dir, &model_dir, backbone, experts, force),
+        Cmd::Run(args) => cmd_run(&args),
+        Cmd::Demo { dir, max_new_tokens } => demo::run(dir, max_new_tokens),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let _ = std::io::stdout().flush();
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+struct Bar(indicatif::ProgressBar);
+
+impl Progress for Bar {
+    fn start(&self, total: u64) {
+        self.0.set_length(total);
+    }
+    fn advance(&self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+    fn finish(&self) {
+        self.0.finish_and_clear();
+    }
+}
+
+fn progress_bar() -> Bar {
+    let pb = indicatif::ProgressBar::new(0);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    pb.set_message("converting");
+    Bar(pb)
+}
+
+pub(crate) fn cmd_convert(
+    hf_dir: &Path,
+    model_dir: &Path,
+    backbone: BackboneDtype,
+    experts: ExpertDtype,
+    force: bool,
+) -> Result<()> {
+    let opts = ConvertOptions {
+        backbone: match backbone {
+            BackboneDtype::Int8 => StoredDtype::Int8,
+            BackboneDtype::Bf16 => StoredDtype::Bf16,
+            BackboneDtype::F32 => StoredDtype::F32,
+        },
+        experts: match experts {
+            ExpertDtype::Mxfp4 => StoredDtype::Mxfp4,
+            ExpertDtype::Bf16 => StoredDtype::Bf16,
+            ExpertDtype::F32 => StoredDtype::F32,
+        },
+        force,
+    };
+    let bar = progress_bar();
+    let t0 = std::time::Instant::now();
+    let report = convert(hf_dir, model_dir, &opts, &bar).with_context(|| format!("converting {}", hf_dir.display()))?;
+    bar.0.finish_and_clear();
+    eprintln!(
+        "converted {} -> {} in {:.1} s: backbone {} ({}), expert pack {} ({} records of {} bytes, {})",
+        hf_dir.display(),
+        model_dir.display(),
+        t0.elapsed().as_secs_f64(),
+        size::human(report.backbone_bytes),
+        opts.backbone.name(),
+        size::human(report.expert_pack_bytes),
+        report.expert_records,
+        report.record_stride,
+        opts.experts.name(),
+    );
+    if !report.ignored_tensors.is_empty() {
+        eprintln!(
+            "ignored {} source tensors (MTP layers, non-text towers, rotary buffers)",
+            report.ignored_tensors.len()
+        );
+    }
+    Ok(())
+}
+
+/// Default expert cache budget: a quarter of physical memory (`MemTotal`), or 4 GiB if unknown.
+fn default_ram_budget() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                let kb: u64 = l
+                    .strip_prefix("MemTotal:")?
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse()
+                    .ok()?;
+                Some(kb * 1024 / 4)
+            })
+        })
+        .unwrap_or(4 << 30)
+}
+
+fn cmd_run(a: &RunArgs) -> Result<()> {
+    let dir = ModelDir::open(&a.model)?;
+    let budget = a.ram_budget.unwrap_or_else(default_ram_budget);
+    let tokenizer =
+        Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?;
+    let prompt_ids: Vec<u32> = match (&a.prompt, &a.prompt_ids) {
+        (_, Some(ids)) => {
+            if a.chat {
+                bail!("--chat needs --prompt text, not --prompt-ids");
+            }
+            ids.clone()
+        }
+        (Some(text), None) => {
+            if a.chat {
+                let tpl = tokenizer.chat_template().with_context(|| {
+                    format!(
+                        "--chat: {} has no chat template in tokenizer_config.json",
+                        a.model.display()
+                    )
+                })?;
+                let msg = serde_json::json!({"role": "user", "content": text});
+                let rendered = tpl.render(&[msg], true, &serde_json::Value::Null)?;
+                tokenizer.encode(&rendered, false)?
+            } else {
+                tokenizer.encode(text, true)?
+            }
+        }
+        (None, None) => bail!("give --prompt or --prompt-ids"),
+    };
+    if prompt_ids.is_empty() {
+        bail!("the prompt encodes to zero tokens");
+    }
+    let model = DeepseekV3::load(&dir, budget)?;
+    let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
+    let opts = GenerateOptions {
+        max_new_tokens: a.max_new_tokens,
+        eos_token_ids: eos,
+        ignore_eos: a.ignore_eos,
+        record_logits: a.logits_out.is_some(),
+    };
+    let mut dec = tokenizer.stream_decoder(true);
+    let mut stdout = std::io::stdout().lock();
+    let mut write_err: Option<anyhow::Error> = None;
+    let out = generate(&model, &prompt_ids, &opts, |id| match dec.push(id) {
+        Ok(text) => {
+            if let Err(e) = stdout.write_all(text.as_bytes()).and_then(|_| stdout.flush()) {
+                write_err = Some(e.into());
+                return false;
+            }
+            true
+        }
+        Err(e) => {
+            write_err = Some(e.into());
+            false
+        }
+    })?;
+    if let Some(e) = write_err {
+        return Err(e);
+    }
+    let tail = dec.finish()?;
+    writeln!(stdout, "{tail}")?;
+    drop(stdout);
+    if let Some(path) = &a.logits_out {
+        let json = serde_json::json!({
+            "prompt_ids": prompt_ids,
+            "generated_ids": out.generated_ids,
+            "first_step_logits": out.step_logits.first(),
+            "step_logits": out.step_logits,
+        });
+        std::fs::write(path, serde_json::to_vec(&json)?).with_context(|| format!("writing {}", path.display()))?;
+    }
+    print_stats(&out.stats, &model, budget, &dir);
+    Ok(())
+}
+
+pub(crate) fn print_stats(s: &GenerateStats, model: &DeepseekV3, budget: u64, dir: &ModelDir) {
+    let decode = s
+        .steady_decode_tokens_per_s()
+        .map(|r| format!("{r:.2} tok/s ({} steps)", s.steady_decode_steps))
+        .unwrap_or_else(|| "n/a (fewer than 2 decode steps)".into());
+    let m = &dir.manifest;
+    eprintln!("--- deltafin run ---");
+    eprintln!("prompt tokens        {}", s.prompt_tokens);
+    eprintln!(
+        "generated tokens     {} (finish: {})",
+        s.generated_tokens, s.finish_reason
+    );
+    eprintln!("time to first token  {:.3} s", s.ttft.as_secs_f64());
+    eprintln!("prefill              {:.2} tok/s", s.prefill_tokens_per_s);
+    eprintln!("steady decode        {decode}");
+    eprintln!(
+        "routed-expert bytes  {} read from storage ({} misses, {} hits, {} evictions)",
+        size::human(s.experts.bytes_read),
+        s.experts.misses,
+        s.experts.hits,
+        s.experts.evictions
+    );
+    eprintln!("expert cache hit rate {:.1}%", 100.0 * s.experts.hit_rate());
+    eprintln!(
+        "memory               backbone {} resident, expert cache budget {}, expert pack {} on disk ({}, {}×budget)",
+        size::human(model.backbone_bytes() as u64),
+        size::human(budget),
+        size::human(m.experts.bytes),
+        m.experts.dtype.name(),
+        if budget > 0 {
+            format!("{:.1}", m.experts.bytes as f64 / budget as f64)
+        } else {
+            "∞".into()
+        }
+    );
+    match s.peak_rss_bytes {
+        Some(p) => eprintln!("peak resident memory {}", size::human(p)),
+        None => eprintln!("peak resident memory unavailable"),
+    }
+}
