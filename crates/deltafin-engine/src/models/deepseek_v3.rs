@@ -27,6 +27,10 @@ use crate::EngineError;
 
 use deltafin_format::model_dir::Backbone;
 
+/// eps of `q_a_layernorm` and `kv_a_layernorm`: the reference constructs them with the
+/// `DeepseekV3RMSNorm` default (1e-6) whatever `rms_norm_eps` says. [LATENT_NORM_EPS]
+const LATENT_NORM_EPS: f32 = 1e-6;
+
 /// Tensor names of one decoder layer, as in the Hugging Face checkpoint.
 struct LayerNames {
     input_layernorm: String,
@@ -294,7 +298,7 @@ impl DeepseekV3 {
                 let mut qa = vec![0f32; r];
                 self.m(&n.q_a_proj)?.matvec(xn, &mut qa);
                 let mut qan = vec![0f32; r];
-                rms_norm(&qa, self.v(&n.q_a_layernorm)?, c.rms_norm_eps, &mut qan);
+                rms_norm(&qa, self.v(&n.q_a_layernorm)?, LATENT_NORM_EPS, &mut qan);
                 self.m(&n.q_b_proj)?.matvec(&qan, &mut q);
             }
             None => self.m(&n.q_proj)?.matvec(xn, &mut q),
@@ -303,7 +307,7 @@ impl DeepseekV3 {
         let mut ckv = vec![0f32; kvl + rope];
         self.m(&n.kv_a_proj_with_mqa)?.matvec(xn, &mut ckv);
         let mut latent = vec![0f32; kvl];
-        rms_norm(&ckv[..kvl], self.v(&n.kv_a_layernorm)?, c.rms_norm_eps, &mut latent);
+        rms_norm(&ckv[..kvl], self.v(&n.kv_a_layernorm)?, LATENT_NORM_EPS, &mut latent);
         let mut k_pe = ckv[kvl..].to_vec();
         self.rope.apply(&mut k_pe, pos);
         cache.c_kv[l].extend_from_slice(&latent);
