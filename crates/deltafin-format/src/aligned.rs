@@ -1,68 +1,59 @@
-//! Heap buffers with a chosen alignment (4 KiB for records read with O_DIRECT, and so that f32
-//! and bf16 views of stored tensors are always aligned).
+//! Page-aligned buffers for expert records and the backbone.
+//!
+//! Each buffer is its own anonymous memory map, returned to the kernel when dropped. Records are
+//! hundreds of KiB to tens of MiB and are freed from reader threads other than the ones that
+//! allocated them; with malloc that pattern fragments per-thread arenas and resident memory
+//! creeps far above the cache budget (measured: 70 MiB peak for a 15 MiB budget on the demo).
+//! Separate maps keep resident memory equal to the bytes actually held. Page alignment (4 KiB)
+//! also satisfies O_DIRECT and every f32/bf16 view of stored tensors.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
-use std::ptr::NonNull;
-
-/// A zero-initialised, fixed-size byte buffer aligned to `align` bytes.
+/// A zero-initialised, fixed-size, page-aligned byte buffer.
 pub struct AlignedBuf {
-    ptr: NonNull<u8>,
-    len: usize,
-    layout: Layout,
+    map: Option<memmap2::MmapMut>,
 }
 
-// SAFETY: AlignedBuf owns its allocation exclusively, like Vec<u8>.
-unsafe impl Send for AlignedBuf {}
-// SAFETY: shared access only hands out &[u8].
-unsafe impl Sync for AlignedBuf {}
-
 impl AlignedBuf {
-    /// Allocates `len` zeroed bytes aligned to `align` (a power of two). Aborts on allocation
-    /// failure like `Vec`. Panics if `align` is not a power of two (a programming error).
+    /// Allocates `len` zeroed bytes aligned to at least `align` bytes (a power of two, at most
+    /// the page size, 4096).
+    ///
+    /// Panics if `align` exceeds 4096 (a programming error) or if the kernel refuses the
+    /// mapping (out of memory, as `Vec` aborts).
     pub fn zeroed(len: usize, align: usize) -> Self {
-        let layout = Layout::from_size_align(len.max(1), align).expect("alignment must be a power of two");
-        // SAFETY: layout has non-zero size.
-        let p = unsafe { alloc_zeroed(layout) };
-        let ptr = match NonNull::new(p) {
-            Some(p) => p,
-            None => std::alloc::handle_alloc_error(layout),
-        };
-        AlignedBuf { ptr, len, layout }
+        assert!(
+            align.is_power_of_two() && align <= 4096,
+            "alignment {align} unsupported"
+        );
+        if len == 0 {
+            return AlignedBuf { map: None };
+        }
+        let map = memmap2::MmapMut::map_anon(len).unwrap_or_else(|e| panic!("cannot allocate {len} bytes: {e}"));
+        AlignedBuf { map: Some(map) }
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.len
+        self.map.as_ref().map_or(0, |m| m.len())
     }
 
     /// Whether the buffer is empty.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for len initialised (zeroed) bytes for the lifetime of self.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        self.map.as_deref().unwrap_or(&[])
     }
 
     /// The bytes, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and &mut self guarantees exclusivity.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with this layout.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        self.map.as_deref_mut().unwrap_or(&mut [])
     }
 }
 
 impl std::fmt::Debug for AlignedBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "AlignedBuf({} bytes, align {})", self.len, self.layout.align())
+        write!(f, "AlignedBuf({} bytes)", self.len())
     }
 }
 

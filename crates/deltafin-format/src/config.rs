@@ -229,7 +229,7 @@ impl DeepseekV3Config {
         let max_position_embeddings = usize_or(tc, path, "max_position_embeddings", 4096)?;
         let rope = resolve_rope(tc, path, max_position_embeddings)?;
         let mut eos = token_ids(get(tc, "eos_token_id"));
-        if tc as *const Value != raw as *const Value {
+        if !std::ptr::eq(tc, raw) {
             for id in token_ids(get(raw, "eos_token_id")) {
                 if !eos.contains(&id) {
                     eos.push(id);

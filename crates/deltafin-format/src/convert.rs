@@ -78,6 +78,9 @@ pub struct ConvertReport {
     pub ignored_tensors: Vec<String>,
 }
 
+/// One encoded expert: (expert id, record bytes padded to the stride, source bytes consumed).
+type EncodedRecord = (usize, Vec<u8>, u64);
+
 /// Where a checkpoint tensor goes.
 enum Role {
     /// Kept f32 whatever `--backbone` says (norms, router weight and bias).
@@ -474,7 +477,7 @@ fn write_all(
     for &l in &moe_layers {
         let experts: Vec<usize> = (0..cfg.n_routed_experts).collect();
         for chunk in experts.chunks(batch) {
-            let encoded: Vec<Result<(usize, Vec<u8>, u64), FormatError>> = chunk
+            let encoded: Vec<Result<EncodedRecord, FormatError>> = chunk
                 .par_iter()
                 .map(|&e| {
                     let mut rec = vec![0u8; stride as usize];

@@ -257,8 +257,8 @@ impl ModelDir {
             }
             record_index[l][e] = i;
         }
-        for l in 0..cfg.num_hidden_layers {
-            if cfg.is_moe_layer(l) && (record_index[l].is_empty() || record_index[l].contains(&usize::MAX)) {
+        for (l, idx) in record_index.iter().enumerate() {
+            if cfg.is_moe_layer(l) && (idx.is_empty() || idx.contains(&usize::MAX)) {
                 return Err(bad(format!("MoE layer {l} is missing expert records")));
             }
         }

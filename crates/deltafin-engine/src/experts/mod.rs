@@ -130,27 +130,28 @@ impl ExpertStore {
             )));
         }
         let cfg = &m.config;
-        let mut records: Vec<Vec<RecordInfo>> = (0..cfg.num_hidden_layers).map(|_| Vec::new()).collect();
+        let mut records: Vec<Vec<RecordInfo>> = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
-            if !cfg.is_moe_layer(l) {
-                continue;
+            let mut layer = Vec::new();
+            if cfg.is_moe_layer(l) {
+                for e in 0..cfg.n_routed_experts {
+                    let r = dir.record(l, e);
+                    let xxh3 = u64::from_str_radix(&r.xxh3, 16).map_err(|_| {
+                        EngineError::Invalid(format!(
+                            "{}: bad checksum {:?} for layer {l} expert {e}",
+                            path.display(),
+                            r.xxh3
+                        ))
+                    })?;
+                    layer.push(RecordInfo {
+                        offset: r.offset,
+                        length: r.length,
+                        xxh3,
+                        verified: AtomicBool::new(false),
+                    });
+                }
             }
-            for e in 0..cfg.n_routed_experts {
-                let r = dir.record(l, e);
-                let xxh3 = u64::from_str_radix(&r.xxh3, 16).map_err(|_| {
-                    EngineError::Invalid(format!(
-                        "{}: bad checksum {:?} for layer {l} expert {e}",
-                        path.display(),
-                        r.xxh3
-                    ))
-                })?;
-                records[l].push(RecordInfo {
-                    offset: r.offset,
-                    length: r.length,
-                    xxh3,
-                    verified: AtomicBool::new(false),
-                });
-            }
+            records.push(layer);
         }
         // Validate the layout once so Expert::matrix cannot fail.
         for l in layout.iter() {
