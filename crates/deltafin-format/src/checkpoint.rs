@@ -55,7 +55,7 @@ pub struct Checkpoint {
 fn io_err(path: &Path, e: std::io::Error) -> FormatError {
     FormatError::Io {
         path: path.to_path_buf(),
-        source: e,
+        error: e,
     }
 }
 
@@ -282,7 +282,17 @@ fn read_header(path: &Path, file: &File) -> Result<Vec<TensorEntry>, FormatError
     // SAFETY: the map is read-only and dropped before this function returns; we only let the
     // safetensors crate parse the header, whose extent we checked against the file length above.
     let mmap = unsafe { memmap2::Mmap::map(file) }.map_err(|e| io_err(path, e))?;
-    let st = SafeTensors::deserialize(&mmap).map_err(|e| bad(format!("invalid safetensors: {e}")))?;
+    let st = SafeTensors::deserialize(&mmap).map_err(|e| match e {
+        safetensors::SafeTensorError::MetadataIncompleteBuffer => {
+            match declared_data_end(&mmap[8..8 + n as usize]).map(|end| 8 + n + end) {
+                Some(need) if need > len => bad(format!(
+                    "file is truncated: its header needs {need} bytes, the file has {len}"
+                )),
+                _ => bad("invalid safetensors: tensor data does not match the header (trailing bytes or gaps)".into()),
+            }
+        }
+        e => bad(format!("invalid safetensors: {e}")),
+    })?;
     let data_start = 8 + n;
     let mut out = Vec::new();
     for (name, view) in st.tensors() {
@@ -303,6 +313,17 @@ fn read_header(path: &Path, file: &File) -> Result<Vec<TensorEntry>, FormatError
         });
     }
     Ok(out)
+}
+
+/// End of the tensor data a safetensors header describes (the largest `data_offsets` end), if
+/// the header is JSON of the expected shape.
+fn declared_data_end(header: &[u8]) -> Option<u64> {
+    let v: Value = serde_json::from_slice(header).ok()?;
+    v.as_object()?
+        .iter()
+        .filter(|(k, _)| k.as_str() != "__metadata__")
+        .map(|(_, t)| t.get("data_offsets")?.get(1)?.as_u64())
+        .try_fold(0u64, |m, e| Some(m.max(e?)))
 }
 
 #[cfg(test)]

@@ -162,7 +162,7 @@ impl DeepseekV3Config {
     pub fn from_file(path: &Path) -> Result<(Self, Value), FormatError> {
         let text = std::fs::read_to_string(path).map_err(|e| FormatError::Io {
             path: path.to_path_buf(),
-            source: e,
+            error: e,
         })?;
         let raw: Value = serde_json::from_str(&text).map_err(|e| FormatError::Json {
             path: path.to_path_buf(),

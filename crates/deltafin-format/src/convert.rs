@@ -258,7 +258,7 @@ pub fn encode_matrix(dtype: StoredDtype, w: &[f32], rows: usize, cols: usize) ->
 fn io(path: &Path) -> impl Fn(std::io::Error) -> FormatError + '_ {
     move |e| FormatError::Io {
         path: path.to_path_buf(),
-        source: e,
+        error: e,
     }
 }
 

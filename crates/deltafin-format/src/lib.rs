@@ -23,12 +23,8 @@ use std::path::PathBuf;
 /// (and tensor or field) at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum FormatError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: malformed JSON: {message}")]
     Json { path: PathBuf, message: String },
     #[error("{path}: field `{field}`: {message}")]

@@ -183,12 +183,26 @@ impl ModelDir {
             path: path.to_path_buf(),
             message: m,
         };
+        if !path.is_dir() {
+            let partial = path
+                .file_name()
+                .map(|n| path.with_file_name(format!(".{}.partial", n.to_string_lossy())));
+            if partial.as_deref().is_some_and(Path::is_dir) {
+                return Err(bad(
+                    "no such directory, only the partial output of an interrupted `deltafin convert` beside it: re-run the convert".into(),
+                ));
+            }
+            return Err(bad("no such directory".into()));
+        }
         if !mpath.exists() {
+            if path.join("config.json").is_file() {
+                return Err(bad("manifest.json not found: this looks like a Hugging Face checkpoint; convert it first with `deltafin convert <hf_dir> <model_dir>`".into()));
+            }
             return Err(bad("manifest.json not found (was it written by `deltafin convert`? an interrupted convert leaves no model)".into()));
         }
         let text = std::fs::read_to_string(&mpath).map_err(|e| FormatError::Io {
             path: mpath.clone(),
-            source: e,
+            error: e,
         })?;
         let manifest: Manifest = serde_json::from_str(&text).map_err(|e| FormatError::Json {
             path: mpath.clone(),
@@ -214,7 +228,7 @@ impl ModelDir {
             let len = std::fs::metadata(&p)
                 .map_err(|e| FormatError::Io {
                     path: p.clone(),
-                    source: e,
+                    error: e,
                 })?
                 .len();
             if len < bytes {
@@ -285,12 +299,12 @@ impl ModelDir {
         let p = self.path.join(&self.manifest.backbone.file);
         let f = File::open(&p).map_err(|e| FormatError::Io {
             path: p.clone(),
-            source: e,
+            error: e,
         })?;
         let mut buf = AlignedBuf::zeroed(self.manifest.backbone.bytes as usize, 4096);
         read_full_at(&f, buf.as_mut_slice(), 0).map_err(|e| FormatError::Io {
             path: p.clone(),
-            source: e,
+            error: e,
         })?;
         Ok(Backbone {
             path: p,

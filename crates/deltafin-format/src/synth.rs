@@ -150,7 +150,7 @@ pub fn write_checkpoint(dir: &Path, spec: &SynthSpec, bos: u32, eos: u32) -> Res
         let p = p.to_path_buf();
         move |e: std::io::Error| FormatError::Io {
             path: p.clone(),
-            source: e,
+            error: e,
         }
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;

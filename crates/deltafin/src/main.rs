@@ -117,10 +117,27 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let _ = std::io::stdout().flush();
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", one_line(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes on one line, `a: b: c`, skipping a cause whose text the line already
+/// holds (our error types print their `io::Error` source themselves, so `{:#}` would repeat it).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let s = cause.to_string();
+        if line.contains(&s) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&s);
+    }
+    line
 }
 
 struct Bar(indicatif::ProgressBar);
@@ -222,6 +239,13 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
             if a.chat {
                 bail!("--chat needs --prompt text, not --prompt-ids");
             }
+            let vocab = dir.manifest.config.vocab_size;
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+                bail!(
+                    "--prompt-ids: token id {bad} is outside the vocabulary of {} (ids 0..{vocab})",
+                    a.model.display()
+                );
+            }
             ids.clone()
         }
         (Some(text), None) => {
@@ -244,6 +268,12 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     if prompt_ids.is_empty() {
         bail!("the prompt encodes to zero tokens");
     }
+    // Create the logits file now so a bad path fails before a long generation, not after it.
+    let logits_file = a
+        .logits_out
+        .as_ref()
+        .map(|p| std::fs::File::create(p).with_context(|| format!("--logits-out: creating {}", p.display())))
+        .transpose()?;
     let model = DeepseekV3::load(&dir, budget)?;
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
     let opts = GenerateOptions {
@@ -274,14 +304,15 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     let tail = dec.finish()?;
     writeln!(stdout, "{tail}")?;
     drop(stdout);
-    if let Some(path) = &a.logits_out {
+    if let (Some(path), Some(mut file)) = (&a.logits_out, logits_file) {
         let json = serde_json::json!({
             "prompt_ids": prompt_ids,
             "generated_ids": out.generated_ids,
             "first_step_logits": out.step_logits.first(),
             "step_logits": out.step_logits,
         });
-        std::fs::write(path, serde_json::to_vec(&json)?).with_context(|| format!("writing {}", path.display()))?;
+        file.write_all(&serde_json::to_vec(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     print_stats(&out.stats, &model, budget, &dir);
     Ok(())

@@ -120,7 +120,7 @@ impl ExpertStore {
         let path = dir.expert_pack_path();
         let file = File::open(&path).map_err(|e| deltafin_format::FormatError::Io {
             path: path.clone(),
-            source: e,
+            error: e,
         })?;
         let layout: Arc<[ExpertTensorLayout]> = m.experts.layout.clone().into();
         if layout.len() != 3 {
@@ -304,7 +304,7 @@ impl ExpertStore {
             path: self.path.clone(),
             layer,
             expert,
-            source: e,
+            error: e,
         })?;
         self.bytes_read.fetch_add(r.length, Ordering::Relaxed);
         if !r.verified.load(Ordering::Relaxed) {
