@@ -317,7 +317,7 @@ pub fn convert(
     std::fs::create_dir(&tmp).map_err(io(&tmp))?;
     match write_all(&ck, &cfg, raw, hf_dir, &tmp, opts, progress) {
         Ok(report) => {
-            finalize(&tmp, out_dir, &parent, &name)?;
+            finalize(&tmp, out_dir, &parent)?;
             Ok(report)
         }
         Err(e) => {
@@ -327,20 +327,40 @@ pub fn convert(
     }
 }
 
-fn finalize(tmp: &Path, out_dir: &Path, parent: &Path, name: &str) -> Result<(), FormatError> {
+fn finalize(tmp: &Path, out_dir: &Path, parent: &Path) -> Result<(), FormatError> {
     if out_dir.exists() {
-        let old = parent.join(format!(".{name}.old"));
-        if old.exists() {
-            std::fs::remove_dir_all(&old).map_err(io(&old))?;
-        }
-        std::fs::rename(out_dir, &old).map_err(io(out_dir))?;
-        std::fs::rename(tmp, out_dir).map_err(io(out_dir))?;
-        std::fs::remove_dir_all(&old).map_err(io(&old))?;
+        // Swap the new directory and the old one in one atomic step, so a crash at any moment
+        // leaves either the old model or the new one at `out_dir`, never neither.
+        exchange(tmp, out_dir).map_err(io(out_dir))?;
+        std::fs::remove_dir_all(tmp).map_err(io(tmp))?;
     } else {
         std::fs::rename(tmp, out_dir).map_err(io(out_dir))?;
     }
     File::open(parent).and_then(|d| d.sync_all()).map_err(io(parent))?;
     Ok(())
+}
+
+/// Atomically exchanges two paths (Linux `renameat2(RENAME_EXCHANGE)`).
+fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let ca = CString::new(a.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    let cb = CString::new(b.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    // SAFETY: both arguments are valid NUL-terminated paths relative to the working directory.
+    let r = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            ca.as_ptr(),
+            libc::AT_FDCWD,
+            cb.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

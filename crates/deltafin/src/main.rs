@@ -268,12 +268,17 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     if prompt_ids.is_empty() {
         bail!("the prompt encodes to zero tokens");
     }
-    // Create the logits file now so a bad path fails before a long generation, not after it.
+    if a.max_new_tokens == 0 {
+        bail!("--max-new-tokens must be at least 1");
+    }
+    // Create the logits file now so a bad path fails before a long generation, not after it;
+    // the guard removes it again if the run fails, so no empty or partial file is left.
     let logits_file = a
         .logits_out
         .as_ref()
         .map(|p| std::fs::File::create(p).with_context(|| format!("--logits-out: creating {}", p.display())))
         .transpose()?;
+    let mut logits_guard = RemoveOnDrop(a.logits_out.clone());
     let model = DeepseekV3::load(&dir, budget)?;
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
     let opts = GenerateOptions {
@@ -313,9 +318,22 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         });
         file.write_all(&serde_json::to_vec(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;
+        file.sync_all().with_context(|| format!("writing {}", path.display()))?;
     }
+    logits_guard.0 = None;
     print_stats(&out.stats, &model, budget, &dir);
     Ok(())
+}
+
+/// Removes a file when dropped, unless the path was taken out (the run succeeded).
+struct RemoveOnDrop(Option<PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }
 
 pub(crate) fn print_stats(s: &GenerateStats, model: &DeepseekV3, budget: u64, dir: &ModelDir) {

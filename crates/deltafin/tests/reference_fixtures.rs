@@ -180,3 +180,53 @@ fn output_is_bit_identical_at_any_cache_budget() {
         }
     }
 }
+
+#[test]
+fn generation_stops_at_an_end_of_sequence_id() {
+    let case = &cases()[2];
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("model");
+    let opts = ConvertOptions {
+        backbone: StoredDtype::F32,
+        experts: StoredDtype::F32,
+        force: false,
+    };
+    convert(case, &out, &opts, &NoProgress).unwrap();
+    let model = DeepseekV3::load(&ModelDir::open(&out).unwrap(), 1 << 30).unwrap();
+    let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
+    let p = &expected["prompts"].as_array().unwrap()[1];
+    let want = ids(&p["generated_ids"]);
+    // Declare the reference's third generated token an end-of-sequence id: generation must stop
+    // right after producing it (unless an earlier token has the same id).
+    let eos = want[2];
+    let stop_at = want.iter().position(|&t| t == eos).unwrap();
+    let g = generate(
+        &model,
+        &ids(&p["prompt_ids"]),
+        &GenerateOptions {
+            max_new_tokens: 8,
+            eos_token_ids: vec![eos],
+            ignore_eos: false,
+            record_logits: false,
+        },
+        |_| true,
+    )
+    .unwrap();
+    assert_eq!(g.generated_ids, want[..=stop_at].to_vec());
+    assert_eq!(g.stats.finish_reason, "eos");
+    // With ignore_eos the same model runs to the limit.
+    let g = generate(
+        &model,
+        &ids(&p["prompt_ids"]),
+        &GenerateOptions {
+            max_new_tokens: 8,
+            eos_token_ids: vec![eos],
+            ignore_eos: true,
+            record_logits: false,
+        },
+        |_| true,
+    )
+    .unwrap();
+    assert_eq!(g.generated_ids, want);
+    assert_eq!(g.stats.finish_reason, "length");
+}
