@@ -5,10 +5,14 @@
 //! time; steady decode rate = decode steps after the first ÷ their time (the first decode step
 //! is excluded because it pays one-off costs such as cold caches).
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
+
+use serde::Serialize;
 
 use crate::experts::StoreCounters;
 use crate::models::deepseek_v3::{DeepseekV3, KvCache};
+use crate::traces::{TraceShape, TraceWriter};
 use crate::EngineError;
 
 /// Generation settings.
@@ -21,6 +25,28 @@ pub struct GenerateOptions {
     pub ignore_eos: bool,
     /// Keep the logits of every step (for `--logits-out`).
     pub record_logits: bool,
+    /// Append every token's routed-expert choices to this router trace file
+    /// (format: [`crate::traces`]).
+    pub trace_routes: Option<PathBuf>,
+}
+
+/// Where one forward pass's time went.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepStats {
+    /// `prefill` (a prompt token) or `decode` (a generated token).
+    pub kind: &'static str,
+    /// Wall time of the forward pass, seconds.
+    pub seconds: f64,
+    /// Time the compute waited for expert reads, seconds.
+    pub io_wait_s: f64,
+    /// MLP and MoE blocks (router, shared and routed experts) minus the I/O wait, seconds.
+    pub expert_compute_s: f64,
+    /// Attention (MLA) including its projections, seconds.
+    pub attention_s: f64,
+    /// Everything else (embedding, norms, lm_head, bookkeeping), seconds.
+    pub other_s: f64,
+    /// Routed-expert bytes read from storage on demand during the pass.
+    pub expert_bytes_read: u64,
 }
 
 /// Statistics of one generation.
@@ -41,6 +67,8 @@ pub struct GenerateStats {
     pub peak_rss_bytes: Option<u64>,
     /// Stop reason: `eos` or `length`.
     pub finish_reason: &'static str,
+    /// One entry per forward pass, prompt tokens first.
+    pub steps: Vec<StepStats>,
 }
 
 impl GenerateStats {
@@ -92,10 +120,49 @@ pub fn generate(
     let start_counters = model.store.counters();
     let mut cache: KvCache = model.new_cache();
     let mut out = GenerateOutput::default();
+    let mut trace = match &opts.trace_routes {
+        Some(p) => {
+            let c = &model.cfg;
+            let shape = TraceShape {
+                n_layers: c.num_hidden_layers as u32,
+                first_moe: c.first_k_dense_replace.min(c.num_hidden_layers) as u32,
+                n_experts: c.n_routed_experts as u32,
+                top_k: model.experts_per_token() as u32,
+            };
+            Some(TraceWriter::open(p, shape)?)
+        }
+        None => None,
+    };
+    let mut run_step = |cache: &mut KvCache, token: u32, kind: &'static str, steps: &mut Vec<StepStats>| {
+        let (c0, p0, t) = (model.store.counters(), model.profile(), Instant::now());
+        let pos = cache.len();
+        let (logits, routes) = model.forward(cache, token)?;
+        let seconds = t.elapsed().as_secs_f64();
+        let (c1, p1) = (model.store.counters(), model.profile());
+        let d = diff(c1, c0);
+        let io_wait_s = d.read_wait_ns as f64 * 1e-9;
+        let attention_s = (p1.attention_ns - p0.attention_ns) as f64 * 1e-9;
+        let expert_compute_s = ((p1.mlp_ns - p0.mlp_ns) as f64 * 1e-9 - io_wait_s).max(0.0);
+        steps.push(StepStats {
+            kind,
+            seconds,
+            io_wait_s,
+            expert_compute_s,
+            attention_s,
+            other_s: (seconds - io_wait_s - expert_compute_s - attention_s).max(0.0),
+            expert_bytes_read: d.bytes_read,
+        });
+        if let Some(w) = trace.as_mut() {
+            let r: Vec<&[usize]> = routes.iter().map(|(_, r)| r.experts.as_slice()).collect();
+            w.record(pos, &r)?;
+        }
+        Ok::<Vec<f32>, EngineError>(logits)
+    };
     let t0 = Instant::now();
     let mut logits = Vec::new();
+    let mut steps = Vec::new();
     for &t in prompt {
-        logits = model.forward(&mut cache, t)?.0;
+        logits = run_step(&mut cache, t, "prefill", &mut steps)?;
     }
     let mut finish = "length";
     let mut steady_start: Option<Instant> = None;
@@ -105,7 +172,7 @@ pub fn generate(
             if step == 2 {
                 steady_start = Some(Instant::now());
             }
-            logits = model.forward(&mut cache, last)?.0;
+            logits = run_step(&mut cache, last, "decode", &mut steps)?;
         }
         let next = DeepseekV3::greedy(&logits);
         if step == 0 {
@@ -141,5 +208,6 @@ pub fn generate(
     out.stats.experts = diff(model.store.counters(), start_counters);
     out.stats.peak_rss_bytes = crate::mem::peak_rss_bytes();
     out.stats.finish_reason = finish;
+    out.stats.steps = steps;
     Ok(out)
 }

@@ -88,6 +88,7 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
             eos_token_ids: vec![],
             ignore_eos: true,
             record_logits: true,
+            trace_routes: None,
         };
         let got = generate(&model, &prompt, &opts, |_| true).unwrap();
         if got.generated_ids != want_ids {
@@ -160,6 +161,7 @@ fn output_is_bit_identical_at_any_cache_budget() {
         eos_token_ids: vec![],
         ignore_eos: true,
         record_logits: true,
+        trace_routes: None,
     };
     let mut runs = Vec::new();
     for budget in [0u64, 1, 64 << 10, 1 << 30] {
@@ -208,6 +210,7 @@ fn generation_stops_at_an_end_of_sequence_id() {
             eos_token_ids: vec![eos],
             ignore_eos: false,
             record_logits: false,
+            trace_routes: None,
         },
         |_| true,
     )
@@ -223,6 +226,7 @@ fn generation_stops_at_an_end_of_sequence_id() {
             eos_token_ids: vec![eos],
             ignore_eos: true,
             record_logits: false,
+            trace_routes: None,
         },
         |_| true,
     )

@@ -14,7 +14,9 @@
 //! `q_nope_h · (W_UK_h c_t) = (W_UK_h^T q_nope_h) · c_t` and `Σ_t p_t W_UV_h c_t = W_UV_h Σ_t p_t c_t`,
 //! which equal the reference's expanded form up to f32 summation order. [MLA_ABSORB]
 
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use deltafin_format::{DeepseekV3Config, ModelDir, Rope};
 use deltafin_kernels::{argmax, rms_norm, silu, softmax_inplace, MatRef};
@@ -125,6 +127,18 @@ impl KvCache {
 /// Which routed experts each MoE layer chose for the last token (for traces and tests).
 pub type LayerRoutes = Vec<(usize, Routing)>;
 
+/// Cumulative time spent in the parts of the forward pass, nanoseconds (for per-step breakdowns:
+/// the caller takes differences around a step).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Profile {
+    /// Attention (MLA) including its projections.
+    pub attention_ns: u64,
+    /// MoE and dense MLP blocks, including the time spent waiting for expert reads.
+    pub mlp_ns: u64,
+    /// Forward passes completed.
+    pub forwards: u64,
+}
+
 /// A loaded DeepSeek-V3-family model: resident backbone plus the routed-expert store.
 pub struct DeepseekV3 {
     pub cfg: DeepseekV3Config,
@@ -134,6 +148,13 @@ pub struct DeepseekV3 {
     /// Softmax scale `qk_head_dim^-0.5 · mscale²`. [YARN_MSCALE]
     softmax_scale: f32,
     router: RouterConfig,
+    /// Routed experts per token actually used (the config's top-k unless overridden).
+    experts_per_token: AtomicUsize,
+    /// Whether to predict the next MoE layer's experts and prefetch them.
+    prefetch: bool,
+    attention_ns: AtomicU64,
+    mlp_ns: AtomicU64,
+    forwards: AtomicU64,
     pub store: Arc<ExpertStore>,
 }
 
@@ -199,6 +220,11 @@ impl DeepseekV3 {
         };
         let store = Arc::new(ExpertStore::open(dir, ram_budget)?);
         Ok(DeepseekV3 {
+            experts_per_token: AtomicUsize::new(cfg.num_experts_per_tok),
+            prefetch: false,
+            attention_ns: AtomicU64::new(0),
+            mlp_ns: AtomicU64::new(0),
+            forwards: AtomicU64::new(0),
             cfg,
             backbone,
             names,
@@ -212,6 +238,48 @@ impl DeepseekV3 {
     /// Bytes of the resident backbone.
     pub fn backbone_bytes(&self) -> usize {
         self.backbone.bytes()
+    }
+
+    /// Cumulative forward-pass timings.
+    pub fn profile(&self) -> Profile {
+        Profile {
+            attention_ns: self.attention_ns.load(Ordering::Relaxed),
+            mlp_ns: self.mlp_ns.load(Ordering::Relaxed),
+            forwards: self.forwards.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Routed experts used per token (the config's `num_experts_per_tok` unless overridden).
+    pub fn experts_per_token(&self) -> usize {
+        self.experts_per_token.load(Ordering::Relaxed)
+    }
+
+    /// Whether routing differs from the model's own (`--experts-per-token` set to another value):
+    /// output is then not equivalent to the model.
+    pub fn non_default_routing(&self) -> bool {
+        self.experts_per_token() != self.cfg.num_experts_per_tok
+    }
+
+    /// Research control (`--experts-per-token K`): route every token to `k` experts instead of
+    /// the config's top-k. Output is then NOT the model's; callers must label it.
+    ///
+    /// Errors: `k` is 0 or more than the experts the group limit leaves selectable.
+    pub fn set_experts_per_token(&self, k: usize) -> Result<(), EngineError> {
+        let c = &self.cfg;
+        let selectable = c.topk_group * (c.n_routed_experts / c.n_group.max(1));
+        if k == 0 || k > selectable {
+            return Err(EngineError::Invalid(format!(
+                "--experts-per-token {k}: must be between 1 and {selectable} (routed experts selectable within topk_group {} of n_group {})",
+                c.topk_group, c.n_group
+            )));
+        }
+        self.experts_per_token.store(k, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Turns next-layer expert prediction and prefetch on or off.
+    pub fn set_prefetch(&mut self, on: bool) {
+        self.prefetch = on;
     }
 
     /// A fresh, empty KV cache for one sequence.
@@ -253,11 +321,15 @@ impl DeepseekV3 {
         for l in 0..c.num_hidden_layers {
             let n = &self.names[l];
             rms_norm(&x, self.v(&n.input_layernorm)?, c.rms_norm_eps, &mut xn);
+            let t_attn = Instant::now();
             let attn = self.attention(l, &xn, pos, cache)?;
+            self.attention_ns
+                .fetch_add(t_attn.elapsed().as_nanos() as u64, Ordering::Relaxed);
             for (a, b) in x.iter_mut().zip(&attn) {
                 *a += b;
             }
             rms_norm(&x, self.v(&n.post_attention_layernorm)?, c.rms_norm_eps, &mut xn);
+            let t_mlp = Instant::now();
             let mlp = if c.is_moe_layer(l) {
                 let (out, r) = self.moe(l, &xn)?;
                 routes.push((l, r));
@@ -265,11 +337,14 @@ impl DeepseekV3 {
             } else {
                 self.mlp(self.m(&n.gate_proj)?, self.m(&n.up_proj)?, self.m(&n.down_proj)?, &xn)
             };
+            self.mlp_ns
+                .fetch_add(t_mlp.elapsed().as_nanos() as u64, Ordering::Relaxed);
             for (a, b) in x.iter_mut().zip(&mlp) {
                 *a += b;
             }
         }
         cache.len += 1;
+        self.forwards.fetch_add(1, Ordering::Relaxed);
         rms_norm(&x.clone(), self.v("model.norm.weight")?, c.rms_norm_eps, &mut x);
         let lm = self.m("lm_head.weight")?;
         let mut logits = vec![0f32; lm.rows];
@@ -378,7 +453,11 @@ impl DeepseekV3 {
         let gate = self.m(&n.router)?;
         let mut logits = vec![0f32; gate.rows];
         gate.matvec(xn, &mut logits);
-        let routing = route(&self.router, &logits, self.v(&n.router_bias)?);
+        let router = RouterConfig {
+            top_k: self.experts_per_token(),
+            ..self.router
+        };
+        let routing = route(&router, &logits, self.v(&n.router_bias)?);
         // Issue the reads of the chosen experts now; compute the shared experts meanwhile is a
         // later optimisation (the expert-store issue); here reads run concurrently per layer.
         let experts: Vec<Arc<Expert>> = self.store.get(l, &routing.experts)?;
