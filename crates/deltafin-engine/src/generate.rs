@@ -45,7 +45,8 @@ pub struct StepStats {
     pub attention_s: f64,
     /// Everything else (embedding, norms, lm_head, bookkeeping), seconds.
     pub other_s: f64,
-    /// Routed-expert bytes read from storage on demand during the pass.
+    /// Routed-expert bytes read from storage on demand during the pass (speculative reads are
+    /// counted in the run totals).
     pub expert_bytes_read: u64,
 }
 
@@ -92,13 +93,7 @@ pub struct GenerateOutput {
 }
 
 fn diff(a: StoreCounters, b: StoreCounters) -> StoreCounters {
-    StoreCounters {
-        hits: a.hits - b.hits,
-        misses: a.misses - b.misses,
-        evictions: a.evictions - b.evictions,
-        bytes_read: a.bytes_read - b.bytes_read,
-        read_wait_ns: a.read_wait_ns - b.read_wait_ns,
-    }
+    a.since(&b)
 }
 
 /// Greedy generation from `prompt` (non-empty) on a fresh KV cache; `on_token` is called with
@@ -150,7 +145,7 @@ pub fn generate(
             expert_compute_s,
             attention_s,
             other_s: (seconds - io_wait_s - expert_compute_s - attention_s).max(0.0),
-            expert_bytes_read: d.bytes_read,
+            expert_bytes_read: d.bytes_read_demand,
         });
         if let Some(w) = trace.as_mut() {
             let r: Vec<&[usize]> = routes.iter().map(|(_, r)| r.experts.as_slice()).collect();

@@ -12,6 +12,9 @@ pub mod mem;
 pub mod models;
 pub mod moe;
 pub mod rope;
+pub mod sampler;
+pub mod session;
+pub mod traces;
 
 use std::path::PathBuf;
 
@@ -22,13 +25,12 @@ pub enum EngineError {
     Format(#[from] deltafin_format::FormatError),
     #[error(transparent)]
     Tokenizer(#[from] deltafin_tokenizer::TokenizerError),
-    #[error("{path}: reading expert (layer {layer}, expert {expert}): {source}")]
+    #[error("{path}: reading expert (layer {layer}, expert {expert}): {error}")]
     ExpertIo {
         path: PathBuf,
         layer: usize,
         expert: usize,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}: expert (layer {layer}, expert {expert}) failed its checksum: expected xxh3 {expected}, found {found} (the expert pack is corrupted; re-run `deltafin convert`)")]
     ExpertChecksum {

@@ -1,13 +1,23 @@
-//! Deterministic synthetic Hugging Face checkpoints of the DeepSeek-V3 architecture (random
-//! weights, real layout), for the embedded demo and for tests. Their text output is meaningless.
+//! Deterministic synthetic models of the DeepSeek-V3 architecture (random weights, real layout),
+//! for the embedded demo, tests and benchmarks. Their text output is meaningless.
+//!
+//! - [`write_checkpoint`]: a Hugging Face checkpoint (bf16 safetensors) to feed `convert`.
+//! - [`write_model_dir`]: a deltafin model directory written directly, with no source checkpoint
+//!   (`deltafin synth`); the only way to get the multi-GB `bench` preset in seconds.
 
-use std::path::Path;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::{json, Value};
 
-use crate::convert::{backbone_names_and_shapes, expert_matrices};
+use crate::convert::{backbone_names_and_shapes, encode_matrix, expert_matrices, Progress, COPIED_FILES};
+use crate::model_dir::{
+    BackboneIndex, ExpertPackIndex, ExpertRecord, ExpertTensorLayout, Manifest, StoredDtype, TensorRecord, FORMAT_NAME,
+    FORMAT_VERSION, RECORD_ALIGN, TENSOR_ALIGN,
+};
 use crate::{DeepseekV3Config, FormatError};
 
 /// Shape of a synthetic checkpoint.
@@ -56,6 +66,59 @@ impl SynthSpec {
             n_group: 4,
             topk_group: 2,
             seed: 0xDE17AF1,
+        }
+    }
+
+    /// The `tiny` preset, for tests: 3 layers (1 dense), 8 routed experts (top-2) of 128 → 64,
+    /// grouped routing; an expert pack of ~100 KB written in well under a second.
+    pub fn tiny(vocab_size: usize) -> Self {
+        SynthSpec {
+            vocab_size,
+            hidden_size: 128,
+            intermediate_size: 256,
+            moe_intermediate_size: 64,
+            num_hidden_layers: 3,
+            first_k_dense_replace: 1,
+            num_attention_heads: 2,
+            q_lora_rank: Some(64),
+            kv_lora_rank: 32,
+            qk_nope_head_dim: 16,
+            qk_rope_head_dim: 16,
+            v_head_dim: 16,
+            n_routed_experts: 8,
+            num_experts_per_tok: 2,
+            n_shared_experts: 1,
+            n_group: 2,
+            topk_group: 1,
+            seed: 0x7147,
+        }
+    }
+
+    /// The `bench` preset: DeepSeek-V3's shape scaled so its expert pack (13.7 GB = 12.75 GiB) is
+    /// three times a 4 GiB memory limit: 17 layers (1 dense), 256 routed experts (top-8, 8 groups,
+    /// top-4 groups) of 2048 → 1024, one shared expert, MLA with q_lora, YaRN. One MXFP4 expert
+    /// record is 3 × (1 MiB + 64 KiB) = 3.19 MiB; a decode token reads 16 × 8 of them (408 MiB)
+    /// when nothing is cached. Backbone ~0.24 GB in int8.
+    pub fn bench(vocab_size: usize) -> Self {
+        SynthSpec {
+            vocab_size,
+            hidden_size: 2048,
+            intermediate_size: 4096,
+            moe_intermediate_size: 1024,
+            num_hidden_layers: 17,
+            first_k_dense_replace: 1,
+            num_attention_heads: 16,
+            q_lora_rank: Some(512),
+            kv_lora_rank: 256,
+            qk_nope_head_dim: 64,
+            qk_rope_head_dim: 32,
+            v_head_dim: 64,
+            n_routed_experts: 256,
+            num_experts_per_tok: 8,
+            n_shared_experts: 1,
+            n_group: 8,
+            topk_group: 4,
+            seed: 0xBE7C4,
         }
     }
 
@@ -205,4 +268,542 @@ pub fn write_checkpoint(dir: &Path, spec: &SynthSpec, bos: u32, eos: u32) -> Res
     )
     .map_err(io(&gpath))?;
     Ok(total)
+}
+
+/// Names accepted by [`Preset::by_name`].
+pub const PRESET_NAMES: &[&str] = &["tiny", "demo", "bench"];
+
+/// How routed-expert records are filled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertFill {
+    /// Random f32 weights (as [`write_checkpoint`] makes them, rounded to bf16) quantized to
+    /// MXFP4: byte-identical to `convert` of the same checkpoint, but ~100 MB/s per core.
+    Quantized,
+    /// Uniformly random E2M1 nibbles with one fixed E8M0 scale per matrix chosen so the weights'
+    /// RMS matches [`write_checkpoint`]'s (1.5 / sqrt(fan_in)); generated at GB/s.
+    RandomMxfp4,
+}
+
+/// A named synthetic model: shape and how its experts are filled.
+#[derive(Debug, Clone)]
+pub struct Preset {
+    pub name: &'static str,
+    pub spec: SynthSpec,
+    pub fill: ExpertFill,
+}
+
+impl Preset {
+    /// `tiny` (tests; random MXFP4 records like `bench`), `demo` (the demo's shape and values:
+    /// its files equal `deltafin demo`'s converted model), `bench` (see [`SynthSpec::bench`]).
+    /// `vocab_size` comes from the tokenizer written beside the model.
+    pub fn by_name(name: &str, vocab_size: usize) -> Option<Preset> {
+        let (name, spec, fill) = match name {
+            "tiny" => ("tiny", SynthSpec::tiny(vocab_size), ExpertFill::RandomMxfp4),
+            "demo" => ("demo", SynthSpec::demo(vocab_size), ExpertFill::Quantized),
+            "bench" => ("bench", SynthSpec::bench(vocab_size), ExpertFill::RandomMxfp4),
+            _ => return None,
+        };
+        Some(Preset { name, spec, fill })
+    }
+}
+
+/// The tokenizer a synthetic model ships: a directory holding its files (any of
+/// [`COPIED_FILES`](crate::convert::COPIED_FILES)) and the BOS/EOS ids the configs name.
+#[derive(Debug, Clone)]
+pub struct TokenizerFiles {
+    pub dir: PathBuf,
+    pub bos: u32,
+    pub eos: u32,
+}
+
+/// What [`write_model_dir`] produced.
+#[derive(Debug, Clone)]
+pub struct SynthReport {
+    pub backbone_bytes: u64,
+    pub expert_pack_bytes: u64,
+    pub expert_records: usize,
+    /// Bytes of one expert record including alignment padding.
+    pub record_stride: u64,
+}
+
+fn io_err(path: &Path) -> impl Fn(std::io::Error) -> FormatError + '_ {
+    move |e| FormatError::Io {
+        path: path.to_path_buf(),
+        error: e,
+    }
+}
+
+fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+/// Rounds through bf16, as `convert` sees a bf16 checkpoint written by [`write_checkpoint`].
+fn bf16_round(v: &mut [f32]) {
+    for x in v {
+        *x = half::bf16::from_f32(*x).to_f32();
+    }
+}
+
+/// Writes a deltafin model directory for `preset` at `out_dir` directly: `backbone.bin` (int8
+/// matrices, f32 norms and routers, encoded exactly as `convert` encodes [`write_checkpoint`]'s
+/// values), `experts.pack` (MXFP4 records filled per the preset's [`ExpertFill`]),
+/// `config.json`, `generation_config.json`, the files of `tokenizer.dir` and `manifest.json`
+/// last.
+///
+/// Deterministic: the same arguments give byte-identical files, whatever the thread count
+/// (every tensor and record is seeded by its name or (layer, expert), and written in order).
+/// Crash-safe like `convert`: built in `.<name>.partial` beside `out_dir`, renamed into place
+/// when complete. Pages of `experts.pack` are flushed and dropped from the page cache as it is
+/// written, so a 13 GB pack neither fills memory nor leaves a warm cache behind.
+///
+/// Errors: `out_dir` exists and is not empty without `force`, an invalid spec, or an I/O error
+/// (the partial output is then removed).
+pub fn write_model_dir(
+    out_dir: &Path,
+    preset: &Preset,
+    tokenizer: &TokenizerFiles,
+    force: bool,
+    progress: &dyn Progress,
+) -> Result<SynthReport, FormatError> {
+    let config = preset.spec.config_json(tokenizer.bos, tokenizer.eos);
+    let cfg = DeepseekV3Config::from_value(&config, &out_dir.join("config.json"))?;
+    if out_dir.exists() {
+        let nonempty = std::fs::read_dir(out_dir).map_err(io_err(out_dir))?.next().is_some();
+        if nonempty && !force {
+            return Err(FormatError::Output {
+                path: out_dir.into(),
+                message: "output directory exists and is not empty (pass --force to replace it)".into(),
+            });
+        }
+    }
+    let name = out_dir
+        .file_name()
+        .ok_or_else(|| FormatError::Output {
+            path: out_dir.into(),
+            message: "output path has no directory name".into(),
+        })?
+        .to_string_lossy()
+        .into_owned();
+    let parent = match out_dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
+    let tmp = parent.join(format!(".{name}.partial"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
+    }
+    std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
+    let written = write_files(&tmp, preset, &cfg, config, tokenizer, progress);
+    match written {
+        Ok(report) => {
+            finalize(&tmp, out_dir, &parent)?;
+            Ok(report)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// Moves the finished `tmp` to `out_dir`; an existing `out_dir` is swapped out atomically
+/// (`renameat2(RENAME_EXCHANGE)`) and then removed, so a crash leaves the old or the new model.
+fn finalize(tmp: &Path, out_dir: &Path, parent: &Path) -> Result<(), FormatError> {
+    if out_dir.exists() {
+        use std::ffi::CString;
+        use std::os::unix::ffi::OsStrExt;
+        let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
+        let (ca, cb) = (c(tmp).map_err(io_err(tmp))?, c(out_dir).map_err(io_err(out_dir))?);
+        // SAFETY: both arguments are valid NUL-terminated paths relative to the working directory.
+        let r = unsafe {
+            libc::renameat2(
+                libc::AT_FDCWD,
+                ca.as_ptr(),
+                libc::AT_FDCWD,
+                cb.as_ptr(),
+                libc::RENAME_EXCHANGE,
+            )
+        };
+        if r != 0 {
+            return Err(io_err(out_dir)(std::io::Error::last_os_error()));
+        }
+        std::fs::remove_dir_all(tmp).map_err(io_err(tmp))?;
+    } else {
+        std::fs::rename(tmp, out_dir).map_err(io_err(out_dir))?;
+    }
+    File::open(parent).and_then(|d| d.sync_all()).map_err(io_err(parent))?;
+    Ok(())
+}
+
+/// Whether a backbone tensor stays f32 whatever the matrix dtype (as `convert` decides):
+/// vectors (norms, correction bias) and router weights.
+fn stays_f32(name: &str, shape: &[usize]) -> bool {
+    shape.len() == 1 || name.ends_with("mlp.gate.weight")
+}
+
+/// Layout of one MXFP4 expert record (as `convert` lays it out) and its length before padding.
+fn record_layout(cfg: &DeepseekV3Config) -> (Vec<ExpertTensorLayout>, u64) {
+    let dtype = StoredDtype::Mxfp4;
+    let mut layout = Vec::new();
+    let mut roff = 0u64;
+    for (m, r, c) in expert_matrices(cfg) {
+        let vb = dtype.value_bytes(r, c) as u64;
+        let sb = dtype.scale_bytes(r, c) as u64;
+        let off = align_up(roff, TENSOR_ALIGN);
+        layout.push(ExpertTensorLayout {
+            name: m.to_string(),
+            rows: r,
+            cols: c,
+            dtype,
+            offset: off,
+            scales_offset: off + vb,
+            bytes: vb + sb,
+        });
+        roff = off + vb + sb;
+    }
+    (layout, roff)
+}
+
+/// E8M0 scale byte giving uniformly random E2M1 codes an RMS of `1.5 / sqrt(fan_in)`, the RMS of
+/// [`write_checkpoint`]'s matrices. The RMS of the 16 E2M1 values is sqrt(68.5 / 8) ≈ 2.93.
+fn random_scale_byte(fan_in: usize) -> u8 {
+    let target = 1.5 / (fan_in as f64).sqrt() / (68.5f64 / 8.0).sqrt();
+    (127.0 + target.log2().round()).clamp(1.0, 254.0) as u8
+}
+
+/// Fills one expert record (`rec` is the whole padded stride, zeroed).
+fn fill_record(
+    rec: &mut [u8],
+    layout: &[ExpertTensorLayout],
+    fill: ExpertFill,
+    seed: u64,
+    layer: usize,
+    expert: usize,
+) {
+    match fill {
+        ExpertFill::Quantized => {
+            for lay in layout {
+                let n = format!("model.layers.{layer}.mlp.experts.{expert}.{}.weight", lay.name);
+                let mut w = values(&n, &[lay.rows, lay.cols], seed);
+                bf16_round(&mut w);
+                let b = encode_matrix(StoredDtype::Mxfp4, &w, lay.rows, lay.cols);
+                rec[lay.offset as usize..lay.offset as usize + b.len()].copy_from_slice(&b);
+            }
+        }
+        ExpertFill::RandomMxfp4 => {
+            let mut rng = Rng(seed ^ (layer as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((expert as u64) << 32));
+            for lay in layout {
+                let (v0, s0, end) = (
+                    lay.offset as usize,
+                    lay.scales_offset as usize,
+                    (lay.offset + lay.bytes) as usize,
+                );
+                for chunk in rec[v0..s0].chunks_mut(8) {
+                    let r = rng.next_u64().to_le_bytes();
+                    chunk.copy_from_slice(&r[..chunk.len()]);
+                }
+                rec[s0..end].fill(random_scale_byte(lay.cols));
+            }
+        }
+    }
+}
+
+/// Flushes what was written to `f` so far and drops it from the page cache.
+fn flush_and_drop_cache(f: &File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    f.sync_data()?;
+    // SAFETY: a valid open descriptor; POSIX_FADV_DONTNEED is advisory and cannot corrupt data.
+    unsafe {
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+    }
+    Ok(())
+}
+
+fn write_files(
+    out: &Path,
+    preset: &Preset,
+    cfg: &DeepseekV3Config,
+    config: Value,
+    tokenizer: &TokenizerFiles,
+    progress: &dyn Progress,
+) -> Result<SynthReport, FormatError> {
+    use rayon::prelude::*;
+    let (spec, fill) = (&preset.spec, preset.fill);
+    let (bos, eos, tokenizer_dir) = (tokenizer.bos, tokenizer.eos, tokenizer.dir.as_path());
+
+    let (layout, rec_len) = record_layout(cfg);
+    let stride = align_up(rec_len, RECORD_ALIGN);
+    let moe_layers: Vec<usize> = (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)).collect();
+    let n_records = moe_layers.len() * cfg.n_routed_experts;
+    let table = backbone_names_and_shapes(cfg);
+
+    // Backbone: encode every tensor in parallel (each seeded by its name), lay out in order.
+    let bb_total: u64 = table
+        .iter()
+        .map(|(n, s)| {
+            let (r, c) = if s.len() == 2 { (s[0], s[1]) } else { (1, s[0]) };
+            let d = if stays_f32(n, s) {
+                StoredDtype::F32
+            } else {
+                StoredDtype::Int8
+            };
+            (d.value_bytes(r, c) + d.scale_bytes(r, c)) as u64
+        })
+        .sum();
+    progress.start(bb_total + n_records as u64 * stride);
+    let encoded: Vec<(StoredDtype, Vec<u8>)> = table
+        .par_iter()
+        .map(|(n, shape)| {
+            let dtype = if stays_f32(n, shape) {
+                StoredDtype::F32
+            } else {
+                StoredDtype::Int8
+            };
+            let (rows, cols) = if shape.len() == 2 {
+                (shape[0], shape[1])
+            } else {
+                (1, shape[0])
+            };
+            let mut w = values(n, shape, spec.seed);
+            bf16_round(&mut w);
+            let bytes = encode_matrix(dtype, &w, rows, cols);
+            progress.advance(bytes.len() as u64);
+            (dtype, bytes)
+        })
+        .collect();
+    let bb_path = out.join("backbone.bin");
+    let mut bb = std::io::BufWriter::with_capacity(8 << 20, File::create(&bb_path).map_err(io_err(&bb_path))?);
+    let mut pos = 0u64;
+    let mut tensors = std::collections::BTreeMap::new();
+    for ((n, shape), (dtype, bytes)) in table.iter().zip(&encoded) {
+        let off = align_up(pos, TENSOR_ALIGN);
+        bb.write_all(&vec![0u8; (off - pos) as usize])
+            .map_err(io_err(&bb_path))?;
+        bb.write_all(bytes).map_err(io_err(&bb_path))?;
+        pos = off + bytes.len() as u64;
+        let cols = *shape.last().unwrap_or(&0);
+        let rows = if shape.len() == 2 { shape[0] } else { 1 };
+        let scales_offset = (*dtype == StoredDtype::Int8).then(|| off + dtype.value_bytes(rows, cols) as u64);
+        tensors.insert(
+            n.clone(),
+            TensorRecord {
+                dtype: *dtype,
+                shape: shape.clone(),
+                offset: off,
+                bytes: bytes.len() as u64,
+                scales_offset,
+            },
+        );
+    }
+    drop(encoded);
+    let bb_file = bb.into_inner().map_err(|e| io_err(&bb_path)(e.into_error()))?;
+    bb_file.sync_all().map_err(io_err(&bb_path))?;
+    let backbone_bytes = pos;
+
+    // Expert pack: batches of records generated in parallel, written in (layer, expert) order by
+    // a writer thread while the next batch is generated.
+    let ep_path = out.join("experts.pack");
+    let mut ep = File::create(&ep_path).map_err(io_err(&ep_path))?;
+    let keys: Vec<(usize, usize)> = moe_layers
+        .iter()
+        .flat_map(|&l| (0..cfg.n_routed_experts).map(move |e| (l, e)))
+        .collect();
+    // ~128 MiB per batch, at least one record per thread.
+    let batch = ((128u64 << 20) / stride).max(rayon::current_num_threads() as u64) as usize;
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(Vec<u8>, u64)>>(1);
+    let records: Vec<ExpertRecord> = std::thread::scope(|scope| -> Result<Vec<ExpertRecord>, FormatError> {
+        let writer = scope.spawn(|| -> Result<Vec<u64>, FormatError> {
+            let mut hashes = Vec::with_capacity(n_records);
+            let mut since_flush = 0u64;
+            for batch in rx {
+                for (rec, hash) in batch {
+                    ep.write_all(&rec).map_err(io_err(&ep_path))?;
+                    hashes.push(hash);
+                    since_flush += rec.len() as u64;
+                    progress.advance(rec.len() as u64);
+                }
+                if since_flush >= 512 << 20 {
+                    flush_and_drop_cache(&ep).map_err(io_err(&ep_path))?;
+                    since_flush = 0;
+                }
+            }
+            flush_and_drop_cache(&ep).map_err(io_err(&ep_path))?;
+            Ok(hashes)
+        });
+        for chunk in keys.chunks(batch) {
+            let recs: Vec<(Vec<u8>, u64)> = chunk
+                .par_iter()
+                .map(|&(l, e)| {
+                    let mut rec = vec![0u8; stride as usize];
+                    fill_record(&mut rec, &layout, fill, spec.seed, l, e);
+                    let hash = xxhash_rust::xxh3::xxh3_64(&rec[..rec_len as usize]);
+                    (rec, hash)
+                })
+                .collect();
+            if tx.send(recs).is_err() {
+                break; // the writer failed; its error is returned below
+            }
+        }
+        drop(tx);
+        let hashes = writer.join().map_err(|_| FormatError::Output {
+            path: ep_path.clone(),
+            message: "expert-pack writer thread panicked".into(),
+        })??;
+        Ok(keys
+            .iter()
+            .zip(hashes)
+            .enumerate()
+            .map(|(i, (&(l, e), h))| ExpertRecord {
+                layer: l as u32,
+                expert: e as u32,
+                offset: i as u64 * stride,
+                length: rec_len,
+                xxh3: format!("{h:016x}"),
+            })
+            .collect())
+    })?;
+
+    // config.json, generation_config.json, tokenizer files.
+    let mut tokenizer_files = Vec::new();
+    for f in COPIED_FILES {
+        let dst = out.join(f);
+        match *f {
+            "config.json" => {
+                let text = serde_json::to_string_pretty(&config).map_err(|e| FormatError::Json {
+                    path: dst.clone(),
+                    message: e.to_string(),
+                })?;
+                std::fs::write(&dst, text).map_err(io_err(&dst))?;
+            }
+            "generation_config.json" => {
+                let g = json!({"bos_token_id": bos, "eos_token_id": eos, "do_sample": false});
+                std::fs::write(&dst, g.to_string()).map_err(io_err(&dst))?;
+            }
+            _ => {
+                let src = tokenizer_dir.join(f);
+                if !src.is_file() {
+                    continue;
+                }
+                std::fs::copy(&src, &dst).map_err(io_err(&dst))?;
+            }
+        }
+        File::open(&dst).and_then(|x| x.sync_all()).map_err(io_err(&dst))?;
+        tokenizer_files.push(f.to_string());
+    }
+
+    let manifest = Manifest {
+        format: FORMAT_NAME.into(),
+        format_version: FORMAT_VERSION,
+        family: "deepseek_v3".into(),
+        config: cfg.clone(),
+        source_config: config,
+        backbone: BackboneIndex {
+            file: "backbone.bin".into(),
+            bytes: backbone_bytes,
+            matrix_dtype: StoredDtype::Int8,
+            tensors,
+        },
+        experts: ExpertPackIndex {
+            file: "experts.pack".into(),
+            bytes: n_records as u64 * stride,
+            dtype: StoredDtype::Mxfp4,
+            record_align: RECORD_ALIGN,
+            layout,
+            records,
+        },
+        tokenizer_files,
+        created_by: format!("deltafin {}", env!("CARGO_PKG_VERSION")),
+    };
+    let mpath = out.join("manifest.json");
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| FormatError::Json {
+        path: mpath.clone(),
+        message: e.to_string(),
+    })?;
+    let mut mf = File::create(&mpath).map_err(io_err(&mpath))?;
+    mf.write_all(&json).map_err(io_err(&mpath))?;
+    mf.sync_all().map_err(io_err(&mpath))?;
+    File::open(out).and_then(|d| d.sync_all()).map_err(io_err(out))?;
+    progress.finish();
+    Ok(SynthReport {
+        backbone_bytes,
+        expert_pack_bytes: n_records as u64 * stride,
+        expert_records: n_records,
+        record_stride: stride,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::convert::{convert, ConvertOptions, NoProgress};
+    use crate::ModelDir;
+
+    /// A quantized synth model equals `convert` of the same synthetic checkpoint, byte for byte.
+    #[test]
+    fn quantized_synth_equals_convert_of_checkpoint() {
+        let t = tempfile::tempdir().unwrap();
+        let spec = SynthSpec::tiny(300);
+        let hf = t.path().join("hf");
+        write_checkpoint(&hf, &spec, 1, 2).unwrap();
+        let conv = t.path().join("converted");
+        convert(&hf, &conv, &ConvertOptions::default(), &NoProgress).unwrap();
+        let syn = t.path().join("synth");
+        let empty = t.path().join("no-tokenizer");
+        std::fs::create_dir(&empty).unwrap();
+        let tok = TokenizerFiles {
+            dir: empty,
+            bos: 1,
+            eos: 2,
+        };
+        let mut preset = Preset {
+            name: "tiny",
+            spec: spec.clone(),
+            fill: ExpertFill::Quantized,
+        };
+        let r = write_model_dir(&syn, &preset, &tok, false, &NoProgress).unwrap();
+        for f in ["backbone.bin", "experts.pack", "config.json", "generation_config.json"] {
+            let (a, b) = (
+                std::fs::read(conv.join(f)).unwrap(),
+                std::fs::read(syn.join(f)).unwrap(),
+            );
+            assert!(a == b, "{f} differs");
+        }
+        let (a, b) = (ModelDir::open(&conv).unwrap(), ModelDir::open(&syn).unwrap());
+        assert_eq!(a.manifest.backbone, b.manifest.backbone);
+        assert_eq!(a.manifest.experts, b.manifest.experts);
+        assert_eq!(r.expert_records, 2 * 8);
+        assert!(!t.path().join(".synth.partial").exists());
+        // An existing directory needs `force`; with it the model is replaced whole.
+        preset.fill = ExpertFill::RandomMxfp4;
+        let e = write_model_dir(&syn, &preset, &tok, false, &NoProgress);
+        assert!(e.unwrap_err().to_string().contains("--force"));
+        write_model_dir(&syn, &preset, &tok, true, &NoProgress).unwrap();
+        assert!(ModelDir::open(&syn).unwrap().manifest.experts != a.manifest.experts);
+    }
+
+    /// Random MXFP4 records hold valid scales of the intended magnitude, and the bench preset
+    /// meets the shape requirements.
+    #[test]
+    fn random_records_and_bench_shape() {
+        assert_eq!(random_scale_byte(2048), 121);
+        assert_eq!(random_scale_byte(1024), 121);
+        let cfg_json = SynthSpec::bench(300).config_json(1, 2);
+        let cfg = DeepseekV3Config::from_value(&cfg_json, Path::new("bench")).unwrap();
+        let (layout, len) = record_layout(&cfg);
+        assert!(len >= 2 << 20, "record {len} bytes");
+        assert!(cfg.num_experts_per_tok >= 8 && cfg.n_group > 1 && cfg.q_lora_rank.is_some());
+        let moe = (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)).count() as u64;
+        let pack = moe * cfg.n_routed_experts as u64 * align_up(len, RECORD_ALIGN);
+        assert!(pack >= 12 << 30, "pack {pack} bytes");
+        // One third of the pack exceeds a 4 GiB memory limit (the target condition).
+        assert!(pack / 3 > 4 << 30);
+        let mut rec = vec![0u8; align_up(len, RECORD_ALIGN) as usize];
+        fill_record(&mut rec, &layout, ExpertFill::RandomMxfp4, 1, 1, 0);
+        for lay in &layout {
+            let s = &rec[lay.scales_offset as usize..(lay.offset + lay.bytes) as usize];
+            assert!(s.iter().all(|&b| b == 121));
+        }
+        assert!(rec[len as usize..].iter().all(|&b| b == 0), "padding must be zero");
+    }
 }

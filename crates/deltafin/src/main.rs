@@ -1,7 +1,11 @@
 //! The `deltafin` command line: convert, run, demo.
 
+mod bench;
+mod chat;
 mod demo;
+mod serve;
 mod size;
+mod synth_cmd;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -10,6 +14,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use deltafin_engine::generate::{generate, GenerateOptions, GenerateStats};
+use deltafin_engine::experts::{CachePolicy, IoMode, StoreOptions};
 use deltafin_engine::models::DeepseekV3;
 use deltafin_format::convert::{convert, ConvertOptions, Progress};
 use deltafin_format::{ModelDir, StoredDtype};
@@ -70,6 +75,14 @@ enum Cmd {
         #[arg(long, default_value_t = 32)]
         max_new_tokens: usize,
     },
+    /// Serve the model over HTTP: OpenAI-compatible and Anthropic Messages APIs.
+    Serve(serve::ServeArgs),
+    /// Chat with the model in the terminal (multi-turn, streamed, KV cache reused).
+    Chat(chat::ChatArgs),
+    /// Write a deterministic random model directory directly: tiny, demo or bench (13.7 GB pack).
+    Synth(synth_cmd::SynthArgs),
+    /// Benchmark `deltafin run` (fresh process per run, balanced order, ids verified, floor, chart).
+    Bench(bench::BenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -98,7 +111,93 @@ struct RunArgs {
     /// Write prompt ids, generated ids and every step's logits as JSON to this file.
     #[arg(long)]
     logits_out: Option<PathBuf>,
+    /// Write the run's statistics (and a per-step time breakdown) as JSON to this file.
+    #[arg(long)]
+    stats_json: Option<PathBuf>,
+    /// Append every token's routed-expert choices to this router trace file (binary format
+    /// documented in the README).
+    #[arg(long)]
+    trace_routes: Option<PathBuf>,
+    /// RESEARCH ONLY: route each token to K experts instead of the model's top-k. Output is then
+    /// not equivalent to the model, and every output says so.
+    #[arg(long, value_name = "K")]
+    experts_per_token: Option<usize>,
+    #[command(flatten)]
+    store: StoreArgs,
 }
+
+/// Expert-store settings shared by `run`, `bench` and `serve`.
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct StoreArgs {
+    /// How expert records are read: `direct` (O_DIRECT into aligned buffers, bypassing the page
+    /// cache) or `buffered` (page cache). Direct is the default: under a memory limit it was
+    /// 1.33× faster at a third of the CPU (bench/NOTES.md).
+    #[arg(long, default_value = "direct", value_parser = parse_io)]
+    io: IoMode,
+    /// Expert cache policy: `lru`, `lfu`, or `pinned` (a tier filled from router-trace heat,
+    /// see --pin-from, plus LRU for the rest).
+    #[arg(long, default_value = "lru", value_parser = parse_policy)]
+    cache_policy: CachePolicy,
+    /// Router trace file(s) (from --trace-routes) whose hottest experts fill the pinned tier;
+    /// needs --cache-policy pinned.
+    #[arg(long, value_name = "TRACES", num_args = 1..)]
+    pin_from: Vec<PathBuf>,
+    /// Share of --ram-budget reserved for the pinned tier.
+    #[arg(long, default_value_t = 0.5)]
+    pinned_fraction: f64,
+    /// Predict the next MoE layer's experts with its router and read them speculatively while
+    /// the disk is idle: `on` or `off` (default off until the benchmark shows a gain).
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    prefetch: String,
+    /// Expert reader threads = most reads in flight (0: max(top_k, 8)).
+    #[arg(long, default_value_t = 0)]
+    readers: usize,
+}
+
+fn parse_io(s: &str) -> Result<IoMode, String> {
+    s.parse::<IoMode>().map_err(|e| e.to_string())
+}
+
+fn parse_policy(s: &str) -> Result<CachePolicy, String> {
+    s.parse::<CachePolicy>().map_err(|e| e.to_string())
+}
+
+impl StoreArgs {
+    /// Store options for a cache of `budget` bytes. Errors: inconsistent pinning flags or an
+    /// unreadable trace.
+    pub(crate) fn options(&self, budget: u64) -> Result<StoreOptions> {
+        let mut o = StoreOptions::new(budget);
+        o.io = self.io;
+        o.policy = self.cache_policy;
+        o.prefetch = self.prefetch == "on";
+        o.readers = self.readers;
+        if !(0.0..=1.0).contains(&self.pinned_fraction) {
+            bail!("--pinned-fraction {} must be between 0 and 1", self.pinned_fraction);
+        }
+        o.pinned_fraction = self.pinned_fraction;
+        match (self.cache_policy, self.pin_from.is_empty()) {
+            (CachePolicy::Pinned, true) => bail!("--cache-policy pinned needs --pin-from TRACES (router traces from --trace-routes)"),
+            (CachePolicy::Pinned, false) => {
+                let mut heat = std::collections::HashMap::<(usize, usize), u64>::new();
+                for p in &self.pin_from {
+                    let t = deltafin_engine::traces::Trace::read(p).with_context(|| format!("--pin-from {}", p.display()))?;
+                    for (k, n) in t.heat_ranking() {
+                        *heat.entry(k).or_default() += n;
+                    }
+                }
+                let mut ranked: Vec<_> = heat.into_iter().collect();
+                ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+                o.pinned = ranked.into_iter().map(|(k, _)| k).collect();
+            }
+            (_, false) => bail!("--pin-from needs --cache-policy pinned"),
+            (_, true) => {}
+        }
+        Ok(o)
+    }
+}
+
+/// The label every output carries when routing differs from the model's.
+pub(crate) const NON_DEFAULT_ROUTING: &str = "non-default routing: output not equivalent to the model";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -112,6 +211,10 @@ fn main() -> ExitCode {
         } => cmd_convert(&hf_dir, &model_dir, backbone, experts, force),
         Cmd::Run(args) => cmd_run(&args),
         Cmd::Demo { dir, max_new_tokens } => demo::run(dir, max_new_tokens),
+        Cmd::Serve(args) => serve::run(&args),
+        Cmd::Chat(args) => chat::run(&args),
+        Cmd::Synth(args) => synth_cmd::run(&args),
+        Cmd::Bench(args) => bench::run(&args),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -279,13 +382,27 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         .map(|p| std::fs::File::create(p).with_context(|| format!("--logits-out: creating {}", p.display())))
         .transpose()?;
     let mut logits_guard = RemoveOnDrop(a.logits_out.clone());
-    let model = DeepseekV3::load(&dir, budget)?;
+    let store_opts = a.store.options(budget)?;
+    let model = DeepseekV3::load_with(&dir, store_opts)?;
+    if a.store.cache_policy == CachePolicy::Pinned {
+        model.store.warm_pinned();
+    }
+    if let Some(k) = a.experts_per_token {
+        model.set_experts_per_token(k)?;
+        if model.non_default_routing() {
+            eprintln!(
+                "warning: --experts-per-token {k} (the model uses {}): {NON_DEFAULT_ROUTING}",
+                model.cfg.num_experts_per_tok
+            );
+        }
+    }
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
     let opts = GenerateOptions {
         max_new_tokens: a.max_new_tokens,
         eos_token_ids: eos,
         ignore_eos: a.ignore_eos,
         record_logits: a.logits_out.is_some(),
+        trace_routes: a.trace_routes.clone(),
     };
     let mut dec = tokenizer.stream_decoder(true);
     let mut stdout = std::io::stdout().lock();
@@ -321,6 +438,11 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         file.sync_all().with_context(|| format!("writing {}", path.display()))?;
     }
     logits_guard.0 = None;
+    if let Some(path) = &a.stats_json {
+        let json = stats_json(&out, &model, budget);
+        std::fs::write(path, serde_json::to_vec_pretty(&json)?)
+            .with_context(|| format!("--stats-json: writing {}", path.display()))?;
+    }
     print_stats(&out.stats, &model, budget, &dir);
     Ok(())
 }
@@ -336,6 +458,38 @@ impl Drop for RemoveOnDrop {
     }
 }
 
+/// The `--stats-json` document (schema in the README, consumed by `deltafin bench`).
+fn stats_json(out: &deltafin_engine::generate::GenerateOutput, model: &DeepseekV3, budget: u64) -> serde_json::Value {
+    let s = &out.stats;
+    serde_json::json!({
+        "generated_ids": out.generated_ids,
+        "prompt_tokens": s.prompt_tokens,
+        "ttft_s": s.ttft.as_secs_f64(),
+        "prefill_tokens_per_s": s.prefill_tokens_per_s,
+        "steady_decode_tokens_per_s": s.steady_decode_tokens_per_s(),
+        "steady_decode_steps": s.steady_decode_steps,
+        "expert_bytes_read_demand": s.experts.bytes_read_demand,
+        "expert_bytes_read_speculative": s.experts.bytes_read_speculative,
+        "prefetch_issued": s.experts.prefetch_issued,
+        "prefetch_useful": s.experts.prefetch_useful,
+        "prefetch_wasted_bytes": s.experts.prefetch_wasted_bytes,
+        "prefetch_recall": s.experts.prefetch_recall(),
+        "io_wait_s": s.experts.read_wait_ns as f64 * 1e-9,
+        "expert_hits": s.experts.hits,
+        "expert_misses": s.experts.misses,
+        "hit_rate": s.experts.hit_rate(),
+        "peak_rss_bytes": s.peak_rss_bytes,
+        "io_mode": model.store.io_mode().to_string(),
+        "cache_policy": model.store.options().policy.to_string(),
+        "prefetch": model.store.options().prefetch,
+        "non_default_routing": model.non_default_routing(),
+        "experts_per_token": model.experts_per_token(),
+        "ram_budget": budget,
+        "finish_reason": s.finish_reason,
+        "steps": s.steps,
+    })
+}
+
 pub(crate) fn print_stats(s: &GenerateStats, model: &DeepseekV3, budget: u64, dir: &ModelDir) {
     let decode = s
         .steady_decode_tokens_per_s()
@@ -343,6 +497,13 @@ pub(crate) fn print_stats(s: &GenerateStats, model: &DeepseekV3, budget: u64, di
         .unwrap_or_else(|| "n/a (fewer than 2 decode steps)".into());
     let m = &dir.manifest;
     eprintln!("--- deltafin run ---");
+    if model.non_default_routing() {
+        eprintln!(
+            "routing              {} experts per token (model: {}): {NON_DEFAULT_ROUTING}",
+            model.experts_per_token(),
+            model.cfg.num_experts_per_tok
+        );
+    }
     eprintln!("prompt tokens        {}", s.prompt_tokens);
     eprintln!(
         "generated tokens     {} (finish: {})",
@@ -353,12 +514,30 @@ pub(crate) fn print_stats(s: &GenerateStats, model: &DeepseekV3, budget: u64, di
     eprintln!("steady decode        {decode}");
     eprintln!(
         "routed-expert bytes  {} read from storage ({} misses, {} hits, {} evictions)",
-        size::human(s.experts.bytes_read),
+        size::human(s.experts.bytes_read_demand),
         s.experts.misses,
         s.experts.hits,
         s.experts.evictions
     );
     eprintln!("expert cache hit rate {:.1}%", 100.0 * s.experts.hit_rate());
+    let o = model.store.options();
+    eprintln!(
+        "expert store         io {}, cache {}, {} readers, waited {:.3} s for reads",
+        model.store.io_mode(),
+        o.policy,
+        model.store.readers(),
+        s.experts.read_wait_ns as f64 * 1e-9
+    );
+    if o.prefetch {
+        eprintln!(
+            "prefetch             {} experts predicted-read, {} used, recall {:.1}%, {} speculative read, {} wasted",
+            s.experts.prefetch_issued,
+            s.experts.prefetch_useful,
+            100.0 * s.experts.prefetch_recall(),
+            size::human(s.experts.bytes_read_speculative),
+            size::human(s.experts.prefetch_wasted_bytes)
+        );
+    }
     eprintln!(
         "memory               backbone {} resident, expert cache budget {}, expert pack {} on disk ({}, {}×budget)",
         size::human(model.backbone_bytes() as u64),

@@ -22,7 +22,7 @@ use deltafin_format::{DeepseekV3Config, ModelDir, Rope};
 use deltafin_kernels::{argmax, rms_norm, silu, softmax_inplace, MatRef};
 use rayon::prelude::*;
 
-use crate::experts::{Expert, ExpertStore};
+use crate::experts::{ExpertStore, StoreOptions};
 use crate::moe::{route, RouterConfig, Routing};
 use crate::rope::{yarn_mscale, RotaryEmbedding};
 use crate::EngineError;
@@ -160,10 +160,18 @@ pub struct DeepseekV3 {
 
 impl DeepseekV3 {
     /// Loads the backbone into memory and opens the expert store with a cache of `ram_budget`
-    /// bytes.
+    /// bytes and default store options.
     ///
     /// Errors: a missing or malformed tensor in the backbone, unreadable files.
     pub fn load(dir: &ModelDir, ram_budget: u64) -> Result<Self, EngineError> {
+        Self::load_with(dir, StoreOptions::new(ram_budget))
+    }
+
+    /// Loads the backbone into memory and opens the expert store with `opts` (prefetch of
+    /// predicted experts is on when `opts.prefetch` is).
+    ///
+    /// Errors: a missing or malformed tensor in the backbone, unreadable files, O_DIRECT refused.
+    pub fn load_with(dir: &ModelDir, opts: StoreOptions) -> Result<Self, EngineError> {
         let cfg = dir.manifest.config.clone();
         let backbone = dir.load_backbone()?;
         let names: Vec<LayerNames> = (0..cfg.num_hidden_layers).map(LayerNames::new).collect();
@@ -218,10 +226,11 @@ impl DeepseekV3 {
             norm_topk_prob: cfg.norm_topk_prob,
             routed_scaling_factor: cfg.routed_scaling_factor,
         };
-        let store = Arc::new(ExpertStore::open(dir, ram_budget)?);
+        let prefetch = opts.prefetch;
+        let store = Arc::new(ExpertStore::open(dir, opts)?);
         Ok(DeepseekV3 {
             experts_per_token: AtomicUsize::new(cfg.num_experts_per_tok),
-            prefetch: false,
+            prefetch,
             attention_ns: AtomicU64::new(0),
             mlp_ns: AtomicU64::new(0),
             forwards: AtomicU64::new(0),
@@ -458,16 +467,38 @@ impl DeepseekV3 {
             ..self.router
         };
         let routing = route(&router, &logits, self.v(&n.router_bias)?);
-        // Issue the reads of the chosen experts now; compute the shared experts meanwhile is a
-        // later optimisation (the expert-store issue); here reads run concurrently per layer.
-        let experts: Vec<Arc<Expert>> = self.store.get(l, &routing.experts)?;
+        // Issue the reads of every missing chosen expert at once, then predict the next MoE
+        // layer's experts by applying its router to this hidden state and prefetch them (the
+        // store starts speculative reads only when no demand read is pending).
+        let fetch = self.store.fetch(l, &routing.experts)?;
+        if self.prefetch {
+            if let Some(next) = (l + 1..c.num_hidden_layers).find(|&k| c.is_moe_layer(k)) {
+                let nn = &self.names[next];
+                let mut next_logits = vec![0f32; c.n_routed_experts];
+                self.m(&nn.router)?.matvec(xn, &mut next_logits);
+                let predicted = route(&router, &next_logits, self.v(&nn.router_bias)?);
+                self.store.prefetch(next, &predicted.experts);
+            }
+        }
+        // Compute each expert as its record arrives (on the compute pool) while this thread
+        // waits for the others; outs[i] belongs to routing.experts[i] whatever the arrival order.
+        let outs: Vec<std::sync::OnceLock<Vec<f32>>> = routing.experts.iter().map(|_| Default::default()).collect();
+        rayon::in_place_scope(|s| -> Result<(), EngineError> {
+            for r in fetch {
+                let (i, e) = r?;
+                let slot = &outs[i];
+                s.spawn(move |_| {
+                    let _ = slot.set(self.mlp(e.matrix(0), e.matrix(1), e.matrix(2), xn));
+                });
+            }
+            Ok(())
+        })?;
         let mut out = vec![0f32; c.hidden_size];
         // Sum in ascending expert id, as the reference's index_add loop does.
-        let outs: Vec<Vec<f32>> = experts
-            .par_iter()
-            .map(|e| self.mlp(e.matrix(0), e.matrix(1), e.matrix(2), xn))
-            .collect();
         for (o, w) in outs.iter().zip(&routing.weights) {
+            let o = o
+                .get()
+                .ok_or_else(|| EngineError::Invalid(format!("layer {l}: an expert output is missing")))?;
             deltafin_kernels::axpy(*w, o, &mut out);
         }
         if c.n_shared_experts > 0 {

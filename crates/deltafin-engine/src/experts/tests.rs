@@ -1,0 +1,743 @@
+//! Expert-store tests on model directories converted from the `dsv3_b` fixture (3 MoE layers of
+//! 16 experts; MXFP4 records of 4960 bytes, padded to 8192).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
+use deltafin_format::{AlignedBuf, ModelDir};
+
+use super::cache::{Cache, Insert};
+use super::*;
+
+// ---------------------------------------------------------------------------------------------
+// Test hooks compiled into the store under cfg(test).
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// A demand read was queued (logged under the store lock).
+    DemandQueued(Key),
+    /// A demand read completed.
+    DemandDone(Key),
+    /// A reader decided to read one chunk of a speculative read.
+    SpecChunk(Key),
+}
+
+#[derive(Default)]
+pub(crate) struct Hooks {
+    events: Mutex<Vec<Event>>,
+    gate_closed: Mutex<bool>,
+    gate: Condvar,
+    spec_delay_ms: AtomicU64,
+    gated: AtomicBool,
+}
+
+impl Hooks {
+    pub(crate) fn log(&self, e: Event) {
+        self.events.lock().unwrap().push(e);
+    }
+
+    /// Runs before each speculative chunk is read: waits while the gate is closed, then sleeps
+    /// the configured delay (a slow device).
+    pub(crate) fn before_spec_chunk(&self) {
+        if self.gated.load(Ordering::SeqCst) {
+            let mut closed = self.gate_closed.lock().unwrap();
+            while *closed {
+                closed = self.gate.wait(closed).unwrap();
+            }
+        }
+        let ms = self.spec_delay_ms.load(Ordering::SeqCst);
+        if ms > 0 {
+            std::thread::sleep(Duration::from_millis(ms));
+        }
+    }
+
+    fn close_gate(&self) {
+        *self.gate_closed.lock().unwrap() = true;
+        self.gated.store(true, Ordering::SeqCst);
+    }
+
+    fn open_gate(&self) {
+        *self.gate_closed.lock().unwrap() = false;
+        self.gate.notify_all();
+    }
+
+    fn events(&self) -> Vec<Event> {
+        self.events.lock().unwrap().clone()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fixtures.
+
+const MOE_LAYERS: [usize; 3] = [1, 2, 3];
+const N_EXPERTS: usize = 16;
+
+fn convert_fixture() -> (tempfile::TempDir, PathBuf) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepseek_v3/dsv3_b");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("model");
+    convert(&src, &out, &ConvertOptions::default(), &NoProgress).unwrap();
+    (tmp, out)
+}
+
+/// Every record's bytes, read with plain `std::fs::read`.
+fn reference(dir: &ModelDir) -> std::collections::HashMap<(usize, usize), Vec<u8>> {
+    let pack = std::fs::read(dir.expert_pack_path()).unwrap();
+    let mut out = std::collections::HashMap::new();
+    for &l in &MOE_LAYERS {
+        for e in 0..N_EXPERTS {
+            let r = dir.record(l, e);
+            out.insert((l, e), pack[r.offset as usize..(r.offset + r.length) as usize].to_vec());
+        }
+    }
+    out
+}
+
+fn opts(budget: u64, io: IoMode, policy: CachePolicy) -> StoreOptions {
+    StoreOptions {
+        budget,
+        io,
+        policy,
+        pinned: vec![(1, 0), (1, 1), (2, 2), (3, 3), (2, 9), (1, 4)],
+        pinned_fraction: 0.5,
+        prefetch: false,
+        readers: 0,
+    }
+}
+
+/// The I/O modes this machine's temp file system supports (O_DIRECT is refused on tmpfs).
+fn modes(dir: &ModelDir) -> Vec<IoMode> {
+    match ExpertStore::open(dir, StoreOptions::new(0)) {
+        Ok(_) => vec![IoMode::Direct, IoMode::Buffered],
+        Err(e) => {
+            eprintln!("skipping direct I/O: {e}");
+            vec![IoMode::Buffered]
+        }
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    /// `k` distinct experts, skewed towards low ids (so caches get hits).
+    fn experts(&mut self, k: usize) -> Vec<usize> {
+        let mut v = Vec::new();
+        while v.len() < k {
+            let e = if self.below(3) == 0 {
+                self.below(N_EXPERTS)
+            } else {
+                self.below(6)
+            };
+            if !v.contains(&e) {
+                v.push(e);
+            }
+        }
+        v
+    }
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+const RECORD: u64 = 8192;
+
+// ---------------------------------------------------------------------------------------------
+// Tests.
+
+#[test]
+fn names_parse_and_print() {
+    for m in [IoMode::Direct, IoMode::Buffered] {
+        assert_eq!(m.to_string().parse::<IoMode>().unwrap(), m);
+    }
+    for p in [CachePolicy::Lru, CachePolicy::Lfu, CachePolicy::Pinned] {
+        assert_eq!(p.to_string().parse::<CachePolicy>().unwrap(), p);
+    }
+    assert!("uring".parse::<IoMode>().is_err());
+    assert!("fifo".parse::<CachePolicy>().is_err());
+}
+
+/// Every policy × budget {0, one record, half, all} × I/O mode × prefetch returns the pack's
+/// bytes for the same random request sequence, and the cache never exceeds its budget.
+#[test]
+fn every_policy_and_budget_returns_identical_bytes() {
+    let (_tmp, path) = convert_fixture();
+    let dir = ModelDir::open(&path).unwrap();
+    let want = reference(&dir);
+    assert!(want.values().all(|b| b.len() == 4960));
+    let all = RECORD * (MOE_LAYERS.len() * N_EXPERTS) as u64;
+    for io in modes(&dir) {
+        for policy in [CachePolicy::Lru, CachePolicy::Lfu, CachePolicy::Pinned] {
+            for budget in [0, RECORD, all / 2, all] {
+                for prefetch in [false, true] {
+                    let store = ExpertStore::open(
+                        &dir,
+                        StoreOptions {
+                            prefetch,
+                            ..opts(budget, io, policy)
+                        },
+                    )
+                    .unwrap();
+                    assert_eq!(store.record_bytes(), RECORD);
+                    let mut rng = Rng(0x5EED);
+                    let steps = 60;
+                    for _ in 0..steps {
+                        let layer = MOE_LAYERS[rng.below(3)];
+                        let experts = rng.experts(4);
+                        let guess = rng.experts(4);
+                        store.prefetch(MOE_LAYERS[rng.below(3)], &guess);
+                        let mut seen = [false; 4];
+                        for r in store.fetch(layer, &experts).unwrap() {
+                            let (i, e) = r.unwrap();
+                            assert!(!seen[i]);
+                            seen[i] = true;
+                            assert_eq!(e.bytes(), 4960);
+                            assert_eq!(e.resident_bytes() as u64, RECORD);
+                            assert!(
+                                e.as_bytes() == want[&(layer, experts[i])].as_slice(),
+                                "{io} {policy} budget {budget}: layer {layer} expert {} differs",
+                                experts[i]
+                            );
+                            assert!(store.cached_bytes() <= budget);
+                        }
+                        assert!(seen.iter().all(|&s| s));
+                    }
+                    let c = store.counters();
+                    assert_eq!(c.hits + c.misses, steps * 4, "{c:?}");
+                    if budget == 0 {
+                        assert_eq!(c.hits, 0);
+                        assert_eq!(c.bytes_read_speculative, 0, "nothing to prefetch into");
+                    }
+                    if budget == all {
+                        assert_eq!(c.evictions, 0);
+                        assert!(c.misses <= 48);
+                    }
+                    if !prefetch {
+                        assert_eq!(c.prefetch_issued + c.bytes_read_speculative, 0);
+                    }
+                    assert!(c.predicted_requests > 0);
+                    assert!(store.cached_bytes() <= budget);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn direct_and_buffered_return_identical_bytes() {
+    let (_tmp, path) = convert_fixture();
+    let dir = ModelDir::open(&path).unwrap();
+    let modes = modes(&dir);
+    let mut got: Vec<Vec<Vec<u8>>> = Vec::new();
+    for &io in &modes {
+        let store = ExpertStore::open(&dir, opts(0, io, CachePolicy::Lru)).unwrap();
+        assert_eq!(store.io_mode(), io);
+        let mut v = Vec::new();
+        for &l in &MOE_LAYERS {
+            let all: Vec<usize> = (0..N_EXPERTS).collect();
+            for e in store.get(l, &all).unwrap() {
+                v.push(e.as_bytes().to_vec());
+            }
+        }
+        got.push(v);
+    }
+    let want = reference(&dir);
+    for v in &got {
+        assert_eq!(v.len(), 48);
+        for (i, b) in v.iter().enumerate() {
+            assert_eq!(b, &want[&(MOE_LAYERS[i / N_EXPERTS], i % N_EXPERTS)]);
+        }
+    }
+}
+
+/// The last record ends at EOF, 4960 bytes into its 8192-byte stride: O_DIRECT reads of the
+/// rounded length come back short and must still deliver the record, in one read or in chunks.
+#[test]
+fn short_read_at_end_of_file() {
+    let (_tmp, path) = convert_fixture();
+    let last = {
+        let dir = ModelDir::open(&path).unwrap();
+        let r = dir.record(3, 15);
+        r.offset + r.length
+    };
+    let pack = path.join("experts.pack");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&pack)
+        .unwrap()
+        .set_len(last)
+        .unwrap();
+    let mpath = path.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m["experts"]["bytes"] = serde_json::json!(last);
+    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    let dir = ModelDir::open(&path).unwrap();
+    assert_ne!(last % 4096, 0);
+    let want = reference(&dir);
+    for io in modes(&dir) {
+        let store = ExpertStore::open(&dir, opts(0, io, CachePolicy::Lru)).unwrap();
+        let got = store.get(3, &[15, 14]).unwrap();
+        assert_eq!(got[0].as_bytes(), want[&(3, 15)].as_slice(), "{io}");
+        assert_eq!(got[1].as_bytes(), want[&(3, 14)].as_slice(), "{io}");
+        // Speculative reads in 4 KiB chunks: the second chunk of the last record is short.
+        let store = ExpertStore::open_with(
+            &dir,
+            StoreOptions {
+                prefetch: true,
+                ..opts(RECORD * 4, io, CachePolicy::Lru)
+            },
+            4096,
+        )
+        .unwrap();
+        store.prefetch(3, &[15]);
+        wait_until("prefetch of the last record", || store.cached_bytes() == RECORD);
+        let got = store.get(3, &[15]).unwrap();
+        assert_eq!(got[0].as_bytes(), want[&(3, 15)].as_slice(), "{io} chunked");
+        let c = store.counters();
+        assert_eq!((c.hits, c.prefetch_useful), (1, 1));
+        assert_eq!(c.bytes_read_speculative, 4960, "{io}: one full chunk and one short one");
+    }
+}
+
+#[test]
+fn checksum_failure_names_layer_and_expert() {
+    let (_tmp, path) = convert_fixture();
+    let off = {
+        let dir = ModelDir::open(&path).unwrap();
+        dir.record(2, 7).offset + 100
+    };
+    let pack = path.join("experts.pack");
+    let mut bytes = std::fs::read(&pack).unwrap();
+    bytes[off as usize] ^= 0x40;
+    std::fs::write(&pack, bytes).unwrap();
+    let dir = ModelDir::open(&path).unwrap();
+    for io in modes(&dir) {
+        for prefetch in [false, true] {
+            let store = ExpertStore::open(
+                &dir,
+                StoreOptions {
+                    prefetch,
+                    ..opts(RECORD * 8, io, CachePolicy::Lru)
+                },
+            )
+            .unwrap();
+            store.prefetch(2, &[7]);
+            let results: Vec<_> = store.fetch(2, &[3, 7]).unwrap().collect();
+            assert_eq!(results.len(), 2);
+            let mut errors = 0;
+            for r in results {
+                match r {
+                    Ok((i, _)) => assert_eq!(i, 0),
+                    Err(e) => {
+                        errors += 1;
+                        assert!(
+                            matches!(
+                                e,
+                                EngineError::ExpertChecksum {
+                                    layer: 2,
+                                    expert: 7,
+                                    ..
+                                }
+                            ),
+                            "{e:?}"
+                        );
+                        let msg = e.to_string();
+                        assert!(msg.contains("layer 2, expert 7"), "{msg}");
+                    }
+                }
+            }
+            assert_eq!(errors, 1);
+            // Not cached: asking again fails again.
+            assert!(store.get(2, &[7]).is_err());
+            assert!(store.get(2, &[3]).is_ok());
+        }
+    }
+}
+
+fn fake(n: u32) -> (Key, Arc<Expert>) {
+    let e = Expert {
+        buf: AlignedBuf::zeroed(4096, 4096),
+        len: 4096,
+        layout: Arc::from(Vec::new()),
+        pool: None,
+    };
+    ((1, n), Arc::new(e))
+}
+
+fn insert(c: &mut Cache, n: u32) -> usize {
+    let (k, e) = fake(n);
+    match c.insert(k, e, 0) {
+        Insert::Cached(ev) => ev.len(),
+        Insert::NoRoom => panic!("no room for {n}"),
+    }
+}
+
+fn keys(c: &Cache) -> BTreeSet<u32> {
+    c.keys().into_iter().map(|k| k.1).collect()
+}
+
+/// LRU on a 3-record cache: A B C, use A, +D evicts B, +E evicts C; a held record is skipped.
+#[test]
+fn lru_eviction_order() {
+    let (a, b, c, d, e, f) = (0, 1, 2, 3, 4, 5);
+    let mut cache = Cache::new(CachePolicy::Lru, 3 * 4096, Default::default(), 0);
+    for n in [a, b, c] {
+        assert_eq!(insert(&mut cache, n), 0);
+    }
+    assert!(cache.get(&(1, a)).is_some());
+    assert_eq!(insert(&mut cache, d), 1);
+    assert_eq!(keys(&cache), BTreeSet::from([a, c, d]));
+    assert_eq!(insert(&mut cache, e), 1);
+    assert_eq!(keys(&cache), BTreeSet::from([a, d, e]));
+    // A is now least recent, but held by a caller: D goes instead.
+    let held = cache.get(&(1, a)).map(|x| x.expert.clone()).unwrap();
+    let _ = cache.get(&(1, d));
+    let _ = cache.get(&(1, e));
+    assert_eq!(insert(&mut cache, f), 1);
+    assert_eq!(keys(&cache), BTreeSet::from([a, e, f]));
+    assert_eq!(cache.used(), 3 * 4096);
+    drop(held);
+}
+
+/// LFU-DA on a 3-record cache. A B C inserted (priority 1 each), A used twice (3), B once (2).
+/// +D evicts C (1; age becomes 1, D gets 1+1 = 2). +E: B and D tie at 2, B used longer ago, B
+/// goes (age 2; E = 3). +F evicts D (2; F = 3). +G: A, E, F all at 3, A least recent: the once-hot
+/// A ages out.
+#[test]
+fn lfu_eviction_order() {
+    let (a, b, c, d, e, f, g) = (0, 1, 2, 3, 4, 5, 6);
+    let mut cache = Cache::new(CachePolicy::Lfu, 3 * 4096, Default::default(), 0);
+    for n in [a, b, c] {
+        insert(&mut cache, n);
+    }
+    let _ = cache.get(&(1, a));
+    let _ = cache.get(&(1, a));
+    let _ = cache.get(&(1, b));
+    insert(&mut cache, d);
+    assert_eq!(keys(&cache), BTreeSet::from([a, b, d]));
+    insert(&mut cache, e);
+    assert_eq!(keys(&cache), BTreeSet::from([a, d, e]));
+    insert(&mut cache, f);
+    assert_eq!(keys(&cache), BTreeSet::from([a, e, f]));
+    insert(&mut cache, g);
+    assert_eq!(keys(&cache), BTreeSet::from([e, f, g]));
+}
+
+#[test]
+fn cache_refuses_rather_than_evicting_held_records() {
+    let mut cache = Cache::new(CachePolicy::Lru, 2 * 4096, Default::default(), 0);
+    let (ka, a) = fake(0);
+    let (kb, b) = fake(1);
+    assert!(matches!(cache.insert(ka, a.clone(), 0), Insert::Cached(_)));
+    assert!(matches!(cache.insert(kb, b.clone(), 0), Insert::Cached(_)));
+    let (kc, c) = fake(2);
+    assert!(matches!(cache.insert(kc, c, 0), Insert::NoRoom));
+    assert_eq!(keys(&cache), BTreeSet::from([0, 1]));
+    drop(a);
+    let (kc, c) = fake(2);
+    assert!(matches!(cache.insert(kc, c, 0), Insert::Cached(ref v) if v.len() == 1));
+    assert_eq!(keys(&cache), BTreeSet::from([1, 2]));
+    drop(b);
+}
+
+#[test]
+fn pinned_entries_survive() {
+    let (_tmp, path) = convert_fixture();
+    let dir = ModelDir::open(&path).unwrap();
+    for io in modes(&dir) {
+        // 4 records: the pinned tier takes (1,0) and (1,1); (2,2) does not fit in half.
+        let store = ExpertStore::open(&dir, opts(RECORD * 4, io, CachePolicy::Pinned)).unwrap();
+        store.get(1, &[0, 1, 2]).unwrap();
+        let mut rng = Rng(7);
+        for _ in 0..40 {
+            let layer = MOE_LAYERS[rng.below(3)];
+            let experts: Vec<usize> = rng.experts(4).into_iter().map(|e| (e + 2) % N_EXPERTS).collect();
+            let experts: Vec<usize> = experts.into_iter().filter(|&e| !(layer == 1 && e < 2)).collect();
+            store.get(layer, &experts).unwrap();
+            assert!(store.cached_bytes() <= RECORD * 4);
+        }
+        let before = store.counters();
+        store.get(1, &[1, 0]).unwrap();
+        let c = store.counters().since(&before);
+        assert_eq!((c.hits, c.misses), (2, 0), "{io}");
+        assert!(store.counters().evictions > 0);
+    }
+    // Warming fills the tier in the background; the warmed records then hit.
+    let store = ExpertStore::open(&dir, opts(RECORD * 4, IoMode::Buffered, CachePolicy::Pinned)).unwrap();
+    assert_eq!(store.warm_pinned(), 2);
+    wait_until("the pinned tier to fill", || store.cached_bytes() == RECORD * 2);
+    store.get(1, &[0, 1]).unwrap();
+    let c = store.counters();
+    assert_eq!(
+        (c.hits, c.misses, c.prefetch_issued, c.bytes_read_speculative),
+        (2, 0, 2, 2 * RECORD)
+    );
+    assert_eq!(store.warm_pinned(), 0, "already cached");
+    // A pinned expert that does not exist is an error, not silently ignored.
+    let bad = StoreOptions {
+        pinned: vec![(0, 1)],
+        ..opts(RECORD * 4, IoMode::Buffered, CachePolicy::Pinned)
+    };
+    let err = ExpertStore::open(&dir, bad).err().unwrap().to_string();
+    assert!(err.contains("pinned expert (layer 0, expert 1)"), "{err}");
+}
+
+/// Speculative reads are slow here (each 4 KiB chunk takes 150 ms); a demand fetch issued
+/// meanwhile completes without waiting for them, and no speculative chunk starts between the
+/// moment demand reads are queued and the moment they finish.
+#[test]
+fn prefetch_never_delays_demand() {
+    let (_tmp, path) = convert_fixture();
+    let dir = ModelDir::open(&path).unwrap();
+    let all = RECORD * 48;
+    let store = ExpertStore::open_with(
+        &dir,
+        StoreOptions {
+            prefetch: true,
+            readers: 8,
+            ..opts(all, IoMode::Buffered, CachePolicy::Lru)
+        },
+        4096,
+    )
+    .unwrap();
+    store.shared.hooks.spec_delay_ms.store(150, Ordering::SeqCst);
+    let predicted: Vec<usize> = (0..8).collect();
+    store.prefetch(3, &predicted);
+    std::thread::sleep(Duration::from_millis(30));
+    let t0 = Instant::now();
+    let got = store.get(1, &[0, 1, 2, 3]).unwrap();
+    let waited = t0.elapsed();
+    assert_eq!(got.len(), 4);
+    assert!(waited < Duration::from_millis(120), "demand waited {waited:?}");
+    let ev = store.shared.hooks.events();
+    let first = ev
+        .iter()
+        .position(|e| matches!(e, Event::DemandQueued((1, _))))
+        .unwrap();
+    let last = ev.iter().rposition(|e| matches!(e, Event::DemandDone((1, _)))).unwrap();
+    assert!(first < last);
+    assert!(
+        !ev[first..last].iter().any(|e| matches!(e, Event::SpecChunk(_))),
+        "a speculative chunk started while demand reads were pending: {:?}",
+        &ev[first..=last]
+    );
+    assert!(
+        ev[..first].iter().any(|e| matches!(e, Event::SpecChunk(_))),
+        "prefetch had started"
+    );
+    wait_until("prefetch to finish", || store.cached_bytes() == RECORD * 12);
+    let before = store.counters();
+    store.get(3, &[0, 1, 2, 3, 9]).unwrap();
+    let c = store.counters();
+    let d = c.since(&before);
+    assert_eq!((d.hits, d.misses, d.prefetch_useful), (4, 1, 4));
+    assert_eq!(c.prefetch_issued, 8);
+    assert_eq!(c.bytes_read_speculative, 8 * RECORD);
+    assert_eq!((c.predicted_requests, c.predicted_correct), (5, 4));
+    assert!((c.prefetch_recall() - 0.8).abs() < 1e-12);
+}
+
+/// A demand request for an expert whose speculative read has started joins that read: the
+/// record is read once, and counts as a useful prefetch.
+#[test]
+fn demand_joins_running_prefetch_without_reading_twice() {
+    let (_tmp, path) = convert_fixture();
+    let dir = ModelDir::open(&path).unwrap();
+    for io in modes(&dir) {
+        let store = ExpertStore::open(
+            &dir,
+            StoreOptions {
+                prefetch: true,
+                ..opts(RECORD * 8, io, CachePolicy::Lru)
+            },
+        )
+        .unwrap();
+        let hooks = &store.shared.hooks;
+        hooks.close_gate();
+        store.prefetch(2, &[5]);
+        wait_until("the speculative read to start", || {
+            hooks.events().contains(&Event::SpecChunk((2, 5)))
+        });
+        let fetch = store.fetch(2, &[5, 6]).unwrap();
+        hooks.open_gate();
+        let got = fetch.in_order().unwrap();
+        assert_eq!(got.len(), 2);
+        let c = store.counters();
+        assert_eq!(
+            (c.hits, c.misses, c.prefetch_issued, c.prefetch_useful),
+            (0, 2, 1, 1),
+            "{io}"
+        );
+        assert_eq!(c.bytes_read_speculative, RECORD, "{io}");
+        assert_eq!(c.bytes_read_demand, RECORD, "{io}: only (2, 6) read on demand");
+        assert_eq!(c.prefetch_wasted_bytes, 0);
+        let spec_chunks = hooks
+            .events()
+            .iter()
+            .filter(|e| matches!(e, Event::SpecChunk(_)))
+            .count();
+        assert_eq!(spec_chunks, 1);
+    }
+}
+
+/// A demand request for an expert whose speculative read is still queued takes it over as a
+/// demand read and completes even while every running speculative read is stuck.
+#[test]
+fn demand_promotes_queued_prefetch() {
+    let (_tmp, path) = convert_fixture();
+    let dir = ModelDir::open(&path).unwrap();
+    let store = ExpertStore::open(
+        &dir,
+        StoreOptions {
+            prefetch: true,
+            readers: 8,
+            ..opts(RECORD * 48, IoMode::Buffered, CachePolicy::Lru)
+        },
+    )
+    .unwrap();
+    let hooks = &store.shared.hooks;
+    hooks.close_gate();
+    let predicted: Vec<usize> = (0..8).collect();
+    store.prefetch(3, &predicted);
+    // At most readers / 2 = 4 speculative reads run; the other 4 stay queued.
+    wait_until("four speculative reads to start", || {
+        hooks
+            .events()
+            .iter()
+            .filter(|e| matches!(e, Event::SpecChunk(_)))
+            .count()
+            == 4
+    });
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(hooks.events().len(), 4);
+    let got = store.get(3, &[7]).unwrap();
+    assert_eq!(got.len(), 1);
+    let c = store.counters();
+    assert_eq!((c.misses, c.prefetch_useful, c.bytes_read_demand), (1, 0, RECORD));
+    hooks.open_gate();
+    wait_until("prefetch to finish", || store.cached_bytes() == RECORD * 8);
+    let c = store.counters();
+    assert_eq!(c.bytes_read_speculative, 7 * RECORD);
+    assert_eq!(c.bytes_read(), 8 * RECORD);
+}
+
+/// Speculative records evicted before use count as wasted bytes.
+#[test]
+fn unused_prefetch_counts_as_wasted_when_evicted() {
+    let (_tmp, path) = convert_fixture();
+    let dir = ModelDir::open(&path).unwrap();
+    let store = ExpertStore::open(
+        &dir,
+        StoreOptions {
+            prefetch: true,
+            ..opts(RECORD * 2, IoMode::Buffered, CachePolicy::Lru)
+        },
+    )
+    .unwrap();
+    store.prefetch(1, &[0, 1]);
+    wait_until("prefetch", || store.cached_bytes() == RECORD * 2);
+    store.get(1, &[1]).unwrap();
+    store.get(2, &[0, 1]).unwrap();
+    let c = store.counters();
+    assert_eq!((c.prefetch_issued, c.prefetch_useful, c.evictions), (2, 1, 2));
+    assert_eq!(c.prefetch_wasted_bytes, RECORD, "(1, 0) was evicted unused");
+    assert_eq!((c.predicted_requests, c.predicted_correct), (1, 1));
+}
+
+#[test]
+fn direct_io_refused_is_an_error_not_a_fallback() {
+    let shm = Path::new("/dev/shm");
+    if !shm.is_dir() {
+        eprintln!("no /dev/shm: skipped");
+        return;
+    }
+    let (_tmp, path) = convert_fixture();
+    let tmp = tempfile::tempdir_in(shm).unwrap();
+    let copy = tmp.path().join("model");
+    std::fs::create_dir(&copy).unwrap();
+    for f in std::fs::read_dir(&path).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), copy.join(f.file_name())).unwrap();
+    }
+    let dir = ModelDir::open(&copy).unwrap();
+    match ExpertStore::open(&dir, opts(0, IoMode::Direct, CachePolicy::Lru)) {
+        Ok(_) => eprintln!("/dev/shm accepts O_DIRECT here: skipped"),
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(msg.contains("O_DIRECT") && msg.contains("--io buffered"), "{msg}");
+        }
+    }
+    let store = ExpertStore::open(&dir, opts(0, IoMode::Buffered, CachePolicy::Lru)).unwrap();
+    assert_eq!(store.io_mode(), IoMode::Buffered);
+    assert_eq!(store.get(1, &[0]).unwrap()[0].bytes(), 4960);
+}
+
+#[test]
+fn invalid_requests_are_errors() {
+    let (_tmp, path) = convert_fixture();
+    let dir = ModelDir::open(&path).unwrap();
+    let store = ExpertStore::open(&dir, opts(0, IoMode::Buffered, CachePolicy::Lru)).unwrap();
+    assert!(store.fetch(0, &[0]).is_err(), "layer 0 is dense");
+    assert!(store.fetch(1, &[16]).is_err());
+    store.prefetch(1, &[99]);
+    assert_eq!(store.counters().prefetch_issued, 0);
+    // Duplicates in one request are served once each.
+    let got = store.get(1, &[3, 3]).unwrap();
+    assert_eq!(got[0].as_bytes(), got[1].as_bytes());
+}
+
+/// The model's logits are bit-identical whatever the store does: budget, policy, I/O mode and
+/// next-layer prefetch only change where expert bytes come from.
+#[test]
+fn model_output_is_identical_for_every_store_configuration() {
+    use crate::models::deepseek_v3::DeepseekV3;
+    let (_tmp, path) = convert_fixture();
+    let dir = ModelDir::open(&path).unwrap();
+    let io = *modes(&dir).first().unwrap();
+    let configs = [
+        (0, CachePolicy::Lru, io, false),
+        (RECORD * 48, CachePolicy::Lfu, IoMode::Buffered, true),
+        (RECORD, CachePolicy::Pinned, io, true),
+        (RECORD * 24, CachePolicy::Lru, IoMode::Buffered, true),
+        (RECORD * 24, CachePolicy::Pinned, io, false),
+    ];
+    let mut first: Option<Vec<Vec<u32>>> = None;
+    for (budget, policy, io, prefetch) in configs {
+        let model = DeepseekV3::load_with(
+            &dir,
+            StoreOptions {
+                prefetch,
+                ..opts(budget, io, policy)
+            },
+        )
+        .unwrap();
+        let mut cache = model.new_cache();
+        let mut bits = Vec::new();
+        for t in [0u32, 5, 17, 3, 5, 9, 17, 0] {
+            let (logits, _) = model.forward(&mut cache, t).unwrap();
+            bits.push(logits.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
+        }
+        let c = model.store.counters();
+        assert_eq!(c.predicted_requests > 0, prefetch, "{c:?}");
+        match &first {
+            None => first = Some(bits),
+            Some(f) => assert!(f == &bits, "{budget} {policy} {io} prefetch {prefetch}: logits differ"),
+        }
+    }
+}

@@ -1,0 +1,474 @@
+//! A generation session: one KV cache reused across requests by longest common token prefix,
+//! step-wise decoding with cancellation, sampling, stop strings matched across token
+//! boundaries, and per-token log-probabilities.
+//!
+//! Reuse is exact: a cached position's latent depends only on the tokens before it, so keeping
+//! the cache of a shared prefix and running only the rest gives bit-identical logits to a fresh
+//! run (`tests::reuse_is_exact` and the server's tests check the greedy output).
+//!
+//! Text flows token → [`deltafin_tokenizer::StreamDecoder`] (never splits a UTF-8 character)
+//! → [`StopMatcher`] (holds back any tail that could start a stop string) → the caller, so the
+//! streamed pieces concatenate to exactly the final text and a stop string never leaks.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use deltafin_tokenizer::{Tokenizer, TokenizerError};
+
+use crate::experts::StoreCounters;
+use crate::generate::GenerateStats;
+use crate::models::deepseek_v3::{DeepseekV3, KvCache};
+use crate::sampler::{logprob_of, top_logprobs, Sampler, SamplingParams};
+use crate::EngineError;
+
+/// One generation's settings.
+#[derive(Debug, Clone, Default)]
+pub struct GenerationRequest {
+    /// Prompt token ids (non-empty, each below the model's vocabulary size).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (≥ 1).
+    pub max_new_tokens: usize,
+    /// How to choose tokens (default: greedy).
+    pub sampling: SamplingParams,
+    /// Stop strings: generation ends when the text contains one; the stop string and anything
+    /// after it are not part of the output. Empty strings are ignored.
+    pub stop: Vec<String>,
+    /// Keep generating after an end-of-sequence token.
+    pub ignore_eos: bool,
+    /// `Some(n)`: report each chosen token's log-probability and the `n` most likely
+    /// alternatives.
+    pub logprobs: Option<usize>,
+}
+
+/// A chosen token's log-probability with the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The chosen id.
+    pub id: u32,
+    /// Its text (special tokens spelled out; a partial UTF-8 character as U+FFFD).
+    pub token: String,
+    /// `log_softmax(logits)[id]` (natural log).
+    pub logprob: f32,
+    /// The most likely tokens `(id, text, logprob)`, most likely first.
+    pub top: Vec<(u32, String, f32)>,
+}
+
+/// What one decode step (or the final flush) produced.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Delta {
+    /// The token chosen at this step; `None` for the final flush of held-back text.
+    pub token: Option<u32>,
+    /// Text that became final (possibly empty: an incomplete character or a possible stop
+    /// string prefix is held back).
+    pub text: String,
+    /// The token's log-probability, when requested.
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token was produced.
+    Eos,
+    /// The text reached a stop string (its index in the request).
+    StopString(usize),
+    /// `max_new_tokens` were produced.
+    Length,
+    /// The caller asked to stop (`should_stop` or the delta callback returned false).
+    Cancelled,
+}
+
+/// What a generation produced.
+#[derive(Debug, Clone)]
+pub struct GenerationOutput {
+    /// The generated text (stop strings and special tokens excluded); equals the concatenation
+    /// of every delta's text.
+    pub text: String,
+    /// Every generated id, including an end-of-sequence id and the token that completed a stop
+    /// string.
+    pub generated_ids: Vec<u32>,
+    /// Why it ended.
+    pub finish: FinishReason,
+    /// Prompt tokens of the request.
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV-cache entries were reused from the previous request.
+    pub reused_tokens: usize,
+    /// Timing and expert-store statistics (`prompt_tokens` counts the whole prompt; the
+    /// prefill rate covers the tokens actually run).
+    pub stats: GenerateStats,
+}
+
+/// The model, its tokenizer and one reusable KV cache. Not shared: one generation at a time.
+pub struct Session {
+    model: Arc<DeepseekV3>,
+    tokenizer: Arc<Tokenizer>,
+    eos_token_ids: Vec<u32>,
+    cache: KvCache,
+    /// The tokens whose entries `cache` holds, in order.
+    cached: Vec<u32>,
+}
+
+impl Session {
+    /// A session with an empty cache. `eos_token_ids`: ids that end a generation (see
+    /// [`deltafin_tokenizer::eos_token_ids_union`]).
+    pub fn new(model: Arc<DeepseekV3>, tokenizer: Arc<Tokenizer>, eos_token_ids: Vec<u32>) -> Self {
+        let cache = model.new_cache();
+        Session {
+            model,
+            tokenizer,
+            eos_token_ids,
+            cache,
+            cached: Vec::new(),
+        }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<DeepseekV3> {
+        &self.model
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    /// Context length in tokens (`max_position_embeddings`): prompt plus generated tokens must
+    /// fit in it.
+    pub fn context_length(&self) -> usize {
+        self.model.cfg.max_position_embeddings
+    }
+
+    /// Size of the model's vocabulary (prompt ids must be below it).
+    pub fn vocab_size(&self) -> usize {
+        self.model.cfg.vocab_size
+    }
+
+    /// Cumulative expert-store counters.
+    pub fn counters(&self) -> StoreCounters {
+        self.model.store.counters()
+    }
+
+    /// Tokens currently held in the KV cache.
+    pub fn cached_tokens(&self) -> &[u32] {
+        &self.cached
+    }
+
+    /// Drops the KV cache.
+    pub fn reset(&mut self) {
+        self.cache = self.model.new_cache();
+        self.cached.clear();
+    }
+
+    /// Runs one token at the next position; on failure the cache is reset, because a forward
+    /// pass that failed midway may have appended to some layers only.
+    fn step(&mut self, token: u32) -> Result<Vec<f32>, EngineError> {
+        match self.model.forward(&mut self.cache, token) {
+            Ok((logits, _)) => {
+                self.cached.push(token);
+                Ok(logits)
+            }
+            Err(e) => {
+                self.reset();
+                Err(e)
+            }
+        }
+    }
+
+    fn token_text(&self, id: u32) -> String {
+        self.tokenizer
+            .decode(&[id], false)
+            .unwrap_or_else(|_| format!("<token {id}>"))
+    }
+
+    fn token_logprob(&self, logits: &[f32], id: u32, n: usize) -> TokenLogprob {
+        TokenLogprob {
+            id,
+            token: self.token_text(id),
+            logprob: logprob_of(logits, id),
+            top: top_logprobs(logits, n)
+                .into_iter()
+                .map(|(t, lp)| (t, self.token_text(t), lp))
+                .collect(),
+        }
+    }
+
+    /// Generates from `req.prompt`, reusing the cached prefix it shares with the previous
+    /// request. `should_stop` is checked before every forward pass (prefill and decode), so a
+    /// cancellation takes effect within one step; `on_delta` receives each step's output and
+    /// cancels by returning false.
+    ///
+    /// Errors: empty prompt, `max_new_tokens == 0`, prompt ids outside the vocabulary, prompt
+    /// plus `max_new_tokens` beyond the context length, expert read failures (the cache is then
+    /// reset).
+    pub fn generate(
+        &mut self,
+        req: &GenerationRequest,
+        should_stop: &dyn Fn() -> bool,
+        mut on_delta: impl FnMut(Delta) -> bool,
+    ) -> Result<GenerationOutput, EngineError> {
+        let n_prompt = req.prompt.len();
+        if n_prompt == 0 {
+            return Err(EngineError::Invalid(
+                "the prompt is empty: at least one token is needed".into(),
+            ));
+        }
+        if req.max_new_tokens == 0 {
+            return Err(EngineError::Invalid("max_new_tokens must be at least 1".into()));
+        }
+        let vocab = self.vocab_size();
+        if let Some(&id) = req.prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err(EngineError::TokenOutOfRange { id, vocab_size: vocab });
+        }
+        let ctx = self.context_length();
+        if n_prompt + req.max_new_tokens > ctx {
+            return Err(EngineError::Invalid(format!(
+                "prompt ({n_prompt} tokens) plus max_new_tokens ({}) exceeds the context length {ctx}",
+                req.max_new_tokens
+            )));
+        }
+        let start_counters = self.counters();
+        let t0 = Instant::now();
+
+        // Reuse the longest common prefix, but always run the last prompt token: its logits
+        // choose the first generated token.
+        let common = self
+            .cached
+            .iter()
+            .zip(&req.prompt)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(n_prompt - 1);
+        if self.cache.len() != self.cached.len() {
+            self.reset();
+        }
+        let reused = common.min(self.cached.len());
+        let (kvl, rope) = (self.model.cfg.kv_lora_rank, self.model.cfg.qk_rope_head_dim);
+        self.cache.truncate(reused, kvl, rope);
+        self.cached.truncate(reused);
+
+        let mut out = GenerationOutput {
+            text: String::new(),
+            generated_ids: Vec::new(),
+            finish: FinishReason::Length,
+            prompt_tokens: n_prompt,
+            reused_tokens: reused,
+            stats: GenerateStats {
+                prompt_tokens: n_prompt,
+                ..Default::default()
+            },
+        };
+        let mut logits = Vec::new();
+        for &t in &req.prompt[reused..] {
+            if should_stop() {
+                out.finish = FinishReason::Cancelled;
+                self.finish_stats(&mut out, start_counters, None);
+                return Ok(out);
+            }
+            logits = self.step(t)?;
+        }
+
+        let tokenizer = Arc::clone(&self.tokenizer);
+        let mut decoder = tokenizer.stream_decoder(true);
+        let mut stops = StopMatcher::new(&req.stop);
+        let mut sampler = Sampler::new(req.sampling);
+        let mut steady_start: Option<Instant> = None;
+        let mut finished = false;
+        for step in 0..req.max_new_tokens {
+            if step > 0 {
+                if should_stop() {
+                    out.finish = FinishReason::Cancelled;
+                    finished = true;
+                    break;
+                }
+                if step == 2 {
+                    steady_start = Some(Instant::now());
+                }
+                let last = out.generated_ids[out.generated_ids.len() - 1];
+                logits = self.step(last)?;
+            }
+            let id = sampler.sample(&logits);
+            if step == 0 {
+                out.stats.ttft = t0.elapsed();
+            }
+            out.generated_ids.push(id);
+            let logprob = req.logprobs.map(|n| self.token_logprob(&logits, id, n));
+            if !req.ignore_eos && self.eos_token_ids.contains(&id) {
+                out.finish = FinishReason::Eos;
+                if !on_delta(Delta {
+                    token: Some(id),
+                    text: String::new(),
+                    logprob,
+                }) {
+                    out.finish = FinishReason::Cancelled;
+                    finished = true;
+                }
+                break;
+            }
+            let piece = match decoder.push(id) {
+                Ok(p) => p,
+                // An id the tokenizer does not know (a padded vocabulary row) has no text.
+                Err(TokenizerError::UnknownTokenId { .. }) => String::new(),
+                Err(e) => return Err(e.into()),
+            };
+            let (text, matched) = stops.push(&piece);
+            out.text.push_str(&text);
+            let keep_going = on_delta(Delta {
+                token: Some(id),
+                text,
+                logprob,
+            });
+            if let Some(i) = matched {
+                out.finish = FinishReason::StopString(i);
+                finished = true;
+                break;
+            }
+            if !keep_going {
+                out.finish = FinishReason::Cancelled;
+                finished = true;
+                break;
+            }
+        }
+        if !finished {
+            // Eos or length: flush what the decoder and the stop matcher held back.
+            let tail = decoder.finish()?;
+            let (mut text, matched) = stops.push(&tail);
+            match matched {
+                Some(i) => out.finish = FinishReason::StopString(i),
+                None => text.push_str(&stops.flush()),
+            }
+            if !text.is_empty() {
+                out.text.push_str(&text);
+                on_delta(Delta {
+                    token: None,
+                    text,
+                    logprob: None,
+                });
+            }
+        }
+        self.finish_stats(&mut out, start_counters, steady_start);
+        Ok(out)
+    }
+
+    fn finish_stats(&self, out: &mut GenerationOutput, start: StoreCounters, steady_start: Option<Instant>) {
+        let s = &mut out.stats;
+        s.generated_tokens = out.generated_ids.len();
+        let run = out.prompt_tokens - out.reused_tokens;
+        s.prefill_tokens_per_s = if s.ttft.is_zero() {
+            0.0
+        } else {
+            run as f64 / s.ttft.as_secs_f64()
+        };
+        if let Some(t) = steady_start {
+            s.steady_decode_time = t.elapsed();
+            s.steady_decode_steps = out.generated_ids.len().saturating_sub(2);
+        }
+        s.experts = self.counters().since(&start);
+        s.peak_rss_bytes = crate::mem::peak_rss_bytes();
+        s.finish_reason = match out.finish {
+            FinishReason::Eos => "eos",
+            FinishReason::StopString(_) => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        };
+    }
+}
+
+/// Finds stop strings in streamed text without releasing any part of one.
+///
+/// `push` returns the text that can no longer belong to a stop string: everything except the
+/// longest tail that is a proper prefix of some stop string. When a stop string appears
+/// (possibly across pushes), the text before its earliest occurrence is returned with its index
+/// and the rest is discarded.
+#[derive(Debug, Clone, Default)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    pending: String,
+}
+
+impl StopMatcher {
+    /// A matcher for `stops` (empty strings never match).
+    pub fn new(stops: &[String]) -> Self {
+        StopMatcher {
+            stops: stops.to_vec(),
+            pending: String::new(),
+        }
+    }
+
+    /// Adds text; returns the releasable text and the index of the stop string found, if any.
+    pub fn push(&mut self, text: &str) -> (String, Option<usize>) {
+        self.pending.push_str(text);
+        let found = self
+            .stops
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.is_empty())
+            .filter_map(|(i, s)| self.pending.find(s.as_str()).map(|at| (at, i)))
+            .min();
+        if let Some((at, i)) = found {
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return (out, Some(i));
+        }
+        let hold = self
+            .stops
+            .iter()
+            .map(|s| {
+                (1..s.len())
+                    .rev()
+                    .find(|&k| s.is_char_boundary(k) && self.pending.ends_with(&s[..k]))
+                    .unwrap_or(0)
+            })
+            .max()
+            .unwrap_or(0);
+        let cut = self.pending.len() - hold;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, None)
+    }
+
+    /// Releases whatever is held (no more text will come).
+    pub fn flush(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopMatcher;
+
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, Option<usize>) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut m = StopMatcher::new(&stops);
+        let mut out = String::new();
+        for p in pieces {
+            let (t, hit) = m.push(p);
+            // Nothing released may contain (or end with the start of) a matched stop.
+            out.push_str(&t);
+            if hit.is_some() {
+                return (out, hit);
+            }
+        }
+        out.push_str(&m.flush());
+        (out, None)
+    }
+
+    #[test]
+    fn stop_across_pieces_never_leaks() {
+        assert_eq!(run(&["END"], &["abc E", "N", "D tail"]), ("abc ".into(), Some(0)));
+        assert_eq!(run(&["END"], &["abc E", "N", "x"]), ("abc ENx".into(), None));
+        assert_eq!(run(&["xyz", "b"], &["aab"]), ("aa".into(), Some(1)));
+        assert_eq!(run(&["é!"], &["café", "!"]), ("caf".into(), Some(0)));
+        assert_eq!(run(&[], &["a", "b"]), ("ab".into(), None));
+        assert_eq!(run(&[""], &["a", "b"]), ("ab".into(), None));
+    }
+
+    #[test]
+    fn held_prefix_is_released_when_it_cannot_match() {
+        let stops = vec!["\n\n".to_string()];
+        let mut m = StopMatcher::new(&stops);
+        assert_eq!(m.push("a\n"), ("a".into(), None));
+        assert_eq!(m.push("b"), ("\nb".into(), None));
+        assert_eq!(m.push("\n"), ("".into(), None));
+        assert_eq!(m.push("\n"), ("".into(), Some(0)));
+    }
+}

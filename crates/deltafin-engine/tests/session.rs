@@ -1,0 +1,117 @@
+//! The generation session on the tiny `dsv3_a` fixture: KV-cache reuse gives exactly the ids of
+//! a fresh run, sampling is reproducible by seed, stop strings and cancellation end it.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use deltafin_engine::generate::{generate, GenerateOptions};
+use deltafin_engine::models::DeepseekV3;
+use deltafin_engine::sampler::SamplingParams;
+use deltafin_engine::session::{FinishReason, GenerationRequest, Session};
+use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
+use deltafin_format::ModelDir;
+use deltafin_tokenizer::Tokenizer;
+
+fn session(tmp: &Path) -> Session {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepseek_v3/dsv3_a");
+    let out = tmp.join("m");
+    convert(&src, &out, &ConvertOptions::default(), &NoProgress).unwrap();
+    let tok = Arc::new(Tokenizer::from_dir(&out).unwrap());
+    let eos = deltafin_tokenizer::eos_token_ids_union(&out, &tok).unwrap();
+    let model = Arc::new(DeepseekV3::load(&ModelDir::open(&out).unwrap(), 1 << 20).unwrap());
+    Session::new(model, tok, eos)
+}
+
+fn req(prompt: Vec<u32>, n: usize) -> GenerationRequest {
+    GenerationRequest {
+        prompt,
+        max_new_tokens: n,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn reuse_matches_a_fresh_run_and_the_greedy_loop() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut s = session(tmp.path());
+    let never = || false;
+    let first: Vec<u32> = vec![0, 10, 20, 30, 40, 50];
+    let a = s.generate(&req(first.clone(), 8), &never, |_| true).unwrap();
+    assert_eq!(a.reused_tokens, 0);
+    // The next prompt extends the previous one (prompt + answer + more).
+    let mut second = first.clone();
+    second.extend(&a.generated_ids);
+    second.extend([60, 70]);
+    let reused = s.generate(&req(second.clone(), 12), &never, |_| true).unwrap();
+    assert_eq!(reused.reused_tokens, first.len() + a.generated_ids.len() - 1);
+    s.reset();
+    let fresh = s.generate(&req(second.clone(), 12), &never, |_| true).unwrap();
+    assert_eq!(fresh.reused_tokens, 0);
+    assert_eq!(reused.generated_ids, fresh.generated_ids);
+    // And both equal the plain greedy loop.
+    let opts = GenerateOptions {
+        max_new_tokens: 12,
+        eos_token_ids: vec![],
+        ignore_eos: true,
+        record_logits: false,
+        trace_routes: None,
+    };
+    let plain = generate(s.model(), &second, &opts, |_| true).unwrap();
+    assert_eq!(plain.generated_ids, fresh.generated_ids);
+    // A prompt that diverges early keeps only the shared prefix.
+    let other = s.generate(&req(vec![0, 10, 99], 2), &never, |_| true).unwrap();
+    assert_eq!(other.reused_tokens, 2);
+}
+
+#[test]
+fn seeds_stops_and_cancellation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut s = session(tmp.path());
+    let never = || false;
+    let sampled = |s: &mut Session, seed| {
+        let mut r = req(vec![0, 5, 6, 7], 20);
+        r.sampling = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.9,
+            top_k: 0,
+            seed: Some(seed),
+        };
+        s.generate(&r, &never, |_| true).unwrap().generated_ids
+    };
+    assert_eq!(sampled(&mut s, 3), sampled(&mut s, 3));
+    // Deltas concatenate to the text; a stop string cuts it.
+    let mut streamed = String::new();
+    let full = s
+        .generate(&req(vec![0, 5, 6, 7], 30), &never, |d| {
+            streamed.push_str(&d.text);
+            true
+        })
+        .unwrap();
+    assert_eq!(streamed, full.text);
+    let cut = full.text.char_indices().nth(4).map(|(i, _)| i).unwrap();
+    let stop: String = full.text[cut..].chars().take(2).collect();
+    let at = full.text.find(&stop).unwrap();
+    let mut r = req(vec![0, 5, 6, 7], 30);
+    r.stop = vec![stop];
+    let mut streamed = String::new();
+    let stopped = s
+        .generate(&r, &never, |d| {
+            streamed.push_str(&d.text);
+            true
+        })
+        .unwrap();
+    assert_eq!(stopped.finish, FinishReason::StopString(0));
+    assert_eq!(stopped.text, full.text[..at]);
+    assert_eq!(streamed, stopped.text);
+    // The callback returning false cancels after that step.
+    let mut n = 0;
+    let cancelled = s
+        .generate(&req(vec![0, 5], 30), &never, |_| {
+            n += 1;
+            n < 3
+        })
+        .unwrap();
+    assert_eq!(cancelled.finish, FinishReason::Cancelled);
+    assert_eq!(cancelled.generated_ids.len(), 3);
+}

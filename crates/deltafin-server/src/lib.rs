@@ -1,0 +1,375 @@
+//! deltafin's HTTP API: OpenAI-compatible (`/v1/models`, `/v1/completions`,
+//! `/v1/chat/completions`) and Anthropic Messages (`/v1/messages`) endpoints with server-sent
+//! events, `/health` and Prometheus `/metrics`.
+//!
+//! Threads: the caller's (small) tokio runtime serves HTTP; one dedicated compute thread owns
+//! the engine [`Session`] ([`worker`]). Exactly one generation runs at a time: a second
+//! generation request gets 429 with `Retry-After` while models, health and metrics keep
+//! answering. This crate never touches tensors: it validates requests, renders prompts with
+//! the chat template, and turns the session's deltas into JSON and SSE.
+
+#![deny(missing_docs)]
+
+pub mod anthropic;
+pub mod error;
+pub mod metrics;
+pub mod openai;
+pub mod worker;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use deltafin_engine::session::{Delta, GenerationOutput, GenerationRequest, Session, TokenLogprob};
+use deltafin_tokenizer::{Tokenizer, TokenizerError};
+use serde_json::json;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+pub use error::{ApiError, Flavor};
+use metrics::Metrics;
+use worker::{JobEvent, Worker};
+
+/// Server settings (the `deltafin serve` flags).
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The model id clients must name (`model` field); other ids get 404.
+    pub model_id: String,
+    /// When set, requests must carry `Authorization: Bearer KEY` or `x-api-key: KEY`.
+    pub api_key: Option<String>,
+    /// Upper bound on a request's `max_tokens` (larger values get 400) and the default when a
+    /// request gives none (capped by the context left after the prompt).
+    pub max_tokens: Option<usize>,
+    /// Largest accepted request body, bytes (larger gets 413).
+    pub max_request_bytes: usize,
+    /// Sleep after each decode step: a testing aid (0 in normal use).
+    pub step_delay: Duration,
+}
+
+impl ServerConfig {
+    /// Defaults: no API key, no max_tokens cap, 16 MiB bodies.
+    pub fn new(model_id: impl Into<String>) -> Self {
+        ServerConfig {
+            model_id: model_id.into(),
+            api_key: None,
+            max_tokens: None,
+            max_request_bytes: 16 << 20,
+            step_delay: Duration::ZERO,
+        }
+    }
+}
+
+/// Shared state of the handlers.
+pub struct AppState {
+    pub(crate) config: ServerConfig,
+    pub(crate) tokenizer: Arc<Tokenizer>,
+    pub(crate) context_length: usize,
+    pub(crate) vocab_size: usize,
+    pub(crate) worker: Worker,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) created: u64,
+}
+
+type Shared = Arc<AppState>;
+
+/// Builds the router and starts the compute thread that owns `session`.
+///
+/// Errors: the compute thread could not be spawned.
+pub fn router(config: ServerConfig, session: Session) -> std::io::Result<Router> {
+    let metrics = Arc::new(Metrics::default());
+    let tokenizer = Arc::clone(session.tokenizer());
+    let context_length = session.context_length();
+    let vocab_size = session.vocab_size();
+    let body_limit = config.max_request_bytes;
+    let worker = Worker::start(session, Arc::clone(&metrics), config.step_delay)?;
+    let state: Shared = Arc::new(AppState {
+        config,
+        tokenizer,
+        context_length,
+        vocab_size,
+        worker,
+        metrics,
+        created: unix_now(),
+    });
+    Ok(Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .route("/v1/models", get(openai::list_models))
+        .route("/v1/models/{id}", get(openai::get_model))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
+        .layer(middleware::from_fn_with_state(Arc::clone(&state), count_requests))
+        .layer(DefaultBodyLimit::max(body_limit))
+        .with_state(state))
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves.
+///
+/// Errors: accepting connections failed.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
+}
+
+async fn health() -> Json<serde_json::Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn metrics_text(State(s): State<Shared>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn not_found(req: Request) -> ApiError {
+    let e = ApiError::route_not_found(req.uri().path());
+    if req.uri().path().starts_with("/v1/messages") {
+        e.anthropic()
+    } else {
+        e
+    }
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    let mut e = ApiError::bad_request(format!(
+        "method {} is not allowed on {}",
+        req.method(),
+        req.uri().path()
+    ));
+    e.status = StatusCode::METHOD_NOT_ALLOWED;
+    e
+}
+
+fn flavor_of(path: &str) -> Flavor {
+    if path.starts_with("/v1/messages") {
+        Flavor::Anthropic
+    } else {
+        Flavor::OpenAi
+    }
+}
+
+/// With `--api-key`, everything but `/health` needs `Authorization: Bearer KEY` or
+/// `x-api-key: KEY`.
+async fn auth(State(s): State<Shared>, req: Request, next: Next) -> Response {
+    let Some(key) = s.config.api_key.as_deref() else {
+        return next.run(req).await;
+    };
+    if req.uri().path() == "/health" {
+        return next.run(req).await;
+    }
+    let h = req.headers();
+    let bearer = h
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
+    if bearer == Some(key) || x_api_key == Some(key) {
+        return next.run(req).await;
+    }
+    let e = ApiError::unauthorized();
+    match flavor_of(req.uri().path()) {
+        Flavor::Anthropic => e.anthropic().into_response(),
+        Flavor::OpenAi => e.into_response(),
+    }
+}
+
+async fn count_requests(State(s): State<Shared>, req: Request, next: Next) -> Response {
+    let endpoint = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "other".into());
+    let resp = next.run(req).await;
+    s.metrics.record_request(&endpoint, resp.status().as_u16());
+    resp
+}
+
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// A unique-enough response id: `prefix-<time><counter>` in hex.
+pub(crate) fn new_id(prefix: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    format!("{prefix}{nanos:x}{:04x}", N.fetch_add(1, Ordering::Relaxed) & 0xffff)
+}
+
+impl AppState {
+    /// 404 unless `model` is the served id.
+    pub(crate) fn check_model(&self, model: &str) -> Result<(), ApiError> {
+        if model == self.config.model_id {
+            Ok(())
+        } else {
+            Err(ApiError::model_not_found(model, &self.config.model_id))
+        }
+    }
+
+    /// The generation budget: the request's value (≥ 1, within `--max-tokens`) or the default,
+    /// and prompt plus budget within the context length.
+    pub(crate) fn max_new_tokens(
+        &self,
+        requested: Option<i64>,
+        param: &str,
+        prompt_len: usize,
+    ) -> Result<usize, ApiError> {
+        let ctx = self.context_length;
+        let n = match requested {
+            Some(v) if v < 1 => {
+                return Err(ApiError::invalid_param(
+                    param,
+                    format!("`{param}` must be at least 1, got {v}"),
+                ));
+            }
+            Some(v) => {
+                let v = usize::try_from(v).unwrap_or(usize::MAX);
+                if let Some(cap) = self.config.max_tokens {
+                    if v > cap {
+                        return Err(ApiError::invalid_param(
+                            param,
+                            format!("`{param}` is {v}, above this server's limit of {cap} (--max-tokens)"),
+                        ));
+                    }
+                }
+                v
+            }
+            None => {
+                let left = ctx.saturating_sub(prompt_len).max(1);
+                self.config.max_tokens.map_or(left, |cap| cap.min(left))
+            }
+        };
+        if prompt_len.saturating_add(n) > ctx {
+            return Err(ApiError::bad_request(format!(
+                "This model's maximum context length is {ctx} tokens. However, you requested {} tokens ({prompt_len} in the prompt, {n} for the completion). Please reduce the prompt or `{param}`.",
+                prompt_len.saturating_add(n)
+            ))
+            .param(if requested.is_some() { param } else { "messages" })
+            .code("context_length_exceeded"));
+        }
+        Ok(n)
+    }
+
+    /// Takes the generation slot (429 when busy) and queues `req`.
+    pub(crate) async fn start(&self, req: GenerationRequest) -> Result<UnboundedReceiver<JobEvent>, ApiError> {
+        let permit = self.worker.try_acquire().await.ok_or_else(ApiError::busy)?;
+        self.worker.submit(req, permit).map_err(ApiError::internal)
+    }
+}
+
+/// Maps tokenizer failures on client input (template exceptions, bad messages) to 400.
+pub(crate) fn template_error(e: TokenizerError) -> ApiError {
+    match e {
+        TokenizerError::TemplateException { message } => ApiError::invalid_param(
+            "messages",
+            format!("the chat template rejected the conversation: {message}"),
+        ),
+        other => ApiError::invalid_param(
+            "messages",
+            format!("cannot render the conversation with the chat template: {other}"),
+        ),
+    }
+}
+
+/// A finished non-streaming generation.
+pub(crate) struct Collected {
+    pub output: GenerationOutput,
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+/// Waits for a generation to finish, gathering log-probabilities. Dropping the future (client
+/// gone) drops the receiver, which cancels the generation.
+pub(crate) async fn collect(mut rx: UnboundedReceiver<JobEvent>) -> Result<Collected, ApiError> {
+    let mut logprobs = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            JobEvent::Delta(Delta { logprob, .. }) => logprobs.extend(logprob),
+            JobEvent::Done(Ok(output)) => return Ok(Collected { output, logprobs }),
+            JobEvent::Done(Err(e)) => return Err(ApiError::internal(format!("generation failed: {e}"))),
+        }
+    }
+    Err(ApiError::internal("the generation ended without a result"))
+}
+
+/// Validated sampling settings shared by the endpoints.
+pub(crate) fn sampling(
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    seed: Option<i64>,
+    max_temperature: f64,
+) -> Result<deltafin_engine::sampler::SamplingParams, ApiError> {
+    let temperature = temperature.unwrap_or(0.0);
+    if !(0.0..=max_temperature).contains(&temperature) {
+        return Err(ApiError::invalid_param(
+            "temperature",
+            format!("`temperature` must be between 0 and {max_temperature}, got {temperature}"),
+        ));
+    }
+    let top_p = top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid_param(
+            "top_p",
+            format!("`top_p` must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let top_k = match top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+        Some(k) => {
+            return Err(ApiError::invalid_param(
+                "top_k",
+                format!("`top_k` must be positive (or 0 / -1 for no limit), got {k}"),
+            ))
+        }
+    };
+    Ok(deltafin_engine::sampler::SamplingParams {
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        top_k,
+        seed: seed.map(|s| s as u64),
+    })
+}
+
+/// `stop`: a string or a list of non-empty strings.
+pub(crate) fn stop_strings(v: Option<&serde_json::Value>, param: &str) -> Result<Vec<String>, ApiError> {
+    let bad = || {
+        ApiError::invalid_param(
+            param,
+            format!("`{param}` must be a non-empty string or a list of non-empty strings"),
+        )
+    };
+    match v {
+        None | Some(serde_json::Value::Null) => Ok(Vec::new()),
+        Some(serde_json::Value::String(s)) if !s.is_empty() => Ok(vec![s.clone()]),
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .map(|x| match x {
+                serde_json::Value::String(s) if !s.is_empty() => Ok(s.clone()),
+                _ => Err(bad()),
+            })
+            .collect(),
+        _ => Err(bad()),
+    }
+}

@@ -1,0 +1,576 @@
+//! OpenAI-compatible endpoints: models, completions and chat completions, with streaming.
+//!
+//! Streams follow OpenAI's SSE protocol: `data: <chunk JSON>` events, the first chat delta
+//! carrying the role, the last content chunk carrying `finish_reason` (one chunk is held back
+//! until the next arrives so that it can), with `stream_options.include_usage` one more chunk
+//! with empty `choices` and the `usage`, then `data: [DONE]`, also after an error (sent first
+//! as `data: {"error": {...}}`).
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest, TokenLogprob};
+use futures_util::stream::{self, Stream};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::error::{parse_body, ApiError, Flavor};
+use crate::worker::JobEvent;
+use crate::{collect, new_id, sampling, stop_strings, template_error, unix_now, AppState};
+
+type Shared = Arc<AppState>;
+
+const MAX_TOP_LOGPROBS: i64 = 20;
+
+fn model_object(s: &AppState) -> Value {
+    json!({"id": s.config.model_id, "object": "model", "created": s.created, "owned_by": "deltafin"})
+}
+
+/// `GET /v1/models`.
+pub async fn list_models(State(s): State<Shared>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_object(&s)]}))
+}
+
+/// `GET /v1/models/{id}`.
+pub async fn get_model(State(s): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    s.check_model(&id)?;
+    Ok(Json(model_object(&s)))
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct CompletionRequest {
+    model: String,
+    prompt: Option<Value>,
+    max_tokens: Option<i64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    seed: Option<i64>,
+    n: Option<i64>,
+    stop: Option<Value>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    logprobs: Option<i64>,
+    echo: Option<bool>,
+    ignore_eos: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct ChatRequest {
+    model: String,
+    messages: Option<Vec<Value>>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    seed: Option<i64>,
+    n: Option<i64>,
+    stop: Option<Value>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    logprobs: Option<bool>,
+    top_logprobs: Option<i64>,
+    tools: Option<Value>,
+    ignore_eos: Option<bool>,
+}
+
+fn check_n(n: Option<i64>) -> Result<(), ApiError> {
+    match n {
+        None | Some(1) => Ok(()),
+        Some(n) => Err(ApiError::invalid_param(
+            "n",
+            format!("only `n` = 1 is supported, got {n}"),
+        )),
+    }
+}
+
+/// Prompt as token ids: a string (tokenized with the tokenizer's special tokens, e.g. BOS), a
+/// list of ids, or a one-element list of either.
+fn prompt_ids(s: &AppState, prompt: Option<&Value>) -> Result<Vec<u32>, ApiError> {
+    let bad = |m: &str| ApiError::invalid_param("prompt", m.to_string());
+    let prompt = match prompt {
+        Some(Value::Array(a)) if a.len() == 1 && (a[0].is_string() || a[0].is_array()) => &a[0],
+        Some(p) => p,
+        None => return Err(bad("`prompt` is required")),
+    };
+    let ids: Vec<u32> = match prompt {
+        Value::String(t) => {
+            if t.is_empty() {
+                return Err(bad("`prompt` is empty"));
+            }
+            s.tokenizer
+                .encode(t, true)
+                .map_err(|e| ApiError::invalid_param("prompt", format!("cannot tokenize the prompt: {e}")))?
+        }
+        Value::Array(a) => {
+            if a.is_empty() {
+                return Err(bad("`prompt` is empty"));
+            }
+            if a.iter().any(|x| x.is_string() || x.is_array()) {
+                return Err(bad("only one prompt per request is supported"));
+            }
+            let mut ids = Vec::with_capacity(a.len());
+            for x in a {
+                let id = x
+                    .as_i64()
+                    .ok_or_else(|| bad("`prompt` must be a string or a list of integer token ids"))?;
+                if id < 0 || id as usize >= s.vocab_size {
+                    return Err(bad(&format!(
+                        "token id {id} in `prompt` is out of range: the vocabulary has {} tokens (ids 0..{})",
+                        s.vocab_size,
+                        s.vocab_size - 1
+                    )));
+                }
+                ids.push(id as u32);
+            }
+            ids
+        }
+        _ => return Err(bad("`prompt` must be a string or a list of integer token ids")),
+    };
+    if ids.is_empty() {
+        return Err(bad("`prompt` encodes to zero tokens"));
+    }
+    Ok(ids)
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let r: CompletionRequest = parse_body(body, Flavor::OpenAi)?;
+    s.check_model(&r.model)?;
+    check_n(r.n)?;
+    if r.echo == Some(true) {
+        return Err(ApiError::invalid_param("echo", "`echo` is not supported"));
+    }
+    let logprobs = match r.logprobs {
+        None => None,
+        Some(n) if (0..=MAX_TOP_LOGPROBS).contains(&n) => Some(n as usize),
+        Some(n) => {
+            return Err(ApiError::invalid_param(
+                "logprobs",
+                format!("`logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+            ))
+        }
+    };
+    let sampling = sampling(r.temperature, r.top_p, r.top_k, r.seed, 2.0)?;
+    let stop = stop_strings(r.stop.as_ref(), "stop")?;
+    let prompt = prompt_ids(&s, r.prompt.as_ref())?;
+    let max_new_tokens = s.max_new_tokens(r.max_tokens, "max_tokens", prompt.len())?;
+    let req = GenerationRequest {
+        prompt,
+        max_new_tokens,
+        sampling,
+        stop,
+        ignore_eos: r.ignore_eos.unwrap_or(false),
+        logprobs,
+    };
+    let rx = s.start(req).await?;
+    let meta = Meta {
+        kind: Kind::Completion,
+        id: new_id("cmpl-"),
+        created: unix_now(),
+        model: s.config.model_id.clone(),
+        include_usage: r.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+        logprobs: logprobs.is_some(),
+    };
+    if r.stream.unwrap_or(false) {
+        return Ok(sse(rx, meta).into_response());
+    }
+    let c = collect(rx).await?;
+    let lp = meta.logprobs.then(|| completion_logprobs(&c.logprobs));
+    Ok(Json(json!({
+        "id": meta.id,
+        "object": "text_completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [{
+            "index": 0,
+            "text": c.output.text,
+            "logprobs": lp,
+            "finish_reason": finish_reason(&c.output.finish),
+        }],
+        "usage": usage(&c.output),
+    }))
+    .into_response())
+}
+
+/// Messages checked and made template-ready: `developer` becomes `system`; `content` a string,
+/// a list of text parts (joined in order), or null on an assistant turn with `tool_calls`.
+fn normalize_messages(msgs: &[Value]) -> Result<Vec<Value>, ApiError> {
+    if msgs.is_empty() {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "`messages` must contain at least one message",
+        ));
+    }
+    let mut out = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.iter().enumerate() {
+        let bad = |msg: String| ApiError::invalid_param(&format!("messages[{i}]"), msg);
+        let Some(obj) = m.as_object() else {
+            return Err(bad(format!("messages[{i}] must be an object")));
+        };
+        let mut obj = obj.clone();
+        let role = match obj.get("role").and_then(Value::as_str) {
+            Some("developer") => "system",
+            Some(r @ ("system" | "user" | "assistant" | "tool")) => r,
+            Some(r) => {
+                return Err(bad(format!(
+                    "messages[{i}].role `{r}` is not one of system, developer, user, assistant, tool"
+                )))
+            }
+            None => return Err(bad(format!("messages[{i}].role is required and must be a string"))),
+        }
+        .to_string();
+        obj.insert("role".into(), Value::String(role.clone()));
+        let has_tool_calls = obj
+            .get("tool_calls")
+            .and_then(Value::as_array)
+            .is_some_and(|a| !a.is_empty());
+        let content = match obj.get("content") {
+            Some(Value::String(s)) => Value::String(s.clone()),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for (j, p) in parts.iter().enumerate() {
+                    match (
+                        p.get("type").and_then(Value::as_str),
+                        p.get("text").and_then(Value::as_str),
+                    ) {
+                        (Some("text"), Some(t)) => text.push_str(t),
+                        (Some("text"), None) => {
+                            return Err(bad(format!("messages[{i}].content[{j}].text must be a string")))
+                        }
+                        (t, _) => {
+                            return Err(bad(format!(
+                                "messages[{i}].content[{j}]: only text parts are supported, got type {}",
+                                t.unwrap_or("(none)")
+                            )))
+                        }
+                    }
+                }
+                Value::String(text)
+            }
+            None | Some(Value::Null) if role == "assistant" && has_tool_calls => Value::Null,
+            None | Some(Value::Null) => {
+                return Err(bad(format!(
+                    "messages[{i}].content is required (null only on an assistant message with tool_calls)"
+                )))
+            }
+            Some(_) => {
+                return Err(bad(format!(
+                    "messages[{i}].content must be a string or a list of text parts"
+                )))
+            }
+        };
+        obj.insert("content".into(), content);
+        out.push(Value::Object(obj));
+    }
+    Ok(out)
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(s): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let r: ChatRequest = parse_body(body, Flavor::OpenAi)?;
+    s.check_model(&r.model)?;
+    check_n(r.n)?;
+    let want_logprobs = r.logprobs.unwrap_or(false);
+    let logprobs = match (want_logprobs, r.top_logprobs) {
+        (_, Some(n)) if !(0..=MAX_TOP_LOGPROBS).contains(&n) => {
+            return Err(ApiError::invalid_param(
+                "top_logprobs",
+                format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+            ))
+        }
+        (false, Some(n)) if n > 0 => {
+            return Err(ApiError::invalid_param(
+                "top_logprobs",
+                "`top_logprobs` needs `logprobs: true`",
+            ))
+        }
+        (false, _) => None,
+        (true, n) => Some(n.unwrap_or(0) as usize),
+    };
+    let sampling = sampling(r.temperature, r.top_p, r.top_k, r.seed, 2.0)?;
+    let stop = stop_strings(r.stop.as_ref(), "stop")?;
+    let messages = normalize_messages(r.messages.as_deref().unwrap_or(&[]))?;
+    let template = s.tokenizer.chat_template().ok_or_else(|| {
+        ApiError::bad_request("this model has no chat template; use /v1/completions with a raw prompt")
+    })?;
+    let extra = match &r.tools {
+        Some(t) if !t.is_null() => json!({"tools": t}),
+        _ => Value::Null,
+    };
+    let rendered = template.render(&messages, true, &extra).map_err(template_error)?;
+    let prompt = s
+        .tokenizer
+        .encode(&rendered, false)
+        .map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
+    if prompt.is_empty() {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "the conversation renders to zero tokens",
+        ));
+    }
+    let (requested, param) = match (r.max_completion_tokens, r.max_tokens) {
+        (Some(v), _) => (Some(v), "max_completion_tokens"),
+        (None, v) => (v, "max_tokens"),
+    };
+    let max_new_tokens = s.max_new_tokens(requested, param, prompt.len())?;
+    let req = GenerationRequest {
+        prompt,
+        max_new_tokens,
+        sampling,
+        stop,
+        ignore_eos: r.ignore_eos.unwrap_or(false),
+        logprobs,
+    };
+    let rx = s.start(req).await?;
+    let meta = Meta {
+        kind: Kind::Chat,
+        id: new_id("chatcmpl-"),
+        created: unix_now(),
+        model: s.config.model_id.clone(),
+        include_usage: r.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+        logprobs: logprobs.is_some(),
+    };
+    if r.stream.unwrap_or(false) {
+        return Ok(sse(rx, meta).into_response());
+    }
+    let c = collect(rx).await?;
+    let lp = meta
+        .logprobs
+        .then(|| json!({"content": chat_logprobs(&c.logprobs), "refusal": null}));
+    Ok(Json(json!({
+        "id": meta.id,
+        "object": "chat.completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": c.output.text, "refusal": null},
+            "logprobs": lp,
+            "finish_reason": finish_reason(&c.output.finish),
+        }],
+        "usage": usage(&c.output),
+    }))
+    .into_response())
+}
+
+pub(crate) fn finish_reason(f: &FinishReason) -> &'static str {
+    match f {
+        FinishReason::Length => "length",
+        FinishReason::Eos | FinishReason::StopString(_) | FinishReason::Cancelled => "stop",
+    }
+}
+
+fn usage(o: &GenerationOutput) -> Value {
+    let completion = o.generated_ids.len();
+    json!({
+        "prompt_tokens": o.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": o.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": o.reused_tokens},
+    })
+}
+
+fn chat_logprobs(lps: &[TokenLogprob]) -> Vec<Value> {
+    lps.iter()
+        .map(|t| {
+            json!({
+                "token": t.token,
+                "logprob": t.logprob,
+                "bytes": t.token.as_bytes(),
+                "top_logprobs": t.top.iter().map(|(_, tok, lp)| json!({
+                    "token": tok, "logprob": lp, "bytes": tok.as_bytes(),
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect()
+}
+
+/// The legacy completions shape: parallel lists plus one `{token: logprob}` map per position.
+fn completion_logprobs(lps: &[TokenLogprob]) -> Value {
+    let mut offset = 0usize;
+    let mut offsets = Vec::with_capacity(lps.len());
+    for t in lps {
+        offsets.push(offset);
+        offset += t.token.len();
+    }
+    json!({
+        "tokens": lps.iter().map(|t| t.token.as_str()).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+        "top_logprobs": lps.iter().map(|t| {
+            let mut m = serde_json::Map::new();
+            for (_, tok, lp) in &t.top {
+                m.entry(tok.clone()).or_insert(json!(lp));
+            }
+            Value::Object(m)
+        }).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+struct Meta {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    logprobs: bool,
+}
+
+/// The SSE state machine: queued events out first; then the next job event.
+struct StreamState {
+    rx: UnboundedReceiver<JobEvent>,
+    meta: Meta,
+    queue: VecDeque<Event>,
+    /// The content chunk held back so that the last one can carry `finish_reason`.
+    held_text: String,
+    held_logprobs: Vec<TokenLogprob>,
+    done: bool,
+}
+
+impl StreamState {
+    fn chunk(&self, text: &str, logprobs: &[TokenLogprob], finish: Option<&str>, role: bool) -> Value {
+        let m = &self.meta;
+        let lp = if m.logprobs && !logprobs.is_empty() {
+            match m.kind {
+                Kind::Chat => json!({"content": chat_logprobs(logprobs), "refusal": null}),
+                Kind::Completion => completion_logprobs(logprobs),
+            }
+        } else {
+            Value::Null
+        };
+        let choice = match m.kind {
+            Kind::Chat => {
+                let delta = if role {
+                    json!({"role": "assistant", "content": ""})
+                } else if text.is_empty() && finish.is_some() {
+                    json!({})
+                } else {
+                    json!({"content": text})
+                };
+                json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish})
+            }
+            Kind::Completion => json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}),
+        };
+        let mut c = json!({
+            "id": m.id,
+            "object": if m.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": m.created,
+            "model": m.model,
+            "choices": [choice],
+        });
+        if m.include_usage {
+            c["usage"] = Value::Null;
+        }
+        c
+    }
+
+    fn push_json(&mut self, v: &Value) {
+        self.queue.push_back(Event::default().data(v.to_string()));
+    }
+
+    fn flush_held(&mut self, finish: Option<&str>) {
+        let text = std::mem::take(&mut self.held_text);
+        let lps = std::mem::take(&mut self.held_logprobs);
+        if finish.is_none() && text.is_empty() && lps.is_empty() {
+            return;
+        }
+        let c = self.chunk(&text, &lps, finish, false);
+        self.push_json(&c);
+    }
+
+    fn on_event(&mut self, ev: Option<JobEvent>) {
+        match ev {
+            Some(JobEvent::Delta(d)) => {
+                if !d.text.is_empty() && !self.held_text.is_empty() {
+                    self.flush_held(None);
+                }
+                self.held_text.push_str(&d.text);
+                self.held_logprobs.extend(d.logprob);
+            }
+            Some(JobEvent::Done(Ok(out))) => {
+                self.flush_held(Some(finish_reason(&out.finish)));
+                if self.meta.include_usage {
+                    let m = &self.meta;
+                    let u = json!({
+                        "id": m.id,
+                        "object": if m.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
+                        "created": m.created,
+                        "model": m.model,
+                        "choices": [],
+                        "usage": usage(&out),
+                    });
+                    self.push_json(&u);
+                }
+                self.finish();
+            }
+            Some(JobEvent::Done(Err(e))) => self.fail(&format!("generation failed: {e}")),
+            None => self.fail("the generation ended without a result"),
+        }
+    }
+
+    fn fail(&mut self, message: &str) {
+        self.flush_held(None);
+        let e = ApiError::internal(message).body();
+        self.push_json(&e);
+        self.finish();
+    }
+
+    fn finish(&mut self) {
+        self.queue.push_back(Event::default().data("[DONE]"));
+        self.done = true;
+    }
+}
+
+fn sse(rx: UnboundedReceiver<JobEvent>, meta: Meta) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let mut st = StreamState {
+        rx,
+        meta,
+        queue: VecDeque::new(),
+        held_text: String::new(),
+        held_logprobs: Vec::new(),
+        done: false,
+    };
+    if st.meta.kind == Kind::Chat {
+        let c = st.chunk("", &[], None, true);
+        st.push_json(&c);
+    }
+    let events = stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(e) = st.queue.pop_front() {
+                return Some((Ok(e), st));
+            }
+            if st.done {
+                return None;
+            }
+            let ev = st.rx.recv().await;
+            st.on_event(ev);
+        }
+    });
+    Sse::new(events).keep_alive(KeepAlive::new().interval(Duration::from_secs(5)))
+}

@@ -1,0 +1,514 @@
+//! The server over real HTTP on loopback, against the tiny `dsv3_a` fixture model (random
+//! weights: these tests check protocol and semantics, not prose). Each test starts its own
+//! server; requests go through a minimal HTTP/1.1 client on `std::net::TcpStream`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Barrier, OnceLock};
+use std::time::{Duration, Instant};
+
+use deltafin_engine::models::DeepseekV3;
+use deltafin_engine::session::Session;
+use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
+use deltafin_format::ModelDir;
+use deltafin_server::ServerConfig;
+use deltafin_tokenizer::Tokenizer;
+use serde_json::{json, Value};
+
+const MODEL: &str = "dsv3-a";
+
+fn model_dir() -> &'static Path {
+    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    &DIR.get_or_init(|| {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepseek_v3/dsv3_a");
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join(MODEL);
+        convert(&src, &out, &ConvertOptions::default(), &NoProgress).unwrap();
+        (tmp, out)
+    })
+    .1
+}
+
+/// Starts a server on a free loopback port; it runs until the test process exits.
+fn start(configure: impl FnOnce(&mut ServerConfig)) -> SocketAddr {
+    let dir = model_dir();
+    let tokenizer = Arc::new(Tokenizer::from_dir(dir).unwrap());
+    let eos = deltafin_tokenizer::eos_token_ids_union(dir, &tokenizer).unwrap();
+    let model = Arc::new(DeepseekV3::load(&ModelDir::open(dir).unwrap(), 1 << 20).unwrap());
+    let session = Session::new(model, tokenizer, eos);
+    let mut config = ServerConfig::new(MODEL);
+    configure(&mut config);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            let router = deltafin_server::router(config, session).unwrap();
+            deltafin_server::serve(listener, router, std::future::pending())
+                .await
+                .unwrap();
+        });
+    });
+    addr
+}
+
+struct Resp {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Resp {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+    /// `data:` payloads of an SSE body.
+    fn sse_data(&self) -> Vec<String> {
+        self.body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+fn send(addr: SocketAddr, method: &str, path: &str, body: &[u8], headers: &[(&str, &str)]) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    s
+}
+
+fn read_response(s: TcpStream) -> Resp {
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    let status: u16 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        let (k, v) = l.split_once(':').unwrap();
+        headers.push((k.trim().to_string(), v.trim().to_string()));
+    }
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    let mut body = Vec::new();
+    if chunked {
+        loop {
+            line.clear();
+            r.read_line(&mut line).unwrap();
+            let n = usize::from_str_radix(line.trim(), 16).unwrap();
+            if n == 0 {
+                break;
+            }
+            let mut buf = vec![0u8; n + 2];
+            r.read_exact(&mut buf).unwrap();
+            body.extend_from_slice(&buf[..n]);
+        }
+    } else {
+        r.read_to_end(&mut body).unwrap();
+    }
+    Resp {
+        status,
+        headers,
+        body: String::from_utf8(body).expect("every response is valid UTF-8"),
+    }
+}
+
+fn post(addr: SocketAddr, path: &str, body: &Value) -> Resp {
+    read_response(send(addr, "POST", path, body.to_string().as_bytes(), &[]))
+}
+
+fn get(addr: SocketAddr, path: &str) -> Resp {
+    read_response(send(addr, "GET", path, b"", &[]))
+}
+
+fn metric(addr: SocketAddr, name: &str) -> f64 {
+    let text = get(addr, "/metrics").body;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("{name} not in /metrics"))
+        .parse()
+        .unwrap()
+}
+
+fn assert_openai_error(r: &Resp, status: u16) {
+    assert_eq!(r.status, status, "{}", r.body);
+    let v = r.json();
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    for k in ["type", "param", "code"] {
+        assert!(e.get(k).is_some(), "{v}");
+    }
+}
+
+fn hello() -> Value {
+    json!([{"role": "user", "content": "Hello, who are you?"}])
+}
+
+fn chat_body(max_tokens: usize) -> Value {
+    json!({"model": MODEL, "messages": hello(), "max_tokens": max_tokens, "ignore_eos": true})
+}
+
+#[test]
+fn models_health_metrics() {
+    let a = start(|_| {});
+    assert_eq!(get(a, "/health").json()["status"], "ok");
+    let m = get(a, "/v1/models").json();
+    assert_eq!(m["object"], "list");
+    assert_eq!(m["data"][0]["id"], MODEL);
+    assert_eq!(get(a, &format!("/v1/models/{MODEL}")).json()["object"], "model");
+    assert_openai_error(&get(a, "/v1/models/other"), 404);
+    assert_openai_error(&get(a, "/nowhere"), 404);
+    let metrics = get(a, "/metrics");
+    assert!(metrics.header("content-type").unwrap().starts_with("text/plain"));
+    assert!(metrics.body.contains("# TYPE deltafin_expert_cache_hit_rate gauge"));
+}
+
+#[test]
+fn chat_stream_equals_non_stream_and_ends_with_done() {
+    let a = start(|_| {});
+    let full = post(a, "/v1/chat/completions", &chat_body(12)).json();
+    let text = full["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    assert_eq!(full["choices"][0]["finish_reason"], "length");
+    assert_eq!(full["usage"]["completion_tokens"], 12);
+    let mut body = chat_body(12);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let r = post(a, "/v1/chat/completions", &body);
+    assert_eq!(r.status, 200);
+    assert!(r.header("content-type").unwrap().starts_with("text/event-stream"));
+    let data = r.sse_data();
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 12);
+    let content = &chunks[..chunks.len() - 1];
+    let streamed: String = content
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, text);
+    let last = content.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert!(last["choices"][0]["delta"]["content"]
+        .as_str()
+        .is_some_and(|c| !c.is_empty()));
+    assert!(content[..content.len() - 1]
+        .iter()
+        .all(|c| c["choices"][0]["finish_reason"].is_null()));
+}
+
+#[test]
+fn stop_strings_never_leak() {
+    let a = start(|_| {});
+    let body = json!({"model": MODEL, "prompt": "Tell me a story", "max_tokens": 30, "ignore_eos": true});
+    let text = post(a, "/v1/completions", &body).json()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let chars: Vec<(usize, char)> = text.char_indices().collect();
+    // A 3-character ASCII window whose first occurrence is where we cut.
+    let (at, stop) = (2..chars.len().saturating_sub(3))
+        .map(|i| (chars[i].0, text[chars[i].0..chars[i + 3].0].to_string()))
+        .find(|(at, w)| w.is_ascii() && text.find(w.as_str()) == Some(*at))
+        .expect("an ASCII window");
+    let mut with_stop = body.clone();
+    with_stop["stop"] = json!([stop, "☃never"]);
+    let r = post(a, "/v1/completions", &with_stop).json();
+    assert_eq!(r["choices"][0]["text"], text[..at]);
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    with_stop["stream"] = json!(true);
+    let data = post(a, "/v1/completions", &with_stop).sse_data();
+    let streamed: String = data[..data.len() - 1]
+        .iter()
+        .map(|d| {
+            serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(streamed, text[..at]);
+}
+
+#[test]
+fn seeds_reproduce_and_logprobs_are_reported() {
+    let a = start(|_| {});
+    let mut body = chat_body(16);
+    body["temperature"] = json!(1.0);
+    body["seed"] = json!(7);
+    let x = post(a, "/v1/chat/completions", &body).json()["choices"][0]["message"]["content"].clone();
+    let y = post(a, "/v1/chat/completions", &body).json()["choices"][0]["message"]["content"].clone();
+    assert_eq!(x, y);
+    let mut lp = chat_body(4);
+    lp["logprobs"] = json!(true);
+    lp["top_logprobs"] = json!(3);
+    let r = post(a, "/v1/chat/completions", &lp).json();
+    let content = r["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 4);
+    for t in content {
+        let top = t["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0]["token"], t["token"]);
+        assert!(t["logprob"].as_f64().unwrap() <= 0.0);
+    }
+}
+
+#[test]
+fn client_errors_are_openai_shaped_4xx() {
+    let a = start(|c| c.max_request_bytes = 4096);
+    let raw = |body: &[u8]| read_response(send(a, "POST", "/v1/chat/completions", body, &[]));
+    assert_openai_error(&raw(b"{\"model\": "), 400);
+    assert_openai_error(&raw(b"\"just a string\""), 400);
+    assert_openai_error(&raw(&vec![b' '; 10_000]), 413);
+    let cases = [
+        json!({"model": MODEL, "messages": []}),
+        json!({"model": MODEL, "messages": hello(), "max_tokens": "many"}),
+        json!({"model": MODEL, "messages": hello(), "max_tokens": 0}),
+        json!({"model": MODEL, "messages": hello(), "max_tokens": -1}),
+        json!({"model": MODEL, "messages": hello(), "n": 3}),
+        json!({"model": MODEL, "messages": hello(), "top_logprobs": 30, "logprobs": true}),
+        json!({"model": MODEL, "messages": [{"role": "user"}]}),
+    ];
+    for c in &cases {
+        assert_openai_error(&post(a, "/v1/chat/completions", c), 400);
+    }
+    let too_long = post(a, "/v1/chat/completions", &chat_body(1000));
+    assert_openai_error(&too_long, 400);
+    assert!(too_long.body.contains("128"), "{}", too_long.body);
+    assert_eq!(too_long.json()["error"]["code"], "context_length_exceeded");
+    assert_openai_error(
+        &post(a, "/v1/completions", &json!({"model": MODEL, "prompt": [5, 512]})),
+        400,
+    );
+    assert_openai_error(&post(a, "/v1/completions", &json!({"model": MODEL, "prompt": ""})), 400);
+    assert_openai_error(
+        &post(
+            a,
+            "/v1/chat/completions",
+            &json!({"model": "gpt-4", "messages": hello()}),
+        ),
+        404,
+    );
+    // unknown fields are ignored
+    let mut ok = chat_body(2);
+    ok["some_future_field"] = json!({"a": 1});
+    assert_eq!(post(a, "/v1/chat/completions", &ok).status, 200);
+}
+
+#[test]
+fn api_key_is_required_when_configured() {
+    let a = start(|c| c.api_key = Some("sekrit".into()));
+    assert_eq!(get(a, "/health").status, 200);
+    assert_openai_error(&get(a, "/v1/models"), 401);
+    let ok = read_response(send(a, "GET", "/v1/models", b"", &[("Authorization", "Bearer sekrit")]));
+    assert_eq!(ok.status, 200);
+    let body = json!({"model": MODEL, "max_tokens": 2, "messages": hello()}).to_string();
+    let anth = read_response(send(
+        a,
+        "POST",
+        "/v1/messages",
+        body.as_bytes(),
+        &[("x-api-key", "nope")],
+    ));
+    assert_eq!(anth.status, 401);
+    assert_eq!(anth.json()["type"], "error");
+    assert_eq!(anth.json()["error"]["type"], "authentication_error");
+    let anth = read_response(send(
+        a,
+        "POST",
+        "/v1/messages",
+        body.as_bytes(),
+        &[("x-api-key", "sekrit")],
+    ));
+    assert_eq!(anth.status, 200, "{}", anth.body);
+}
+
+#[test]
+fn anthropic_messages_and_event_sequence() {
+    let a = start(|_| {});
+    let body = json!({"model": MODEL, "max_tokens": 6, "system": "Be brief.", "messages": hello()});
+    let m = post(a, "/v1/messages", &body).json();
+    assert_eq!(m["type"], "message");
+    assert_eq!(m["content"][0]["type"], "text");
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let r = post(a, "/v1/messages", &sbody);
+    let names: Vec<&str> = r.body.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
+    assert_eq!(names[..3], ["message_start", "content_block_start", "ping"]);
+    assert_eq!(
+        names[names.len() - 3..],
+        ["content_block_stop", "message_delta", "message_stop"]
+    );
+    assert!(names[3..names.len() - 3].iter().all(|n| *n == "content_block_delta"));
+    let text: String = r
+        .sse_data()
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter(|v| v["type"] == "content_block_delta")
+        .map(|v| v["delta"]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(text, m["content"][0]["text"].as_str().unwrap());
+    let err = post(a, "/v1/messages", &json!({"model": MODEL, "messages": hello()}));
+    assert_eq!(err.status, 400);
+    assert_eq!(err.json()["error"]["type"], "invalid_request_error");
+}
+
+#[test]
+fn twenty_concurrent_requests_one_runs_the_rest_get_429() {
+    let a = start(|c| c.step_delay = Duration::from_millis(5));
+    let barrier = Arc::new(Barrier::new(20));
+    let handles: Vec<_> = (0..20)
+        .map(|_| {
+            let b = Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                b.wait();
+                post(a, "/v1/chat/completions", &chat_body(80))
+            })
+        })
+        .collect();
+    let resps: Vec<Resp> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let ok = resps.iter().filter(|r| r.status == 200).count();
+    let busy: Vec<&Resp> = resps.iter().filter(|r| r.status == 429).collect();
+    assert_eq!((ok, busy.len()), (1, 19));
+    for r in busy {
+        assert_openai_error(r, 429);
+        assert!(r.header("retry-after").is_some());
+    }
+    assert_eq!(get(a, "/health").status, 200);
+    assert_eq!(post(a, "/v1/chat/completions", &chat_body(2)).status, 200);
+}
+
+#[test]
+fn disconnect_cancels_within_a_step_and_frees_the_slot() {
+    let a = start(|c| c.step_delay = Duration::from_millis(20));
+    let mut body = chat_body(100);
+    body["stream"] = json!(true);
+    let s = send(a, "POST", "/v1/chat/completions", body.to_string().as_bytes(), &[]);
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+    }
+    assert_eq!(metric(a, "deltafin_generation_active"), 1.0);
+    drop(r);
+    let t0 = Instant::now();
+    let next = post(a, "/v1/chat/completions", &chat_body(2));
+    assert_eq!(next.status, 200, "{}", next.body);
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert_eq!(metric(a, "deltafin_generations_cancelled_total"), 1.0);
+    // 100 tokens at 20 ms would take 2 s; far fewer were produced.
+    assert!(metric(a, "deltafin_completion_tokens_total") < 50.0);
+}
+
+#[test]
+fn conversation_reuse_is_exact() {
+    let a = start(|_| {});
+    let turn1 = json!([{"role": "user", "content": "Tell me about the sea."}]);
+    let r1 = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": turn1, "max_tokens": 8, "ignore_eos": true}),
+    )
+    .json();
+    let answer = r1["choices"][0]["message"]["content"].clone();
+    let turn2 = json!([
+        {"role": "user", "content": "Tell me about the sea."},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And the mountains?"},
+    ]);
+    let req = json!({"model": MODEL, "messages": turn2, "max_tokens": 12, "ignore_eos": true});
+    let reused = post(a, "/v1/chat/completions", &req).json();
+    assert!(
+        reused["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 5
+    );
+    // A fresh server computes the same request from scratch.
+    let b = start(|_| {});
+    let fresh = post(b, "/v1/chat/completions", &req).json();
+    assert_eq!(fresh["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(
+        fresh["choices"][0]["message"]["content"],
+        reused["choices"][0]["message"]["content"]
+    );
+    // And the same request again reuses everything but the last prompt token.
+    let again = post(a, "/v1/chat/completions", &req).json();
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            + 1,
+        again["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+    assert_eq!(
+        again["choices"][0]["message"]["content"],
+        reused["choices"][0]["message"]["content"]
+    );
+}
+
+#[test]
+fn non_streaming_disconnect_also_cancels() {
+    let a = start(|c| c.step_delay = Duration::from_millis(20));
+    let s = send(
+        a,
+        "POST",
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": "x", "max_tokens": 100, "ignore_eos": true})
+            .to_string()
+            .as_bytes(),
+        &[],
+    );
+    let t0 = Instant::now();
+    while metric(a, "deltafin_generation_active") != 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    s.shutdown(std::net::Shutdown::Both).unwrap();
+    drop(s);
+    let t0 = Instant::now();
+    let next = post(
+        a,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "y", "max_tokens": 2}),
+    );
+    assert_eq!(next.status, 200, "{}", next.body);
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    assert_eq!(metric(a, "deltafin_generations_cancelled_total"), 1.0);
+}

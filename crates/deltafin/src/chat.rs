@@ -1,0 +1,197 @@
+//! `deltafin chat`: a multi-turn conversation in the terminal with the model's chat template,
+//! streamed output, the KV cache reused between turns, and Ctrl-C stopping the current answer.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use deltafin_engine::models::DeepseekV3;
+use deltafin_engine::sampler::SamplingParams;
+use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest, Session};
+use deltafin_format::ModelDir;
+use deltafin_tokenizer::Tokenizer;
+use serde_json::{json, Value};
+
+use crate::size;
+
+/// Flags of `deltafin chat`.
+#[derive(clap::Args)]
+pub struct ChatArgs {
+    /// Model directory written by `deltafin convert`.
+    #[arg(long)]
+    model: PathBuf,
+    /// A system message opening the conversation.
+    #[arg(long)]
+    system: Option<String>,
+    /// Tokens to generate at most per answer (capped by the context left).
+    #[arg(long, default_value_t = 512)]
+    max_tokens: usize,
+    /// Sampling temperature (0 = greedy, exact).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Seed for sampling.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory).
+    #[arg(long, value_parser = size::parse_size)]
+    ram_budget: Option<u64>,
+}
+
+const HELP: &str =
+    "commands: /stats (statistics of the last answer), /reset (new conversation), /exit; Ctrl-C stops an answer";
+
+/// Runs the conversation loop until `/exit`, end of input or Ctrl-C at the prompt.
+pub fn run(a: &ChatArgs) -> Result<()> {
+    let dir = ModelDir::open(&a.model)?;
+    let budget = a.ram_budget.unwrap_or_else(crate::default_ram_budget);
+    let tokenizer = Arc::new(
+        Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?,
+    );
+    if tokenizer.chat_template().is_none() {
+        bail!(
+            "{} has no chat template in tokenizer_config.json; use `deltafin run`",
+            a.model.display()
+        );
+    }
+    let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
+    let model = Arc::new(DeepseekV3::load(&dir, budget)?);
+    let mut session = Session::new(Arc::clone(&model), Arc::clone(&tokenizer), eos);
+
+    // Ctrl-C during an answer stops it; at the prompt it leaves.
+    let generating = Arc::new(AtomicBool::new(false));
+    let cancel = Arc::new(AtomicBool::new(false));
+    {
+        let (generating, cancel) = (Arc::clone(&generating), Arc::clone(&cancel));
+        ctrlc::set_handler(move || {
+            if generating.load(Ordering::SeqCst) {
+                cancel.store(true, Ordering::SeqCst);
+            } else {
+                eprintln!();
+                std::process::exit(130);
+            }
+        })
+        .context("installing the Ctrl-C handler")?;
+    }
+
+    let fresh = || -> Vec<Value> {
+        a.system
+            .iter()
+            .map(|s| json!({"role": "system", "content": s}))
+            .collect()
+    };
+    let mut messages = fresh();
+    let mut last: Option<GenerationOutput> = None;
+    eprintln!("deltafin chat: {} ({HELP})", a.model.display());
+    let stdin = std::io::stdin();
+    let mut line = String::new();
+    loop {
+        eprint!("> ");
+        line.clear();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            eprintln!();
+            return Ok(());
+        }
+        let input = line.trim_end_matches(['\n', '\r']);
+        match input.trim() {
+            "" => continue,
+            "/exit" | "/quit" => return Ok(()),
+            "/help" => {
+                eprintln!("{HELP}");
+                continue;
+            }
+            "/reset" => {
+                messages = fresh();
+                session.reset();
+                eprintln!("(new conversation)");
+                continue;
+            }
+            "/stats" => {
+                match &last {
+                    Some(o) => {
+                        crate::print_stats(&o.stats, &model, budget, &dir);
+                        eprintln!(
+                            "reused prompt tokens {} of {} (KV cache kept from the previous turn)",
+                            o.reused_tokens, o.prompt_tokens
+                        );
+                    }
+                    None => eprintln!("no answer yet"),
+                }
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(json!({"role": "user", "content": input}));
+        let rendered = match tokenizer.chat_template() {
+            Some(t) => t.render(&messages, true, &Value::Null),
+            None => bail!("no chat template"),
+        };
+        let prompt = match rendered
+            .map_err(anyhow::Error::from)
+            .and_then(|r| Ok(tokenizer.encode(&r, false)?))
+        {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                messages.pop();
+                continue;
+            }
+        };
+        let left = session.context_length().saturating_sub(prompt.len());
+        if left == 0 {
+            eprintln!(
+                "the conversation ({} tokens) fills the context ({} tokens); /reset to start over",
+                prompt.len(),
+                session.context_length()
+            );
+            messages.pop();
+            continue;
+        }
+        let req = GenerationRequest {
+            prompt,
+            max_new_tokens: a.max_tokens.min(left).max(1),
+            sampling: SamplingParams {
+                temperature: a.temperature,
+                top_p: a.top_p,
+                top_k: a.top_k,
+                seed: a.seed,
+            },
+            stop: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        };
+        cancel.store(false, Ordering::SeqCst);
+        generating.store(true, Ordering::SeqCst);
+        let mut stdout = std::io::stdout();
+        let stop = || cancel.load(Ordering::SeqCst);
+        let out = session.generate(&req, &stop, |d| {
+            let _ = stdout.write_all(d.text.as_bytes());
+            let _ = stdout.flush();
+            true
+        });
+        generating.store(false, Ordering::SeqCst);
+        let out = match out {
+            Ok(o) => o,
+            Err(e) => {
+                eprintln!("\nerror: {e}");
+                messages.pop();
+                continue;
+            }
+        };
+        println!();
+        match out.finish {
+            FinishReason::Cancelled => eprintln!("[stopped]"),
+            FinishReason::Length => eprintln!("[length limit: {} tokens]", out.generated_ids.len()),
+            _ => {}
+        }
+        messages.push(json!({"role": "assistant", "content": out.text}));
+        last = Some(out);
+    }
+}

@@ -1,0 +1,127 @@
+//! `deltafin serve`: the OpenAI-compatible and Anthropic Messages HTTP server.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use deltafin_engine::models::DeepseekV3;
+use deltafin_engine::session::Session;
+use deltafin_format::ModelDir;
+use deltafin_server::ServerConfig;
+use deltafin_tokenizer::Tokenizer;
+
+use crate::size;
+
+/// Flags of `deltafin serve`.
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// Model directory written by `deltafin convert`.
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to listen on (loopback by default; use 0.0.0.0 to expose the server).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every request but /health.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Largest `max_tokens` a request may ask for, and the default when it gives none
+    /// (default: whatever the context leaves after the prompt).
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Largest request body, e.g. 1MiB (larger bodies get 413).
+    #[arg(long, value_parser = size::parse_size, default_value = "16MiB")]
+    max_request_bytes: u64,
+    /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory).
+    #[arg(long, value_parser = size::parse_size)]
+    ram_budget: Option<u64>,
+    /// Model id clients send in `model` (default: the model directory's name).
+    #[arg(long)]
+    model_id: Option<String>,
+    /// Testing aid: sleep this many milliseconds after each decode step.
+    #[arg(long, hide = true, default_value_t = 0)]
+    debug_step_delay_ms: u64,
+}
+
+/// Loads the model and serves until Ctrl-C or SIGTERM.
+pub fn run(a: &ServeArgs) -> Result<()> {
+    let dir = ModelDir::open(&a.model)?;
+    let budget = a.ram_budget.unwrap_or_else(crate::default_ram_budget);
+    let tokenizer = Arc::new(
+        Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?,
+    );
+    let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
+    let model = Arc::new(DeepseekV3::load(&dir, budget)?);
+    let model_id = match &a.model_id {
+        Some(id) => id.clone(),
+        None => a
+            .model
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "deltafin".into()),
+    };
+    let context = model.cfg.max_position_embeddings;
+    let session = Session::new(model, tokenizer, eos);
+    let mut config = ServerConfig::new(model_id.clone());
+    config.api_key = a.api_key.clone().filter(|k| !k.is_empty());
+    config.max_tokens = a.max_tokens;
+    config.max_request_bytes = usize::try_from(a.max_request_bytes).unwrap_or(usize::MAX);
+    config.step_delay = Duration::from_millis(a.debug_step_delay_ms);
+
+    // HTTP is light; compute runs on its own thread inside the server.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("deltafin-http")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+            .parse()
+            .or_else(|_| {
+                std::net::ToSocketAddrs::to_socket_addrs(&(a.host.as_str(), a.port))
+                    .ok()
+                    .and_then(|mut it| it.next())
+                    .ok_or(())
+            })
+            .map_err(|_| anyhow::anyhow!("cannot resolve --host {}", a.host))?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("listening on {addr}"))?;
+        let local = listener.local_addr()?;
+        if !local.ip().is_loopback() && config.api_key.is_none() {
+            eprintln!("warning: listening on {local} without --api-key: anyone who can reach it can use the model");
+        }
+        let router = deltafin_server::router(config, session).context("starting the compute thread")?;
+        eprintln!("deltafin serve: model `{model_id}` (context {context} tokens) listening on http://{local}/v1");
+        deltafin_server::serve(listener, router, shutdown_signal()).await?;
+        eprintln!("deltafin serve: stopped");
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

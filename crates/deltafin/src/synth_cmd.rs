@@ -1,0 +1,136 @@
+//! `deltafin synth`: writes a deterministic deltafin model directory with random weights directly
+//! (no source checkpoint), for tests (`tiny`), the demo's shape (`demo`) and benchmarks (`bench`:
+//! a 13.7 GB expert pack in DeepSeek-V3's shape).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use deltafin_format::convert::Progress;
+use deltafin_format::synth::{write_model_dir, Preset, TokenizerFiles, PRESET_NAMES};
+use deltafin_tokenizer::Tokenizer;
+
+use crate::size;
+
+/// The synthetic tokenizer's merge corpus and specials: the demo's, so that `--preset demo`
+/// gives the demo's vocabulary (and hence its embedding shape).
+const CORPUS: &str = "Deltafin keeps the backbone resident and reads only the routed experts the router picks \
+from local storage on demand. The model decides every token: no dropped experts, no lossy substitutes. \
+Mixture-of-Experts language models activate only a few experts per token, so a workstation can run \
+models far larger than its memory, as fast as the storage allows.";
+const BOS: &str = "<|begin_of_sentence|>";
+const EOS: &str = "<|end_of_sentence|>";
+const SPECIALS: &[&str] = &[BOS, EOS, "<|User|>", "<|Assistant|>"];
+const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<|User|>{{ m['content'] }}{% elif m['role'] == 'assistant' %}<|Assistant|>{{ m['content'] }}{{ eos_token }}{% else %}{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|Assistant|>{% endif %}";
+
+#[derive(clap::Args)]
+pub struct SynthArgs {
+    /// Which model: tiny (tests, instant), demo (the demo's shape), bench (13.7 GB expert pack).
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(PRESET_NAMES))]
+    preset: String,
+    /// Output model directory (must not exist or be empty unless --force).
+    #[arg(long)]
+    out: PathBuf,
+    /// Replace an existing model directory.
+    #[arg(long)]
+    force: bool,
+}
+
+struct Bar(indicatif::ProgressBar);
+
+impl Progress for Bar {
+    fn start(&self, total: u64) {
+        self.0.set_length(total);
+    }
+    fn advance(&self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+    fn finish(&self) {
+        self.0.finish_and_clear();
+    }
+}
+
+/// Removes a directory when dropped.
+struct TempDir(PathBuf);
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn run(a: &SynthArgs) -> Result<()> {
+    let t0 = std::time::Instant::now();
+    // The tokenizer is written first (its vocabulary sizes the embeddings) into a scratch
+    // directory beside the output, then copied into the model directory.
+    let parent = match a.out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).with_context(|| format!("creating {}", parent.display()))?;
+    let name = a
+        .out
+        .file_name()
+        .with_context(|| format!("--out {} has no directory name", a.out.display()))?
+        .to_string_lossy()
+        .into_owned();
+    let tok_dir = TempDir(parent.join(format!(".{name}.tokenizer.tmp")));
+    deltafin_tokenizer::synth::write_byte_level_tokenizer(&tok_dir.0, CORPUS, 256, SPECIALS, BOS, EOS, CHAT_TEMPLATE)?;
+    let (vocab, bos, eos) = tokenizer_ids(&tok_dir.0)?;
+    let Some(preset) = Preset::by_name(&a.preset, vocab) else {
+        bail!("unknown preset {:?} (one of {})", a.preset, PRESET_NAMES.join(", "));
+    };
+    let pb = indicatif::ProgressBar::new(0);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    pb.set_message(format!("synth {}", preset.name));
+    let bar = Bar(pb);
+    let tokenizer = TokenizerFiles {
+        dir: tok_dir.0.clone(),
+        bos,
+        eos,
+    };
+    let report = write_model_dir(&a.out, &preset, &tokenizer, a.force, &bar)
+        .with_context(|| format!("synthesizing the {} preset", preset.name))?;
+    bar.0.finish_and_clear();
+    let s = &preset.spec;
+    eprintln!(
+        "synthesized {} -> {} in {:.1} s (RANDOM weights: text output is meaningless)",
+        preset.name,
+        a.out.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    eprintln!(
+        "  {} layers ({} dense), hidden {}, {} routed experts (top-{}, {} groups, top-{} groups) of {} -> {}, vocab {}",
+        s.num_hidden_layers,
+        s.first_k_dense_replace,
+        s.hidden_size,
+        s.n_routed_experts,
+        s.num_experts_per_tok,
+        s.n_group,
+        s.topk_group,
+        s.hidden_size,
+        s.moe_intermediate_size,
+        s.vocab_size
+    );
+    eprintln!(
+        "  backbone {} (int8), expert pack {} ({} MXFP4 records of {} bytes)",
+        size::human(report.backbone_bytes),
+        size::human(report.expert_pack_bytes),
+        report.expert_records,
+        report.record_stride
+    );
+    Ok(())
+}
+
+fn tokenizer_ids(dir: &Path) -> Result<(usize, u32, u32)> {
+    let tok = Tokenizer::from_dir(dir)?;
+    let bos = tok
+        .token_to_id(BOS)
+        .context("synthetic tokenizer lacks its BOS token")?;
+    let eos = tok
+        .token_to_id(EOS)
+        .context("synthetic tokenizer lacks its EOS token")?;
+    Ok((tok.vocab_size(), bos, eos))
+}

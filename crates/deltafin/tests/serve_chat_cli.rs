@@ -1,0 +1,119 @@
+//! `deltafin chat` and `deltafin serve` through the real binary on the tiny `dsv3_a` fixture.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command as StdCommand, Stdio};
+use std::time::{Duration, Instant};
+
+use assert_cmd::Command;
+
+fn bin() -> PathBuf {
+    PathBuf::from(assert_cmd::cargo::cargo_bin!("deltafin"))
+}
+
+fn converted(tmp: &Path) -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepseek_v3/dsv3_a");
+    let out = tmp.join("dsv3-a");
+    Command::new(bin())
+        .arg("convert")
+        .arg(&src)
+        .arg(&out)
+        .assert()
+        .success();
+    out
+}
+
+#[test]
+fn chat_streams_answers_reuses_the_cache_and_prints_stats() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = converted(tmp.path());
+    let out = Command::new(bin())
+        .args(["chat", "--max-tokens", "6", "--model"])
+        .arg(&model)
+        .write_stdin("Hello there\n/stats\nAnd again?\n/stats\n/reset\n/exit\n")
+        .timeout(Duration::from_secs(60))
+        .assert()
+        .success()
+        .get_output()
+        .clone();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches("--- deltafin run ---").count(), 2, "{err}");
+    assert!(err.contains("reused prompt tokens 0 of"), "{err}");
+    // The second turn starts with the first turn's prompt: those tokens are reused.
+    assert!(
+        err.lines()
+            .filter(|l| l.starts_with("reused prompt tokens"))
+            .nth(1)
+            .is_some_and(|l| !l.starts_with("reused prompt tokens 0 ")),
+        "{err}"
+    );
+    assert!(err.contains("(new conversation)"), "{err}");
+}
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn serve_answers_on_loopback_and_reports_bad_flags() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = converted(tmp.path());
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = StdCommand::new(bin())
+        .args(["serve", "--port", &port.to_string(), "--model"])
+        .arg(&model)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut server = Server(child);
+    let mut stderr = BufReader::new(server.0.stderr.take().unwrap());
+    let mut banner = String::new();
+    stderr.read_line(&mut banner).unwrap();
+    assert!(banner.contains(&format!("127.0.0.1:{port}")), "{banner}");
+    assert!(banner.contains("dsv3-a"), "{banner}");
+    let t0 = Instant::now();
+    let body = r#"{"model":"dsv3-a","messages":[{"role":"user","content":"Hi"}],"max_tokens":3}"#;
+    let resp = loop {
+        if let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) {
+            write!(
+                s,
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            let mut r = String::new();
+            s.read_to_string(&mut r).unwrap();
+            break r;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "server did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    assert!(resp.contains("\"chat.completion\""), "{resp}");
+    drop(server);
+
+    // A port in use is a one-line error, not a panic.
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let p = busy.local_addr().unwrap().port().to_string();
+    let out = Command::new(bin())
+        .args(["serve", "--port", &p, "--model"])
+        .arg(&model)
+        .timeout(Duration::from_secs(30))
+        .assert()
+        .failure()
+        .get_output()
+        .clone();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("listening on 127.0.0.1"), "{err}");
+}
