@@ -3,6 +3,7 @@
 mod bench;
 mod chat;
 mod demo;
+mod replay;
 mod serve;
 mod size;
 mod synth_cmd;
@@ -83,6 +84,9 @@ enum Cmd {
     Synth(synth_cmd::SynthArgs),
     /// Benchmark `deltafin run` (fresh process per run, balanced order, ids verified, floor, chart).
     Bench(bench::BenchArgs),
+    /// Measurement: read the experts a router trace chose, token by token, without computing
+    /// (the I/O-only side of the compute/I-O overlap measurement).
+    Replay(replay::ReplayArgs),
 }
 
 #[derive(clap::Args)]
@@ -122,6 +126,10 @@ struct RunArgs {
     /// not equivalent to the model, and every output says so.
     #[arg(long, value_name = "K")]
     experts_per_token: Option<usize>,
+    /// MEASUREMENT ONLY: compute every chosen expert with one resident record per layer and read
+    /// no experts (the compute-only side of the overlap measurement). Output is not the model's.
+    #[arg(long)]
+    compute_only: bool,
     #[command(flatten)]
     store: StoreArgs,
 }
@@ -215,6 +223,7 @@ fn main() -> ExitCode {
         Cmd::Chat(args) => chat::run(&args),
         Cmd::Synth(args) => synth_cmd::run(&args),
         Cmd::Bench(args) => bench::run(&args),
+        Cmd::Replay(args) => replay::run(&args),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -383,7 +392,11 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         .transpose()?;
     let mut logits_guard = RemoveOnDrop(a.logits_out.clone());
     let store_opts = a.store.options(budget)?;
-    let model = DeepseekV3::load_with(&dir, store_opts)?;
+    let mut model = DeepseekV3::load_with(&dir, store_opts)?;
+    if a.compute_only {
+        model.set_compute_only()?;
+        eprintln!("warning: --compute-only: experts are computed with stand-in records; output is not the model's");
+    }
     if a.store.cache_policy == CachePolicy::Pinned {
         model.store.warm_pinned();
     }
@@ -483,6 +496,7 @@ fn stats_json(out: &deltafin_engine::generate::GenerateOutput, model: &DeepseekV
         "cache_policy": model.store.options().policy.to_string(),
         "prefetch": model.store.options().prefetch,
         "non_default_routing": model.non_default_routing(),
+        "compute_only": model.compute_only(),
         "experts_per_token": model.experts_per_token(),
         "ram_budget": budget,
         "finish_reason": s.finish_reason,

@@ -22,7 +22,7 @@ use deltafin_format::{DeepseekV3Config, ModelDir, Rope};
 use deltafin_kernels::{argmax, rms_norm, silu, softmax_inplace, MatRef};
 use rayon::prelude::*;
 
-use crate::experts::{ExpertStore, StoreOptions};
+use crate::experts::{Expert, ExpertStore, StoreOptions};
 use crate::moe::{route, RouterConfig, Routing};
 use crate::rope::{yarn_mscale, RotaryEmbedding};
 use crate::EngineError;
@@ -152,6 +152,9 @@ pub struct DeepseekV3 {
     experts_per_token: AtomicUsize,
     /// Whether to predict the next MoE layer's experts and prefetch them.
     prefetch: bool,
+    /// Compute-only measurement mode: one resident stand-in record per MoE layer (None for dense
+    /// layers); no expert reads. Output is not the model's.
+    compute_only: Option<Vec<Option<Arc<Expert>>>>,
     attention_ns: AtomicU64,
     mlp_ns: AtomicU64,
     forwards: AtomicU64,
@@ -231,6 +234,7 @@ impl DeepseekV3 {
         Ok(DeepseekV3 {
             experts_per_token: AtomicUsize::new(cfg.num_experts_per_tok),
             prefetch,
+            compute_only: None,
             attention_ns: AtomicU64::new(0),
             mlp_ns: AtomicU64::new(0),
             forwards: AtomicU64::new(0),
@@ -284,6 +288,28 @@ impl DeepseekV3 {
         }
         self.experts_per_token.store(k, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// MEASUREMENT ONLY (`--compute-only`): reads one record per MoE layer now and computes every
+    /// chosen expert with it, so a run measures compute with no expert I/O. Output is not the
+    /// model's.
+    pub fn set_compute_only(&mut self) -> Result<(), EngineError> {
+        let c = &self.cfg;
+        let mut v = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            v.push(if c.is_moe_layer(l) {
+                Some(self.store.get(l, &[0])?.remove(0))
+            } else {
+                None
+            });
+        }
+        self.compute_only = Some(v);
+        Ok(())
+    }
+
+    /// Whether compute-only measurement mode is on.
+    pub fn compute_only(&self) -> bool {
+        self.compute_only.is_some()
     }
 
     /// Turns next-layer expert prediction and prefetch on or off.
@@ -470,7 +496,10 @@ impl DeepseekV3 {
         // Issue the reads of every missing chosen expert at once, then predict the next MoE
         // layer's experts by applying its router to this hidden state and prefetch them (the
         // store starts speculative reads only when no demand read is pending).
-        let fetch = self.store.fetch(l, &routing.experts)?;
+        let fetch = match &self.compute_only {
+            Some(_) => None,
+            None => Some(self.store.fetch(l, &routing.experts)?),
+        };
         if self.prefetch {
             if let Some(next) = (l + 1..c.num_hidden_layers).find(|&k| c.is_moe_layer(k)) {
                 let nn = &self.names[next];
@@ -480,16 +509,50 @@ impl DeepseekV3 {
                 self.store.prefetch(next, &predicted.experts);
             }
         }
+        let shared = if c.n_shared_experts > 0 {
+            Some((
+                self.m(&n.shared_gate_proj)?,
+                self.m(&n.shared_up_proj)?,
+                self.m(&n.shared_down_proj)?,
+            ))
+        } else {
+            None
+        };
         // Compute each expert as its record arrives (on the compute pool) while this thread
-        // waits for the others; outs[i] belongs to routing.experts[i] whatever the arrival order.
+        // waits for the others, and the shared experts meanwhile; outs[i] belongs to
+        // routing.experts[i] whatever the arrival order.
         let outs: Vec<std::sync::OnceLock<Vec<f32>>> = routing.experts.iter().map(|_| Default::default()).collect();
+        let shared_out: std::sync::OnceLock<Vec<f32>> = Default::default();
         rayon::in_place_scope(|s| -> Result<(), EngineError> {
-            for r in fetch {
-                let (i, e) = r?;
-                let slot = &outs[i];
+            if let Some((g, u, d)) = shared {
+                let slot = &shared_out;
                 s.spawn(move |_| {
-                    let _ = slot.set(self.mlp(e.matrix(0), e.matrix(1), e.matrix(2), xn));
+                    let _ = slot.set(self.mlp(g, u, d, xn));
                 });
+            }
+            match fetch {
+                Some(fetch) => {
+                    for r in fetch {
+                        let (i, e) = r?;
+                        let slot = &outs[i];
+                        s.spawn(move |_| {
+                            let _ = slot.set(self.mlp(e.matrix(0), e.matrix(1), e.matrix(2), xn));
+                        });
+                    }
+                }
+                None => {
+                    // Compute-only measurement: every chosen expert is computed with this
+                    // layer's resident stand-in record (same shape and cost, different values).
+                    let stand_in = self.compute_only.as_ref().and_then(|v| v[l].clone()).ok_or_else(|| {
+                        EngineError::Invalid(format!("layer {l}: compute-only mode without a resident record"))
+                    })?;
+                    for slot in &outs {
+                        let e = stand_in.clone();
+                        s.spawn(move |_| {
+                            let _ = slot.set(self.mlp(e.matrix(0), e.matrix(1), e.matrix(2), xn));
+                        });
+                    }
+                }
             }
             Ok(())
         })?;
@@ -501,14 +564,8 @@ impl DeepseekV3 {
                 .ok_or_else(|| EngineError::Invalid(format!("layer {l}: an expert output is missing")))?;
             deltafin_kernels::axpy(*w, o, &mut out);
         }
-        if c.n_shared_experts > 0 {
-            let s = self.mlp(
-                self.m(&n.shared_gate_proj)?,
-                self.m(&n.shared_up_proj)?,
-                self.m(&n.shared_down_proj)?,
-                xn,
-            );
-            for (a, b) in out.iter_mut().zip(&s) {
+        if let Some(sh) = shared_out.get() {
+            for (a, b) in out.iter_mut().zip(sh) {
                 *a += b;
             }
         }
