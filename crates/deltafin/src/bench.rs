@@ -59,7 +59,8 @@ pub struct BenchArgs {
     #[arg(long)]
     drop_caches: bool,
     /// Read bandwidth for the storage floor: GB/s (1e9 bytes/s), the JSON written by
-    /// bench/fio-floor.sh, or `fio` to run bench/fio-floor.sh on the model first (root, ~25 s).
+    /// bench/fio-floor.sh, or `fio` to run bench/fio-floor.sh on the model before and after the runs
+    /// and use the mean (~25 s each; FIO_RUNTIME sets fio's seconds).
     #[arg(long, value_name = "GBPS|FILE")]
     floor_bandwidth: Option<String>,
     /// Path of with-memory-limit.sh (default: bench/ of the source tree holding this executable,
@@ -310,11 +311,11 @@ fn find_limit_script(arg: Option<&Path>) -> Result<PathBuf> {
     )
 }
 
-/// Runs bench/fio-floor.sh on the model's expert pack, writing its JSON into `work`.
-fn measure_floor(model: &Path, work: &Path) -> Result<PathBuf> {
+/// Runs bench/fio-floor.sh on the model's expert pack, writing its JSON to `out`.
+fn measure_floor(model: &Path, out: &Path) -> Result<PathBuf> {
     let script = find_bench_script("fio-floor.sh")
         .context("--floor-bandwidth fio: bench/fio-floor.sh not found next to the source tree")?;
-    let out = work.join("fio-floor.json");
+    let out = out.to_path_buf();
     eprintln!("measuring the storage floor: {} {}", script.display(), model.display());
     let status = Command::new("bash")
         .arg(&script)
@@ -432,9 +433,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
     };
 
-    let floor = match a.floor_bandwidth.as_deref() {
+    // `fio`: measured before and after the runs (the disk's speed drifts; both are reported and
+    // their mean is the floor).
+    let fio_mode = a.floor_bandwidth.as_deref() == Some("fio");
+    let mut floor = match a.floor_bandwidth.as_deref() {
         Some("fio") => {
-            let f = measure_floor(&a.model, &work)?;
+            let f = measure_floor(&a.model, &work.join("fio-before.json"))?;
             Some(floor_bandwidth(&f.to_string_lossy())?)
         }
         Some(x) => Some(floor_bandwidth(x)?),
@@ -542,6 +546,18 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         });
     }
 
+    if let (true, Some((before, _))) = (fio_mode, floor.clone()) {
+        let f = measure_floor(&a.model, &work.join("fio-after.json"))?;
+        let (after, src) = floor_bandwidth(&f.to_string_lossy())?;
+        floor = Some((
+            (before + after) / 2.0,
+            format!(
+                "mean of fio before ({:.3} GB/s) and after ({:.3} GB/s) the runs; {src}",
+                before / 1e9,
+                after / 1e9
+            ),
+        ));
+    }
     let reference = verify_ids(&configs, &runs, a.expected_ids.as_deref())?;
     let report = build_report(a, &dir, &configs, &runs, floor.as_ref(), &reference, budget);
     print_table(&report, &configs);
@@ -947,26 +963,32 @@ fn plot_svg(configs: &[Config], runs: &[Run], report: &Value) -> String {
         LEFT + 630.0,
         LEFT + 634.0
     ));
-    for (ci, c) in configs.iter().enumerate() {
-        let y0 = TOP + ci as f64 * PANEL_H + 20.0;
-        let ph = PANEL_H - 60.0;
+    // The median run of a configuration by steady rate.
+    let median_run = |ci: usize| {
         let mut rs: Vec<&Run> = runs.iter().filter(|r| r.config == ci).collect();
         rs.sort_by(|a, b| {
             let k = |r: &Run| r.stats.steady_decode_tokens_per_s.unwrap_or(0.0);
             k(a).total_cmp(&k(b))
         });
-        let Some(run) = rs.get(rs.len() / 2) else { continue };
+        rs.get(rs.len() / 2).copied()
+    };
+    // One y scale for every panel, so configurations compare at a glance.
+    let ymax = (0..configs.len())
+        .filter_map(median_run)
+        .flat_map(|r| r.stats.steps.iter().filter(|s| s.kind == "decode"))
+        .map(|s| {
+            s.seconds
+                .max(s.io_wait_s + s.expert_compute_s + s.attention_s + s.other_s)
+        })
+        .chain((0..configs.len()).filter_map(|ci| report["configs"][ci]["storage_floor_s_per_token"].as_f64()))
+        .fold(1e-9, f64::max)
+        * 1.1;
+    for (ci, c) in configs.iter().enumerate() {
+        let y0 = TOP + ci as f64 * PANEL_H + 20.0;
+        let ph = PANEL_H - 60.0;
+        let Some(run) = median_run(ci) else { continue };
         let steps: Vec<&Step> = run.stats.steps.iter().filter(|s| s.kind == "decode").collect();
         let floor = report["configs"][ci]["storage_floor_s_per_token"].as_f64();
-        let ymax = steps
-            .iter()
-            .map(|s| {
-                s.seconds
-                    .max(s.io_wait_s + s.expert_compute_s + s.attention_s + s.other_s)
-            })
-            .fold(floor.unwrap_or(0.0), f64::max)
-            .max(1e-9)
-            * 1.1;
         let plot_w = W - LEFT - RIGHT;
         s.push_str(&format!(
             "<text x=\"{LEFT}\" y=\"{}\" font-size=\"13\" font-weight=\"bold\">{} (run {}, {} tok/s steady)</text>\n",
