@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::{BufWriter, Seek, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use rayon::prelude::*;
 use serde_json::Value;
@@ -288,79 +288,9 @@ pub fn convert(
     let (cfg, raw) = DeepseekV3Config::from_file(&hf_dir.join("config.json"))?;
     let ck = Checkpoint::open(hf_dir)?;
 
-    if out_dir.exists() {
-        let nonempty = std::fs::read_dir(out_dir).map_err(io(out_dir))?.next().is_some();
-        if nonempty && !opts.force {
-            return Err(FormatError::Output {
-                path: out_dir.into(),
-                message: "output directory exists and is not empty (pass --force to replace it)".into(),
-            });
-        }
-    }
-    let name = out_dir
-        .file_name()
-        .ok_or_else(|| FormatError::Output {
-            path: out_dir.into(),
-            message: "output path has no directory name".into(),
-        })?
-        .to_string_lossy()
-        .into_owned();
-    let parent = match out_dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&parent).map_err(io(&parent))?;
-    let tmp = parent.join(format!(".{name}.partial"));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
-    }
-    std::fs::create_dir(&tmp).map_err(io(&tmp))?;
-    match write_all(&ck, &cfg, raw, hf_dir, &tmp, opts, progress) {
-        Ok(report) => {
-            finalize(&tmp, out_dir, &parent)?;
-            Ok(report)
-        }
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            Err(e)
-        }
-    }
-}
-
-fn finalize(tmp: &Path, out_dir: &Path, parent: &Path) -> Result<(), FormatError> {
-    if out_dir.exists() {
-        // Swap the new directory and the old one in one atomic step, so a crash at any moment
-        // leaves either the old model or the new one at `out_dir`, never neither.
-        exchange(tmp, out_dir).map_err(io(out_dir))?;
-        std::fs::remove_dir_all(tmp).map_err(io(tmp))?;
-    } else {
-        std::fs::rename(tmp, out_dir).map_err(io(out_dir))?;
-    }
-    File::open(parent).and_then(|d| d.sync_all()).map_err(io(parent))?;
-    Ok(())
-}
-
-/// Atomically exchanges two paths (Linux `renameat2(RENAME_EXCHANGE)`).
-fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
-    use std::ffi::CString;
-    use std::os::unix::ffi::OsStrExt;
-    let ca = CString::new(a.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
-    let cb = CString::new(b.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
-    // SAFETY: both arguments are valid NUL-terminated paths relative to the working directory.
-    let r = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            ca.as_ptr(),
-            libc::AT_FDCWD,
-            cb.as_ptr(),
-            libc::RENAME_EXCHANGE,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+    crate::staging::write_dir_atomically(out_dir, opts.force, |tmp| {
+        write_all(&ck, &cfg, raw, hf_dir, tmp, opts, progress)
+    })
 }
 
 #[allow(clippy::too_many_arguments)]

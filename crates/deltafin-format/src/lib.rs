@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod convert;
 pub mod model_dir;
+pub mod staging;
 pub mod synth;
 
 pub use aligned::AlignedBuf;

@@ -367,73 +367,9 @@ pub fn write_model_dir(
 ) -> Result<SynthReport, FormatError> {
     let config = preset.spec.config_json(tokenizer.bos, tokenizer.eos);
     let cfg = DeepseekV3Config::from_value(&config, &out_dir.join("config.json"))?;
-    if out_dir.exists() {
-        let nonempty = std::fs::read_dir(out_dir).map_err(io_err(out_dir))?.next().is_some();
-        if nonempty && !force {
-            return Err(FormatError::Output {
-                path: out_dir.into(),
-                message: "output directory exists and is not empty (pass --force to replace it)".into(),
-            });
-        }
-    }
-    let name = out_dir
-        .file_name()
-        .ok_or_else(|| FormatError::Output {
-            path: out_dir.into(),
-            message: "output path has no directory name".into(),
-        })?
-        .to_string_lossy()
-        .into_owned();
-    let parent = match out_dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
-    let tmp = parent.join(format!(".{name}.partial"));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
-    }
-    std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
-    let written = write_files(&tmp, preset, &cfg, config, tokenizer, progress);
-    match written {
-        Ok(report) => {
-            finalize(&tmp, out_dir, &parent)?;
-            Ok(report)
-        }
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            Err(e)
-        }
-    }
-}
-
-/// Moves the finished `tmp` to `out_dir`; an existing `out_dir` is swapped out atomically
-/// (`renameat2(RENAME_EXCHANGE)`) and then removed, so a crash leaves the old or the new model.
-fn finalize(tmp: &Path, out_dir: &Path, parent: &Path) -> Result<(), FormatError> {
-    if out_dir.exists() {
-        use std::ffi::CString;
-        use std::os::unix::ffi::OsStrExt;
-        let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
-        let (ca, cb) = (c(tmp).map_err(io_err(tmp))?, c(out_dir).map_err(io_err(out_dir))?);
-        // SAFETY: both arguments are valid NUL-terminated paths relative to the working directory.
-        let r = unsafe {
-            libc::renameat2(
-                libc::AT_FDCWD,
-                ca.as_ptr(),
-                libc::AT_FDCWD,
-                cb.as_ptr(),
-                libc::RENAME_EXCHANGE,
-            )
-        };
-        if r != 0 {
-            return Err(io_err(out_dir)(std::io::Error::last_os_error()));
-        }
-        std::fs::remove_dir_all(tmp).map_err(io_err(tmp))?;
-    } else {
-        std::fs::rename(tmp, out_dir).map_err(io_err(out_dir))?;
-    }
-    File::open(parent).and_then(|d| d.sync_all()).map_err(io_err(parent))?;
-    Ok(())
+    crate::staging::write_dir_atomically(out_dir, force, |tmp| {
+        write_files(tmp, preset, &cfg, config, tokenizer, progress)
+    })
 }
 
 /// Whether a backbone tensor stays f32 whatever the matrix dtype (as `convert` decides):

@@ -13,12 +13,21 @@ use deltafin_tokenizer::Tokenizer;
 
 use crate::{cmd_convert, size, BackboneDtype, ExpertDtype};
 
-const CORPUS: &str = "Deltafin keeps the backbone resident and reads only the routed experts the router picks \
+/// Merge corpus of the synthetic byte-level tokenizer (demo and `synth` presets).
+pub(crate) const CORPUS: &str =
+    "Deltafin keeps the backbone resident and reads only the routed experts the router picks \
 from local storage on demand. The model decides every token: no dropped experts, no lossy substitutes. \
 Mixture-of-Experts language models activate only a few experts per token, so a workstation can run \
 models far larger than its memory, as fast as the storage allows.";
 
-const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<|User|>{{ m['content'] }}{% elif m['role'] == 'assistant' %}<|Assistant|>{{ m['content'] }}{{ eos_token }}{% else %}{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|Assistant|>{% endif %}";
+/// Chat template of the synthetic models.
+pub(crate) const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<|User|>{{ m['content'] }}{% elif m['role'] == 'assistant' %}<|Assistant|>{{ m['content'] }}{{ eos_token }}{% else %}{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|Assistant|>{% endif %}";
+
+/// Beginning- and end-of-sequence tokens of the synthetic tokenizer.
+pub(crate) const BOS: &str = "<|begin_of_sentence|>";
+pub(crate) const EOS: &str = "<|end_of_sentence|>";
+/// Special tokens of the synthetic tokenizer, in id order after the byte-level vocabulary.
+pub(crate) const SPECIALS: &[&str] = &[BOS, EOS, "<|User|>", "<|Assistant|>"];
 
 struct TempDir(PathBuf);
 impl Drop for TempDir {
@@ -41,27 +50,10 @@ pub fn run(dir: Option<PathBuf>, max_new_tokens: usize) -> Result<()> {
     eprintln!("deltafin demo: a small DeepSeek-V3-architecture model with RANDOM weights (its text is meaningless).");
     eprintln!("files in {}", root.display());
 
-    deltafin_tokenizer::synth::write_byte_level_tokenizer(
-        &hf,
-        CORPUS,
-        256,
-        &[
-            "<|begin_of_sentence|>",
-            "<|end_of_sentence|>",
-            "<|User|>",
-            "<|Assistant|>",
-        ],
-        "<|begin_of_sentence|>",
-        "<|end_of_sentence|>",
-        CHAT_TEMPLATE,
-    )?;
+    deltafin_tokenizer::synth::write_byte_level_tokenizer(&hf, CORPUS, 256, SPECIALS, BOS, EOS, CHAT_TEMPLATE)?;
     let tok = Tokenizer::from_dir(&hf)?;
-    let bos = tok
-        .token_to_id("<|begin_of_sentence|>")
-        .context("demo tokenizer lacks its BOS token")?;
-    let eos = tok
-        .token_to_id("<|end_of_sentence|>")
-        .context("demo tokenizer lacks its EOS token")?;
+    let bos = tok.token_to_id(BOS).context("demo tokenizer lacks its BOS token")?;
+    let eos = tok.token_to_id(EOS).context("demo tokenizer lacks its EOS token")?;
     let spec = SynthSpec::demo(tok.vocab_size());
     let bytes = write_checkpoint(&hf, &spec, bos, eos)?;
     eprintln!(

@@ -11,16 +11,9 @@ use deltafin_tokenizer::Tokenizer;
 
 use crate::size;
 
-/// The synthetic tokenizer's merge corpus and specials: the demo's, so that `--preset demo`
-/// gives the demo's vocabulary (and hence its embedding shape).
-const CORPUS: &str = "Deltafin keeps the backbone resident and reads only the routed experts the router picks \
-from local storage on demand. The model decides every token: no dropped experts, no lossy substitutes. \
-Mixture-of-Experts language models activate only a few experts per token, so a workstation can run \
-models far larger than its memory, as fast as the storage allows.";
-const BOS: &str = "<|begin_of_sentence|>";
-const EOS: &str = "<|end_of_sentence|>";
-const SPECIALS: &[&str] = &[BOS, EOS, "<|User|>", "<|Assistant|>"];
-const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<|User|>{{ m['content'] }}{% elif m['role'] == 'assistant' %}<|Assistant|>{{ m['content'] }}{{ eos_token }}{% else %}{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|Assistant|>{% endif %}";
+// The synthetic tokenizer is the demo's, so that `--preset demo` gives the demo's vocabulary
+// (and hence its embedding shape).
+use crate::demo::{BOS, CHAT_TEMPLATE, CORPUS, EOS, SPECIALS};
 
 #[derive(clap::Args)]
 pub struct SynthArgs {
