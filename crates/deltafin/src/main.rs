@@ -109,7 +109,7 @@ struct RunArgs {
     /// Keep generating after an end-of-sequence token.
     #[arg(long)]
     ignore_eos: bool,
-    /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory).
+    /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
     #[arg(long, value_parser = size::parse_size)]
     ram_budget: Option<u64>,
     /// Write prompt ids, generated ids and every step's logits as JSON to this file.
@@ -322,23 +322,19 @@ pub(crate) fn cmd_convert(
     Ok(())
 }
 
-/// Default expert cache budget: a quarter of physical memory (`MemTotal`), or 4 GiB if unknown.
+/// Default expert cache budget: a quarter of the memory this process may use, that is of
+/// physical memory (`MemTotal`) or of the memory cgroup's limit when that is lower (cgroup v1
+/// `memory.limit_in_bytes` or v2 `memory.max`, found through `/proc/self/cgroup`); 4 GiB if
+/// neither can be read.
 fn default_ram_budget() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines().find_map(|l| {
-                let kb: u64 = l
-                    .strip_prefix("MemTotal:")?
-                    .trim()
-                    .trim_end_matches("kB")
-                    .trim()
-                    .parse()
-                    .ok()?;
-                Some(kb * 1024 / 4)
-            })
-        })
-        .unwrap_or(4 << 30)
+    let total = deltafin_engine::mem::meminfo_bytes("MemTotal");
+    let limit = deltafin_engine::mem::cgroup_memory_limit();
+    match (total, limit) {
+        (Some(t), Some(l)) => t.min(l) / 4,
+        (Some(t), None) => t / 4,
+        (None, Some(l)) => l / 4,
+        (None, None) => 4 << 30,
+    }
 }
 
 fn cmd_run(a: &RunArgs) -> Result<()> {
