@@ -3,7 +3,12 @@
 /// Reads a `kB` field of `/proc/self/status` (e.g. `VmHWM`, `VmRSS`) in bytes; None where
 /// unavailable.
 pub fn proc_status_bytes(field: &str) -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    kb_field("/proc/self/status", field)
+}
+
+/// Reads `FIELD:   N kB` from a `/proc` file, in bytes.
+fn kb_field(file: &str, field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(file).ok()?;
     s.lines().find_map(|l| {
         let rest = l.strip_prefix(field)?.strip_prefix(':')?;
         let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
@@ -23,12 +28,7 @@ pub fn rss_bytes() -> Option<u64> {
 
 /// Reads a `kB` field of `/proc/meminfo` (e.g. `MemTotal`) in bytes.
 pub fn meminfo_bytes(field: &str) -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    s.lines().find_map(|l| {
-        let rest = l.strip_prefix(field)?.strip_prefix(':')?;
-        let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-        Some(kb * 1024)
-    })
+    kb_field("/proc/meminfo", field)
 }
 
 /// The memory limit of this process's memory cgroup, bytes: cgroup v1 `memory.limit_in_bytes`

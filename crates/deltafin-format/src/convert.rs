@@ -496,15 +496,7 @@ fn write_all(
         tokenizer_files: copied,
         created_by: format!("deltafin {}", env!("CARGO_PKG_VERSION")),
     };
-    let mpath = out.join("manifest.json");
-    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| FormatError::Json {
-        path: mpath.clone(),
-        message: e.to_string(),
-    })?;
-    let mut mf = File::create(&mpath).map_err(io(&mpath))?;
-    mf.write_all(&json).map_err(io(&mpath))?;
-    mf.sync_all().map_err(io(&mpath))?;
-    File::open(out).and_then(|d| d.sync_all()).map_err(io(out))?;
+    crate::model_dir::write_manifest(out, &manifest)?;
     progress.finish();
     Ok(ConvertReport {
         backbone_bytes,

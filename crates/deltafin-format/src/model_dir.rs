@@ -314,6 +314,29 @@ impl ModelDir {
     }
 }
 
+/// Writes `manifest.json` into `dir` and makes it and the directory durable (fsync). Writers call
+/// this last: a directory is a model only once its manifest exists.
+pub fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), FormatError> {
+    use std::io::Write;
+    let io = |p: &Path| {
+        let p = p.to_path_buf();
+        move |e: std::io::Error| FormatError::Io {
+            path: p.clone(),
+            error: e,
+        }
+    };
+    let mpath = dir.join("manifest.json");
+    let json = serde_json::to_vec_pretty(manifest).map_err(|e| FormatError::Json {
+        path: mpath.clone(),
+        message: e.to_string(),
+    })?;
+    let mut mf = File::create(&mpath).map_err(io(&mpath))?;
+    mf.write_all(&json).map_err(io(&mpath))?;
+    mf.sync_all().map_err(io(&mpath))?;
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))?;
+    Ok(())
+}
+
 /// Reads exactly `buf.len()` bytes at `offset`, in chunks (large reads are split by the kernel).
 pub fn read_full_at(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
     const CHUNK: usize = 64 << 20;

@@ -24,7 +24,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::worker::JobEvent;
-use crate::{collect, new_id, sampling, stop_strings, template_error, AppState};
+use crate::{chat_prompt, collect, new_id, sampling, stop_strings, AppState};
 
 type Shared = Arc<AppState>;
 
@@ -128,15 +128,7 @@ async fn run(s: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response,
     let sampling = sampling(r.temperature, r.top_p, r.top_k, None, 1.0)?;
     let stops = stop_strings(r.stop_sequences.as_ref(), "stop_sequences")?;
     let messages = to_chat_messages(&r)?;
-    let template = s
-        .tokenizer
-        .chat_template()
-        .ok_or_else(|| ApiError::bad_request("this model has no chat template"))?;
-    let rendered = template.render(&messages, true, &Value::Null).map_err(template_error)?;
-    let prompt = s
-        .tokenizer
-        .encode(&rendered, false)
-        .map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
+    let prompt = chat_prompt(&s, messages, Value::Null).await?;
     let max_new_tokens = s.max_new_tokens(Some(r.max_tokens), "max_tokens", prompt.len())?;
     let prompt_tokens = prompt.len();
     let req = GenerationRequest {

@@ -292,6 +292,44 @@ pub(crate) fn template_error(e: TokenizerError) -> ApiError {
     }
 }
 
+/// Runs `f` (tokenization, template rendering: CPU work proportional to the prompt) on the
+/// blocking pool so that the HTTP runtime keeps answering.
+pub(crate) async fn off_runtime<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("preparing the prompt failed: {e}")))?
+}
+
+/// Renders `messages` with the chat template (generation prompt appended; `extra`: template
+/// variables such as `tools`) and tokenizes the result.
+pub(crate) async fn chat_prompt(
+    s: &Arc<AppState>,
+    messages: Vec<serde_json::Value>,
+    extra: serde_json::Value,
+) -> Result<Vec<u32>, ApiError> {
+    let s = Arc::clone(s);
+    off_runtime(move || {
+        let template = s.tokenizer.chat_template().ok_or_else(|| {
+            ApiError::bad_request("this model has no chat template; use /v1/completions with a raw prompt")
+        })?;
+        let rendered = template.render(&messages, true, &extra).map_err(template_error)?;
+        let prompt = s
+            .tokenizer
+            .encode(&rendered, false)
+            .map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
+        if prompt.is_empty() {
+            return Err(ApiError::invalid_param(
+                "messages",
+                "the conversation renders to zero tokens",
+            ));
+        }
+        Ok(prompt)
+    })
+    .await
+}
+
 /// A finished non-streaming generation.
 pub(crate) struct Collected {
     pub output: GenerationOutput,

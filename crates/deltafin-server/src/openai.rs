@@ -25,7 +25,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::worker::JobEvent;
-use crate::{collect, new_id, sampling, stop_strings, template_error, unix_now, AppState};
+use crate::{chat_prompt, collect, new_id, off_runtime, sampling, stop_strings, unix_now, AppState};
 
 type Shared = Arc<AppState>;
 
@@ -169,7 +169,10 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
     };
     let sampling = sampling(r.temperature, r.top_p, r.top_k, r.seed, 2.0)?;
     let stop = stop_strings(r.stop.as_ref(), "stop")?;
-    let prompt = prompt_ids(&s, r.prompt.as_ref())?;
+    let prompt = {
+        let (st, p) = (Arc::clone(&s), r.prompt.clone());
+        off_runtime(move || prompt_ids(&st, p.as_ref())).await?
+    };
     let max_new_tokens = s.max_new_tokens(r.max_tokens, "max_tokens", prompt.len())?;
     let req = GenerationRequest {
         prompt,
@@ -310,24 +313,11 @@ pub async fn chat_completions(
     let sampling = sampling(r.temperature, r.top_p, r.top_k, r.seed, 2.0)?;
     let stop = stop_strings(r.stop.as_ref(), "stop")?;
     let messages = normalize_messages(r.messages.as_deref().unwrap_or(&[]))?;
-    let template = s.tokenizer.chat_template().ok_or_else(|| {
-        ApiError::bad_request("this model has no chat template; use /v1/completions with a raw prompt")
-    })?;
     let extra = match &r.tools {
         Some(t) if !t.is_null() => json!({"tools": t}),
         _ => Value::Null,
     };
-    let rendered = template.render(&messages, true, &extra).map_err(template_error)?;
-    let prompt = s
-        .tokenizer
-        .encode(&rendered, false)
-        .map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
-    if prompt.is_empty() {
-        return Err(ApiError::invalid_param(
-            "messages",
-            "the conversation renders to zero tokens",
-        ));
-    }
+    let prompt = chat_prompt(&s, messages, extra).await?;
     let (requested, param) = match (r.max_completion_tokens, r.max_tokens) {
         (Some(v), _) => (Some(v), "max_completion_tokens"),
         (None, v) => (v, "max_tokens"),

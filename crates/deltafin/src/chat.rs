@@ -43,6 +43,8 @@ pub struct ChatArgs {
     /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory).
     #[arg(long, value_parser = size::parse_size)]
     ram_budget: Option<u64>,
+    #[command(flatten)]
+    store: crate::StoreArgs,
 }
 
 const HELP: &str =
@@ -62,7 +64,11 @@ pub fn run(a: &ChatArgs) -> Result<()> {
         );
     }
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
-    let model = Arc::new(DeepseekV3::load(&dir, budget)?);
+    let model = DeepseekV3::load_with(&dir, a.store.options(budget)?)?;
+    if a.store.cache_policy == deltafin_engine::experts::CachePolicy::Pinned {
+        model.store.warm_pinned();
+    }
+    let model = Arc::new(model);
     let mut session = Session::new(Arc::clone(&model), Arc::clone(&tokenizer), eos);
 
     // Ctrl-C during an answer stops it; at the prompt it leaves.

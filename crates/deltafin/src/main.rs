@@ -252,7 +252,8 @@ fn one_line(e: &anyhow::Error) -> String {
     line
 }
 
-struct Bar(indicatif::ProgressBar);
+/// An indicatif progress bar in bytes, as the converter's and synthesizer's progress sink.
+pub(crate) struct Bar(pub(crate) indicatif::ProgressBar);
 
 impl Progress for Bar {
     fn start(&self, total: u64) {
@@ -266,14 +267,14 @@ impl Progress for Bar {
     }
 }
 
-fn progress_bar() -> Bar {
+pub(crate) fn progress_bar(message: &str) -> Bar {
     let pb = indicatif::ProgressBar::new(0);
     pb.set_style(
         indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
             .progress_chars("=> "),
     );
-    pb.set_message("converting");
+    pb.set_message(message.to_string());
     Bar(pb)
 }
 
@@ -297,7 +298,7 @@ pub(crate) fn cmd_convert(
         },
         force,
     };
-    let bar = progress_bar();
+    let bar = progress_bar("converting");
     let t0 = std::time::Instant::now();
     let report = convert(hf_dir, model_dir, &opts, &bar).with_context(|| format!("converting {}", hf_dir.display()))?;
     bar.0.finish_and_clear();

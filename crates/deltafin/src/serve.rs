@@ -39,6 +39,8 @@ pub struct ServeArgs {
     /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory).
     #[arg(long, value_parser = size::parse_size)]
     ram_budget: Option<u64>,
+    #[command(flatten)]
+    store: crate::StoreArgs,
     /// Model id clients send in `model` (default: the model directory's name).
     #[arg(long)]
     model_id: Option<String>,
@@ -55,7 +57,11 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?,
     );
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
-    let model = Arc::new(DeepseekV3::load(&dir, budget)?);
+    let model = DeepseekV3::load_with(&dir, a.store.options(budget)?)?;
+    if a.store.cache_policy == deltafin_engine::experts::CachePolicy::Pinned {
+        model.store.warm_pinned();
+    }
+    let model = Arc::new(model);
     let model_id = match &a.model_id {
         Some(id) => id.clone(),
         None => a
@@ -80,7 +86,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    rt.block_on(async move {
+    let result = rt.block_on(async move {
         let addr: SocketAddr = format!("{}:{}", a.host, a.port)
             .parse()
             .or_else(|_| {
@@ -99,10 +105,30 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         }
         let router = deltafin_server::router(config, session).context("starting the compute thread")?;
         eprintln!("deltafin serve: model `{model_id}` (context {context} tokens) listening on http://{local}/v1");
-        deltafin_server::serve(listener, router, shutdown_signal()).await?;
+        // Graceful shutdown lets in-flight answers finish, but a long generation must not hold
+        // the process: 5 s after the signal it stops anyway.
+        let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
+        let shutdown = async move {
+            shutdown_signal().await;
+            let _ = signalled_tx.send(());
+        };
+        let grace = async move {
+            if signalled_rx.await.is_ok() {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            r = deltafin_server::serve(listener, router, shutdown) => r?,
+            _ = grace => eprintln!("deltafin serve: requests still running after 5 s; stopping anyway"),
+        }
         eprintln!("deltafin serve: stopped");
         Ok(())
-    })
+    });
+    // Don't wait for tasks of connections still open (a cancelled stream's).
+    rt.shutdown_timeout(Duration::from_millis(500));
+    result
 }
 
 async fn shutdown_signal() {

@@ -5,7 +5,6 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use deltafin_format::convert::Progress;
 use deltafin_format::synth::{write_model_dir, Preset, TokenizerFiles, PRESET_NAMES};
 use deltafin_tokenizer::Tokenizer;
 
@@ -26,20 +25,6 @@ pub struct SynthArgs {
     /// Replace an existing model directory.
     #[arg(long)]
     force: bool,
-}
-
-struct Bar(indicatif::ProgressBar);
-
-impl Progress for Bar {
-    fn start(&self, total: u64) {
-        self.0.set_length(total);
-    }
-    fn advance(&self, bytes: u64) {
-        self.0.inc(bytes);
-    }
-    fn finish(&self) {
-        self.0.finish_and_clear();
-    }
 }
 
 /// Removes a directory when dropped.
@@ -71,14 +56,7 @@ pub fn run(a: &SynthArgs) -> Result<()> {
     let Some(preset) = Preset::by_name(&a.preset, vocab) else {
         bail!("unknown preset {:?} (one of {})", a.preset, PRESET_NAMES.join(", "));
     };
-    let pb = indicatif::ProgressBar::new(0);
-    pb.set_style(
-        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-            .progress_chars("=> "),
-    );
-    pb.set_message(format!("synth {}", preset.name));
-    let bar = Bar(pb);
+    let bar = crate::progress_bar(&format!("synth {}", preset.name));
     let tokenizer = TokenizerFiles {
         dir: tok_dir.0.clone(),
         bos,
