@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! cargo bench -p deltafin-kernels --bench kernels
+//! DELTAFIN_KERNELS_SIMD=avx2 cargo bench -p deltafin-kernels --bench kernels  # AVX2 kernels
 //! ```
 //!
 //! Everything runs on one thread (a one-thread rayon pool, so `matvec` does not split rows).

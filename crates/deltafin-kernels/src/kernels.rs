@@ -15,17 +15,24 @@ pub enum SimdLevel {
     Portable,
     /// x86-64 AVX2 + FMA + F16C intrinsics.
     Avx2,
+    /// AVX2 as above for every format but MXFP4, which gets an AVX-512F kernel: 64 packed
+    /// bytes (4 blocks) per load, nibbles shifted into place and decoded by 16-entry `vpermps`
+    /// lookups, against `x` rearranged once per product; one scale FMA per 4 blocks and lane.
+    Avx512,
 }
 
-/// The level in use: AVX2 when the CPU has AVX2, FMA and F16C, else portable. Setting the
-/// environment variable `DELTAFIN_KERNELS_SIMD=portable` before the first kernel call forces the
-/// portable path (for debugging and benchmarks).
-///
-/// AVX-512 is not used: its intrinsics need Rust 1.89 and the workspace pins `rust-version`
-/// 1.85.
+/// The level in use: AVX-512 when the CPU also has AVX-512F, else AVX2 when it has AVX2, FMA
+/// and F16C, else portable. The MXFP4 kernels of different levels group their partial sums
+/// differently, so their results may differ within f32 rounding; within one level (one
+/// process) every product is deterministic. Setting the environment variable `DELTAFIN_KERNELS_SIMD` to
+/// `portable` or `avx2` before the first kernel call caps the level there (for debugging and
+/// benchmarks).
 pub fn simd_level() -> SimdLevel {
     kernels().level
 }
+
+/// `(packed, scales, x, xp, y)`: see [`Kernels::mx_rows`].
+pub(crate) type MxRows = fn(&[u8], &[u8], &[f32], &[f32], &mut [f32]);
 
 /// One row kernel per weight format, plus `axpy`.
 pub(crate) struct Kernels {
@@ -36,11 +43,33 @@ pub(crate) struct Kernels {
     pub dot_f16: fn(&[f16], &[f32]) -> f32,
     /// Unscaled `sum_i q[i] x[i]`; the caller multiplies by the row scale.
     pub dot_i8: fn(&[i8], &[f32]) -> f32,
-    /// One MXFP4 row: `packed: [packed_row_bytes(n)]`, `scales: [scale_row_bytes(n)]`,
-    /// `x: [n]`.
-    pub dot_mxfp4: fn(&[u8], &[u8], &[f32]) -> f32,
     /// `y[i] = y[i] + alpha * x[i]` (a multiply then an add: identical on every level).
     pub axpy: fn(f32, &[f32], &mut [f32]),
+    /// Activations rearranged once per product for [`Kernels::mx_rows`] (empty on levels that
+    /// read `x` directly).
+    pub mx_prepare: fn(&[f32]) -> Vec<f32>,
+    /// MXFP4 rows `y[r] = sum_c W[r, c] x[c]` for `r < y.len()`: `packed:
+    /// [y.len() * packed_row_bytes(n)]`, `scales: [y.len() * scale_row_bytes(n)]`, `x: [n]`,
+    /// `xp = mx_prepare(x)`. Each row's result depends on that row and `x` only (one fixed
+    /// sequence of operations per row, whichever rows share a call).
+    pub mx_rows: MxRows,
+}
+
+/// `mx_rows` through a one-row kernel that reads `x` directly.
+#[inline(always)]
+fn rows_by_dot(dot: fn(&[u8], &[u8], &[f32]) -> f32, packed: &[u8], scales: &[u8], x: &[f32], y: &mut [f32]) {
+    let (pb, sb) = (
+        crate::mxfp4::packed_row_bytes(x.len()),
+        crate::mxfp4::scale_row_bytes(x.len()),
+    );
+    assert!(packed.len() == y.len() * pb && scales.len() == y.len() * sb);
+    for (r, yr) in y.iter_mut().enumerate() {
+        *yr = dot(&packed[r * pb..(r + 1) * pb], &scales[r * sb..(r + 1) * sb], x);
+    }
+}
+
+fn no_prepare(_: &[f32]) -> Vec<f32> {
+    Vec::new()
 }
 
 static PORTABLE: Kernels = Kernels {
@@ -49,8 +78,9 @@ static PORTABLE: Kernels = Kernels {
     dot_bf16: portable::dot_bf16,
     dot_f16: portable::dot_f16,
     dot_i8: portable::dot_i8,
-    dot_mxfp4: portable::dot_mxfp4,
     axpy: portable::axpy,
+    mx_prepare: no_prepare,
+    mx_rows: |p, s, x, _, y| rows_by_dot(portable::dot_mxfp4, p, s, x, y),
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -60,9 +90,29 @@ static AVX2: Kernels = Kernels {
     dot_bf16: avx2::safe::dot_bf16,
     dot_f16: avx2::safe::dot_f16,
     dot_i8: avx2::safe::dot_i8,
-    dot_mxfp4: avx2::safe::dot_mxfp4,
     axpy: avx2::safe::axpy,
+    mx_prepare: no_prepare,
+    mx_rows: |p, s, x, _, y| rows_by_dot(avx2::safe::dot_mxfp4, p, s, x, y),
 };
+
+/// AVX2 for every format but MXFP4, which gets the AVX-512 multi-row kernel.
+#[cfg(target_arch = "x86_64")]
+static AVX512: Kernels = Kernels {
+    level: SimdLevel::Avx512,
+    mx_prepare: avx512::safe::mx_prepare,
+    mx_rows: avx512::safe::mx_rows,
+    ..AVX2
+};
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    has_avx2() && is_x86_feature_detected!("avx512f")
+}
 
 static SELECTED: OnceLock<&'static Kernels> = OnceLock::new();
 
@@ -72,12 +122,18 @@ pub(crate) fn kernels() -> &'static Kernels {
 }
 
 fn detect() -> &'static Kernels {
-    if std::env::var("DELTAFIN_KERNELS_SIMD").is_ok_and(|v| v.eq_ignore_ascii_case("portable")) {
+    let cap = std::env::var("DELTAFIN_KERNELS_SIMD")
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    if cap == "portable" {
         return &PORTABLE;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+        if cap != "avx2" && has_avx512() {
+            return &AVX512;
+        }
+        if has_avx2() {
             return &AVX2;
         }
     }
@@ -391,14 +447,234 @@ mod avx2 {
     }
 }
 
-/// Both levels side by side, for tests that pit each against the scalar reference.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use crate::mxfp4::{e8m0_to_f32, BLOCK, BLOCK_BYTES, E2M1_VALUES};
+    use std::arch::x86_64::*;
+
+    /// Safe entry points. Only reachable through the `AVX512` table, which `detect` hands out
+    /// after checking AVX-512F (and AVX2, FMA, F16C) at run time; that check is the safety
+    /// argument for every `unsafe` call below.
+    pub(super) mod safe {
+        pub fn mx_prepare(x: &[f32]) -> Vec<f32> {
+            super::prepare(x)
+        }
+        pub fn mx_rows(packed: &[u8], scales: &[u8], x: &[f32], xp: &[f32], y: &mut [f32]) {
+            unsafe { super::mx_rows(packed, scales, x, xp, y) }
+        }
+    }
+
+    /// Blocks per chunk: one 64-byte load of packed codes, 16 dword lanes of 8 nibbles each.
+    const CHUNK_BLOCKS: usize = 4;
+    /// Elements per chunk.
+    const CHUNK: usize = CHUNK_BLOCKS * BLOCK;
+
+    /// E8M0 byte to its value, `e8m0_to_f32` as a table.
+    static E8M0: [f32; 256] = {
+        let mut t = [0.0f32; 256];
+        let mut s = 0;
+        while s < 256 {
+            t[s] = e8m0_to_f32(s as u8);
+            s += 1;
+        }
+        t
+    };
+
+    /// `x` rearranged to match the packed codes. A chunk's 64 bytes, read as 16 dwords, hold
+    /// elements `8d .. 8d + 8` of the chunk in dword `d` (nibble `m` = element `8d + m`), so
+    /// `xp[128c + 16m + d] = x[128c + 8d + m]`; zero beyond `x.len()`.
+    ///
+    /// The data starts at the buffer's first 64-byte boundary ([`aligned_part`] finds it
+    /// again), so that each 16-lane load of `x` is one aligned cache line.
+    fn prepare(x: &[f32]) -> Vec<f32> {
+        let len = x.len().div_ceil(CHUNK) * CHUNK;
+        let mut buf = vec![0.0f32; len + 15];
+        let off = align_offset(&buf);
+        let xp = &mut buf[off..off + len];
+        for (i, &v) in x.iter().enumerate() {
+            let e = i % CHUNK;
+            xp[i - e + (e % 8) * 16 + e / 8] = v;
+        }
+        buf
+    }
+
+    /// Floats from the start of `buf` to its first 64-byte boundary.
+    fn align_offset(buf: &[f32]) -> usize {
+        (64 - (buf.as_ptr() as usize) % 64) % 64 / 4
+    }
+
+    /// The `len` prepared floats of a [`prepare`] buffer.
+    fn aligned_part(buf: &[f32], len: usize) -> &[f32] {
+        assert_eq!(buf.len(), len + 15, "mx_rows: xp is not mx_prepare(x)");
+        let off = align_offset(buf);
+        &buf[off..off + len]
+    }
+
+    /// Horizontal sum in a fixed order: 256-bit halves, 128-bit halves, then pairs.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn hsum(v: __m512) -> f32 {
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        let h = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
+        let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// True when a byte of `w` is 0 or 255 (scales whose value is not `2^(s-127)` as a normal
+    /// f32 built from the exponent bits alone).
+    #[inline(always)]
+    fn has_special(w: u32) -> bool {
+        let zero = |v: u32| v.wrapping_sub(0x0101_0101) & !v & 0x8080_8080 != 0;
+        zero(w) || zero(!w)
+    }
+
+    /// Lane `d` of a chunk belongs to block `d / 4`: the scale of that block as 16 lanes, from
+    /// the chunk's four scale bytes `w` (little-endian). Normal case: rotate byte `d / 4` into
+    /// the exponent field and mask (`2^(s-127)` exactly); bytes 0 and 255 go through the table.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn scale_lanes(w: u32, rot: __m512i) -> __m512 {
+        if !has_special(w) {
+            let v = _mm512_rolv_epi32(_mm512_set1_epi32(w as i32), rot);
+            return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x7F80_0000)));
+        }
+        let b = w.to_le_bytes().map(|s| E8M0[s as usize]);
+        let q = _mm_setr_ps(b[0], b[1], b[2], b[3]);
+        let lane_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(q))
+    }
+
+    /// The chunk's 16 dword lanes `v` shifted right by `4m` give, through `vpermps` (index bits
+    /// 0..3), the E2M1 values of elements `8d + m`; their products with `x` sum in order of `m`
+    /// into `g0` (even `m`) and `g1` (odd `m`). `x` is 64-byte aligned.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn chunk_sums(v: __m512i, x: *const f32, tbl: __m512) -> (__m512, __m512) {
+        macro_rules! wx {
+            ($m:literal) => {
+                (
+                    _mm512_permutexvar_ps(_mm512_srli_epi32::<{ 4 * $m }>(v), tbl),
+                    _mm512_load_ps(x.add($m * 16)),
+                )
+            };
+        }
+        let (w, xm) = wx!(0);
+        let g0 = _mm512_mul_ps(w, xm);
+        let (w, xm) = wx!(1);
+        let g1 = _mm512_mul_ps(w, xm);
+        let (w, xm) = wx!(2);
+        let g0 = _mm512_fmadd_ps(w, xm, g0);
+        let (w, xm) = wx!(3);
+        let g1 = _mm512_fmadd_ps(w, xm, g1);
+        let (w, xm) = wx!(4);
+        let g0 = _mm512_fmadd_ps(w, xm, g0);
+        let (w, xm) = wx!(5);
+        let g1 = _mm512_fmadd_ps(w, xm, g1);
+        let (w, xm) = wx!(6);
+        let g0 = _mm512_fmadd_ps(w, xm, g0);
+        let (w, xm) = wx!(7);
+        let g1 = _mm512_fmadd_ps(w, xm, g1);
+        (g0, g1)
+    }
+
+    /// One row: `p` its `nb * 16` packed bytes, `s` its `nb >= 1` scale bytes, `xp` the
+    /// aligned prepared activations. Per chunk of 4 blocks: [`chunk_sums`], then
+    /// `acc0 += g0 * scale`, `acc1 += g1 * scale` lane by lane (each lane sees one block), in
+    /// chunk order. Result: `hsum(acc0 + acc1)`.
+    ///
+    /// Rows are contiguous in the caller's slices, so prefetching `dist` bytes ahead of the
+    /// current chunk runs into the following rows; `wrapping_add` because the address may lie
+    /// past the slice (a prefetch never faults).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn row(p: *const u8, s: *const u8, nb: usize, xp: *const f32) -> f32 {
+        let nc = nb.div_ceil(CHUNK_BLOCKS);
+        let last = nc - 1;
+        let dist = (2 * nb * BLOCK_BYTES).max(2048);
+        let tbl = _mm512_loadu_ps(E2M1_VALUES.as_ptr());
+        let rot = _mm512_setr_epi32(23, 23, 23, 23, 15, 15, 15, 15, 7, 7, 7, 7, 31, 31, 31, 31);
+        let pf = |c: usize| {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(c * 64 + dist) as *const i8);
+            if c.is_multiple_of(16) {
+                _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(c * CHUNK_BLOCKS + dist / 16) as *const i8);
+            }
+        };
+        let load = |c: usize| _mm512_loadu_si512(p.add(c * 64) as *const __m512i);
+        let scale = |c: usize| scale_lanes((s.add(c * CHUNK_BLOCKS) as *const u32).read_unaligned(), rot);
+        let mut acc0 = _mm512_setzero_ps();
+        let mut acc1 = _mm512_setzero_ps();
+        let mut c = 0;
+        // Two chunks per step so that their independent partial sums overlap.
+        while c + 2 <= last {
+            pf(c);
+            pf(c + 1);
+            let (a0, a1) = chunk_sums(load(c), xp.add(c * CHUNK), tbl);
+            let (b0, b1) = chunk_sums(load(c + 1), xp.add((c + 1) * CHUNK), tbl);
+            let (sa, sb) = (scale(c), scale(c + 1));
+            acc0 = _mm512_fmadd_ps(a0, sa, acc0);
+            acc1 = _mm512_fmadd_ps(a1, sa, acc1);
+            acc0 = _mm512_fmadd_ps(b0, sb, acc0);
+            acc1 = _mm512_fmadd_ps(b1, sb, acc1);
+            c += 2;
+        }
+        if c < last {
+            let (a0, a1) = chunk_sums(load(c), xp.add(c * CHUNK), tbl);
+            let sa = scale(c);
+            acc0 = _mm512_fmadd_ps(a0, sa, acc0);
+            acc1 = _mm512_fmadd_ps(a1, sa, acc1);
+        }
+        // Last chunk: 1..=4 blocks, read without passing the row's end; missing blocks are zero
+        // codes with scale byte 1.
+        let vb = nb - last * CHUNK_BLOCKS;
+        let dmask = ((1u32 << (4 * vb)) - 1) as __mmask16;
+        let v = _mm512_maskz_loadu_epi32(dmask, p.add(last * 64) as *const i32);
+        let mut sb = [1u8; 4];
+        for (i, b) in sb.iter_mut().enumerate().take(vb) {
+            *b = *s.add(last * CHUNK_BLOCKS + i);
+        }
+        let (a0, a1) = chunk_sums(v, xp.add(last * CHUNK), tbl);
+        let sa = scale_lanes(u32::from_le_bytes(sb), rot);
+        acc0 = _mm512_fmadd_ps(a0, sa, acc0);
+        acc1 = _mm512_fmadd_ps(a1, sa, acc1);
+        hsum(_mm512_add_ps(acc0, acc1))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn mx_rows(packed: &[u8], scales: &[u8], x: &[f32], xp: &[f32], y: &mut [f32]) {
+        let nb = x.len().div_ceil(BLOCK);
+        let pb = nb * BLOCK_BYTES;
+        assert!(packed.len() == y.len() * pb && scales.len() == y.len() * nb);
+        if nb == 0 {
+            y.fill(0.0);
+            return;
+        }
+        let xp = aligned_part(xp, nb.div_ceil(CHUNK_BLOCKS) * CHUNK);
+        for (r, yr) in y.iter_mut().enumerate() {
+            *yr = row(
+                packed.as_ptr().add(r * pb),
+                scales.as_ptr().add(r * nb),
+                nb,
+                xp.as_ptr(),
+            );
+        }
+    }
+}
+
+/// Every level side by side, for tests that pit each against the scalar reference.
 #[cfg(test)]
 pub(crate) fn all_levels() -> Vec<&'static Kernels> {
     #[allow(unused_mut)]
     let mut v = vec![&PORTABLE];
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
-        v.push(&AVX2);
+    {
+        if has_avx2() {
+            v.push(&AVX2);
+        }
+        if has_avx512() {
+            v.push(&AVX512);
+        }
     }
     v
 }

@@ -151,10 +151,12 @@ impl<'a> MatRef<'a> {
 
     /// `y[r] = sum_c W[r, c] x[c]` for `x: [cols]`, `y: [rows]`.
     ///
-    /// Accumulates in f32. Int8: `scales[r] * sum_c (q[r, c] * x[c])`. MXFP4: per block
-    /// `sum (2 * e2m1) * x`, times `2^(s-128)`, accumulated across blocks (exact decoding: OCP MX
-    /// v1.0 §5). Rows are split across the current rayon pool when `rows * cols > 65536`;
-    /// every row's reduction order is fixed, so results are bit-identical for any thread count.
+    /// Accumulates in f32. Int8: `scales[r] * sum_c (q[r, c] * x[c])`. MXFP4: partial sums of
+    /// exactly decoded E2M1 values times `x` within each block, times the block's E8M0 scale,
+    /// accumulated across blocks (OCP MX v1.0 §5; the grouping of the partial sums depends on
+    /// the SIMD level, see [`crate::simd_level`]). Rows are split across the current rayon pool
+    /// when `rows * cols > 65536`; every row's reduction order is fixed, so results are
+    /// bit-identical for any thread count.
     ///
     /// # Panics
     /// If `x.len() != cols` or `y.len() != rows`.
@@ -165,6 +167,18 @@ impl<'a> MatRef<'a> {
     pub(crate) fn matvec_with(&self, k: &Kernels, x: &[f32], y: &mut [f32]) {
         assert_eq!(x.len(), self.cols, "matvec: x length");
         assert_eq!(y.len(), self.rows, "matvec: y length");
+        if let MatData::Mxfp4 { .. } = self.data {
+            let xp = (k.mx_prepare)(x);
+            if self.rows * self.cols <= PAR_MIN_WEIGHTS {
+                self.mx_rows(k, 0, x, &xp, y);
+            } else {
+                let chunk = self.row_chunk();
+                y.par_chunks_mut(chunk)
+                    .enumerate()
+                    .for_each(|(i, yc)| self.mx_rows(k, i * chunk, x, &xp, yc));
+            }
+            return;
+        }
         if self.rows * self.cols <= PAR_MIN_WEIGHTS {
             for (r, yr) in y.iter_mut().enumerate() {
                 *yr = self.row_dot(k, r, x);
@@ -195,6 +209,35 @@ impl<'a> MatRef<'a> {
         assert_eq!(x.len(), n * cols, "matmul: x length");
         assert_eq!(y.len(), n * rows, "matmul: y length");
         if n == 0 || rows == 0 {
+            return;
+        }
+        if let MatData::Mxfp4 { .. } = self.data {
+            // The same row kernel as matvec, each row for every token while it is in cache.
+            let xps: Vec<Vec<f32>> = (0..n).map(|t| (k.mx_prepare)(&x[t * cols..(t + 1) * cols])).collect();
+            let row_tokens = |r: usize, out: &mut [f32]| {
+                for (t, o) in out.iter_mut().enumerate() {
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    self.mx_rows(k, r, xt, &xps[t], std::slice::from_mut(o));
+                }
+            };
+            let mut yt = vec![0.0f32; rows * n];
+            if (rows * cols).saturating_mul(n) <= PAR_MIN_WEIGHTS {
+                for (r, yrow) in yt.chunks_mut(n).enumerate() {
+                    row_tokens(r, yrow);
+                }
+            } else {
+                let chunk = self.row_chunk();
+                yt.par_chunks_mut(chunk * n).enumerate().for_each(|(i, yc)| {
+                    for (j, yrow) in yc.chunks_mut(n).enumerate() {
+                        row_tokens(i * chunk + j, yrow);
+                    }
+                });
+            }
+            for (r, yrow) in yt.chunks(n).enumerate() {
+                for (t, &v) in yrow.iter().enumerate() {
+                    y[t * rows + r] = v;
+                }
+            }
             return;
         }
         if (rows * cols).saturating_mul(n) <= PAR_MIN_WEIGHTS {
@@ -312,11 +355,24 @@ impl<'a> MatRef<'a> {
             MatData::Bf16(w) => (k.dot_bf16)(&w[r * c..(r + 1) * c], x),
             MatData::F16(w) => (k.dot_f16)(&w[r * c..(r + 1) * c], x),
             MatData::Int8 { q, scales } => scales[r] * (k.dot_i8)(&q[r * c..(r + 1) * c], x),
-            MatData::Mxfp4 { packed, scales } => {
-                let (pb, sb) = (mxfp4::packed_row_bytes(c), mxfp4::scale_row_bytes(c));
-                (k.dot_mxfp4)(&packed[r * pb..(r + 1) * pb], &scales[r * sb..(r + 1) * sb], x)
+            MatData::Mxfp4 { .. } => {
+                let mut y = [0.0f32];
+                self.mx_rows(k, r, x, &(k.mx_prepare)(x), &mut y);
+                y[0]
             }
         }
+    }
+
+    /// MXFP4 rows `[r0, r0 + y.len())` through the level's row kernel; `xp` is
+    /// `mx_prepare(x)`.
+    fn mx_rows(&self, k: &Kernels, r0: usize, x: &[f32], xp: &[f32], y: &mut [f32]) {
+        let MatData::Mxfp4 { packed, scales } = self.data else {
+            unreachable!("mx_rows on a non-MXFP4 matrix")
+        };
+        let c = self.cols;
+        let (pb, sb) = (mxfp4::packed_row_bytes(c), mxfp4::scale_row_bytes(c));
+        let r1 = r0 + y.len();
+        (k.mx_rows)(&packed[r0 * pb..r1 * pb], &scales[r0 * sb..r1 * sb], x, xp, y)
     }
 
     /// Rows per parallel task: about four tasks per thread, none smaller than

@@ -24,8 +24,15 @@ const SHAPES: [(usize, usize); 9] = [
 fn every_level_matches_reference() {
     let levels = all_levels();
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        assert_eq!(levels.len(), 2, "AVX2 level not exercised");
+    {
+        use crate::SimdLevel;
+        let has = |l: SimdLevel| levels.iter().any(|k| k.level == l);
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            assert!(has(SimdLevel::Avx2), "AVX2 level not exercised");
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avx512f") {
+            assert!(has(SimdLevel::Avx512), "AVX-512 level not exercised");
+        }
     }
     let mut rng = rng(21);
     for k in &levels {
@@ -75,5 +82,92 @@ fn every_level_dot_and_axpy() {
             }
             assert_eq!(bits(&y), bits(&want));
         }
+    }
+}
+
+/// MXFP4 on every level: row counts and widths around the AVX-512 kernel's 4-block chunks and
+/// partial last block, scale bytes 0 (2^-127), 1 ..= 220 and 255 (NaN), large
+/// activations; each row's result must not depend on the rows computed with it.
+#[test]
+fn every_level_mxfp4_edges() {
+    use crate::{mxfp4, MatData, MatRef};
+    use rand::Rng;
+    let mut rng = rng(23);
+    let special = [0u8, 1, 2, 3, 125, 127, 130, 200, 220];
+    for k in all_levels() {
+        for cols in [
+            1usize, 31, 32, 33, 64, 96, 100, 127, 128, 129, 160, 255, 256, 257, 511, 640, 1000,
+        ] {
+            let rows = 7;
+            let (pb, sb) = (mxfp4::packed_row_bytes(cols), mxfp4::scale_row_bytes(cols));
+            let packed: Vec<u8> = (0..rows * pb).map(|_| rng.random()).collect();
+            let mut scales: Vec<u8> = (0..rows * sb).map(|_| rng.random_range(120u8..=134)).collect();
+            // Row 1: every scale class; row 2: one NaN block; row 3: extreme finite scales.
+            for (i, s) in scales[sb..2 * sb].iter_mut().enumerate() {
+                *s = special[i % special.len()];
+            }
+            scales[2 * sb + (sb - 1) / 2] = 255;
+            for (i, s) in scales[3 * sb..4 * sb].iter_mut().enumerate() {
+                *s = if i % 2 == 0 { 0 } else { 200 };
+            }
+            let m = MatRef::new(
+                rows,
+                cols,
+                MatData::Mxfp4 {
+                    packed: &packed,
+                    scales: &scales,
+                },
+            )
+            .unwrap();
+            let mut x = random_vec(&mut rng, cols);
+            x[cols / 2] = 3.0e4;
+            let what = format!("{:?} mxfp4 [{rows}, {cols}]", k.level);
+            let mut y = vec![f32::NAN; rows];
+            m.matvec_with(k, &x, &mut y);
+            assert!(y[2].is_nan(), "{what}: NaN scale row");
+            let (exact, mag) = exact_matvec(&m, &x);
+            for r in [0, 1, 3, 4, 5, 6] {
+                assert_close(
+                    &format!("{what} row {r}"),
+                    &y[r..r + 1],
+                    &exact[r..r + 1],
+                    &mag[r..r + 1],
+                    cols,
+                );
+            }
+            for r in 0..rows {
+                for len in [1, 2, 3] {
+                    if r + len > rows {
+                        continue;
+                    }
+                    let mut ys = vec![f32::NAN; len];
+                    m.rows(r, r + len).matvec_with(k, &x, &mut ys);
+                    assert_eq!(bits(&ys), bits(&y[r..r + len]), "{what}: rows {r}..{} alone", r + len);
+                }
+            }
+        }
+    }
+}
+
+/// Zero-width MXFP4 matrices give zeros on every level (no blocks to read).
+#[test]
+fn every_level_mxfp4_zero_cols() {
+    use crate::{MatData, MatRef};
+    for k in all_levels() {
+        let m = MatRef::new(
+            3,
+            0,
+            MatData::Mxfp4 {
+                packed: &[],
+                scales: &[],
+            },
+        )
+        .unwrap();
+        let mut y = [f32::NAN; 3];
+        m.matvec_with(k, &[], &mut y);
+        assert_eq!(y, [0.0; 3]);
+        let mut y2 = [f32::NAN; 6];
+        m.matmul_with(k, &[], 2, &mut y2);
+        assert_eq!(y2, [0.0; 6]);
     }
 }
