@@ -40,11 +40,15 @@ pub fn cgroup_memory_limit() -> Option<u64> {
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
         let path = path.trim_start_matches('/');
         let candidates: Vec<std::path::PathBuf> = if controllers.split(',').any(|c| c == "memory") {
-            vec![std::path::Path::new("/sys/fs/cgroup/memory").join(path).join("memory.limit_in_bytes")]
+            vec![std::path::Path::new("/sys/fs/cgroup/memory")
+                .join(path)
+                .join("memory.limit_in_bytes")]
         } else if controllers.is_empty() {
             vec![
                 std::path::Path::new("/sys/fs/cgroup").join(path).join("memory.max"),
-                std::path::Path::new("/sys/fs/cgroup/unified").join(path).join("memory.max"),
+                std::path::Path::new("/sys/fs/cgroup/unified")
+                    .join(path)
+                    .join("memory.max"),
             ]
         } else {
             continue;

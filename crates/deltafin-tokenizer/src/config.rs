@@ -13,14 +13,12 @@ use crate::TokenizerError;
 /// [`TokenizerError::Json`] for malformed JSON.
 pub(crate) fn read_json_if_exists(path: &Path) -> Result<Option<Value>, TokenizerError> {
     match std::fs::read(path) {
-        Ok(bytes) => {
-            serde_json::from_slice(&bytes)
-                .map(Some)
-                .map_err(|source| TokenizerError::Json {
-                    path: path.to_path_buf(),
-                    source,
-                })
-        }
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|source| TokenizerError::Json {
+                path: path.to_path_buf(),
+                source,
+            }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(TokenizerError::Io {
             path: path.to_path_buf(),
@@ -102,48 +100,28 @@ impl TokenizerConfig {
                 })
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => {
-                return Err(TokenizerError::Io {
-                    path: jinja,
-                    source,
-                })
-            }
+            Err(source) => return Err(TokenizerError::Io { path: jinja, source }),
         }
         Ok(config)
     }
 }
 
 /// `bos_token` / `eos_token`: a string, an `AddedToken` object `{"content": ...}`, or null.
-fn special_token_field(
-    path: &Path,
-    field: &str,
-    value: Option<&Value>,
-) -> Result<Option<String>, TokenizerError> {
+fn special_token_field(path: &Path, field: &str, value: Option<&Value>) -> Result<Option<String>, TokenizerError> {
     match value {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.clone())),
         Some(Value::Object(obj)) => match obj.get("content") {
             Some(Value::String(s)) => Ok(Some(s.clone())),
-            _ => Err(field_error(
-                path,
-                &format!("{field}.content"),
-                "must be a string",
-            )),
+            _ => Err(field_error(path, &format!("{field}.content"), "must be a string")),
         },
-        Some(_) => Err(field_error(
-            path,
-            field,
-            "must be a string or an object with `content`",
-        )),
+        Some(_) => Err(field_error(path, field, "must be a string or an object with `content`")),
     }
 }
 
 /// `chat_template`: a string, or a list of `{name, template}` where `default` is preferred
 /// (transformers' rule) and the first entry is the fallback.
-fn chat_template_field(
-    path: &Path,
-    value: Option<&Value>,
-) -> Result<Option<TemplateSource>, TokenizerError> {
+fn chat_template_field(path: &Path, value: Option<&Value>) -> Result<Option<TemplateSource>, TokenizerError> {
     match value {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(TemplateSource {
@@ -166,10 +144,7 @@ fn chat_template_field(
                     }
                 }
             }
-            let chosen = named
-                .iter()
-                .find(|(n, _)| *n == "default")
-                .or_else(|| named.first());
+            let chosen = named.iter().find(|(n, _)| *n == "default").or_else(|| named.first());
             Ok(chosen.map(|(n, t)| TemplateSource {
                 origin: format!("tokenizer_config.json:chat_template[{n}]"),
                 source: (*t).to_string(),

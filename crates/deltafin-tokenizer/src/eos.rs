@@ -17,10 +17,7 @@ use crate::{Tokenizer, TokenizerError};
 /// non-negative integer (or list of them).
 /// Sources: transformers `GenerationConfig` (`eos_token_id: int | list[int]`); vLLM merges the
 /// generation config's eos into its stop ids the same way.
-pub fn eos_token_ids_union(
-    model_dir: &Path,
-    tokenizer: &Tokenizer,
-) -> Result<Vec<u32>, TokenizerError> {
+pub fn eos_token_ids_union(model_dir: &Path, tokenizer: &Tokenizer) -> Result<Vec<u32>, TokenizerError> {
     let mut out: Vec<u32> = Vec::new();
     let mut add = |ids: Vec<u32>| {
         for id in ids {
@@ -32,11 +29,7 @@ pub fn eos_token_ids_union(
 
     let config_path = model_dir.join("config.json");
     if let Some(config) = read_json_if_exists(&config_path)? {
-        add(eos_field(
-            &config_path,
-            "eos_token_id",
-            config.get("eos_token_id"),
-        )?);
+        add(eos_field(&config_path, "eos_token_id", config.get("eos_token_id"))?);
         if let Some(text) = config.get("text_config") {
             add(eos_field(
                 &config_path,
@@ -47,11 +40,7 @@ pub fn eos_token_ids_union(
     }
     let gen_path = model_dir.join("generation_config.json");
     if let Some(gen) = read_json_if_exists(&gen_path)? {
-        add(eos_field(
-            &gen_path,
-            "eos_token_id",
-            gen.get("eos_token_id"),
-        )?);
+        add(eos_field(&gen_path, "eos_token_id", gen.get("eos_token_id"))?);
     }
     add(tokenizer.eos_token_ids());
     Ok(out)
@@ -66,21 +55,12 @@ fn eos_field(path: &Path, field: &str, value: Option<&Value>) -> Result<Vec<u32>
             .iter()
             .enumerate()
             .map(|(i, v)| {
-                as_id(v).ok_or_else(|| {
-                    field_error(
-                        path,
-                        &format!("{field}[{i}]"),
-                        format!("must be a token id, got {v}"),
-                    )
-                })
+                as_id(v)
+                    .ok_or_else(|| field_error(path, &format!("{field}[{i}]"), format!("must be a token id, got {v}")))
             })
             .collect(),
-        Some(v) => as_id(v).map(|id| vec![id]).ok_or_else(|| {
-            field_error(
-                path,
-                field,
-                format!("must be a token id or a list of them, got {v}"),
-            )
-        }),
+        Some(v) => as_id(v)
+            .map(|id| vec![id])
+            .ok_or_else(|| field_error(path, field, format!("must be a token id or a list of them, got {v}"))),
     }
 }

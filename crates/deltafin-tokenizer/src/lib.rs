@@ -91,22 +91,17 @@ impl Tokenizer {
         let json_path = dir.join("tokenizer.json");
         let tiktoken_path = dir.join("tiktoken.model");
         let backend = if json_path.is_file() {
-            let tok = tokenizers::Tokenizer::from_file(&json_path).map_err(|e| {
-                TokenizerError::TokenizerJson {
-                    path: json_path.clone(),
-                    message: e.to_string(),
-                }
+            let tok = tokenizers::Tokenizer::from_file(&json_path).map_err(|e| TokenizerError::TokenizerJson {
+                path: json_path.clone(),
+                message: e.to_string(),
             })?;
             Backend::Hf(Box::new(tok))
         } else if tiktoken_path.is_file() {
             let pattern = config.pat_str.as_deref().unwrap_or(KIMI_K2_PAT_STR);
-            let tk =
-                TiktokenBackend::load(&tiktoken_path, &config.added_tokens, &config.path, pattern)?;
+            let tk = TiktokenBackend::load(&tiktoken_path, &config.added_tokens, &config.path, pattern)?;
             Backend::Tiktoken(Box::new(tk))
         } else {
-            return Err(TokenizerError::NoTokenizerFile {
-                dir: dir.to_path_buf(),
-            });
+            return Err(TokenizerError::NoTokenizerFile { dir: dir.to_path_buf() });
         };
 
         let mut tokenizer = Tokenizer {
@@ -118,13 +113,10 @@ impl Tokenizer {
         };
         let resolve = |tok: &Tokenizer, field: &str, token: &Option<String>| match token {
             None => Ok(None),
-            Some(t) => tok.token_to_id(t).map(Some).ok_or_else(|| {
-                field_error(
-                    &config.path,
-                    field,
-                    format!("`{t}` is not in the vocabulary"),
-                )
-            }),
+            Some(t) => tok
+                .token_to_id(t)
+                .map(Some)
+                .ok_or_else(|| field_error(&config.path, field, format!("`{t}` is not in the vocabulary"))),
         };
         tokenizer.bos_token_id = resolve(&tokenizer, "bos_token", &config.bos_token)?;
         tokenizer.eos_token_id = resolve(&tokenizer, "eos_token", &config.eos_token)?;
@@ -161,9 +153,7 @@ impl Tokenizer {
             Backend::Hf(tok) => tok
                 .encode_fast(text, add_special_tokens)
                 .map(|enc| enc.get_ids().to_vec())
-                .map_err(|e| TokenizerError::Encode {
-                    message: e.to_string(),
-                }),
+                .map_err(|e| TokenizerError::Encode { message: e.to_string() }),
             Backend::Tiktoken(tk) => {
                 let ids = tk.encode(text)?;
                 match self.bos_token_id {
@@ -191,9 +181,7 @@ impl Tokenizer {
                     self.check_id(id)?;
                 }
                 tok.decode(ids, skip_special_tokens)
-                    .map_err(|e| TokenizerError::Decode {
-                        message: e.to_string(),
-                    })
+                    .map_err(|e| TokenizerError::Decode { message: e.to_string() })
             }
             Backend::Tiktoken(tk) => tk.decode(ids, skip_special_tokens),
         }

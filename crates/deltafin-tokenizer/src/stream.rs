@@ -30,9 +30,7 @@ enum State {
 impl<'a> StreamDecoder<'a> {
     pub(crate) fn new(tokenizer: &'a Tokenizer, skip_special_tokens: bool) -> Self {
         let state = match tokenizer.backend {
-            Backend::Tiktoken(_) => State::Bytes {
-                pending: Vec::new(),
-            },
+            Backend::Tiktoken(_) => State::Bytes { pending: Vec::new() },
             Backend::Hf(_) => State::Window {
                 ids: Vec::new(),
                 read_offset: 0,

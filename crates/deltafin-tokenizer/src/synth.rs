@@ -61,10 +61,7 @@ pub fn write_byte_level_tokenizer(
         message,
     };
     if bos.is_empty() || eos.is_empty() {
-        return Err(synth_err(
-            &json_path,
-            "bos and eos must be non-empty".into(),
-        ));
+        return Err(synth_err(&json_path, "bos and eos must be non-empty".into()));
     }
     std::fs::create_dir_all(dir).map_err(|e| TokenizerError::Io {
         path: dir.to_path_buf(),
@@ -73,13 +70,8 @@ pub fn write_byte_level_tokenizer(
 
     let chars = byte_to_char();
     let mut tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
-    let merges =
-        learn_merges(corpus, n_merges, &mut tokens).map_err(|m| synth_err(&json_path, m))?;
-    let vocab: Vocab = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), i as u32))
-        .collect();
+    let merges = learn_merges(corpus, n_merges, &mut tokens).map_err(|m| synth_err(&json_path, m))?;
+    let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .build()
@@ -94,18 +86,12 @@ pub fn write_byte_level_tokenizer(
             all_specials.push(s);
         }
     }
-    let added: Vec<AddedToken> = all_specials
-        .iter()
-        .map(|s| AddedToken::from(*s, true))
-        .collect();
+    let added: Vec<AddedToken> = all_specials.iter().map(|s| AddedToken::from(*s, true)).collect();
     tok.add_special_tokens(added)
         .map_err(|e| synth_err(&json_path, format!("adding special tokens: {e}")))?;
-    let bos_id = tok.token_to_id(bos).ok_or_else(|| {
-        synth_err(
-            &json_path,
-            format!("bos `{bos}` missing after adding specials"),
-        )
-    })?;
+    let bos_id = tok
+        .token_to_id(bos)
+        .ok_or_else(|| synth_err(&json_path, format!("bos `{bos}` missing after adding specials")))?;
     let template = TemplateProcessing::builder()
         .try_single(format!("{bos} $A"))
         .and_then(|b| b.try_pair(format!("{bos} $A {bos} $B")))
@@ -131,8 +117,7 @@ pub fn write_byte_level_tokenizer(
         "tokenizer_class": "PreTrainedTokenizerFast",
         "chat_template": chat_template,
     });
-    let text = serde_json::to_string_pretty(&config)
-        .map_err(|e| synth_err(&config_path, e.to_string()))?;
+    let text = serde_json::to_string_pretty(&config).map_err(|e| synth_err(&config_path, e.to_string()))?;
     std::fs::write(&config_path, text + "\n").map_err(|source| TokenizerError::Io {
         path: config_path.clone(),
         source,
@@ -142,11 +127,7 @@ pub fn write_byte_level_tokenizer(
 
 /// Learns up to `n_merges` BPE merges over the byte-level words of `corpus`, appending new
 /// tokens to `tokens` (which starts as the 256 byte tokens, index == id).
-fn learn_merges(
-    corpus: &str,
-    n_merges: usize,
-    tokens: &mut Vec<String>,
-) -> Result<Vec<(String, String)>, String> {
+fn learn_merges(corpus: &str, n_merges: usize, tokens: &mut Vec<String>) -> Result<Vec<(String, String)>, String> {
     // Words as the ByteLevel pre-tokenizer splits them (GPT-2 regex + byte-to-unicode).
     let mut pretok = PreTokenizedString::from(corpus);
     ByteLevel::default()
@@ -176,11 +157,7 @@ fn learn_merges(
         words.push((ids, count));
     }
 
-    let mut token_ids: HashMap<String, u32> = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), i as u32))
-        .collect();
+    let mut token_ids: HashMap<String, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
     let mut merges = Vec::new();
     for _ in 0..n_merges {
         let mut pair_counts: HashMap<(u32, u32), u64> = HashMap::new();

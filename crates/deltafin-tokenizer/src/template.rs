@@ -55,11 +55,7 @@ impl ChatTemplate {
     ///
     /// Errors: [`TokenizerError::TemplateSyntax`] when the template does not compile.
     /// Sources: transformers `utils/chat_template_utils.py` (`_cached_compile_jinja_template`).
-    pub fn new(
-        source: &str,
-        bos_token: Option<String>,
-        eos_token: Option<String>,
-    ) -> Result<Self, TokenizerError> {
+    pub fn new(source: &str, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self, TokenizerError> {
         Self::with_origin(source, bos_token, eos_token, "<string>")
     }
 
@@ -88,9 +84,7 @@ impl ChatTemplate {
         env.set_formatter(|out, state, value| {
             if value.is_number() && !value.is_integer() {
                 if let Ok(f) = f64::try_from(value.clone()) {
-                    return out
-                        .write_str(&python_float_repr(f))
-                        .map_err(minijinja::Error::from);
+                    return out.write_str(&python_float_repr(f)).map_err(minijinja::Error::from);
                 }
             }
             minijinja::escape_formatter(out, state, value)
@@ -169,17 +163,14 @@ impl ChatTemplate {
             }
         }
         ctx.insert("messages".into(), Json::Array(chat));
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Json::Bool(add_generation_prompt),
-        );
+        ctx.insert("add_generation_prompt".into(), Json::Bool(add_generation_prompt));
 
-        let template =
-            self.env
-                .get_template(TEMPLATE_NAME)
-                .map_err(|e| TokenizerError::TemplateRender {
-                    message: format!("{e:#}"),
-                })?;
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| TokenizerError::TemplateRender {
+                message: format!("{e:#}"),
+            })?;
         template
             .render(Value::from(minijinja::value::Serde(&ctx)))
             .map_err(classify_render_error)
@@ -223,10 +214,7 @@ fn alias_reasoning_fields(message: &Map<String, Json>) -> Map<String, Json> {
 
 /// `raise_exception(message)`: aborts rendering with the template's message.
 fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
-    Err(
-        minijinja::Error::new(ErrorKind::InvalidOperation, message.clone())
-            .with_source(RaisedByTemplate(message)),
-    )
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message.clone()).with_source(RaisedByTemplate(message)))
 }
 
 /// transformers' `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`,
@@ -390,11 +378,7 @@ pub(crate) fn python_float_repr(f: f64) -> String {
         return "NaN".into();
     }
     if f.is_infinite() {
-        return if f > 0.0 {
-            "Infinity".into()
-        } else {
-            "-Infinity".into()
-        };
+        return if f > 0.0 { "Infinity".into() } else { "-Infinity".into() };
     }
     if f == 0.0 {
         return if f.is_sign_negative() {

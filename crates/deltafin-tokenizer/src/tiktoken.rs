@@ -104,11 +104,9 @@ impl TiktokenBackend {
         encoder.extend(ranks);
         let mut special_encoder = HashMap::default();
         special_encoder.extend(specials.iter().map(|(k, v)| (k.clone(), *v)));
-        let bpe = CoreBPE::new(encoder, special_encoder, pattern).map_err(|e| {
-            TokenizerError::TiktokenBuild {
-                path: path.to_path_buf(),
-                message: format!("split pattern or special tokens do not compile: {e}"),
-            }
+        let bpe = CoreBPE::new(encoder, special_encoder, pattern).map_err(|e| TokenizerError::TiktokenBuild {
+            path: path.to_path_buf(),
+            message: format!("split pattern or special tokens do not compile: {e}"),
         })?;
         Ok(Self {
             bpe,
@@ -135,18 +133,11 @@ impl TiktokenBackend {
     /// The bytes of one id, or `None` for a special id when skipping specials.
     ///
     /// Errors: [`TokenizerError::UnknownTokenId`] outside the vocabulary.
-    pub(crate) fn piece(
-        &self,
-        id: u32,
-        skip_special_tokens: bool,
-    ) -> Result<Option<&[u8]>, TokenizerError> {
-        let piece = self
-            .pieces
-            .get(id as usize)
-            .ok_or(TokenizerError::UnknownTokenId {
-                id,
-                vocab_size: self.pieces.len(),
-            })?;
+    pub(crate) fn piece(&self, id: u32, skip_special_tokens: bool) -> Result<Option<&[u8]>, TokenizerError> {
+        let piece = self.pieces.get(id as usize).ok_or(TokenizerError::UnknownTokenId {
+            id,
+            vocab_size: self.pieces.len(),
+        })?;
         if skip_special_tokens && id >= self.num_base {
             return Ok(None);
         }
@@ -155,11 +146,7 @@ impl TiktokenBackend {
 
     /// Concatenates the bytes of `ids` and decodes them as UTF-8, replacing invalid sequences with
     /// U+FFFD (Python's `errors="replace"`).
-    pub(crate) fn decode(
-        &self,
-        ids: &[u32],
-        skip_special_tokens: bool,
-    ) -> Result<String, TokenizerError> {
+    pub(crate) fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
         let mut bytes = Vec::with_capacity(ids.len() * 4);
         for &id in ids {
             if let Some(p) = self.piece(id, skip_special_tokens)? {
@@ -194,9 +181,7 @@ fn parse_ranks(path: &Path, data: &[u8]) -> Result<Vec<(Vec<u8>, u32)>, Tokenize
     let mut seen_ranks: HashMap<u32, usize> = HashMap::new();
     for (i, raw) in data.split(|&b| b == b'\n').enumerate() {
         let line_no = i + 1;
-        let mut fields = raw
-            .split(|b| b.is_ascii_whitespace())
-            .filter(|f| !f.is_empty());
+        let mut fields = raw.split(|b| b.is_ascii_whitespace()).filter(|f| !f.is_empty());
         let (Some(token_b64), Some(rank)) = (fields.next(), fields.next()) else {
             if raw.iter().all(u8::is_ascii_whitespace) {
                 continue;
@@ -215,17 +200,9 @@ fn parse_ranks(path: &Path, data: &[u8]) -> Result<Vec<(Vec<u8>, u32)>, Tokenize
         let rank: u32 = std::str::from_utf8(rank)
             .ok()
             .and_then(|s| s.parse().ok())
-            .ok_or_else(|| {
-                line_err(
-                    line_no,
-                    format!("invalid rank `{}`", String::from_utf8_lossy(rank)),
-                )
-            })?;
+            .ok_or_else(|| line_err(line_no, format!("invalid rank `{}`", String::from_utf8_lossy(rank))))?;
         if let Some(prev) = seen_tokens.insert(token.clone(), line_no) {
-            return Err(line_err(
-                line_no,
-                format!("duplicate token (first on line {prev})"),
-            ));
+            return Err(line_err(line_no, format!("duplicate token (first on line {prev})")));
         }
         if let Some(prev) = seen_ranks.insert(rank, line_no) {
             return Err(line_err(
@@ -240,7 +217,9 @@ fn parse_ranks(path: &Path, data: &[u8]) -> Result<Vec<(Vec<u8>, u32)>, Tokenize
         let line_no = seen_ranks.get(rank).copied().unwrap_or(i + 1);
         return Err(line_err(
             line_no,
-            format!("rank {rank} is not below the number of ranks ({n}); ranks must be 0..{n} so special ids can follow"),
+            format!(
+                "rank {rank} is not below the number of ranks ({n}); ranks must be 0..{n} so special ids can follow"
+            ),
         ));
     }
     Ok(out)

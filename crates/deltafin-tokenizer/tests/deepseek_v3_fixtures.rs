@@ -38,16 +38,8 @@ fn fixture_dirs() -> Vec<PathBuf> {
     dirs
 }
 
-fn check_renders(
-    dir: &Path,
-    tok: &Tokenizer,
-    exp: &Value,
-    ids_key: &str,
-    add_special: bool,
-) -> usize {
-    let tpl = tok
-        .chat_template()
-        .unwrap_or_else(|| panic!("{dir:?}: chat template"));
+fn check_renders(dir: &Path, tok: &Tokenizer, exp: &Value, ids_key: &str, add_special: bool) -> usize {
+    let tpl = tok.chat_template().unwrap_or_else(|| panic!("{dir:?}: chat template"));
     let mut n = 0;
     for case in exp["chat_template_renders"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
@@ -88,10 +80,7 @@ fn check_hf_dir(dir: &Path, exp: &Value) -> usize {
             );
         }
     }
-    assert_eq!(
-        tok.bos_token_id().map(u64::from),
-        specials["bos"]["id"].as_u64()
-    );
+    assert_eq!(tok.bos_token_id().map(u64::from), specials["bos"]["id"].as_u64());
     assert_eq!(
         tok.eos_token_ids(),
         vec![specials["eos"]["id"].as_u64().unwrap() as u32]
@@ -127,9 +116,7 @@ fn check_hf_dir(dir: &Path, exp: &Value) -> usize {
         );
         assert_eq!(
             tok.decode(&with, true).unwrap(),
-            case["decoded_ids_add_special_tokens_skip_special"]
-                .as_str()
-                .unwrap(),
+            case["decoded_ids_add_special_tokens_skip_special"].as_str().unwrap(),
             "{dir:?} decode skip {text:?}"
         );
         assert_eq!(
@@ -142,10 +129,7 @@ fn check_hf_dir(dir: &Path, exp: &Value) -> usize {
             streamed += &stream.push(id).unwrap();
         }
         streamed += &stream.finish().unwrap();
-        assert_eq!(
-            streamed,
-            case["decoded_ids_add_special_tokens"].as_str().unwrap()
-        );
+        assert_eq!(streamed, case["decoded_ids_add_special_tokens"].as_str().unwrap());
         n += 1;
     }
     n += check_renders(dir, &tok, exp, "ids_of_rendered_no_special_tokens", false);
@@ -158,37 +142,19 @@ fn check_hf_dir(dir: &Path, exp: &Value) -> usize {
 
 fn check_kimi_dir(dir: &Path, exp: &Value) -> usize {
     let tok = Tokenizer::from_dir(dir).unwrap_or_else(|e| panic!("{dir:?}: {e}"));
-    assert_eq!(
-        exp["pat_str"].as_str().unwrap(),
-        deltafin_tokenizer::KIMI_K2_PAT_STR
-    );
+    assert_eq!(exp["pat_str"].as_str().unwrap(), deltafin_tokenizer::KIMI_K2_PAT_STR);
     assert_eq!(tok.vocab_size() as u64, exp["vocab_size"].as_u64().unwrap());
     for (content, id) in exp["special_tokens"].as_object().unwrap() {
-        assert_eq!(
-            tok.token_to_id(content).map(u64::from),
-            id.as_u64(),
-            "{content}"
-        );
+        assert_eq!(tok.token_to_id(content).map(u64::from), id.as_u64(), "{content}");
     }
     let mut n = 0;
     for case in exp["texts"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
         let want = ids(&case["ids_allowed_special_all"]);
         // This fixture's tokenizer_config.json has no add_bos_token: no BOS either way.
-        assert_eq!(
-            tok.encode(text, false).unwrap(),
-            want,
-            "kimi encode {text:?}"
-        );
-        assert_eq!(
-            tok.encode(text, true).unwrap(),
-            want,
-            "kimi encode {text:?} add=true"
-        );
-        assert_eq!(
-            tok.decode(&want, false).unwrap(),
-            case["decoded"].as_str().unwrap()
-        );
+        assert_eq!(tok.encode(text, false).unwrap(), want, "kimi encode {text:?}");
+        assert_eq!(tok.encode(text, true).unwrap(), want, "kimi encode {text:?} add=true");
+        assert_eq!(tok.decode(&want, false).unwrap(), case["decoded"].as_str().unwrap());
         n += 1;
     }
     n += check_renders(dir, &tok, exp, "ids_allowed_special_all", false);
@@ -207,8 +173,7 @@ fn deepseek_v3_and_kimi_fixtures_match_their_expected_outputs() {
         let Some(exp) = load_expected(dir) else {
             continue;
         };
-        checked += if dir.join("tiktoken.model").is_file() && !dir.join("tokenizer.json").is_file()
-        {
+        checked += if dir.join("tiktoken.model").is_file() && !dir.join("tokenizer.json").is_file() {
             check_kimi_dir(dir, &exp)
         } else {
             check_hf_dir(dir, &exp)

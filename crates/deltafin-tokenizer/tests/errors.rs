@@ -28,23 +28,14 @@ fn write(dir: &Path, name: &str, text: &str) {
 fn empty_dir_has_no_tokenizer() {
     let tmp = tempfile::tempdir().unwrap();
     let err = Tokenizer::from_dir(tmp.path()).unwrap_err();
-    assert!(
-        matches!(err, TokenizerError::NoTokenizerFile { .. }),
-        "{err}"
-    );
-    assert!(
-        err.to_string().contains("tokenizer.json or tiktoken.model"),
-        "{err}"
-    );
+    assert!(matches!(err, TokenizerError::NoTokenizerFile { .. }), "{err}");
+    assert!(err.to_string().contains("tokenizer.json or tiktoken.model"), "{err}");
 }
 
 #[test]
 fn missing_dir_is_an_error_not_a_panic() {
     let err = Tokenizer::from_dir(Path::new("/nonexistent/deltafin/model")).unwrap_err();
-    assert!(
-        matches!(err, TokenizerError::NoTokenizerFile { .. }),
-        "{err}"
-    );
+    assert!(matches!(err, TokenizerError::NoTokenizerFile { .. }), "{err}");
 }
 
 #[test]
@@ -56,10 +47,7 @@ fn tokenizer_config_is_optional() {
     assert!(tok.eos_token_ids().is_empty());
     assert!(tok.chat_template().is_none());
     // The post-processor still adds BOS: HF semantics follow tokenizer.json.
-    assert_eq!(
-        tok.encode("hi", true).unwrap()[0],
-        tok.token_to_id("<|bos|>").unwrap()
-    );
+    assert_eq!(tok.encode("hi", true).unwrap()[0], tok.token_to_id("<|bos|>").unwrap());
 }
 
 #[test]
@@ -74,11 +62,7 @@ fn malformed_tokenizer_json_names_the_file() {
 #[test]
 fn malformed_tokenizer_config_names_the_file() {
     let tmp = copy_fixture("hf_bpe");
-    write(
-        tmp.path(),
-        "tokenizer_config.json",
-        "{\"bos_token\": \"<|bos|>\",,}",
-    );
+    write(tmp.path(), "tokenizer_config.json", "{\"bos_token\": \"<|bos|>\",,}");
     let err = Tokenizer::from_dir(tmp.path()).unwrap_err();
     assert!(matches!(err, TokenizerError::Json { .. }), "{err}");
     assert!(err.to_string().contains("tokenizer_config.json"), "{err}");
@@ -91,10 +75,7 @@ fn wrong_field_types_name_the_field() {
         (r#"{"eos_token": {"text": "x"}}"#, "eos_token.content"),
         (r#"{"add_bos_token": "yes"}"#, "add_bos_token"),
         (r#"{"chat_template": 3}"#, "chat_template"),
-        (
-            r#"{"chat_template": [{"name": "default"}]}"#,
-            "chat_template[0]",
-        ),
+        (r#"{"chat_template": [{"name": "default"}]}"#, "chat_template[0]"),
         (r#"{"eos_token": "<|not-in-vocab|>"}"#, "eos_token"),
         (r#"{"add_bos_token": true}"#, "add_bos_token"),
     ];
@@ -115,11 +96,7 @@ fn wrong_field_types_name_the_field() {
 #[test]
 fn bad_chat_template_is_a_syntax_error_naming_the_source() {
     let tmp = copy_fixture("hf_bpe");
-    write(
-        tmp.path(),
-        "tokenizer_config.json",
-        r#"{"chat_template": "{% if %}"}"#,
-    );
+    write(tmp.path(), "tokenizer_config.json", r#"{"chat_template": "{% if %}"}"#);
     let err = Tokenizer::from_dir(tmp.path()).unwrap_err();
     match err {
         TokenizerError::TemplateSyntax { name, .. } => {
@@ -157,10 +134,7 @@ fn chat_template_list_prefers_default_and_jinja_file_wins() {
         "tokenizer_config.json",
         r#"{"bos_token": "<|bos|>", "chat_template": "C"}"#,
     );
-    assert_eq!(
-        render(&Tokenizer::from_dir(tmp.path()).unwrap()),
-        "J<|bos|>"
-    );
+    assert_eq!(render(&Tokenizer::from_dir(tmp.path()).unwrap()), "J<|bos|>");
 }
 
 #[test]
@@ -173,11 +147,7 @@ fn bad_base64_line_names_file_and_line() {
     write(tmp.path(), "tiktoken.model", &lines.join("\n"));
     let err = Tokenizer::from_dir(tmp.path()).unwrap_err();
     match &err {
-        TokenizerError::TiktokenLine {
-            path,
-            line,
-            message,
-        } => {
+        TokenizerError::TiktokenLine { path, line, message } => {
             assert!(path.ends_with("tiktoken.model"));
             assert_eq!(*line, 42);
             assert!(message.contains("base64"), "{message}");
@@ -241,11 +211,7 @@ fn tiktoken_added_token_inside_ranks_is_a_field_error() {
 fn bad_pat_str_is_a_build_error() {
     let tmp = tempfile::tempdir().unwrap();
     write(tmp.path(), "tiktoken.model", "IQ== 0\n");
-    write(
-        tmp.path(),
-        "tokenizer_config.json",
-        r#"{"pat_str": "([a-z"}"#,
-    );
+    write(tmp.path(), "tokenizer_config.json", r#"{"pat_str": "([a-z"}"#);
     let err = Tokenizer::from_dir(tmp.path()).unwrap_err();
     assert!(matches!(err, TokenizerError::TiktokenBuild { .. }), "{err}");
 }
@@ -288,22 +254,14 @@ fn eos_union_errors_name_the_file_and_field() {
         matches!(err, TokenizerError::Json { ref path, .. } if path.ends_with("generation_config.json")),
         "{err}"
     );
-    write(
-        tmp.path(),
-        "generation_config.json",
-        r#"{"eos_token_id": [1, "x"]}"#,
-    );
+    write(tmp.path(), "generation_config.json", r#"{"eos_token_id": [1, "x"]}"#);
     let err = eos_token_ids_union(tmp.path(), &tok).unwrap_err();
     assert!(
         matches!(&err, TokenizerError::Field { field, .. } if field == "eos_token_id[1]"),
         "{err}"
     );
     write(tmp.path(), "generation_config.json", "{}");
-    write(
-        tmp.path(),
-        "config.json",
-        r#"{"text_config": {"eos_token_id": -1}}"#,
-    );
+    write(tmp.path(), "config.json", r#"{"text_config": {"eos_token_id": -1}}"#);
     let err = eos_token_ids_union(tmp.path(), &tok).unwrap_err();
     assert!(
         matches!(&err, TokenizerError::Field { field, path, .. } if field == "text_config.eos_token_id" && path.ends_with("config.json")),

@@ -112,11 +112,7 @@ fn chat_templates_match_transformers_apply_chat_template() {
                 assert_eq!(got, want.as_str().unwrap(), "template case {name}")
             }
             (None, Err(TokenizerError::TemplateException { message })) => {
-                assert_eq!(
-                    message,
-                    case["error"].as_str().unwrap(),
-                    "template case {name}"
-                )
+                assert_eq!(message, case["error"].as_str().unwrap(), "template case {name}")
             }
             (want, got) => panic!("template case {name}: want {want:?}, got {got:?}"),
         }
@@ -151,30 +147,20 @@ fn template_rejects_bad_inputs() {
     let tpl = ChatTemplate::new("{{ messages | length }}", None, None).unwrap();
     let msgs = [serde_json::json!({"role": "user", "content": "x"})];
     assert_eq!(tpl.render(&msgs, false, &Value::Null).unwrap(), "1");
-    let err = tpl
-        .render(&msgs, false, &serde_json::json!([1]))
-        .unwrap_err();
+    let err = tpl.render(&msgs, false, &serde_json::json!([1])).unwrap_err();
     assert!(matches!(err, TokenizerError::TemplateInput { .. }), "{err}");
     let err = tpl
         .render(&msgs, false, &serde_json::json!({"messages": []}))
         .unwrap_err();
     assert!(matches!(err, TokenizerError::TemplateInput { .. }), "{err}");
-    let err = tpl
-        .render(&[serde_json::json!("hi")], false, &Value::Null)
-        .unwrap_err();
+    let err = tpl.render(&[serde_json::json!("hi")], false, &Value::Null).unwrap_err();
     assert!(err.to_string().contains("messages[0]"), "{err}");
     let err = ChatTemplate::new("{% for x in %}", None, None).unwrap_err();
-    assert!(
-        matches!(err, TokenizerError::TemplateSyntax { .. }),
-        "{err}"
-    );
+    assert!(matches!(err, TokenizerError::TemplateSyntax { .. }), "{err}");
     // A runtime error that is not raise_exception stays a render error.
     let tpl = ChatTemplate::new("{{ messages[0].content + 1 }}", None, None).unwrap();
     let err = tpl.render(&msgs, false, &Value::Null).unwrap_err();
-    assert!(
-        matches!(err, TokenizerError::TemplateRender { .. }),
-        "{err}"
-    );
+    assert!(matches!(err, TokenizerError::TemplateRender { .. }), "{err}");
 }
 
 #[test]
@@ -203,10 +189,7 @@ fn template_python_compat_details() {
         r#"{"a": "<é>&'", "b": [1, 2.0]}"#
     );
     assert_eq!(
-        render(
-            "{{ x | tojson(ensure_ascii=true) }}",
-            serde_json::json!({"x": "é🙂"})
-        ),
+        render("{{ x | tojson(ensure_ascii=true) }}", serde_json::json!({"x": "é🙂"})),
         r#""\u00e9\ud83d\ude42""#
     );
     assert_eq!(
@@ -225,8 +208,5 @@ fn template_python_compat_details() {
         "012"
     );
     // extra overrides bos_token, like apply_chat_template kwargs.
-    assert_eq!(
-        render("{{ bos_token }}", serde_json::json!({"bos_token": "B"})),
-        "B"
-    );
+    assert_eq!(render("{{ bos_token }}", serde_json::json!({"bos_token": "B"})), "B");
 }

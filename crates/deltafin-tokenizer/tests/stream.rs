@@ -36,9 +36,7 @@ fn gpt2_char(b: u8) -> char {
 fn byte_ids(tok: &Tokenizer, dir: &str) -> Vec<u32> {
     (0..=255u8)
         .map(|b| match dir {
-            "hf_bpe" => tok
-                .token_to_id(&gpt2_char(b).to_string())
-                .expect("byte token"),
+            "hf_bpe" => tok.token_to_id(&gpt2_char(b).to_string()).expect("byte token"),
             _ => u32::from(b),
         })
         .collect()

@@ -10,8 +10,7 @@ const M: u32 = 32;
 const TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
 
 fn corpus() -> String {
-    "the expert router sends the token to the top experts; the experts answer. 专家模型 专家 🙂\n"
-        .repeat(20)
+    "the expert router sends the token to the top experts; the experts answer. 专家模型 专家 🙂\n".repeat(20)
 }
 
 #[test]
@@ -48,10 +47,7 @@ fn synth_tokenizer_round_trips_and_merges() {
     assert_eq!(ids[0], 256 + M);
     assert!(ids.contains(&(256 + M + 2)));
     assert_eq!(tok.decode(&ids, true).unwrap(), "héllo 世界 🙂 x");
-    assert_eq!(
-        tok.decode(&ids, false).unwrap(),
-        "<|bos|>héllo 世界 🙂 <|user|>x"
-    );
+    assert_eq!(tok.decode(&ids, false).unwrap(), "<|bos|>héllo 世界 🙂 <|user|>x");
 
     let tpl = tok.chat_template().unwrap();
     let msgs = [serde_json::json!({"role": "user", "content": "hi"})];
@@ -72,8 +68,7 @@ fn synth_is_deterministic_and_stops_when_pairs_run_out() {
     assert_eq!(read(a.path()), read(b.path()));
     // A tiny corpus runs out of repeated pairs long before 1000 merges.
     let c = tempfile::tempdir().unwrap();
-    let n = synth::write_byte_level_tokenizer(c.path(), "abab cd", 1000, &[], "<s>", "</s>", "")
-        .unwrap();
+    let n = synth::write_byte_level_tokenizer(c.path(), "abab cd", 1000, &[], "<s>", "</s>", "").unwrap();
     assert!(n < 256 + 10, "{n}");
     // bos/eos are added even when not listed in specials; an empty bos is rejected.
     let tok = Tokenizer::from_dir(c.path()).unwrap();
@@ -99,15 +94,8 @@ fn eos_union_merges_all_sources_in_order() {
         format!(r#"{{"eos_token_id": [9, {eos}, 8]}}"#),
     )
     .unwrap();
-    assert_eq!(
-        eos_token_ids_union(tmp.path(), &tok).unwrap(),
-        vec![7, 8, 9, eos]
-    );
+    assert_eq!(eos_token_ids_union(tmp.path(), &tok).unwrap(), vec![7, 8, 9, eos]);
     std::fs::write(tmp.path().join("config.json"), r#"{"eos_token_id": null}"#).unwrap();
-    std::fs::write(
-        tmp.path().join("generation_config.json"),
-        r#"{"eos_token_id": 3}"#,
-    )
-    .unwrap();
+    std::fs::write(tmp.path().join("generation_config.json"), r#"{"eos_token_id": 3}"#).unwrap();
     assert_eq!(eos_token_ids_union(tmp.path(), &tok).unwrap(), vec![3, eos]);
 }

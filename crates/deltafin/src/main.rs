@@ -14,8 +14,8 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use deltafin_engine::generate::{generate, GenerateOptions, GenerateStats};
 use deltafin_engine::experts::{CachePolicy, IoMode, StoreOptions};
+use deltafin_engine::generate::{generate, GenerateOptions, GenerateStats};
 use deltafin_engine::models::DeepseekV3;
 use deltafin_format::convert::{convert, ConvertOptions, Progress};
 use deltafin_format::{ModelDir, StoredDtype};
@@ -184,11 +184,14 @@ impl StoreArgs {
         }
         o.pinned_fraction = self.pinned_fraction;
         match (self.cache_policy, self.pin_from.is_empty()) {
-            (CachePolicy::Pinned, true) => bail!("--cache-policy pinned needs --pin-from TRACES (router traces from --trace-routes)"),
+            (CachePolicy::Pinned, true) => {
+                bail!("--cache-policy pinned needs --pin-from TRACES (router traces from --trace-routes)")
+            }
             (CachePolicy::Pinned, false) => {
                 let mut heat = std::collections::HashMap::<(usize, usize), u64>::new();
                 for p in &self.pin_from {
-                    let t = deltafin_engine::traces::Trace::read(p).with_context(|| format!("--pin-from {}", p.display()))?;
+                    let t = deltafin_engine::traces::Trace::read(p)
+                        .with_context(|| format!("--pin-from {}", p.display()))?;
                     for (k, n) in t.heat_ranking() {
                         *heat.entry(k).or_default() += n;
                     }

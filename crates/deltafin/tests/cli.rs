@@ -256,7 +256,11 @@ fn check_stats(stderr: &str, prompt_len: usize, generated: usize, manifest: &Val
     let (bytes, misses, hits, _) = expert_counters(stderr);
     assert_eq!(misses + hits, (layers - dense) * k * positions, "{stderr}");
     // Reads are whole 4 KiB-aligned records (O_DIRECT), so each miss reads the padded length.
-    let record = manifest["experts"]["records"][0]["length"].as_u64().unwrap().div_ceil(4096) as f64 * 4096.0;
+    let record = manifest["experts"]["records"][0]["length"]
+        .as_u64()
+        .unwrap()
+        .div_ceil(4096) as f64
+        * 4096.0;
     let (_, unit) = parse_human(stat(stderr, "routed-expert bytes"));
     assert!(
         (bytes - misses as f64 * record).abs() <= 0.051 * unit,
