@@ -291,7 +291,7 @@ impl DeepseekV3Config {
                 return Err(field_err(path, k, "must be greater than 0"));
             }
         }
-        if self.qk_rope_head_dim % 2 != 0 {
+        if !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(field_err(path, "qk_rope_head_dim", "must be even"));
         }
         if self.has_moe() {
@@ -302,7 +302,7 @@ impl DeepseekV3Config {
                     "MoE layers need routed experts and num_experts_per_tok > 0",
                 ));
             }
-            if self.n_routed_experts % self.n_group != 0 {
+            if !self.n_routed_experts.is_multiple_of(self.n_group) {
                 return Err(field_err(
                     path,
                     "n_group",

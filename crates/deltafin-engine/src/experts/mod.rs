@@ -8,7 +8,11 @@
 //!   open, never a silent fallback.
 //! - Readers ([`readers`]): a pool of `readers` threads; [`ExpertStore::fetch`] queues every
 //!   missing record of a layer at once, sorted by file offset, and hands records back in
-//!   completion order so the caller computes each expert while the others are in flight.
+//!   completion order so the caller computes each expert while the others are in flight. Demand
+//!   reads are split into chunks ([`StoreOptions::demand_chunk`], 512 KiB) that readers take in
+//!   (request order, offset) order, so the device keeps `readers` chunks in flight while the
+//!   records complete one after the other (the first after ~1/n of the layer's read time), not
+//!   all together at the end: expert compute starts early and overlaps the remaining reads.
 //!   Speculative reads ([`ExpertStore::prefetch`]) run only while no demand read is queued or
 //!   running, in chunks that yield to demand.
 //! - Cache ([`cache`]): `lru`, `lfu` (LFU with dynamic aging) or `pinned` (a never-evicted tier
@@ -21,8 +25,9 @@
 //! still holds (at most the experts of the live [`Fetch`]es and of the `Arc`s kept from them:
 //! top-k records per MoE layer being computed; they are never evicted while held, and are not
 //! cached when the rest of the cache cannot make room for them), (b) the buffers of reads in
-//! progress: at most `readers` records, of which at most `readers / 2` speculative ones, and (c)
-//! up to `readers` free buffers kept for reuse. Peak: `budget + (top_k + 2 × readers) × record
+//! progress: at most `readers + 1` records (the records with chunks being read, and the one whose
+//! chunks are being handed out), of which at most `readers / 2` speculative ones, and (c) up to
+//! `readers` free buffers kept for reuse. Peak: `budget + (top_k + 2 × readers + 1) × record
 //! bytes`.
 //!
 //! Output does not depend on budget, policy, I/O mode or prefetch: the store only decides where
@@ -65,13 +70,16 @@ use deltafin_kernels::MatRef;
 use crate::EngineError;
 use cache::Cache;
 use io::{round_up, PackFile};
-use readers::{Class, Delivery, InFlight, Job, Phase, State, Waiter};
+use readers::{Chunked, Class, Delivery, InFlight, Job, Phase, State, Waiter};
 
 /// (layer, expert).
 pub(crate) type Key = (u32, u32);
 
 /// Bytes of each step of a speculative read; between steps it yields to demand reads.
 const SPEC_CHUNK: usize = 256 << 10;
+
+/// Default bytes of each demand chunk ([`StoreOptions::demand_chunk`]).
+pub const DEMAND_CHUNK: usize = 512 << 10;
 
 /// How records are read from `experts.pack`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -170,6 +178,11 @@ pub struct StoreOptions {
     /// Reader threads, which is also the most reads in flight (device queue depth); 0 =
     /// `max(top_k, 8)`. A fetch with more missing experts than readers queues the rest.
     pub readers: usize,
+    /// Bytes of each chunk of a demand read (rounded up to 4 KiB): readers take the chunks of a
+    /// fetch's records in order, so the records complete one after the other at full queue
+    /// depth. 0 = [`DEMAND_CHUNK`], or the environment variable `DELTAFIN_DEMAND_CHUNK` (bytes;
+    /// a research override) when set; `usize::MAX` = one read per record.
+    pub demand_chunk: usize,
 }
 
 impl StoreOptions {
@@ -184,6 +197,7 @@ impl StoreOptions {
             pinned_fraction: 0.5,
             prefetch: false,
             readers: 0,
+            demand_chunk: 0,
         }
     }
 }
@@ -390,6 +404,8 @@ struct Shared {
     /// `[layer][expert]`, empty for dense layers.
     records: Vec<Vec<RecordInfo>>,
     spec_chunk: usize,
+    /// Bytes per demand chunk, a multiple of 4 KiB.
+    demand_chunk: usize,
     max_spec_active: usize,
     prefetch: bool,
     pool: Arc<BufPool>,
@@ -495,11 +511,23 @@ impl ExpertStore {
         } else {
             opts.readers
         };
+        let demand_chunk = match opts.demand_chunk {
+            0 => std::env::var("DELTAFIN_DEMAND_CHUNK")
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .filter(|&n| n > 0)
+                .unwrap_or(DEMAND_CHUNK),
+            n => n,
+        };
+        let demand_chunk = demand_chunk
+            .min(usize::MAX - io::DIRECT_ALIGN)
+            .next_multiple_of(io::DIRECT_ALIGN);
         let shared = Arc::new(Shared {
             pack,
             layout,
             records,
             spec_chunk,
+            demand_chunk,
             max_spec_active: (readers / 2).max(1),
             prefetch: opts.prefetch,
             pool: Arc::new(BufPool {
@@ -623,7 +651,7 @@ impl ExpertStore {
         let mut ready = VecDeque::new();
         let (tx, rx) = mpsc::channel::<Delivery>();
         let mut pending = 0;
-        let mut jobs: Vec<Job> = Vec::new();
+        let mut jobs: Vec<(Key, u64, Chunked)> = Vec::new();
         let (mut hits, mut useful) = (0, 0);
         {
             let mut guard = sh.lock();
@@ -663,7 +691,8 @@ impl ExpertStore {
                                 if let Some(pos) = st.spec_q.iter().position(|j| j.key == key) {
                                     if let Some(job) = st.spec_q.remove(pos) {
                                         useful += u64::from(job.started());
-                                        jobs.push(job);
+                                        let len = sh.records[layer][e].length as usize;
+                                        jobs.push((key, offsets[i], Chunked::from_job(job, len)));
                                     }
                                 }
                             }
@@ -679,14 +708,16 @@ impl ExpertStore {
                         waiters: vec![waiter],
                     },
                 );
-                jobs.push(Job::new(key, offsets[i]));
+                let len = sh.records[layer][e].length as usize;
+                jobs.push((key, offsets[i], Chunked::new(offsets[i], len, None, 0, 0)));
             }
-            jobs.sort_by_key(|j| j.offset);
-            #[cfg(test)]
-            for j in &jobs {
-                sh.hooks.log(tests::Event::DemandQueued(j.key));
+            // Readers serve records in this order, chunk by chunk: the first completes first.
+            jobs.sort_by_key(|j| j.1);
+            for (key, _, read) in jobs {
+                #[cfg(test)]
+                sh.hooks.log(tests::Event::DemandQueued(key));
+                st.queue_demand(key, read);
             }
-            st.demand_q.extend(jobs);
         }
         add(&sh.c.hits, hits);
         add(&sh.c.misses, pending as u64);

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -24,6 +24,8 @@ pub(crate) enum Event {
     DemandDone(Key),
     /// A reader decided to read one chunk of a speculative read.
     SpecChunk(Key),
+    /// A reader took the demand chunk starting at this byte of the record.
+    DemandChunk(Key, usize),
 }
 
 #[derive(Default)]
@@ -33,6 +35,13 @@ pub(crate) struct Hooks {
     gate: Condvar,
     spec_delay_ms: AtomicU64,
     gated: AtomicBool,
+    /// Sleep before each demand chunk (a slow device).
+    demand_delay_ms: AtomicU64,
+    /// Extra sleep before the first chunk of each record (so later chunks land first).
+    first_chunk_delay_ms: AtomicU64,
+    /// Demand chunks being read now, and the most at once.
+    demand_running: AtomicUsize,
+    demand_max_running: AtomicUsize,
 }
 
 impl Hooks {
@@ -53,6 +62,24 @@ impl Hooks {
         if ms > 0 {
             std::thread::sleep(Duration::from_millis(ms));
         }
+    }
+
+    /// Runs before each demand chunk is read.
+    pub(crate) fn before_demand_chunk(&self, start: usize) {
+        let now = self.demand_running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.demand_max_running.fetch_max(now, Ordering::SeqCst);
+        let mut ms = self.demand_delay_ms.load(Ordering::SeqCst);
+        if start == 0 {
+            ms += self.first_chunk_delay_ms.load(Ordering::SeqCst);
+        }
+        if ms > 0 {
+            std::thread::sleep(Duration::from_millis(ms));
+        }
+    }
+
+    /// Runs after each demand chunk is read.
+    pub(crate) fn after_demand_chunk(&self) {
+        self.demand_running.fetch_sub(1, Ordering::SeqCst);
     }
 
     fn close_gate(&self) {
@@ -106,6 +133,8 @@ fn opts(budget: u64, io: IoMode, policy: CachePolicy) -> StoreOptions {
         pinned_fraction: 0.5,
         prefetch: false,
         readers: 0,
+        // Two chunks per 8 KiB record, so every test also exercises chunked demand reads.
+        demand_chunk: 4096,
     }
 }
 
@@ -739,5 +768,216 @@ fn model_output_is_identical_for_every_store_configuration() {
             None => first = Some(bits),
             Some(f) => assert!(f == &bits, "{budget} {policy} {io} prefetch {prefetch}: logits differ"),
         }
+    }
+}
+
+/// Demand reads are split into chunks taken in (request order, offset) order: with a slow device
+/// (40 ms per chunk) and 2 readers, the records of one fetch complete one after the other in
+/// offset order, the first long before the last, while both readers stay busy; with 4 readers
+/// the device keeps 4 chunks in flight and records complete two by two, still in order.
+#[test]
+fn demand_chunks_complete_records_in_order_at_full_queue_depth() {
+    let (_tmp, path) = convert_fixture();
+    let dir = ModelDir::open(&path).unwrap();
+    let want = reference(&dir);
+    let request = [7usize, 3, 12, 0, 9, 5, 14, 1];
+    let mut by_offset: Vec<usize> = (0..request.len()).collect();
+    by_offset.sort_by_key(|&i| dir.record(2, request[i]).offset);
+    for io in modes(&dir) {
+        for readers in [2usize, 4] {
+            let store = ExpertStore::open(
+                &dir,
+                StoreOptions {
+                    readers,
+                    ..opts(0, io, CachePolicy::Lru)
+                },
+            )
+            .unwrap();
+            let hooks = &store.shared.hooks;
+            hooks.demand_delay_ms.store(40, Ordering::SeqCst);
+            let t0 = Instant::now();
+            let mut order = Vec::new();
+            let mut times = Vec::new();
+            for r in store.fetch(2, &request).unwrap() {
+                let (i, e) = r.unwrap();
+                times.push(t0.elapsed());
+                assert_eq!(e.as_bytes(), want[&(2, request[i])].as_slice(), "{io}");
+                order.push(i);
+            }
+            // Chunks were handed out record by record, in offset order, each from its start.
+            let chunks: Vec<(usize, usize)> = hooks
+                .events()
+                .iter()
+                .filter_map(|e| match e {
+                    Event::DemandChunk(k, start) => Some((k.1 as usize, *start)),
+                    _ => None,
+                })
+                .collect();
+            let expected: Vec<(usize, usize)> = by_offset
+                .iter()
+                .flat_map(|&i| [(request[i], 0), (request[i], 4096)])
+                .collect();
+            assert_eq!(chunks, expected, "{io} readers {readers}");
+            assert_eq!(hooks.demand_max_running.load(Ordering::SeqCst), readers, "queue depth");
+            // Records complete `readers / 2` at a time (2 chunks each), in offset order.
+            let per_round = readers / 2;
+            for (n, &i) in order.iter().enumerate() {
+                let round = n / per_round;
+                let allowed = &by_offset[round * per_round..(round + 1) * per_round];
+                assert!(allowed.contains(&i), "{io} readers {readers}: delivery order {order:?}");
+            }
+            let (first, last) = (times[0], *times.last().unwrap());
+            assert!(
+                first * 2 < last,
+                "{io} readers {readers}: first record after {first:?}, last after {last:?}"
+            );
+            let c = store.counters();
+            assert_eq!(c.bytes_read_demand, RECORD * request.len() as u64);
+        }
+    }
+}
+
+/// One read per record (`demand_chunk = usize::MAX`) still returns the pack's bytes.
+#[test]
+fn whole_record_demand_reads_still_work() {
+    let (_tmp, path) = convert_fixture();
+    let dir = ModelDir::open(&path).unwrap();
+    let want = reference(&dir);
+    for io in modes(&dir) {
+        let store = ExpertStore::open(
+            &dir,
+            StoreOptions {
+                demand_chunk: usize::MAX,
+                ..opts(RECORD * 4, io, CachePolicy::Lru)
+            },
+        )
+        .unwrap();
+        let all: Vec<usize> = (0..N_EXPERTS).collect();
+        for (e, got) in all.iter().zip(store.get(3, &all).unwrap()) {
+            assert_eq!(got.as_bytes(), want[&(3, *e)].as_slice(), "{io}");
+        }
+        let chunks = store
+            .shared
+            .hooks
+            .events()
+            .iter()
+            .filter(|e| matches!(e, Event::DemandChunk(..)))
+            .count();
+        assert_eq!(chunks, N_EXPERTS);
+    }
+}
+
+/// A speculative read that yielded to demand after its first chunk, and is then requested on
+/// demand, continues as a chunked demand read from where it stopped: nothing is read twice.
+#[test]
+fn demand_resumes_a_yielded_prefetch_from_its_progress() {
+    let (_tmp, path) = convert_fixture();
+    let dir = ModelDir::open(&path).unwrap();
+    let want = reference(&dir);
+    for demand_chunk in [4096, usize::MAX] {
+        resume_yielded_prefetch(&dir, &want, demand_chunk);
+    }
+}
+
+fn resume_yielded_prefetch(
+    dir: &ModelDir,
+    want: &std::collections::HashMap<(usize, usize), Vec<u8>>,
+    demand_chunk: usize,
+) {
+    let store = ExpertStore::open_with(
+        dir,
+        StoreOptions {
+            prefetch: true,
+            readers: 4,
+            demand_chunk,
+            ..opts(RECORD * 8, IoMode::Buffered, CachePolicy::Lru)
+        },
+        4096,
+    )
+    .unwrap();
+    let hooks = &store.shared.hooks;
+    hooks.close_gate();
+    store.prefetch(1, &[0]);
+    wait_until("the speculative read to start", || {
+        hooks.events().contains(&Event::SpecChunk((1, 0)))
+    });
+    // A slow demand read keeps demand pending while the speculative read finishes its first
+    // chunk and yields.
+    hooks.demand_delay_ms.store(300, Ordering::SeqCst);
+    let slow = store.fetch(1, &[5]).unwrap();
+    hooks.open_gate();
+    std::thread::sleep(Duration::from_millis(100));
+    hooks.demand_delay_ms.store(0, Ordering::SeqCst);
+    let got = store.get(1, &[0]).unwrap();
+    assert_eq!(got[0].as_bytes(), want[&(1, 0)].as_slice());
+    let other = slow.in_order().unwrap();
+    assert_eq!(other[0].as_bytes(), want[&(1, 5)].as_slice());
+    let ev = hooks.events();
+    assert!(ev.contains(&Event::DemandChunk((1, 0), 4096)), "{ev:?}");
+    assert!(!ev.contains(&Event::DemandChunk((1, 0), 0)), "{ev:?}");
+    let c = store.counters();
+    assert_eq!((c.misses, c.prefetch_useful), (2, 1));
+    assert_eq!(c.bytes_read_speculative, 4096);
+    assert_eq!(c.bytes_read_demand, RECORD + 4096);
+    assert_eq!(c.bytes_read(), 2 * RECORD);
+}
+
+/// Chunks may land out of order: with every record's second chunk landing before its first,
+/// records are delivered whole and verified, and a corrupted byte in the second chunk is an error
+/// naming layer and expert (the record is not cached).
+#[test]
+fn checksum_with_chunks_landing_out_of_order() {
+    let (_tmp, path) = convert_fixture();
+    let off = {
+        let dir = ModelDir::open(&path).unwrap();
+        dir.record(2, 7).offset + 4500
+    };
+    let pack = path.join("experts.pack");
+    let mut bytes = std::fs::read(&pack).unwrap();
+    bytes[off as usize] ^= 0x01;
+    std::fs::write(&pack, &bytes).unwrap();
+    let dir = ModelDir::open(&path).unwrap();
+    let want = reference(&dir);
+    for io in modes(&dir) {
+        let store = ExpertStore::open(
+            &dir,
+            StoreOptions {
+                readers: 4,
+                ..opts(RECORD * 8, io, CachePolicy::Lru)
+            },
+        )
+        .unwrap();
+        store.shared.hooks.first_chunk_delay_ms.store(60, Ordering::SeqCst);
+        let mut results: Vec<_> = store.fetch(2, &[3, 7, 8]).unwrap().collect();
+        results.sort_by_key(|r| r.as_ref().map(|(i, _)| *i).unwrap_or(1));
+        let mut errors = 0;
+        for r in results {
+            match r {
+                Ok((i, e)) => {
+                    let ex = [3, 7, 8][i];
+                    assert_ne!(ex, 7);
+                    assert_eq!(e.as_bytes(), want[&(2, ex)].as_slice(), "{io}");
+                }
+                Err(e) => {
+                    errors += 1;
+                    assert!(
+                        matches!(
+                            e,
+                            EngineError::ExpertChecksum {
+                                layer: 2,
+                                expert: 7,
+                                ..
+                            }
+                        ),
+                        "{io}: {e:?}"
+                    );
+                }
+            }
+        }
+        assert_eq!(errors, 1, "{io}");
+        assert!(store.shared.records[2][3].verified.load(Ordering::Acquire));
+        assert!(!store.shared.records[2][7].verified.load(Ordering::Acquire));
+        assert_eq!(store.cached_bytes(), 2 * RECORD, "{io}: the bad record is not cached");
+        assert!(store.get(2, &[7]).is_err());
     }
 }
