@@ -36,6 +36,16 @@ pub struct TraceShape {
     pub top_k: u32,
 }
 
+impl std::fmt::Display for TraceShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} layers, MoE from layer {}, {} experts, top-{}",
+            self.n_layers, self.first_moe, self.n_experts, self.top_k
+        )
+    }
+}
+
 impl TraceShape {
     fn moe_layers(&self) -> usize {
         (self.n_layers - self.first_moe) as usize
@@ -112,7 +122,7 @@ impl TraceWriter {
             let existing = TraceShape::parse(&h, path)?;
             if existing != shape {
                 return Err(EngineError::Invalid(format!(
-                    "{}: the trace was recorded for another model or top-k ({existing:?}); this run is {shape:?}",
+                    "{}: the trace was recorded for another model or top-k ({existing}); this run is {shape}: use another file",
                     path.display()
                 )));
             }

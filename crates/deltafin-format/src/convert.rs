@@ -76,6 +76,8 @@ pub struct ConvertReport {
     pub record_stride: u64,
     /// Source tensors deliberately left out (MTP layers, non-text towers, rotary buffers).
     pub ignored_tensors: Vec<String>,
+    /// Tokenizer and generation files copied from the source.
+    pub tokenizer_files: Vec<String>,
 }
 
 /// One encoded expert: (expert id, record bytes padded to the stride, source bytes consumed).
@@ -288,7 +290,7 @@ pub fn convert(
     let (cfg, raw) = DeepseekV3Config::from_file(&hf_dir.join("config.json"))?;
     let ck = Checkpoint::open(hf_dir)?;
 
-    crate::staging::write_dir_atomically(out_dir, opts.force, |tmp| {
+    crate::staging::write_dir_atomically(out_dir, opts.force, Some(hf_dir), |tmp| {
         write_all(&ck, &cfg, raw, hf_dir, tmp, opts, progress)
     })
 }
@@ -504,5 +506,6 @@ fn write_all(
         expert_records: manifest.experts.records.len(),
         record_stride: stride,
         ignored_tensors: ignored,
+        tokenizer_files: manifest.tokenizer_files.clone(),
     })
 }

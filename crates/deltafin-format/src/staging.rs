@@ -17,22 +17,44 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> FormatError + '_ {
 }
 
 /// Builds a model directory at `out_dir` by calling `write` on a fresh staging directory, then
-/// moving it into place.
+/// moving it into place. `source` (the checkpoint being read, if any) must not be `out_dir` or
+/// inside it.
 ///
-/// Errors: `out_dir` exists and is not empty without `force`, `out_dir` has no directory name,
-/// any error of `write` (the staging directory is then removed), or an I/O error.
+/// Errors: `out_dir` exists and is not empty without `force`; with `force`, `out_dir` is not a
+/// deltafin model directory (no `manifest.json`: `--force` only ever replaces a model); `out_dir`
+/// is or contains `source`; `out_dir` has no directory name; any error of `write` (the staging
+/// directory is then removed); or an I/O error.
 pub fn write_dir_atomically<T>(
     out_dir: &Path,
     force: bool,
+    source: Option<&Path>,
     write: impl FnOnce(&Path) -> Result<T, FormatError>,
 ) -> Result<T, FormatError> {
+    let refuse = |message: String| FormatError::Output {
+        path: out_dir.into(),
+        message,
+    };
+    if let (Some(src), Ok(out)) = (source, out_dir.canonicalize()) {
+        if let Ok(src) = src.canonicalize() {
+            if src.starts_with(&out) {
+                return Err(refuse(format!(
+                    "the output directory is or contains the source checkpoint {}; choose another output",
+                    src.display()
+                )));
+            }
+        }
+    }
     if out_dir.exists() {
         let nonempty = std::fs::read_dir(out_dir).map_err(io(out_dir))?.next().is_some();
         if nonempty && !force {
-            return Err(FormatError::Output {
-                path: out_dir.into(),
-                message: "output directory exists and is not empty (pass --force to replace it)".into(),
-            });
+            return Err(refuse(
+                "output directory exists and is not empty (pass --force to replace it)".into(),
+            ));
+        }
+        if nonempty && !out_dir.join("manifest.json").is_file() {
+            return Err(refuse(
+                "output directory is not empty and is not a deltafin model (no manifest.json): --force only replaces a model directory; remove it yourself or choose another output".into(),
+            ));
         }
     }
     let name = out_dir

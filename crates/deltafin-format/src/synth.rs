@@ -367,7 +367,7 @@ pub fn write_model_dir(
 ) -> Result<SynthReport, FormatError> {
     let config = preset.spec.config_json(tokenizer.bos, tokenizer.eos);
     let cfg = DeepseekV3Config::from_value(&config, &out_dir.join("config.json"))?;
-    crate::staging::write_dir_atomically(out_dir, force, |tmp| {
+    crate::staging::write_dir_atomically(out_dir, force, None, |tmp| {
         write_files(tmp, preset, &cfg, config, tokenizer, progress)
     })
 }

@@ -52,7 +52,7 @@ pub struct BenchArgs {
     memory_limit: Option<u64>,
     /// Expert cache budget passed to every run (unless a --config sets its own). Default with
     /// --memory-limit: the limit minus the backbone minus 512 MiB for everything else, since
-    /// `run`'s own default (a quarter of physical memory) knows nothing of the cgroup.
+    /// `run`'s own default (a quarter of the cgroup limit) would leave most of the limit unused.
     #[arg(long, value_parser = size::parse_size)]
     ram_budget: Option<u64>,
     /// Drop the page cache before each run even without --memory-limit (root).

@@ -40,7 +40,7 @@ pub struct ChatArgs {
     /// Seed for sampling.
     #[arg(long)]
     seed: Option<u64>,
-    /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory).
+    /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
     #[arg(long, value_parser = size::parse_size)]
     ram_budget: Option<u64>,
     #[command(flatten)]

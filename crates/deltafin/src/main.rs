@@ -90,12 +90,13 @@ enum Cmd {
 }
 
 #[derive(clap::Args)]
+#[command(group = clap::ArgGroup::new("prompt_input").required(true).multiple(false).args(["prompt", "prompt_ids"]))]
 struct RunArgs {
     /// Model directory written by `deltafin convert`.
     #[arg(long)]
     model: PathBuf,
     /// Prompt text.
-    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    #[arg(long, group = "prompt_input")]
     prompt: Option<String>,
     /// Prompt as comma-separated token ids (no tokenizer involved).
     #[arg(long, value_delimiter = ',')]
@@ -212,6 +213,15 @@ pub(crate) const NON_DEFAULT_ROUTING: &str = "non-default routing: output not eq
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.cmd, Cmd::Serve(_) | Cmd::Chat(_)) {
+        // Like other Unix command-line tools, end quietly when the reader of our output goes
+        // away (`deltafin run … | head`) instead of failing on EPIPE. The server and chat keep
+        // Rust's default (SIGPIPE ignored) so a closed socket or pipe is an error they handle.
+        // SAFETY: called before any other thread exists; SIG_DFL is a valid disposition.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let r = match cli.cmd {
         Cmd::Convert {
             hf_dir,
@@ -317,6 +327,16 @@ pub(crate) fn cmd_convert(
         report.record_stride,
         opts.experts.name(),
     );
+    if !report
+        .tokenizer_files
+        .iter()
+        .any(|f| f == "tokenizer.json" || f == "tiktoken.model")
+    {
+        eprintln!(
+            "warning: {} has no tokenizer.json or tiktoken.model: the model runs only with --prompt-ids",
+            hf_dir.display()
+        );
+    }
     if !report.ignored_tensors.is_empty() {
         eprintln!(
             "ignored {} source tensors (MTP layers, non-text towers, rotary buffers)",
@@ -511,6 +531,9 @@ pub(crate) fn print_stats(s: &GenerateStats, model: &DeepseekV3, budget: u64, di
         .unwrap_or_else(|| "n/a (fewer than 2 decode steps)".into());
     let m = &dir.manifest;
     eprintln!("--- deltafin run ---");
+    if model.compute_only() {
+        eprintln!("compute-only         stand-in expert records, no expert reads: output is not the model's");
+    }
     if model.non_default_routing() {
         eprintln!(
             "routing              {} experts per token (model: {}): {NON_DEFAULT_ROUTING}",
@@ -533,7 +556,7 @@ pub(crate) fn print_stats(s: &GenerateStats, model: &DeepseekV3, budget: u64, di
         s.experts.hits,
         s.experts.evictions
     );
-    eprintln!("expert cache hit rate {:.1}%", 100.0 * s.experts.hit_rate());
+    eprintln!("expert hit rate      {:.1}%", 100.0 * s.experts.hit_rate());
     let o = model.store.options();
     eprintln!(
         "expert store         io {}, cache {}, {} readers, waited {:.3} s for reads",
@@ -559,7 +582,7 @@ pub(crate) fn print_stats(s: &GenerateStats, model: &DeepseekV3, budget: u64, di
         size::human(m.experts.bytes),
         m.experts.dtype.name(),
         if budget > 0 {
-            format!("{:.1}", m.experts.bytes as f64 / budget as f64)
+            format!("{:.2}", m.experts.bytes as f64 / budget as f64)
         } else {
             "∞".into()
         }

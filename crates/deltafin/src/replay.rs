@@ -34,7 +34,7 @@ pub struct ReplayArgs {
 
 pub fn run(a: &ReplayArgs) -> Result<()> {
     let dir = ModelDir::open(&a.model)?;
-    let trace = Trace::read(&a.trace)?;
+    let trace = Trace::read(&a.trace).with_context(|| format!("--trace {}", a.trace.display()))?;
     let c = &dir.manifest.config;
     let first_moe = c.first_k_dense_replace.min(c.num_hidden_layers);
     if trace.shape.n_layers as usize != c.num_hidden_layers
@@ -42,7 +42,7 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
         || trace.shape.n_experts as usize != c.n_routed_experts
     {
         bail!(
-            "{}: trace shape {:?} does not match the model in {}",
+            "--trace {}: recorded for another model ({}), not the one in {}",
             a.trace.display(),
             trace.shape,
             a.model.display()

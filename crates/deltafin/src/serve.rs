@@ -36,7 +36,7 @@ pub struct ServeArgs {
     /// Largest request body, e.g. 1MiB (larger bodies get 413).
     #[arg(long, value_parser = size::parse_size, default_value = "16MiB")]
     max_request_bytes: u64,
-    /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory).
+    /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
     #[arg(long, value_parser = size::parse_size)]
     ram_budget: Option<u64>,
     #[command(flatten)]

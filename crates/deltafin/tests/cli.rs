@@ -28,7 +28,7 @@ const STAT_KEYS: &[&str] = &[
     "prefill",
     "steady decode",
     "routed-expert bytes",
-    "expert cache hit rate",
+    "expert hit rate",
     "peak resident memory",
 ];
 
@@ -266,10 +266,7 @@ fn check_stats(stderr: &str, prompt_len: usize, generated: usize, manifest: &Val
         (bytes - misses as f64 * record).abs() <= 0.051 * unit,
         "bytes read {bytes} vs {misses} misses × {record}"
     );
-    let rate: f64 = stat(stderr, "expert cache hit rate")
-        .trim_end_matches('%')
-        .parse()
-        .unwrap();
+    let rate: f64 = stat(stderr, "expert hit rate").trim_end_matches('%').parse().unwrap();
     let want = 100.0 * hits as f64 / (hits + misses) as f64;
     assert!((rate - want).abs() <= 0.051, "hit rate {rate}% vs {want}%");
     let (peak, _) = parse_human(stat(stderr, "peak resident memory"));
@@ -597,13 +594,19 @@ fn convert_refuses_a_non_empty_output_without_force_and_force_replaces_it() {
     let line = expect_error(&convert(&fixture("dsv3_a"), &out, &[]), &["--force"]);
     assert!(line.contains(&*out.to_string_lossy()), "names the directory: {line}");
     assert_eq!(std::fs::read_to_string(out.join("precious.txt")).unwrap(), "keep me");
+    // --force replaces only a model directory: a directory without manifest.json survives.
+    let line = expect_error(&convert(&fixture("dsv3_a"), &out, &["--force"]), &["manifest.json"]);
+    assert!(line.contains("not a deltafin model"), "{line}");
+    assert_eq!(std::fs::read_to_string(out.join("precious.txt")).unwrap(), "keep me");
+    std::fs::remove_file(out.join("precious.txt")).unwrap();
 
+    // An existing model is replaced by --force.
+    ok(convert(&fixture("dsv3_c"), &out, &[]));
     ok(convert(
         &fixture("dsv3_a"),
         &out,
         &["--force", "--backbone", "f32", "--experts", "f32"],
     ));
-    assert!(!out.join("precious.txt").exists(), "--force replaces the directory");
     assert!(out.join("manifest.json").is_file());
     let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
         .unwrap()
@@ -615,6 +618,22 @@ fn convert_refuses_a_non_empty_output_without_force_and_force_replaces_it() {
     let f = tmp.path().join("l.json");
     ok(run_ids(&out, &ids(&p["prompt_ids"]), 8, &f, &[]));
     assert_eq!(ids(&read_json(&f)["generated_ids"]), ids(&p["generated_ids"]));
+}
+
+#[test]
+fn convert_never_writes_over_its_source() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("outer").join("hf");
+    std::fs::create_dir_all(&src).unwrap();
+    for f in std::fs::read_dir(fixture("dsv3_a")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, src.join(f.file_name().unwrap())).unwrap();
+    }
+    for target in [src.clone(), tmp.path().join("outer")] {
+        let line = expect_error(&convert(&src, &target, &["--force"]), &["source"]);
+        assert!(line.contains("source checkpoint"), "{line}");
+        assert!(src.join("model.safetensors").is_file(), "the source survives");
+    }
 }
 
 #[test]
