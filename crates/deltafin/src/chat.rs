@@ -52,6 +52,15 @@ const HELP: &str =
 
 /// Runs the conversation loop until `/exit`, end of input or Ctrl-C at the prompt.
 pub fn run(a: &ChatArgs) -> Result<()> {
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    if !(0.0..=2.0).contains(&a.temperature) {
+        bail!("--temperature {} must be between 0 and 2", a.temperature);
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--top-p {} must be greater than 0 and at most 1", a.top_p);
+    }
     let dir = ModelDir::open(&a.model)?;
     let budget = a.ram_budget.unwrap_or_else(crate::default_ram_budget);
     let tokenizer = Arc::new(
@@ -119,10 +128,18 @@ pub fn run(a: &ChatArgs) -> Result<()> {
                 eprintln!("(new conversation)");
                 continue;
             }
+            cmd if cmd.starts_with('/')
+                && !cmd.starts_with("//")
+                && !cmd.contains(char::is_whitespace)
+                && cmd != "/stats" =>
+            {
+                eprintln!("unknown command {cmd} ({HELP}; start a message with // to send a literal /)");
+                continue;
+            }
             "/stats" => {
                 match &last {
                     Some(o) => {
-                        crate::print_stats(&o.stats, &model, budget, &dir);
+                        crate::print_stats("chat: last answer", &o.stats, &model, budget, &dir);
                         eprintln!(
                             "reused prompt tokens {} of {} (KV cache kept from the previous turn)",
                             o.reused_tokens, o.prompt_tokens
@@ -134,6 +151,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
             }
             _ => {}
         }
+        let input = input.strip_prefix('/').filter(|r| r.starts_with('/')).unwrap_or(input);
         messages.push(json!({"role": "user", "content": input}));
         let rendered = match tokenizer.chat_template() {
             Some(t) => t.render(&messages, true, &Value::Null),

@@ -476,7 +476,7 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         std::fs::write(path, serde_json::to_vec_pretty(&json)?)
             .with_context(|| format!("--stats-json: writing {}", path.display()))?;
     }
-    print_stats(&out.stats, &model, budget, &dir);
+    print_stats("run", &out.stats, &model, budget, &dir);
     Ok(())
 }
 
@@ -524,13 +524,13 @@ fn stats_json(out: &deltafin_engine::generate::GenerateOutput, model: &DeepseekV
     })
 }
 
-pub(crate) fn print_stats(s: &GenerateStats, model: &DeepseekV3, budget: u64, dir: &ModelDir) {
+pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &DeepseekV3, budget: u64, dir: &ModelDir) {
     let decode = s
         .steady_decode_tokens_per_s()
         .map(|r| format!("{r:.2} tok/s ({} steps)", s.steady_decode_steps))
         .unwrap_or_else(|| "n/a (fewer than 2 decode steps)".into());
     let m = &dir.manifest;
-    eprintln!("--- deltafin run ---");
+    eprintln!("--- deltafin {title} ---");
     if model.compute_only() {
         eprintln!("compute-only         stand-in expert records, no expert reads: output is not the model's");
     }

@@ -38,7 +38,7 @@ fn chat_streams_answers_reuses_the_cache_and_prints_stats() {
         .get_output()
         .clone();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(err.matches("--- deltafin run ---").count(), 2, "{err}");
+    assert_eq!(err.matches("--- deltafin chat: last answer ---").count(), 2, "{err}");
     assert!(err.contains("reused prompt tokens 0 of"), "{err}");
     // The second turn starts with the first turn's prompt: those tokens are reused.
     assert!(
