@@ -41,6 +41,10 @@ struct Slot {
     current: Mutex<Option<UnboundedSender<JobEvent>>>,
 }
 
+/// How long a generation request re-checks a busy slot before getting 429 (see
+/// [`Worker::try_acquire`]).
+pub const BUSY_GRACE: Duration = Duration::from_millis(250);
+
 /// Holding the slot; dropping it frees the slot.
 pub struct Permit {
     slot: Arc<Slot>,
@@ -105,10 +109,16 @@ impl Worker {
 
     /// Takes the generation slot, or None while another generation runs. A running generation
     /// whose client has gone is waited for (it stops within one decode step).
+    ///
+    /// A client's disconnect becomes visible only when the server next writes to it (at the
+    /// next token), so a request that arrives right after another client hung up would see the
+    /// slot busy. The slot is therefore re-checked for up to [`BUSY_GRACE`] before answering
+    /// busy; a generation found abandoned meanwhile is then waited for.
     pub async fn try_acquire(&self) -> Option<Permit> {
         // A forward pass of a large model can take seconds; an abandoned generation always ends
         // after its current one, so waiting for it is bounded by one step (capped here).
-        let deadline = Instant::now() + Duration::from_secs(120);
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(120);
         loop {
             if self
                 .slot
@@ -124,7 +134,8 @@ impl Worker {
                 Ok(c) => c.as_ref().is_some_and(|tx| tx.is_closed()),
                 Err(_) => false,
             };
-            if !abandoned || Instant::now() > deadline {
+            let in_grace = start.elapsed() < BUSY_GRACE;
+            if (!abandoned && !in_grace) || Instant::now() > deadline {
                 return None;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;

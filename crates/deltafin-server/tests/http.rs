@@ -425,7 +425,15 @@ fn disconnect_cancels_within_a_step_and_frees_the_slot() {
         line.clear();
         r.read_line(&mut line).unwrap();
     }
-    assert_eq!(metric(a, "deltafin_generation_active"), 1.0);
+    // The role chunk can be sent before the compute thread picks the job up: wait for it.
+    let t_active = Instant::now();
+    while metric(a, "deltafin_generation_active") != 1.0 {
+        assert!(
+            t_active.elapsed() < Duration::from_secs(5),
+            "the generation never became active"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     drop(r);
     let t0 = Instant::now();
     let next = post(a, "/v1/chat/completions", &chat_body(2));
