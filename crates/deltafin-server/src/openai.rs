@@ -182,15 +182,8 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
         ignore_eos: r.ignore_eos.unwrap_or(false),
         logprobs,
     };
-    let rx = s.start(req).await?;
-    let meta = Meta {
-        kind: Kind::Completion,
-        id: new_id("cmpl-"),
-        created: unix_now(),
-        model: s.config.model_id.clone(),
-        include_usage: r.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
-        logprobs: logprobs.is_some(),
-    };
+    let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+    let (rx, meta) = launch(&s, req, Kind::Completion, "cmpl-", include_usage).await?;
     if r.stream.unwrap_or(false) {
         return Ok(sse(rx, meta).into_response());
     }
@@ -331,15 +324,8 @@ pub async fn chat_completions(
         ignore_eos: r.ignore_eos.unwrap_or(false),
         logprobs,
     };
-    let rx = s.start(req).await?;
-    let meta = Meta {
-        kind: Kind::Chat,
-        id: new_id("chatcmpl-"),
-        created: unix_now(),
-        model: s.config.model_id.clone(),
-        include_usage: r.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
-        logprobs: logprobs.is_some(),
-    };
+    let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+    let (rx, meta) = launch(&s, req, Kind::Chat, "chatcmpl-", include_usage).await?;
     if r.stream.unwrap_or(false) {
         return Ok(sse(rx, meta).into_response());
     }
@@ -421,6 +407,27 @@ fn completion_logprobs(lps: &[TokenLogprob]) -> Value {
 enum Kind {
     Completion,
     Chat,
+}
+
+/// Takes the generation slot, queues `req`, and returns its events with the response metadata.
+async fn launch(
+    s: &Shared,
+    req: GenerationRequest,
+    kind: Kind,
+    id_prefix: &str,
+    include_usage: bool,
+) -> Result<(UnboundedReceiver<JobEvent>, Meta), ApiError> {
+    let logprobs = req.logprobs.is_some();
+    let rx = s.start(req).await?;
+    let meta = Meta {
+        kind,
+        id: new_id(id_prefix),
+        created: unix_now(),
+        model: s.config.model_id.clone(),
+        include_usage,
+        logprobs,
+    };
+    Ok((rx, meta))
 }
 
 struct Meta {
