@@ -2,6 +2,8 @@
 //!
 //! - [`experts`]: reading routed-expert records from `experts.pack` on demand into a byte-budgeted
 //!   cache, verifying checksums, counting bytes and hits.
+//! - [`model`]: the [`model::CausalLm`] interface every family implements, [`model::load_model`],
+//!   and the routed-expert runtime the families share.
 //! - [`models`]: one file per model family (`deepseek_v3`), built from shared blocks
 //!   ([`rope`], [`moe`]).
 //! - [`generate`]: the greedy decode loop with timing statistics.
@@ -9,6 +11,7 @@
 pub mod experts;
 pub mod generate;
 pub mod mem;
+pub mod model;
 pub mod models;
 pub mod moe;
 pub mod rope;
@@ -45,3 +48,5 @@ pub enum EngineError {
     #[error("{0}")]
     Invalid(String),
 }
+
+pub use model::{load_model, CausalLm, DecodeState, LayerRoutes, Profile};

@@ -12,12 +12,13 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde_json::Value;
 
+use crate::arch::{ExpertMatrix, ModelConfig, Select, TensorRole};
 use crate::checkpoint::Checkpoint;
 use crate::model_dir::{
     BackboneIndex, ExpertPackIndex, ExpertRecord, ExpertTensorLayout, Manifest, StoredDtype, TensorRecord, FORMAT_NAME,
     FORMAT_VERSION, RECORD_ALIGN, TENSOR_ALIGN,
 };
-use crate::{DeepseekV3Config, FormatError};
+use crate::FormatError;
 
 /// Files copied verbatim from the source directory when present.
 pub const COPIED_FILES: &[&str] = &[
@@ -83,141 +84,35 @@ pub struct ConvertReport {
 /// One encoded expert: (expert id, record bytes padded to the stride, source bytes consumed).
 type EncodedRecord = (usize, Vec<u8>, u64);
 
-/// Where a checkpoint tensor goes.
-enum Role {
-    /// Kept f32 whatever `--backbone` says (norms, router weight and bias).
-    BackboneF32,
-    /// 2-D matrix stored in the backbone dtype.
-    BackboneMatrix,
-}
-
-/// The backbone tensors of a DeepSeek-V3 checkpoint with their shapes, in checkpoint order.
-fn backbone_table(c: &DeepseekV3Config) -> Vec<(String, Vec<usize>, Role)> {
-    let h = c.hidden_size;
-    let nh = c.num_attention_heads;
-    let mut t = vec![(
-        "model.embed_tokens.weight".to_string(),
-        vec![c.vocab_size, h],
-        Role::BackboneMatrix,
-    )];
-    for l in 0..c.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        t.push((format!("{p}.input_layernorm.weight"), vec![h], Role::BackboneF32));
-        t.push((
-            format!("{p}.post_attention_layernorm.weight"),
-            vec![h],
-            Role::BackboneF32,
-        ));
-        let a = format!("{p}.self_attn");
-        match c.q_lora_rank {
-            Some(r) => {
-                t.push((format!("{a}.q_a_proj.weight"), vec![r, h], Role::BackboneMatrix));
-                t.push((format!("{a}.q_a_layernorm.weight"), vec![r], Role::BackboneF32));
-                t.push((
-                    format!("{a}.q_b_proj.weight"),
-                    vec![nh * c.qk_head_dim(), r],
-                    Role::BackboneMatrix,
-                ));
-            }
-            None => t.push((
-                format!("{a}.q_proj.weight"),
-                vec![nh * c.qk_head_dim(), h],
-                Role::BackboneMatrix,
-            )),
-        }
-        t.push((
-            format!("{a}.kv_a_proj_with_mqa.weight"),
-            vec![c.kv_lora_rank + c.qk_rope_head_dim, h],
-            Role::BackboneMatrix,
-        ));
-        t.push((
-            format!("{a}.kv_a_layernorm.weight"),
-            vec![c.kv_lora_rank],
-            Role::BackboneF32,
-        ));
-        t.push((
-            format!("{a}.kv_b_proj.weight"),
-            vec![nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank],
-            Role::BackboneMatrix,
-        ));
-        t.push((
-            format!("{a}.o_proj.weight"),
-            vec![h, nh * c.v_head_dim],
-            Role::BackboneMatrix,
-        ));
-        let m = format!("{p}.mlp");
-        if c.is_moe_layer(l) {
-            t.push((
-                format!("{m}.gate.weight"),
-                vec![c.n_routed_experts, h],
-                Role::BackboneF32,
-            ));
-            t.push((
-                format!("{m}.gate.e_score_correction_bias"),
-                vec![c.n_routed_experts],
-                Role::BackboneF32,
-            ));
-            if c.n_shared_experts > 0 {
-                let si = c.moe_intermediate_size * c.n_shared_experts;
-                t.push((
-                    format!("{m}.shared_experts.gate_proj.weight"),
-                    vec![si, h],
-                    Role::BackboneMatrix,
-                ));
-                t.push((
-                    format!("{m}.shared_experts.up_proj.weight"),
-                    vec![si, h],
-                    Role::BackboneMatrix,
-                ));
-                t.push((
-                    format!("{m}.shared_experts.down_proj.weight"),
-                    vec![h, si],
-                    Role::BackboneMatrix,
-                ));
-            }
-        } else {
-            let i = c.intermediate_size;
-            t.push((format!("{m}.gate_proj.weight"), vec![i, h], Role::BackboneMatrix));
-            t.push((format!("{m}.up_proj.weight"), vec![i, h], Role::BackboneMatrix));
-            t.push((format!("{m}.down_proj.weight"), vec![h, i], Role::BackboneMatrix));
-        }
+/// Layout of one expert record holding `mats` in `dtype`, and its length in bytes before
+/// padding to [`RECORD_ALIGN`]. Each matrix starts 64-byte aligned inside the record so f32 and
+/// bf16 views are aligned.
+pub fn record_layout(mats: &[ExpertMatrix], dtype: StoredDtype) -> (Vec<ExpertTensorLayout>, u64) {
+    let mut layout = Vec::new();
+    let mut roff = 0u64;
+    for m in mats {
+        let vb = dtype.value_bytes(m.rows, m.cols) as u64;
+        let sb = dtype.scale_bytes(m.rows, m.cols) as u64;
+        let off = align_up(roff, TENSOR_ALIGN);
+        layout.push(ExpertTensorLayout {
+            name: m.name.clone(),
+            rows: m.rows,
+            cols: m.cols,
+            dtype,
+            offset: off,
+            scales_offset: off + vb,
+            bytes: vb + sb,
+        });
+        roff = off + vb + sb;
     }
-    t.push(("model.norm.weight".to_string(), vec![h], Role::BackboneF32));
-    t.push((
-        "lm_head.weight".to_string(),
-        vec![c.vocab_size, h],
-        Role::BackboneMatrix,
-    ));
-    t
+    (layout, roff)
 }
 
-/// Backbone tensor names and shapes of a DeepSeek-V3 checkpoint, in checkpoint order.
-pub fn backbone_names_and_shapes(c: &DeepseekV3Config) -> Vec<(String, Vec<usize>)> {
-    backbone_table(c).into_iter().map(|(n, s, _)| (n, s)).collect()
-}
-
-/// The three matrices of one routed expert: (checkpoint suffix, rows, cols).
-pub fn expert_matrices(c: &DeepseekV3Config) -> [(&'static str, usize, usize); 3] {
-    let (h, i) = (c.hidden_size, c.moe_intermediate_size);
-    [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
-}
-
-fn expert_name(layer: usize, expert: usize, m: &str) -> String {
-    format!("model.layers.{layer}.mlp.experts.{expert}.{m}.weight")
-}
-
-/// Names the converter deliberately skips: MTP layers (index ≥ num_hidden_layers) and rotary
-/// frequency buffers.
-fn is_ignored(name: &str, c: &DeepseekV3Config) -> bool {
-    if name.ends_with("rotary_emb.inv_freq") {
-        return true;
+/// Reads one expert matrix `[rows, cols]` as f32 from its checkpoint source.
+fn read_expert_matrix(ck: &Checkpoint, src: &crate::arch::ExpertSource) -> Result<Vec<f32>, FormatError> {
+    match src.select {
+        Select::Whole => ck.read_f32(&src.tensor, &src.shape),
     }
-    if let Some(rest) = name.strip_prefix("model.layers.") {
-        if let Some(idx) = rest.split('.').next().and_then(|s| s.parse::<usize>().ok()) {
-            return idx >= c.num_hidden_layers;
-        }
-    }
-    false
 }
 
 fn align_up(x: u64, a: u64) -> u64 {
@@ -287,7 +182,7 @@ pub fn convert(
             message: "--experts int8 is not supported (mxfp4, bf16, f32)".into(),
         });
     }
-    let (cfg, raw) = DeepseekV3Config::from_file(&hf_dir.join("config.json"))?;
+    let (cfg, raw) = ModelConfig::from_file(&hf_dir.join("config.json"))?;
     let ck = Checkpoint::open(hf_dir)?;
 
     crate::staging::write_dir_atomically(out_dir, opts.force, Some(hf_dir), |tmp| {
@@ -298,7 +193,7 @@ pub fn convert(
 #[allow(clippy::too_many_arguments)]
 fn write_all(
     ck: &Checkpoint,
-    cfg: &DeepseekV3Config,
+    cfg: &ModelConfig,
     raw: Value,
     hf_dir: &Path,
     out: &Path,
@@ -307,7 +202,7 @@ fn write_all(
 ) -> Result<ConvertReport, FormatError> {
     // Completeness check before writing anything: every tensor we need is present with the right
     // shape and a supported dtype, and every tensor present is either used or deliberately ignored.
-    let table = backbone_table(cfg);
+    let table = cfg.backbone_tensors();
     let mut needed: BTreeSet<String> = BTreeSet::new();
     let check = |name: &str, shape: &[usize]| -> Result<(), FormatError> {
         let e = ck.entry(name).ok_or_else(|| FormatError::MissingTensor {
@@ -325,17 +220,17 @@ fn write_all(
         }
         crate::checkpoint::check_dtype(path, &e.file_name, e.dtype)
     };
-    for (n, s, _) in &table {
-        check(n, s)?;
-        needed.insert(n.clone());
+    for t in &table {
+        check(&t.name, &t.shape)?;
+        needed.insert(t.name.clone());
     }
-    let mats = expert_matrices(cfg);
-    for l in (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)) {
-        for e in 0..cfg.n_routed_experts {
-            for (m, r, c) in mats {
-                let n = expert_name(l, e, m);
-                check(&n, &[r, c])?;
-                needed.insert(n);
+    let mats = cfg.expert_matrices();
+    for l in (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)) {
+        for e in 0..cfg.n_routed_experts() {
+            for m in &mats {
+                let src = cfg.expert_source(l, e, m);
+                check(&src.tensor, &src.shape)?;
+                needed.insert(src.tensor);
             }
         }
     }
@@ -344,7 +239,7 @@ fn write_all(
         if needed.contains(n) {
             continue;
         }
-        if is_ignored(n, cfg) {
+        if cfg.is_ignored(n) {
             ignored.push(n.to_string());
             continue;
         }
@@ -352,7 +247,7 @@ fn write_all(
         return Err(FormatError::UnexpectedTensor {
             path: ck.shard_path(e).to_path_buf(),
             tensor: e.file_name.clone(),
-            family: cfg.model_type.clone(),
+            family: cfg.model_type().to_string(),
         });
     }
     progress.start(ck.bytes_where(|n| needed.contains(n)));
@@ -362,11 +257,12 @@ fn write_all(
     let mut bb = BufWriter::with_capacity(8 << 20, File::create(&bb_path).map_err(io(&bb_path))?);
     let mut pos = 0u64;
     let mut tensors = std::collections::BTreeMap::new();
-    for (n, shape, role) in &table {
+    for t in &table {
+        let (n, shape) = (&t.name, &t.shape);
         let w = ck.read_f32(n, shape)?;
-        let dtype = match role {
-            Role::BackboneF32 => StoredDtype::F32,
-            Role::BackboneMatrix => opts.backbone,
+        let dtype = match t.role {
+            TensorRole::F32 => StoredDtype::F32,
+            TensorRole::Matrix => opts.backbone,
         };
         let (rows, cols) = if shape.len() == 2 {
             (shape[0], shape[1])
@@ -399,47 +295,32 @@ fn write_all(
     let backbone_bytes = pos;
 
     // Expert pack.
-    let mut layout = Vec::new();
-    let mut roff = 0u64;
-    for (m, r, c) in mats {
-        let vb = opts.experts.value_bytes(r, c) as u64;
-        let sb = opts.experts.scale_bytes(r, c) as u64;
-        // Keep each matrix 64-byte aligned inside the record so f32/bf16 views are aligned.
-        let off = align_up(roff, TENSOR_ALIGN);
-        layout.push(ExpertTensorLayout {
-            name: m.to_string(),
-            rows: r,
-            cols: c,
-            dtype: opts.experts,
-            offset: off,
-            scales_offset: off + vb,
-            bytes: vb + sb,
-        });
-        roff = off + vb + sb;
-    }
-    let rec_len = roff;
+    let (layout, rec_len) = record_layout(&mats, opts.experts);
     let stride = align_up(rec_len, RECORD_ALIGN);
     let ep_path = out.join("experts.pack");
     let mut ep = File::create(&ep_path).map_err(io(&ep_path))?;
     let mut records = Vec::new();
     let mut offset = 0u64;
-    let moe_layers: Vec<usize> = (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)).collect();
+    let moe_layers: Vec<usize> = (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)).collect();
     // Encode a few experts in parallel, write them in order.
     let batch = rayon::current_num_threads().max(1) * 2;
     for &l in &moe_layers {
-        let experts: Vec<usize> = (0..cfg.n_routed_experts).collect();
+        let experts: Vec<usize> = (0..cfg.n_routed_experts()).collect();
         for chunk in experts.chunks(batch) {
             let encoded: Vec<Result<EncodedRecord, FormatError>> = chunk
                 .par_iter()
                 .map(|&e| {
                     let mut rec = vec![0u8; stride as usize];
                     let mut src = 0u64;
-                    for lay in &layout {
-                        let n = expert_name(l, e, &lay.name);
-                        let w = ck.read_f32(&n, &[lay.rows, lay.cols])?;
+                    for (lay, m) in layout.iter().zip(&mats) {
+                        let source = cfg.expert_source(l, e, m);
+                        let w = read_expert_matrix(ck, &source)?;
                         let b = encode_matrix(opts.experts, &w, lay.rows, lay.cols);
                         rec[lay.offset as usize..lay.offset as usize + b.len()].copy_from_slice(&b);
-                        src += ck.entry(&n).map(|x| x.len).unwrap_or(0);
+                        // Progress in source bytes: this matrix's share of its tensor.
+                        let total: usize = source.shape.iter().product();
+                        let len = ck.entry(&source.tensor).map(|x| x.len).unwrap_or(0);
+                        src += len * (lay.rows * lay.cols) as u64 / total.max(1) as u64;
                     }
                     Ok((e, rec, src))
                 })
@@ -478,7 +359,7 @@ fn write_all(
     let manifest = Manifest {
         format: FORMAT_NAME.into(),
         format_version: FORMAT_VERSION,
-        family: "deepseek_v3".into(),
+        family: cfg.family().into(),
         config: cfg.clone(),
         source_config: raw,
         backbone: BackboneIndex {

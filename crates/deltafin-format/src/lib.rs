@@ -1,5 +1,6 @@
 //! Reading Hugging Face checkpoints and reading/writing the deltafin model directory.
 //!
+//! - [`arch`]: model families: the tensors of each architecture, digested from `config.json`.
 //! - [`config`]: `config.json` of the DeepSeek-V3 family, resolved with transformers' defaults.
 //! - [`checkpoint`]: validated safetensors reading (single file or index + shards).
 //! - [`model_dir`]: the deltafin model directory: `manifest.json`, `backbone.bin` (resident
@@ -7,6 +8,7 @@
 //! - [`convert`]: Hugging Face checkpoint → deltafin model directory, crash-safe.
 
 pub mod aligned;
+pub mod arch;
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
@@ -15,6 +17,7 @@ pub mod staging;
 pub mod synth;
 
 pub use aligned::AlignedBuf;
+pub use arch::ModelConfig;
 pub use config::{DeepseekV3Config, Rope};
 pub use model_dir::{ExpertRecord, Manifest, ModelDir, StoredDtype};
 

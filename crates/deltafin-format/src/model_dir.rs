@@ -25,10 +25,10 @@ use deltafin_kernels::{MatData, MatRef};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{AlignedBuf, DeepseekV3Config, FormatError};
+use crate::{AlignedBuf, FormatError, ModelConfig};
 
 /// Current model-directory format version; readers refuse other versions.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 /// `format` field of every manifest.
 pub const FORMAT_NAME: &str = "deltafin-model";
 /// Alignment of each expert record in `experts.pack`, bytes.
@@ -151,8 +151,8 @@ pub struct Manifest {
     pub format_version: u32,
     /// Model family, e.g. `deepseek_v3`.
     pub family: String,
-    /// Resolved hyperparameters.
-    pub config: DeepseekV3Config,
+    /// Resolved hyperparameters, tagged by family.
+    pub config: ModelConfig,
     /// The source `config.json`, verbatim.
     pub source_config: Value,
     pub backbone: BackboneIndex,
@@ -243,7 +243,7 @@ impl ModelDir {
             }
         }
         let cfg = &manifest.config;
-        let mut record_index = vec![Vec::new(); cfg.num_hidden_layers];
+        let mut record_index = vec![Vec::new(); cfg.num_hidden_layers()];
         let layout_end = manifest
             .experts
             .layout
@@ -253,7 +253,7 @@ impl ModelDir {
             .unwrap_or(0);
         for (i, r) in manifest.experts.records.iter().enumerate() {
             let (l, e) = (r.layer as usize, r.expert as usize);
-            if l >= cfg.num_hidden_layers || !cfg.is_moe_layer(l) || e >= cfg.n_routed_experts {
+            if l >= cfg.num_hidden_layers() || !cfg.is_moe_layer(l) || e >= cfg.n_routed_experts() {
                 return Err(bad(format!(
                     "expert record (layer {l}, expert {e}) does not exist in this model"
                 )));
@@ -267,7 +267,7 @@ impl ModelDir {
                 )));
             }
             if record_index[l].is_empty() {
-                record_index[l] = vec![usize::MAX; cfg.n_routed_experts];
+                record_index[l] = vec![usize::MAX; cfg.n_routed_experts()];
             }
             record_index[l][e] = i;
         }

@@ -13,12 +13,13 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::{json, Value};
 
-use crate::convert::{backbone_names_and_shapes, encode_matrix, expert_matrices, Progress, COPIED_FILES};
+use crate::arch::TensorRole;
+use crate::convert::{encode_matrix, record_layout, Progress, COPIED_FILES};
 use crate::model_dir::{
     BackboneIndex, ExpertPackIndex, ExpertRecord, ExpertTensorLayout, Manifest, StoredDtype, TensorRecord, FORMAT_NAME,
     FORMAT_VERSION, RECORD_ALIGN, TENSOR_ALIGN,
 };
-use crate::{DeepseekV3Config, FormatError};
+use crate::{FormatError, ModelConfig};
 
 /// Shape of a synthetic checkpoint.
 #[derive(Debug, Clone)]
@@ -219,12 +220,14 @@ pub fn write_checkpoint(dir: &Path, spec: &SynthSpec, bos: u32, eos: u32) -> Res
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let config = spec.config_json(bos, eos);
     let cpath = dir.join("config.json");
-    let cfg = DeepseekV3Config::from_value(&config, &cpath)?;
-    let mut tensors: Vec<(String, Vec<usize>)> = backbone_names_and_shapes(&cfg);
-    for l in (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)) {
-        for e in 0..cfg.n_routed_experts {
-            for (m, r, c) in expert_matrices(&cfg) {
-                tensors.push((format!("model.layers.{l}.mlp.experts.{e}.{m}.weight"), vec![r, c]));
+    let cfg = ModelConfig::from_value(&config, &cpath)?;
+    let mut tensors: Vec<(String, Vec<usize>)> =
+        cfg.backbone_tensors().into_iter().map(|t| (t.name, t.shape)).collect();
+    for l in (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)) {
+        for e in 0..cfg.n_routed_experts() {
+            for m in cfg.expert_matrices() {
+                let src = cfg.expert_source(l, e, &m);
+                tensors.push((src.tensor, src.shape));
             }
         }
     }
@@ -366,39 +369,10 @@ pub fn write_model_dir(
     progress: &dyn Progress,
 ) -> Result<SynthReport, FormatError> {
     let config = preset.spec.config_json(tokenizer.bos, tokenizer.eos);
-    let cfg = DeepseekV3Config::from_value(&config, &out_dir.join("config.json"))?;
+    let cfg = ModelConfig::from_value(&config, &out_dir.join("config.json"))?;
     crate::staging::write_dir_atomically(out_dir, force, None, |tmp| {
         write_files(tmp, preset, &cfg, config, tokenizer, progress)
     })
-}
-
-/// Whether a backbone tensor stays f32 whatever the matrix dtype (as `convert` decides):
-/// vectors (norms, correction bias) and router weights.
-fn stays_f32(name: &str, shape: &[usize]) -> bool {
-    shape.len() == 1 || name.ends_with("mlp.gate.weight")
-}
-
-/// Layout of one MXFP4 expert record (as `convert` lays it out) and its length before padding.
-fn record_layout(cfg: &DeepseekV3Config) -> (Vec<ExpertTensorLayout>, u64) {
-    let dtype = StoredDtype::Mxfp4;
-    let mut layout = Vec::new();
-    let mut roff = 0u64;
-    for (m, r, c) in expert_matrices(cfg) {
-        let vb = dtype.value_bytes(r, c) as u64;
-        let sb = dtype.scale_bytes(r, c) as u64;
-        let off = align_up(roff, TENSOR_ALIGN);
-        layout.push(ExpertTensorLayout {
-            name: m.to_string(),
-            rows: r,
-            cols: c,
-            dtype,
-            offset: off,
-            scales_offset: off + vb,
-            bytes: vb + sb,
-        });
-        roff = off + vb + sb;
-    }
-    (layout, roff)
 }
 
 /// E8M0 scale byte giving uniformly random E2M1 codes an RMS of `1.5 / sqrt(fan_in)`, the RMS of
@@ -459,7 +433,7 @@ fn flush_and_drop_cache(f: &File) -> std::io::Result<()> {
 fn write_files(
     out: &Path,
     preset: &Preset,
-    cfg: &DeepseekV3Config,
+    cfg: &ModelConfig,
     config: Value,
     tokenizer: &TokenizerFiles,
     progress: &dyn Progress,
@@ -468,34 +442,36 @@ fn write_files(
     let (spec, fill) = (&preset.spec, preset.fill);
     let (bos, eos, tokenizer_dir) = (tokenizer.bos, tokenizer.eos, tokenizer.dir.as_path());
 
-    let (layout, rec_len) = record_layout(cfg);
+    let (layout, rec_len) = record_layout(&cfg.expert_matrices(), StoredDtype::Mxfp4);
     let stride = align_up(rec_len, RECORD_ALIGN);
-    let moe_layers: Vec<usize> = (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)).collect();
-    let n_records = moe_layers.len() * cfg.n_routed_experts;
-    let table = backbone_names_and_shapes(cfg);
+    let moe_layers: Vec<usize> = (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)).collect();
+    let n_records = moe_layers.len() * cfg.n_routed_experts();
+    // Same storage roles as `convert`: int8 matrices, f32 vectors and routers.
+    let table: Vec<(String, Vec<usize>, StoredDtype)> = cfg
+        .backbone_tensors()
+        .into_iter()
+        .map(|t| {
+            let d = match t.role {
+                TensorRole::F32 => StoredDtype::F32,
+                TensorRole::Matrix => StoredDtype::Int8,
+            };
+            (t.name, t.shape, d)
+        })
+        .collect();
 
     // Backbone: encode every tensor in parallel (each seeded by its name), lay out in order.
     let bb_total: u64 = table
         .iter()
-        .map(|(n, s)| {
+        .map(|(_, s, d)| {
             let (r, c) = if s.len() == 2 { (s[0], s[1]) } else { (1, s[0]) };
-            let d = if stays_f32(n, s) {
-                StoredDtype::F32
-            } else {
-                StoredDtype::Int8
-            };
             (d.value_bytes(r, c) + d.scale_bytes(r, c)) as u64
         })
         .sum();
     progress.start(bb_total + n_records as u64 * stride);
     let encoded: Vec<(StoredDtype, Vec<u8>)> = table
         .par_iter()
-        .map(|(n, shape)| {
-            let dtype = if stays_f32(n, shape) {
-                StoredDtype::F32
-            } else {
-                StoredDtype::Int8
-            };
+        .map(|(n, shape, dtype)| {
+            let dtype = *dtype;
             let (rows, cols) = if shape.len() == 2 {
                 (shape[0], shape[1])
             } else {
@@ -512,7 +488,7 @@ fn write_files(
     let mut bb = std::io::BufWriter::with_capacity(8 << 20, File::create(&bb_path).map_err(io_err(&bb_path))?);
     let mut pos = 0u64;
     let mut tensors = std::collections::BTreeMap::new();
-    for ((n, shape), (dtype, bytes)) in table.iter().zip(&encoded) {
+    for ((n, shape, _), (dtype, bytes)) in table.iter().zip(&encoded) {
         let off = align_up(pos, TENSOR_ALIGN);
         bb.write_all(&vec![0u8; (off - pos) as usize])
             .map_err(io_err(&bb_path))?;
@@ -543,7 +519,7 @@ fn write_files(
     let mut ep = File::create(&ep_path).map_err(io_err(&ep_path))?;
     let keys: Vec<(usize, usize)> = moe_layers
         .iter()
-        .flat_map(|&l| (0..cfg.n_routed_experts).map(move |e| (l, e)))
+        .flat_map(|&l| (0..cfg.n_routed_experts()).map(move |e| (l, e)))
         .collect();
     // ~128 MiB per batch, at least one record per thread.
     let batch = ((128u64 << 20) / stride).max(rayon::current_num_threads() as u64) as usize;
@@ -631,7 +607,7 @@ fn write_files(
     let manifest = Manifest {
         format: FORMAT_NAME.into(),
         format_version: FORMAT_VERSION,
-        family: "deepseek_v3".into(),
+        family: cfg.family().into(),
         config: cfg.clone(),
         source_config: config,
         backbone: BackboneIndex {
@@ -717,8 +693,8 @@ mod tests {
         assert_eq!(random_scale_byte(2048), 121);
         assert_eq!(random_scale_byte(1024), 121);
         let cfg_json = SynthSpec::bench(300).config_json(1, 2);
-        let cfg = DeepseekV3Config::from_value(&cfg_json, Path::new("bench")).unwrap();
-        let (layout, len) = record_layout(&cfg);
+        let cfg = crate::DeepseekV3Config::from_value(&cfg_json, Path::new("bench")).unwrap();
+        let (layout, len) = record_layout(&cfg.expert_matrices(), StoredDtype::Mxfp4);
         assert!(len >= 2 << 20, "record {len} bytes");
         assert!(cfg.num_experts_per_tok >= 8 && cfg.n_group > 1 && cfg.q_lora_rank.is_some());
         let moe = (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)).count() as u64;

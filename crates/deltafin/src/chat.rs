@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use deltafin_engine::models::DeepseekV3;
 use deltafin_engine::sampler::SamplingParams;
 use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest, Session};
+use deltafin_engine::{load_model, CausalLm};
 use deltafin_format::ModelDir;
 use deltafin_tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -73,11 +73,11 @@ pub fn run(a: &ChatArgs) -> Result<()> {
         );
     }
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
-    let model = DeepseekV3::load_with(&dir, a.store.options(budget)?)?;
+    let model = load_model(&dir, a.store.options(budget)?)?;
     if a.store.cache_policy == deltafin_engine::experts::CachePolicy::Pinned {
-        model.store.warm_pinned();
+        model.store().warm_pinned();
     }
-    let model = Arc::new(model);
+    let model: Arc<dyn CausalLm> = Arc::from(model);
     let mut session = Session::new(Arc::clone(&model), Arc::clone(&tokenizer), eos);
 
     // Ctrl-C during an answer stops it; at the prompt it leaves.
@@ -139,7 +139,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
             "/stats" => {
                 match &last {
                     Some(o) => {
-                        crate::print_stats("chat: last answer", &o.stats, &model, budget, &dir);
+                        crate::print_stats("chat: last answer", &o.stats, model.as_ref(), budget, &dir);
                         eprintln!(
                             "reused prompt tokens {} of {} (KV cache kept from the previous turn)",
                             o.reused_tokens, o.prompt_tokens

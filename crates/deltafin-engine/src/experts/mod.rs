@@ -465,12 +465,12 @@ impl ExpertStore {
             }
         }
         let cfg = &m.config;
-        let mut records: Vec<Vec<RecordInfo>> = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut records: Vec<Vec<RecordInfo>> = Vec::with_capacity(cfg.num_hidden_layers());
         let mut record_bytes = 0;
-        for l in 0..cfg.num_hidden_layers {
+        for l in 0..cfg.num_hidden_layers() {
             let mut layer = Vec::new();
             if cfg.is_moe_layer(l) {
-                for e in 0..cfg.n_routed_experts {
+                for e in 0..cfg.n_routed_experts() {
                     let r = dir.record(l, e);
                     let xxh3 = u64::from_str_radix(&r.xxh3, 16).map_err(|_| {
                         EngineError::Invalid(format!(
@@ -507,7 +507,7 @@ impl ExpertStore {
         );
         let pack = PackFile::open(&path, opts.io)?;
         let readers = if opts.readers == 0 {
-            cfg.num_experts_per_tok.max(8)
+            cfg.num_experts_per_tok().max(8)
         } else {
             opts.readers
         };

@@ -1,4 +1,4 @@
-//! Model families, one file each.
+//! Model families, one file each, all behind [`crate::model::CausalLm`].
 
 pub mod deepseek_v3;
 
