@@ -1,5 +1,7 @@
 //! deltafin's engine: model forward passes, the routed-expert store, and generation.
 //!
+//! - [`blocks`]: mixer blocks shared by model families (Kimi Delta Attention) with their
+//!   per-sequence state.
 //! - [`experts`]: reading routed-expert records from `experts.pack` on demand into a byte-budgeted
 //!   cache, verifying checksums, counting bytes and hits.
 //! - [`model`]: the [`model::CausalLm`] interface every family implements, [`model::load_model`],
@@ -8,6 +10,7 @@
 //!   ([`rope`], [`moe`]).
 //! - [`generate`]: the greedy decode loop with timing statistics.
 
+pub mod blocks;
 pub mod experts;
 pub mod generate;
 pub mod mem;
@@ -28,6 +31,8 @@ pub enum EngineError {
     Format(#[from] deltafin_format::FormatError),
     #[error(transparent)]
     Tokenizer(#[from] deltafin_tokenizer::TokenizerError),
+    #[error(transparent)]
+    Kda(#[from] blocks::kda::KdaError),
     #[error("{path}: reading expert (layer {layer}, expert {expert}): {error}")]
     ExpertIo {
         path: PathBuf,
