@@ -70,6 +70,13 @@ pub trait CausalLm: Send + Sync {
     /// checksum failures.
     fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError>;
 
+    /// Returns `state` to its first `len` tokens (rollback after a rejected draft, or reuse of a
+    /// shared prompt prefix). Returns false when it cannot go back that far (a recurrent state
+    /// beyond its rollback window); the state is then unchanged and the caller starts over.
+    fn rollback(&self, state: &mut dyn DecodeState, len: usize) -> bool {
+        state.truncate(len)
+    }
+
     /// The routed-expert runtime (store, controls, timings).
     fn routed(&self) -> &RoutedExperts;
 
@@ -102,6 +109,7 @@ pub trait CausalLm: Send + Sync {
 pub fn load_model(dir: &ModelDir, opts: StoreOptions) -> Result<Box<dyn CausalLm>, EngineError> {
     match &dir.manifest.config {
         ModelConfig::DeepseekV3(_) => Ok(Box::new(crate::models::DeepseekV3::load_with(dir, opts)?)),
+        ModelConfig::KimiLinear(_) => Ok(Box::new(crate::models::KimiLinear::load_with(dir, opts)?)),
     }
 }
 

@@ -242,7 +242,7 @@ impl Session {
             self.reset();
         }
         let mut reused = common.min(self.cached.len());
-        if !self.cache.truncate(reused) {
+        if !self.model.rollback(self.cache.as_mut(), reused) {
             // A recurrent state that cannot go back this far: start over.
             self.reset();
             reused = 0;

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::{text_config, DeepseekV3Config};
+use crate::kimi_linear::KimiLinearConfig;
 use crate::FormatError;
 
 /// Resolved hyperparameters of a supported model, tagged by family (the manifest stores it as
@@ -23,10 +24,13 @@ pub enum ModelConfig {
     /// DeepSeek-V3 and Kimi K2 / K2.5 (`model_type` `deepseek_v3`, `kimi_k2`, or a wrapper whose
     /// `text_config` is one of them).
     DeepseekV3(DeepseekV3Config),
+    /// Kimi Linear and Kimi K3 (`kimi_linear`, or the `kimi_k3` wrapper whose `text_config` is
+    /// `kimi_linear`): KDA + NoPE MLA hybrid; K3 adds attention residuals, LatentMoE and SiTU.
+    KimiLinear(KimiLinearConfig),
 }
 
 /// `model_type`s accepted by [`ModelConfig::from_value`] (of the text config).
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["deepseek_v3", "kimi_k2"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["deepseek_v3", "kimi_k2", "kimi_linear", "kimi_k3"];
 
 /// How a backbone tensor is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,6 +101,7 @@ impl ModelConfig {
         let mt = tc.get("model_type").and_then(Value::as_str).unwrap_or("");
         match mt {
             "deepseek_v3" | "kimi_k2" => Ok(ModelConfig::DeepseekV3(DeepseekV3Config::from_value(raw, path)?)),
+            "kimi_linear" => Ok(ModelConfig::KimiLinear(KimiLinearConfig::from_value(raw, path)?)),
             _ => {
                 let top = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
                 let shown = if mt.is_empty() { top } else { mt };
@@ -116,6 +121,7 @@ impl ModelConfig {
     pub fn family(&self) -> &'static str {
         match self {
             ModelConfig::DeepseekV3(_) => "deepseek_v3",
+            ModelConfig::KimiLinear(_) => "kimi_linear",
         }
     }
 
@@ -123,6 +129,15 @@ impl ModelConfig {
     pub fn model_type(&self) -> &str {
         match self {
             ModelConfig::DeepseekV3(c) => &c.model_type,
+            ModelConfig::KimiLinear(c) => &c.model_type,
+        }
+    }
+
+    /// The Kimi Linear / K3 config, when this is one.
+    pub fn as_kimi_linear(&self) -> Option<&KimiLinearConfig> {
+        match self {
+            ModelConfig::KimiLinear(c) => Some(c),
+            _ => None,
         }
     }
 
@@ -130,24 +145,28 @@ impl ModelConfig {
     pub fn as_deepseek_v3(&self) -> Option<&DeepseekV3Config> {
         match self {
             ModelConfig::DeepseekV3(c) => Some(c),
+            _ => None,
         }
     }
 
     pub fn vocab_size(&self) -> usize {
         match self {
             ModelConfig::DeepseekV3(c) => c.vocab_size,
+            ModelConfig::KimiLinear(c) => c.vocab_size,
         }
     }
 
     pub fn hidden_size(&self) -> usize {
         match self {
             ModelConfig::DeepseekV3(c) => c.hidden_size,
+            ModelConfig::KimiLinear(c) => c.hidden_size,
         }
     }
 
     pub fn num_hidden_layers(&self) -> usize {
         match self {
             ModelConfig::DeepseekV3(c) => c.num_hidden_layers,
+            ModelConfig::KimiLinear(c) => c.num_hidden_layers,
         }
     }
 
@@ -155,6 +174,7 @@ impl ModelConfig {
     pub fn max_position_embeddings(&self) -> usize {
         match self {
             ModelConfig::DeepseekV3(c) => c.max_position_embeddings,
+            ModelConfig::KimiLinear(c) => c.max_position_embeddings,
         }
     }
 
@@ -162,6 +182,7 @@ impl ModelConfig {
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         match self {
             ModelConfig::DeepseekV3(c) => c.is_moe_layer(layer),
+            ModelConfig::KimiLinear(c) => c.is_moe_layer(layer),
         }
     }
 
@@ -169,6 +190,7 @@ impl ModelConfig {
     pub fn n_routed_experts(&self) -> usize {
         match self {
             ModelConfig::DeepseekV3(c) => c.n_routed_experts,
+            ModelConfig::KimiLinear(c) => c.num_experts,
         }
     }
 
@@ -176,6 +198,7 @@ impl ModelConfig {
     pub fn num_experts_per_tok(&self) -> usize {
         match self {
             ModelConfig::DeepseekV3(c) => c.num_experts_per_tok,
+            ModelConfig::KimiLinear(c) => c.num_experts_per_token,
         }
     }
 
@@ -190,6 +213,13 @@ impl ModelConfig {
                     c.topk_group, c.n_group
                 ),
             ),
+            ModelConfig::KimiLinear(c) => (
+                c.topk_group * (c.num_experts / c.n_group.max(1)),
+                format!(
+                    "routed experts selectable within topk_group {} of num_expert_group {}",
+                    c.topk_group, c.n_group
+                ),
+            ),
         }
     }
 
@@ -197,12 +227,14 @@ impl ModelConfig {
     pub fn eos_token_id(&self) -> &[u32] {
         match self {
             ModelConfig::DeepseekV3(c) => &c.eos_token_id,
+            ModelConfig::KimiLinear(c) => &c.eos_token_id,
         }
     }
 
     pub fn bos_token_id(&self) -> Option<u32> {
         match self {
             ModelConfig::DeepseekV3(c) => c.bos_token_id,
+            ModelConfig::KimiLinear(c) => c.bos_token_id,
         }
     }
 
@@ -210,6 +242,7 @@ impl ModelConfig {
     pub fn backbone_tensors(&self) -> Vec<BackboneTensor> {
         match self {
             ModelConfig::DeepseekV3(c) => c.backbone_tensors(),
+            ModelConfig::KimiLinear(c) => c.backbone_tensors(),
         }
     }
 
@@ -217,6 +250,7 @@ impl ModelConfig {
     pub fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         match self {
             ModelConfig::DeepseekV3(c) => c.expert_matrices(),
+            ModelConfig::KimiLinear(c) => c.expert_matrices(),
         }
     }
 
@@ -229,6 +263,11 @@ impl ModelConfig {
                 shape: vec![m.rows, m.cols],
                 select: Select::Whole,
             },
+            ModelConfig::KimiLinear(c) => ExpertSource {
+                tensor: c.expert_tensor(layer, expert, &m.name),
+                shape: vec![m.rows, m.cols],
+                select: Select::Whole,
+            },
         }
     }
 
@@ -237,6 +276,7 @@ impl ModelConfig {
     pub fn is_ignored(&self, name: &str) -> bool {
         match self {
             ModelConfig::DeepseekV3(c) => c.is_ignored(name),
+            ModelConfig::KimiLinear(c) => c.is_ignored(name),
         }
     }
 }

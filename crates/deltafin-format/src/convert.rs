@@ -84,6 +84,15 @@ pub struct ConvertReport {
 /// One encoded expert: (expert id, record bytes padded to the stride, source bytes consumed).
 type EncodedRecord = (usize, Vec<u8>, u64);
 
+/// `[rows, cols]` a tensor is stored as: its last dimension is `cols`, the others multiply into
+/// `rows` (1 for a vector).
+pub fn matrix_dims(shape: &[usize]) -> (usize, usize) {
+    match shape.split_last() {
+        Some((&cols, rest)) => (rest.iter().product(), cols),
+        None => (1, 1),
+    }
+}
+
 /// Layout of one expert record holding `mats` in `dtype`, and its length in bytes before
 /// padding to [`RECORD_ALIGN`]. Each matrix starts 64-byte aligned inside the record so f32 and
 /// bf16 views are aligned.
@@ -264,11 +273,7 @@ fn write_all(
             TensorRole::F32 => StoredDtype::F32,
             TensorRole::Matrix => opts.backbone,
         };
-        let (rows, cols) = if shape.len() == 2 {
-            (shape[0], shape[1])
-        } else {
-            (1, shape[0])
-        };
+        let (rows, cols) = matrix_dims(shape);
         let bytes = encode_matrix(dtype, &w, rows, cols);
         let off = align_up(pos, TENSOR_ALIGN);
         bb.write_all(&vec![0u8; (off - pos) as usize]).map_err(io(&bb_path))?;

@@ -12,6 +12,7 @@ pub mod arch;
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
+pub mod kimi_linear;
 pub mod model_dir;
 pub mod staging;
 pub mod synth;

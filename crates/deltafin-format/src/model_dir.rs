@@ -397,6 +397,27 @@ impl Backbone {
         })
     }
 
+    /// An f32 tensor of any rank as a flat slice (row-major), with its shape: conv weights
+    /// `[P, 1, K]`, `A_log` `[1, 1, H, 1]`, `[1, H]` projections.
+    ///
+    /// Errors: the tensor is missing or not stored as f32.
+    pub fn f32_tensor(&self, name: &str) -> Result<(&[f32], &[usize]), FormatError> {
+        let r = self.rec(name)?;
+        let n: usize = r.shape.iter().product();
+        if r.dtype != StoredDtype::F32 || r.bytes != n as u64 * 4 {
+            return Err(FormatError::ModelDir {
+                path: self.path.clone(),
+                message: format!("tensor {name} is not stored as f32"),
+            });
+        }
+        let bytes = &self.buf.as_slice()[r.offset as usize..(r.offset + r.bytes) as usize];
+        let v = bytemuck::try_cast_slice(bytes).map_err(|e| FormatError::ModelDir {
+            path: self.path.clone(),
+            message: format!("tensor {name}: {e}"),
+        })?;
+        Ok((v, &r.shape))
+    }
+
     /// A 1-D f32 tensor (norm weight, router bias).
     pub fn vector(&self, name: &str) -> Result<&[f32], FormatError> {
         let r = self.rec(name)?;

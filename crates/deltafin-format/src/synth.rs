@@ -14,7 +14,7 @@ use safetensors::Dtype;
 use serde_json::{json, Value};
 
 use crate::arch::TensorRole;
-use crate::convert::{encode_matrix, record_layout, Progress, COPIED_FILES};
+use crate::convert::{encode_matrix, matrix_dims, record_layout, Progress, COPIED_FILES};
 use crate::model_dir::{
     BackboneIndex, ExpertPackIndex, ExpertRecord, ExpertTensorLayout, Manifest, StoredDtype, TensorRecord, FORMAT_NAME,
     FORMAT_VERSION, RECORD_ALIGN, TENSOR_ALIGN,
@@ -463,7 +463,7 @@ fn write_files(
     let bb_total: u64 = table
         .iter()
         .map(|(_, s, d)| {
-            let (r, c) = if s.len() == 2 { (s[0], s[1]) } else { (1, s[0]) };
+            let (r, c) = matrix_dims(s);
             (d.value_bytes(r, c) + d.scale_bytes(r, c)) as u64
         })
         .sum();
@@ -472,11 +472,7 @@ fn write_files(
         .par_iter()
         .map(|(n, shape, dtype)| {
             let dtype = *dtype;
-            let (rows, cols) = if shape.len() == 2 {
-                (shape[0], shape[1])
-            } else {
-                (1, shape[0])
-            };
+            let (rows, cols) = matrix_dims(shape);
             let mut w = values(n, shape, spec.seed);
             bf16_round(&mut w);
             let bytes = encode_matrix(dtype, &w, rows, cols);
@@ -494,8 +490,7 @@ fn write_files(
             .map_err(io_err(&bb_path))?;
         bb.write_all(bytes).map_err(io_err(&bb_path))?;
         pos = off + bytes.len() as u64;
-        let cols = *shape.last().unwrap_or(&0);
-        let rows = if shape.len() == 2 { shape[0] } else { 1 };
+        let (rows, cols) = matrix_dims(shape);
         let scales_offset = (*dtype == StoredDtype::Int8).then(|| off + dtype.value_bytes(rows, cols) as u64);
         tensors.insert(
             n.clone(),

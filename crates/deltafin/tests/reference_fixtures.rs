@@ -1,6 +1,7 @@
-//! Proof of correctness against Hugging Face transformers' `deepseek_v3` implementation.
+//! Proof of correctness against Hugging Face transformers' implementations (`deepseek_v3`,
+//! `kimi_linear`).
 //!
-//! Each case in `tests/fixtures/deepseek_v3/` is a tiny random checkpoint written by transformers
+//! Each case in `tests/fixtures/<family>/` is a tiny random checkpoint written by transformers
 //! together with the reference's greedy ids and float32 logits (see the README and
 //! `make_fixtures.py` there). Here each case is converted and generated from:
 //! - lossless layout (`--backbone f32 --experts f32`): ids identical at every step, logits within
@@ -9,8 +10,9 @@
 
 use std::path::{Path, PathBuf};
 
+use deltafin_engine::experts::StoreOptions;
 use deltafin_engine::generate::{generate, GenerateOptions};
-use deltafin_engine::models::DeepseekV3;
+use deltafin_engine::load_model;
 use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
 use deltafin_format::{ModelDir, StoredDtype};
 use serde_json::Value;
@@ -22,18 +24,26 @@ const LOSSLESS_REL_L2: f64 = 1e-4;
 /// README "Accuracy of the default layout".
 const QUANTIZED_REL_L2: f64 = 0.8;
 
-fn fixtures_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepseek_v3")
+fn fixtures_root(family: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(family)
 }
 
+/// DeepSeek-V3 cases.
 fn cases() -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures_root())
-        .expect("tests/fixtures/deepseek_v3 exists")
+    cases_of("deepseek_v3", 3)
+}
+
+/// The reference cases of `family` (at least `min`).
+fn cases_of(family: &str, min: usize) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures_root(family))
+        .expect("the family's fixture directory exists")
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.join("expected.json").is_file() && p.join("config.json").is_file())
         .collect();
     v.sort();
-    assert!(v.len() >= 3, "expected at least 3 reference cases, found {v:?}");
+    assert!(v.len() >= min, "expected at least {min} reference cases, found {v:?}");
     v
 }
 
@@ -75,7 +85,7 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
     };
     convert(case, &out, &opts, &NoProgress).unwrap_or_else(|e| panic!("convert {}: {e}", case.display()));
     let dir = ModelDir::open(&out).unwrap();
-    let model = DeepseekV3::load(&dir, budget).unwrap();
+    let model = load_model(&dir, StoreOptions::new(budget)).unwrap();
     let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
     let mut worst = 0f64;
     let mut ids_equal = true;
@@ -90,7 +100,7 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
             record_logits: true,
             trace_routes: None,
         };
-        let got = generate(&model, &prompt, &opts, |_| true).unwrap();
+        let got = generate(model.as_ref(), &prompt, &opts, |_| true).unwrap();
         if got.generated_ids != want_ids {
             ids_equal = false;
         }
@@ -112,6 +122,23 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
 #[test]
 fn lossless_layout_matches_transformers() {
     for case in cases() {
+        let r = run_case(&case, StoredDtype::F32, StoredDtype::F32, 1 << 30);
+        eprintln!("{}: lossless max rel L2 {:.3e}", case.display(), r.max_rel_l2);
+        assert!(r.ids_equal, "{}: greedy ids differ from the reference", case.display());
+        assert!(
+            r.max_rel_l2 < LOSSLESS_REL_L2,
+            "{}: logits rel L2 {:.3e} ≥ {LOSSLESS_REL_L2}",
+            case.display(),
+            r.max_rel_l2
+        );
+    }
+}
+
+#[test]
+fn kimi_linear_lossless_layout_matches_transformers() {
+    // KDA + NoPE MLA hybrid: prompts longer than the reference's KDA chunk (8), MoE with shared
+    // experts, q_lora and not, conv kernels 3 and 4 (tests/fixtures/kimi_linear/README.md).
+    for case in cases_of("kimi_linear", 2) {
         let r = run_case(&case, StoredDtype::F32, StoredDtype::F32, 1 << 30);
         eprintln!("{}: lossless max rel L2 {:.3e}", case.display(), r.max_rel_l2);
         assert!(r.ids_equal, "{}: greedy ids differ from the reference", case.display());
@@ -165,8 +192,8 @@ fn output_is_bit_identical_at_any_cache_budget() {
     };
     let mut runs = Vec::new();
     for budget in [0u64, 1, 64 << 10, 1 << 30] {
-        let model = DeepseekV3::load(&dir, budget).unwrap();
-        let g = generate(&model, &prompt, &opts, |_| true).unwrap();
+        let model = load_model(&dir, StoreOptions::new(budget)).unwrap();
+        let g = generate(model.as_ref(), &prompt, &opts, |_| true).unwrap();
         if budget == 0 {
             assert_eq!(g.stats.experts.hits, 0, "a zero budget caches nothing");
         }
@@ -194,7 +221,7 @@ fn generation_stops_at_an_end_of_sequence_id() {
         force: false,
     };
     convert(case, &out, &opts, &NoProgress).unwrap();
-    let model = DeepseekV3::load(&ModelDir::open(&out).unwrap(), 1 << 30).unwrap();
+    let model = load_model(&ModelDir::open(&out).unwrap(), StoreOptions::new(1 << 30)).unwrap();
     let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
     let p = &expected["prompts"].as_array().unwrap()[1];
     let want = ids(&p["generated_ids"]);
@@ -203,7 +230,7 @@ fn generation_stops_at_an_end_of_sequence_id() {
     let eos = want[2];
     let stop_at = want.iter().position(|&t| t == eos).unwrap();
     let g = generate(
-        &model,
+        model.as_ref(),
         &ids(&p["prompt_ids"]),
         &GenerateOptions {
             max_new_tokens: 8,
@@ -219,7 +246,7 @@ fn generation_stops_at_an_end_of_sequence_id() {
     assert_eq!(g.stats.finish_reason, "eos");
     // With ignore_eos the same model runs to the limit.
     let g = generate(
-        &model,
+        model.as_ref(),
         &ids(&p["prompt_ids"]),
         &GenerateOptions {
             max_new_tokens: 8,
