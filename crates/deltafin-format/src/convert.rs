@@ -323,7 +323,7 @@ fn write_all(
                 found: e.shape.clone(),
             });
         }
-        crate::checkpoint::check_dtype(path, &e.file_name, e.dtype)
+        crate::checkpoint::check_entry(path, e)
     };
     for (n, s, _) in &table {
         check(n, s)?;
