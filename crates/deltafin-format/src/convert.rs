@@ -227,7 +227,7 @@ fn write_all(
                 found: e.shape.clone(),
             });
         }
-        crate::checkpoint::check_dtype(path, &e.file_name, e.dtype)
+        crate::checkpoint::check_entry(path, e)
     };
     for t in &table {
         check(&t.name, &t.shape)?;
