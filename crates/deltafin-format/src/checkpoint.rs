@@ -359,6 +359,46 @@ impl Checkpoint {
     }
 }
 
+impl Checkpoint {
+    /// The deltafin MXFP4 bytes (values then scales, [`crate::source_dtypes::mxfp4_record`]) of
+    /// a `[rows, cols]` weight stored as MXFP4 in the checkpoint, copied bit for bit: those
+    /// codes and scales are the trained values, so converting them never re-quantizes. `None`
+    /// when the tensor is not MXFP4-encoded (or is a stacked gpt-oss tensor of another shape).
+    ///
+    /// Errors: missing tensor, a read error, or parts whose sizes do not match the shape.
+    pub fn read_mxfp4_record(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<u8>>, FormatError> {
+        let Some(e) = self.tensors.get(name) else {
+            return Err(FormatError::MissingTensor {
+                tensor: name.to_string(),
+                path: self
+                    .shards
+                    .first()
+                    .map(|s| s.path.parent().unwrap_or(Path::new(".")).to_path_buf())
+                    .unwrap_or_default(),
+            });
+        };
+        let Encoding::Mxfp4 { source, scales, .. } = &e.encoding else {
+            return Ok(None);
+        };
+        if e.shape != shape || shape.len() != 2 {
+            return Ok(None);
+        }
+        let path = &self.shards[e.shard].path;
+        source_dtypes::mxfp4_record(
+            *source,
+            &read_bytes(&self.shards, e)?,
+            &read_bytes(&self.shards, scales)?,
+            shape[0],
+            shape[1],
+        )
+        .map(Some)
+        .map_err(|err| FormatError::Checkpoint {
+            path: path.clone(),
+            message: format!("tensor {}: {err}", e.file_name),
+        })
+    }
+}
+
 /// Reads a tensor's bytes.
 fn read_bytes(shards: &[Shard], e: &TensorEntry) -> Result<Vec<u8>, FormatError> {
     let mut bytes = vec![0u8; e.len as usize];

@@ -319,8 +319,21 @@ fn write_all(
                     let mut src = 0u64;
                     for (lay, m) in layout.iter().zip(&mats) {
                         let source = cfg.expert_source(l, e, m);
-                        let w = read_expert_matrix(ck, &source)?;
-                        let b = encode_matrix(opts.experts, &w, lay.rows, lay.cols);
+                        // MXFP4 sources are copied bit for bit into MXFP4 records (no
+                        // re-quantization: those bytes are the trained values).
+                        let copied = match (opts.experts, source.select) {
+                            (StoredDtype::Mxfp4, Select::Whole) => {
+                                ck.read_mxfp4_record(&source.tensor, &source.shape)?
+                            }
+                            _ => None,
+                        };
+                        let b = match copied {
+                            Some(b) => b,
+                            None => {
+                                let w = read_expert_matrix(ck, &source)?;
+                                encode_matrix(opts.experts, &w, lay.rows, lay.cols)
+                            }
+                        };
                         rec[lay.offset as usize..lay.offset as usize + b.len()].copy_from_slice(&b);
                         // Progress in source bytes: this matrix's share of its tensor.
                         let total: usize = source.shape.iter().product();

@@ -15,7 +15,8 @@
 //! it, or whose class has that name. Checkpoints carry no classes, so of the class targets only
 //! `Linear` is recognized, and it matches every module stored with `weight_packed` (a quantized
 //! linear layer's weight). A module matched by `ignore` is not quantized; when several groups
-//! match, the one matched most specifically wins (exact name, then regex, then class).
+//! match, the one matched most specifically wins (exact name, then regex, then class). `re:`
+//! patterns follow Python's `re` (fancy-regex: look-behind as in Kimi K3's `ignore` list).
 
 use std::path::Path;
 
@@ -72,7 +73,7 @@ pub enum Target {
     /// A module name or a class name.
     Name(String),
     /// `re:<pattern>`, anchored at the start of the module name.
-    Regex { source: String, re: regex::Regex },
+    Regex { source: String, re: fancy_regex::Regex },
 }
 
 /// How specifically a target matched a module; lower is more specific.
@@ -87,7 +88,7 @@ impl Target {
     fn parse(s: &str) -> Result<Target, String> {
         match s.strip_prefix("re:") {
             Some(p) => {
-                let re = regex::Regex::new(&format!("^(?:{p})")).map_err(|e| format!("regex {p:?}: {e}"))?;
+                let re = fancy_regex::Regex::new(&format!("^(?:{p})")).map_err(|e| format!("regex {p:?}: {e}"))?;
                 Ok(Target::Regex {
                     source: s.to_string(),
                     re,
@@ -103,7 +104,12 @@ impl Target {
             Target::Name(n) if names.contains(&n.as_str()) => Some(MatchKind::Exact),
             Target::Name(n) if n == "Linear" => Some(MatchKind::Class),
             Target::Name(_) => None,
-            Target::Regex { re, .. } => names.iter().any(|m| re.is_match(m)).then_some(MatchKind::Regex),
+            // Python's `re` semantics (look-around included, as in Kimi K3's `ignore` pattern); a
+            // match that exceeds the backtracking limit counts as no match.
+            Target::Regex { re, .. } => names
+                .iter()
+                .any(|m| re.is_match(m).unwrap_or(false))
+                .then_some(MatchKind::Regex),
         }
     }
 
