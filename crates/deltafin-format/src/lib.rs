@@ -1,7 +1,8 @@
 //! Reading Hugging Face checkpoints and reading/writing the deltafin model directory.
 //!
 //! - [`arch`]: model families: the tensors of each architecture, digested from `config.json`.
-//! - [`config`]: `config.json` of the DeepSeek-V3 family, resolved with transformers' defaults.
+//! - [`config`]: `config.json` of the DeepSeek-V3 family, resolved with transformers' defaults;
+//!   [`qwen3_moe`] and [`mixtral`] do the same for those families.
 //! - [`checkpoint`]: validated safetensors reading (single file or index + shards).
 //! - [`model_dir`]: the deltafin model directory: `manifest.json`, `backbone.bin` (resident
 //!   weights), `experts.pack` (one 4 KiB-aligned record per (layer, routed expert)).
@@ -12,14 +13,18 @@ pub mod arch;
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
+pub mod mixtral;
 pub mod model_dir;
+pub mod qwen3_moe;
 pub mod staging;
 pub mod synth;
 
 pub use aligned::AlignedBuf;
 pub use arch::ModelConfig;
 pub use config::{DeepseekV3Config, Rope};
+pub use mixtral::MixtralConfig;
 pub use model_dir::{ExpertRecord, Manifest, ModelDir, StoredDtype};
+pub use qwen3_moe::Qwen3MoeConfig;
 
 use std::path::PathBuf;
 
