@@ -1,5 +1,9 @@
 //! Model families, one file each, all behind [`crate::model::CausalLm`].
 
 pub mod deepseek_v3;
+pub mod mixtral;
+pub mod qwen3_moe;
 
 pub use deepseek_v3::{DeepseekV3, KvCache};
+pub use mixtral::Mixtral;
+pub use qwen3_moe::Qwen3Moe;
