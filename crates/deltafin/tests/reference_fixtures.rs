@@ -1,16 +1,19 @@
-//! Proof of correctness against Hugging Face transformers' `deepseek_v3` implementation.
+//! Proof of correctness against Hugging Face transformers' `deepseek_v3`, `qwen3_moe` and
+//! `mixtral` implementations.
 //!
-//! Each case in `tests/fixtures/deepseek_v3/` is a tiny random checkpoint written by transformers
-//! together with the reference's greedy ids and float32 logits (see the README and
-//! `make_fixtures.py` there). Here each case is converted and generated from:
+//! Each case in `tests/fixtures/<family>/` is a tiny random checkpoint together with the
+//! reference's greedy ids and float32 logits (see `make_fixtures.py` there, and the README for
+//! DeepSeek-V3). Here each case is converted and generated from:
 //! - lossless layout (`--backbone f32 --experts f32`): ids identical at every step, logits within
 //!   relative L2 1e-4 of the reference;
 //! - default layout (int8 backbone, MXFP4 experts): logits within the documented bound below.
 
 use std::path::{Path, PathBuf};
 
+use deltafin_engine::experts::StoreOptions;
 use deltafin_engine::generate::{generate, GenerateOptions};
 use deltafin_engine::models::DeepseekV3;
+use deltafin_engine::{load_model, CausalLm};
 use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
 use deltafin_format::{ModelDir, StoredDtype};
 use serde_json::Value;
@@ -22,19 +25,29 @@ const LOSSLESS_REL_L2: f64 = 1e-4;
 /// README "Accuracy of the default layout".
 const QUANTIZED_REL_L2: f64 = 0.8;
 
-fn fixtures_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepseek_v3")
+fn fixtures_root(family: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(family)
 }
 
-fn cases() -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures_root())
-        .expect("tests/fixtures/deepseek_v3 exists")
+/// The reference cases of `family`, at least `min` of them.
+fn family_cases(family: &str, min: usize) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures_root(family))
+        .unwrap_or_else(|e| panic!("tests/fixtures/{family}: {e}"))
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.join("expected.json").is_file() && p.join("config.json").is_file())
         .collect();
     v.sort();
-    assert!(v.len() >= 3, "expected at least 3 reference cases, found {v:?}");
+    assert!(
+        v.len() >= min,
+        "expected at least {min} {family} reference cases, found {v:?}"
+    );
     v
+}
+
+fn cases() -> Vec<PathBuf> {
+    family_cases("deepseek_v3", 3)
 }
 
 fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
@@ -75,7 +88,7 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
     };
     convert(case, &out, &opts, &NoProgress).unwrap_or_else(|e| panic!("convert {}: {e}", case.display()));
     let dir = ModelDir::open(&out).unwrap();
-    let model = DeepseekV3::load(&dir, budget).unwrap();
+    let model: Box<dyn CausalLm> = load_model(&dir, StoreOptions::new(budget)).unwrap();
     let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
     let mut worst = 0f64;
     let mut ids_equal = true;
@@ -90,7 +103,7 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
             record_logits: true,
             trace_routes: None,
         };
-        let got = generate(&model, &prompt, &opts, |_| true).unwrap();
+        let got = generate(model.as_ref(), &prompt, &opts, |_| true).unwrap();
         if got.generated_ids != want_ids {
             ids_equal = false;
         }
@@ -141,6 +154,86 @@ fn quantized_layout_stays_within_documented_bound() {
             r.max_rel_l2
         );
     }
+}
+
+fn check_lossless(family: &str, min_cases: usize, expect_model_type: &str) {
+    for case in family_cases(family, min_cases) {
+        let r = run_case(&case, StoredDtype::F32, StoredDtype::F32, 1 << 30);
+        eprintln!("{}: lossless max rel L2 {:.3e}", case.display(), r.max_rel_l2);
+        assert!(r.ids_equal, "{}: greedy ids differ from the reference", case.display());
+        assert!(
+            r.max_rel_l2 < LOSSLESS_REL_L2,
+            "{}: logits rel L2 {:.3e} ≥ {LOSSLESS_REL_L2}",
+            case.display(),
+            r.max_rel_l2
+        );
+        let cfg: Value = serde_json::from_slice(&std::fs::read(case.join("config.json")).unwrap()).unwrap();
+        assert_eq!(cfg["model_type"], expect_model_type);
+    }
+}
+
+fn check_quantized(family: &str, min_cases: usize) {
+    for case in family_cases(family, min_cases) {
+        let r = run_case(&case, StoredDtype::Int8, StoredDtype::Mxfp4, 1 << 30);
+        eprintln!(
+            "{}: int8/mxfp4 max rel L2 {:.3e}, ids equal: {}",
+            case.display(),
+            r.max_rel_l2,
+            r.ids_equal
+        );
+        assert!(
+            r.max_rel_l2 < QUANTIZED_REL_L2,
+            "{}: int8/mxfp4 logits rel L2 {:.3e} ≥ documented bound {QUANTIZED_REL_L2}",
+            case.display(),
+            r.max_rel_l2
+        );
+    }
+}
+
+#[test]
+fn qwen3_moe_lossless_layout_matches_transformers() {
+    check_lossless("qwen3_moe", 2, "qwen3_moe");
+}
+
+#[test]
+fn qwen3_moe_default_layout_runs_within_bound() {
+    check_quantized("qwen3_moe", 2);
+}
+
+#[test]
+fn mixtral_lossless_layout_matches_transformers() {
+    check_lossless("mixtral", 2, "mixtral");
+}
+
+#[test]
+fn mixtral_default_layout_runs_within_bound() {
+    check_quantized("mixtral", 2);
+}
+
+/// The sliding window of `mixtral_b` matters: the same model with the window removed from its
+/// config no longer reproduces the reference (so the lossless match above proves it is applied).
+#[test]
+fn mixtral_sliding_window_is_applied() {
+    let case = fixtures_root("mixtral").join("mixtral_b");
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    for f in std::fs::read_dir(&case).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, src.join(f.file_name().unwrap())).unwrap();
+    }
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["sliding_window"], 6);
+    cfg["sliding_window"] = Value::Null;
+    std::fs::write(src.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let with_window = run_case(&case, StoredDtype::F32, StoredDtype::F32, 1 << 30);
+    let without = run_case(&src, StoredDtype::F32, StoredDtype::F32, 1 << 30);
+    eprintln!(
+        "mixtral_b rel L2 with window {:.3e}, without {:.3e}",
+        with_window.max_rel_l2, without.max_rel_l2
+    );
+    assert!(with_window.max_rel_l2 < LOSSLESS_REL_L2);
+    assert!(without.max_rel_l2 > 100.0 * LOSSLESS_REL_L2, "{}", without.max_rel_l2);
 }
 
 #[test]
