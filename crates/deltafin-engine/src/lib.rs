@@ -6,13 +6,14 @@
 //!   cache, verifying checksums, counting bytes and hits.
 //! - [`model`]: the [`model::CausalLm`] interface every family implements, [`model::load_model`],
 //!   and the routed-expert runtime the families share.
-//! - [`models`]: one file per model family (`deepseek_v3`), built from shared blocks
-//!   ([`rope`], [`moe`]).
+//! - [`models`]: one file per model family (`deepseek_v3`, `qwen3_moe`, `mixtral`), built from
+//!   shared blocks ([`rope`], [`moe`], [`gqa`]).
 //! - [`generate`]: the greedy decode loop with timing statistics.
 
 pub mod blocks;
 pub mod experts;
 pub mod generate;
+pub mod gqa;
 pub mod mem;
 pub mod model;
 pub mod models;

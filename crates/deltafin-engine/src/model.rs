@@ -15,7 +15,7 @@ use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::{silu, MatRef};
 
 use crate::experts::{Expert, ExpertStore, StoreOptions};
-use crate::moe::Routing;
+use crate::moe::{route_softmax, Routing};
 use crate::EngineError;
 
 /// Which routed experts each MoE layer chose for the last token: `(layer, routing)`.
@@ -110,6 +110,8 @@ pub fn load_model(dir: &ModelDir, opts: StoreOptions) -> Result<Box<dyn CausalLm
     match &dir.manifest.config {
         ModelConfig::DeepseekV3(_) => Ok(Box::new(crate::models::DeepseekV3::load_with(dir, opts)?)),
         ModelConfig::KimiLinear(_) => Ok(Box::new(crate::models::KimiLinear::load_with(dir, opts)?)),
+        ModelConfig::Qwen3Moe(_) => Ok(Box::new(crate::models::Qwen3Moe::load_with(dir, opts)?)),
+        ModelConfig::Mixtral(_) => Ok(Box::new(crate::models::Mixtral::load_with(dir, opts)?)),
     }
 }
 
@@ -345,6 +347,71 @@ impl RoutedExperts {
         }
         Ok((out, shared_out.into_inner()))
     }
+}
+
+/// A MoE block with a softmax top-k router and SwiGLU routed experts and no shared expert
+/// (Mixtral, Qwen3-MoE): `y = Σ_i w_i · expert_i(xn)` over the experts [`route_softmax`] picks
+/// from `router · xn`, with top-k = [`RoutedExperts::experts_per_token`]. `next_router` is the
+/// next MoE layer and its router, used with prefetch on to predict that layer's experts from
+/// this hidden state. xn: `[hidden]` → `[hidden]`; `logits` and `probs` are reused buffers.
+///
+/// Source: transformers `MixtralSparseMoeBlock` / `Qwen3MoeSparseMoeBlock`. [SOFTMAX_MOE]
+///
+/// Errors: expert read or checksum failures.
+#[allow(clippy::too_many_arguments)]
+pub fn softmax_moe(
+    routed: &RoutedExperts,
+    layer: usize,
+    router: MatRef<'_>,
+    next_router: Option<(usize, MatRef<'_>)>,
+    norm_topk_prob: bool,
+    xn: &[f32],
+    logits: &mut Vec<f32>,
+    probs: &mut Vec<f32>,
+) -> Result<(Vec<f32>, Routing), EngineError> {
+    let k = routed.experts_per_token();
+    logits.resize(router.rows, 0.0);
+    router.matvec(xn, logits);
+    let routing = route_softmax(logits, k, norm_topk_prob, probs);
+    let predict = || -> Result<Option<(usize, Vec<usize>)>, EngineError> {
+        let Some((next, r)) = next_router else {
+            return Ok(None);
+        };
+        let mut l = vec![0f32; r.rows];
+        r.matvec(xn, &mut l);
+        let mut p = Vec::new();
+        Ok(Some((next, route_softmax(&l, k, norm_topk_prob, &mut p).experts)))
+    };
+    let (out, _) = routed.run(
+        layer,
+        &routing,
+        xn.len(),
+        |e| swiglu(e.matrix(0), e.matrix(1), e.matrix(2), xn),
+        None::<fn() -> Vec<f32>>,
+        predict,
+    )?;
+    Ok((out, routing))
+}
+
+/// [`swiglu`] into caller buffers (no allocation once they have grown): `gate_buf`, `up_buf`
+/// become `[rows of gate]`, `out: [rows of down]`.
+pub fn swiglu_into(
+    gate: MatRef<'_>,
+    up: MatRef<'_>,
+    down: MatRef<'_>,
+    x: &[f32],
+    gate_buf: &mut Vec<f32>,
+    up_buf: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    gate_buf.resize(gate.rows, 0.0);
+    up_buf.resize(up.rows, 0.0);
+    gate.matvec(x, gate_buf);
+    up.matvec(x, up_buf);
+    for (a, b) in gate_buf.iter_mut().zip(up_buf.iter()) {
+        *a = silu(*a) * b;
+    }
+    down.matvec(gate_buf, out);
 }
 
 /// SwiGLU feed-forward (dense MLP, shared and routed experts of most families):

@@ -1,12 +1,14 @@
-//! The DeepSeek-V3 router (`noaux_tc`): sigmoid scores, bias-corrected group-limited top-k
-//! selection, weights from the unbiased scores.
+//! MoE routers.
+//!
+//! [`route`] is the DeepSeek-V3 router (`noaux_tc`): sigmoid scores, bias-corrected
+//! group-limited top-k selection, weights from the unbiased scores.
 //!
 //! Source: DeepSeek-V3 technical report §2.1.2 (auxiliary-loss-free load balancing) and
 //! transformers `DeepseekV3TopkRouter`, with one deliberate difference: experts of discarded
 //! groups are masked to −∞, not 0, so they can never be chosen even when every biased score is
 //! negative (the reference's 0-mask would pick them then). [ROUTER_MASK]
 
-use deltafin_kernels::sigmoid;
+use deltafin_kernels::{sigmoid, softmax_inplace};
 
 /// Routing hyperparameters.
 #[derive(Debug, Clone, Copy)]
@@ -77,6 +79,38 @@ pub fn route(cfg: &RouterConfig, logits: &[f32], bias: &[f32]) -> Routing {
     Routing { experts, weights }
 }
 
+/// Softmax top-k router of Mixtral and Qwen3-MoE: `p = softmax(logits)` over all
+/// `n_routed_experts` in f32, the `top_k` largest `p` chosen (ties to the lower id), their
+/// weights `p` divided by their sum when `norm_topk_prob` (always for Mixtral), else left as
+/// they are. The sum is taken in descending-probability order, as `torch.topk` returns them.
+///
+/// `logits: [n_routed_experts]` (`x · W_gate^T`, f32); `scratch` is reused for the
+/// probabilities (no allocation once it has grown). `top_k` must be in `1..=n_routed_experts`.
+///
+/// Source: transformers `MixtralTopKRouter` / `Qwen3MoeTopKRouter`; Shazeer et al. 2017
+/// (arXiv:1701.06538) for the top-k gate; Jiang et al. 2024 (Mixtral, arXiv:2401.04088) §2.1.
+/// [SOFTMAX_TOPK]
+pub fn route_softmax(logits: &[f32], top_k: usize, norm_topk_prob: bool, scratch: &mut Vec<f32>) -> Routing {
+    scratch.clear();
+    scratch.extend_from_slice(logits);
+    softmax_inplace(scratch);
+    let chosen = top_k_indices(scratch, top_k);
+    let mut weights_desc: Vec<f32> = chosen.iter().map(|&e| scratch[e]).collect();
+    if norm_topk_prob {
+        let denom: f32 = weights_desc.iter().sum();
+        for w in &mut weights_desc {
+            *w /= denom;
+        }
+    }
+    // Sorted by expert id, weights alongside.
+    let mut pairs: Vec<(usize, f32)> = chosen.into_iter().zip(weights_desc).collect();
+    pairs.sort_unstable_by_key(|&(e, _)| e);
+    Routing {
+        experts: pairs.iter().map(|&(e, _)| e).collect(),
+        weights: pairs.iter().map(|&(_, w)| w).collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,5 +173,46 @@ mod tests {
         let r = route(&c, &logits, &[0.0; 4]);
         assert_eq!(r.experts, vec![1]);
         assert!((r.weights[0] - 2.5 * 0.7).abs() < 1e-5);
+    }
+
+    #[test]
+    fn softmax_router_hand_computed() {
+        // logits ln 4, ln 2, ln 1, ln 1: softmax = 4/8, 2/8, 1/8, 1/8 = 0.5, 0.25, 0.125, 0.125.
+        let logits = [4f32.ln(), 2f32.ln(), 0.0, 0.0];
+        let mut scratch = Vec::new();
+        // top-2 unnormalised: the raw probabilities.
+        let r = route_softmax(&logits, 2, false, &mut scratch);
+        assert_eq!(r.experts, vec![0, 1]);
+        assert!(
+            (r.weights[0] - 0.5).abs() < 1e-6 && (r.weights[1] - 0.25).abs() < 1e-6,
+            "{r:?}"
+        );
+        // Normalised: 0.5/0.75 = 2/3, 0.25/0.75 = 1/3.
+        let r = route_softmax(&logits, 2, true, &mut scratch);
+        assert!(
+            (r.weights[0] - 2.0 / 3.0).abs() < 1e-6 && (r.weights[1] - 1.0 / 3.0).abs() < 1e-6,
+            "{r:?}"
+        );
+        // top-3: the tie between experts 2 and 3 goes to the lower id.
+        let r = route_softmax(&logits, 3, true, &mut scratch);
+        assert_eq!(r.experts, vec![0, 1, 2]);
+        assert!((r.weights[2] - 0.125 / 0.875).abs() < 1e-6, "{r:?}");
+    }
+
+    #[test]
+    fn softmax_router_returns_experts_by_id_with_their_own_weights() {
+        // Expert 5 is best, then 1: weights follow the experts after sorting by id.
+        // logits 0, ln 3, 0, 0, 0, ln 6 over 6 experts: sum = 4 + 3 + 6 = 13.
+        let logits = [0.0, 3f32.ln(), 0.0, 0.0, 0.0, 6f32.ln()];
+        let mut scratch = Vec::new();
+        let r = route_softmax(&logits, 2, false, &mut scratch);
+        assert_eq!(r.experts, vec![1, 5]);
+        assert!((r.weights[0] - 3.0 / 13.0).abs() < 1e-6, "{r:?}");
+        assert!((r.weights[1] - 6.0 / 13.0).abs() < 1e-6, "{r:?}");
+        // Softmax is shift-invariant: adding 100 to every logit changes nothing.
+        let shifted: Vec<f32> = logits.iter().map(|x| x + 100.0).collect();
+        let r2 = route_softmax(&shifted, 2, false, &mut scratch);
+        assert_eq!(r2.experts, r.experts);
+        assert!((r2.weights[1] - 6.0 / 13.0).abs() < 1e-5, "{r2:?}");
     }
 }

@@ -6,6 +6,9 @@
 //!
 //! Adding a family: a config type with `from_value` + `validate` (its own file), a variant of
 //! [`ModelConfig`], and the arms of the `match`es below.
+//!
+//! Families: `deepseek_v3` ([`DeepseekV3Config`]), `qwen3_moe` ([`Qwen3MoeConfig`]), `mixtral`
+//! ([`MixtralConfig`]).
 
 use std::path::Path;
 
@@ -14,6 +17,8 @@ use serde_json::Value;
 
 use crate::config::{text_config, DeepseekV3Config};
 use crate::kimi_linear::KimiLinearConfig;
+use crate::mixtral::MixtralConfig;
+use crate::qwen3_moe::Qwen3MoeConfig;
 use crate::FormatError;
 
 /// Resolved hyperparameters of a supported model, tagged by family (the manifest stores it as
@@ -27,10 +32,23 @@ pub enum ModelConfig {
     /// Kimi Linear and Kimi K3 (`kimi_linear`, or the `kimi_k3` wrapper whose `text_config` is
     /// `kimi_linear`): KDA + NoPE MLA hybrid; K3 adds attention residuals, LatentMoE and SiTU.
     KimiLinear(KimiLinearConfig),
+    /// Qwen3-MoE (`model_type` `qwen3_moe`): GQA with per-head q/k RMSNorm, softmax top-k
+    /// routing, dense layers chosen by `decoder_sparse_step` / `mlp_only_layers`.
+    Qwen3Moe(Qwen3MoeConfig),
+    /// Mixtral (`model_type` `mixtral`): GQA, softmax top-2 routing in every layer,
+    /// `block_sparse_moe` tensor names.
+    Mixtral(MixtralConfig),
 }
 
 /// `model_type`s accepted by [`ModelConfig::from_value`] (of the text config).
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["deepseek_v3", "kimi_k2", "kimi_linear", "kimi_k3"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
+    "deepseek_v3",
+    "kimi_k2",
+    "kimi_linear",
+    "kimi_k3",
+    "qwen3_moe",
+    "mixtral",
+];
 
 /// How a backbone tensor is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,6 +120,8 @@ impl ModelConfig {
         match mt {
             "deepseek_v3" | "kimi_k2" => Ok(ModelConfig::DeepseekV3(DeepseekV3Config::from_value(raw, path)?)),
             "kimi_linear" => Ok(ModelConfig::KimiLinear(KimiLinearConfig::from_value(raw, path)?)),
+            "qwen3_moe" => Ok(ModelConfig::Qwen3Moe(Qwen3MoeConfig::from_value(raw, path)?)),
+            "mixtral" => Ok(ModelConfig::Mixtral(MixtralConfig::from_value(raw, path)?)),
             _ => {
                 let top = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
                 let shown = if mt.is_empty() { top } else { mt };
@@ -122,6 +142,8 @@ impl ModelConfig {
         match self {
             ModelConfig::DeepseekV3(_) => "deepseek_v3",
             ModelConfig::KimiLinear(_) => "kimi_linear",
+            ModelConfig::Qwen3Moe(_) => "qwen3_moe",
+            ModelConfig::Mixtral(_) => "mixtral",
         }
     }
 
@@ -130,6 +152,8 @@ impl ModelConfig {
         match self {
             ModelConfig::DeepseekV3(c) => &c.model_type,
             ModelConfig::KimiLinear(c) => &c.model_type,
+            ModelConfig::Qwen3Moe(_) => "qwen3_moe",
+            ModelConfig::Mixtral(_) => "mixtral",
         }
     }
 
@@ -149,10 +173,28 @@ impl ModelConfig {
         }
     }
 
+    /// The Qwen3-MoE config, when this is one.
+    pub fn as_qwen3_moe(&self) -> Option<&Qwen3MoeConfig> {
+        match self {
+            ModelConfig::Qwen3Moe(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// The Mixtral config, when this is one.
+    pub fn as_mixtral(&self) -> Option<&MixtralConfig> {
+        match self {
+            ModelConfig::Mixtral(c) => Some(c),
+            _ => None,
+        }
+    }
+
     pub fn vocab_size(&self) -> usize {
         match self {
             ModelConfig::DeepseekV3(c) => c.vocab_size,
             ModelConfig::KimiLinear(c) => c.vocab_size,
+            ModelConfig::Qwen3Moe(c) => c.vocab_size,
+            ModelConfig::Mixtral(c) => c.vocab_size,
         }
     }
 
@@ -160,6 +202,8 @@ impl ModelConfig {
         match self {
             ModelConfig::DeepseekV3(c) => c.hidden_size,
             ModelConfig::KimiLinear(c) => c.hidden_size,
+            ModelConfig::Qwen3Moe(c) => c.hidden_size,
+            ModelConfig::Mixtral(c) => c.hidden_size,
         }
     }
 
@@ -167,6 +211,8 @@ impl ModelConfig {
         match self {
             ModelConfig::DeepseekV3(c) => c.num_hidden_layers,
             ModelConfig::KimiLinear(c) => c.num_hidden_layers,
+            ModelConfig::Qwen3Moe(c) => c.num_hidden_layers,
+            ModelConfig::Mixtral(c) => c.num_hidden_layers,
         }
     }
 
@@ -175,6 +221,8 @@ impl ModelConfig {
         match self {
             ModelConfig::DeepseekV3(c) => c.max_position_embeddings,
             ModelConfig::KimiLinear(c) => c.max_position_embeddings,
+            ModelConfig::Qwen3Moe(c) => c.max_position_embeddings,
+            ModelConfig::Mixtral(c) => c.max_position_embeddings,
         }
     }
 
@@ -183,6 +231,8 @@ impl ModelConfig {
         match self {
             ModelConfig::DeepseekV3(c) => c.is_moe_layer(layer),
             ModelConfig::KimiLinear(c) => c.is_moe_layer(layer),
+            ModelConfig::Qwen3Moe(c) => c.is_moe_layer(layer),
+            ModelConfig::Mixtral(c) => c.is_moe_layer(layer),
         }
     }
 
@@ -191,6 +241,8 @@ impl ModelConfig {
         match self {
             ModelConfig::DeepseekV3(c) => c.n_routed_experts,
             ModelConfig::KimiLinear(c) => c.num_experts,
+            ModelConfig::Qwen3Moe(c) => c.num_experts,
+            ModelConfig::Mixtral(c) => c.num_local_experts,
         }
     }
 
@@ -199,6 +251,8 @@ impl ModelConfig {
         match self {
             ModelConfig::DeepseekV3(c) => c.num_experts_per_tok,
             ModelConfig::KimiLinear(c) => c.num_experts_per_token,
+            ModelConfig::Qwen3Moe(c) => c.num_experts_per_tok,
+            ModelConfig::Mixtral(c) => c.num_experts_per_tok,
         }
     }
 
@@ -220,6 +274,8 @@ impl ModelConfig {
                     c.topk_group, c.n_group
                 ),
             ),
+            ModelConfig::Qwen3Moe(c) => (c.num_experts, "routed experts per MoE layer".into()),
+            ModelConfig::Mixtral(c) => (c.num_local_experts, "routed experts per layer".into()),
         }
     }
 
@@ -228,6 +284,8 @@ impl ModelConfig {
         match self {
             ModelConfig::DeepseekV3(c) => &c.eos_token_id,
             ModelConfig::KimiLinear(c) => &c.eos_token_id,
+            ModelConfig::Qwen3Moe(c) => &c.eos_token_id,
+            ModelConfig::Mixtral(c) => &c.eos_token_id,
         }
     }
 
@@ -235,6 +293,8 @@ impl ModelConfig {
         match self {
             ModelConfig::DeepseekV3(c) => c.bos_token_id,
             ModelConfig::KimiLinear(c) => c.bos_token_id,
+            ModelConfig::Qwen3Moe(c) => c.bos_token_id,
+            ModelConfig::Mixtral(c) => c.bos_token_id,
         }
     }
 
@@ -243,6 +303,8 @@ impl ModelConfig {
         match self {
             ModelConfig::DeepseekV3(c) => c.backbone_tensors(),
             ModelConfig::KimiLinear(c) => c.backbone_tensors(),
+            ModelConfig::Qwen3Moe(c) => c.backbone_tensors(),
+            ModelConfig::Mixtral(c) => c.backbone_tensors(),
         }
     }
 
@@ -251,6 +313,8 @@ impl ModelConfig {
         match self {
             ModelConfig::DeepseekV3(c) => c.expert_matrices(),
             ModelConfig::KimiLinear(c) => c.expert_matrices(),
+            ModelConfig::Qwen3Moe(c) => c.expert_matrices(),
+            ModelConfig::Mixtral(c) => c.expert_matrices(),
         }
     }
 
@@ -258,13 +322,21 @@ impl ModelConfig {
     /// layer `layer` comes from.
     pub fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
         match self {
-            ModelConfig::DeepseekV3(_) => ExpertSource {
+            ModelConfig::DeepseekV3(_) | ModelConfig::Qwen3Moe(_) => ExpertSource {
                 tensor: format!("model.layers.{layer}.mlp.experts.{expert}.{}.weight", m.name),
                 shape: vec![m.rows, m.cols],
                 select: Select::Whole,
             },
             ModelConfig::KimiLinear(c) => ExpertSource {
                 tensor: c.expert_tensor(layer, expert, &m.name),
+                shape: vec![m.rows, m.cols],
+                select: Select::Whole,
+            },
+            ModelConfig::Mixtral(_) => ExpertSource {
+                tensor: format!(
+                    "model.layers.{layer}.block_sparse_moe.experts.{expert}.{}.weight",
+                    m.name
+                ),
                 shape: vec![m.rows, m.cols],
                 select: Select::Whole,
             },
@@ -277,8 +349,64 @@ impl ModelConfig {
         match self {
             ModelConfig::DeepseekV3(c) => c.is_ignored(name),
             ModelConfig::KimiLinear(c) => c.is_ignored(name),
+            ModelConfig::Qwen3Moe(c) => c.is_ignored(name),
+            ModelConfig::Mixtral(c) => c.is_ignored(name),
         }
     }
+}
+
+/// The tensors of one grouped-query-attention decoder layer under `prefix`
+/// (`model.layers.{l}`) except its MLP: the two RMSNorm weights, `q_proj [n_heads * head_dim,
+/// hidden]`, `k_proj`/`v_proj [n_kv_heads * head_dim, hidden]`, `o_proj [hidden, n_heads *
+/// head_dim]`, and with `qk_norm` the per-head `q_norm`/`k_norm [head_dim]` (Qwen3).
+pub(crate) fn gqa_layer_tensors(
+    prefix: &str,
+    hidden: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    qk_norm: bool,
+) -> Vec<BackboneTensor> {
+    let a = format!("{prefix}.self_attn");
+    let mut t = vec![
+        (
+            format!("{prefix}.input_layernorm.weight"),
+            vec![hidden],
+            TensorRole::F32,
+        ),
+        (
+            format!("{prefix}.post_attention_layernorm.weight"),
+            vec![hidden],
+            TensorRole::F32,
+        ),
+        (
+            format!("{a}.q_proj.weight"),
+            vec![n_heads * head_dim, hidden],
+            TensorRole::Matrix,
+        ),
+        (
+            format!("{a}.k_proj.weight"),
+            vec![n_kv_heads * head_dim, hidden],
+            TensorRole::Matrix,
+        ),
+        (
+            format!("{a}.v_proj.weight"),
+            vec![n_kv_heads * head_dim, hidden],
+            TensorRole::Matrix,
+        ),
+        (
+            format!("{a}.o_proj.weight"),
+            vec![hidden, n_heads * head_dim],
+            TensorRole::Matrix,
+        ),
+    ];
+    if qk_norm {
+        t.push((format!("{a}.q_norm.weight"), vec![head_dim], TensorRole::F32));
+        t.push((format!("{a}.k_norm.weight"), vec![head_dim], TensorRole::F32));
+    }
+    t.into_iter()
+        .map(|(name, shape, role)| BackboneTensor { name, shape, role })
+        .collect()
 }
 
 #[cfg(test)]
@@ -296,6 +424,12 @@ mod tests {
         assert!(s.get("deepseek_v3").is_some(), "{s}");
         let back: ModelConfig = serde_json::from_value(s).unwrap();
         assert_eq!(back, c);
+        for (mt, family) in [("qwen3_moe", "qwen3_moe"), ("mixtral", "mixtral")] {
+            let c = ModelConfig::from_value(&json!({"model_type": mt, "num_hidden_layers": 2}), p).unwrap();
+            assert_eq!((c.family(), c.model_type()), (family, mt));
+            let back: ModelConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
+            assert_eq!(back, c);
+        }
         let e = ModelConfig::from_value(&json!({"model_type": "llama"}), p).unwrap_err();
         assert!(
             e.to_string().contains("model_type") && e.to_string().contains("llama"),

@@ -82,11 +82,11 @@ pub struct DeepseekV3Config {
     pub bos_token_id: Option<u32>,
 }
 
-fn get<'a>(obj: &'a Value, key: &str) -> Option<&'a Value> {
+pub(crate) fn get<'a>(obj: &'a Value, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
 }
 
-fn field_err(path: &Path, field: &str, msg: impl Into<String>) -> FormatError {
+pub(crate) fn field_err(path: &Path, field: &str, msg: impl Into<String>) -> FormatError {
     FormatError::Config {
         path: path.to_path_buf(),
         field: field.to_string(),
@@ -94,7 +94,7 @@ fn field_err(path: &Path, field: &str, msg: impl Into<String>) -> FormatError {
     }
 }
 
-fn usize_or(obj: &Value, path: &Path, key: &str, default: usize) -> Result<usize, FormatError> {
+pub(crate) fn usize_or(obj: &Value, path: &Path, key: &str, default: usize) -> Result<usize, FormatError> {
     match get(obj, key) {
         None => Ok(default),
         Some(v) => v
@@ -104,7 +104,7 @@ fn usize_or(obj: &Value, path: &Path, key: &str, default: usize) -> Result<usize
     }
 }
 
-fn f64_or(obj: &Value, path: &Path, key: &str, default: f64) -> Result<f64, FormatError> {
+pub(crate) fn f64_or(obj: &Value, path: &Path, key: &str, default: f64) -> Result<f64, FormatError> {
     match get(obj, key) {
         None => Ok(default),
         Some(v) => v
@@ -113,7 +113,7 @@ fn f64_or(obj: &Value, path: &Path, key: &str, default: f64) -> Result<f64, Form
     }
 }
 
-fn opt_f64(obj: &Value, path: &Path, key: &str) -> Result<Option<f64>, FormatError> {
+pub(crate) fn opt_f64(obj: &Value, path: &Path, key: &str) -> Result<Option<f64>, FormatError> {
     match get(obj, key) {
         None => Ok(None),
         Some(v) => v
@@ -123,7 +123,7 @@ fn opt_f64(obj: &Value, path: &Path, key: &str) -> Result<Option<f64>, FormatErr
     }
 }
 
-fn bool_or(obj: &Value, path: &Path, key: &str, default: bool) -> Result<bool, FormatError> {
+pub(crate) fn bool_or(obj: &Value, path: &Path, key: &str, default: bool) -> Result<bool, FormatError> {
     match get(obj, key) {
         None => Ok(default),
         Some(v) => v
@@ -150,6 +150,36 @@ pub fn text_config(raw: &Value) -> &Value {
     match get(raw, "text_config") {
         Some(tc) if tc.is_object() => tc,
         _ => raw,
+    }
+}
+
+/// End-of-sequence ids of a text config `tc` (plus those of the wrapper `raw` when `tc` is
+/// nested), and its begin-of-sequence id.
+pub(crate) fn eos_bos(tc: &Value, raw: &Value) -> (Vec<u32>, Option<u32>) {
+    let mut eos = token_ids(get(tc, "eos_token_id"));
+    if !std::ptr::eq(tc, raw) {
+        for id in token_ids(get(raw, "eos_token_id")) {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+    }
+    let bos = get(tc, "bos_token_id")
+        .or_else(|| get(raw, "bos_token_id"))
+        .and_then(|v| v.as_u64())
+        .map(|x| x as u32);
+    (eos, bos)
+}
+
+/// Fails with the field named unless `hidden_act` (of `tc`) is absent or `silu`.
+pub(crate) fn require_silu(tc: &Value, path: &Path) -> Result<(), FormatError> {
+    match get(tc, "hidden_act").and_then(|v| v.as_str()) {
+        Some(s) if s != "silu" => Err(field_err(
+            path,
+            "hidden_act",
+            format!("{s:?} is not supported (only \"silu\")"),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -228,7 +258,7 @@ impl DeepseekV3Config {
             ),
         };
         let max_position_embeddings = usize_or(tc, path, "max_position_embeddings", 4096)?;
-        let rope = resolve_rope(tc, path, max_position_embeddings)?;
+        let rope = resolve_rope(tc, path, max_position_embeddings, 10000.0)?;
         let mut eos = token_ids(get(tc, "eos_token_id"));
         if !std::ptr::eq(tc, raw) {
             for id in token_ids(get(raw, "eos_token_id")) {
@@ -482,13 +512,18 @@ impl DeepseekV3Config {
     }
 }
 
-fn resolve_rope(tc: &Value, path: &Path, max_pos: usize) -> Result<Rope, FormatError> {
+/// Resolves the RoPE scheme of a text config: `rope_parameters` (transformers 5) or
+/// `rope_scaling` + `rope_theta` (4.x); `default_theta` is the family's `default_theta` for a
+/// config that names no theta.
+///
+/// Errors: a non-numeric field, a RoPE type other than `default`/`yarn` (field named).
+pub(crate) fn resolve_rope(tc: &Value, path: &Path, max_pos: usize, default_theta: f64) -> Result<Rope, FormatError> {
     // transformers 5 writes `rope_parameters` (holding rope_theta); 4.x writes `rope_scaling`
     // plus a top-level `rope_theta`. Either may be absent.
     let params = get(tc, "rope_parameters")
         .filter(|v| v.is_object())
         .or_else(|| get(tc, "rope_scaling").filter(|v| v.is_object()));
-    let top_theta = f64_or(tc, path, "rope_theta", 10000.0)?;
+    let top_theta = f64_or(tc, path, "rope_theta", default_theta)?;
     let Some(p) = params else {
         return Ok(Rope::Default { theta: top_theta });
     };

@@ -1,7 +1,8 @@
 //! Reading Hugging Face checkpoints and reading/writing the deltafin model directory.
 //!
 //! - [`arch`]: model families: the tensors of each architecture, digested from `config.json`.
-//! - [`config`]: `config.json` of the DeepSeek-V3 family, resolved with transformers' defaults.
+//! - [`config`]: `config.json` of the DeepSeek-V3 family, resolved with transformers' defaults;
+//!   [`qwen3_moe`], [`mixtral`] and [`kimi_linear`] do the same for those families.
 //! - [`checkpoint`]: validated safetensors reading (single file or index + shards), quantized
 //!   source weights presented and decoded under their plain names.
 //! - [`quantization`] and [`source_dtypes`]: `quantization_config` and the exact decoders of
@@ -16,8 +17,10 @@ pub mod checkpoint;
 pub mod config;
 pub mod convert;
 pub mod kimi_linear;
+pub mod mixtral;
 pub mod model_dir;
 pub mod quantization;
+pub mod qwen3_moe;
 pub mod source_dtypes;
 pub mod staging;
 pub mod synth;
@@ -25,7 +28,9 @@ pub mod synth;
 pub use aligned::AlignedBuf;
 pub use arch::ModelConfig;
 pub use config::{DeepseekV3Config, Rope};
+pub use mixtral::MixtralConfig;
 pub use model_dir::{ExpertRecord, Manifest, ModelDir, StoredDtype};
+pub use qwen3_moe::Qwen3MoeConfig;
 
 use std::path::PathBuf;
 

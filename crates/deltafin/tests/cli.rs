@@ -455,6 +455,77 @@ fn chat_wraps_the_prompt_with_the_chat_template() {
     }
 }
 
+/// Qwen3-MoE and Mixtral end to end through the binary: `convert` (lossless and default
+/// layouts), then `run --chat` on the user message of each case's chat prompt reproduces the
+/// reference's prompt ids, greedy ids and logits; the default layout runs a text prompt.
+#[test]
+fn qwen3_moe_and_mixtral_convert_and_run_with_chat() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    for (family, case) in [
+        ("qwen3_moe", "qwen3_moe_a"),
+        ("qwen3_moe", "qwen3_moe_b"),
+        ("mixtral", "mixtral_a"),
+        ("mixtral", "mixtral_b"),
+    ] {
+        let src = root.join(family).join(case);
+        let tmp = tempfile::tempdir().unwrap();
+        let model = tmp.path().join("m");
+        convert_lossless(&src, &model);
+        let manifest = read_json(&model.join("manifest.json"));
+        assert_eq!(manifest["family"], family, "{case}");
+        let vocab = manifest["config"][family]["vocab_size"].as_u64().unwrap() as usize;
+        let expected = read_json(&src.join("expected.json"));
+        let p = &expected["prompts"][2];
+        let messages = p["prompt_info"]["messages"].as_array().unwrap();
+        assert_eq!(messages.len(), 1, "{case}: one user message");
+        let question = messages[0]["content"].as_str().unwrap();
+        let want = ids(&p["generated_ids"]);
+        let f = tmp.path().join("logits.json");
+        let out = ok(exec(
+            deltafin()
+                .args(["run", "--model"])
+                .arg(&model)
+                .args(["--chat", "--prompt", question])
+                .args([
+                    "--max-new-tokens",
+                    &want.len().to_string(),
+                    "--ignore-eos",
+                    "--logits-out",
+                ])
+                .arg(&f),
+        ));
+        let (prompt, gen, steps) = check_logits_file(&f, vocab, want.len());
+        assert_eq!(prompt, ids(&p["prompt_ids"]), "{case}: --chat prompt ids");
+        assert_eq!(gen, want, "{case}: generated ids");
+        for (k, s) in steps.iter().enumerate() {
+            let e = rel_l2(s, &floats(&p["step_logits"][k]));
+            assert!(e <= LOSSLESS_REL_L2, "{case} step {k}: logits rel L2 {e:.2e}");
+        }
+        let stdout = String::from_utf8(out.stdout).expect("stdout is UTF-8");
+        assert_eq!(stdout, expected_stdout(&model, &gen), "{case}: stdout");
+
+        let q = tmp.path().join("q");
+        ok(convert(&src, &q, &[]));
+        let text_prompt = expected["prompts"][1]["prompt_info"]["text"].as_str().unwrap();
+        let f = tmp.path().join("q.json");
+        ok(exec(
+            deltafin()
+                .args(["run", "--model"])
+                .arg(&q)
+                .args(["--prompt", text_prompt])
+                .args(["--max-new-tokens", "4", "--ignore-eos", "--logits-out"])
+                .arg(&f),
+        ));
+        let (prompt, gen, _) = check_logits_file(&f, vocab, 4);
+        assert_eq!(
+            prompt,
+            ids(&expected["prompts"][1]["prompt_ids"]),
+            "{case}: --prompt ids"
+        );
+        assert_eq!(gen.len(), 4);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. Error paths of `convert`
 // ---------------------------------------------------------------------------------------------

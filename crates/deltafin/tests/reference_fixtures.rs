@@ -1,9 +1,9 @@
-//! Proof of correctness against Hugging Face transformers' implementations (`deepseek_v3`,
-//! `kimi_linear`).
+//! Proof of correctness against Hugging Face transformers' `deepseek_v3`, `kimi_linear`,
+//! `qwen3_moe` and `mixtral` implementations (and llama.cpp's goldens for Kimi K3, see below).
 //!
-//! Each case in `tests/fixtures/<family>/` is a tiny random checkpoint written by transformers
-//! together with the reference's greedy ids and float32 logits (see the README and
-//! `make_fixtures.py` there). Here each case is converted and generated from:
+//! Each case in `tests/fixtures/<family>/` is a tiny random checkpoint together with the
+//! reference's greedy ids and float32 logits (see `make_fixtures.py` and the README there). Here
+//! each case is converted and generated from:
 //! - lossless layout (`--backbone f32 --experts f32`): ids identical at every step, logits within
 //!   relative L2 1e-4 of the reference;
 //! - default layout (int8 backbone, MXFP4 experts): logits within the documented bound below.
@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use deltafin_engine::experts::StoreOptions;
 use deltafin_engine::generate::{generate, GenerateOptions};
-use deltafin_engine::load_model;
+use deltafin_engine::{load_model, CausalLm};
 use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
 use deltafin_format::{ModelDir, StoredDtype};
 use serde_json::Value;
@@ -30,21 +30,23 @@ fn fixtures_root(family: &str) -> PathBuf {
         .join(family)
 }
 
-/// DeepSeek-V3 cases.
-fn cases() -> Vec<PathBuf> {
-    cases_of("deepseek_v3", 3)
-}
-
-/// The reference cases of `family` (at least `min`).
-fn cases_of(family: &str, min: usize) -> Vec<PathBuf> {
+/// The reference cases of `family`, at least `min` of them.
+fn family_cases(family: &str, min: usize) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures_root(family))
-        .expect("the family's fixture directory exists")
+        .unwrap_or_else(|e| panic!("tests/fixtures/{family}: {e}"))
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.join("expected.json").is_file() && p.join("config.json").is_file())
         .collect();
     v.sort();
-    assert!(v.len() >= min, "expected at least {min} reference cases, found {v:?}");
+    assert!(
+        v.len() >= min,
+        "expected at least {min} {family} reference cases, found {v:?}"
+    );
     v
+}
+
+fn cases() -> Vec<PathBuf> {
+    family_cases("deepseek_v3", 3)
 }
 
 fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
@@ -85,7 +87,7 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
     };
     convert(case, &out, &opts, &NoProgress).unwrap_or_else(|e| panic!("convert {}: {e}", case.display()));
     let dir = ModelDir::open(&out).unwrap();
-    let model = load_model(&dir, StoreOptions::new(budget)).unwrap();
+    let model: Box<dyn CausalLm> = load_model(&dir, StoreOptions::new(budget)).unwrap();
     let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
     let mut worst = 0f64;
     let mut ids_equal = true;
@@ -138,7 +140,7 @@ fn lossless_layout_matches_transformers() {
 fn kimi_linear_lossless_layout_matches_transformers() {
     // KDA + NoPE MLA hybrid: prompts longer than the reference's KDA chunk (8), MoE with shared
     // experts, q_lora and not, conv kernels 3 and 4 (tests/fixtures/kimi_linear/README.md).
-    for case in cases_of("kimi_linear", 2) {
+    for case in family_cases("kimi_linear", 2) {
         let r = run_case(&case, StoredDtype::F32, StoredDtype::F32, 1 << 30);
         eprintln!("{}: lossless max rel L2 {:.3e}", case.display(), r.max_rel_l2);
         assert!(r.ids_equal, "{}: greedy ids differ from the reference", case.display());
@@ -168,6 +170,86 @@ fn quantized_layout_stays_within_documented_bound() {
             r.max_rel_l2
         );
     }
+}
+
+fn check_lossless(family: &str, min_cases: usize, expect_model_type: &str) {
+    for case in family_cases(family, min_cases) {
+        let r = run_case(&case, StoredDtype::F32, StoredDtype::F32, 1 << 30);
+        eprintln!("{}: lossless max rel L2 {:.3e}", case.display(), r.max_rel_l2);
+        assert!(r.ids_equal, "{}: greedy ids differ from the reference", case.display());
+        assert!(
+            r.max_rel_l2 < LOSSLESS_REL_L2,
+            "{}: logits rel L2 {:.3e} ≥ {LOSSLESS_REL_L2}",
+            case.display(),
+            r.max_rel_l2
+        );
+        let cfg: Value = serde_json::from_slice(&std::fs::read(case.join("config.json")).unwrap()).unwrap();
+        assert_eq!(cfg["model_type"], expect_model_type);
+    }
+}
+
+fn check_quantized(family: &str, min_cases: usize) {
+    for case in family_cases(family, min_cases) {
+        let r = run_case(&case, StoredDtype::Int8, StoredDtype::Mxfp4, 1 << 30);
+        eprintln!(
+            "{}: int8/mxfp4 max rel L2 {:.3e}, ids equal: {}",
+            case.display(),
+            r.max_rel_l2,
+            r.ids_equal
+        );
+        assert!(
+            r.max_rel_l2 < QUANTIZED_REL_L2,
+            "{}: int8/mxfp4 logits rel L2 {:.3e} ≥ documented bound {QUANTIZED_REL_L2}",
+            case.display(),
+            r.max_rel_l2
+        );
+    }
+}
+
+#[test]
+fn qwen3_moe_lossless_layout_matches_transformers() {
+    check_lossless("qwen3_moe", 2, "qwen3_moe");
+}
+
+#[test]
+fn qwen3_moe_default_layout_runs_within_bound() {
+    check_quantized("qwen3_moe", 2);
+}
+
+#[test]
+fn mixtral_lossless_layout_matches_transformers() {
+    check_lossless("mixtral", 2, "mixtral");
+}
+
+#[test]
+fn mixtral_default_layout_runs_within_bound() {
+    check_quantized("mixtral", 2);
+}
+
+/// The sliding window of `mixtral_b` matters: the same model with the window removed from its
+/// config no longer reproduces the reference (so the lossless match above proves it is applied).
+#[test]
+fn mixtral_sliding_window_is_applied() {
+    let case = fixtures_root("mixtral").join("mixtral_b");
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    for f in std::fs::read_dir(&case).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, src.join(f.file_name().unwrap())).unwrap();
+    }
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["sliding_window"], 6);
+    cfg["sliding_window"] = Value::Null;
+    std::fs::write(src.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let with_window = run_case(&case, StoredDtype::F32, StoredDtype::F32, 1 << 30);
+    let without = run_case(&src, StoredDtype::F32, StoredDtype::F32, 1 << 30);
+    eprintln!(
+        "mixtral_b rel L2 with window {:.3e}, without {:.3e}",
+        with_window.max_rel_l2, without.max_rel_l2
+    );
+    assert!(with_window.max_rel_l2 < LOSSLESS_REL_L2);
+    assert!(without.max_rel_l2 > 100.0 * LOSSLESS_REL_L2, "{}", without.max_rel_l2);
 }
 
 #[test]
@@ -267,7 +349,7 @@ fn generation_stops_at_an_end_of_sequence_id() {
 #[test]
 fn kimi_k3_mxfp4_experts_are_copied_bit_for_bit() {
     use deltafin_format::checkpoint::Checkpoint;
-    for case in cases_of("kimi_k3", 2) {
+    for case in family_cases("kimi_k3", 2) {
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("model");
         let opts = ConvertOptions {
@@ -357,7 +439,7 @@ fn raw_part(
 /// position (0.11); see README "Kimi K3 status".
 #[test]
 fn kimi_k3_first_position_of_k3_a_matches_llama_cpp() {
-    for case in cases_of("kimi_k3", 2).into_iter().filter(|c| c.ends_with("k3_a")) {
+    for case in family_cases("kimi_k3", 2).into_iter().filter(|c| c.ends_with("k3_a")) {
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("model");
         let opts = ConvertOptions {

@@ -2,6 +2,10 @@
 
 pub mod deepseek_v3;
 pub mod kimi_linear;
+pub mod mixtral;
+pub mod qwen3_moe;
 
 pub use deepseek_v3::{DeepseekV3, KvCache};
 pub use kimi_linear::{KimiLinear, KimiLinearState};
+pub use mixtral::Mixtral;
+pub use qwen3_moe::Qwen3Moe;
