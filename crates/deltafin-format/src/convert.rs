@@ -199,18 +199,17 @@ pub fn convert(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn write_all(
+/// Completeness check before writing anything: every tensor the model needs is present with the
+/// right shape and a supported dtype, and every tensor present is either used or deliberately
+/// ignored. Returns the names used and the names ignored.
+///
+/// Errors: a missing tensor, a shape or dtype mismatch, or an unexpected tensor (named, with its
+/// shard).
+fn check_complete(
     ck: &Checkpoint,
     cfg: &ModelConfig,
-    raw: Value,
     hf_dir: &Path,
-    out: &Path,
-    opts: &ConvertOptions,
-    progress: &dyn Progress,
-) -> Result<ConvertReport, FormatError> {
-    // Completeness check before writing anything: every tensor we need is present with the right
-    // shape and a supported dtype, and every tensor present is either used or deliberately ignored.
+) -> Result<(BTreeSet<String>, Vec<String>), FormatError> {
     let table = cfg.backbone_tensors();
     let mut needed: BTreeSet<String> = BTreeSet::new();
     let check = |name: &str, shape: &[usize]| -> Result<(), FormatError> {
@@ -259,6 +258,55 @@ fn write_all(
             family: cfg.model_type().to_string(),
         });
     }
+    Ok((needed, ignored))
+}
+
+/// What `deltafin convert --dry-run` reports: the source checked completely, nothing written.
+#[derive(Debug, Clone)]
+pub struct ConvertPlan {
+    pub config: ModelConfig,
+    /// Resident tensors.
+    pub backbone_tensors: usize,
+    /// Routed-expert records the pack would hold.
+    pub expert_records: usize,
+    /// Source bytes that would be read.
+    pub source_bytes: u64,
+    /// Source tensors deliberately left out.
+    pub ignored_tensors: Vec<String>,
+}
+
+/// Checks `hf_dir` as [`convert`] would (config, every safetensors header, completeness, shapes,
+/// dtypes and quantization metadata) without reading weights or writing anything: a
+/// multi-terabyte checkpoint can be validated from its headers alone.
+///
+/// Errors: as [`convert`]'s checks.
+pub fn plan(hf_dir: &Path) -> Result<ConvertPlan, FormatError> {
+    let (cfg, _) = ModelConfig::from_file(&hf_dir.join("config.json"))?;
+    let ck = Checkpoint::open(hf_dir)?;
+    let (needed, ignored) = check_complete(&ck, &cfg, hf_dir)?;
+    let moe = (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)).count();
+    Ok(ConvertPlan {
+        backbone_tensors: cfg.backbone_tensors().len(),
+        expert_records: moe * cfg.n_routed_experts(),
+        source_bytes: ck.bytes_where(|n| needed.contains(n)),
+        ignored_tensors: ignored,
+        config: cfg,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn write_all(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    raw: Value,
+    hf_dir: &Path,
+    out: &Path,
+    opts: &ConvertOptions,
+    progress: &dyn Progress,
+) -> Result<ConvertReport, FormatError> {
+    let (needed, ignored) = check_complete(ck, cfg, hf_dir)?;
+    let table = cfg.backbone_tensors();
+    let mats = cfg.expert_matrices();
     progress.start(ck.bytes_where(|n| needed.contains(n)));
 
     // Backbone.

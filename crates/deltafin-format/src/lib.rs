@@ -16,6 +16,7 @@ pub mod arch;
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
+pub mod footprint;
 pub mod kimi_linear;
 pub mod mixtral;
 pub mod model_dir;

@@ -3,6 +3,7 @@
 mod bench;
 mod chat;
 mod demo;
+mod info_cmd;
 mod replay;
 mod serve;
 mod size;
@@ -63,6 +64,11 @@ enum Cmd {
         /// Replace an existing model directory.
         #[arg(long)]
         force: bool,
+        /// Check the source completely (config, every safetensors header, tensor names, shapes,
+        /// dtypes, quantization metadata) and report what would be written, without reading
+        /// weights or writing anything.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Generate text greedily from a converted model.
     Run(RunArgs),
@@ -87,6 +93,8 @@ enum Cmd {
     /// Measurement: read the experts a router trace chose, token by token, without computing
     /// (the I/O-only side of the compute/I-O overlap measurement).
     Replay(replay::ReplayArgs),
+    /// What a model costs: resident bytes, expert bytes per token, decode state, storage floor.
+    Info(info_cmd::InfoArgs),
 }
 
 #[derive(clap::Args)]
@@ -229,7 +237,14 @@ fn main() -> ExitCode {
             backbone,
             experts,
             force,
-        } => cmd_convert(&hf_dir, &model_dir, backbone, experts, force),
+            dry_run,
+        } => {
+            if dry_run {
+                cmd_convert_dry_run(&hf_dir)
+            } else {
+                cmd_convert(&hf_dir, &model_dir, backbone, experts, force)
+            }
+        }
         Cmd::Run(args) => cmd_run(&args),
         Cmd::Demo { dir, max_new_tokens } => demo::run(dir, max_new_tokens),
         Cmd::Serve(args) => serve::run(&args),
@@ -237,6 +252,7 @@ fn main() -> ExitCode {
         Cmd::Synth(args) => synth_cmd::run(&args),
         Cmd::Bench(args) => bench::run(&args),
         Cmd::Replay(args) => replay::run(&args),
+        Cmd::Info(args) => info_cmd::run(&args),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -289,6 +305,28 @@ pub(crate) fn progress_bar(message: &str) -> Bar {
     );
     pb.set_message(message.to_string());
     Bar(pb)
+}
+
+fn cmd_convert_dry_run(hf_dir: &Path) -> Result<()> {
+    let p = deltafin_format::convert::plan(hf_dir).with_context(|| format!("checking {}", hf_dir.display()))?;
+    let f = deltafin_format::footprint::Footprint::of(&p.config);
+    eprintln!(
+        "{}: complete {} ({}) checkpoint: {} backbone tensors, {} expert records, {} of source weights, {} tensors ignored",
+        hf_dir.display(),
+        p.config.family(),
+        p.config.model_type(),
+        p.backbone_tensors,
+        p.expert_records,
+        size::human(p.source_bytes),
+        p.ignored_tensors.len()
+    );
+    eprintln!(
+        "would write: backbone {} (int8) or {} (bf16), expert pack {} (MXFP4); nothing written (--dry-run)",
+        size::human(f.backbone_int8),
+        size::human(f.backbone_bf16),
+        size::human(f.expert_pack)
+    );
+    Ok(())
 }
 
 pub(crate) fn cmd_convert(

@@ -1,0 +1,83 @@
+//! `deltafin info`: what a model costs deltafin, from its config alone (a deltafin model
+//! directory, a Hugging Face checkpoint directory, or a bare `config.json`): resident bytes, expert
+//! record and pack bytes, expert bytes per decode token, decode-state bytes, and the decode time
+//! per token the storage floor predicts at given read bandwidths.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use deltafin_format::footprint::Footprint;
+use deltafin_format::{ModelConfig, ModelDir};
+
+use crate::size;
+
+#[derive(clap::Args)]
+pub struct InfoArgs {
+    /// A deltafin model directory, a Hugging Face checkpoint directory, or a config.json file.
+    path: PathBuf,
+    /// Storage read bandwidths for the predicted seconds per token, GB/s (10^9 bytes/s).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1.0, 3.0, 7.0, 14.0])]
+    bandwidth: Vec<f64>,
+}
+
+pub fn run(a: &InfoArgs) -> Result<()> {
+    let p = &a.path;
+    let cfg: ModelConfig = if p.join("manifest.json").is_file() {
+        ModelDir::open(p)?.manifest.config
+    } else {
+        let file = if p.is_dir() { p.join("config.json") } else { p.clone() };
+        ModelConfig::from_file(&file)
+            .with_context(|| format!("reading {}", file.display()))?
+            .0
+    };
+    if let Some(b) = a.bandwidth.iter().find(|b| !(b.is_finite() && **b > 0.0)) {
+        anyhow::bail!("--bandwidth {b}: must be a positive number of GB/s");
+    }
+    let f = Footprint::of(&cfg);
+    let h = |b: u64| format!("{} ({b} bytes)", size::human(b));
+    println!("model                      {} ({})", cfg.family(), cfg.model_type());
+    println!(
+        "layers                     {} ({} MoE), hidden {}, vocab {}",
+        cfg.num_hidden_layers(),
+        f.moe_layers,
+        cfg.hidden_size(),
+        cfg.vocab_size()
+    );
+    println!(
+        "routed experts             {} per MoE layer, top-{} per token",
+        cfg.n_routed_experts(),
+        f.top_k
+    );
+    println!("resident backbone (int8)   {}", h(f.backbone_int8));
+    println!("resident backbone (bf16)   {}", h(f.backbone_bf16));
+    println!(
+        "one expert (MXFP4)         {}, {} with 4 KiB padding",
+        h(f.expert_record),
+        h(f.expert_stride)
+    );
+    println!(
+        "expert pack                {} in {} records",
+        h(f.expert_pack),
+        f.expert_records
+    );
+    println!(
+        "expert bytes per token     {} when nothing is cached",
+        h(f.expert_bytes_per_token)
+    );
+    println!(
+        "decode state per token     {} of context (f32 caches)",
+        h(f.state_per_token)
+    );
+    println!(
+        "decode state, fixed        {} per sequence (recurrent + conv states)",
+        h(f.state_fixed)
+    );
+    for b in &a.bandwidth {
+        let s = f.seconds_per_token(b * 1e9);
+        println!(
+            "storage floor at {b:>5.1} GB/s {s:.3} s/token ({:.2} tokens/s) with a cold expert cache",
+            1.0 / s
+        );
+    }
+    Ok(())
+}
