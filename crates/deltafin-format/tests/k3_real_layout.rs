@@ -87,7 +87,7 @@ fn write_header_only_checkpoint(dir: &Path, tensors: &[(String, &'static str, Ve
             off += n;
         }
         let mut text = serde_json::to_vec(&Value::Object(header)).unwrap();
-        while text.len() % 8 != 0 {
+        while !text.len().is_multiple_of(8) {
             text.push(b' ');
         }
         let path = dir.join(&file);
