@@ -225,21 +225,27 @@ impl Checkpoint {
             .file
             .read_exact_at(&mut bytes, e.offset)
             .map_err(|err| io_err(path, err))?;
-        Ok(match e.dtype {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-                .collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-                .collect(),
-            _ => unreachable!("checked by check_dtype"),
-        })
+        Ok(decode_f32(e.dtype, &bytes))
+    }
+}
+
+/// Decodes little-endian tensor bytes of a dtype accepted by [`check_dtype`] (F32, BF16, F16) to
+/// f32; other dtypes give an empty vector (callers check the dtype first).
+pub fn decode_f32(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+        _ => Vec::new(),
     }
 }
 

@@ -5,12 +5,14 @@
 //! - [`model_dir`]: the deltafin model directory: `manifest.json`, `backbone.bin` (resident
 //!   weights), `experts.pack` (one 4 KiB-aligned record per (layer, routed expert)).
 //! - [`convert`]: Hugging Face checkpoint → deltafin model directory, crash-safe.
+//! - [`presence`]: the presence journal of a streaming install's sparse expert pack.
 
 pub mod aligned;
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
 pub mod model_dir;
+pub mod presence;
 pub mod staging;
 pub mod synth;
 

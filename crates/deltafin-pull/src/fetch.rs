@@ -1,0 +1,198 @@
+//! On-demand expert records for a streaming install: the source tensors of one routed expert,
+//! read by HTTP range, converted by the converter's own record encoder
+//! ([`deltafin_format::convert::encode_expert_record`]), so a fetched record is byte-identical to
+//! the record a full convert writes.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use deltafin_engine::experts::RecordSource;
+use deltafin_format::convert::{encode_expert_record, expert_name};
+use deltafin_format::model_dir::ExpertTensorLayout;
+use deltafin_format::{FormatError, ModelDir};
+use safetensors::Dtype;
+use serde::{Deserialize, Serialize};
+
+use crate::http::RemoteFile;
+use crate::{Http, PullError, Source};
+
+/// File name of the stream index in a streaming install's model directory.
+pub const STREAM_INDEX: &str = "stream-index.json";
+const INDEX_FORMAT: &str = "deltafin-stream-index";
+
+/// Where each routed-expert tensor lives in the source (`stream-index.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StreamIndex {
+    pub format: String,
+    pub version: u32,
+    /// Source files by name, as the server described them at install (size, ETag, sha256).
+    pub files: BTreeMap<String, RemoteFile>,
+    /// Routed-expert tensors by checkpoint name (any `language_model.` prefix removed).
+    pub tensors: BTreeMap<String, TensorLoc>,
+}
+
+/// One source tensor's bytes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TensorLoc {
+    /// Shard file name.
+    pub file: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    /// Absolute byte offset in the shard.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+impl StreamIndex {
+    /// An empty index.
+    pub fn new() -> Self {
+        StreamIndex {
+            format: INDEX_FORMAT.into(),
+            version: 1,
+            files: BTreeMap::new(),
+            tensors: BTreeMap::new(),
+        }
+    }
+
+    /// Reads `stream-index.json` of a model directory.
+    ///
+    /// Errors: missing or malformed file.
+    pub fn read(dir: &Path, file: &str) -> Result<Self, PullError> {
+        let p = dir.join(file);
+        let bytes = std::fs::read(&p).map_err(crate::io_err(&p))?;
+        let ix: StreamIndex = serde_json::from_slice(&bytes).map_err(|e| FormatError::Json {
+            path: p.clone(),
+            message: e.to_string(),
+        })?;
+        if ix.format != INDEX_FORMAT || ix.version != 1 {
+            return Err(PullError::Invalid(format!(
+                "{}: not a version-1 stream index",
+                p.display()
+            )));
+        }
+        Ok(ix)
+    }
+}
+
+impl Default for StreamIndex {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The [`RecordSource`] of a streaming install: HTTP range reads of the source checkpoint.
+pub struct HttpRecordSource {
+    http: Arc<Http>,
+    source: Source,
+    index: StreamIndex,
+    layout: Vec<ExpertTensorLayout>,
+    /// Record length (data bytes), the same for every record.
+    length: u64,
+    fetched: AtomicU64,
+}
+
+impl HttpRecordSource {
+    /// The source of streaming install `dir`.
+    ///
+    /// Errors: `dir` is not a streaming install; its stream index is missing or malformed.
+    pub fn open(dir: &ModelDir, http: Arc<Http>) -> Result<Self, PullError> {
+        let m = &dir.manifest;
+        let s = m.stream.as_ref().ok_or_else(|| {
+            PullError::Invalid(format!(
+                "{}: not a streaming install (every expert record is local)",
+                dir.path.display()
+            ))
+        })?;
+        let index = StreamIndex::read(&dir.path, &s.index)?;
+        let length = m.experts.records.first().map_or(0, |r| r.length);
+        Ok(HttpRecordSource {
+            http,
+            source: Source::new(&s.url, Some(&s.revision), s.flat)?,
+            index,
+            layout: m.experts.layout.clone(),
+            length,
+            fetched: AtomicU64::new(0),
+        })
+    }
+
+    /// The HTTP client (byte counters).
+    pub fn http(&self) -> &Http {
+        &self.http
+    }
+
+    /// Records fetched so far.
+    pub fn records_fetched(&self) -> u64 {
+        self.fetched.load(Ordering::Relaxed)
+    }
+
+    /// The record of routed expert `expert` in MoE layer `layer` (`length` bytes), fetched and
+    /// converted. When the expert's tensors lie close together in one shard they are read with a
+    /// single range request.
+    ///
+    /// Errors: a tensor missing from the index, a wrong shape or unsupported dtype, HTTP errors
+    /// (retried first), a source file that changed since the install.
+    pub fn fetch(&self, layer: usize, expert: usize) -> Result<Vec<u8>, PullError> {
+        let mut locs = Vec::with_capacity(self.layout.len());
+        for lay in &self.layout {
+            let n = expert_name(layer, expert, &lay.name);
+            let loc = self.index.tensors.get(&n).ok_or_else(|| {
+                PullError::Invalid(format!(
+                    "stream index has no tensor {n} (layer {layer}, expert {expert})"
+                ))
+            })?;
+            if loc.shape != [lay.rows, lay.cols] {
+                return Err(FormatError::ShapeMismatch {
+                    path: loc.file.clone().into(),
+                    tensor: n,
+                    expected: vec![lay.rows, lay.cols],
+                    found: loc.shape.clone(),
+                }
+                .into());
+            }
+            deltafin_format::checkpoint::check_dtype(Path::new(&loc.file), &n, loc.dtype)?;
+            locs.push(loc);
+        }
+        let same_file = locs.iter().all(|l| l.file == locs[0].file);
+        let lo = locs.iter().map(|l| l.offset).min().unwrap_or(0);
+        let hi = locs.iter().map(|l| l.offset + l.len).max().unwrap_or(0);
+        let sum: u64 = locs.iter().map(|l| l.len).sum();
+        let mut bytes: Vec<Vec<u8>> = Vec::with_capacity(locs.len());
+        if same_file && hi - lo <= sum + (1 << 20) {
+            let (span, _) = self.read(&locs[0].file, lo, hi - lo)?;
+            for l in &locs {
+                let at = (l.offset - lo) as usize;
+                bytes.push(span[at..at + l.len as usize].to_vec());
+            }
+        } else {
+            for l in &locs {
+                bytes.push(self.read(&l.file, l.offset, l.len)?.0);
+            }
+        }
+        let mut i = 0;
+        let rec = encode_expert_record(&self.layout, self.length as usize, |_, _, _| {
+            let v = deltafin_format::checkpoint::decode_f32(locs[i].dtype, &bytes[i]);
+            i += 1;
+            Ok(v)
+        })?;
+        self.fetched.fetch_add(1, Ordering::Relaxed);
+        Ok(rec)
+    }
+
+    fn read(&self, file: &str, start: u64, len: u64) -> Result<(Vec<u8>, RemoteFile), PullError> {
+        let expect = self.index.files.get(file);
+        self.http.get_range(&self.source.file_url(file), start, len, expect)
+    }
+}
+
+impl RecordSource for HttpRecordSource {
+    fn fetch_record(&self, layer: usize, expert: usize) -> Result<Vec<u8>, String> {
+        self.fetch(layer, expert).map_err(|e| e.to_string())
+    }
+
+    fn describe(&self) -> String {
+        self.source.url.clone()
+    }
+}
