@@ -31,6 +31,13 @@ pub struct StreamIndex {
     pub files: BTreeMap<String, RemoteFile>,
     /// Routed-expert tensors by checkpoint name (any `language_model.` prefix removed).
     pub tensors: BTreeMap<String, TensorLoc>,
+    /// The source is a deltafin model directory (a mirror of a full install): records are read
+    /// from its `experts.pack` at the same offsets and checked against `record_xxh3`.
+    #[serde(default)]
+    pub mirror: bool,
+    /// Mirror only: expected XXH3-64 (hex) of each record, keyed `"<layer>.<expert>"`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub record_xxh3: BTreeMap<String, String>,
 }
 
 /// One source tensor's bytes.
@@ -54,6 +61,8 @@ impl StreamIndex {
             version: 1,
             files: BTreeMap::new(),
             tensors: BTreeMap::new(),
+            mirror: false,
+            record_xxh3: BTreeMap::new(),
         }
     }
 
@@ -91,7 +100,12 @@ pub struct HttpRecordSource {
     layout: Vec<ExpertTensorLayout>,
     /// Record length (data bytes), the same for every record.
     length: u64,
+    /// Mirror sources: record offsets by (layer, expert), from the manifest.
+    offsets: std::collections::HashMap<(usize, usize), u64>,
+    pack_file: String,
     fetched: AtomicU64,
+    /// Mirror sources: records whose body failed its checksum and was fetched again.
+    refetched: AtomicU64,
 }
 
 impl HttpRecordSource {
@@ -114,7 +128,62 @@ impl HttpRecordSource {
             index,
             layout: m.experts.layout.clone(),
             length,
+            offsets: m
+                .experts
+                .records
+                .iter()
+                .map(|r| ((r.layer as usize, r.expert as usize), r.offset))
+                .collect(),
+            pack_file: m.experts.file.clone(),
             fetched: AtomicU64::new(0),
+            refetched: AtomicU64::new(0),
+        })
+    }
+
+    /// Mirror sources: records fetched again after a corrupted body.
+    pub fn records_refetched(&self) -> u64 {
+        self.refetched.load(Ordering::Relaxed)
+    }
+
+    /// A mirror's record: one range read of its `experts.pack`, checked against the mirror's
+    /// checksum; a corrupted body is fetched again (up to the HTTP retry limit).
+    fn fetch_mirror(&self, layer: usize, expert: usize) -> Result<Vec<u8>, PullError> {
+        let key = format!("{layer}.{expert}");
+        let want = self
+            .index
+            .record_xxh3
+            .get(&key)
+            .and_then(|h| u64::from_str_radix(h, 16).ok())
+            .ok_or_else(|| {
+                PullError::Invalid(format!(
+                    "stream index has no checksum for layer {layer}, expert {expert}"
+                ))
+            })?;
+        let offset = *self
+            .offsets
+            .get(&(layer, expert))
+            .ok_or_else(|| PullError::Invalid(format!("no expert record for layer {layer}, expert {expert}")))?;
+        let url = self.source.file_url(&self.pack_file);
+        let attempts = self.http.max_attempts();
+        let mut found = 0;
+        for attempt in 0..attempts {
+            let (bytes, _) = self.read(&self.pack_file, offset, self.length)?;
+            found = xxhash_rust::xxh3::xxh3_64(&bytes);
+            if found == want {
+                self.fetched.fetch_add(1, Ordering::Relaxed);
+                return Ok(bytes);
+            }
+            self.refetched.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                "{url}: layer {layer} expert {expert}: body failed its checksum (attempt {}/{attempts}), fetching it again",
+                attempt + 1
+            );
+        }
+        Err(PullError::Http {
+            url,
+            message: format!(
+                "record of layer {layer}, expert {expert} failed its checksum {attempts} times: expected xxh3 {want:016x}, found {found:016x}"
+            ),
         })
     }
 
@@ -129,12 +198,15 @@ impl HttpRecordSource {
     }
 
     /// The record of routed expert `expert` in MoE layer `layer` (`length` bytes), fetched and
-    /// converted. When the expert's tensors lie close together in one shard they are read with a
+    /// converted (from a mirror: read and checked against its checksum). When the expert's tensors lie close together in one shard they are read with a
     /// single range request.
     ///
     /// Errors: a tensor missing from the index, a wrong shape or unsupported dtype, HTTP errors
     /// (retried first), a source file that changed since the install.
     pub fn fetch(&self, layer: usize, expert: usize) -> Result<Vec<u8>, PullError> {
+        if self.index.mirror {
+            return self.fetch_mirror(layer, expert);
+        }
         let mut locs = Vec::with_capacity(self.layout.len());
         for lay in &self.layout {
             let n = expert_name(layer, expert, &lay.name);

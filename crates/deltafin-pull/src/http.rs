@@ -190,6 +190,11 @@ impl Http {
         self.requests.load(Ordering::Relaxed)
     }
 
+    /// Attempts an operation gets (first try plus retries).
+    pub fn max_attempts(&self) -> u32 {
+        self.opts.retries + 1
+    }
+
     /// Attempts retried so far.
     pub fn retries(&self) -> u64 {
         self.retries.load(Ordering::Relaxed)

@@ -11,6 +11,11 @@
 //!   backbone tensors are fetched by range into it (each range recorded in `ranges.done` once
 //!   durable, so an interrupted pull resumes), then [`deltafin_format::convert::convert_stream`]
 //!   writes the model directory with an empty expert cache and `stream-index.json`.
+//! - Mirror: when the source serves a deltafin `manifest.json` (a full install published as
+//!   plain files, e.g. with `--flat`), `--full` downloads `backbone.bin`, `experts.pack` and the
+//!   tokenizer files and checks every record's checksum (a corrupted record is fetched again by
+//!   range); `--stream` downloads all but the pack, and on-demand fetches read each record by one
+//!   range request, checked against the mirror's checksum and fetched again when corrupted.
 //! - Upgrade (`--full` on a streaming install): only the records not yet present are fetched;
 //!   then the manifest gets every checksum and loses its `stream` section (written atomically),
 //!   and the journal and index are removed.
@@ -26,7 +31,8 @@ use std::time::Instant;
 
 use deltafin_format::checkpoint::Checkpoint;
 use deltafin_format::convert::{self, ConvertOptions, Progress, StreamExtras, COPIED_FILES};
-use deltafin_format::model_dir::StreamSource;
+use deltafin_format::model_dir::{Manifest, StreamSource, FORMAT_NAME, FORMAT_VERSION};
+use deltafin_format::FormatError;
 use deltafin_format::{DeepseekV3Config, ModelDir};
 
 use crate::fetch::{StreamIndex, TensorLoc, STREAM_INDEX};
@@ -153,6 +159,9 @@ pub fn pull_full(
         }
     }
     refuse_existing(model_dir, opts.convert.force)?;
+    if let Some(m) = probe_mirror(http, source)? {
+        return mirror_full(http, source, model_dir, m, opts, transfer, progress);
+    }
     let dl = sibling(model_dir, "download");
     work_dir(&dl, source)?;
     let shards = small_files(http, source, &dl)?;
@@ -261,6 +270,9 @@ pub fn pull_stream(
 ) -> Result<PullReport, PullError> {
     let t0 = Instant::now();
     refuse_existing(model_dir, opts.convert.force)?;
+    if let Some(m) = probe_mirror(http, source)? {
+        return mirror_stream(http, source, model_dir, m, opts, transfer);
+    }
     let sd = sibling(model_dir, "stream-src");
     work_dir(&sd, source)?;
     let shards = small_files(http, source, &sd)?;
@@ -457,4 +469,229 @@ pub(crate) fn concurrency_or_default(n: usize) -> usize {
     } else {
         n
     }
+}
+
+/// The manifest of a deltafin model directory served at `source`, if it is one.
+///
+/// Errors: a `manifest.json` that is not a usable deltafin manifest (another format version, or
+/// a streaming install, which cannot serve its missing records).
+fn probe_mirror(http: &Http, source: &Source) -> Result<Option<Manifest>, PullError> {
+    let url = source.file_url("manifest.json");
+    let Some(b) = http.get_optional(&url)? else {
+        return Ok(None);
+    };
+    let bad = |message: String| PullError::Http {
+        url: url.clone(),
+        message,
+    };
+    let m: Manifest =
+        serde_json::from_slice(&b).map_err(|e| bad(format!("not a deltafin manifest this version reads: {e}")))?;
+    if m.format != FORMAT_NAME || m.format_version != FORMAT_VERSION {
+        return Err(bad(format!(
+            "manifest format {:?} version {} (this deltafin reads {FORMAT_NAME:?} version {FORMAT_VERSION})",
+            m.format, m.format_version
+        )));
+    }
+    if m.stream.is_some() || m.experts.records.iter().any(|r| r.xxh3.is_empty()) {
+        return Err(bad(
+            "the source is a streaming install: serve a full install instead".into()
+        ));
+    }
+    Ok(Some(m))
+}
+
+fn to_format(path: &Path) -> impl Fn(PullError) -> FormatError + '_ {
+    move |e| match e {
+        PullError::Format(f) => f,
+        e => FormatError::Output {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        },
+    }
+}
+
+/// Downloads the mirror's tokenizer files into `dir`; returns their names.
+fn mirror_small_files(http: &Http, source: &Source, m: &Manifest, dir: &Path) -> Result<(), PullError> {
+    for f in &m.tokenizer_files {
+        if f.contains('/') || f.contains("..") {
+            return Err(PullError::Invalid(format!(
+                "mirror manifest names file {f:?}: not a plain file name"
+            )));
+        }
+        let url = source.file_url(f);
+        let b = http.get_optional(&url)?.ok_or_else(|| PullError::Http {
+            url: url.clone(),
+            message: "listed in the mirror's manifest but not found (HTTP 404)".into(),
+        })?;
+        write_atomic(&dir.join(f), &b)?;
+    }
+    Ok(())
+}
+
+/// Moves the downloaded files and writes `manifest` into a staging directory that becomes
+/// `model_dir` (see `deltafin_format::staging`).
+fn place(
+    model_dir: &Path,
+    force: bool,
+    from: &Path,
+    files: &[&str],
+    manifest: &Manifest,
+    extra: impl FnOnce(&Path) -> Result<(), PullError>,
+) -> Result<(), PullError> {
+    deltafin_format::staging::write_dir_atomically(model_dir, force, None, |tmp| {
+        for f in files {
+            let (a, b) = (from.join(f), tmp.join(f));
+            std::fs::rename(&a, &b).map_err(|e| FormatError::Io {
+                path: b.clone(),
+                error: e,
+            })?;
+        }
+        extra(tmp).map_err(to_format(tmp))?;
+        deltafin_format::model_dir::write_manifest(tmp, manifest)
+    })?;
+    Ok(())
+}
+
+fn mirror_full(
+    http: &Arc<Http>,
+    source: &Source,
+    model_dir: &Path,
+    m: Manifest,
+    opts: &PullOptions,
+    transfer: &dyn Transfer,
+    progress: &dyn Progress,
+) -> Result<PullReport, PullError> {
+    let t0 = Instant::now();
+    let dl = sibling(model_dir, "download");
+    work_dir(&dl, source)?;
+    mirror_small_files(http, source, &m, &dl)?;
+    for f in [&m.backbone.file, &m.experts.file] {
+        if f.contains('/') || f.contains("..") {
+            return Err(PullError::Invalid(format!(
+                "mirror manifest names file {f:?}: not a plain file name"
+            )));
+        }
+        let dest = dl.join(f);
+        if !dest.is_file() {
+            http.download(&source.file_url(f), &dest, transfer)?;
+        }
+    }
+    // Every record against the mirror's checksum; a corrupted one is fetched again by range.
+    let pack_path = dl.join(&m.experts.file);
+    let pack = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&pack_path)
+        .map_err(io_err(&pack_path))?;
+    progress.start(m.experts.bytes);
+    let mut buf = Vec::new();
+    for r in &m.experts.records {
+        buf.resize(r.length as usize, 0);
+        pack.read_exact_at(&mut buf, r.offset).map_err(io_err(&pack_path))?;
+        let want = u64::from_str_radix(&r.xxh3, 16).unwrap_or(0);
+        let mut attempt = 0;
+        while xxhash_rust::xxh3::xxh3_64(&buf) != want {
+            attempt += 1;
+            let url = source.file_url(&m.experts.file);
+            if attempt > http.max_attempts() {
+                return Err(PullError::Http {
+                    url,
+                    message: format!(
+                        "record of layer {}, expert {} keeps failing its checksum (xxh3 {})",
+                        r.layer, r.expert, r.xxh3
+                    ),
+                });
+            }
+            tracing::warn!(
+                "{url}: record of layer {} expert {} failed its checksum: fetching it again",
+                r.layer,
+                r.expert
+            );
+            buf = http.get_range(&url, r.offset, r.length, None)?.0;
+            pack.write_all_at(&buf, r.offset).map_err(io_err(&pack_path))?;
+        }
+        progress.advance(r.length);
+    }
+    pack.sync_all().map_err(io_err(&pack_path))?;
+    progress.finish();
+    let mut files: Vec<&str> = m.tokenizer_files.iter().map(String::as_str).collect();
+    files.push(&m.backbone.file);
+    files.push(&m.experts.file);
+    place(model_dir, opts.convert.force, &dl, &files, &m, |_| Ok(()))?;
+    if !opts.keep_download {
+        std::fs::remove_dir_all(&dl).map_err(io_err(&dl))?;
+    }
+    Ok(PullReport {
+        mode: "full",
+        bytes_fetched: http.bytes_received(),
+        seconds: t0.elapsed().as_secs_f64(),
+        retries: http.retries(),
+        ..PullReport::default()
+    })
+}
+
+fn mirror_stream(
+    http: &Arc<Http>,
+    source: &Source,
+    model_dir: &Path,
+    m: Manifest,
+    opts: &PullOptions,
+    transfer: &dyn Transfer,
+) -> Result<PullReport, PullError> {
+    let t0 = Instant::now();
+    let sd = sibling(model_dir, "stream-src");
+    work_dir(&sd, source)?;
+    mirror_small_files(http, source, &m, &sd)?;
+    if m.backbone.file.contains('/') || m.experts.file.contains('/') {
+        return Err(PullError::Invalid(
+            "mirror manifest names a file that is not a plain name".into(),
+        ));
+    }
+    let bb = sd.join(&m.backbone.file);
+    if !bb.is_file() {
+        http.download(&source.file_url(&m.backbone.file), &bb, transfer)?;
+    }
+    let (_, pack_info) = http.get_range(&source.file_url(&m.experts.file), 0, 1, None)?;
+    if pack_info.size < m.experts.bytes {
+        return Err(PullError::Http {
+            url: source.file_url(&m.experts.file),
+            message: format!("{} bytes, the manifest says {}", pack_info.size, m.experts.bytes),
+        });
+    }
+    let mut index = StreamIndex::new();
+    index.mirror = true;
+    index.files.insert(m.experts.file.clone(), pack_info);
+    let mut local = m.clone();
+    for r in &mut local.experts.records {
+        index
+            .record_xxh3
+            .insert(format!("{}.{}", r.layer, r.expert), std::mem::take(&mut r.xxh3));
+    }
+    local.stream = Some(StreamSource {
+        url: source.url.clone(),
+        revision: source.revision.clone(),
+        flat: source.flat,
+        allow_network: opts.allow_network,
+        index: STREAM_INDEX.into(),
+    });
+    let index_json = serde_json::to_vec(&index).map_err(|e| PullError::Invalid(e.to_string()))?;
+    let mut files: Vec<&str> = m.tokenizer_files.iter().map(String::as_str).collect();
+    files.push(&m.backbone.file);
+    let pack_name = m.experts.file.clone();
+    let pack_bytes = m.experts.bytes;
+    place(model_dir, opts.convert.force, &sd, &files, &local, move |tmp| {
+        let p = tmp.join(&pack_name);
+        let f = File::create(&p).map_err(io_err(&p))?;
+        f.set_len(pack_bytes).map_err(io_err(&p))?;
+        f.sync_all().map_err(io_err(&p))?;
+        write_atomic(&tmp.join(STREAM_INDEX), &index_json)
+    })?;
+    std::fs::remove_dir_all(&sd).map_err(io_err(&sd))?;
+    Ok(PullReport {
+        mode: "stream",
+        bytes_fetched: http.bytes_received(),
+        seconds: t0.elapsed().as_secs_f64(),
+        retries: http.retries(),
+        ..PullReport::default()
+    })
 }

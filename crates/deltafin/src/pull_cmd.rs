@@ -141,9 +141,10 @@ impl Drop for NetworkUse {
             let n = s.records_fetched();
             if n > 0 {
                 eprintln!(
-                    "fetched {n} expert records on demand ({} over HTTP, {} retries) from {}",
+                    "fetched {n} expert records on demand ({} over HTTP, {} retries, {} refetched after a checksum failure) from {}",
                     size::human(s.http().bytes_received()),
                     s.http().retries(),
+                    s.records_refetched(),
                     deltafin_engine::experts::RecordSource::describe(s.as_ref()),
                 );
             }

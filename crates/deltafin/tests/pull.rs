@@ -53,6 +53,11 @@ impl Nginx {
     /// Serves the fixture `cases` at `/<case>/resolve/main/<file>`, with `X-Linked-Etag`
     /// (quoted sha256) on `.safetensors` files as the Hugging Face hub sends it.
     fn start(cases: &[&str]) -> Option<Nginx> {
+        Self::start_with(cases, &[])
+    }
+
+    /// Also serves the files of each `(name, dir)` at `/<name>/<file>` (a flat source).
+    fn start_with(cases: &[&str], flat: &[(&str, &Path)]) -> Option<Nginx> {
         let bin = match nginx_binary() {
             Some(b) => b,
             None => {
@@ -75,6 +80,12 @@ impl Nginx {
                         sha256_hex(&e.path())
                     ));
                 }
+            }
+        }
+        for (name, from) in flat {
+            std::fs::create_dir_all(srv.join(name)).unwrap();
+            for e in std::fs::read_dir(from).unwrap().flatten() {
+                std::fs::copy(e.path(), srv.join(name).join(e.file_name())).unwrap();
             }
         }
         for _ in 0..5 {
@@ -623,4 +634,46 @@ fn a_full_disk_during_warm_leaves_a_consistent_cache() {
     // gc frees the blocks of the record that did not fit.
     run_ok(&["cache", "gc", s(&m)]);
     run_ok(&["cache", "verify", s(&m)]);
+}
+
+#[test]
+fn a_mirror_of_a_full_install_streams_checksummed_records() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    run_ok(&["synth", "--preset", "tiny", "--out", s(&t.join("src"))]);
+    let Some(ng) = Nginx::start_with(&[], &[("mirror", &t.join("src"))]) else {
+        return;
+    };
+    let px = Proxy::start(ng.port);
+    let st = t.join("st");
+    run_ok(&["pull", &px.url("mirror"), s(&st), "--stream", "--flat"]);
+    assert!(read(&t.join("src/backbone.bin")) == read(&st.join("backbone.bin")));
+
+    // One record body corrupted in transit: its checksum catches it and it is fetched again.
+    px.with(|f| {
+        f.flip_next_over = Some(13_000);
+        f.log.clear();
+    });
+    let want = logits(&t.join("src"), &[], &t.join("a.json"));
+    assert!(want == logits(&st, &["--allow-network"], &t.join("b.json")));
+    let gets = px.with(|f| f.log.iter().filter(|l| l.contains("experts.pack")).count());
+    let present = deltafin()
+        .args(["cache", "stats", s(&st)])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap();
+    let n: usize = present
+        .split("total: ")
+        .nth(1)
+        .and_then(|x| x.split_whitespace().next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or(0);
+    assert!(n > 0 && gets == n + 1, "{n} records, {gets} range requests: {present}");
+    run_ok(&["cache", "verify", s(&st)]);
+
+    // Full install from the mirror, and upgrading the streaming one: identical to the source.
+    run_ok(&["pull", &px.url("mirror"), s(&t.join("full")), "--full", "--flat"]);
+    assert_same_model(&t.join("src"), &t.join("full"));
+    run_ok(&["pull", &px.url("mirror"), s(&st), "--full", "--flat"]);
+    assert_same_model(&t.join("src"), &st);
 }
