@@ -267,4 +267,9 @@ impl RecordSource for HttpRecordSource {
     fn describe(&self) -> String {
         self.source.url.clone()
     }
+
+    /// One MoE layer's top-k (8 for DeepSeek-V3) in flight at once.
+    fn max_concurrent(&self) -> usize {
+        8
+    }
 }

@@ -314,7 +314,8 @@ pub struct StoreCounters {
     pub bytes_read_demand: u64,
     /// Bytes read speculatively.
     pub bytes_read_speculative: u64,
-    /// Nanoseconds the caller blocked in [`Fetch::next`] waiting for reads.
+    /// Nanoseconds the caller blocked in [`Fetch::next`] waiting for reads (and, in a streaming
+    /// install, in [`ExpertStore::fetch`] while absent records were fetched).
     pub read_wait_ns: u64,
     /// Experts queued for speculative reads (not counting ones already cached or in flight).
     pub prefetch_issued: u64,
@@ -677,7 +678,11 @@ impl ExpertStore {
             offsets.push(self.check(layer, e)?.offset);
         }
         if let Some(s) = &self.stream {
-            s.ensure(&self.shared.records, layer, experts)?;
+            // Time fetching absent records counts as waiting for reads.
+            let t0 = Instant::now();
+            let r = s.ensure(&self.shared.records, layer, experts);
+            add(&self.shared.c.read_wait_ns, t0.elapsed().as_nanos() as u64);
+            r?;
         }
         let sh = &self.shared;
         let mut ready = VecDeque::new();
