@@ -270,7 +270,8 @@ impl Http {
 
     /// Reads a whole body, counting bytes; a body cut short is worth a retry.
     fn body(&self, mut resp: reqwest::blocking::Response, url: &str) -> Result<Vec<u8>, Fail> {
-        let mut out = Vec::new();
+        let announced = header(resp.headers(), CONTENT_LENGTH).and_then(|v| v.parse::<usize>().ok());
+        let mut out = Vec::with_capacity(announced.unwrap_or(0).min(1 << 30));
         let mut buf = vec![0u8; 256 << 10];
         loop {
             match resp.read(&mut buf) {
