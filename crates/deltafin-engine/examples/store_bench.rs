@@ -214,7 +214,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = parse()?;
     let model = create(&a.dir, a.gb)?;
     let dir = ModelDir::open(&model)?;
-    let layers: Vec<usize> = (0..dir.manifest.config.num_hidden_layers)
+    let layers: Vec<usize> = (0..dir.manifest.config.num_hidden_layers())
         .filter(|&l| dir.manifest.config.is_moe_layer(l))
         .collect();
     println!(

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::experts::StoreCounters;
-use crate::models::deepseek_v3::{DeepseekV3, KvCache};
+use crate::model::{CausalLm, DecodeState};
 use crate::traces::{TraceShape, TraceWriter};
 use crate::EngineError;
 
@@ -102,7 +102,7 @@ fn diff(a: StoreCounters, b: StoreCounters) -> StoreCounters {
 ///
 /// Errors: empty prompt, token ids outside the vocabulary, expert read failures.
 pub fn generate(
-    model: &DeepseekV3,
+    model: &dyn CausalLm,
     prompt: &[u32],
     opts: &GenerateOptions,
     mut on_token: impl FnMut(u32) -> bool,
@@ -112,47 +112,55 @@ pub fn generate(
             "the prompt is empty: at least one token is needed".into(),
         ));
     }
-    let start_counters = model.store.counters();
-    let mut cache: KvCache = model.new_cache();
+    let start_counters = model.store().counters();
+    let mut cache = model.new_state();
     let mut out = GenerateOutput::default();
     let mut trace = match &opts.trace_routes {
         Some(p) => {
-            let c = &model.cfg;
+            let c = model.config();
+            let n_layers = c.num_hidden_layers();
+            let first_moe = (0..n_layers).find(|&l| c.is_moe_layer(l)).unwrap_or(n_layers);
+            if (first_moe..n_layers).any(|l| !c.is_moe_layer(l)) {
+                return Err(EngineError::Invalid(
+                    "--trace-routes: this model's MoE layers are not one contiguous run, which the trace format requires".into(),
+                ));
+            }
             let shape = TraceShape {
-                n_layers: c.num_hidden_layers as u32,
-                first_moe: c.first_k_dense_replace.min(c.num_hidden_layers) as u32,
-                n_experts: c.n_routed_experts as u32,
-                top_k: model.experts_per_token() as u32,
+                n_layers: n_layers as u32,
+                first_moe: first_moe as u32,
+                n_experts: c.n_routed_experts() as u32,
+                top_k: model.routed().experts_per_token() as u32,
             };
             Some(TraceWriter::open(p, shape)?)
         }
         None => None,
     };
-    let mut run_step = |cache: &mut KvCache, token: u32, kind: &'static str, steps: &mut Vec<StepStats>| {
-        let (c0, p0, t) = (model.store.counters(), model.profile(), Instant::now());
-        let pos = cache.len();
-        let (logits, routes) = model.forward(cache, token)?;
-        let seconds = t.elapsed().as_secs_f64();
-        let (c1, p1) = (model.store.counters(), model.profile());
-        let d = diff(c1, c0);
-        let io_wait_s = d.read_wait_ns as f64 * 1e-9;
-        let attention_s = (p1.attention_ns - p0.attention_ns) as f64 * 1e-9;
-        let expert_compute_s = ((p1.mlp_ns - p0.mlp_ns) as f64 * 1e-9 - io_wait_s).max(0.0);
-        steps.push(StepStats {
-            kind,
-            seconds,
-            io_wait_s,
-            expert_compute_s,
-            attention_s,
-            other_s: (seconds - io_wait_s - expert_compute_s - attention_s).max(0.0),
-            expert_bytes_read: d.bytes_read_demand,
-        });
-        if let Some(w) = trace.as_mut() {
-            let r: Vec<&[usize]> = routes.iter().map(|(_, r)| r.experts.as_slice()).collect();
-            w.record(pos, &r)?;
-        }
-        Ok::<Vec<f32>, EngineError>(logits)
-    };
+    let mut run_step =
+        |cache: &mut Box<dyn DecodeState>, token: u32, kind: &'static str, steps: &mut Vec<StepStats>| {
+            let (c0, p0, t) = (model.store().counters(), model.routed().profile(), Instant::now());
+            let pos = cache.len();
+            let (logits, routes) = model.forward(cache.as_mut(), token)?;
+            let seconds = t.elapsed().as_secs_f64();
+            let (c1, p1) = (model.store().counters(), model.routed().profile());
+            let d = diff(c1, c0);
+            let io_wait_s = d.read_wait_ns as f64 * 1e-9;
+            let attention_s = (p1.attention_ns - p0.attention_ns) as f64 * 1e-9;
+            let expert_compute_s = ((p1.mlp_ns - p0.mlp_ns) as f64 * 1e-9 - io_wait_s).max(0.0);
+            steps.push(StepStats {
+                kind,
+                seconds,
+                io_wait_s,
+                expert_compute_s,
+                attention_s,
+                other_s: (seconds - io_wait_s - expert_compute_s - attention_s).max(0.0),
+                expert_bytes_read: d.bytes_read_demand,
+            });
+            if let Some(w) = trace.as_mut() {
+                let r: Vec<&[usize]> = routes.iter().map(|(_, r)| r.experts.as_slice()).collect();
+                w.record(pos, &r)?;
+            }
+            Ok::<Vec<f32>, EngineError>(logits)
+        };
     let t0 = Instant::now();
     let mut logits = Vec::new();
     let mut steps = Vec::new();
@@ -169,7 +177,7 @@ pub fn generate(
             }
             logits = run_step(&mut cache, last, "decode", &mut steps)?;
         }
-        let next = DeepseekV3::greedy(&logits);
+        let next = deltafin_kernels::argmax(&logits) as u32;
         if step == 0 {
             out.stats.ttft = t0.elapsed();
         }
@@ -200,7 +208,7 @@ pub fn generate(
     } else {
         prompt.len() as f64 / out.stats.ttft.as_secs_f64()
     };
-    out.stats.experts = diff(model.store.counters(), start_counters);
+    out.stats.experts = diff(model.store().counters(), start_counters);
     out.stats.peak_rss_bytes = crate::mem::peak_rss_bytes();
     out.stats.finish_reason = finish;
     out.stats.steps = steps;

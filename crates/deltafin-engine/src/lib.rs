@@ -1,14 +1,20 @@
 //! deltafin's engine: model forward passes, the routed-expert store, and generation.
 //!
+//! - [`blocks`]: mixer blocks shared by model families (Kimi Delta Attention) with their
+//!   per-sequence state.
 //! - [`experts`]: reading routed-expert records from `experts.pack` on demand into a byte-budgeted
 //!   cache, verifying checksums, counting bytes and hits.
+//! - [`model`]: the [`model::CausalLm`] interface every family implements, [`model::load_model`],
+//!   and the routed-expert runtime the families share.
 //! - [`models`]: one file per model family (`deepseek_v3`), built from shared blocks
 //!   ([`rope`], [`moe`]).
 //! - [`generate`]: the greedy decode loop with timing statistics.
 
+pub mod blocks;
 pub mod experts;
 pub mod generate;
 pub mod mem;
+pub mod model;
 pub mod models;
 pub mod moe;
 pub mod rope;
@@ -25,6 +31,8 @@ pub enum EngineError {
     Format(#[from] deltafin_format::FormatError),
     #[error(transparent)]
     Tokenizer(#[from] deltafin_tokenizer::TokenizerError),
+    #[error(transparent)]
+    Kda(#[from] blocks::kda::KdaError),
     #[error("{path}: reading expert (layer {layer}, expert {expert}): {error}")]
     ExpertIo {
         path: PathBuf,
@@ -55,3 +63,5 @@ pub enum EngineError {
     #[error("{0}")]
     Invalid(String),
 }
+
+pub use model::{load_model, CausalLm, DecodeState, LayerRoutes, Profile};

@@ -17,7 +17,7 @@ use deltafin_tokenizer::{Tokenizer, TokenizerError};
 
 use crate::experts::StoreCounters;
 use crate::generate::GenerateStats;
-use crate::models::deepseek_v3::{DeepseekV3, KvCache};
+use crate::model::{CausalLm, DecodeState};
 use crate::sampler::{logprob_of, top_logprobs, Sampler, SamplingParams};
 use crate::EngineError;
 
@@ -100,10 +100,10 @@ pub struct GenerationOutput {
 
 /// The model, its tokenizer and one reusable KV cache. Not shared: one generation at a time.
 pub struct Session {
-    model: Arc<DeepseekV3>,
+    model: Arc<dyn CausalLm>,
     tokenizer: Arc<Tokenizer>,
     eos_token_ids: Vec<u32>,
-    cache: KvCache,
+    cache: Box<dyn DecodeState>,
     /// The tokens whose entries `cache` holds, in order.
     cached: Vec<u32>,
 }
@@ -111,8 +111,8 @@ pub struct Session {
 impl Session {
     /// A session with an empty cache. `eos_token_ids`: ids that end a generation (see
     /// [`deltafin_tokenizer::eos_token_ids_union`]).
-    pub fn new(model: Arc<DeepseekV3>, tokenizer: Arc<Tokenizer>, eos_token_ids: Vec<u32>) -> Self {
-        let cache = model.new_cache();
+    pub fn new(model: Arc<dyn CausalLm>, tokenizer: Arc<Tokenizer>, eos_token_ids: Vec<u32>) -> Self {
+        let cache = model.new_state();
         Session {
             model,
             tokenizer,
@@ -123,7 +123,7 @@ impl Session {
     }
 
     /// The model.
-    pub fn model(&self) -> &Arc<DeepseekV3> {
+    pub fn model(&self) -> &Arc<dyn CausalLm> {
         &self.model
     }
 
@@ -135,17 +135,17 @@ impl Session {
     /// Context length in tokens (`max_position_embeddings`): prompt plus generated tokens must
     /// fit in it.
     pub fn context_length(&self) -> usize {
-        self.model.cfg.max_position_embeddings
+        self.model.context_length()
     }
 
     /// Size of the model's vocabulary (prompt ids must be below it).
     pub fn vocab_size(&self) -> usize {
-        self.model.cfg.vocab_size
+        self.model.vocab_size()
     }
 
     /// Cumulative expert-store counters.
     pub fn counters(&self) -> StoreCounters {
-        self.model.store.counters()
+        self.model.store().counters()
     }
 
     /// Tokens currently held in the KV cache.
@@ -155,14 +155,14 @@ impl Session {
 
     /// Drops the KV cache.
     pub fn reset(&mut self) {
-        self.cache = self.model.new_cache();
+        self.cache = self.model.new_state();
         self.cached.clear();
     }
 
     /// Runs one token at the next position; on failure the cache is reset, because a forward
     /// pass that failed midway may have appended to some layers only.
     fn step(&mut self, token: u32) -> Result<Vec<f32>, EngineError> {
-        match self.model.forward(&mut self.cache, token) {
+        match self.model.forward(self.cache.as_mut(), token) {
             Ok((logits, _)) => {
                 self.cached.push(token);
                 Ok(logits)
@@ -241,9 +241,12 @@ impl Session {
         if self.cache.len() != self.cached.len() {
             self.reset();
         }
-        let reused = common.min(self.cached.len());
-        let (kvl, rope) = (self.model.cfg.kv_lora_rank, self.model.cfg.qk_rope_head_dim);
-        self.cache.truncate(reused, kvl, rope);
+        let mut reused = common.min(self.cached.len());
+        if !self.model.rollback(self.cache.as_mut(), reused) {
+            // A recurrent state that cannot go back this far: start over.
+            self.reset();
+            reused = 0;
+        }
         self.cached.truncate(reused);
 
         let mut out = GenerationOutput {

@@ -18,7 +18,8 @@ fn session(tmp: &Path) -> Session {
     convert(&src, &out, &ConvertOptions::default(), &NoProgress).unwrap();
     let tok = Arc::new(Tokenizer::from_dir(&out).unwrap());
     let eos = deltafin_tokenizer::eos_token_ids_union(&out, &tok).unwrap();
-    let model = Arc::new(DeepseekV3::load(&ModelDir::open(&out).unwrap(), 1 << 20).unwrap());
+    let model: Arc<dyn deltafin_engine::CausalLm> =
+        Arc::new(DeepseekV3::load(&ModelDir::open(&out).unwrap(), 1 << 20).unwrap());
     Session::new(model, tok, eos)
 }
 
@@ -57,7 +58,7 @@ fn reuse_matches_a_fresh_run_and_the_greedy_loop() {
         record_logits: false,
         trace_routes: None,
     };
-    let plain = generate(s.model(), &second, &opts, |_| true).unwrap();
+    let plain = generate(s.model().as_ref(), &second, &opts, |_| true).unwrap();
     assert_eq!(plain.generated_ids, fresh.generated_ids);
     // A prompt that diverges early keeps only the shared prefix.
     let other = s.generate(&req(vec![0, 10, 99], 2), &never, |_| true).unwrap();

@@ -5,6 +5,20 @@
 //! offsets contiguous and in range, byte size = product(shape) × dtype size) before any tensor is
 //! read. Tensor bytes are then read with positioned reads rather than through a memory map, so a
 //! file truncated or replaced while we run yields an I/O error, never a SIGBUS.
+//!
+//! Quantized sources are presented under the plain name of the weight they encode, with
+//! [`TensorEntry::encoding`] saying how, and read by [`Checkpoint::read_f32`] through the exact
+//! decoders of [`crate::source_dtypes`]:
+//! - DeepSeek / Kimi K2 block FP8: `W` (F8_E4M3) + `W_scale_inv` → `W`;
+//! - compressed-tensors `pack-quantized`: `M.weight_packed` (I32) + `M.weight_scale` +
+//!   `M.weight_shape` → `M.weight`;
+//! - compressed-tensors `mxfp4-pack-quantized`: `M.weight_packed` (U8) + `M.weight_scale` (E8M0)
+//!   [+ `M.weight_shape`] → `M.weight`;
+//! - gpt-oss MXFP4: `X_blocks` + `X_scales` → `X` (`[.., rows, 32·G]`).
+//!
+//! The auxiliary tensors are consumed: [`Checkpoint::names`] does not list them (they are in
+//! [`TensorEntry::aux_file_names`] of the weight they belong to), so a completeness check over
+//! `names()` treats them as used.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -14,6 +28,8 @@ use std::path::{Path, PathBuf};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
+use crate::quantization::{CtGroup, SourceQuantization};
+use crate::source_dtypes::{self, Mxfp4Source, ScaleDtype};
 use crate::FormatError;
 
 /// Name prefixes of non-text towers in multimodal checkpoints (Kimi K2.5 etc.): skipped.
@@ -25,6 +41,10 @@ const IGNORED_PREFIXES: &[&str] = &[
 ];
 
 /// Where one tensor lives.
+///
+/// For a quantized weight (`encoding` other than [`Encoding::Plain`]) `file_name`, `shard`,
+/// `dtype`, `offset` and `len` describe its main stored part (the FP8 values, `weight_packed`,
+/// `X_blocks`) and `shape` is the shape of the decoded weight.
 #[derive(Debug, Clone)]
 pub struct TensorEntry {
     /// Name as written in the file.
@@ -36,6 +56,75 @@ pub struct TensorEntry {
     pub offset: u64,
     /// Bytes.
     pub len: u64,
+    /// How the values are stored.
+    pub encoding: Encoding,
+}
+
+/// How a checkpoint tensor's values are stored (decoders in [`crate::source_dtypes`]).
+#[derive(Debug, Clone, Default)]
+pub enum Encoding {
+    /// As they are: F32, BF16 and F16 are read; other dtypes are rejected by
+    /// [`check_dtype`] with the reason.
+    #[default]
+    Plain,
+    /// DeepSeek block FP8 `[DS_FP8_BLOCK]`: F8_E4M3 values `[rows, cols]` times `scale_inv`
+    /// (F32 or BF16, `[ceil(rows/block[0]), ceil(cols/block[1])]`).
+    BlockFp8 {
+        scale_inv: Box<TensorEntry>,
+        block: [usize; 2],
+    },
+    /// compressed-tensors `pack-quantized` `[CT_PACK_INT32]`: I32 words
+    /// `[rows, ceil(cols·num_bits/32)]`, `scale` `[rows, ceil(cols/group)]` (BF16, F16 or F32),
+    /// `shape_tensor` (`weight_shape`, I32/I64 `[2]`) holding `[rows, cols]`.
+    PackQuantized {
+        packed_shape: Vec<usize>,
+        scale: Box<TensorEntry>,
+        shape_tensor: Box<TensorEntry>,
+        num_bits: u32,
+        /// `None`: the `channel` strategy (one scale per row).
+        group_size: Option<usize>,
+    },
+    /// MXFP4 `[GPTOSS_MXFP4]` `[CT_MXFP4]`: U8 E2M1 pairs and E8M0 `scales`
+    /// `[.., rows, ceil(cols/32)]`; `shape_tensor` is compressed-tensors' optional `weight_shape`.
+    Mxfp4 {
+        source: Mxfp4Source,
+        packed_shape: Vec<usize>,
+        scales: Box<TensorEntry>,
+        shape_tensor: Option<Box<TensorEntry>>,
+    },
+}
+
+impl TensorEntry {
+    /// File names of the auxiliary tensors this weight consumes (scales, shape), in file order.
+    pub fn aux_file_names(&self) -> Vec<&str> {
+        match &self.encoding {
+            Encoding::Plain => Vec::new(),
+            Encoding::BlockFp8 { scale_inv, .. } => vec![scale_inv.file_name.as_str()],
+            Encoding::PackQuantized {
+                scale, shape_tensor, ..
+            } => vec![scale.file_name.as_str(), shape_tensor.file_name.as_str()],
+            Encoding::Mxfp4 {
+                scales, shape_tensor, ..
+            } => std::iter::once(scales.file_name.as_str())
+                .chain(shape_tensor.iter().map(|t| t.file_name.as_str()))
+                .collect(),
+        }
+    }
+
+    /// Bytes of the main part and every auxiliary part.
+    pub fn source_bytes(&self) -> u64 {
+        self.len
+            + match &self.encoding {
+                Encoding::Plain => 0,
+                Encoding::BlockFp8 { scale_inv, .. } => scale_inv.len,
+                Encoding::PackQuantized {
+                    scale, shape_tensor, ..
+                } => scale.len + shape_tensor.len,
+                Encoding::Mxfp4 {
+                    scales, shape_tensor, ..
+                } => scales.len + shape_tensor.as_ref().map_or(0, |t| t.len),
+            }
+    }
 }
 
 struct Shard {
@@ -62,9 +151,15 @@ fn io_err(path: &Path, e: std::io::Error) -> FormatError {
 impl Checkpoint {
     /// Opens the safetensors files of a checkpoint directory and validates their headers.
     ///
+    /// Quantized weights are grouped with their auxiliary tensors (see the module docs), using
+    /// `quantization_config` of `dir/config.json` when one is needed.
+    ///
     /// Errors: no safetensors file, a shard named by the index that is missing, a malformed or
     /// truncated file (named), the same tensor in two files, or an index entry pointing at a file
-    /// that does not hold that tensor.
+    /// that does not hold that tensor; for quantized weights: a missing part (`weight_scale`,
+    /// `weight_shape`), a part of the wrong dtype or shape, a missing or unsupported
+    /// `quantization_config`, or a module that config leaves unquantized (`ignore`) or targets
+    /// with no group.
     pub fn open(dir: &Path) -> Result<Self, FormatError> {
         let index_path = dir.join("model.safetensors.index.json");
         let mut weight_map: Option<HashMap<String, String>> = None;
@@ -170,6 +265,7 @@ impl Checkpoint {
                 }
             }
         }
+        let tensors = resolve_quantized(tensors, &shards, dir)?;
         Ok(Checkpoint {
             shards,
             tensors,
@@ -197,10 +293,12 @@ impl Checkpoint {
         self.tensors.iter().filter(|(k, _)| pred(k)).map(|(_, e)| e.len).sum()
     }
 
-    /// Reads a tensor as f32 (row-major), checking its shape.
+    /// Reads a tensor as f32 (row-major), checking its shape; quantized weights are decoded
+    /// exactly (see [`Encoding`] and [`crate::source_dtypes`]).
     ///
-    /// Errors: missing tensor, shape mismatch, dtype other than F32/BF16/F16 (FP8 and packed
-    /// integer sources are named as such), or a read error.
+    /// Errors: missing tensor, shape mismatch, a plain dtype other than F32/BF16/F16 (FP8
+    /// without its scale and packed integers outside a known format are named as such), or a
+    /// read error.
     pub fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, FormatError> {
         let e = self.tensors.get(name).ok_or_else(|| FormatError::MissingTensor {
             tensor: name.to_string(),
@@ -219,19 +317,108 @@ impl Checkpoint {
                 found: e.shape.clone(),
             });
         }
-        check_dtype(path, &e.file_name, e.dtype)?;
-        let mut bytes = vec![0u8; e.len as usize];
-        self.shards[e.shard]
-            .file
-            .read_exact_at(&mut bytes, e.offset)
-            .map_err(|err| io_err(path, err))?;
-        Ok(decode_f32(e.dtype, &bytes))
+        check_entry(path, e)?;
+        let cols = e.shape.last().copied().unwrap_or(1);
+        let rows = e.shape.iter().product::<usize>() / cols.max(1);
+        let decoded = match &e.encoding {
+            Encoding::Plain => return Ok(floats(&read_bytes(&self.shards, e)?, e.dtype)),
+            Encoding::BlockFp8 { scale_inv, block } => {
+                let s = floats(&read_bytes(&self.shards, scale_inv)?, scale_inv.dtype);
+                source_dtypes::dequant_block_fp8(&read_bytes(&self.shards, e)?, rows, cols, &s, *block)
+            }
+            Encoding::PackQuantized {
+                scale,
+                num_bits,
+                group_size,
+                ..
+            } => {
+                let words: Vec<u32> = read_bytes(&self.shards, e)?
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                let s = floats(&read_bytes(&self.shards, scale)?, scale.dtype);
+                let sd = match scale.dtype {
+                    Dtype::BF16 => ScaleDtype::Bf16,
+                    Dtype::F16 => ScaleDtype::F16,
+                    _ => ScaleDtype::F32,
+                };
+                source_dtypes::dequant_pack_quantized(&words, rows, cols, *num_bits, *group_size, &s, sd)
+            }
+            Encoding::Mxfp4 { source, scales, .. } => source_dtypes::dequant_mxfp4(
+                *source,
+                &read_bytes(&self.shards, e)?,
+                &read_bytes(&self.shards, scales)?,
+                rows,
+                cols,
+            ),
+        };
+        decoded.map_err(|err| FormatError::Checkpoint {
+            path: path.clone(),
+            message: format!("tensor {}: {err}", e.file_name),
+        })
     }
 }
 
-/// Decodes little-endian tensor bytes of a dtype accepted by [`check_dtype`] (F32, BF16, F16) to
-/// f32; other dtypes give an empty vector (callers check the dtype first).
+impl Checkpoint {
+    /// The deltafin MXFP4 bytes (values then scales, [`crate::source_dtypes::mxfp4_record`]) of
+    /// a `[rows, cols]` weight stored as MXFP4 in the checkpoint, copied bit for bit: those
+    /// codes and scales are the trained values, so converting them never re-quantizes. `None`
+    /// when the tensor is not MXFP4-encoded (or is a stacked gpt-oss tensor of another shape).
+    ///
+    /// Errors: missing tensor, a read error, or parts whose sizes do not match the shape.
+    pub fn read_mxfp4_record(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<u8>>, FormatError> {
+        let Some(e) = self.tensors.get(name) else {
+            return Err(FormatError::MissingTensor {
+                tensor: name.to_string(),
+                path: self
+                    .shards
+                    .first()
+                    .map(|s| s.path.parent().unwrap_or(Path::new(".")).to_path_buf())
+                    .unwrap_or_default(),
+            });
+        };
+        let Encoding::Mxfp4 { source, scales, .. } = &e.encoding else {
+            return Ok(None);
+        };
+        if e.shape != shape || shape.len() != 2 {
+            return Ok(None);
+        }
+        let path = &self.shards[e.shard].path;
+        source_dtypes::mxfp4_record(
+            *source,
+            &read_bytes(&self.shards, e)?,
+            &read_bytes(&self.shards, scales)?,
+            shape[0],
+            shape[1],
+        )
+        .map(Some)
+        .map_err(|err| FormatError::Checkpoint {
+            path: path.clone(),
+            message: format!("tensor {}: {err}", e.file_name),
+        })
+    }
+}
+
+/// Reads a tensor's bytes.
+fn read_bytes(shards: &[Shard], e: &TensorEntry) -> Result<Vec<u8>, FormatError> {
+    let mut bytes = vec![0u8; e.len as usize];
+    let shard = &shards[e.shard];
+    shard
+        .file
+        .read_exact_at(&mut bytes, e.offset)
+        .map_err(|err| io_err(&shard.path, err))?;
+    Ok(bytes)
+}
+
+/// Little-endian F32 / BF16 / F16 bytes as f32 (exact widening); other dtypes yield nothing
+/// (callers check the dtype first).
+/// Decodes little-endian tensor bytes of a plain dtype accepted by [`check_dtype`] (F32, BF16,
+/// F16) to f32; other dtypes give an empty vector (callers check the dtype first).
 pub fn decode_f32(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
+    floats(bytes, dtype)
+}
+
+fn floats(bytes: &[u8], dtype: Dtype) -> Vec<f32> {
     match dtype {
         Dtype::F32 => bytes
             .chunks_exact(4)
@@ -249,22 +436,315 @@ pub fn decode_f32(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
     }
 }
 
-/// Accepts the source dtypes this release converts; names the others.
+/// Accepts a tensor [`Checkpoint::read_f32`] can read: a quantized weight (its parts were
+/// validated when the checkpoint was opened) or a plain tensor of a supported dtype
+/// ([`check_dtype`]).
+pub fn check_entry(path: &Path, e: &TensorEntry) -> Result<(), FormatError> {
+    match e.encoding {
+        Encoding::Plain => check_dtype(path, &e.file_name, e.dtype),
+        _ => Ok(()),
+    }
+}
+
+/// Accepts the plain (unquantized) source dtypes; names the others with the reason.
 pub fn check_dtype(path: &Path, tensor: &str, dtype: Dtype) -> Result<(), FormatError> {
     let why = match dtype {
         Dtype::F32 | Dtype::BF16 | Dtype::F16 => return Ok(()),
-        Dtype::F8_E4M3 | Dtype::F8_E5M2 => "FP8 source weights (DeepSeek block FP8) are not supported yet; convert from a bf16 checkpoint",
-        Dtype::I32 | Dtype::U8 | Dtype::I8 | Dtype::U32 => {
-            "packed integer / quantized source weights (compressed-tensors int4 or MXFP4) are not supported yet; convert from a bf16 checkpoint"
-        }
-        _ => "unsupported dtype (supported: F32, BF16, F16)",
+        Dtype::F8_E4M3 => format!(
+            "an FP8 weight needs its block scales {tensor}_scale_inv (DeepSeek block FP8), which this checkpoint lacks"
+        ),
+        Dtype::F8_E5M2 => "FP8 E5M2 source weights are not supported (block FP8 is E4M3)".to_string(),
+        Dtype::I32 | Dtype::U8 | Dtype::I8 | Dtype::U32 => "packed integers outside a recognized quantized format \
+             (compressed-tensors weight_packed + weight_scale [+ weight_shape], gpt-oss _blocks + _scales)"
+            .to_string(),
+        _ => "unsupported dtype (supported: F32, BF16, F16, and the quantized formats of source_dtypes)".to_string(),
     };
     Err(FormatError::UnsupportedDtype {
         path: path.to_path_buf(),
         tensor: tensor.to_string(),
         dtype: format!("{dtype:?}"),
-        message: why.to_string(),
+        message: why,
     })
+}
+
+/// Suffix of DeepSeek block-FP8 scales.
+const SCALE_INV: &str = "_scale_inv";
+
+/// Groups quantized weights with their auxiliary tensors (module docs); the auxiliary names leave
+/// the map. `quantization_config` is read from `dir/config.json` only if a quantized weight needs it.
+fn resolve_quantized(
+    mut tensors: BTreeMap<String, TensorEntry>,
+    shards: &[Shard],
+    dir: &Path,
+) -> Result<BTreeMap<String, TensorEntry>, FormatError> {
+    let mut quant: Option<Option<SourceQuantization>> = None;
+    let cfg_path = dir.join("config.json");
+    let mut quant_config = || -> Result<Option<SourceQuantization>, FormatError> {
+        if quant.is_none() {
+            let q = match std::fs::read_to_string(&cfg_path) {
+                Ok(text) => {
+                    let raw: Value = serde_json::from_str(&text).map_err(|e| FormatError::Json {
+                        path: cfg_path.clone(),
+                        message: e.to_string(),
+                    })?;
+                    SourceQuantization::from_config(&raw, &cfg_path)?
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => return Err(io_err(&cfg_path, e)),
+            };
+            quant = Some(q);
+        }
+        Ok(quant.clone().flatten())
+    };
+    let bad = |e: &TensorEntry, message: String| FormatError::Checkpoint {
+        path: shards[e.shard].path.clone(),
+        message: format!("tensor {}: {message}", e.file_name),
+    };
+    let keys: Vec<String> = tensors.keys().cloned().collect();
+
+    // DeepSeek block FP8: `W` + `W_scale_inv`.
+    for k in keys.iter().filter(|k| k.ends_with(SCALE_INV)) {
+        let base = &k[..k.len() - SCALE_INV.len()];
+        if tensors.get(base).is_none_or(|w| w.dtype != Dtype::F8_E4M3) {
+            continue;
+        }
+        let block = match quant_config()? {
+            Some(SourceQuantization::BlockFp8 { block }) => block,
+            _ => {
+                return Err(FormatError::Config {
+                    path: cfg_path.clone(),
+                    field: "quantization_config.weight_block_size".into(),
+                    message: format!("missing (quant_method \"fp8\"): needed to read the block FP8 weight {base}"),
+                })
+            }
+        };
+        let scale = tensors.remove(k).expect("key listed above");
+        let w = tensors.get_mut(base).expect("checked above");
+        if w.shape.len() != 2 {
+            return Err(bad(
+                w,
+                format!("block FP8 weight of shape {:?}: expected 2 dimensions", w.shape),
+            ));
+        }
+        let want = vec![w.shape[0].div_ceil(block[0]), w.shape[1].div_ceil(block[1])];
+        if !matches!(scale.dtype, Dtype::F32 | Dtype::BF16) || scale.shape != want {
+            return Err(bad(
+                &scale,
+                format!(
+                    "{:?} {:?}: expected F32 or BF16 {want:?} (one scale per {block:?} block of {} {:?})",
+                    scale.dtype, scale.shape, w.file_name, w.shape
+                ),
+            ));
+        }
+        w.encoding = Encoding::BlockFp8 {
+            scale_inv: Box::new(scale),
+            block,
+        };
+    }
+
+    // compressed-tensors: `M.weight_packed` + `M.weight_scale` [+ `M.weight_shape`].
+    for k in keys.iter().filter(|k| k.ends_with(".weight_packed")) {
+        let module = &k[..k.len() - ".weight_packed".len()];
+        let packed = tensors.remove(k).expect("key listed above");
+        let scale = tensors
+            .remove(&format!("{module}.weight_scale"))
+            .ok_or_else(|| bad(&packed, format!("has no {module}.weight_scale")))?;
+        let shape_t = tensors.remove(&format!("{module}.weight_shape"));
+        let target = format!("{module}.weight");
+        if let Some(plain) = tensors.get(&target) {
+            return Err(bad(plain, format!("also stored quantized as {}", packed.file_name)));
+        }
+        let ct = match quant_config()? {
+            Some(SourceQuantization::CompressedTensors(c)) => c,
+            _ => {
+                return Err(FormatError::Config {
+                    path: cfg_path.clone(),
+                    field: "quantization_config".into(),
+                    message: format!(
+                        "quant_method \"compressed-tensors\" is needed to read {} (missing or another method)",
+                        packed.file_name
+                    ),
+                })
+            }
+        };
+        let file_module = packed.file_name.strip_suffix(".weight_packed").unwrap_or(module);
+        let group: &CtGroup = ct.group_for(&[file_module, module]).map_err(|m| bad(&packed, m))?;
+        let w = &group.weights;
+        let scheme = |m: &str| bad(&packed, format!("config_groups.{} ({}): {m}", group.name, group.format));
+        let encoding;
+        let shape;
+        match (group.format.as_str(), packed.dtype) {
+            ("pack-quantized", Dtype::I32) => {
+                if w.kind != "int" || !matches!(w.num_bits, 4 | 8) {
+                    return Err(scheme(&format!(
+                        "{} bits of type {}: int4 and int8 are supported",
+                        w.num_bits, w.kind
+                    )));
+                }
+                if !w.symmetric {
+                    return Err(scheme("asymmetric weights (weight_zero_point) are not supported"));
+                }
+                let group_size = match (w.strategy.as_str(), w.group_size) {
+                    ("group", Some(g)) if g > 0 => Some(g),
+                    ("channel", _) => None,
+                    (s, g) => {
+                        return Err(scheme(&format!(
+                            "strategy {s:?} with group_size {g:?} is not supported"
+                        )))
+                    }
+                };
+                let st = shape_t.ok_or_else(|| bad(&packed, format!("has no {module}.weight_shape")))?;
+                let dims = read_shape_tensor(shards, &st).map_err(|m| bad(&st, m))?;
+                let (rows, cols) = (dims[0], dims[1]);
+                let want_packed = vec![rows, source_dtypes::packed_int32_row_words(cols, w.num_bits)];
+                if packed.shape != want_packed {
+                    return Err(bad(
+                        &packed,
+                        format!(
+                            "shape {:?}, expected {want_packed:?} for weight_shape {dims:?}",
+                            packed.shape
+                        ),
+                    ));
+                }
+                let want_scale = vec![rows, cols.div_ceil(group_size.unwrap_or(cols.max(1)))];
+                if !matches!(scale.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) || scale.shape != want_scale {
+                    return Err(bad(
+                        &scale,
+                        format!(
+                            "{:?} {:?}: expected BF16, F16 or F32 {want_scale:?}",
+                            scale.dtype, scale.shape
+                        ),
+                    ));
+                }
+                shape = dims;
+                encoding = Encoding::PackQuantized {
+                    packed_shape: packed.shape.clone(),
+                    scale: Box::new(scale),
+                    shape_tensor: Box::new(st),
+                    num_bits: w.num_bits,
+                    group_size,
+                };
+            }
+            ("mxfp4-pack-quantized", Dtype::U8) => {
+                if w.kind != "float" || w.num_bits != 4 || w.group_size != Some(32) {
+                    return Err(scheme(&format!(
+                        "{} bits of type {} in groups of {:?}: MXFP4 is 4-bit float in groups of 32",
+                        w.num_bits, w.kind, w.group_size
+                    )));
+                }
+                if packed.shape.len() != 2 {
+                    return Err(bad(&packed, format!("shape {:?}: expected 2 dimensions", packed.shape)));
+                }
+                let dims = match &shape_t {
+                    Some(st) => read_shape_tensor(shards, st).map_err(|m| bad(st, m))?,
+                    None => vec![packed.shape[0], packed.shape[1] * 2],
+                };
+                let want_packed = vec![dims[0], dims[1].div_ceil(2)];
+                let want_scale = vec![dims[0], dims[1].div_ceil(32)];
+                if packed.shape != want_packed {
+                    return Err(bad(
+                        &packed,
+                        format!("shape {:?}, expected {want_packed:?}", packed.shape),
+                    ));
+                }
+                if !matches!(scale.dtype, Dtype::U8 | Dtype::F8_E8M0) || scale.shape != want_scale {
+                    return Err(bad(
+                        &scale,
+                        format!("{:?} {:?}: expected U8 (E8M0) {want_scale:?}", scale.dtype, scale.shape),
+                    ));
+                }
+                shape = dims;
+                encoding = Encoding::Mxfp4 {
+                    source: Mxfp4Source::CompressedTensors,
+                    packed_shape: packed.shape.clone(),
+                    scales: Box::new(scale),
+                    shape_tensor: shape_t.map(Box::new),
+                };
+            }
+            (f, d) => {
+                return Err(scheme(&format!(
+                    "weight_packed of dtype {d:?} in format {f:?} is not supported"
+                )))
+            }
+        }
+        tensors.insert(
+            target,
+            TensorEntry {
+                shape,
+                encoding,
+                ..packed
+            },
+        );
+    }
+
+    // gpt-oss MXFP4: `X_blocks` [.., rows, G, 16] + `X_scales` [.., rows, G].
+    for k in keys.iter().filter(|k| k.ends_with("_blocks")) {
+        let base = &k[..k.len() - "_blocks".len()];
+        let sk = format!("{base}_scales");
+        let (Some(b), Some(sc)) = (tensors.get(k), tensors.get(&sk)) else {
+            continue;
+        };
+        if b.dtype != Dtype::U8 {
+            continue;
+        }
+        let n = b.shape.len();
+        if n < 3 || b.shape[n - 1] != 16 {
+            return Err(bad(
+                b,
+                format!("MXFP4 blocks of shape {:?}: expected [.., rows, G, 16]", b.shape),
+            ));
+        }
+        if !matches!(sc.dtype, Dtype::U8 | Dtype::F8_E8M0) || sc.shape != b.shape[..n - 1] {
+            return Err(bad(
+                sc,
+                format!(
+                    "{:?} {:?}: expected U8 (E8M0) {:?}",
+                    sc.dtype,
+                    sc.shape,
+                    &b.shape[..n - 1]
+                ),
+            ));
+        }
+        if let Some(plain) = tensors.get(base) {
+            return Err(bad(plain, format!("also stored as MXFP4 blocks {}", b.file_name)));
+        }
+        let blocks = tensors.remove(k).expect("checked above");
+        let scales = tensors.remove(&sk).expect("checked above");
+        let mut shape = blocks.shape[..n - 1].to_vec();
+        shape[n - 2] *= 32;
+        let entry = TensorEntry {
+            shape,
+            encoding: Encoding::Mxfp4 {
+                source: Mxfp4Source::GptOssBlocks,
+                packed_shape: blocks.shape.clone(),
+                scales: Box::new(scales),
+                shape_tensor: None,
+            },
+            ..blocks
+        };
+        tensors.insert(base.to_string(), entry);
+    }
+    Ok(tensors)
+}
+
+/// Reads a compressed-tensors `weight_shape`: I32 or I64 `[2]` holding `[rows, cols]`.
+fn read_shape_tensor(shards: &[Shard], e: &TensorEntry) -> Result<Vec<usize>, String> {
+    let bytes = read_bytes(shards, e).map_err(|err| err.to_string())?;
+    let vals: Vec<i64> = match e.dtype {
+        Dtype::I32 => bytes
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+            .collect(),
+        Dtype::I64 => bytes
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect(),
+        d => return Err(format!("weight_shape of dtype {d:?}: expected I32 or I64")),
+    };
+    if vals.len() != 2 || vals.iter().any(|&v| v <= 0 || v > u32::MAX as i64) {
+        return Err(format!("weight_shape {vals:?}: expected two positive dimensions"));
+    }
+    Ok(vals.iter().map(|&v| v as usize).collect())
 }
 
 fn read_header(path: &Path, file: &File) -> Result<Vec<TensorEntry>, FormatError> {
@@ -316,6 +796,7 @@ fn read_header(path: &Path, file: &File) -> Result<Vec<TensorEntry>, FormatError
             shape: view.shape().to_vec(),
             offset: off as u64,
             len: data.len() as u64,
+            encoding: Encoding::Plain,
         });
     }
     Ok(out)
@@ -390,9 +871,285 @@ mod tests {
         let ck = Checkpoint::open(dir.path()).unwrap();
         let e = ck.read_f32("w", &[2]).unwrap_err().to_string();
         assert!(
-            e.contains("FP8") && e.contains("w") && e.contains("model.safetensors"),
+            e.contains("FP8") && e.contains("w_scale_inv") && e.contains("model.safetensors"),
             "{e}"
         );
+    }
+
+    fn le<T: Copy, const N: usize>(xs: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
+        xs.iter().flat_map(|&x| f(x)).collect()
+    }
+
+    fn bf16s(xs: &[f32]) -> Vec<u8> {
+        le(xs, |x| half::bf16::from_f32(x).to_bits().to_le_bytes())
+    }
+
+    fn write_config(dir: &Path, quant: serde_json::Value) {
+        let cfg = serde_json::json!({"model_type": "deepseek_v3", "quantization_config": quant});
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    }
+
+    /// `[3, 5]` E4M3 bytes with `[2, 2]` blocks, scales, and the values worked by hand
+    /// (`source_dtypes` tests).
+    fn fp8_case() -> (Vec<u8>, Vec<f32>, Vec<f32>) {
+        let v = vec![
+            0x38, 0x40, 0x38, 0x40, 0x38, 0xC0, 0x30, 0x38, 0x38, 0x7E, 0x38, 0x38, 0x01, 0x38, 0x40,
+        ];
+        let s = vec![1.0, 10.0, 100.0, 0.5, 0.25, -2.0];
+        #[rustfmt::skip]
+        let want = vec![
+            1.0, 2.0, 10.0, 20.0, 100.0,
+            -2.0, 0.5, 10.0, 10.0, 44800.0,
+            0.5, 0.5, 0.25 * 0.001953125, 0.25, -4.0,
+        ];
+        (v, s, want)
+    }
+
+    #[test]
+    fn block_fp8_reads_under_the_weight_name_and_consumes_its_scale() {
+        let dir = tempfile::tempdir().unwrap();
+        let (v, s, want) = fp8_case();
+        write_config(
+            dir.path(),
+            serde_json::json!({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [2, 2]}),
+        );
+        write_st(
+            &dir.path().join("model.safetensors"),
+            &[
+                ("language_model.w", Dtype::F8_E4M3, vec![3, 5], v.clone()),
+                (
+                    "language_model.w_scale_inv",
+                    Dtype::F32,
+                    vec![2, 3],
+                    le(&s, f32::to_le_bytes),
+                ),
+                ("b", Dtype::F8_E4M3, vec![3, 5], v.clone()),
+                ("b_scale_inv", Dtype::BF16, vec![2, 3], bf16s(&s)),
+                ("norm", Dtype::F32, vec![1], le(&[1.5f32], f32::to_le_bytes)),
+            ],
+        );
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        assert_eq!(ck.names().collect::<Vec<_>>(), ["b", "norm", "w"]);
+        assert_eq!(ck.entry("w").unwrap().aux_file_names(), ["language_model.w_scale_inv"]);
+        assert_eq!(ck.entry("w").unwrap().source_bytes(), 15 + 24);
+        assert_eq!(ck.read_f32("w", &[3, 5]).unwrap(), want);
+        assert_eq!(ck.read_f32("b", &[3, 5]).unwrap(), want);
+        assert_eq!(ck.read_f32("norm", &[1]).unwrap(), [1.5]);
+
+        // A scale grid that does not cover the weight in [2, 2] blocks (full blocks only).
+        write_st(
+            &dir.path().join("model.safetensors"),
+            &[
+                ("w", Dtype::F8_E4M3, vec![3, 5], v.clone()),
+                ("w_scale_inv", Dtype::F32, vec![1, 2], le(&s[..2], f32::to_le_bytes)),
+            ],
+        );
+        let e = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("w_scale_inv") && e.contains("[2, 3]"), "{e}");
+
+        // Without quantization_config.weight_block_size.
+        write_st(
+            &dir.path().join("model.safetensors"),
+            &[
+                ("w", Dtype::F8_E4M3, vec![3, 5], v),
+                ("w_scale_inv", Dtype::F32, vec![2, 3], le(&s, f32::to_le_bytes)),
+            ],
+        );
+        std::fs::write(dir.path().join("config.json"), r#"{"model_type": "deepseek_v3"}"#).unwrap();
+        let e = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("weight_block_size") && e.contains("config.json"), "{e}");
+    }
+
+    const EXPERT: &str = "model.layers.1.mlp.experts.0.up_proj";
+
+    fn ct_config(dir: &Path) {
+        write_config(
+            dir,
+            serde_json::json!({
+                "quant_method": "compressed-tensors", "format": "pack-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+                    "strategy": "group", "group_size": 4, "symmetric": true}}},
+                "ignore": ["lm_head", "re:.*self_attn.*"]
+            }),
+        );
+    }
+
+    #[test]
+    fn int4_pack_quantized_reads_under_the_weight_name() {
+        let dir = tempfile::tempdir().unwrap();
+        ct_config(dir.path());
+        // Two rows of 8 int4 values in one word each (see source_dtypes tests), group 4.
+        let words = le(&[0xFCBA_9870u32, 0x8888_885D], u32::to_le_bytes);
+        let scales = bf16s(&[0.5, 2.0, -1.0, 1.0078125]);
+        let p = |s: &str| format!("{EXPERT}.{s}");
+        write_st(
+            &dir.path().join("model.safetensors"),
+            &[
+                (&p("weight_packed"), Dtype::I32, vec![2, 1], words.clone()),
+                (&p("weight_scale"), Dtype::BF16, vec![2, 2], scales.clone()),
+                (
+                    &p("weight_shape"),
+                    Dtype::I32,
+                    vec![2],
+                    le(&[2i32, 8], i32::to_le_bytes),
+                ),
+                (
+                    "model.layers.0.self_attn.o_proj.weight",
+                    Dtype::BF16,
+                    vec![1, 2],
+                    bf16s(&[1.0, 2.0]),
+                ),
+            ],
+        );
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        let w = format!("{EXPERT}.weight");
+        assert_eq!(
+            ck.names().collect::<Vec<_>>(),
+            ["model.layers.0.self_attn.o_proj.weight", w.as_str()]
+        );
+        assert_eq!(
+            ck.entry(&w).unwrap().aux_file_names(),
+            [p("weight_scale"), p("weight_shape")]
+        );
+        assert_eq!(
+            ck.read_f32(&w, &[2, 8]).unwrap(),
+            [-4.0, -0.5, 0.0, 0.5, 4.0, 6.0, 8.0, 14.0, -5.0, 3.0, -0.0, -0.0, 0.0, 0.0, 0.0, 0.0]
+        );
+        let e = ck.read_f32(&w, &[8, 2]).unwrap_err().to_string();
+        assert!(e.contains("[8, 2]") && e.contains("[2, 8]"), "{e}");
+
+        // An I64 weight_shape reads the same.
+        write_st(
+            &dir.path().join("model.safetensors"),
+            &[
+                (&p("weight_packed"), Dtype::I32, vec![2, 1], words.clone()),
+                (&p("weight_scale"), Dtype::BF16, vec![2, 2], scales.clone()),
+                (
+                    &p("weight_shape"),
+                    Dtype::I64,
+                    vec![2],
+                    le(&[2i64, 8], i64::to_le_bytes),
+                ),
+            ],
+        );
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        assert_eq!(ck.read_f32(&w, &[2, 8]).unwrap()[7], 14.0);
+
+        // Errors, each naming the tensor: missing scale, a module the config ignores, a shape that
+        // does not match the packed words.
+        type Owned = (String, Dtype, Vec<usize>, Vec<u8>);
+        let cases: Vec<(Vec<Owned>, &[&str])> = vec![
+            (
+                vec![
+                    (p("weight_packed"), Dtype::I32, vec![2, 1], words.clone()),
+                    (p("weight_shape"), Dtype::I32, vec![2], le(&[2i32, 8], i32::to_le_bytes)),
+                ],
+                &["weight_packed", "has no", "weight_scale"],
+            ),
+            (
+                vec![
+                    (
+                        "model.layers.0.self_attn.o_proj.weight_packed".into(),
+                        Dtype::I32,
+                        vec![2, 1],
+                        words.clone(),
+                    ),
+                    (
+                        "model.layers.0.self_attn.o_proj.weight_scale".into(),
+                        Dtype::BF16,
+                        vec![2, 2],
+                        scales.clone(),
+                    ),
+                    (
+                        "model.layers.0.self_attn.o_proj.weight_shape".into(),
+                        Dtype::I32,
+                        vec![2],
+                        le(&[2i32, 8], i32::to_le_bytes),
+                    ),
+                ],
+                &["o_proj", "ignore", "re:.*self_attn.*"],
+            ),
+            (
+                vec![
+                    (p("weight_packed"), Dtype::I32, vec![2, 1], words.clone()),
+                    (p("weight_scale"), Dtype::BF16, vec![2, 2], scales.clone()),
+                    (
+                        p("weight_shape"),
+                        Dtype::I32,
+                        vec![2],
+                        le(&[2i32, 16], i32::to_le_bytes),
+                    ),
+                ],
+                &["weight_packed", "[2, 2]"],
+            ),
+        ];
+        for (tensors, needles) in cases {
+            let t: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = tensors
+                .iter()
+                .map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), b.clone()))
+                .collect();
+            write_st(&dir.path().join("model.safetensors"), &t);
+            let e = Checkpoint::open(dir.path()).err().expect("must fail").to_string();
+            assert!(needles.iter().all(|n| e.contains(n)), "{needles:?}: {e}");
+        }
+
+        // A packed weight without a compressed-tensors config.
+        std::fs::remove_file(dir.path().join("config.json")).unwrap();
+        write_st(
+            &dir.path().join("model.safetensors"),
+            &[
+                (&p("weight_packed"), Dtype::I32, vec![2, 1], words),
+                (&p("weight_scale"), Dtype::BF16, vec![2, 2], scales),
+                (
+                    &p("weight_shape"),
+                    Dtype::I32,
+                    vec![2],
+                    le(&[2i32, 8], i32::to_le_bytes),
+                ),
+            ],
+        );
+        let e = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("compressed-tensors") && e.contains("weight_packed"), "{e}");
+    }
+
+    #[test]
+    fn mxfp4_sources_read_under_the_weight_name() {
+        let dir = tempfile::tempdir().unwrap();
+        write_config(
+            dir.path(),
+            serde_json::json!({
+                "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float",
+                    "strategy": "group", "group_size": 32, "symmetric": true}}}
+            }),
+        );
+        // One row of 32: byte 0 = 0x2F (elements -6, +1), scale 128 (×2).
+        let mut packed = vec![0u8; 16];
+        packed[0] = 0x2F;
+        let mut want = vec![0f32; 32];
+        want[0] = -12.0;
+        want[1] = 2.0;
+        write_st(
+            &dir.path().join("model.safetensors"),
+            &[
+                ("m.weight_packed", Dtype::U8, vec![1, 16], packed.clone()),
+                ("m.weight_scale", Dtype::U8, vec![1, 1], vec![128]),
+                // gpt-oss: two experts of one row each.
+                (
+                    "e.gate_up_proj_blocks",
+                    Dtype::U8,
+                    vec![2, 1, 1, 16],
+                    [packed.clone(), packed].concat(),
+                ),
+                ("e.gate_up_proj_scales", Dtype::U8, vec![2, 1, 1], vec![128, 127]),
+            ],
+        );
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        assert_eq!(ck.names().collect::<Vec<_>>(), ["e.gate_up_proj", "m.weight"]);
+        assert_eq!(ck.read_f32("m.weight", &[1, 32]).unwrap(), want);
+        let g = ck.read_f32("e.gate_up_proj", &[2, 1, 32]).unwrap();
+        assert_eq!(&g[..32], &want[..]);
+        assert_eq!((g[32], g[33]), (-6.0, 1.0));
     }
 
     #[test]

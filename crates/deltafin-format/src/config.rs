@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
 
+use crate::arch::{BackboneTensor, ExpertMatrix, TensorRole};
 use crate::FormatError;
 
 /// RoPE frequency scheme, resolved from either `rope_scaling` + `rope_theta` (transformers 4.x
@@ -140,8 +141,8 @@ pub fn token_ids(v: Option<&Value>) -> Vec<u32> {
     }
 }
 
-/// The supported text-model types.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["deepseek_v3", "kimi_k2"];
+/// The text-model types of this family.
+pub const MODEL_TYPES: &[&str] = &["deepseek_v3", "kimi_k2"];
 
 /// Returns the text config object of a `config.json`: the top level, or its `text_config` when
 /// the top level is a multimodal wrapper (e.g. `kimi_k25`).
@@ -176,7 +177,7 @@ impl DeepseekV3Config {
     pub fn from_value(raw: &Value, path: &Path) -> Result<Self, FormatError> {
         let tc = text_config(raw);
         let model_type = get(tc, "model_type").and_then(|v| v.as_str()).unwrap_or("").to_string();
-        if !SUPPORTED_MODEL_TYPES.contains(&model_type.as_str()) {
+        if !MODEL_TYPES.contains(&model_type.as_str()) {
             let top = get(raw, "model_type").and_then(|v| v.as_str()).unwrap_or("");
             let shown = if model_type.is_empty() { top } else { &model_type };
             return Err(field_err(
@@ -184,7 +185,7 @@ impl DeepseekV3Config {
                 "model_type",
                 format!(
                     "unsupported model_type {shown:?} (supported: {})",
-                    SUPPORTED_MODEL_TYPES.join(", ")
+                    MODEL_TYPES.join(", ")
                 ),
             ));
         }
@@ -360,6 +361,124 @@ impl DeepseekV3Config {
     /// Query/key head width: `qk_nope_head_dim + qk_rope_head_dim`.
     pub fn qk_head_dim(&self) -> usize {
         self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// The backbone tensors of a DeepSeek-V3 checkpoint with their shapes, in checkpoint order.
+    pub fn backbone_tensors(&self) -> Vec<BackboneTensor> {
+        let c = self;
+        let h = c.hidden_size;
+        let nh = c.num_attention_heads;
+        let mut t = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![c.vocab_size, h],
+            TensorRole::Matrix,
+        )];
+        for l in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            t.push((format!("{p}.input_layernorm.weight"), vec![h], TensorRole::F32));
+            t.push((format!("{p}.post_attention_layernorm.weight"), vec![h], TensorRole::F32));
+            let a = format!("{p}.self_attn");
+            match c.q_lora_rank {
+                Some(r) => {
+                    t.push((format!("{a}.q_a_proj.weight"), vec![r, h], TensorRole::Matrix));
+                    t.push((format!("{a}.q_a_layernorm.weight"), vec![r], TensorRole::F32));
+                    t.push((
+                        format!("{a}.q_b_proj.weight"),
+                        vec![nh * c.qk_head_dim(), r],
+                        TensorRole::Matrix,
+                    ));
+                }
+                None => t.push((
+                    format!("{a}.q_proj.weight"),
+                    vec![nh * c.qk_head_dim(), h],
+                    TensorRole::Matrix,
+                )),
+            }
+            t.push((
+                format!("{a}.kv_a_proj_with_mqa.weight"),
+                vec![c.kv_lora_rank + c.qk_rope_head_dim, h],
+                TensorRole::Matrix,
+            ));
+            t.push((
+                format!("{a}.kv_a_layernorm.weight"),
+                vec![c.kv_lora_rank],
+                TensorRole::F32,
+            ));
+            t.push((
+                format!("{a}.kv_b_proj.weight"),
+                vec![nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank],
+                TensorRole::Matrix,
+            ));
+            t.push((
+                format!("{a}.o_proj.weight"),
+                vec![h, nh * c.v_head_dim],
+                TensorRole::Matrix,
+            ));
+            let m = format!("{p}.mlp");
+            if c.is_moe_layer(l) {
+                t.push((format!("{m}.gate.weight"), vec![c.n_routed_experts, h], TensorRole::F32));
+                t.push((
+                    format!("{m}.gate.e_score_correction_bias"),
+                    vec![c.n_routed_experts],
+                    TensorRole::F32,
+                ));
+                if c.n_shared_experts > 0 {
+                    let si = c.moe_intermediate_size * c.n_shared_experts;
+                    t.push((
+                        format!("{m}.shared_experts.gate_proj.weight"),
+                        vec![si, h],
+                        TensorRole::Matrix,
+                    ));
+                    t.push((
+                        format!("{m}.shared_experts.up_proj.weight"),
+                        vec![si, h],
+                        TensorRole::Matrix,
+                    ));
+                    t.push((
+                        format!("{m}.shared_experts.down_proj.weight"),
+                        vec![h, si],
+                        TensorRole::Matrix,
+                    ));
+                }
+            } else {
+                let i = c.intermediate_size;
+                t.push((format!("{m}.gate_proj.weight"), vec![i, h], TensorRole::Matrix));
+                t.push((format!("{m}.up_proj.weight"), vec![i, h], TensorRole::Matrix));
+                t.push((format!("{m}.down_proj.weight"), vec![h, i], TensorRole::Matrix));
+            }
+        }
+        t.push(("model.norm.weight".to_string(), vec![h], TensorRole::F32));
+        t.push(("lm_head.weight".to_string(), vec![c.vocab_size, h], TensorRole::Matrix));
+        t.into_iter()
+            .map(|(name, shape, role)| BackboneTensor { name, shape, role })
+            .collect()
+    }
+
+    /// The three matrices of one routed expert (`y = W x`), as named in the checkpoint.
+    pub fn expert_matrices(&self) -> Vec<ExpertMatrix> {
+        let (h, i) = (self.hidden_size, self.moe_intermediate_size);
+        [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
+            .into_iter()
+            .map(|(n, rows, cols)| ExpertMatrix {
+                name: n.into(),
+                rows,
+                cols,
+            })
+            .collect()
+    }
+
+    /// Names the converter deliberately skips: MTP layers (index ≥ num_hidden_layers) and rotary
+    /// frequency buffers.
+    pub fn is_ignored(&self, name: &str) -> bool {
+        if name.ends_with("rotary_emb.inv_freq") {
+            return true;
+        }
+        if let Some(rest) = name.strip_prefix("model.layers.") {
+            if let Some(idx) = rest.split('.').next().and_then(|s| s.parse::<usize>().ok()) {
+                return idx >= self.num_hidden_layers;
+            }
+        }
+        false
     }
 }
 

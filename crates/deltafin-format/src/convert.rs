@@ -12,12 +12,13 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde_json::Value;
 
+use crate::arch::{ExpertMatrix, ModelConfig, Select, TensorRole};
 use crate::checkpoint::Checkpoint;
 use crate::model_dir::{
     BackboneIndex, ExpertPackIndex, ExpertRecord, ExpertTensorLayout, Manifest, StoredDtype, TensorRecord, FORMAT_NAME,
     FORMAT_VERSION, RECORD_ALIGN, TENSOR_ALIGN,
 };
-use crate::{DeepseekV3Config, FormatError};
+use crate::FormatError;
 
 /// Files copied verbatim from the source directory when present.
 pub const COPIED_FILES: &[&str] = &[
@@ -83,142 +84,44 @@ pub struct ConvertReport {
 /// One encoded expert: (expert id, record bytes padded to the stride, source bytes consumed).
 type EncodedRecord = (usize, Vec<u8>, u64);
 
-/// Where a checkpoint tensor goes.
-enum Role {
-    /// Kept f32 whatever `--backbone` says (norms, router weight and bias).
-    BackboneF32,
-    /// 2-D matrix stored in the backbone dtype.
-    BackboneMatrix,
-}
-
-/// The backbone tensors of a DeepSeek-V3 checkpoint with their shapes, in checkpoint order.
-fn backbone_table(c: &DeepseekV3Config) -> Vec<(String, Vec<usize>, Role)> {
-    let h = c.hidden_size;
-    let nh = c.num_attention_heads;
-    let mut t = vec![(
-        "model.embed_tokens.weight".to_string(),
-        vec![c.vocab_size, h],
-        Role::BackboneMatrix,
-    )];
-    for l in 0..c.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        t.push((format!("{p}.input_layernorm.weight"), vec![h], Role::BackboneF32));
-        t.push((
-            format!("{p}.post_attention_layernorm.weight"),
-            vec![h],
-            Role::BackboneF32,
-        ));
-        let a = format!("{p}.self_attn");
-        match c.q_lora_rank {
-            Some(r) => {
-                t.push((format!("{a}.q_a_proj.weight"), vec![r, h], Role::BackboneMatrix));
-                t.push((format!("{a}.q_a_layernorm.weight"), vec![r], Role::BackboneF32));
-                t.push((
-                    format!("{a}.q_b_proj.weight"),
-                    vec![nh * c.qk_head_dim(), r],
-                    Role::BackboneMatrix,
-                ));
-            }
-            None => t.push((
-                format!("{a}.q_proj.weight"),
-                vec![nh * c.qk_head_dim(), h],
-                Role::BackboneMatrix,
-            )),
-        }
-        t.push((
-            format!("{a}.kv_a_proj_with_mqa.weight"),
-            vec![c.kv_lora_rank + c.qk_rope_head_dim, h],
-            Role::BackboneMatrix,
-        ));
-        t.push((
-            format!("{a}.kv_a_layernorm.weight"),
-            vec![c.kv_lora_rank],
-            Role::BackboneF32,
-        ));
-        t.push((
-            format!("{a}.kv_b_proj.weight"),
-            vec![nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank],
-            Role::BackboneMatrix,
-        ));
-        t.push((
-            format!("{a}.o_proj.weight"),
-            vec![h, nh * c.v_head_dim],
-            Role::BackboneMatrix,
-        ));
-        let m = format!("{p}.mlp");
-        if c.is_moe_layer(l) {
-            t.push((
-                format!("{m}.gate.weight"),
-                vec![c.n_routed_experts, h],
-                Role::BackboneF32,
-            ));
-            t.push((
-                format!("{m}.gate.e_score_correction_bias"),
-                vec![c.n_routed_experts],
-                Role::BackboneF32,
-            ));
-            if c.n_shared_experts > 0 {
-                let si = c.moe_intermediate_size * c.n_shared_experts;
-                t.push((
-                    format!("{m}.shared_experts.gate_proj.weight"),
-                    vec![si, h],
-                    Role::BackboneMatrix,
-                ));
-                t.push((
-                    format!("{m}.shared_experts.up_proj.weight"),
-                    vec![si, h],
-                    Role::BackboneMatrix,
-                ));
-                t.push((
-                    format!("{m}.shared_experts.down_proj.weight"),
-                    vec![h, si],
-                    Role::BackboneMatrix,
-                ));
-            }
-        } else {
-            let i = c.intermediate_size;
-            t.push((format!("{m}.gate_proj.weight"), vec![i, h], Role::BackboneMatrix));
-            t.push((format!("{m}.up_proj.weight"), vec![i, h], Role::BackboneMatrix));
-            t.push((format!("{m}.down_proj.weight"), vec![h, i], Role::BackboneMatrix));
-        }
+/// `[rows, cols]` a tensor is stored as: its last dimension is `cols`, the others multiply into
+/// `rows` (1 for a vector).
+pub fn matrix_dims(shape: &[usize]) -> (usize, usize) {
+    match shape.split_last() {
+        Some((&cols, rest)) => (rest.iter().product(), cols),
+        None => (1, 1),
     }
-    t.push(("model.norm.weight".to_string(), vec![h], Role::BackboneF32));
-    t.push((
-        "lm_head.weight".to_string(),
-        vec![c.vocab_size, h],
-        Role::BackboneMatrix,
-    ));
-    t
 }
 
-/// Backbone tensor names and shapes of a DeepSeek-V3 checkpoint, in checkpoint order.
-pub fn backbone_names_and_shapes(c: &DeepseekV3Config) -> Vec<(String, Vec<usize>)> {
-    backbone_table(c).into_iter().map(|(n, s, _)| (n, s)).collect()
-}
-
-/// The three matrices of one routed expert: (checkpoint suffix, rows, cols).
-pub fn expert_matrices(c: &DeepseekV3Config) -> [(&'static str, usize, usize); 3] {
-    let (h, i) = (c.hidden_size, c.moe_intermediate_size);
-    [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
-}
-
-/// Checkpoint name of matrix `m` (`gate_proj`, `up_proj`, `down_proj`) of a routed expert.
-pub fn expert_name(layer: usize, expert: usize, m: &str) -> String {
-    format!("model.layers.{layer}.mlp.experts.{expert}.{m}.weight")
-}
-
-/// Names the converter deliberately skips: MTP layers (index ≥ num_hidden_layers) and rotary
-/// frequency buffers.
-fn is_ignored(name: &str, c: &DeepseekV3Config) -> bool {
-    if name.ends_with("rotary_emb.inv_freq") {
-        return true;
+/// Layout of one expert record holding `mats` in `dtype`, and its length in bytes before
+/// padding to [`RECORD_ALIGN`]. Each matrix starts 64-byte aligned inside the record so f32 and
+/// bf16 views are aligned.
+pub fn record_layout(mats: &[ExpertMatrix], dtype: StoredDtype) -> (Vec<ExpertTensorLayout>, u64) {
+    let mut layout = Vec::new();
+    let mut roff = 0u64;
+    for m in mats {
+        let vb = dtype.value_bytes(m.rows, m.cols) as u64;
+        let sb = dtype.scale_bytes(m.rows, m.cols) as u64;
+        let off = align_up(roff, TENSOR_ALIGN);
+        layout.push(ExpertTensorLayout {
+            name: m.name.clone(),
+            rows: m.rows,
+            cols: m.cols,
+            dtype,
+            offset: off,
+            scales_offset: off + vb,
+            bytes: vb + sb,
+        });
+        roff = off + vb + sb;
     }
-    if let Some(rest) = name.strip_prefix("model.layers.") {
-        if let Some(idx) = rest.split('.').next().and_then(|s| s.parse::<usize>().ok()) {
-            return idx >= c.num_hidden_layers;
-        }
+    (layout, roff)
+}
+
+/// Reads one expert matrix `[rows, cols]` as f32 from its checkpoint source.
+fn read_expert_matrix(ck: &Checkpoint, src: &crate::arch::ExpertSource) -> Result<Vec<f32>, FormatError> {
+    match src.select {
+        Select::Whole => ck.read_f32(&src.tensor, &src.shape),
     }
-    false
 }
 
 fn align_up(x: u64, a: u64) -> u64 {
@@ -288,7 +191,7 @@ pub fn convert(
             message: "--experts int8 is not supported (mxfp4, bf16, f32)".into(),
         });
     }
-    let (cfg, raw) = DeepseekV3Config::from_file(&hf_dir.join("config.json"))?;
+    let (cfg, raw) = ModelConfig::from_file(&hf_dir.join("config.json"))?;
     let ck = Checkpoint::open(hf_dir)?;
 
     crate::staging::write_dir_atomically(out_dir, opts.force, Some(hf_dir), |tmp| {
@@ -318,7 +221,7 @@ pub fn convert_stream(
     extras: &StreamExtras,
     progress: &dyn Progress,
 ) -> Result<ConvertReport, FormatError> {
-    let (cfg, raw) = DeepseekV3Config::from_file(&hf_dir.join("config.json"))?;
+    let (cfg, raw) = ModelConfig::from_file(&hf_dir.join("config.json"))?;
     let ck = Checkpoint::open(hf_dir)?;
     crate::staging::write_dir_atomically(out_dir, opts.force, Some(hf_dir), |tmp| {
         write_all(&ck, &cfg, raw, hf_dir, tmp, opts, progress, Some(extras))
@@ -327,9 +230,9 @@ pub fn convert_stream(
 
 /// Encodes one routed expert into its record of `padded_len` bytes: each matrix of `layout`
 /// (gate_proj `[inter, hidden]`, up_proj `[inter, hidden]`, down_proj `[hidden, inter]`), read as
-/// f32 by `read(name, rows, cols)`, encoded in its dtype at its offset; zeros elsewhere. A full
-/// convert and a streaming install's on-demand fetch both use this, so their records are
-/// byte-identical.
+/// f32 by `read(name, rows, cols)`, encoded in its dtype at its offset; zeros elsewhere. For
+/// plain (F32/BF16/F16) source tensors this is exactly what [`convert`] writes, so a streaming
+/// install's on-demand records are byte-identical to a full convert's (the pull tests check it).
 ///
 /// Errors: whatever `read` returns.
 pub fn encode_expert_record(
@@ -355,7 +258,7 @@ pub fn encode_expert_record(
 #[allow(clippy::too_many_arguments)]
 fn write_all(
     ck: &Checkpoint,
-    cfg: &DeepseekV3Config,
+    cfg: &ModelConfig,
     raw: Value,
     hf_dir: &Path,
     out: &Path,
@@ -365,7 +268,7 @@ fn write_all(
 ) -> Result<ConvertReport, FormatError> {
     // Completeness check before writing anything: every tensor we need is present with the right
     // shape and a supported dtype, and every tensor present is either used or deliberately ignored.
-    let table = backbone_table(cfg);
+    let table = cfg.backbone_tensors();
     let mut needed: BTreeSet<String> = BTreeSet::new();
     let check = |name: &str, shape: &[usize]| -> Result<(), FormatError> {
         let e = ck.entry(name).ok_or_else(|| FormatError::MissingTensor {
@@ -381,19 +284,19 @@ fn write_all(
                 found: e.shape.clone(),
             });
         }
-        crate::checkpoint::check_dtype(path, &e.file_name, e.dtype)
+        crate::checkpoint::check_entry(path, e)
     };
-    for (n, s, _) in &table {
-        check(n, s)?;
-        needed.insert(n.clone());
+    for t in &table {
+        check(&t.name, &t.shape)?;
+        needed.insert(t.name.clone());
     }
-    let mats = expert_matrices(cfg);
-    for l in (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)) {
-        for e in 0..cfg.n_routed_experts {
-            for (m, r, c) in mats {
-                let n = expert_name(l, e, m);
-                check(&n, &[r, c])?;
-                needed.insert(n);
+    let mats = cfg.expert_matrices();
+    for l in (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)) {
+        for e in 0..cfg.n_routed_experts() {
+            for m in &mats {
+                let src = cfg.expert_source(l, e, m);
+                check(&src.tensor, &src.shape)?;
+                needed.insert(src.tensor);
             }
         }
     }
@@ -402,7 +305,7 @@ fn write_all(
         if needed.contains(n) {
             continue;
         }
-        if is_ignored(n, cfg) {
+        if cfg.is_ignored(n) {
             ignored.push(n.to_string());
             continue;
         }
@@ -410,7 +313,7 @@ fn write_all(
         return Err(FormatError::UnexpectedTensor {
             path: ck.shard_path(e).to_path_buf(),
             tensor: e.file_name.clone(),
-            family: cfg.model_type.clone(),
+            family: cfg.model_type().to_string(),
         });
     }
     progress.start(ck.bytes_where(|n| needed.contains(n)));
@@ -420,17 +323,14 @@ fn write_all(
     let mut bb = BufWriter::with_capacity(8 << 20, File::create(&bb_path).map_err(io(&bb_path))?);
     let mut pos = 0u64;
     let mut tensors = std::collections::BTreeMap::new();
-    for (n, shape, role) in &table {
+    for t in &table {
+        let (n, shape) = (&t.name, &t.shape);
         let w = ck.read_f32(n, shape)?;
-        let dtype = match role {
-            Role::BackboneF32 => StoredDtype::F32,
-            Role::BackboneMatrix => opts.backbone,
+        let dtype = match t.role {
+            TensorRole::F32 => StoredDtype::F32,
+            TensorRole::Matrix => opts.backbone,
         };
-        let (rows, cols) = if shape.len() == 2 {
-            (shape[0], shape[1])
-        } else {
-            (1, shape[0])
-        };
+        let (rows, cols) = matrix_dims(shape);
         let bytes = encode_matrix(dtype, &w, rows, cols);
         let off = align_up(pos, TENSOR_ALIGN);
         bb.write_all(&vec![0u8; (off - pos) as usize]).map_err(io(&bb_path))?;
@@ -457,37 +357,19 @@ fn write_all(
     let backbone_bytes = pos;
 
     // Expert pack.
-    let mut layout = Vec::new();
-    let mut roff = 0u64;
-    for (m, r, c) in mats {
-        let vb = opts.experts.value_bytes(r, c) as u64;
-        let sb = opts.experts.scale_bytes(r, c) as u64;
-        // Keep each matrix 64-byte aligned inside the record so f32/bf16 views are aligned.
-        let off = align_up(roff, TENSOR_ALIGN);
-        layout.push(ExpertTensorLayout {
-            name: m.to_string(),
-            rows: r,
-            cols: c,
-            dtype: opts.experts,
-            offset: off,
-            scales_offset: off + vb,
-            bytes: vb + sb,
-        });
-        roff = off + vb + sb;
-    }
-    let rec_len = roff;
+    let (layout, rec_len) = record_layout(&mats, opts.experts);
     let stride = align_up(rec_len, RECORD_ALIGN);
     let ep_path = out.join("experts.pack");
     let mut ep = File::create(&ep_path).map_err(io(&ep_path))?;
     let mut records = Vec::new();
     let mut offset = 0u64;
-    let moe_layers: Vec<usize> = (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)).collect();
+    let moe_layers: Vec<usize> = (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)).collect();
     // Encode a few experts in parallel, write them in order.
     let batch = rayon::current_num_threads().max(1) * 2;
     if stream.is_some() {
         // Streaming install: records start absent (holes); the journal will carry checksums.
         for &l in &moe_layers {
-            for e in 0..cfg.n_routed_experts {
+            for e in 0..cfg.n_routed_experts() {
                 records.push(ExpertRecord {
                     layer: l as u32,
                     expert: e as u32,
@@ -496,9 +378,9 @@ fn write_all(
                     xxh3: String::new(),
                 });
                 offset += stride;
-                let src: u64 = layout
+                let src: u64 = mats
                     .iter()
-                    .map(|lay| ck.entry(&expert_name(l, e, &lay.name)).map_or(0, |x| x.len))
+                    .map(|m| ck.entry(&cfg.expert_source(l, e, m).tensor).map_or(0, |x| x.len))
                     .sum();
                 progress.advance(src);
             }
@@ -507,17 +389,36 @@ fn write_all(
         ep.seek(std::io::SeekFrom::End(0)).map_err(io(&ep_path))?;
     }
     for &l in moe_layers.iter().filter(|_| stream.is_none()) {
-        let experts: Vec<usize> = (0..cfg.n_routed_experts).collect();
+        let experts: Vec<usize> = (0..cfg.n_routed_experts()).collect();
         for chunk in experts.chunks(batch) {
             let encoded: Vec<Result<EncodedRecord, FormatError>> = chunk
                 .par_iter()
                 .map(|&e| {
+                    let mut rec = vec![0u8; stride as usize];
                     let mut src = 0u64;
-                    let rec = encode_expert_record(&layout, stride as usize, |m, r, c| {
-                        let n = expert_name(l, e, m);
-                        src += ck.entry(&n).map(|x| x.len).unwrap_or(0);
-                        ck.read_f32(&n, &[r, c])
-                    })?;
+                    for (lay, m) in layout.iter().zip(&mats) {
+                        let source = cfg.expert_source(l, e, m);
+                        // MXFP4 sources are copied bit for bit into MXFP4 records (no
+                        // re-quantization: those bytes are the trained values).
+                        let copied = match (opts.experts, source.select) {
+                            (StoredDtype::Mxfp4, Select::Whole) => {
+                                ck.read_mxfp4_record(&source.tensor, &source.shape)?
+                            }
+                            _ => None,
+                        };
+                        let b = match copied {
+                            Some(b) => b,
+                            None => {
+                                let w = read_expert_matrix(ck, &source)?;
+                                encode_matrix(opts.experts, &w, lay.rows, lay.cols)
+                            }
+                        };
+                        rec[lay.offset as usize..lay.offset as usize + b.len()].copy_from_slice(&b);
+                        // Progress in source bytes: this matrix's share of its tensor.
+                        let total: usize = source.shape.iter().product();
+                        let len = ck.entry(&source.tensor).map(|x| x.len).unwrap_or(0);
+                        src += len * (lay.rows * lay.cols) as u64 / total.max(1) as u64;
+                    }
                     Ok((e, rec, src))
                 })
                 .collect();
@@ -561,7 +462,7 @@ fn write_all(
     let manifest = Manifest {
         format: FORMAT_NAME.into(),
         format_version: FORMAT_VERSION,
-        family: "deepseek_v3".into(),
+        family: cfg.family().into(),
         config: cfg.clone(),
         source_config: raw,
         backbone: BackboneIndex {

@@ -1,22 +1,31 @@
 //! Reading Hugging Face checkpoints and reading/writing the deltafin model directory.
 //!
+//! - [`arch`]: model families: the tensors of each architecture, digested from `config.json`.
 //! - [`config`]: `config.json` of the DeepSeek-V3 family, resolved with transformers' defaults.
-//! - [`checkpoint`]: validated safetensors reading (single file or index + shards).
+//! - [`checkpoint`]: validated safetensors reading (single file or index + shards), quantized
+//!   source weights presented and decoded under their plain names.
+//! - [`quantization`] and [`source_dtypes`]: `quantization_config` and the exact decoders of
+//!   quantized sources (DeepSeek block FP8, compressed-tensors int4/int8 and MXFP4, gpt-oss MXFP4).
 //! - [`model_dir`]: the deltafin model directory: `manifest.json`, `backbone.bin` (resident
 //!   weights), `experts.pack` (one 4 KiB-aligned record per (layer, routed expert)).
 //! - [`convert`]: Hugging Face checkpoint → deltafin model directory, crash-safe.
 //! - [`presence`]: the presence journal of a streaming install's sparse expert pack.
 
 pub mod aligned;
+pub mod arch;
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
+pub mod kimi_linear;
 pub mod model_dir;
 pub mod presence;
+pub mod quantization;
+pub mod source_dtypes;
 pub mod staging;
 pub mod synth;
 
 pub use aligned::AlignedBuf;
+pub use arch::ModelConfig;
 pub use config::{DeepseekV3Config, Rope};
 pub use model_dir::{ExpertRecord, Manifest, ModelDir, StoredDtype};
 

@@ -25,10 +25,10 @@ use deltafin_kernels::{MatData, MatRef};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{AlignedBuf, DeepseekV3Config, FormatError};
+use crate::{AlignedBuf, FormatError, ModelConfig};
 
 /// Current model-directory format version; readers refuse other versions.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 /// `format` field of every manifest.
 pub const FORMAT_NAME: &str = "deltafin-model";
 /// Alignment of each expert record in `experts.pack`, bytes.
@@ -151,8 +151,8 @@ pub struct Manifest {
     pub format_version: u32,
     /// Model family, e.g. `deepseek_v3`.
     pub family: String,
-    /// Resolved hyperparameters.
-    pub config: DeepseekV3Config,
+    /// Resolved hyperparameters, tagged by family.
+    pub config: ModelConfig,
     /// The source `config.json`, verbatim.
     pub source_config: Value,
     pub backbone: BackboneIndex,
@@ -267,7 +267,7 @@ impl ModelDir {
             }
         }
         let cfg = &manifest.config;
-        let mut record_index = vec![Vec::new(); cfg.num_hidden_layers];
+        let mut record_index = vec![Vec::new(); cfg.num_hidden_layers()];
         let layout_end = manifest
             .experts
             .layout
@@ -277,7 +277,7 @@ impl ModelDir {
             .unwrap_or(0);
         for (i, r) in manifest.experts.records.iter().enumerate() {
             let (l, e) = (r.layer as usize, r.expert as usize);
-            if l >= cfg.num_hidden_layers || !cfg.is_moe_layer(l) || e >= cfg.n_routed_experts {
+            if l >= cfg.num_hidden_layers() || !cfg.is_moe_layer(l) || e >= cfg.n_routed_experts() {
                 return Err(bad(format!(
                     "expert record (layer {l}, expert {e}) does not exist in this model"
                 )));
@@ -291,7 +291,7 @@ impl ModelDir {
                 )));
             }
             if record_index[l].is_empty() {
-                record_index[l] = vec![usize::MAX; cfg.n_routed_experts];
+                record_index[l] = vec![usize::MAX; cfg.n_routed_experts()];
             }
             record_index[l][e] = i;
         }
@@ -419,6 +419,27 @@ impl Backbone {
             path: self.path.clone(),
             message: format!("tensor {name}: {m}"),
         })
+    }
+
+    /// An f32 tensor of any rank as a flat slice (row-major), with its shape: conv weights
+    /// `[P, 1, K]`, `A_log` `[1, 1, H, 1]`, `[1, H]` projections.
+    ///
+    /// Errors: the tensor is missing or not stored as f32.
+    pub fn f32_tensor(&self, name: &str) -> Result<(&[f32], &[usize]), FormatError> {
+        let r = self.rec(name)?;
+        let n: usize = r.shape.iter().product();
+        if r.dtype != StoredDtype::F32 || r.bytes != n as u64 * 4 {
+            return Err(FormatError::ModelDir {
+                path: self.path.clone(),
+                message: format!("tensor {name} is not stored as f32"),
+            });
+        }
+        let bytes = &self.buf.as_slice()[r.offset as usize..(r.offset + r.bytes) as usize];
+        let v = bytemuck::try_cast_slice(bytes).map_err(|e| FormatError::ModelDir {
+            path: self.path.clone(),
+            message: format!("tensor {name}: {e}"),
+        })?;
+        Ok((v, &r.shape))
     }
 
     /// A 1-D f32 tensor (norm weight, router bias).

@@ -1,5 +1,5 @@
-//! Deterministic synthetic models of the DeepSeek-V3 architecture (random weights, real layout),
-//! for the embedded demo, tests and benchmarks. Their text output is meaningless.
+//! Deterministic synthetic models (random weights, real layout) of the DeepSeek-V3 and Kimi K3
+//! architectures, for the embedded demo, tests and benchmarks. Their text output is meaningless.
 //!
 //! - [`write_checkpoint`]: a Hugging Face checkpoint (bf16 safetensors) to feed `convert`.
 //! - [`write_model_dir`]: a deltafin model directory written directly, with no source checkpoint
@@ -13,12 +13,13 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::{json, Value};
 
-use crate::convert::{backbone_names_and_shapes, encode_matrix, expert_matrices, Progress, COPIED_FILES};
+use crate::arch::TensorRole;
+use crate::convert::{encode_matrix, matrix_dims, record_layout, Progress, COPIED_FILES};
 use crate::model_dir::{
     BackboneIndex, ExpertPackIndex, ExpertRecord, ExpertTensorLayout, Manifest, StoredDtype, TensorRecord, FORMAT_NAME,
     FORMAT_VERSION, RECORD_ALIGN, TENSOR_ALIGN,
 };
-use crate::{DeepseekV3Config, FormatError};
+use crate::{FormatError, ModelConfig};
 
 /// Shape of a synthetic checkpoint.
 #[derive(Debug, Clone)]
@@ -163,6 +164,185 @@ impl SynthSpec {
     }
 }
 
+/// Shape of a synthetic Kimi K3 model (`kimi_k3` wrapper around a `kimi_linear` text config
+/// with every K3 feature: KDA with the lower-bound gate and full-rank output gate, gated NoPE
+/// MLA, attention residuals, LatentMoE, SiTU).
+#[derive(Debug, Clone)]
+pub struct K3SynthSpec {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub moe_intermediate_size: usize,
+    pub routed_expert_hidden_size: usize,
+    pub num_hidden_layers: usize,
+    /// One-based, as in the released config.
+    pub full_attn_layers: Vec<usize>,
+    pub num_attention_heads: usize,
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub kda_num_heads: usize,
+    pub kda_head_dim: usize,
+    pub num_experts: usize,
+    pub num_experts_per_token: usize,
+    pub num_shared_experts: usize,
+    pub attn_res_block_size: usize,
+    pub seed: u64,
+}
+
+impl K3SynthSpec {
+    /// The `k3-bench` preset: Kimi K3's structure scaled so the expert pack (12.3 GB) is three
+    /// times a 4 GiB memory limit: 34 layers (layer 0 dense, MLA every fourth layer and the last,
+    /// KDA elsewhere), 128 routed experts per layer (top-16, as K3) of 3 × 1792 × 1024 MXFP4
+    /// (2.79 MiB a record) in a 1024-wide latent space of a 2048-wide model, two shared experts,
+    /// attention-residual blocks of 6 layers. A decode token reads 33 × 16 records (1.54 GB)
+    /// when nothing is cached.
+    pub fn k3_bench(vocab_size: usize) -> Self {
+        let mut full: Vec<usize> = (4..=34).step_by(4).collect();
+        full.push(34);
+        full.dedup();
+        K3SynthSpec {
+            vocab_size,
+            hidden_size: 2048,
+            intermediate_size: 4096,
+            moe_intermediate_size: 1792,
+            routed_expert_hidden_size: 1024,
+            num_hidden_layers: 34,
+            full_attn_layers: full,
+            num_attention_heads: 16,
+            q_lora_rank: 512,
+            kv_lora_rank: 256,
+            qk_nope_head_dim: 64,
+            qk_rope_head_dim: 32,
+            v_head_dim: 64,
+            kda_num_heads: 16,
+            kda_head_dim: 128,
+            num_experts: 128,
+            num_experts_per_token: 16,
+            num_shared_experts: 2,
+            attn_res_block_size: 6,
+            seed: 0x0C3B3C4,
+        }
+    }
+
+    /// The `k3-tiny` preset, for tests: 5 layers (KDA, KDA, KDA, MLA, MLA), 8 experts (top-4)
+    /// in a 32-wide latent space of a 64-wide model, attention-residual blocks of 2.
+    pub fn k3_tiny(vocab_size: usize) -> Self {
+        K3SynthSpec {
+            vocab_size,
+            hidden_size: 64,
+            intermediate_size: 128,
+            moe_intermediate_size: 64,
+            routed_expert_hidden_size: 32,
+            num_hidden_layers: 5,
+            full_attn_layers: vec![4, 5],
+            num_attention_heads: 2,
+            q_lora_rank: 32,
+            kv_lora_rank: 32,
+            qk_nope_head_dim: 16,
+            qk_rope_head_dim: 8,
+            v_head_dim: 16,
+            kda_num_heads: 2,
+            kda_head_dim: 32,
+            num_experts: 8,
+            num_experts_per_token: 4,
+            num_shared_experts: 2,
+            attn_res_block_size: 2,
+            seed: 0x0C3717,
+        }
+    }
+
+    /// The `config.json` of this spec: the released K3 layout (`kimi_k3` wrapper, `text_config`
+    /// of `model_type` `kimi_linear`, one-based layer lists).
+    pub fn config_json(&self, bos: u32, eos: u32) -> Value {
+        let kda: Vec<usize> = (1..=self.num_hidden_layers)
+            .filter(|l| !self.full_attn_layers.contains(l))
+            .collect();
+        json!({
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            "model_type": "kimi_k3",
+            "text_config": {
+                "architectures": ["KimiLinearForCausalLM"],
+                "model_type": "kimi_linear",
+                "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_hidden_layers,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_attention_heads,
+                "q_lora_rank": self.q_lora_rank,
+                "kv_lora_rank": self.kv_lora_rank,
+                "qk_nope_head_dim": self.qk_nope_head_dim,
+                "qk_rope_head_dim": self.qk_rope_head_dim,
+                "v_head_dim": self.v_head_dim,
+                "mla_use_nope": true,
+                "mla_use_output_gate": true,
+                "linear_attn_config": {
+                    "kda_layers": kda,
+                    "full_attn_layers": self.full_attn_layers,
+                    "head_dim": self.kda_head_dim,
+                    "num_heads": self.kda_num_heads,
+                    "short_conv_kernel_size": 4,
+                    "use_full_rank_gate": true,
+                    "gate_lower_bound": -5.0
+                },
+                "num_experts": self.num_experts,
+                "num_experts_per_token": self.num_experts_per_token,
+                "num_shared_experts": self.num_shared_experts,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "routed_expert_hidden_size": self.routed_expert_hidden_size,
+                "latent_moe_use_norm": true,
+                "first_k_dense_replace": 1,
+                "moe_layer_freq": 1,
+                "moe_renormalize": true,
+                "moe_router_activation_func": "sigmoid",
+                "routed_scaling_factor": 1.0,
+                "num_expert_group": 1,
+                "topk_group": 1,
+                "hidden_act": "situ",
+                "activation_situ_beta": 4.0,
+                "activation_situ_linear_beta": 25.0,
+                "attn_res_block_size": self.attn_res_block_size,
+                "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 1048576,
+                "tie_word_embeddings": false,
+                "bos_token_id": bos,
+                "eos_token_id": eos
+            },
+            "bos_token_id": bos,
+            "eos_token_id": eos,
+            "tie_word_embeddings": false
+        })
+    }
+}
+
+/// The architecture and shape a preset writes.
+#[derive(Debug, Clone)]
+pub enum PresetSpec {
+    DeepseekV3(SynthSpec),
+    KimiK3(K3SynthSpec),
+}
+
+impl PresetSpec {
+    /// The preset's `config.json`.
+    pub fn config_json(&self, bos: u32, eos: u32) -> Value {
+        match self {
+            PresetSpec::DeepseekV3(s) => s.config_json(bos, eos),
+            PresetSpec::KimiK3(s) => s.config_json(bos, eos),
+        }
+    }
+
+    /// Seed of every tensor and record value.
+    pub fn seed(&self) -> u64 {
+        match self {
+            PresetSpec::DeepseekV3(s) => s.seed,
+            PresetSpec::KimiK3(s) => s.seed,
+        }
+    }
+}
+
 /// splitmix64: a small, fast, well-distributed deterministic generator.
 struct Rng(u64);
 impl Rng {
@@ -189,16 +369,24 @@ fn fnv(s: &str) -> u64 {
 fn values(name: &str, shape: &[usize], seed: u64) -> Vec<f32> {
     let mut rng = Rng(seed ^ fnv(name));
     let n: usize = shape.iter().product();
+    if name.ends_with("A_log") {
+        // KDA decay rates: A = exp(A_log) in [1, 16), as the reference initialises them.
+        return (0..n).map(|_| (8.5 + 7.5 * rng.uniform()).ln()).collect();
+    }
+    if name.ends_with("dt_bias") {
+        return (0..n).map(|_| 0.5 * rng.uniform()).collect();
+    }
     if shape.len() == 1 {
         if name.ends_with("e_score_correction_bias") {
             return (0..n).map(|_| 0.05 * rng.uniform()).collect();
         }
         return (0..n).map(|_| 1.0 + 0.1 * rng.uniform()).collect();
     }
-    let fan_in = shape[1] as f32;
+    // Fan-in is the last dimension (conv kernels are [P, 1, K]).
+    let fan_in = *shape.last().unwrap_or(&1) as f32;
     let gain = if name.contains("embed_tokens") {
         1.0
-    } else if name.ends_with("mlp.gate.weight") {
+    } else if name.ends_with("mlp.gate.weight") || name.ends_with("block_sparse_moe.gate.weight") {
         4.0 / fan_in.sqrt()
     } else {
         (3.0 / fan_in).sqrt() * 1.5
@@ -219,12 +407,14 @@ pub fn write_checkpoint(dir: &Path, spec: &SynthSpec, bos: u32, eos: u32) -> Res
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let config = spec.config_json(bos, eos);
     let cpath = dir.join("config.json");
-    let cfg = DeepseekV3Config::from_value(&config, &cpath)?;
-    let mut tensors: Vec<(String, Vec<usize>)> = backbone_names_and_shapes(&cfg);
-    for l in (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)) {
-        for e in 0..cfg.n_routed_experts {
-            for (m, r, c) in expert_matrices(&cfg) {
-                tensors.push((format!("model.layers.{l}.mlp.experts.{e}.{m}.weight"), vec![r, c]));
+    let cfg = ModelConfig::from_value(&config, &cpath)?;
+    let mut tensors: Vec<(String, Vec<usize>)> =
+        cfg.backbone_tensors().into_iter().map(|t| (t.name, t.shape)).collect();
+    for l in (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)) {
+        for e in 0..cfg.n_routed_experts() {
+            for m in cfg.expert_matrices() {
+                let src = cfg.expert_source(l, e, &m);
+                tensors.push((src.tensor, src.shape));
             }
         }
     }
@@ -271,7 +461,7 @@ pub fn write_checkpoint(dir: &Path, spec: &SynthSpec, bos: u32, eos: u32) -> Res
 }
 
 /// Names accepted by [`Preset::by_name`].
-pub const PRESET_NAMES: &[&str] = &["tiny", "demo", "bench"];
+pub const PRESET_NAMES: &[&str] = &["tiny", "demo", "bench", "k3-tiny", "k3-bench"];
 
 /// How routed-expert records are filled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -288,19 +478,35 @@ pub enum ExpertFill {
 #[derive(Debug, Clone)]
 pub struct Preset {
     pub name: &'static str,
-    pub spec: SynthSpec,
+    pub spec: PresetSpec,
     pub fill: ExpertFill,
 }
 
 impl Preset {
     /// `tiny` (tests; random MXFP4 records like `bench`), `demo` (the demo's shape and values:
-    /// its files equal `deltafin demo`'s converted model), `bench` (see [`SynthSpec::bench`]).
+    /// its files equal `deltafin demo`'s converted model), `bench` (see [`SynthSpec::bench`]),
+    /// `k3-tiny` and `k3-bench` (Kimi K3 structure, see [`K3SynthSpec`]).
     /// `vocab_size` comes from the tokenizer written beside the model.
     pub fn by_name(name: &str, vocab_size: usize) -> Option<Preset> {
+        use PresetSpec::{DeepseekV3, KimiK3};
         let (name, spec, fill) = match name {
-            "tiny" => ("tiny", SynthSpec::tiny(vocab_size), ExpertFill::RandomMxfp4),
-            "demo" => ("demo", SynthSpec::demo(vocab_size), ExpertFill::Quantized),
-            "bench" => ("bench", SynthSpec::bench(vocab_size), ExpertFill::RandomMxfp4),
+            "tiny" => ("tiny", DeepseekV3(SynthSpec::tiny(vocab_size)), ExpertFill::RandomMxfp4),
+            "demo" => ("demo", DeepseekV3(SynthSpec::demo(vocab_size)), ExpertFill::Quantized),
+            "bench" => (
+                "bench",
+                DeepseekV3(SynthSpec::bench(vocab_size)),
+                ExpertFill::RandomMxfp4,
+            ),
+            "k3-tiny" => (
+                "k3-tiny",
+                KimiK3(K3SynthSpec::k3_tiny(vocab_size)),
+                ExpertFill::RandomMxfp4,
+            ),
+            "k3-bench" => (
+                "k3-bench",
+                KimiK3(K3SynthSpec::k3_bench(vocab_size)),
+                ExpertFill::RandomMxfp4,
+            ),
             _ => return None,
         };
         Some(Preset { name, spec, fill })
@@ -366,39 +572,10 @@ pub fn write_model_dir(
     progress: &dyn Progress,
 ) -> Result<SynthReport, FormatError> {
     let config = preset.spec.config_json(tokenizer.bos, tokenizer.eos);
-    let cfg = DeepseekV3Config::from_value(&config, &out_dir.join("config.json"))?;
+    let cfg = ModelConfig::from_value(&config, &out_dir.join("config.json"))?;
     crate::staging::write_dir_atomically(out_dir, force, None, |tmp| {
         write_files(tmp, preset, &cfg, config, tokenizer, progress)
     })
-}
-
-/// Whether a backbone tensor stays f32 whatever the matrix dtype (as `convert` decides):
-/// vectors (norms, correction bias) and router weights.
-fn stays_f32(name: &str, shape: &[usize]) -> bool {
-    shape.len() == 1 || name.ends_with("mlp.gate.weight")
-}
-
-/// Layout of one MXFP4 expert record (as `convert` lays it out) and its length before padding.
-fn record_layout(cfg: &DeepseekV3Config) -> (Vec<ExpertTensorLayout>, u64) {
-    let dtype = StoredDtype::Mxfp4;
-    let mut layout = Vec::new();
-    let mut roff = 0u64;
-    for (m, r, c) in expert_matrices(cfg) {
-        let vb = dtype.value_bytes(r, c) as u64;
-        let sb = dtype.scale_bytes(r, c) as u64;
-        let off = align_up(roff, TENSOR_ALIGN);
-        layout.push(ExpertTensorLayout {
-            name: m.to_string(),
-            rows: r,
-            cols: c,
-            dtype,
-            offset: off,
-            scales_offset: off + vb,
-            bytes: vb + sb,
-        });
-        roff = off + vb + sb;
-    }
-    (layout, roff)
 }
 
 /// E8M0 scale byte giving uniformly random E2M1 codes an RMS of `1.5 / sqrt(fan_in)`, the RMS of
@@ -459,7 +636,7 @@ fn flush_and_drop_cache(f: &File) -> std::io::Result<()> {
 fn write_files(
     out: &Path,
     preset: &Preset,
-    cfg: &DeepseekV3Config,
+    cfg: &ModelConfig,
     config: Value,
     tokenizer: &TokenizerFiles,
     progress: &dyn Progress,
@@ -468,40 +645,38 @@ fn write_files(
     let (spec, fill) = (&preset.spec, preset.fill);
     let (bos, eos, tokenizer_dir) = (tokenizer.bos, tokenizer.eos, tokenizer.dir.as_path());
 
-    let (layout, rec_len) = record_layout(cfg);
+    let (layout, rec_len) = record_layout(&cfg.expert_matrices(), StoredDtype::Mxfp4);
     let stride = align_up(rec_len, RECORD_ALIGN);
-    let moe_layers: Vec<usize> = (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)).collect();
-    let n_records = moe_layers.len() * cfg.n_routed_experts;
-    let table = backbone_names_and_shapes(cfg);
+    let moe_layers: Vec<usize> = (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)).collect();
+    let n_records = moe_layers.len() * cfg.n_routed_experts();
+    // Same storage roles as `convert`: int8 matrices, f32 vectors and routers.
+    let table: Vec<(String, Vec<usize>, StoredDtype)> = cfg
+        .backbone_tensors()
+        .into_iter()
+        .map(|t| {
+            let d = match t.role {
+                TensorRole::F32 => StoredDtype::F32,
+                TensorRole::Matrix => StoredDtype::Int8,
+            };
+            (t.name, t.shape, d)
+        })
+        .collect();
 
     // Backbone: encode every tensor in parallel (each seeded by its name), lay out in order.
     let bb_total: u64 = table
         .iter()
-        .map(|(n, s)| {
-            let (r, c) = if s.len() == 2 { (s[0], s[1]) } else { (1, s[0]) };
-            let d = if stays_f32(n, s) {
-                StoredDtype::F32
-            } else {
-                StoredDtype::Int8
-            };
+        .map(|(_, s, d)| {
+            let (r, c) = matrix_dims(s);
             (d.value_bytes(r, c) + d.scale_bytes(r, c)) as u64
         })
         .sum();
     progress.start(bb_total + n_records as u64 * stride);
     let encoded: Vec<(StoredDtype, Vec<u8>)> = table
         .par_iter()
-        .map(|(n, shape)| {
-            let dtype = if stays_f32(n, shape) {
-                StoredDtype::F32
-            } else {
-                StoredDtype::Int8
-            };
-            let (rows, cols) = if shape.len() == 2 {
-                (shape[0], shape[1])
-            } else {
-                (1, shape[0])
-            };
-            let mut w = values(n, shape, spec.seed);
+        .map(|(n, shape, dtype)| {
+            let dtype = *dtype;
+            let (rows, cols) = matrix_dims(shape);
+            let mut w = values(n, shape, spec.seed());
             bf16_round(&mut w);
             let bytes = encode_matrix(dtype, &w, rows, cols);
             progress.advance(bytes.len() as u64);
@@ -512,14 +687,13 @@ fn write_files(
     let mut bb = std::io::BufWriter::with_capacity(8 << 20, File::create(&bb_path).map_err(io_err(&bb_path))?);
     let mut pos = 0u64;
     let mut tensors = std::collections::BTreeMap::new();
-    for ((n, shape), (dtype, bytes)) in table.iter().zip(&encoded) {
+    for ((n, shape, _), (dtype, bytes)) in table.iter().zip(&encoded) {
         let off = align_up(pos, TENSOR_ALIGN);
         bb.write_all(&vec![0u8; (off - pos) as usize])
             .map_err(io_err(&bb_path))?;
         bb.write_all(bytes).map_err(io_err(&bb_path))?;
         pos = off + bytes.len() as u64;
-        let cols = *shape.last().unwrap_or(&0);
-        let rows = if shape.len() == 2 { shape[0] } else { 1 };
+        let (rows, cols) = matrix_dims(shape);
         let scales_offset = (*dtype == StoredDtype::Int8).then(|| off + dtype.value_bytes(rows, cols) as u64);
         tensors.insert(
             n.clone(),
@@ -543,7 +717,7 @@ fn write_files(
     let mut ep = File::create(&ep_path).map_err(io_err(&ep_path))?;
     let keys: Vec<(usize, usize)> = moe_layers
         .iter()
-        .flat_map(|&l| (0..cfg.n_routed_experts).map(move |e| (l, e)))
+        .flat_map(|&l| (0..cfg.n_routed_experts()).map(move |e| (l, e)))
         .collect();
     // ~128 MiB per batch, at least one record per thread.
     let batch = ((128u64 << 20) / stride).max(rayon::current_num_threads() as u64) as usize;
@@ -572,7 +746,7 @@ fn write_files(
                 .par_iter()
                 .map(|&(l, e)| {
                     let mut rec = vec![0u8; stride as usize];
-                    fill_record(&mut rec, &layout, fill, spec.seed, l, e);
+                    fill_record(&mut rec, &layout, fill, spec.seed(), l, e);
                     let hash = xxhash_rust::xxh3::xxh3_64(&rec[..rec_len as usize]);
                     (rec, hash)
                 })
@@ -631,7 +805,7 @@ fn write_files(
     let manifest = Manifest {
         format: FORMAT_NAME.into(),
         format_version: FORMAT_VERSION,
-        family: "deepseek_v3".into(),
+        family: cfg.family().into(),
         config: cfg.clone(),
         source_config: config,
         backbone: BackboneIndex {
@@ -687,7 +861,7 @@ mod tests {
         };
         let mut preset = Preset {
             name: "tiny",
-            spec: spec.clone(),
+            spec: PresetSpec::DeepseekV3(spec.clone()),
             fill: ExpertFill::Quantized,
         };
         let r = write_model_dir(&syn, &preset, &tok, false, &NoProgress).unwrap();
@@ -718,8 +892,8 @@ mod tests {
         assert_eq!(random_scale_byte(2048), 121);
         assert_eq!(random_scale_byte(1024), 121);
         let cfg_json = SynthSpec::bench(300).config_json(1, 2);
-        let cfg = DeepseekV3Config::from_value(&cfg_json, Path::new("bench")).unwrap();
-        let (layout, len) = record_layout(&cfg);
+        let cfg = crate::DeepseekV3Config::from_value(&cfg_json, Path::new("bench")).unwrap();
+        let (layout, len) = record_layout(&cfg.expert_matrices(), StoredDtype::Mxfp4);
         assert!(len >= 2 << 20, "record {len} bytes");
         assert!(cfg.num_experts_per_tok >= 8 && cfg.n_group > 1 && cfg.q_lora_rank.is_some());
         let moe = (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)).count() as u64;

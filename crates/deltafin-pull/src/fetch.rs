@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use deltafin_engine::experts::RecordSource;
-use deltafin_format::convert::{encode_expert_record, expert_name};
+use deltafin_format::convert::encode_expert_record;
 use deltafin_format::model_dir::ExpertTensorLayout;
 use deltafin_format::{FormatError, ModelDir};
 use safetensors::Dtype;
@@ -29,7 +29,8 @@ pub struct StreamIndex {
     pub version: u32,
     /// Source files by name, as the server described them at install (size, ETag, sha256).
     pub files: BTreeMap<String, RemoteFile>,
-    /// Routed-expert tensors by checkpoint name (any `language_model.` prefix removed).
+    /// Routed-expert source tensors by `"<layer>.<expert>.<matrix>"` (matrix as in the record
+    /// layout: `gate_proj`, `up_proj`, `down_proj`).
     pub tensors: BTreeMap<String, TensorLoc>,
     /// The source is a deltafin model directory (a mirror of a full install): records are read
     /// from its `experts.pack` at the same offsets and checked against `record_xxh3`.
@@ -43,6 +44,8 @@ pub struct StreamIndex {
 /// One source tensor's bytes.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TensorLoc {
+    /// Checkpoint tensor name (any `language_model.` prefix removed).
+    pub tensor: String,
     /// Shard file name.
     pub file: String,
     pub dtype: Dtype,
@@ -209,12 +212,14 @@ impl HttpRecordSource {
         }
         let mut locs = Vec::with_capacity(self.layout.len());
         for lay in &self.layout {
-            let n = expert_name(layer, expert, &lay.name);
-            let loc = self.index.tensors.get(&n).ok_or_else(|| {
+            let key = format!("{layer}.{expert}.{}", lay.name);
+            let loc = self.index.tensors.get(&key).ok_or_else(|| {
                 PullError::Invalid(format!(
-                    "stream index has no tensor {n} (layer {layer}, expert {expert})"
+                    "stream index has no {} for layer {layer}, expert {expert}",
+                    lay.name
                 ))
             })?;
+            let n = loc.tensor.clone();
             if loc.shape != [lay.rows, lay.cols] {
                 return Err(FormatError::ShapeMismatch {
                     path: loc.file.clone().into(),

@@ -29,11 +29,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use deltafin_format::checkpoint::Checkpoint;
+use deltafin_format::checkpoint::{Checkpoint, Encoding, TensorEntry};
 use deltafin_format::convert::{self, ConvertOptions, Progress, StreamExtras, COPIED_FILES};
 use deltafin_format::model_dir::{Manifest, StreamSource, FORMAT_NAME, FORMAT_VERSION};
 use deltafin_format::FormatError;
-use deltafin_format::{DeepseekV3Config, ModelDir};
+use deltafin_format::{ModelConfig, ModelDir};
 
 use crate::fetch::{StreamIndex, TensorLoc, STREAM_INDEX};
 use crate::http::{write_atomic, RemoteFile, Transfer};
@@ -280,35 +280,41 @@ pub fn pull_stream(
     for s in &shards {
         files.insert(s.clone(), shard_header(http, source, &sd, s)?);
     }
-    let (cfg, _) = DeepseekV3Config::from_file(&sd.join("config.json"))?;
+    let (cfg, _) = ModelConfig::from_file(&sd.join("config.json"))?;
     let ck = Checkpoint::open(&sd)?;
     let mut ranges: Vec<(String, u64, u64)> = Vec::new();
-    for (name, _) in convert::backbone_names_and_shapes(&cfg) {
-        if let Some(e) = ck.entry(&name) {
-            let file = file_name(ck.shard_path(e));
-            ranges.push((file, e.offset, e.len));
+    for t in cfg.backbone_tensors() {
+        if let Some(e) = ck.entry(&t.name) {
+            ranges.extend(byte_ranges(&ck, e));
         }
     }
     fetch_ranges(http, source, &sd, &files, merge(ranges), opts.concurrency, transfer)?;
 
     let mut index = StreamIndex::new();
     index.files = files;
-    for l in (0..cfg.num_hidden_layers).filter(|&l| cfg.is_moe_layer(l)) {
-        for e in 0..cfg.n_routed_experts {
-            for (m, _, _) in convert::expert_matrices(&cfg) {
-                let n = convert::expert_name(l, e, m);
-                if let Some(t) = ck.entry(&n) {
-                    index.tensors.insert(
-                        n,
-                        TensorLoc {
-                            file: file_name(ck.shard_path(t)),
-                            dtype: t.dtype,
-                            shape: t.shape.clone(),
-                            offset: t.offset,
-                            len: t.len,
-                        },
-                    );
+    for l in (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)) {
+        for e in 0..cfg.n_routed_experts() {
+            for m in cfg.expert_matrices() {
+                let src = cfg.expert_source(l, e, &m);
+                let Some(t) = ck.entry(&src.tensor) else { continue };
+                if !matches!(t.encoding, Encoding::Plain) {
+                    return Err(PullError::Invalid(format!(
+                        "{}: tensor {} is quantized in the source (FP8, int4 or MXFP4): streaming installs of quantized checkpoints are not supported yet; use `deltafin pull --full`",
+                        source.file_url(&file_name(ck.shard_path(t))),
+                        t.file_name
+                    )));
                 }
+                index.tensors.insert(
+                    format!("{l}.{e}.{}", m.name),
+                    TensorLoc {
+                        tensor: src.tensor.clone(),
+                        file: file_name(ck.shard_path(t)),
+                        dtype: t.dtype,
+                        shape: t.shape.clone(),
+                        offset: t.offset,
+                        len: t.len,
+                    },
+                );
             }
         }
     }
@@ -334,6 +340,29 @@ pub fn pull_stream(
         retries: http.retries(),
         ..PullReport::default()
     })
+}
+
+/// (shard file, offset, length) of a tensor's stored parts: the values and, for quantized
+/// sources, their scale and shape tensors.
+fn byte_ranges(ck: &Checkpoint, e: &TensorEntry) -> Vec<(String, u64, u64)> {
+    let mut parts: Vec<&TensorEntry> = vec![e];
+    match &e.encoding {
+        Encoding::Plain => {}
+        Encoding::BlockFp8 { scale_inv, .. } => parts.push(scale_inv),
+        Encoding::PackQuantized {
+            scale, shape_tensor, ..
+        } => parts.extend([&**scale, &**shape_tensor]),
+        Encoding::Mxfp4 {
+            scales, shape_tensor, ..
+        } => {
+            parts.push(scales);
+            parts.extend(shape_tensor.as_deref());
+        }
+    }
+    parts
+        .into_iter()
+        .map(|p| (file_name(ck.shard_path(p)), p.offset, p.len))
+        .collect()
 }
 
 fn file_name(p: &Path) -> String {

@@ -159,7 +159,7 @@ pub fn warm(
     let heat = trace_heat(&opts.traces)?;
     let cfg = &dir.manifest.config;
     if let Some(&(l, e)) = heat.keys().find(|&&(l, e)| {
-        l as usize >= cfg.num_hidden_layers || !cfg.is_moe_layer(l as usize) || e as usize >= cfg.n_routed_experts
+        l as usize >= cfg.num_hidden_layers() || !cfg.is_moe_layer(l as usize) || e as usize >= cfg.n_routed_experts()
     }) {
         return Err(PullError::Invalid(format!(
             "the traces name expert (layer {l}, expert {e}), which this model does not have: traces of another model?"

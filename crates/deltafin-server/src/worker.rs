@@ -71,7 +71,7 @@ impl Worker {
     pub fn start(mut session: Session, metrics: Arc<Metrics>, step_delay: Duration) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
         let model = Arc::clone(session.model());
-        metrics.set_store_probe(Box::new(move || model.store.counters()));
+        metrics.set_store_probe(Box::new(move || model.store().counters()));
         std::thread::Builder::new()
             .name("deltafin-compute".into())
             .spawn(move || {

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use deltafin_engine::models::DeepseekV3;
 use deltafin_engine::session::Session;
+use deltafin_engine::CausalLm;
 use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
 use deltafin_format::ModelDir;
 use deltafin_server::ServerConfig;
@@ -35,7 +36,7 @@ fn start(configure: impl FnOnce(&mut ServerConfig)) -> SocketAddr {
     let dir = model_dir();
     let tokenizer = Arc::new(Tokenizer::from_dir(dir).unwrap());
     let eos = deltafin_tokenizer::eos_token_ids_union(dir, &tokenizer).unwrap();
-    let model = Arc::new(DeepseekV3::load(&ModelDir::open(dir).unwrap(), 1 << 20).unwrap());
+    let model: Arc<dyn CausalLm> = Arc::new(DeepseekV3::load(&ModelDir::open(dir).unwrap(), 1 << 20).unwrap());
     let session = Session::new(model, tokenizer, eos);
     let mut config = ServerConfig::new(MODEL);
     configure(&mut config);

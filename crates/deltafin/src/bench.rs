@@ -695,9 +695,9 @@ fn build_report(
     json!({
         "model": a.model.canonicalize().unwrap_or_else(|_| a.model.clone()),
         "model_shape": {
-            "layers": m.config.num_hidden_layers,
-            "routed_experts": m.config.n_routed_experts,
-            "top_k": m.config.num_experts_per_tok,
+            "layers": m.config.num_hidden_layers(),
+            "routed_experts": m.config.n_routed_experts(),
+            "top_k": m.config.num_experts_per_tok(),
             "expert_record_bytes": rec,
             "expert_pack_bytes": m.experts.bytes,
             "backbone_bytes": m.backbone.bytes,

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use deltafin_engine::models::DeepseekV3;
 use deltafin_engine::sampler::SamplingParams;
 use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest, Session};
+use deltafin_engine::{load_model, CausalLm};
 use deltafin_format::ModelDir;
 use deltafin_tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -75,11 +75,11 @@ pub fn run(a: &ChatArgs) -> Result<()> {
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
     let mut store_opts = a.store.options(budget)?;
     let _network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
-    let model = DeepseekV3::load_with(&dir, store_opts)?;
+    let model = load_model(&dir, store_opts)?;
     if a.store.cache_policy == deltafin_engine::experts::CachePolicy::Pinned {
-        model.store.warm_pinned();
+        model.store().warm_pinned();
     }
-    let model = Arc::new(model);
+    let model: Arc<dyn CausalLm> = Arc::from(model);
     let mut session = Session::new(Arc::clone(&model), Arc::clone(&tokenizer), eos);
 
     // Ctrl-C during an answer stops it; at the prompt it leaves.
@@ -141,7 +141,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
             "/stats" => {
                 match &last {
                     Some(o) => {
-                        crate::print_stats("chat: last answer", &o.stats, &model, budget, &dir);
+                        crate::print_stats("chat: last answer", &o.stats, model.as_ref(), budget, &dir);
                         eprintln!(
                             "reused prompt tokens {} of {} (KV cache kept from the previous turn)",
                             o.reused_tokens, o.prompt_tokens

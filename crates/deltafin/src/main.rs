@@ -19,7 +19,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use deltafin_engine::experts::{CachePolicy, IoMode, StoreOptions};
 use deltafin_engine::generate::{generate, GenerateOptions, GenerateStats};
-use deltafin_engine::models::DeepseekV3;
+use deltafin_engine::{load_model, CausalLm};
 use deltafin_format::convert::{convert, ConvertOptions, Progress};
 use deltafin_format::{ModelDir, StoredDtype};
 use deltafin_tokenizer::Tokenizer;
@@ -387,7 +387,7 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
             if a.chat {
                 bail!("--chat needs --prompt text, not --prompt-ids");
             }
-            let vocab = dir.manifest.config.vocab_size;
+            let vocab = dir.manifest.config.vocab_size();
             if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
                 bail!(
                     "--prompt-ids: token id {bad} is outside the vocabulary of {} (ids 0..{vocab})",
@@ -429,20 +429,20 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     let mut logits_guard = RemoveOnDrop(a.logits_out.clone());
     let mut store_opts = a.store.options(budget)?;
     let _network = pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
-    let mut model = DeepseekV3::load_with(&dir, store_opts)?;
+    let mut model = load_model(&dir, store_opts)?;
     if a.compute_only {
-        model.set_compute_only()?;
+        model.routed_mut().set_compute_only()?;
         eprintln!("warning: --compute-only: experts are computed with stand-in records; output is not the model's");
     }
     if a.store.cache_policy == CachePolicy::Pinned {
-        model.store.warm_pinned();
+        model.store().warm_pinned();
     }
     if let Some(k) = a.experts_per_token {
-        model.set_experts_per_token(k)?;
-        if model.non_default_routing() {
+        model.routed().set_experts_per_token(k)?;
+        if model.routed().non_default_routing() {
             eprintln!(
                 "warning: --experts-per-token {k} (the model uses {}): {NON_DEFAULT_ROUTING}",
-                model.cfg.num_experts_per_tok
+                model.config().num_experts_per_tok()
             );
         }
     }
@@ -457,7 +457,7 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     let mut dec = tokenizer.stream_decoder(true);
     let mut stdout = std::io::stdout().lock();
     let mut write_err: Option<anyhow::Error> = None;
-    let out = generate(&model, &prompt_ids, &opts, |id| match dec.push(id) {
+    let out = generate(model.as_ref(), &prompt_ids, &opts, |id| match dec.push(id) {
         Ok(text) => {
             if let Err(e) = stdout.write_all(text.as_bytes()).and_then(|_| stdout.flush()) {
                 write_err = Some(e.into());
@@ -489,11 +489,11 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     }
     logits_guard.0 = None;
     if let Some(path) = &a.stats_json {
-        let json = stats_json(&out, &model, budget);
+        let json = stats_json(&out, model.as_ref(), budget);
         std::fs::write(path, serde_json::to_vec_pretty(&json)?)
             .with_context(|| format!("--stats-json: writing {}", path.display()))?;
     }
-    print_stats("run", &out.stats, &model, budget, &dir);
+    print_stats("run", &out.stats, model.as_ref(), budget, &dir);
     Ok(())
 }
 
@@ -509,7 +509,7 @@ impl Drop for RemoveOnDrop {
 }
 
 /// The `--stats-json` document (schema in the README, consumed by `deltafin bench`).
-fn stats_json(out: &deltafin_engine::generate::GenerateOutput, model: &DeepseekV3, budget: u64) -> serde_json::Value {
+fn stats_json(out: &deltafin_engine::generate::GenerateOutput, model: &dyn CausalLm, budget: u64) -> serde_json::Value {
     let s = &out.stats;
     serde_json::json!({
         "generated_ids": out.generated_ids,
@@ -529,33 +529,33 @@ fn stats_json(out: &deltafin_engine::generate::GenerateOutput, model: &DeepseekV
         "expert_misses": s.experts.misses,
         "hit_rate": s.experts.hit_rate(),
         "peak_rss_bytes": s.peak_rss_bytes,
-        "io_mode": model.store.io_mode().to_string(),
-        "cache_policy": model.store.options().policy.to_string(),
-        "prefetch": model.store.options().prefetch,
-        "non_default_routing": model.non_default_routing(),
-        "compute_only": model.compute_only(),
-        "experts_per_token": model.experts_per_token(),
+        "io_mode": model.store().io_mode().to_string(),
+        "cache_policy": model.store().options().policy.to_string(),
+        "prefetch": model.store().options().prefetch,
+        "non_default_routing": model.routed().non_default_routing(),
+        "compute_only": model.routed().compute_only(),
+        "experts_per_token": model.routed().experts_per_token(),
         "ram_budget": budget,
         "finish_reason": s.finish_reason,
         "steps": s.steps,
     })
 }
 
-pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &DeepseekV3, budget: u64, dir: &ModelDir) {
+pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &dyn CausalLm, budget: u64, dir: &ModelDir) {
     let decode = s
         .steady_decode_tokens_per_s()
         .map(|r| format!("{r:.2} tok/s ({} steps)", s.steady_decode_steps))
         .unwrap_or_else(|| "n/a (fewer than 2 decode steps)".into());
     let m = &dir.manifest;
     eprintln!("--- deltafin {title} ---");
-    if model.compute_only() {
+    if model.routed().compute_only() {
         eprintln!("compute-only         stand-in expert records, no expert reads: output is not the model's");
     }
-    if model.non_default_routing() {
+    if model.routed().non_default_routing() {
         eprintln!(
             "routing              {} experts per token (model: {}): {NON_DEFAULT_ROUTING}",
-            model.experts_per_token(),
-            model.cfg.num_experts_per_tok
+            model.routed().experts_per_token(),
+            model.config().num_experts_per_tok()
         );
     }
     eprintln!("prompt tokens        {}", s.prompt_tokens);
@@ -574,12 +574,12 @@ pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &DeepseekV3, bu
         s.experts.evictions
     );
     eprintln!("expert hit rate      {:.1}%", 100.0 * s.experts.hit_rate());
-    let o = model.store.options();
+    let o = model.store().options();
     eprintln!(
         "expert store         io {}, cache {}, {} readers, waited {:.3} s for reads",
-        model.store.io_mode(),
+        model.store().io_mode(),
         o.policy,
-        model.store.readers(),
+        model.store().readers(),
         s.experts.read_wait_ns as f64 * 1e-9
     );
     if o.prefetch {

@@ -36,10 +36,12 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
     let dir = ModelDir::open(&a.model)?;
     let trace = Trace::read(&a.trace).with_context(|| format!("--trace {}", a.trace.display()))?;
     let c = &dir.manifest.config;
-    let first_moe = c.first_k_dense_replace.min(c.num_hidden_layers);
-    if trace.shape.n_layers as usize != c.num_hidden_layers
+    let first_moe = (0..c.num_hidden_layers())
+        .find(|&l| c.is_moe_layer(l))
+        .unwrap_or(c.num_hidden_layers());
+    if trace.shape.n_layers as usize != c.num_hidden_layers()
         || trace.shape.first_moe as usize != first_moe
-        || trace.shape.n_experts as usize != c.n_routed_experts
+        || trace.shape.n_experts as usize != c.n_routed_experts()
     {
         bail!(
             "--trace {}: recorded for another model ({}), not the one in {}",

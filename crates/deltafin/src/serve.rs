@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use deltafin_engine::models::DeepseekV3;
 use deltafin_engine::session::Session;
+use deltafin_engine::{load_model, CausalLm};
 use deltafin_format::ModelDir;
 use deltafin_server::ServerConfig;
 use deltafin_tokenizer::Tokenizer;
@@ -59,11 +59,11 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
     let mut store_opts = a.store.options(budget)?;
     let _network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
-    let model = DeepseekV3::load_with(&dir, store_opts)?;
+    let model = load_model(&dir, store_opts)?;
     if a.store.cache_policy == deltafin_engine::experts::CachePolicy::Pinned {
-        model.store.warm_pinned();
+        model.store().warm_pinned();
     }
-    let model = Arc::new(model);
+    let model: Arc<dyn CausalLm> = Arc::from(model);
     let model_id = match &a.model_id {
         Some(id) => id.clone(),
         None => a
@@ -73,7 +73,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
             .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
             .unwrap_or_else(|| "deltafin".into()),
     };
-    let context = model.cfg.max_position_embeddings;
+    let context = model.context_length();
     let session = Session::new(model, tokenizer, eos);
     let mut config = ServerConfig::new(model_id.clone());
     config.api_key = a.api_key.clone().filter(|k| !k.is_empty());

@@ -1,6 +1,7 @@
 //! `deltafin synth`: writes a deterministic deltafin model directory with random weights directly
-//! (no source checkpoint), for tests (`tiny`), the demo's shape (`demo`) and benchmarks (`bench`:
-//! a 13.7 GB expert pack in DeepSeek-V3's shape).
+//! (no source checkpoint), for tests (`tiny`, `k3-tiny`), the demo's shape (`demo`) and
+//! benchmarks (`bench`: a 13.7 GB expert pack in DeepSeek-V3's shape; `k3-bench`: 12.3 GB in
+//! Kimi K3's).
 
 use std::path::{Path, PathBuf};
 
@@ -16,7 +17,8 @@ use crate::demo::{BOS, CHAT_TEMPLATE, CORPUS, EOS, SPECIALS};
 
 #[derive(clap::Args)]
 pub struct SynthArgs {
-    /// Which model: tiny (tests, instant), demo (the demo's shape), bench (13.7 GB expert pack).
+    /// Which model: tiny (tests, instant), demo (the demo's shape), bench (13.7 GB expert pack,
+    /// DeepSeek-V3 shape), k3-tiny (tests), k3-bench (12.3 GB expert pack, Kimi K3 structure).
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(PRESET_NAMES))]
     preset: String,
     /// Output model directory (must not exist or be empty unless --force).
@@ -65,25 +67,28 @@ pub fn run(a: &SynthArgs) -> Result<()> {
     let report = write_model_dir(&a.out, &preset, &tokenizer, a.force, &bar)
         .with_context(|| format!("synthesizing the {} preset", preset.name))?;
     bar.0.finish_and_clear();
-    let s = &preset.spec;
+    let m = deltafin_format::ModelDir::open(&a.out)?;
+    let c = &m.manifest.config;
     eprintln!(
         "synthesized {} -> {} in {:.1} s (RANDOM weights: text output is meaningless)",
         preset.name,
         a.out.display(),
         t0.elapsed().as_secs_f64()
     );
+    let moe = (0..c.num_hidden_layers()).filter(|&l| c.is_moe_layer(l)).count();
+    let em = c.expert_matrices();
     eprintln!(
-        "  {} layers ({} dense), hidden {}, {} routed experts (top-{}, {} groups, top-{} groups) of {} -> {}, vocab {}",
-        s.num_hidden_layers,
-        s.first_k_dense_replace,
-        s.hidden_size,
-        s.n_routed_experts,
-        s.num_experts_per_tok,
-        s.n_group,
-        s.topk_group,
-        s.hidden_size,
-        s.moe_intermediate_size,
-        s.vocab_size
+        "  {} ({}): {} layers ({} MoE), hidden {}, {} routed experts per MoE layer (top-{}) of {} -> {}, vocab {}",
+        c.family(),
+        c.model_type(),
+        c.num_hidden_layers(),
+        moe,
+        c.hidden_size(),
+        c.n_routed_experts(),
+        c.num_experts_per_tok(),
+        em[0].cols,
+        em[0].rows,
+        c.vocab_size()
     );
     eprintln!(
         "  backbone {} (int8), expert pack {} ({} MXFP4 records of {} bytes)",

@@ -248,7 +248,7 @@ fn check_stats(stderr: &str, prompt_len: usize, generated: usize, manifest: &Val
     );
     // Every (position, MoE layer) asks for top-k experts; each is a hit or a miss, and each miss
     // reads one padded record.
-    let cfg = &manifest["config"];
+    let cfg = &manifest["config"]["deepseek_v3"];
     let layers = cfg["num_hidden_layers"].as_u64().unwrap();
     let dense = cfg["first_k_dense_replace"].as_u64().unwrap();
     let k = cfg["num_experts_per_tok"].as_u64().unwrap();
@@ -356,7 +356,7 @@ fn lossless_convert_and_run_match_the_reference() {
         let model = tmp.path().join("m");
         convert_lossless(&fixture(case), &model);
         let manifest = read_json(&model.join("manifest.json"));
-        let vocab = manifest["config"]["vocab_size"].as_u64().unwrap() as usize;
+        let vocab = manifest["config"]["deepseek_v3"]["vocab_size"].as_u64().unwrap() as usize;
         let expected = read_json(&fixture(case).join("expected.json"));
         for (i, p) in expected["prompts"].as_array().unwrap().iter().enumerate() {
             let prompt = ids(&p["prompt_ids"]);

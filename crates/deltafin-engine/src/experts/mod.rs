@@ -485,12 +485,12 @@ impl ExpertStore {
         } else {
             Default::default()
         };
-        let mut records: Vec<Vec<RecordInfo>> = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut records: Vec<Vec<RecordInfo>> = Vec::with_capacity(cfg.num_hidden_layers());
         let mut record_bytes = 0;
-        for l in 0..cfg.num_hidden_layers {
+        for l in 0..cfg.num_hidden_layers() {
             let mut layer = Vec::new();
             if cfg.is_moe_layer(l) {
-                for e in 0..cfg.n_routed_experts {
+                for e in 0..cfg.n_routed_experts() {
                     let r = dir.record(l, e);
                     let known = journal.get(&(l as u32, e as u32)).copied();
                     let xxh3 = if streaming {
@@ -535,7 +535,7 @@ impl ExpertStore {
         let stream = streaming.then(|| remote::Streaming::new(dir, opts.remote.as_ref().map(|r| r.0.clone())));
         let pack = PackFile::open(&path, opts.io)?;
         let readers = if opts.readers == 0 {
-            cfg.num_experts_per_tok.max(8)
+            cfg.num_experts_per_tok().max(8)
         } else {
             opts.readers
         };

@@ -71,10 +71,10 @@ pub(crate) struct Streaming {
 impl Streaming {
     pub(crate) fn new(dir: &ModelDir, source: Option<Arc<dyn RecordSource>>) -> Self {
         let cfg = &dir.manifest.config;
-        let records = (0..cfg.num_hidden_layers)
+        let records = (0..cfg.num_hidden_layers())
             .map(|l| {
                 if cfg.is_moe_layer(l) {
-                    (0..cfg.n_routed_experts).map(|e| dir.record(l, e).clone()).collect()
+                    (0..cfg.n_routed_experts()).map(|e| dir.record(l, e).clone()).collect()
                 } else {
                     Vec::new()
                 }

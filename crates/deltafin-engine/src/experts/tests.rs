@@ -737,6 +737,7 @@ fn invalid_requests_are_errors() {
 #[test]
 fn model_output_is_identical_for_every_store_configuration() {
     use crate::models::deepseek_v3::DeepseekV3;
+    use crate::CausalLm;
     let (_tmp, path) = convert_fixture();
     let dir = ModelDir::open(&path).unwrap();
     let io = *modes(&dir).first().unwrap();
@@ -757,13 +758,13 @@ fn model_output_is_identical_for_every_store_configuration() {
             },
         )
         .unwrap();
-        let mut cache = model.new_cache();
+        let mut cache = model.new_state();
         let mut bits = Vec::new();
         for t in [0u32, 5, 17, 3, 5, 9, 17, 0] {
-            let (logits, _) = model.forward(&mut cache, t).unwrap();
+            let (logits, _) = model.forward(cache.as_mut(), t).unwrap();
             bits.push(logits.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
         }
-        let c = model.store.counters();
+        let c = model.store().counters();
         assert_eq!(c.predicted_requests > 0, prefetch, "{c:?}");
         match &first {
             None => first = Some(bits),

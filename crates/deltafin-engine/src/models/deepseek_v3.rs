@@ -14,15 +14,12 @@
 //! `q_nope_h · (W_UK_h c_t) = (W_UK_h^T q_nope_h) · c_t` and `Σ_t p_t W_UV_h c_t = W_UV_h Σ_t p_t c_t`,
 //! which equal the reference's expanded form up to f32 summation order. [MLA_ABSORB]
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
-
-use deltafin_format::{DeepseekV3Config, ModelDir, Rope};
-use deltafin_kernels::{argmax, rms_norm, silu, softmax_inplace, MatRef};
+use deltafin_format::{DeepseekV3Config, ModelConfig, ModelDir, Rope};
+use deltafin_kernels::{rms_norm, softmax_inplace, MatRef};
 use rayon::prelude::*;
 
-use crate::experts::{Expert, ExpertStore, StoreOptions};
+use crate::experts::StoreOptions;
+use crate::model::{state_as, swiglu, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
 use crate::moe::{route, RouterConfig, Routing};
 use crate::rope::{yarn_mscale, RotaryEmbedding};
 use crate::EngineError;
@@ -86,6 +83,8 @@ impl LayerNames {
 /// Per-sequence decode state: the MLA latent KV cache of every layer.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
+    kv_lora_rank: usize,
+    rope_dim: usize,
     /// `[layer][n_tokens * kv_lora_rank]`: normalised latents `c_kv`.
     c_kv: Vec<Vec<f32>>,
     /// `[layer][n_tokens * qk_rope_head_dim]`: rotated shared rope keys.
@@ -94,53 +93,36 @@ pub struct KvCache {
     len: usize,
 }
 
-impl KvCache {
-    /// Tokens held.
-    pub fn len(&self) -> usize {
+impl DecodeState for KvCache {
+    fn len(&self) -> usize {
         self.len
     }
 
-    /// Whether empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Bytes held by the cache.
-    pub fn bytes(&self) -> usize {
-        self.c_kv.iter().chain(&self.k_pe).map(|v| v.capacity() * 4).sum()
-    }
-
-    /// Drops every position at or after `len` (rollback).
-    pub fn truncate(&mut self, len: usize, kv_lora_rank: usize, rope_dim: usize) {
+    fn truncate(&mut self, len: usize) -> bool {
         if len < self.len {
             for v in &mut self.c_kv {
-                v.truncate(len * kv_lora_rank);
+                v.truncate(len * self.kv_lora_rank);
             }
             for v in &mut self.k_pe {
-                v.truncate(len * rope_dim);
+                v.truncate(len * self.rope_dim);
             }
             self.len = len;
         }
+        true
     }
-}
 
-/// Which routed experts each MoE layer chose for the last token (for traces and tests).
-pub type LayerRoutes = Vec<(usize, Routing)>;
+    fn bytes(&self) -> usize {
+        self.c_kv.iter().chain(&self.k_pe).map(|v| v.capacity() * 4).sum()
+    }
 
-/// Cumulative time spent in the parts of the forward pass, nanoseconds (for per-step breakdowns:
-/// the caller takes differences around a step).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Profile {
-    /// Attention (MLA) including its projections.
-    pub attention_ns: u64,
-    /// MoE and dense MLP blocks, including the time spent waiting for expert reads.
-    pub mlp_ns: u64,
-    /// Forward passes completed.
-    pub forwards: u64,
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
 }
 
 /// A loaded DeepSeek-V3-family model: resident backbone plus the routed-expert store.
 pub struct DeepseekV3 {
+    config: ModelConfig,
     pub cfg: DeepseekV3Config,
     backbone: Backbone,
     names: Vec<LayerNames>,
@@ -148,17 +130,7 @@ pub struct DeepseekV3 {
     /// Softmax scale `qk_head_dim^-0.5 · mscale²`. [YARN_MSCALE]
     softmax_scale: f32,
     router: RouterConfig,
-    /// Routed experts per token actually used (the config's top-k unless overridden).
-    experts_per_token: AtomicUsize,
-    /// Whether to predict the next MoE layer's experts and prefetch them.
-    prefetch: bool,
-    /// Compute-only measurement mode: one resident stand-in record per MoE layer (None for dense
-    /// layers); no expert reads. Output is not the model's.
-    compute_only: Option<Vec<Option<Arc<Expert>>>>,
-    attention_ns: AtomicU64,
-    mlp_ns: AtomicU64,
-    forwards: AtomicU64,
-    pub store: Arc<ExpertStore>,
+    routed: RoutedExperts,
 }
 
 impl DeepseekV3 {
@@ -175,7 +147,11 @@ impl DeepseekV3 {
     ///
     /// Errors: a missing or malformed tensor in the backbone, unreadable files, O_DIRECT refused.
     pub fn load_with(dir: &ModelDir, opts: StoreOptions) -> Result<Self, EngineError> {
-        let cfg = dir.manifest.config.clone();
+        let config = dir.manifest.config.clone();
+        let cfg = config
+            .as_deepseek_v3()
+            .ok_or_else(|| EngineError::Invalid(format!("{}: not a deepseek_v3 model", dir.path.display())))?
+            .clone();
         let backbone = dir.load_backbone()?;
         let names: Vec<LayerNames> = (0..cfg.num_hidden_layers).map(LayerNames::new).collect();
         // Check every tensor the forward pass uses once, so a bad directory fails at load.
@@ -229,101 +205,17 @@ impl DeepseekV3 {
             norm_topk_prob: cfg.norm_topk_prob,
             routed_scaling_factor: cfg.routed_scaling_factor,
         };
-        let prefetch = opts.prefetch;
-        let store = Arc::new(ExpertStore::open(dir, opts)?);
+        let routed = RoutedExperts::open(dir, opts)?;
         Ok(DeepseekV3 {
-            experts_per_token: AtomicUsize::new(cfg.num_experts_per_tok),
-            prefetch,
-            compute_only: None,
-            attention_ns: AtomicU64::new(0),
-            mlp_ns: AtomicU64::new(0),
-            forwards: AtomicU64::new(0),
+            config,
             cfg,
             backbone,
             names,
             rope,
             softmax_scale: softmax_scale as f32,
             router,
-            store,
+            routed,
         })
-    }
-
-    /// Bytes of the resident backbone.
-    pub fn backbone_bytes(&self) -> usize {
-        self.backbone.bytes()
-    }
-
-    /// Cumulative forward-pass timings.
-    pub fn profile(&self) -> Profile {
-        Profile {
-            attention_ns: self.attention_ns.load(Ordering::Relaxed),
-            mlp_ns: self.mlp_ns.load(Ordering::Relaxed),
-            forwards: self.forwards.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Routed experts used per token (the config's `num_experts_per_tok` unless overridden).
-    pub fn experts_per_token(&self) -> usize {
-        self.experts_per_token.load(Ordering::Relaxed)
-    }
-
-    /// Whether routing differs from the model's own (`--experts-per-token` set to another value):
-    /// output is then not equivalent to the model.
-    pub fn non_default_routing(&self) -> bool {
-        self.experts_per_token() != self.cfg.num_experts_per_tok
-    }
-
-    /// Research control (`--experts-per-token K`): route every token to `k` experts instead of
-    /// the config's top-k. Output is then NOT the model's; callers must label it.
-    ///
-    /// Errors: `k` is 0 or more than the experts the group limit leaves selectable.
-    pub fn set_experts_per_token(&self, k: usize) -> Result<(), EngineError> {
-        let c = &self.cfg;
-        let selectable = c.topk_group * (c.n_routed_experts / c.n_group.max(1));
-        if k == 0 || k > selectable {
-            return Err(EngineError::Invalid(format!(
-                "--experts-per-token {k}: must be between 1 and {selectable} (routed experts selectable within topk_group {} of n_group {})",
-                c.topk_group, c.n_group
-            )));
-        }
-        self.experts_per_token.store(k, Ordering::Relaxed);
-        Ok(())
-    }
-
-    /// MEASUREMENT ONLY (`--compute-only`): reads one record per MoE layer now and computes every
-    /// chosen expert with it, so a run measures compute with no expert I/O. Output is not the
-    /// model's.
-    pub fn set_compute_only(&mut self) -> Result<(), EngineError> {
-        let c = &self.cfg;
-        let mut v = Vec::with_capacity(c.num_hidden_layers);
-        for l in 0..c.num_hidden_layers {
-            v.push(if c.is_moe_layer(l) {
-                Some(self.store.get(l, &[0])?.remove(0))
-            } else {
-                None
-            });
-        }
-        self.compute_only = Some(v);
-        Ok(())
-    }
-
-    /// Whether compute-only measurement mode is on.
-    pub fn compute_only(&self) -> bool {
-        self.compute_only.is_some()
-    }
-
-    /// Turns next-layer expert prediction and prefetch on or off.
-    pub fn set_prefetch(&mut self, on: bool) {
-        self.prefetch = on;
-    }
-
-    /// A fresh, empty KV cache for one sequence.
-    pub fn new_cache(&self) -> KvCache {
-        KvCache {
-            c_kv: vec![Vec::new(); self.cfg.num_hidden_layers],
-            k_pe: vec![Vec::new(); self.cfg.num_hidden_layers],
-            len: 0,
-        }
     }
 
     fn m(&self, name: &str) -> Result<MatRef<'_>, EngineError> {
@@ -338,7 +230,7 @@ impl DeepseekV3 {
     /// the routing of every MoE layer.
     ///
     /// Errors: token id outside the vocabulary, expert read or checksum failures.
-    pub fn forward(&self, cache: &mut KvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+    fn forward_token(&self, cache: &mut KvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         let c = &self.cfg;
         if token as usize >= c.vocab_size {
             return Err(EngineError::TokenOutOfRange {
@@ -356,30 +248,31 @@ impl DeepseekV3 {
         for l in 0..c.num_hidden_layers {
             let n = &self.names[l];
             rms_norm(&x, self.v(&n.input_layernorm)?, c.rms_norm_eps, &mut xn);
-            let t_attn = Instant::now();
-            let attn = self.attention(l, &xn, pos, cache)?;
-            self.attention_ns
-                .fetch_add(t_attn.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            let attn = self.routed.time_attention(|| self.attention(l, &xn, pos, cache))?;
             for (a, b) in x.iter_mut().zip(&attn) {
                 *a += b;
             }
             rms_norm(&x, self.v(&n.post_attention_layernorm)?, c.rms_norm_eps, &mut xn);
-            let t_mlp = Instant::now();
-            let mlp = if c.is_moe_layer(l) {
-                let (out, r) = self.moe(l, &xn)?;
-                routes.push((l, r));
-                out
-            } else {
-                self.mlp(self.m(&n.gate_proj)?, self.m(&n.up_proj)?, self.m(&n.down_proj)?, &xn)
-            };
-            self.mlp_ns
-                .fetch_add(t_mlp.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            let mlp = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
+                if c.is_moe_layer(l) {
+                    let (out, r) = self.moe(l, &xn)?;
+                    routes.push((l, r));
+                    Ok(out)
+                } else {
+                    Ok(swiglu(
+                        self.m(&n.gate_proj)?,
+                        self.m(&n.up_proj)?,
+                        self.m(&n.down_proj)?,
+                        &xn,
+                    ))
+                }
+            })?;
             for (a, b) in x.iter_mut().zip(&mlp) {
                 *a += b;
             }
         }
         cache.len += 1;
-        self.forwards.fetch_add(1, Ordering::Relaxed);
+        self.routed.count_forward();
         rms_norm(&x.clone(), self.v("model.norm.weight")?, c.rms_norm_eps, &mut x);
         let lm = self.m("lm_head.weight")?;
         let mut logits = vec![0f32; lm.rows];
@@ -465,20 +358,6 @@ impl DeepseekV3 {
         Ok(out)
     }
 
-    /// SwiGLU MLP: `down_proj(silu(gate_proj(x)) * up_proj(x))`. x: `[hidden]` → `[hidden]`.
-    fn mlp(&self, gate: MatRef<'_>, up: MatRef<'_>, down: MatRef<'_>, xn: &[f32]) -> Vec<f32> {
-        let mut g = vec![0f32; gate.rows];
-        let mut u = vec![0f32; up.rows];
-        gate.matvec(xn, &mut g);
-        up.matvec(xn, &mut u);
-        for (a, b) in g.iter_mut().zip(&u) {
-            *a = silu(*a) * b;
-        }
-        let mut out = vec![0f32; down.rows];
-        down.matvec(&g, &mut out);
-        out
-    }
-
     /// MoE block: routed experts (read through the expert store) weighted by the router, plus
     /// the shared experts. x: `[hidden]` → `[hidden]`.
     fn moe(&self, l: usize, xn: &[f32]) -> Result<(Vec<f32>, Routing), EngineError> {
@@ -489,91 +368,78 @@ impl DeepseekV3 {
         let mut logits = vec![0f32; gate.rows];
         gate.matvec(xn, &mut logits);
         let router = RouterConfig {
-            top_k: self.experts_per_token(),
+            top_k: self.routed.experts_per_token(),
             ..self.router
         };
         let routing = route(&router, &logits, self.v(&n.router_bias)?);
-        // Issue the reads of every missing chosen expert at once, then predict the next MoE
-        // layer's experts by applying its router to this hidden state and prefetch them (the
-        // store starts speculative reads only when no demand read is pending).
-        let fetch = match &self.compute_only {
-            Some(_) => None,
-            None => Some(self.store.fetch(l, &routing.experts)?),
-        };
-        if self.prefetch {
-            if let Some(next) = (l + 1..c.num_hidden_layers).find(|&k| c.is_moe_layer(k)) {
-                let nn = &self.names[next];
-                let mut next_logits = vec![0f32; c.n_routed_experts];
-                self.m(&nn.router)?.matvec(xn, &mut next_logits);
-                let predicted = route(&router, &next_logits, self.v(&nn.router_bias)?);
-                self.store.prefetch(next, &predicted.experts);
-            }
-        }
         let shared = if c.n_shared_experts > 0 {
-            Some((
+            let (g, u, d) = (
                 self.m(&n.shared_gate_proj)?,
                 self.m(&n.shared_up_proj)?,
                 self.m(&n.shared_down_proj)?,
-            ))
+            );
+            Some(move || swiglu(g, u, d, xn))
         } else {
             None
         };
-        // Compute each expert as its record arrives (on the compute pool) while this thread
-        // waits for the others, and the shared experts meanwhile; outs[i] belongs to
-        // routing.experts[i] whatever the arrival order.
-        let outs: Vec<std::sync::OnceLock<Vec<f32>>> = routing.experts.iter().map(|_| Default::default()).collect();
-        let shared_out: std::sync::OnceLock<Vec<f32>> = Default::default();
-        rayon::in_place_scope(|s| -> Result<(), EngineError> {
-            if let Some((g, u, d)) = shared {
-                let slot = &shared_out;
-                s.spawn(move |_| {
-                    let _ = slot.set(self.mlp(g, u, d, xn));
-                });
-            }
-            match fetch {
-                Some(fetch) => {
-                    for r in fetch {
-                        let (i, e) = r?;
-                        let slot = &outs[i];
-                        s.spawn(move |_| {
-                            let _ = slot.set(self.mlp(e.matrix(0), e.matrix(1), e.matrix(2), xn));
-                        });
-                    }
-                }
-                None => {
-                    // Compute-only measurement: every chosen expert is computed with this
-                    // layer's resident stand-in record (same shape and cost, different values).
-                    let stand_in = self.compute_only.as_ref().and_then(|v| v[l].clone()).ok_or_else(|| {
-                        EngineError::Invalid(format!("layer {l}: compute-only mode without a resident record"))
-                    })?;
-                    for slot in &outs {
-                        let e = stand_in.clone();
-                        s.spawn(move |_| {
-                            let _ = slot.set(self.mlp(e.matrix(0), e.matrix(1), e.matrix(2), xn));
-                        });
-                    }
-                }
-            }
-            Ok(())
-        })?;
-        let mut out = vec![0f32; c.hidden_size];
-        // Sum in ascending expert id, as the reference's index_add loop does.
-        for (o, w) in outs.iter().zip(&routing.weights) {
-            let o = o
-                .get()
-                .ok_or_else(|| EngineError::Invalid(format!("layer {l}: an expert output is missing")))?;
-            deltafin_kernels::axpy(*w, o, &mut out);
-        }
-        if let Some(sh) = shared_out.get() {
-            for (a, b) in out.iter_mut().zip(sh) {
+        // Next MoE layer's experts predicted by applying its router to this hidden state.
+        let predict = || -> Result<Option<(usize, Vec<usize>)>, EngineError> {
+            let Some(next) = (l + 1..c.num_hidden_layers).find(|&k| c.is_moe_layer(k)) else {
+                return Ok(None);
+            };
+            let nn = &self.names[next];
+            let mut next_logits = vec![0f32; c.n_routed_experts];
+            self.m(&nn.router)?.matvec(xn, &mut next_logits);
+            Ok(Some((
+                next,
+                route(&router, &next_logits, self.v(&nn.router_bias)?).experts,
+            )))
+        };
+        let (mut out, shared_out) = self.routed.run(
+            l,
+            &routing,
+            c.hidden_size,
+            |e| swiglu(e.matrix(0), e.matrix(1), e.matrix(2), xn),
+            shared,
+            predict,
+        )?;
+        if let Some(sh) = shared_out {
+            for (a, b) in out.iter_mut().zip(&sh) {
                 *a += b;
             }
         }
         Ok((out, routing))
     }
+}
 
-    /// Greedy choice from logits.
-    pub fn greedy(logits: &[f32]) -> u32 {
-        argmax(logits) as u32
+impl CausalLm for DeepseekV3 {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn new_state(&self) -> Box<dyn DecodeState> {
+        Box::new(KvCache {
+            kv_lora_rank: self.cfg.kv_lora_rank,
+            rope_dim: self.cfg.qk_rope_head_dim,
+            c_kv: vec![Vec::new(); self.cfg.num_hidden_layers],
+            k_pe: vec![Vec::new(); self.cfg.num_hidden_layers],
+            len: 0,
+        })
+    }
+
+    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        self.forward_token(state_as::<KvCache>(state)?, token)
+    }
+
+    fn routed(&self) -> &RoutedExperts {
+        &self.routed
+    }
+
+    fn routed_mut(&mut self) -> &mut RoutedExperts {
+        &mut self.routed
+    }
+
+    fn backbone_bytes(&self) -> usize {
+        self.backbone.bytes()
     }
 }

@@ -1,0 +1,365 @@
+//! The interface every model family implements, and the routed-expert runtime they share.
+//!
+//! A family's file (`models/<family>.rs`) holds its weights and forward pass; generation, the
+//! server session, traces and benchmarks only see [`CausalLm`] and [`DecodeState`]. The MoE
+//! part common to all families (issue the reads of the chosen experts at once, compute each as
+//! its record arrives, the shared experts meanwhile, optional next-layer prefetch, the research
+//! and measurement controls, timings) is [`RoutedExperts`].
+
+use std::any::Any;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use deltafin_format::{ModelConfig, ModelDir};
+use deltafin_kernels::{silu, MatRef};
+
+use crate::experts::{Expert, ExpertStore, StoreOptions};
+use crate::moe::Routing;
+use crate::EngineError;
+
+/// Which routed experts each MoE layer chose for the last token: `(layer, routing)`.
+pub type LayerRoutes = Vec<(usize, Routing)>;
+
+/// Per-sequence decode state of a model (KV caches, recurrent states), one position per token.
+pub trait DecodeState: Send + Any {
+    /// Tokens held.
+    fn len(&self) -> usize;
+
+    /// Whether no token is held.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops every position at or after `len` (rollback to a shorter prefix). Returns false
+    /// when the state cannot go back that far (a recurrent state without a snapshot there); the
+    /// caller then starts from an empty state.
+    fn truncate(&mut self, len: usize) -> bool;
+
+    /// Bytes held by the state.
+    fn bytes(&self) -> usize;
+
+    /// For the owning model to recover its concrete type.
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// Cumulative time spent in the parts of the forward pass, nanoseconds (for per-step breakdowns:
+/// the caller takes differences around a step).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Profile {
+    /// Attention (and other token mixers) including projections.
+    pub attention_ns: u64,
+    /// MoE and dense MLP blocks, including the time spent waiting for expert reads.
+    pub mlp_ns: u64,
+    /// Forward passes completed.
+    pub forwards: u64,
+}
+
+/// A loaded causal language model: resident backbone plus routed experts behind a store.
+pub trait CausalLm: Send + Sync {
+    /// The resolved config this model was loaded from.
+    fn config(&self) -> &ModelConfig;
+
+    /// A fresh, empty decode state for one sequence.
+    fn new_state(&self) -> Box<dyn DecodeState>;
+
+    /// Runs one token at the next position of `state`; returns the logits `[vocab_size]` and
+    /// the routing of every MoE layer.
+    ///
+    /// Errors: token id outside the vocabulary, a state of another model, expert read or
+    /// checksum failures.
+    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError>;
+
+    /// Returns `state` to its first `len` tokens (rollback after a rejected draft, or reuse of a
+    /// shared prompt prefix). Returns false when it cannot go back that far (a recurrent state
+    /// beyond its rollback window); the state is then unchanged and the caller starts over.
+    fn rollback(&self, state: &mut dyn DecodeState, len: usize) -> bool {
+        state.truncate(len)
+    }
+
+    /// The routed-expert runtime (store, controls, timings).
+    fn routed(&self) -> &RoutedExperts;
+
+    /// Mutable access for the load-time controls (compute-only, prefetch).
+    fn routed_mut(&mut self) -> &mut RoutedExperts;
+
+    /// Bytes of the resident backbone.
+    fn backbone_bytes(&self) -> usize;
+
+    /// Vocabulary size (logits width).
+    fn vocab_size(&self) -> usize {
+        self.config().vocab_size()
+    }
+
+    /// Context length in tokens.
+    fn context_length(&self) -> usize {
+        self.config().max_position_embeddings()
+    }
+
+    /// The expert store.
+    fn store(&self) -> &Arc<ExpertStore> {
+        &self.routed().store
+    }
+}
+
+/// Loads the model in `dir` with the family its manifest names, the backbone resident and the
+/// expert store opened with `opts`.
+///
+/// Errors: a missing or malformed backbone tensor, unreadable files, O_DIRECT refused.
+pub fn load_model(dir: &ModelDir, opts: StoreOptions) -> Result<Box<dyn CausalLm>, EngineError> {
+    match &dir.manifest.config {
+        ModelConfig::DeepseekV3(_) => Ok(Box::new(crate::models::DeepseekV3::load_with(dir, opts)?)),
+        ModelConfig::KimiLinear(_) => Ok(Box::new(crate::models::KimiLinear::load_with(dir, opts)?)),
+    }
+}
+
+/// Downcasts a decode state to the concrete type a model expects.
+///
+/// Errors: the state was made by another model.
+pub fn state_as<T: 'static>(state: &mut dyn DecodeState) -> Result<&mut T, EngineError> {
+    state
+        .as_any_mut()
+        .downcast_mut::<T>()
+        .ok_or_else(|| EngineError::Invalid("decode state belongs to another model".into()))
+}
+
+/// Routed experts of one model: the store plus the controls and timings every family shares.
+pub struct RoutedExperts {
+    pub store: Arc<ExpertStore>,
+    /// The model's top-k.
+    default_top_k: usize,
+    /// Most experts the router can select, and why (for the `--experts-per-token` error).
+    max_top_k: (usize, String),
+    /// Routed experts per token actually used (the config's top-k unless overridden).
+    experts_per_token: AtomicUsize,
+    /// Whether to predict the next MoE layer's experts and prefetch them.
+    prefetch: bool,
+    /// Compute-only measurement mode: one resident stand-in record per MoE layer (None for dense
+    /// layers); no expert reads. Output is not the model's.
+    compute_only: Option<Vec<Option<Arc<Expert>>>>,
+    moe_layers: Vec<bool>,
+    attention_ns: AtomicU64,
+    mlp_ns: AtomicU64,
+    forwards: AtomicU64,
+}
+
+impl RoutedExperts {
+    /// Opens the expert store of `dir` with `opts` (prefetch of predicted experts on when
+    /// `opts.prefetch` is).
+    ///
+    /// Errors: the store cannot open `experts.pack` (missing file, O_DIRECT refused).
+    pub fn open(dir: &ModelDir, opts: StoreOptions) -> Result<Self, EngineError> {
+        let c = &dir.manifest.config;
+        let prefetch = opts.prefetch;
+        let store = Arc::new(ExpertStore::open(dir, opts)?);
+        Ok(RoutedExperts {
+            store,
+            default_top_k: c.num_experts_per_tok(),
+            max_top_k: c.max_experts_per_tok(),
+            experts_per_token: AtomicUsize::new(c.num_experts_per_tok()),
+            prefetch,
+            compute_only: None,
+            moe_layers: (0..c.num_hidden_layers()).map(|l| c.is_moe_layer(l)).collect(),
+            attention_ns: AtomicU64::new(0),
+            mlp_ns: AtomicU64::new(0),
+            forwards: AtomicU64::new(0),
+        })
+    }
+
+    /// Routed experts used per token (the config's top-k unless overridden).
+    pub fn experts_per_token(&self) -> usize {
+        self.experts_per_token.load(Ordering::Relaxed)
+    }
+
+    /// Whether routing differs from the model's own (`--experts-per-token` set to another value):
+    /// output is then not equivalent to the model.
+    pub fn non_default_routing(&self) -> bool {
+        self.experts_per_token() != self.default_top_k
+    }
+
+    /// Research control (`--experts-per-token K`): route every token to `k` experts instead of
+    /// the config's top-k. Output is then NOT the model's; callers must label it.
+    ///
+    /// Errors: `k` is 0 or more than the router can select.
+    pub fn set_experts_per_token(&self, k: usize) -> Result<(), EngineError> {
+        let (max, why) = &self.max_top_k;
+        if k == 0 || k > *max {
+            return Err(EngineError::Invalid(format!(
+                "--experts-per-token {k}: must be between 1 and {max} ({why})"
+            )));
+        }
+        self.experts_per_token.store(k, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// MEASUREMENT ONLY (`--compute-only`): reads one record per MoE layer now and computes every
+    /// chosen expert with it, so a run measures compute with no expert I/O. Output is not the
+    /// model's.
+    pub fn set_compute_only(&mut self) -> Result<(), EngineError> {
+        let mut v = Vec::with_capacity(self.moe_layers.len());
+        for (l, &moe) in self.moe_layers.iter().enumerate() {
+            v.push(if moe {
+                Some(self.store.get(l, &[0])?.remove(0))
+            } else {
+                None
+            });
+        }
+        self.compute_only = Some(v);
+        Ok(())
+    }
+
+    /// Whether compute-only measurement mode is on.
+    pub fn compute_only(&self) -> bool {
+        self.compute_only.is_some()
+    }
+
+    /// Turns next-layer expert prediction and prefetch on or off.
+    pub fn set_prefetch(&mut self, on: bool) {
+        self.prefetch = on;
+    }
+
+    /// Whether next-layer prefetch is on (families then call [`Self::prefetch`]).
+    pub fn prefetch_enabled(&self) -> bool {
+        self.prefetch
+    }
+
+    /// Starts speculative reads of `experts` of MoE layer `layer` (a prediction); the store
+    /// runs them only while no demand read is pending.
+    pub fn prefetch(&self, layer: usize, experts: &[usize]) {
+        if self.prefetch && self.compute_only.is_none() {
+            self.store.prefetch(layer, experts);
+        }
+    }
+
+    /// Cumulative forward-pass timings.
+    pub fn profile(&self) -> Profile {
+        Profile {
+            attention_ns: self.attention_ns.load(Ordering::Relaxed),
+            mlp_ns: self.mlp_ns.load(Ordering::Relaxed),
+            forwards: self.forwards.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Runs `f` and counts its time as attention.
+    pub fn time_attention<T>(&self, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = f();
+        self.attention_ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
+    /// Runs `f` and counts its time as MLP / MoE.
+    pub fn time_mlp<T>(&self, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = f();
+        self.mlp_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
+    /// Counts one completed forward pass.
+    pub fn count_forward(&self) {
+        self.forwards.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The routed part of a MoE block for one token of layer `layer`: reads every chosen
+    /// expert not in the cache at once (`routing.experts`), computes `expert(record)` for each
+    /// on the compute pool as its record arrives, and `shared()` meanwhile; returns
+    /// `(Σ_i routing.weights[i] · expert_i, shared)`, the sum in the order of
+    /// `routing.experts` (whatever the arrival order), so the result does not depend on timing.
+    /// `predict_next` runs after the reads are issued, and only with prefetch on: it returns
+    /// the next MoE layer and its predicted experts.
+    ///
+    /// Output widths: every expert output and the shared output have the same width `out_dim`.
+    ///
+    /// Errors: expert read or checksum failures, a failed prediction.
+    pub fn run<E, S, P>(
+        &self,
+        layer: usize,
+        routing: &Routing,
+        out_dim: usize,
+        expert: E,
+        shared: Option<S>,
+        predict_next: P,
+    ) -> Result<(Vec<f32>, Option<Vec<f32>>), EngineError>
+    where
+        E: Fn(&Expert) -> Vec<f32> + Sync,
+        S: FnOnce() -> Vec<f32> + Send,
+        P: FnOnce() -> Result<Option<(usize, Vec<usize>)>, EngineError>,
+    {
+        let fetch = match &self.compute_only {
+            Some(_) => None,
+            None => Some(self.store.fetch(layer, &routing.experts)?),
+        };
+        if self.prefetch && self.compute_only.is_none() {
+            if let Some((next, predicted)) = predict_next()? {
+                self.store.prefetch(next, &predicted);
+            }
+        }
+        let outs: Vec<OnceLock<Vec<f32>>> = routing.experts.iter().map(|_| OnceLock::new()).collect();
+        let shared_out: OnceLock<Vec<f32>> = OnceLock::new();
+        let expert = &expert;
+        rayon::in_place_scope(|s| -> Result<(), EngineError> {
+            if let Some(f) = shared {
+                let slot = &shared_out;
+                s.spawn(move |_| {
+                    let _ = slot.set(f());
+                });
+            }
+            match fetch {
+                Some(fetch) => {
+                    for r in fetch {
+                        let (i, e) = r?;
+                        let slot = &outs[i];
+                        s.spawn(move |_| {
+                            let _ = slot.set(expert(&e));
+                        });
+                    }
+                }
+                None => {
+                    // Compute-only measurement: every chosen expert is computed with this
+                    // layer's resident stand-in record (same shape and cost, different values).
+                    let stand_in = self
+                        .compute_only
+                        .as_ref()
+                        .and_then(|v| v[layer].clone())
+                        .ok_or_else(|| {
+                            EngineError::Invalid(format!("layer {layer}: compute-only mode without a resident record"))
+                        })?;
+                    for slot in &outs {
+                        let e = stand_in.clone();
+                        s.spawn(move |_| {
+                            let _ = slot.set(expert(&e));
+                        });
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        let mut out = vec![0f32; out_dim];
+        for (o, w) in outs.iter().zip(&routing.weights) {
+            let o = o
+                .get()
+                .ok_or_else(|| EngineError::Invalid(format!("layer {layer}: an expert output is missing")))?;
+            deltafin_kernels::axpy(*w, o, &mut out);
+        }
+        Ok((out, shared_out.into_inner()))
+    }
+}
+
+/// SwiGLU feed-forward (dense MLP, shared and routed experts of most families):
+/// `down_proj(silu(gate_proj(x)) * up_proj(x))`. x: `[cols of gate]` → `[rows of down]`.
+/// Source: Shazeer 2020, "GLU Variants Improve Transformer" (arXiv:2002.05202); transformers'
+/// `DeepseekV3MLP`.
+pub fn swiglu(gate: MatRef<'_>, up: MatRef<'_>, down: MatRef<'_>, x: &[f32]) -> Vec<f32> {
+    let mut g = vec![0f32; gate.rows];
+    let mut u = vec![0f32; up.rows];
+    gate.matvec(x, &mut g);
+    up.matvec(x, &mut u);
+    for (a, b) in g.iter_mut().zip(&u) {
+        *a = silu(*a) * b;
+    }
+    let mut out = vec![0f32; down.rows];
+    down.matvec(&g, &mut out);
+    out
+}

@@ -1,0 +1,718 @@
+//! Kimi Linear and Kimi K3 forward pass, one token at a time, in f32.
+//!
+//! Kimi Linear matches transformers 5.24 `models/kimi_linear/modeling_kimi_linear.py`; the K3
+//! additions follow `../shared/K3-SPEC.md` (§ numbers below), checked against llama.cpp's
+//! goldens in `tests/fixtures/kimi_k3/`.
+//!
+//! Per decoder layer without attention residuals (Kimi Linear):
+//! ```text
+//! h = x + mixer(input_layernorm(x))            # KDA or NoPE MLA, by linear_attn_config
+//! x = h + ffn(post_attention_layernorm(h))     # dense MLP below first_k_dense_replace, else MoE
+//! ```
+//! With attention residuals (K3, §1–2), a per-sequence-position bank `B` of block inputs replaces
+//! the plain residual stream:
+//! ```text
+//! a_in = mix(B, h_l; w_attn_l)                 # depth softmax over RMS-normalised entries  [ATTN_RES]
+//! if l % attn_res_block_size == 0: B.push(h_l); S = 0   else: S = h_l
+//! S   += mixer(input_layernorm(a_in))
+//! f_in = mix(B, S; w_mlp_l)
+//! h_{l+1} = S + ffn(post_attention_layernorm(f_in))
+//! logits = lm_head(norm(mix(B, h_L; w_out)))
+//! ```
+//! The MoE block (§5): sigmoid router with `e_score_correction_bias` for selection only; with
+//! LatentMoE the routed experts run on `routed_expert_down_proj(x)`, their weighted sum is
+//! RMS-normalised (`routed_expert_norm`) and projected back (`routed_expert_up_proj`); the
+//! shared experts read the full-width `x`. SiTU-GLU or SwiGLU everywhere, per `hidden_act`.
+
+use deltafin_format::kimi_linear::{GluActivation, KimiLinearConfig, MixerKind};
+use deltafin_format::model_dir::Backbone;
+use deltafin_format::{ModelConfig, ModelDir};
+use deltafin_kernels::{rms_norm, sigmoid, silu, softmax_inplace, MatRef};
+use rayon::prelude::*;
+
+use crate::blocks::kda::{
+    DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, KdaWeights, OutputGate, DEFAULT_CHUNK_SIZE,
+};
+use crate::experts::StoreOptions;
+use crate::model::{state_as, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::moe::{route, RouterConfig, Routing};
+use crate::EngineError;
+
+/// eps of `q_a_layernorm` and `kv_a_layernorm`: transformers' Kimi Linear builds them with the
+/// `KimiLinearRMSNorm` default 1e-6 whatever `rms_norm_eps` says, and the K3 spec prefers 1e-6
+/// too (§4: Moonshot-derived ports use 1e-6; llama.cpp uses `rms_norm_eps`). [KL_LATENT_NORM_EPS]
+const LATENT_NORM_EPS: f32 = 1e-6;
+
+/// Tokens a KDA state can roll back without recomputation (speculative decoding drafts are
+/// shorter); further back, the session starts over.
+const KDA_ROLLBACK_WINDOW: usize = 32;
+
+/// Tensor names of one decoder layer, as in the checkpoint.
+struct LayerNames {
+    input_layernorm: String,
+    post_attention_layernorm: String,
+    attn_res_norm: String,
+    attn_res_proj: String,
+    mlp_res_norm: String,
+    mlp_res_proj: String,
+    kda: KdaTensorNames,
+    q_proj: String,
+    q_a_proj: String,
+    q_a_layernorm: String,
+    q_b_proj: String,
+    kv_a_proj_with_mqa: String,
+    kv_a_layernorm: String,
+    kv_b_proj: String,
+    g_proj: String,
+    o_proj: String,
+    gate_proj: String,
+    up_proj: String,
+    down_proj: String,
+    router: String,
+    router_bias: String,
+    latent_down: String,
+    latent_norm: String,
+    latent_up: String,
+    shared_gate_proj: String,
+    shared_up_proj: String,
+    shared_down_proj: String,
+}
+
+impl LayerNames {
+    fn new(l: usize) -> Self {
+        let p = format!("model.layers.{l}");
+        let a = format!("{p}.self_attn");
+        let m = format!("{p}.block_sparse_moe");
+        LayerNames {
+            input_layernorm: format!("{p}.input_layernorm.weight"),
+            post_attention_layernorm: format!("{p}.post_attention_layernorm.weight"),
+            attn_res_norm: format!("{p}.self_attention_res_norm.weight"),
+            attn_res_proj: format!("{p}.self_attention_res_proj.weight"),
+            mlp_res_norm: format!("{p}.mlp_res_norm.weight"),
+            mlp_res_proj: format!("{p}.mlp_res_proj.weight"),
+            kda: KdaTensorNames::new(&a),
+            q_proj: format!("{a}.q_proj.weight"),
+            q_a_proj: format!("{a}.q_a_proj.weight"),
+            q_a_layernorm: format!("{a}.q_a_layernorm.weight"),
+            q_b_proj: format!("{a}.q_b_proj.weight"),
+            kv_a_proj_with_mqa: format!("{a}.kv_a_proj_with_mqa.weight"),
+            kv_a_layernorm: format!("{a}.kv_a_layernorm.weight"),
+            kv_b_proj: format!("{a}.kv_b_proj.weight"),
+            g_proj: format!("{a}.g_proj.weight"),
+            o_proj: format!("{a}.o_proj.weight"),
+            gate_proj: format!("{p}.mlp.gate_proj.weight"),
+            up_proj: format!("{p}.mlp.up_proj.weight"),
+            down_proj: format!("{p}.mlp.down_proj.weight"),
+            router: format!("{m}.gate.weight"),
+            router_bias: format!("{m}.gate.e_score_correction_bias"),
+            latent_down: format!("{m}.routed_expert_down_proj.weight"),
+            latent_norm: format!("{m}.routed_expert_norm.weight"),
+            latent_up: format!("{m}.routed_expert_up_proj.weight"),
+            shared_gate_proj: format!("{m}.shared_experts.gate_proj.weight"),
+            shared_up_proj: format!("{m}.shared_experts.up_proj.weight"),
+            shared_down_proj: format!("{m}.shared_experts.down_proj.weight"),
+        }
+    }
+}
+
+/// Decode state of one layer's token mixer.
+#[derive(Debug, Clone)]
+enum MixerState {
+    Kda(KdaState),
+    /// MLA latent cache: `c_kv: [n_tokens, kv_lora_rank]` (normalised) and the shared, un-rotated
+    /// key part `k_pe: [n_tokens, qk_rope_head_dim]`.
+    Mla {
+        c_kv: Vec<f32>,
+        k_pe: Vec<f32>,
+    },
+}
+
+/// Per-sequence decode state: one mixer state per layer. The attention-residual bank is an
+/// activation of the current position only (§2), not part of the state.
+#[derive(Debug, Clone)]
+pub struct KimiLinearState {
+    layers: Vec<MixerState>,
+    kv_lora_rank: usize,
+    rope_dim: usize,
+    len: usize,
+}
+
+impl DecodeState for KimiLinearState {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    /// MLA caches truncate; KDA states need their layer's weights to roll back, so a bare
+    /// truncate succeeds only when nothing is dropped (use [`CausalLm::rollback`]).
+    fn truncate(&mut self, len: usize) -> bool {
+        len >= self.len
+    }
+
+    fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|s| match s {
+                MixerState::Kda(k) => k.bytes(),
+                MixerState::Mla { c_kv, k_pe } => (c_kv.capacity() + k_pe.capacity()) * 4,
+            })
+            .sum()
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// A loaded Kimi Linear / Kimi K3 model.
+pub struct KimiLinear {
+    config: ModelConfig,
+    pub cfg: KimiLinearConfig,
+    backbone: Backbone,
+    names: Vec<LayerNames>,
+    /// Fused attention-residual score vectors `norm ⊙ proj` per layer: (pre-attention,
+    /// pre-MLP), and the output site's. Empty without attention residuals. [ATTN_RES]
+    res_scores: Vec<(Vec<f32>, Vec<f32>)>,
+    out_res_score: Vec<f32>,
+    router: RouterConfig,
+    /// MLA softmax scale `(qk_nope + qk_rope)^-0.5` (no YaRN: the model has no RoPE).
+    softmax_scale: f32,
+    /// Empty decode state of each layer's mixer, cloned for every new sequence.
+    empty_states: Vec<MixerState>,
+    routed: RoutedExperts,
+}
+
+impl KimiLinear {
+    /// Loads the backbone into memory and opens the expert store with `opts`.
+    ///
+    /// Errors: not a Kimi Linear directory, a missing or malformed backbone tensor (every tensor
+    /// the forward pass uses is checked here), unreadable files.
+    pub fn load_with(dir: &ModelDir, opts: StoreOptions) -> Result<Self, EngineError> {
+        let config = dir.manifest.config.clone();
+        let cfg = config
+            .as_kimi_linear()
+            .ok_or_else(|| EngineError::Invalid(format!("{}: not a kimi_linear model", dir.path.display())))?
+            .clone();
+        let backbone = dir.load_backbone()?;
+        let names: Vec<LayerNames> = (0..cfg.num_hidden_layers).map(LayerNames::new).collect();
+        // Every tensor the forward pass reads is in the converter's table for this config;
+        // check them all once so a bad directory fails at load.
+        for t in dir.manifest.config.backbone_tensors() {
+            backbone
+                .f32_tensor(&t.name)
+                .map(|_| ())
+                .or_else(|_| backbone.matrix(&t.name).map(|_| ()))?;
+        }
+        let fused = |norm: &str, proj: &str| -> Result<Vec<f32>, EngineError> {
+            let n = backbone.vector(norm)?;
+            let (p, _) = backbone.f32_tensor(proj)?;
+            Ok(n.iter().zip(p).map(|(a, b)| a * b).collect())
+        };
+        let mut res_scores = Vec::new();
+        let mut out_res_score = Vec::new();
+        if cfg.attn_res_block_size.is_some() {
+            for n in &names {
+                res_scores.push((
+                    fused(&n.attn_res_norm, &n.attn_res_proj)?,
+                    fused(&n.mlp_res_norm, &n.mlp_res_proj)?,
+                ));
+            }
+            out_res_score = fused("model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight")?;
+        }
+        let router = RouterConfig {
+            n_routed_experts: cfg.num_experts,
+            top_k: cfg.num_experts_per_token,
+            n_group: cfg.n_group,
+            topk_group: cfg.topk_group,
+            norm_topk_prob: cfg.renormalize,
+            routed_scaling_factor: cfg.routed_scaling_factor,
+        };
+        let softmax_scale = ((cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) as f32).powf(-0.5);
+        let routed = RoutedExperts::open(dir, opts)?;
+        let mut model = KimiLinear {
+            config,
+            cfg,
+            backbone,
+            names,
+            res_scores,
+            out_res_score,
+            router,
+            softmax_scale,
+            empty_states: Vec::new(),
+            routed,
+        };
+        // Building each KDA block checks its shapes once.
+        let mut empty = Vec::with_capacity(model.cfg.num_hidden_layers);
+        for l in 0..model.cfg.num_hidden_layers {
+            empty.push(match model.cfg.mixers[l] {
+                MixerKind::Kda => MixerState::Kda(model.kda(l)?.new_state(KDA_ROLLBACK_WINDOW)),
+                MixerKind::Mla => MixerState::Mla {
+                    c_kv: Vec::new(),
+                    k_pe: Vec::new(),
+                },
+            });
+        }
+        model.empty_states = empty;
+        Ok(model)
+    }
+
+    fn m(&self, name: &str) -> Result<MatRef<'_>, EngineError> {
+        Ok(self.backbone.matrix(name)?)
+    }
+
+    fn v(&self, name: &str) -> Result<&[f32], EngineError> {
+        Ok(self.backbone.vector(name)?)
+    }
+
+    /// The KDA block of layer `l` over the resident weights (shapes checked).
+    fn kda(&self, l: usize) -> Result<Kda<'_>, EngineError> {
+        let c = &self.cfg;
+        let n = &self.names[l].kda;
+        let flat = |name: &str| -> Result<&[f32], EngineError> { Ok(self.backbone.f32_tensor(name)?.0) };
+        let cfg = KdaConfig {
+            layer: l,
+            hidden_size: c.hidden_size,
+            num_heads: c.kda_num_heads,
+            head_dim: c.kda_head_dim,
+            conv_kernel_size: c.short_conv_kernel_size,
+            norm_eps: c.rms_norm_eps,
+            decay_gate: match c.gate_lower_bound {
+                Some(lower_bound) => DecayGate::ScaledSigmoid { lower_bound },
+                None => DecayGate::Softplus,
+            },
+            chunk_size: DEFAULT_CHUNK_SIZE,
+        };
+        let w = KdaWeights {
+            q_proj: self.m(&n.q_proj)?,
+            k_proj: self.m(&n.k_proj)?,
+            v_proj: self.m(&n.v_proj)?,
+            q_conv: flat(&n.q_conv1d)?,
+            k_conv: flat(&n.k_conv1d)?,
+            v_conv: flat(&n.v_conv1d)?,
+            f_a_proj: self.m(&n.f_a_proj)?,
+            f_b_proj: self.m(&n.f_b_proj)?,
+            a_log: flat(&n.a_log)?,
+            dt_bias: flat(&n.dt_bias)?,
+            b_proj: self.m(&n.b_proj)?,
+            output_gate: if c.use_full_rank_gate {
+                OutputGate::FullRank(self.m(&n.g_proj)?)
+            } else {
+                OutputGate::LowRank {
+                    a: self.m(&n.g_a_proj)?,
+                    b: self.m(&n.g_b_proj)?,
+                }
+            },
+            o_norm: self.v(&n.o_norm)?,
+            o_proj: self.m(&n.o_proj)?,
+        };
+        Kda::new(cfg, w).map_err(|e| EngineError::Invalid(e.to_string()))
+    }
+
+    /// Runs one token at the next position of `st`; returns the logits `[vocab_size]` and the
+    /// routing of every MoE layer.
+    fn forward_token(&self, st: &mut KimiLinearState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        let c = &self.cfg;
+        if token as usize >= c.vocab_size {
+            return Err(EngineError::TokenOutOfRange {
+                id: token,
+                vocab_size: c.vocab_size,
+            });
+        }
+        let pos = st.len;
+        let h = c.hidden_size;
+        // x: [hidden] = embed_tokens[token]
+        let mut x = vec![0f32; h];
+        self.m("model.embed_tokens.weight")?.row_into(token as usize, &mut x);
+        let mut xn = vec![0f32; h];
+        let mut routes = Vec::new();
+        // Attention-residual bank of this position: [n_entries][hidden]. [ATTN_RES]
+        let mut bank: Vec<Vec<f32>> = Vec::new();
+        for l in 0..c.num_hidden_layers {
+            let n = &self.names[l];
+            // a_in: the mixer's input before its norm; s: the running sum the mixer adds to.
+            let (a_in, mut s) = match c.attn_res_block_size {
+                Some(bs) => {
+                    let a_in = attn_res_mix(&bank, &x, &self.res_scores[l].0, c.rms_norm_eps);
+                    let s = if l % bs == 0 {
+                        bank.push(std::mem::take(&mut x));
+                        vec![0f32; h]
+                    } else {
+                        std::mem::take(&mut x)
+                    };
+                    (a_in, s)
+                }
+                None => (x.clone(), std::mem::take(&mut x)),
+            };
+            rms_norm(&a_in, self.v(&n.input_layernorm)?, c.rms_norm_eps, &mut xn);
+            let mixed = self.routed.time_attention(|| -> Result<Vec<f32>, EngineError> {
+                match &mut st.layers[l] {
+                    MixerState::Kda(ks) => {
+                        let mut out = vec![0f32; h];
+                        self.kda(l)?
+                            .step(ks, &xn, &mut out)
+                            .map_err(|e| EngineError::Invalid(e.to_string()))?;
+                        Ok(out)
+                    }
+                    MixerState::Mla { c_kv, k_pe } => self.mla(l, &xn, pos, c_kv, k_pe),
+                }
+            })?;
+            for (a, b) in s.iter_mut().zip(&mixed) {
+                *a += b;
+            }
+            let f_in = match c.attn_res_block_size {
+                Some(_) => attn_res_mix(&bank, &s, &self.res_scores[l].1, c.rms_norm_eps),
+                None => s.clone(),
+            };
+            rms_norm(&f_in, self.v(&n.post_attention_layernorm)?, c.rms_norm_eps, &mut xn);
+            let ffn = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
+                if c.is_moe_layer(l) {
+                    let (out, r) = self.moe(l, &xn)?;
+                    routes.push((l, r));
+                    Ok(out)
+                } else {
+                    Ok(glu_mlp(
+                        c.activation,
+                        self.m(&n.gate_proj)?,
+                        self.m(&n.up_proj)?,
+                        self.m(&n.down_proj)?,
+                        &xn,
+                    ))
+                }
+            })?;
+            for (a, b) in s.iter_mut().zip(&ffn) {
+                *a += b;
+            }
+            x = s;
+        }
+        st.len += 1;
+        self.routed.count_forward();
+        let z = match c.attn_res_block_size {
+            Some(_) => attn_res_mix(&bank, &x, &self.out_res_score, c.rms_norm_eps),
+            None => x,
+        };
+        let mut y = vec![0f32; h];
+        rms_norm(&z, self.v("model.norm.weight")?, c.rms_norm_eps, &mut y);
+        let lm = self.m("lm_head.weight")?;
+        let mut logits = vec![0f32; lm.rows];
+        lm.matvec(&y, &mut logits);
+        Ok((logits, routes))
+    }
+
+    /// NoPE MLA for one token at position `pos` in its absorbed form (as in `deepseek_v3.rs`,
+    /// [MLA_ABSORB]), without rotary embeddings (`mla_use_nope`: the `qk_rope_head_dim` part is a
+    /// plain shared-key dot product), with K3's output gate `o ⊙ σ(x W_g^T)` when configured
+    /// (K3-SPEC §4). Appends this token's latent and key part to the cache. xn: `[hidden]` →
+    /// `[hidden]`.
+    fn mla(
+        &self,
+        l: usize,
+        xn: &[f32],
+        pos: usize,
+        c_kv: &mut Vec<f32>,
+        k_pe_cache: &mut Vec<f32>,
+    ) -> Result<Vec<f32>, EngineError> {
+        let c = &self.cfg;
+        let n = &self.names[l];
+        let (nh, nope, rope, vd, kvl) = (
+            c.num_attention_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        );
+        let qk = nope + rope;
+        // q: [n_heads, qk_head_dim]
+        let mut q = vec![0f32; nh * qk];
+        match c.q_lora_rank {
+            Some(r) => {
+                let mut qa = vec![0f32; r];
+                self.m(&n.q_a_proj)?.matvec(xn, &mut qa);
+                let mut qan = vec![0f32; r];
+                rms_norm(&qa, self.v(&n.q_a_layernorm)?, LATENT_NORM_EPS, &mut qan);
+                self.m(&n.q_b_proj)?.matvec(&qan, &mut q);
+            }
+            None => self.m(&n.q_proj)?.matvec(xn, &mut q),
+        }
+        // compressed_kv: [kv_lora_rank + qk_rope_head_dim]; the latent is normalised, k_pe is not.
+        let mut ckv = vec![0f32; kvl + rope];
+        self.m(&n.kv_a_proj_with_mqa)?.matvec(xn, &mut ckv);
+        let mut latent = vec![0f32; kvl];
+        rms_norm(&ckv[..kvl], self.v(&n.kv_a_layernorm)?, LATENT_NORM_EPS, &mut latent);
+        c_kv.extend_from_slice(&latent);
+        k_pe_cache.extend_from_slice(&ckv[kvl..]);
+        let t_len = pos + 1;
+        let (ckv_cache, kpe_cache) = (&*c_kv, &*k_pe_cache);
+        let kv_b = self.m(&n.kv_b_proj)?;
+        let scale = self.softmax_scale;
+        // out: [n_heads, v_head_dim]
+        let heads: Vec<Vec<f32>> = (0..nh)
+            .into_par_iter()
+            .map(|hh| {
+                let qh = &q[hh * qk..(hh + 1) * qk];
+                let base = hh * (nope + vd);
+                // q_abs = W_UK_h^T q_nope: [kv_lora_rank]
+                let mut q_abs = vec![0f32; kvl];
+                kv_b.rows(base, base + nope).matvec_t(&qh[..nope], &mut q_abs);
+                let mut scores: Vec<f32> = (0..t_len)
+                    .map(|t| {
+                        let s = deltafin_kernels::dot(&q_abs, &ckv_cache[t * kvl..(t + 1) * kvl])
+                            + deltafin_kernels::dot(&qh[nope..], &kpe_cache[t * rope..(t + 1) * rope]);
+                        s * scale
+                    })
+                    .collect();
+                softmax_inplace(&mut scores);
+                let mut ctx = vec![0f32; kvl];
+                for (t, p) in scores.iter().enumerate() {
+                    deltafin_kernels::axpy(*p, &ckv_cache[t * kvl..(t + 1) * kvl], &mut ctx);
+                }
+                let mut o = vec![0f32; vd];
+                kv_b.rows(base + nope, base + nope + vd).matvec(&ctx, &mut o);
+                o
+            })
+            .collect();
+        let mut flat: Vec<f32> = heads.concat();
+        if c.mla_use_output_gate {
+            // o ⊙ σ(x W_g^T), W_g: [n_heads * v_head_dim, hidden]
+            let mut g = vec![0f32; nh * vd];
+            self.m(&n.g_proj)?.matvec(xn, &mut g);
+            for (o, gi) in flat.iter_mut().zip(&g) {
+                *o *= sigmoid(*gi);
+            }
+        }
+        let mut out = vec![0f32; c.hidden_size];
+        self.m(&n.o_proj)?.matvec(&flat, &mut out);
+        Ok(out)
+    }
+
+    /// MoE block (K3-SPEC §5; transformers `KimiLinearMoE`): routed experts through the store,
+    /// in the latent width with LatentMoE, plus the shared experts on the full width.
+    /// x: `[hidden]` → `[hidden]`.
+    fn moe(&self, l: usize, xn: &[f32]) -> Result<(Vec<f32>, Routing), EngineError> {
+        let c = &self.cfg;
+        let n = &self.names[l];
+        // router_logits = x · W_gate^T in f32: [num_experts]
+        let gate = self.m(&n.router)?;
+        let mut logits = vec![0f32; gate.rows];
+        gate.matvec(xn, &mut logits);
+        let router = RouterConfig {
+            top_k: self.routed.experts_per_token(),
+            ..self.router
+        };
+        let routing = route(&router, &logits, self.v(&n.router_bias)?);
+        // xl: [expert_width] = routed_expert_down_proj(x) with LatentMoE, else x.
+        let xl = match c.routed_expert_hidden_size {
+            Some(lat) => {
+                let mut xl = vec![0f32; lat];
+                self.m(&n.latent_down)?.matvec(xn, &mut xl);
+                xl
+            }
+            None => xn.to_vec(),
+        };
+        let shared = if c.num_shared_experts > 0 {
+            let (g, u, d) = (
+                self.m(&n.shared_gate_proj)?,
+                self.m(&n.shared_up_proj)?,
+                self.m(&n.shared_down_proj)?,
+            );
+            Some(move || glu_mlp(c.activation, g, u, d, xn))
+        } else {
+            None
+        };
+        let predict = || -> Result<Option<(usize, Vec<usize>)>, EngineError> {
+            let Some(next) = (l + 1..c.num_hidden_layers).find(|&k| c.is_moe_layer(k)) else {
+                return Ok(None);
+            };
+            let nn = &self.names[next];
+            let mut next_logits = vec![0f32; c.num_experts];
+            self.m(&nn.router)?.matvec(xn, &mut next_logits);
+            Ok(Some((
+                next,
+                route(&router, &next_logits, self.v(&nn.router_bias)?).experts,
+            )))
+        };
+        let act = c.activation;
+        let xl_ref = &xl;
+        let (routed, shared_out) = self.routed.run(
+            l,
+            &routing,
+            c.expert_width(),
+            |e| glu_mlp(act, e.matrix(0), e.matrix(1), e.matrix(2), xl_ref),
+            shared,
+            predict,
+        )?;
+        let mut out = match c.routed_expert_hidden_size {
+            Some(lat) => {
+                // y_r = up(rms(Σ w_i e_i; routed_expert_norm)) with latent_moe_use_norm.
+                let mut y = routed;
+                if c.latent_moe_use_norm {
+                    let mut yn = vec![0f32; lat];
+                    rms_norm(&y, self.v(&n.latent_norm)?, c.rms_norm_eps, &mut yn);
+                    y = yn;
+                }
+                let mut up = vec![0f32; c.hidden_size];
+                self.m(&n.latent_up)?.matvec(&y, &mut up);
+                up
+            }
+            None => routed,
+        };
+        if let Some(sh) = shared_out {
+            for (a, b) in out.iter_mut().zip(&sh) {
+                *a += b;
+            }
+        }
+        Ok((out, routing))
+    }
+}
+
+/// Attention-residual depth mix (K3-SPEC §2, [ATTN_RES]): scores `s_k = <v_k / rms(v_k), w>` for
+/// each bank entry and for the current partial sum `c`, softmax over the `K + 1` scores (f32),
+/// result `Σ α_k v_k + α_c c` over the RAW vectors. An empty bank returns `c`.
+/// bank: `[K][hidden]`, c, w: `[hidden]` → `[hidden]`.
+pub fn attn_res_mix(bank: &[Vec<f32>], c: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    if bank.is_empty() {
+        return c.to_vec();
+    }
+    let score = |v: &[f32]| {
+        let ms = v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32;
+        deltafin_kernels::dot(v, w) / (ms + eps).sqrt()
+    };
+    let mut alpha: Vec<f32> = bank.iter().map(|v| score(v)).chain(std::iter::once(score(c))).collect();
+    softmax_inplace(&mut alpha);
+    let mut out = vec![0f32; c.len()];
+    for (v, a) in bank.iter().map(Vec::as_slice).chain(std::iter::once(c)).zip(&alpha) {
+        deltafin_kernels::axpy(*a, v, &mut out);
+    }
+    out
+}
+
+/// SiTU-GLU (K3-SPEC §5, [SITU]): `β·tanh(g/β)·σ(g) · β_lin·tanh(u/β_lin)` (the up branch is `u`
+/// when `β_lin` is None).
+pub fn situ(g: f32, u: f32, beta: f32, linear_beta: Option<f32>) -> f32 {
+    let gate = beta * (g / beta).tanh() * sigmoid(g);
+    let up = match linear_beta {
+        Some(b) => b * (u / b).tanh(),
+        None => u,
+    };
+    gate * up
+}
+
+/// Gated feed-forward `down(act(gate(x), up(x)))` with SwiGLU or SiTU-GLU.
+/// x: `[cols of gate]` → `[rows of down]`.
+pub fn glu_mlp(act: GluActivation, gate: MatRef<'_>, up: MatRef<'_>, down: MatRef<'_>, x: &[f32]) -> Vec<f32> {
+    let mut g = vec![0f32; gate.rows];
+    let mut u = vec![0f32; up.rows];
+    gate.matvec(x, &mut g);
+    up.matvec(x, &mut u);
+    for (a, b) in g.iter_mut().zip(&u) {
+        *a = match act {
+            GluActivation::Silu => silu(*a) * b,
+            GluActivation::Situ { beta, linear_beta } => situ(*a, *b, beta, linear_beta),
+        };
+    }
+    let mut out = vec![0f32; down.rows];
+    down.matvec(&g, &mut out);
+    out
+}
+
+impl CausalLm for KimiLinear {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn new_state(&self) -> Box<dyn DecodeState> {
+        Box::new(KimiLinearState {
+            layers: self.empty_states.clone(),
+            kv_lora_rank: self.cfg.kv_lora_rank,
+            rope_dim: self.cfg.qk_rope_head_dim,
+            len: 0,
+        })
+    }
+
+    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        self.forward_token(state_as::<KimiLinearState>(state)?, token)
+    }
+
+    fn rollback(&self, state: &mut dyn DecodeState, len: usize) -> bool {
+        let Ok(st) = state_as::<KimiLinearState>(state) else {
+            return false;
+        };
+        if len >= st.len {
+            return true;
+        }
+        // All KDA layers must reach back that far before anything is changed.
+        let reachable = st.layers.iter().all(|s| match s {
+            MixerState::Kda(k) => len >= k.committed_len(),
+            MixerState::Mla { .. } => true,
+        });
+        if !reachable {
+            return false;
+        }
+        let (kvl, rope) = (st.kv_lora_rank, st.rope_dim);
+        for (l, s) in st.layers.iter_mut().enumerate() {
+            match s {
+                MixerState::Kda(k) => {
+                    let Ok(kda) = self.kda(l) else { return false };
+                    if k.rollback(&kda, len).is_err() {
+                        return false;
+                    }
+                }
+                MixerState::Mla { c_kv, k_pe } => {
+                    c_kv.truncate(len * kvl);
+                    k_pe.truncate(len * rope);
+                }
+            }
+        }
+        st.len = len;
+        true
+    }
+
+    fn routed(&self) -> &RoutedExperts {
+        &self.routed
+    }
+
+    fn routed_mut(&mut self) -> &mut RoutedExperts {
+        &mut self.routed
+    }
+
+    fn backbone_bytes(&self) -> usize {
+        self.backbone.bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn situ_matches_hand_computed_values() {
+        // g = 1, u = 2, β = 4, β_lin = 25: 4·tanh(0.25)·σ(1) · 25·tanh(0.08)
+        let want = 4.0 * 0.244_918_66_f32 * 0.731_058_6 * 25.0 * 0.079_829_6;
+        assert!((situ(1.0, 2.0, 4.0, Some(25.0)) - want).abs() < 1e-5);
+        // Without β_lin the up branch passes through.
+        let want = 4.0 * 0.244_918_66_f32 * 0.731_058_6 * 2.0;
+        assert!((situ(1.0, 2.0, 4.0, None) - want).abs() < 1e-5);
+        // Large gates saturate at β (σ → 1), large up values at β_lin.
+        assert!((situ(100.0, 1000.0, 4.0, Some(25.0)) - 100.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn attn_res_mix_matches_hand_computed_weights() {
+        // Empty bank: identity.
+        assert_eq!(attn_res_mix(&[], &[1.0, 2.0], &[1.0, 1.0], 0.0), vec![1.0, 2.0]);
+        // v = [2, 0] (rms √2 → normalised [√2, 0]), c = [0, 1] (rms 1/√2 → [0, √2]), w = [1, 0]:
+        // scores √2 and 0, α = softmax → [e^√2, 1] / (e^√2 + 1); result = α_v·v + α_c·c.
+        let out = attn_res_mix(&[vec![2.0, 0.0]], &[0.0, 1.0], &[1.0, 0.0], 0.0);
+        let e = std::f32::consts::SQRT_2.exp();
+        let (av, ac) = (e / (e + 1.0), 1.0 / (e + 1.0));
+        assert!(
+            (out[0] - 2.0 * av).abs() < 1e-6 && (out[1] - ac).abs() < 1e-6,
+            "{out:?}"
+        );
+        // The scores use the normalised vectors: scaling an entry changes its weight not at all,
+        // but the sum uses the raw (scaled) entry.
+        let out2 = attn_res_mix(&[vec![20.0, 0.0]], &[0.0, 1.0], &[1.0, 0.0], 0.0);
+        assert!(
+            (out2[0] - 20.0 * av).abs() < 1e-5 && (out2[1] - ac).abs() < 1e-6,
+            "{out2:?}"
+        );
+    }
+}

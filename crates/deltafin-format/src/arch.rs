@@ -1,0 +1,305 @@
+//! Model families: what the converter, the model directory and the engine need to know about an
+//! architecture, digested from `config.json` once. The forward code lives in the engine (one
+//! file per family); this module only describes tensors: the resident backbone tensors with
+//! their shapes and storage role, the matrices of one routed-expert record, where each comes
+//! from in the checkpoint, and which checkpoint tensors are deliberately left out.
+//!
+//! Adding a family: a config type with `from_value` + `validate` (its own file), a variant of
+//! [`ModelConfig`], and the arms of the `match`es below.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::config::{text_config, DeepseekV3Config};
+use crate::kimi_linear::KimiLinearConfig;
+use crate::FormatError;
+
+/// Resolved hyperparameters of a supported model, tagged by family (the manifest stores it as
+/// `{"deepseek_v3": {...}}`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelConfig {
+    /// DeepSeek-V3 and Kimi K2 / K2.5 (`model_type` `deepseek_v3`, `kimi_k2`, or a wrapper whose
+    /// `text_config` is one of them).
+    DeepseekV3(DeepseekV3Config),
+    /// Kimi Linear and Kimi K3 (`kimi_linear`, or the `kimi_k3` wrapper whose `text_config` is
+    /// `kimi_linear`): KDA + NoPE MLA hybrid; K3 adds attention residuals, LatentMoE and SiTU.
+    KimiLinear(KimiLinearConfig),
+}
+
+/// `model_type`s accepted by [`ModelConfig::from_value`] (of the text config).
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["deepseek_v3", "kimi_k2", "kimi_linear", "kimi_k3"];
+
+/// How a backbone tensor is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorRole {
+    /// Always f32 whatever `--backbone` says (norms, routers, biases, small vectors).
+    F32,
+    /// A 2-D matrix stored in the backbone dtype (int8 by default).
+    Matrix,
+}
+
+/// One resident tensor: checkpoint name, shape as in the checkpoint, storage role.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackboneTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub role: TensorRole,
+}
+
+/// One matrix of a routed-expert record: record-local name (`gate_proj`, `up_proj`, `down_proj`
+/// as in the checkpoint) and shape `[rows, cols]` (`y = W x` with `x: [cols]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertMatrix {
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Where one expert matrix comes from in the checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertSource {
+    /// Checkpoint tensor name.
+    pub tensor: String,
+    /// Its full shape in the checkpoint.
+    pub shape: Vec<usize>,
+    /// Which part of it is this expert's matrix.
+    pub select: Select,
+}
+
+/// Part of a checkpoint tensor that forms one expert matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Select {
+    /// The whole tensor, `[rows, cols]`.
+    Whole,
+}
+
+impl ModelConfig {
+    /// Reads and resolves `config.json`, choosing the family from `model_type` (of
+    /// `text_config` for multimodal wrappers). Returns the config and the raw JSON.
+    ///
+    /// Errors: unreadable file, malformed JSON, an unsupported `model_type`, or what the family's
+    /// own validation rejects (named field).
+    pub fn from_file(path: &Path) -> Result<(Self, Value), FormatError> {
+        let text = std::fs::read_to_string(path).map_err(|e| FormatError::Io {
+            path: path.to_path_buf(),
+            error: e,
+        })?;
+        let raw: Value = serde_json::from_str(&text).map_err(|e| FormatError::Json {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        let cfg = Self::from_value(&raw, path)?;
+        Ok((cfg, raw))
+    }
+
+    /// Resolves a parsed `config.json` (`path` only names the file in errors).
+    pub fn from_value(raw: &Value, path: &Path) -> Result<Self, FormatError> {
+        let tc = text_config(raw);
+        let mt = tc.get("model_type").and_then(Value::as_str).unwrap_or("");
+        match mt {
+            "deepseek_v3" | "kimi_k2" => Ok(ModelConfig::DeepseekV3(DeepseekV3Config::from_value(raw, path)?)),
+            "kimi_linear" => Ok(ModelConfig::KimiLinear(KimiLinearConfig::from_value(raw, path)?)),
+            _ => {
+                let top = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
+                let shown = if mt.is_empty() { top } else { mt };
+                Err(FormatError::Config {
+                    path: path.to_path_buf(),
+                    field: "model_type".into(),
+                    message: format!(
+                        "unsupported model_type {shown:?} (supported: {})",
+                        SUPPORTED_MODEL_TYPES.join(", ")
+                    ),
+                })
+            }
+        }
+    }
+
+    /// Family name (the engine's model file), e.g. `deepseek_v3`.
+    pub fn family(&self) -> &'static str {
+        match self {
+            ModelConfig::DeepseekV3(_) => "deepseek_v3",
+            ModelConfig::KimiLinear(_) => "kimi_linear",
+        }
+    }
+
+    /// `model_type` of the text config (e.g. `kimi_k2` for a Kimi K2 checkpoint).
+    pub fn model_type(&self) -> &str {
+        match self {
+            ModelConfig::DeepseekV3(c) => &c.model_type,
+            ModelConfig::KimiLinear(c) => &c.model_type,
+        }
+    }
+
+    /// The Kimi Linear / K3 config, when this is one.
+    pub fn as_kimi_linear(&self) -> Option<&KimiLinearConfig> {
+        match self {
+            ModelConfig::KimiLinear(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// The DeepSeek-V3 config, when this is one.
+    pub fn as_deepseek_v3(&self) -> Option<&DeepseekV3Config> {
+        match self {
+            ModelConfig::DeepseekV3(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.vocab_size,
+            ModelConfig::KimiLinear(c) => c.vocab_size,
+        }
+    }
+
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.hidden_size,
+            ModelConfig::KimiLinear(c) => c.hidden_size,
+        }
+    }
+
+    pub fn num_hidden_layers(&self) -> usize {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.num_hidden_layers,
+            ModelConfig::KimiLinear(c) => c.num_hidden_layers,
+        }
+    }
+
+    /// Context length in tokens (`max_position_embeddings`).
+    pub fn max_position_embeddings(&self) -> usize {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.max_position_embeddings,
+            ModelConfig::KimiLinear(c) => c.max_position_embeddings,
+        }
+    }
+
+    /// Whether decoder layer `layer` (0-based) has routed experts.
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.is_moe_layer(layer),
+            ModelConfig::KimiLinear(c) => c.is_moe_layer(layer),
+        }
+    }
+
+    /// Routed experts per MoE layer.
+    pub fn n_routed_experts(&self) -> usize {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.n_routed_experts,
+            ModelConfig::KimiLinear(c) => c.num_experts,
+        }
+    }
+
+    /// The model's top-k: routed experts chosen per token.
+    pub fn num_experts_per_tok(&self) -> usize {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.num_experts_per_tok,
+            ModelConfig::KimiLinear(c) => c.num_experts_per_token,
+        }
+    }
+
+    /// Most experts per token the router can select (the `--experts-per-token` upper bound),
+    /// with the reason when it is below `n_routed_experts`.
+    pub fn max_experts_per_tok(&self) -> (usize, String) {
+        match self {
+            ModelConfig::DeepseekV3(c) => (
+                c.topk_group * (c.n_routed_experts / c.n_group.max(1)),
+                format!(
+                    "routed experts selectable within topk_group {} of n_group {}",
+                    c.topk_group, c.n_group
+                ),
+            ),
+            ModelConfig::KimiLinear(c) => (
+                c.topk_group * (c.num_experts / c.n_group.max(1)),
+                format!(
+                    "routed experts selectable within topk_group {} of num_expert_group {}",
+                    c.topk_group, c.n_group
+                ),
+            ),
+        }
+    }
+
+    /// End-of-sequence ids named by `config.json`.
+    pub fn eos_token_id(&self) -> &[u32] {
+        match self {
+            ModelConfig::DeepseekV3(c) => &c.eos_token_id,
+            ModelConfig::KimiLinear(c) => &c.eos_token_id,
+        }
+    }
+
+    pub fn bos_token_id(&self) -> Option<u32> {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.bos_token_id,
+            ModelConfig::KimiLinear(c) => c.bos_token_id,
+        }
+    }
+
+    /// The resident tensors, in checkpoint order.
+    pub fn backbone_tensors(&self) -> Vec<BackboneTensor> {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.backbone_tensors(),
+            ModelConfig::KimiLinear(c) => c.backbone_tensors(),
+        }
+    }
+
+    /// The matrices of one routed-expert record, in record order.
+    pub fn expert_matrices(&self) -> Vec<ExpertMatrix> {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.expert_matrices(),
+            ModelConfig::KimiLinear(c) => c.expert_matrices(),
+        }
+    }
+
+    /// Where matrix `m` (an entry of [`Self::expert_matrices`]) of routed expert `expert` in
+    /// layer `layer` comes from.
+    pub fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
+        match self {
+            ModelConfig::DeepseekV3(_) => ExpertSource {
+                tensor: format!("model.layers.{layer}.mlp.experts.{expert}.{}.weight", m.name),
+                shape: vec![m.rows, m.cols],
+                select: Select::Whole,
+            },
+            ModelConfig::KimiLinear(c) => ExpertSource {
+                tensor: c.expert_tensor(layer, expert, &m.name),
+                shape: vec![m.rows, m.cols],
+                select: Select::Whole,
+            },
+        }
+    }
+
+    /// Checkpoint tensors deliberately not converted (e.g. multi-token-prediction layers,
+    /// rotary buffers).
+    pub fn is_ignored(&self, name: &str) -> bool {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.is_ignored(name),
+            ModelConfig::KimiLinear(c) => c.is_ignored(name),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn dispatches_on_model_type_and_round_trips_through_serde() {
+        let p = Path::new("config.json");
+        let c = ModelConfig::from_value(&json!({"model_type": "kimi_k2", "num_hidden_layers": 2}), p).unwrap();
+        assert_eq!(c.family(), "deepseek_v3");
+        assert_eq!(c.model_type(), "kimi_k2");
+        let s = serde_json::to_value(&c).unwrap();
+        assert!(s.get("deepseek_v3").is_some(), "{s}");
+        let back: ModelConfig = serde_json::from_value(s).unwrap();
+        assert_eq!(back, c);
+        let e = ModelConfig::from_value(&json!({"model_type": "llama"}), p).unwrap_err();
+        assert!(
+            e.to_string().contains("model_type") && e.to_string().contains("llama"),
+            "{e}"
+        );
+    }
+}
