@@ -49,6 +49,16 @@ pub enum EngineError {
         expected: String,
         found: String,
     },
+    #[error("{dir}: routed expert (layer {layer}, expert {expert}) is not local yet in this streaming install and network use is not allowed: fetch it with `deltafin warm {dir} --allow-network` (or `deltafin pull <source> {dir} --full`), or run with --allow-network")]
+    ExpertNotLocal { dir: PathBuf, layer: usize, expert: usize },
+    #[error("{dir}: fetching routed expert (layer {layer}, expert {expert}) from {url}: {message}")]
+    ExpertFetch {
+        dir: PathBuf,
+        layer: usize,
+        expert: usize,
+        url: String,
+        message: String,
+    },
     #[error("token id {id} is outside the vocabulary (size {vocab_size})")]
     TokenOutOfRange { id: u32, vocab_size: usize },
     #[error("{0}")]

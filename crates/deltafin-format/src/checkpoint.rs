@@ -412,6 +412,12 @@ fn read_bytes(shards: &[Shard], e: &TensorEntry) -> Result<Vec<u8>, FormatError>
 
 /// Little-endian F32 / BF16 / F16 bytes as f32 (exact widening); other dtypes yield nothing
 /// (callers check the dtype first).
+/// Decodes little-endian tensor bytes of a plain dtype accepted by [`check_dtype`] (F32, BF16,
+/// F16) to f32; other dtypes give an empty vector (callers check the dtype first).
+pub fn decode_f32(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
+    floats(bytes, dtype)
+}
+
 fn floats(bytes: &[u8], dtype: Dtype) -> Vec<f32> {
     match dtype {
         Dtype::F32 => bytes

@@ -195,8 +195,64 @@ pub fn convert(
     let ck = Checkpoint::open(hf_dir)?;
 
     crate::staging::write_dir_atomically(out_dir, opts.force, Some(hf_dir), |tmp| {
-        write_all(&ck, &cfg, raw, hf_dir, tmp, opts, progress)
+        write_all(&ck, &cfg, raw, hf_dir, tmp, opts, progress, None)
     })
+}
+
+/// What a streaming install adds to a convert: the manifest's `stream` section and extra files
+/// (name, bytes) written into the model directory before the manifest.
+#[derive(Debug, Clone)]
+pub struct StreamExtras {
+    pub source: crate::model_dir::StreamSource,
+    pub files: Vec<(String, Vec<u8>)>,
+}
+
+/// Like [`convert`], but for a streaming install: `hf_dir` must hold every backbone tensor and
+/// the headers of every shard (routed-expert tensor data is never read and may be a hole of a
+/// sparse file). `experts.pack` is written as a sparse file of full size with the record offsets
+/// of a full convert and empty checksums; the backbone, tokenizer files and layout are those of a
+/// full convert.
+///
+/// Errors: as [`convert`].
+pub fn convert_stream(
+    hf_dir: &Path,
+    out_dir: &Path,
+    opts: &ConvertOptions,
+    extras: &StreamExtras,
+    progress: &dyn Progress,
+) -> Result<ConvertReport, FormatError> {
+    let (cfg, raw) = ModelConfig::from_file(&hf_dir.join("config.json"))?;
+    let ck = Checkpoint::open(hf_dir)?;
+    crate::staging::write_dir_atomically(out_dir, opts.force, Some(hf_dir), |tmp| {
+        write_all(&ck, &cfg, raw, hf_dir, tmp, opts, progress, Some(extras))
+    })
+}
+
+/// Encodes one routed expert into its record of `padded_len` bytes: each matrix of `layout`
+/// (gate_proj `[inter, hidden]`, up_proj `[inter, hidden]`, down_proj `[hidden, inter]`), read as
+/// f32 by `read(name, rows, cols)`, encoded in its dtype at its offset; zeros elsewhere. For
+/// plain (F32/BF16/F16) source tensors this is exactly what [`convert`] writes, so a streaming
+/// install's on-demand records are byte-identical to a full convert's (the pull tests check it).
+///
+/// Errors: whatever `read` returns.
+pub fn encode_expert_record(
+    layout: &[ExpertTensorLayout],
+    padded_len: usize,
+    mut read: impl FnMut(&str, usize, usize) -> Result<Vec<f32>, FormatError>,
+) -> Result<Vec<u8>, FormatError> {
+    let mut rec = vec![0u8; padded_len];
+    for lay in layout {
+        let w = read(&lay.name, lay.rows, lay.cols)?;
+        let b = encode_matrix(lay.dtype, &w, lay.rows, lay.cols);
+        let at = lay.offset as usize;
+        rec.get_mut(at..at + b.len())
+            .ok_or_else(|| FormatError::Output {
+                path: lay.name.clone().into(),
+                message: format!("record of {padded_len} bytes is too short for its layout"),
+            })?
+            .copy_from_slice(&b);
+    }
+    Ok(rec)
 }
 
 /// Completeness check before writing anything: every tensor the model needs is present with the
@@ -303,6 +359,7 @@ fn write_all(
     out: &Path,
     opts: &ConvertOptions,
     progress: &dyn Progress,
+    stream: Option<&StreamExtras>,
 ) -> Result<ConvertReport, FormatError> {
     let (needed, ignored) = check_complete(ck, cfg, hf_dir)?;
     let table = cfg.backbone_tensors();
@@ -357,7 +414,29 @@ fn write_all(
     let moe_layers: Vec<usize> = (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)).collect();
     // Encode a few experts in parallel, write them in order.
     let batch = rayon::current_num_threads().max(1) * 2;
-    for &l in &moe_layers {
+    if stream.is_some() {
+        // Streaming install: records start absent (holes); the journal will carry checksums.
+        for &l in &moe_layers {
+            for e in 0..cfg.n_routed_experts() {
+                records.push(ExpertRecord {
+                    layer: l as u32,
+                    expert: e as u32,
+                    offset,
+                    length: rec_len,
+                    xxh3: String::new(),
+                });
+                offset += stride;
+                let src: u64 = mats
+                    .iter()
+                    .map(|m| ck.entry(&cfg.expert_source(l, e, m).tensor).map_or(0, |x| x.len))
+                    .sum();
+                progress.advance(src);
+            }
+        }
+        ep.set_len(offset).map_err(io(&ep_path))?;
+        ep.seek(std::io::SeekFrom::End(0)).map_err(io(&ep_path))?;
+    }
+    for &l in moe_layers.iter().filter(|_| stream.is_none()) {
         let experts: Vec<usize> = (0..cfg.n_routed_experts()).collect();
         for chunk in experts.chunks(batch) {
             let encoded: Vec<Result<EncodedRecord, FormatError>> = chunk
@@ -410,6 +489,12 @@ fn write_all(
     ep.sync_all().map_err(io(&ep_path))?;
     debug_assert_eq!(ep.stream_position().unwrap_or(offset), offset);
 
+    for (name, bytes) in stream.map(|s| s.files.as_slice()).unwrap_or_default() {
+        let dst = out.join(name);
+        std::fs::write(&dst, bytes).map_err(io(&dst))?;
+        File::open(&dst).and_then(|x| x.sync_all()).map_err(io(&dst))?;
+    }
+
     // Tokenizer and generation files.
     let mut copied = Vec::new();
     for f in COPIED_FILES {
@@ -444,6 +529,7 @@ fn write_all(
         },
         tokenizer_files: copied,
         created_by: format!("deltafin {}", env!("CARGO_PKG_VERSION")),
+        stream: stream.map(|x| x.source.clone()),
     };
     crate::model_dir::write_manifest(out, &manifest)?;
     progress.finish();

@@ -10,6 +10,7 @@
 //! - [`model_dir`]: the deltafin model directory: `manifest.json`, `backbone.bin` (resident
 //!   weights), `experts.pack` (one 4 KiB-aligned record per (layer, routed expert)).
 //! - [`convert`]: Hugging Face checkpoint → deltafin model directory, crash-safe.
+//! - [`presence`]: the presence journal of a streaming install's sparse expert pack.
 
 pub mod aligned;
 pub mod arch;
@@ -20,6 +21,7 @@ pub mod footprint;
 pub mod kimi_linear;
 pub mod mixtral;
 pub mod model_dir;
+pub mod presence;
 pub mod quantization;
 pub mod qwen3_moe;
 pub mod source_dtypes;

@@ -161,6 +161,30 @@ pub struct Manifest {
     pub tokenizer_files: Vec<String>,
     /// `deltafin <version>` that wrote the directory.
     pub created_by: String,
+    /// Present for a streaming install (`deltafin pull --stream`): where missing expert records
+    /// come from. Absent for a full install or convert, where every record is in the pack.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<StreamSource>,
+}
+
+/// The source of a streaming install. Its expert records start absent (`experts.pack` is a
+/// sparse file of full size, record offsets as in a full convert, the manifest's `xxh3` empty);
+/// a record becomes present when its bytes are written and fsynced and an entry with its
+/// checksum is appended to the presence journal ([`crate::presence`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StreamSource {
+    /// Repository URL given to `deltafin pull`.
+    pub url: String,
+    /// Revision (Hugging Face layout `<url>/resolve/<revision>/<file>`); unused with `flat`.
+    pub revision: String,
+    /// Files at `<url>/<file>` instead of the Hugging Face layout.
+    #[serde(default)]
+    pub flat: bool,
+    /// Whether runs may fetch missing experts without `--allow-network`.
+    #[serde(default)]
+    pub allow_network: bool,
+    /// File in the model directory locating each routed expert's source tensors.
+    pub index: String,
 }
 
 /// An opened model directory: manifest checked against the files on disk.

@@ -824,6 +824,7 @@ fn write_files(
         },
         tokenizer_files,
         created_by: format!("deltafin {}", env!("CARGO_PKG_VERSION")),
+        stream: None,
     };
     crate::model_dir::write_manifest(out, &manifest)?;
     progress.finish();

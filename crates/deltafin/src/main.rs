@@ -1,13 +1,16 @@
 //! The `deltafin` command line: convert, run, demo.
 
 mod bench;
+mod cache_cmd;
 mod chat;
 mod demo;
 mod info_cmd;
+mod pull_cmd;
 mod replay;
 mod serve;
 mod size;
 mod synth_cmd;
+mod warm_cmd;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -95,6 +98,13 @@ enum Cmd {
     Replay(replay::ReplayArgs),
     /// What a model costs: resident bytes, expert bytes per token, decode state, storage floor.
     Info(info_cmd::InfoArgs),
+    /// Install a model from an HTTP source: --full (download and convert) or --stream (backbone
+    /// only; routed experts fetched on first use).
+    Pull(pull_cmd::PullArgs),
+    /// Fetch the most valuable missing experts of a streaming install (ranked by router traces).
+    Warm(warm_cmd::WarmArgs),
+    /// Expert cache of a model directory: stats, verify, gc.
+    Cache(cache_cmd::CacheArgs),
 }
 
 #[derive(clap::Args)]
@@ -169,6 +179,9 @@ pub(crate) struct StoreArgs {
     /// Expert reader threads = most reads in flight (0: max(top_k, 8)).
     #[arg(long, default_value_t = 0)]
     readers: usize,
+    /// Streaming installs: fetch routed experts that are not local yet from the install's source.
+    #[arg(long)]
+    pub(crate) allow_network: bool,
 }
 
 fn parse_io(s: &str) -> Result<IoMode, String> {
@@ -253,6 +266,9 @@ fn main() -> ExitCode {
         Cmd::Bench(args) => bench::run(&args),
         Cmd::Replay(args) => replay::run(&args),
         Cmd::Info(args) => info_cmd::run(&args),
+        Cmd::Pull(args) => pull_cmd::run(&args),
+        Cmd::Warm(args) => warm_cmd::run(&args),
+        Cmd::Cache(args) => cache_cmd::run(&args),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -449,7 +465,8 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         .map(|p| std::fs::File::create(p).with_context(|| format!("--logits-out: creating {}", p.display())))
         .transpose()?;
     let mut logits_guard = RemoveOnDrop(a.logits_out.clone());
-    let store_opts = a.store.options(budget)?;
+    let mut store_opts = a.store.options(budget)?;
+    let _network = pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     let mut model = load_model(&dir, store_opts)?;
     if a.compute_only {
         model.routed_mut().set_compute_only()?;

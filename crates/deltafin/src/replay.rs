@@ -50,7 +50,9 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
             a.model.display()
         );
     }
-    let store = ExpertStore::open(&dir, a.store.options(a.ram_budget)?).context("opening the expert store")?;
+    let mut store_opts = a.store.options(a.ram_budget)?;
+    let _network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
+    let store = ExpertStore::open(&dir, store_opts).context("opening the expert store")?;
     let k = trace.shape.top_k as usize;
     let mut steps = Vec::new();
     let t_all = Instant::now();

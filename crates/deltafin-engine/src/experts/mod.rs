@@ -50,8 +50,11 @@
 mod cache;
 mod io;
 mod readers;
+mod remote;
 #[cfg(test)]
 mod tests;
+
+pub use remote::{RecordSource, Remote};
 
 use std::collections::{HashSet, VecDeque};
 use std::fmt;
@@ -183,6 +186,9 @@ pub struct StoreOptions {
     /// depth. 0 = [`DEMAND_CHUNK`], or the environment variable `DELTAFIN_DEMAND_CHUNK` (bytes;
     /// a research override) when set; `usize::MAX` = one read per record.
     pub demand_chunk: usize,
+    /// Streaming installs only: where records not yet local are fetched from (None: such a
+    /// record is an error naming it and the command that fetches it).
+    pub remote: Option<Remote>,
 }
 
 impl StoreOptions {
@@ -198,6 +204,7 @@ impl StoreOptions {
             prefetch: false,
             readers: 0,
             demand_chunk: 0,
+            remote: None,
         }
     }
 }
@@ -307,7 +314,8 @@ pub struct StoreCounters {
     pub bytes_read_demand: u64,
     /// Bytes read speculatively.
     pub bytes_read_speculative: u64,
-    /// Nanoseconds the caller blocked in [`Fetch::next`] waiting for reads.
+    /// Nanoseconds the caller blocked in [`Fetch::next`] waiting for reads (and, in a streaming
+    /// install, in [`ExpertStore::fetch`] while absent records were fetched).
     pub read_wait_ns: u64,
     /// Experts queued for speculative reads (not counting ones already cached or in flight).
     pub prefetch_issued: u64,
@@ -393,8 +401,11 @@ fn add(c: &AtomicU64, n: u64) {
 struct RecordInfo {
     offset: u64,
     length: u64,
-    xxh3: u64,
+    /// Expected XXH3-64 (set when a streaming install fetches the record).
+    xxh3: AtomicU64,
     verified: AtomicBool,
+    /// The pack holds the record (always, except in a streaming install).
+    present: AtomicBool,
 }
 
 /// State shared by the store and its reader threads.
@@ -431,6 +442,8 @@ pub struct ExpertStore {
     readers: usize,
     record_bytes: u64,
     threads: Vec<JoinHandle<()>>,
+    /// Streaming install: fetches absent records before they are read.
+    stream: Option<remote::Streaming>,
 }
 
 impl ExpertStore {
@@ -465,6 +478,13 @@ impl ExpertStore {
             }
         }
         let cfg = &m.config;
+        // A streaming install leaves checksums empty until the journal records them.
+        let streaming = m.stream.is_some() || m.experts.records.iter().any(|r| r.xxh3.is_empty());
+        let journal = if streaming {
+            deltafin_format::presence::present_checksums(dir)?
+        } else {
+            Default::default()
+        };
         let mut records: Vec<Vec<RecordInfo>> = Vec::with_capacity(cfg.num_hidden_layers());
         let mut record_bytes = 0;
         for l in 0..cfg.num_hidden_layers() {
@@ -472,7 +492,13 @@ impl ExpertStore {
             if cfg.is_moe_layer(l) {
                 for e in 0..cfg.n_routed_experts() {
                     let r = dir.record(l, e);
-                    let xxh3 = u64::from_str_radix(&r.xxh3, 16).map_err(|_| {
+                    let known = journal.get(&(l as u32, e as u32)).copied();
+                    let xxh3 = if streaming {
+                        Ok(known.unwrap_or(0))
+                    } else {
+                        u64::from_str_radix(&r.xxh3, 16)
+                    };
+                    let xxh3 = xxh3.map_err(|_| {
                         EngineError::Invalid(format!(
                             "{}: bad checksum {:?} for layer {l} expert {e}",
                             path.display(),
@@ -483,8 +509,9 @@ impl ExpertStore {
                     layer.push(RecordInfo {
                         offset: r.offset,
                         length: r.length,
-                        xxh3,
+                        xxh3: AtomicU64::new(xxh3),
                         verified: AtomicBool::new(false),
+                        present: AtomicBool::new(!streaming || known.is_some()),
                     });
                 }
             }
@@ -505,6 +532,7 @@ impl ExpertStore {
             pinned_keys.into_iter().collect::<HashSet<Key>>(),
             pinned_budget,
         );
+        let stream = streaming.then(|| remote::Streaming::new(dir, opts.remote.as_ref().map(|r| r.0.clone())));
         let pack = PackFile::open(&path, opts.io)?;
         let readers = if opts.readers == 0 {
             cfg.num_experts_per_tok().max(8)
@@ -555,6 +583,7 @@ impl ExpertStore {
                         readers,
                         record_bytes,
                         threads,
+                        stream,
                     };
                     drop(store); // stops the readers already started
                     return Err(EngineError::Invalid(format!("cannot start expert reader thread: {e}")));
@@ -567,6 +596,7 @@ impl ExpertStore {
             readers,
             record_bytes,
             threads,
+            stream,
         })
     }
 
@@ -646,6 +676,13 @@ impl ExpertStore {
         let mut offsets = Vec::with_capacity(experts.len());
         for &e in experts {
             offsets.push(self.check(layer, e)?.offset);
+        }
+        if let Some(s) = &self.stream {
+            // Time fetching absent records counts as waiting for reads.
+            let t0 = Instant::now();
+            let r = s.ensure(&self.shared.records, layer, experts);
+            add(&self.shared.c.read_wait_ns, t0.elapsed().as_nanos() as u64);
+            r?;
         }
         let sh = &self.shared;
         let mut ready = VecDeque::new();
@@ -782,6 +819,9 @@ impl ExpertStore {
                 continue;
             }
             let rec = &sh.records[key.0 as usize][key.1 as usize];
+            if !rec.present.load(Ordering::Acquire) {
+                continue; // a streaming install's record not fetched yet: only demand fetches
+            }
             if !st.cache.is_pinned_key(&key) && st.cache.general_budget() < round_up(rec.length) {
                 continue;
             }

@@ -455,11 +455,9 @@ fn verify(sh: &Shared, key: Key, buf: Option<&AlignedBuf>, length: usize) -> Res
     }
     let data = buf.map_or(&[][..], |b| &b.as_slice()[..length]);
     let found = xxhash_rust::xxh3::xxh3_64(data);
-    if found != rec.xxh3 {
-        return Err(ReadFailure::Checksum {
-            expected: rec.xxh3,
-            found,
-        });
+    let expected = rec.xxh3.load(Ordering::Acquire);
+    if found != expected {
+        return Err(ReadFailure::Checksum { expected, found });
     }
     rec.verified.store(true, Ordering::Release);
     Ok(())

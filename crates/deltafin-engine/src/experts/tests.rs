@@ -135,6 +135,7 @@ fn opts(budget: u64, io: IoMode, policy: CachePolicy) -> StoreOptions {
         readers: 0,
         // Two chunks per 8 KiB record, so every test also exercises chunked demand reads.
         demand_chunk: 4096,
+        remote: None,
     }
 }
 
@@ -983,4 +984,98 @@ fn checksum_with_chunks_landing_out_of_order() {
         assert_eq!(store.cached_bytes(), 2 * RECORD, "{io}: the bad record is not cached");
         assert!(store.get(2, &[7]).is_err());
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streaming installs: absent records fetched through a RecordSource.
+
+/// Serves records from a full convert's pack; fails for the experts in `broken`.
+struct PackSource {
+    records: std::collections::HashMap<(usize, usize), Vec<u8>>,
+    broken: Vec<(usize, usize)>,
+    calls: AtomicUsize,
+}
+
+impl RecordSource for PackSource {
+    fn fetch_record(&self, layer: usize, expert: usize) -> Result<Vec<u8>, String> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        if self.broken.contains(&(layer, expert)) {
+            return Err("HTTP 503 (gave up after 6 attempts)".into());
+        }
+        Ok(self.records[&(layer, expert)].clone())
+    }
+    fn describe(&self) -> String {
+        "http://test/source".into()
+    }
+}
+
+fn stream_fixture() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepseek_v3/dsv3_b");
+    let (tmp, full) = convert_fixture();
+    let st = tmp.path().join("stream");
+    let extras = deltafin_format::convert::StreamExtras {
+        source: deltafin_format::model_dir::StreamSource {
+            url: "http://test/source".into(),
+            revision: "main".into(),
+            flat: false,
+            allow_network: false,
+            index: "stream-index.json".into(),
+        },
+        files: vec![],
+    };
+    deltafin_format::convert::convert_stream(&src, &st, &ConvertOptions::default(), &extras, &NoProgress).unwrap();
+    (tmp, full, st)
+}
+
+#[test]
+fn streaming_install_fetches_absent_records_durably() {
+    let (_tmp, full, st) = stream_fixture();
+    let want = reference(&ModelDir::open(&full).unwrap());
+    let dir = ModelDir::open(&st).unwrap();
+    // Without a source: the error names the expert and the command that fetches it.
+    let store = ExpertStore::open(&dir, opts(0, IoMode::Buffered, CachePolicy::Lru)).unwrap();
+    let err = store.get(2, &[5]).err().unwrap().to_string();
+    assert!(
+        err.contains("layer 2, expert 5") && err.contains("deltafin warm") && err.contains("--allow-network"),
+        "{err}"
+    );
+    drop(store);
+
+    let src = Arc::new(PackSource {
+        records: want.clone(),
+        broken: vec![(3, 7)],
+        calls: AtomicUsize::new(0),
+    });
+    let o = StoreOptions {
+        remote: Some(Remote(src.clone())),
+        ..opts(0, IoMode::Direct, CachePolicy::Lru)
+    };
+    let store = ExpertStore::open(&dir, o.clone()).unwrap();
+    for &l in &MOE_LAYERS {
+        let experts: Vec<usize> = (0..N_EXPERTS).filter(|&e| (l, e) != (3, 7)).collect();
+        for (e, x) in experts.iter().zip(store.get(l, &experts).unwrap()) {
+            assert_eq!(x.as_bytes(), &want[&(l, *e)][..], "layer {l} expert {e}");
+        }
+    }
+    let calls = src.calls.load(Ordering::SeqCst);
+    assert_eq!(calls, 47);
+    // Cached on disk: asking again fetches nothing.
+    store.get(1, &[0, 1, 2]).unwrap();
+    assert_eq!(src.calls.load(Ordering::SeqCst), calls);
+    // A failing fetch is an error naming the expert and the source; nothing is journaled for it.
+    let err = store.get(3, &[6, 7]).err().unwrap().to_string();
+    assert!(
+        err.contains("layer 3, expert 7") && err.contains("http://test/source") && err.contains("503"),
+        "{err}"
+    );
+    drop(store);
+
+    // Reopened without a source: the 47 journaled records are local, (3, 7) is not.
+    let store = ExpertStore::open(&dir, opts(0, IoMode::Direct, CachePolicy::Lru)).unwrap();
+    let again = store.get(3, &[0, 6, 15]).unwrap();
+    assert_eq!(again[1].as_bytes(), &want[&(3, 6)][..]);
+    assert!(store.get(3, &[7]).is_err());
+    let present = deltafin_format::presence::present_checksums(&dir).unwrap();
+    assert_eq!(present.len(), 47);
+    assert!(!present.contains_key(&(3, 7)));
 }

@@ -1,0 +1,726 @@
+//! `deltafin pull`: full and streaming installs, and upgrading a streaming install to full.
+//!
+//! Files: `config.json` (required), the optional files of
+//! [`deltafin_format::convert::COPIED_FILES`], and the weights named by
+//! `model.safetensors.index.json` (or a single `model.safetensors`).
+//!
+//! - Full: every file is downloaded (resumable, verified; [`crate::http`]) into the sibling
+//!   `.<name>.download/`, converted like `deltafin convert`, and the download removed.
+//! - Streaming: the small files, then each shard's safetensors header by range, go into the
+//!   sibling `.<name>.stream-src/`, where each shard is a sparse file of its full size; the
+//!   backbone tensors are fetched by range into it (each range recorded in `ranges.done` once
+//!   durable, so an interrupted pull resumes), then [`deltafin_format::convert::convert_stream`]
+//!   writes the model directory with an empty expert cache and `stream-index.json`.
+//! - Mirror: when the source serves a deltafin `manifest.json` (a full install published as
+//!   plain files, e.g. with `--flat`), `--full` downloads `backbone.bin`, `experts.pack` and the
+//!   tokenizer files and checks every record's checksum (a corrupted record is fetched again by
+//!   range); `--stream` downloads all but the pack, and on-demand fetches read each record by one
+//!   range request, checked against the mirror's checksum and fetched again when corrupted.
+//! - Upgrade (`--full` on a streaming install): only the records not yet present are fetched;
+//!   then the manifest gets every checksum and loses its `stream` section (written atomically),
+//!   and the journal and index are removed.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use deltafin_format::checkpoint::{Checkpoint, Encoding, TensorEntry};
+use deltafin_format::convert::{self, ConvertOptions, Progress, StreamExtras, COPIED_FILES};
+use deltafin_format::model_dir::{Manifest, StreamSource, FORMAT_NAME, FORMAT_VERSION};
+use deltafin_format::FormatError;
+use deltafin_format::{ModelConfig, ModelDir};
+
+use crate::fetch::{StreamIndex, TensorLoc, STREAM_INDEX};
+use crate::http::{write_atomic, RemoteFile, Transfer};
+use crate::{io_err, sibling, Http, HttpRecordSource, PullError, Source};
+
+/// Install settings.
+#[derive(Debug, Clone, Default)]
+pub struct PullOptions {
+    pub convert: ConvertOptions,
+    /// Streaming: write `allow_network` into the manifest, so runs fetch without the flag.
+    pub allow_network: bool,
+    /// Full: keep the downloaded checkpoint in `.<name>.download/` after converting.
+    pub keep_download: bool,
+    /// Range requests in flight at once (0 = 4).
+    pub concurrency: usize,
+}
+
+/// What a pull did.
+#[derive(Debug, Clone, Default)]
+pub struct PullReport {
+    /// `full`, `stream` or `upgrade`.
+    pub mode: &'static str,
+    /// Body bytes received over HTTP (including retried attempts).
+    pub bytes_fetched: u64,
+    /// Expert records fetched (upgrade).
+    pub records_fetched: usize,
+    /// Expert records that were already local (upgrade).
+    pub records_kept: usize,
+    pub seconds: f64,
+    pub retries: u64,
+}
+
+const INDEX_FILE: &str = "model.safetensors.index.json";
+
+fn refuse_existing(model_dir: &Path, force: bool) -> Result<(), PullError> {
+    let nonempty = std::fs::read_dir(model_dir)
+        .map(|mut d| d.next().is_some())
+        .unwrap_or(false);
+    if nonempty && !force {
+        return Err(PullError::Invalid(format!(
+            "{}: output directory exists and is not empty (pass --force to replace it)",
+            model_dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Prepares a sibling work directory for `source`: reused when it was made for the same source
+/// (so downloads resume), emptied otherwise.
+fn work_dir(dir: &Path, source: &Source) -> Result<(), PullError> {
+    let stamp = dir.join("source.json");
+    let want = serde_json::json!({"url": source.url, "revision": source.revision, "flat": source.flat}).to_string();
+    if dir.exists() && std::fs::read_to_string(&stamp).ok().as_deref() != Some(want.as_str()) {
+        std::fs::remove_dir_all(dir).map_err(io_err(dir))?;
+    }
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    write_atomic(&stamp, want.as_bytes())
+}
+
+/// Fetches `config.json`, the optional files and the index into `dir`; returns the shard names.
+fn small_files(http: &Http, source: &Source, dir: &Path) -> Result<Vec<String>, PullError> {
+    let cfg_url = source.file_url("config.json");
+    let cfg = http.get_optional(&cfg_url)?.ok_or_else(|| PullError::Http {
+        url: cfg_url.clone(),
+        message: "no config.json here: is this a model repository? (files are read from <url>/resolve/<revision>/<file>, or <url>/<file> with --flat)".into(),
+    })?;
+    write_atomic(&dir.join("config.json"), &cfg)?;
+    for f in COPIED_FILES.iter().filter(|f| **f != "config.json") {
+        if let Some(b) = http.get_optional(&source.file_url(f))? {
+            write_atomic(&dir.join(f), &b)?;
+        }
+    }
+    let Some(index) = http.get_optional(&source.file_url(INDEX_FILE))? else {
+        return Ok(vec!["model.safetensors".into()]);
+    };
+    write_atomic(&dir.join(INDEX_FILE), &index)?;
+    let v: serde_json::Value = serde_json::from_slice(&index).map_err(|e| PullError::Http {
+        url: source.file_url(INDEX_FILE),
+        message: format!("malformed JSON: {e}"),
+    })?;
+    let mut shards: Vec<String> = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .map(|m| m.values().filter_map(|f| f.as_str().map(str::to_string)).collect())
+        .unwrap_or_default();
+    shards.sort();
+    shards.dedup();
+    if shards.is_empty() {
+        return Err(PullError::Http {
+            url: source.file_url(INDEX_FILE),
+            message: "weight_map is missing or empty".into(),
+        });
+    }
+    if let Some(bad) = shards
+        .iter()
+        .find(|f| f.contains('/') || f.contains("..") || f.is_empty())
+    {
+        return Err(PullError::Http {
+            url: source.file_url(INDEX_FILE),
+            message: format!("shard name {bad:?} must be a plain file name"),
+        });
+    }
+    Ok(shards)
+}
+
+/// `deltafin pull --full`: downloads and converts, or upgrades a streaming install in place.
+///
+/// Errors: an existing non-empty output without `force` (checked before downloading), HTTP
+/// errors after retries, checksum failures, conversion errors, I/O (no space left...). An
+/// interrupted pull leaves its downloads in `.<name>.download/` and resumes from them.
+pub fn pull_full(
+    http: &Arc<Http>,
+    source: &Source,
+    model_dir: &Path,
+    opts: &PullOptions,
+    transfer: &dyn Transfer,
+    progress: &dyn Progress,
+) -> Result<PullReport, PullError> {
+    let t0 = Instant::now();
+    if let Ok(dir) = ModelDir::open(model_dir) {
+        if dir.manifest.stream.is_some() {
+            return upgrade(http, source, dir, opts, progress);
+        }
+    }
+    refuse_existing(model_dir, opts.convert.force)?;
+    if let Some(m) = probe_mirror(http, source)? {
+        return mirror_full(http, source, model_dir, m, opts, transfer, progress);
+    }
+    let dl = sibling(model_dir, "download");
+    work_dir(&dl, source)?;
+    let shards = small_files(http, source, &dl)?;
+    for s in &shards {
+        let dest = dl.join(s);
+        if !dest.is_file() {
+            http.download(&source.file_url(s), &dest, transfer)?;
+        }
+    }
+    convert::convert(&dl, model_dir, &opts.convert, progress)?;
+    if !opts.keep_download {
+        std::fs::remove_dir_all(&dl).map_err(io_err(&dl))?;
+    }
+    Ok(PullReport {
+        mode: "full",
+        bytes_fetched: http.bytes_received(),
+        seconds: t0.elapsed().as_secs_f64(),
+        retries: http.retries(),
+        ..PullReport::default()
+    })
+}
+
+fn upgrade(
+    http: &Arc<Http>,
+    source: &Source,
+    dir: ModelDir,
+    opts: &PullOptions,
+    progress: &dyn Progress,
+) -> Result<PullReport, PullError> {
+    let t0 = Instant::now();
+    let s = dir
+        .manifest
+        .stream
+        .clone()
+        .ok_or_else(|| PullError::Invalid("not a streaming install".into()))?;
+    if s.url.trim_end_matches('/') != source.url || s.revision != source.revision || s.flat != source.flat {
+        return Err(PullError::Invalid(format!(
+            "{}: this streaming install comes from {} (revision {}{}); upgrade it from the same source",
+            dir.path.display(),
+            s.url,
+            s.revision,
+            if s.flat { ", flat" } else { "" }
+        )));
+    }
+    let src = HttpRecordSource::open(&dir, http.clone())?;
+    let present = deltafin_format::presence::present_checksums(&dir)?;
+    let missing: Vec<(u32, u32)> = dir
+        .manifest
+        .experts
+        .records
+        .iter()
+        .map(|r| (r.layer, r.expert))
+        .filter(|k| !present.contains_key(k))
+        .collect();
+    let kept = dir.manifest.experts.records.len() - missing.len();
+    progress.start(
+        missing
+            .iter()
+            .map(|&(l, e)| dir.record(l as usize, e as usize).length)
+            .sum(),
+    );
+    let fetched = crate::warm::fetch_records(&dir, &src, &missing, opts.concurrency, &|b| progress.advance(b))?;
+    progress.finish();
+    let present = deltafin_format::presence::present_checksums(&dir)?;
+    let mut m = dir.manifest.clone();
+    for r in &mut m.experts.records {
+        let h = present.get(&(r.layer, r.expert)).ok_or_else(|| {
+            PullError::Invalid(format!(
+                "expert (layer {}, expert {}) still missing after the upgrade",
+                r.layer, r.expert
+            ))
+        })?;
+        r.xxh3 = format!("{h:016x}");
+    }
+    m.stream = None;
+    let json = serde_json::to_vec_pretty(&m).map_err(|e| PullError::Invalid(e.to_string()))?;
+    write_atomic(&dir.path.join("manifest.json"), &json)?;
+    for f in [deltafin_format::presence::JOURNAL_FILE, s.index.as_str()] {
+        let p = dir.path.join(f);
+        if p.exists() {
+            std::fs::remove_file(&p).map_err(io_err(&p))?;
+        }
+    }
+    Ok(PullReport {
+        mode: "upgrade",
+        bytes_fetched: http.bytes_received(),
+        records_fetched: fetched,
+        records_kept: kept,
+        seconds: t0.elapsed().as_secs_f64(),
+        retries: http.retries(),
+    })
+}
+
+/// `deltafin pull --stream`: the resident part only, and an empty expert cache.
+///
+/// Errors: an existing non-empty output without `force`, a server without Range support
+/// ([`PullError::RangeIgnored`]), HTTP errors after retries, a malformed shard header,
+/// conversion errors (missing backbone tensor...), I/O.
+pub fn pull_stream(
+    http: &Arc<Http>,
+    source: &Source,
+    model_dir: &Path,
+    opts: &PullOptions,
+    transfer: &dyn Transfer,
+    progress: &dyn Progress,
+) -> Result<PullReport, PullError> {
+    let t0 = Instant::now();
+    refuse_existing(model_dir, opts.convert.force)?;
+    if let Some(m) = probe_mirror(http, source)? {
+        return mirror_stream(http, source, model_dir, m, opts, transfer);
+    }
+    let sd = sibling(model_dir, "stream-src");
+    work_dir(&sd, source)?;
+    let shards = small_files(http, source, &sd)?;
+    let mut files: BTreeMap<String, RemoteFile> = BTreeMap::new();
+    for s in &shards {
+        files.insert(s.clone(), shard_header(http, source, &sd, s)?);
+    }
+    let (cfg, _) = ModelConfig::from_file(&sd.join("config.json"))?;
+    let ck = Checkpoint::open(&sd)?;
+    let mut ranges: Vec<(String, u64, u64)> = Vec::new();
+    for t in cfg.backbone_tensors() {
+        if let Some(e) = ck.entry(&t.name) {
+            ranges.extend(byte_ranges(&ck, e));
+        }
+    }
+    fetch_ranges(http, source, &sd, &files, merge(ranges), opts.concurrency, transfer)?;
+
+    let mut index = StreamIndex::new();
+    index.files = files;
+    for l in (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)) {
+        for e in 0..cfg.n_routed_experts() {
+            for m in cfg.expert_matrices() {
+                let src = cfg.expert_source(l, e, &m);
+                let Some(t) = ck.entry(&src.tensor) else { continue };
+                if !matches!(t.encoding, Encoding::Plain) {
+                    return Err(PullError::Invalid(format!(
+                        "{}: tensor {} is quantized in the source (FP8, int4 or MXFP4): streaming installs of quantized checkpoints are not supported yet; use `deltafin pull --full`",
+                        source.file_url(&file_name(ck.shard_path(t))),
+                        t.file_name
+                    )));
+                }
+                index.tensors.insert(
+                    format!("{l}.{e}.{}", m.name),
+                    TensorLoc {
+                        tensor: src.tensor.clone(),
+                        file: file_name(ck.shard_path(t)),
+                        dtype: t.dtype,
+                        shape: t.shape.clone(),
+                        offset: t.offset,
+                        len: t.len,
+                    },
+                );
+            }
+        }
+    }
+    let extras = StreamExtras {
+        source: StreamSource {
+            url: source.url.clone(),
+            revision: source.revision.clone(),
+            flat: source.flat,
+            allow_network: opts.allow_network,
+            index: STREAM_INDEX.into(),
+        },
+        files: vec![(
+            STREAM_INDEX.into(),
+            serde_json::to_vec(&index).map_err(|e| PullError::Invalid(e.to_string()))?,
+        )],
+    };
+    convert::convert_stream(&sd, model_dir, &opts.convert, &extras, progress)?;
+    std::fs::remove_dir_all(&sd).map_err(io_err(&sd))?;
+    Ok(PullReport {
+        mode: "stream",
+        bytes_fetched: http.bytes_received(),
+        seconds: t0.elapsed().as_secs_f64(),
+        retries: http.retries(),
+        ..PullReport::default()
+    })
+}
+
+/// (shard file, offset, length) of a tensor's stored parts: the values and, for quantized
+/// sources, their scale and shape tensors.
+fn byte_ranges(ck: &Checkpoint, e: &TensorEntry) -> Vec<(String, u64, u64)> {
+    let mut parts: Vec<&TensorEntry> = vec![e];
+    match &e.encoding {
+        Encoding::Plain => {}
+        Encoding::BlockFp8 { scale_inv, .. } => parts.push(scale_inv),
+        Encoding::PackQuantized {
+            scale, shape_tensor, ..
+        } => parts.extend([&**scale, &**shape_tensor]),
+        Encoding::Mxfp4 {
+            scales, shape_tensor, ..
+        } => {
+            parts.push(scales);
+            parts.extend(shape_tensor.as_deref());
+        }
+    }
+    parts
+        .into_iter()
+        .map(|p| (file_name(ck.shard_path(p)), p.offset, p.len))
+        .collect()
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// The safetensors header of shard `name`, by range, into a sparse local file of the shard's
+/// full size (reused when an earlier run got it).
+fn shard_header(http: &Http, source: &Source, sd: &Path, name: &str) -> Result<RemoteFile, PullError> {
+    let local = sd.join(name);
+    let meta = sd.join(format!("{name}.header.json"));
+    if let (true, Ok(b)) = (local.is_file(), std::fs::read(&meta)) {
+        if let Ok(info) = serde_json::from_slice::<RemoteFile>(&b) {
+            return Ok(info);
+        }
+    }
+    let url = source.file_url(name);
+    let (b8, info) = http.get_range(&url, 0, 8, None)?;
+    let n = u64::from_le_bytes(b8.as_slice().try_into().unwrap_or([0xff; 8]));
+    if n > 100 << 20 || 8 + n > info.size {
+        return Err(PullError::Http {
+            url,
+            message: format!(
+                "safetensors header length {n} does not fit in the file ({} bytes): not a safetensors file",
+                info.size
+            ),
+        });
+    }
+    let (header, _) = http.get_range(&url, 8, n, Some(&info))?;
+    let f = File::create(&local).map_err(io_err(&local))?;
+    f.set_len(info.size).map_err(io_err(&local))?;
+    f.write_all_at(&b8, 0).map_err(io_err(&local))?;
+    f.write_all_at(&header, 8).map_err(io_err(&local))?;
+    f.sync_all().map_err(io_err(&local))?;
+    write_atomic(
+        &meta,
+        &serde_json::to_vec(&info).map_err(|e| PullError::Invalid(e.to_string()))?,
+    )?;
+    Ok(info)
+}
+
+/// Sorts ranges and merges those of one file closer than 64 KiB (fewer requests for a few
+/// extra bytes).
+fn merge(mut r: Vec<(String, u64, u64)>) -> Vec<(String, u64, u64)> {
+    r.sort();
+    let mut out: Vec<(String, u64, u64)> = Vec::new();
+    for (f, s, l) in r {
+        if let Some(last) = out.last_mut() {
+            if last.0 == f && s <= last.1 + last.2 + (64 << 10) {
+                let end = (last.1 + last.2).max(s + l);
+                last.2 = end - last.1;
+                continue;
+            }
+        }
+        out.push((f, s, l));
+    }
+    out
+}
+
+/// Fetches `ranges` into the sparse local shards, `concurrency` at a time, skipping those
+/// recorded in `ranges.done`; each range is recorded there once written and fsynced.
+fn fetch_ranges(
+    http: &Http,
+    source: &Source,
+    sd: &Path,
+    files: &BTreeMap<String, RemoteFile>,
+    ranges: Vec<(String, u64, u64)>,
+    concurrency: usize,
+    transfer: &dyn Transfer,
+) -> Result<(), PullError> {
+    let done_path = sd.join("ranges.done");
+    let done: HashSet<String> = std::fs::read_to_string(&done_path)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let key = |r: &(String, u64, u64)| format!("{} {} {}", r.0, r.1, r.2);
+    let todo: Vec<(String, u64, u64)> = ranges.into_iter().filter(|r| !done.contains(&key(r))).collect();
+    let total: u64 = todo.iter().map(|r| r.2).sum();
+    transfer.begin("backbone tensors", total, 0);
+    let log = Mutex::new(
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&done_path)
+            .map_err(io_err(&done_path))?,
+    );
+    let next = AtomicUsize::new(0);
+    let first_err: Mutex<Option<PullError>> = Mutex::new(None);
+    let work = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        let Some(r) = todo.get(i) else { return };
+        if first_err.lock().map(|e| e.is_some()).unwrap_or(true) {
+            return;
+        }
+        let res = (|| -> Result<(), PullError> {
+            let (bytes, _) = http.get_range(&source.file_url(&r.0), r.1, r.2, files.get(&r.0))?;
+            let p = sd.join(&r.0);
+            let f = OpenOptions::new().write(true).open(&p).map_err(io_err(&p))?;
+            f.write_all_at(&bytes, r.1).map_err(io_err(&p))?;
+            f.sync_data().map_err(io_err(&p))?;
+            let mut l = log
+                .lock()
+                .map_err(|_| PullError::Invalid("range log lock poisoned".into()))?;
+            writeln!(l, "{}", key(r)).map_err(io_err(&done_path))?;
+            l.sync_data().map_err(io_err(&done_path))?;
+            transfer.advance(r.2);
+            Ok(())
+        })();
+        if let Err(e) = res {
+            if let Ok(mut g) = first_err.lock() {
+                g.get_or_insert(e);
+            }
+            return;
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 0..concurrency_or_default(concurrency) {
+            s.spawn(work);
+        }
+    });
+    match first_err.into_inner() {
+        Ok(Some(e)) => Err(e),
+        _ => Ok(()),
+    }
+}
+
+pub(crate) fn concurrency_or_default(n: usize) -> usize {
+    if n == 0 {
+        4
+    } else {
+        n
+    }
+}
+
+/// The manifest of a deltafin model directory served at `source`, if it is one.
+///
+/// Errors: a `manifest.json` that is not a usable deltafin manifest (another format version, or
+/// a streaming install, which cannot serve its missing records).
+fn probe_mirror(http: &Http, source: &Source) -> Result<Option<Manifest>, PullError> {
+    let url = source.file_url("manifest.json");
+    let Some(b) = http.get_optional(&url)? else {
+        return Ok(None);
+    };
+    let bad = |message: String| PullError::Http {
+        url: url.clone(),
+        message,
+    };
+    let m: Manifest =
+        serde_json::from_slice(&b).map_err(|e| bad(format!("not a deltafin manifest this version reads: {e}")))?;
+    if m.format != FORMAT_NAME || m.format_version != FORMAT_VERSION {
+        return Err(bad(format!(
+            "manifest format {:?} version {} (this deltafin reads {FORMAT_NAME:?} version {FORMAT_VERSION})",
+            m.format, m.format_version
+        )));
+    }
+    if m.stream.is_some() || m.experts.records.iter().any(|r| r.xxh3.is_empty()) {
+        return Err(bad(
+            "the source is a streaming install: serve a full install instead".into()
+        ));
+    }
+    Ok(Some(m))
+}
+
+fn to_format(path: &Path) -> impl Fn(PullError) -> FormatError + '_ {
+    move |e| match e {
+        PullError::Format(f) => f,
+        e => FormatError::Output {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        },
+    }
+}
+
+/// Downloads the mirror's tokenizer files into `dir`; returns their names.
+fn mirror_small_files(http: &Http, source: &Source, m: &Manifest, dir: &Path) -> Result<(), PullError> {
+    for f in &m.tokenizer_files {
+        if f.contains('/') || f.contains("..") {
+            return Err(PullError::Invalid(format!(
+                "mirror manifest names file {f:?}: not a plain file name"
+            )));
+        }
+        let url = source.file_url(f);
+        let b = http.get_optional(&url)?.ok_or_else(|| PullError::Http {
+            url: url.clone(),
+            message: "listed in the mirror's manifest but not found (HTTP 404)".into(),
+        })?;
+        write_atomic(&dir.join(f), &b)?;
+    }
+    Ok(())
+}
+
+/// Moves the downloaded files and writes `manifest` into a staging directory that becomes
+/// `model_dir` (see `deltafin_format::staging`).
+fn place(
+    model_dir: &Path,
+    force: bool,
+    from: &Path,
+    files: &[&str],
+    manifest: &Manifest,
+    extra: impl FnOnce(&Path) -> Result<(), PullError>,
+) -> Result<(), PullError> {
+    deltafin_format::staging::write_dir_atomically(model_dir, force, None, |tmp| {
+        for f in files {
+            let (a, b) = (from.join(f), tmp.join(f));
+            std::fs::rename(&a, &b).map_err(|e| FormatError::Io {
+                path: b.clone(),
+                error: e,
+            })?;
+        }
+        extra(tmp).map_err(to_format(tmp))?;
+        deltafin_format::model_dir::write_manifest(tmp, manifest)
+    })?;
+    Ok(())
+}
+
+fn mirror_full(
+    http: &Arc<Http>,
+    source: &Source,
+    model_dir: &Path,
+    m: Manifest,
+    opts: &PullOptions,
+    transfer: &dyn Transfer,
+    progress: &dyn Progress,
+) -> Result<PullReport, PullError> {
+    let t0 = Instant::now();
+    let dl = sibling(model_dir, "download");
+    work_dir(&dl, source)?;
+    mirror_small_files(http, source, &m, &dl)?;
+    for f in [&m.backbone.file, &m.experts.file] {
+        if f.contains('/') || f.contains("..") {
+            return Err(PullError::Invalid(format!(
+                "mirror manifest names file {f:?}: not a plain file name"
+            )));
+        }
+        let dest = dl.join(f);
+        if !dest.is_file() {
+            http.download(&source.file_url(f), &dest, transfer)?;
+        }
+    }
+    // Every record against the mirror's checksum; a corrupted one is fetched again by range.
+    let pack_path = dl.join(&m.experts.file);
+    let pack = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&pack_path)
+        .map_err(io_err(&pack_path))?;
+    progress.start(m.experts.bytes);
+    let mut buf = Vec::new();
+    for r in &m.experts.records {
+        buf.resize(r.length as usize, 0);
+        pack.read_exact_at(&mut buf, r.offset).map_err(io_err(&pack_path))?;
+        let want = u64::from_str_radix(&r.xxh3, 16).unwrap_or(0);
+        let mut attempt = 0;
+        while xxhash_rust::xxh3::xxh3_64(&buf) != want {
+            attempt += 1;
+            let url = source.file_url(&m.experts.file);
+            if attempt > http.max_attempts() {
+                return Err(PullError::Http {
+                    url,
+                    message: format!(
+                        "record of layer {}, expert {} keeps failing its checksum (xxh3 {})",
+                        r.layer, r.expert, r.xxh3
+                    ),
+                });
+            }
+            tracing::warn!(
+                "{url}: record of layer {} expert {} failed its checksum: fetching it again",
+                r.layer,
+                r.expert
+            );
+            buf = http.get_range(&url, r.offset, r.length, None)?.0;
+            pack.write_all_at(&buf, r.offset).map_err(io_err(&pack_path))?;
+        }
+        progress.advance(r.length);
+    }
+    pack.sync_all().map_err(io_err(&pack_path))?;
+    progress.finish();
+    let mut files: Vec<&str> = m.tokenizer_files.iter().map(String::as_str).collect();
+    files.push(&m.backbone.file);
+    files.push(&m.experts.file);
+    place(model_dir, opts.convert.force, &dl, &files, &m, |_| Ok(()))?;
+    if !opts.keep_download {
+        std::fs::remove_dir_all(&dl).map_err(io_err(&dl))?;
+    }
+    Ok(PullReport {
+        mode: "full",
+        bytes_fetched: http.bytes_received(),
+        seconds: t0.elapsed().as_secs_f64(),
+        retries: http.retries(),
+        ..PullReport::default()
+    })
+}
+
+fn mirror_stream(
+    http: &Arc<Http>,
+    source: &Source,
+    model_dir: &Path,
+    m: Manifest,
+    opts: &PullOptions,
+    transfer: &dyn Transfer,
+) -> Result<PullReport, PullError> {
+    let t0 = Instant::now();
+    let sd = sibling(model_dir, "stream-src");
+    work_dir(&sd, source)?;
+    mirror_small_files(http, source, &m, &sd)?;
+    if m.backbone.file.contains('/') || m.experts.file.contains('/') {
+        return Err(PullError::Invalid(
+            "mirror manifest names a file that is not a plain name".into(),
+        ));
+    }
+    let bb = sd.join(&m.backbone.file);
+    if !bb.is_file() {
+        http.download(&source.file_url(&m.backbone.file), &bb, transfer)?;
+    }
+    let (_, pack_info) = http.get_range(&source.file_url(&m.experts.file), 0, 1, None)?;
+    if pack_info.size < m.experts.bytes {
+        return Err(PullError::Http {
+            url: source.file_url(&m.experts.file),
+            message: format!("{} bytes, the manifest says {}", pack_info.size, m.experts.bytes),
+        });
+    }
+    let mut index = StreamIndex::new();
+    index.mirror = true;
+    index.files.insert(m.experts.file.clone(), pack_info);
+    let mut local = m.clone();
+    for r in &mut local.experts.records {
+        index
+            .record_xxh3
+            .insert(format!("{}.{}", r.layer, r.expert), std::mem::take(&mut r.xxh3));
+    }
+    local.stream = Some(StreamSource {
+        url: source.url.clone(),
+        revision: source.revision.clone(),
+        flat: source.flat,
+        allow_network: opts.allow_network,
+        index: STREAM_INDEX.into(),
+    });
+    let index_json = serde_json::to_vec(&index).map_err(|e| PullError::Invalid(e.to_string()))?;
+    let mut files: Vec<&str> = m.tokenizer_files.iter().map(String::as_str).collect();
+    files.push(&m.backbone.file);
+    let pack_name = m.experts.file.clone();
+    let pack_bytes = m.experts.bytes;
+    place(model_dir, opts.convert.force, &sd, &files, &local, move |tmp| {
+        let p = tmp.join(&pack_name);
+        let f = File::create(&p).map_err(io_err(&p))?;
+        f.set_len(pack_bytes).map_err(io_err(&p))?;
+        f.sync_all().map_err(io_err(&p))?;
+        write_atomic(&tmp.join(STREAM_INDEX), &index_json)
+    })?;
+    std::fs::remove_dir_all(&sd).map_err(io_err(&sd))?;
+    Ok(PullReport {
+        mode: "stream",
+        bytes_fetched: http.bytes_received(),
+        seconds: t0.elapsed().as_secs_f64(),
+        retries: http.retries(),
+        ..PullReport::default()
+    })
+}

@@ -1,0 +1,216 @@
+//! `deltafin warm`: fetch the most valuable missing experts of a streaming install ahead of use.
+//!
+//! Missing records are ranked by how often the given router traces chose them (hottest first;
+//! ties and experts never seen in a trace in (layer, expert) order), and fetched in that order
+//! while their resident size (length rounded up to 4 KiB) fits in the byte budget. Each batch of
+//! records is written, fsynced and journaled before the next starts
+//! ([`deltafin_format::presence::commit_records`]), so the command can be killed at any moment
+//! and resumed: a killed batch is simply fetched again.
+//!
+//! Records are written in the final packed layout from the start (the converter's record
+//! encoder), so there is no older or slower cache layout to rewrite.
+
+use std::collections::HashMap;
+use std::fs::OpenOptions;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use deltafin_engine::traces::Trace;
+use deltafin_format::model_dir::ExpertRecord;
+use deltafin_format::presence::{commit_records, present_checksums, Journal};
+use deltafin_format::ModelDir;
+
+use crate::install::concurrency_or_default;
+use crate::{io_err, Http, HttpRecordSource, PullError};
+
+/// `warm` settings.
+#[derive(Debug, Clone, Default)]
+pub struct WarmOptions {
+    /// Router traces (from `--trace-routes`) that rank the experts.
+    pub traces: Vec<PathBuf>,
+    /// Most bytes of records to fetch (resident size); None = every missing record.
+    pub budget: Option<u64>,
+    /// Network use allowed by the command line (the manifest's `allow_network` also allows it).
+    pub allow_network: bool,
+    /// Records fetched at once (0 = 4).
+    pub concurrency: usize,
+}
+
+/// What `warm` did.
+#[derive(Debug, Clone, Default)]
+pub struct WarmReport {
+    pub records_fetched: usize,
+    /// Record bytes written.
+    pub record_bytes: u64,
+    /// Body bytes received over HTTP.
+    pub bytes_fetched: u64,
+    pub seconds: f64,
+    /// Records present afterwards, of all records.
+    pub present: usize,
+    pub total: usize,
+    /// Missing records the budget left out.
+    pub left_out: usize,
+}
+
+/// (layer, expert).
+type Key = (u32, u32);
+
+fn resident(r: &ExpertRecord) -> u64 {
+    r.length.div_ceil(4096) * 4096
+}
+
+/// Heat of each (layer, expert) over `traces`.
+pub fn trace_heat(traces: &[PathBuf]) -> Result<HashMap<(u32, u32), u64>, PullError> {
+    let mut heat = HashMap::new();
+    for p in traces {
+        let t = Trace::read(p)?;
+        for ((l, e), n) in t.heat_ranking() {
+            *heat.entry((l as u32, e as u32)).or_default() += n;
+        }
+    }
+    Ok(heat)
+}
+
+/// Fetches `keys` (absent records of streaming install `dir`), `concurrency` at a time; each
+/// batch is committed (written, fsynced, journaled) before the next. `advance` gets record bytes
+/// as they are committed. Returns the records fetched.
+///
+/// Errors: the first fetch or write failure (records of earlier batches stay committed; those of
+/// the failing batch that did arrive are committed too).
+pub fn fetch_records(
+    dir: &ModelDir,
+    src: &HttpRecordSource,
+    keys: &[(u32, u32)],
+    concurrency: usize,
+    advance: &dyn Fn(u64),
+) -> Result<usize, PullError> {
+    if keys.is_empty() {
+        return Ok(0);
+    }
+    let pack_path = dir.expert_pack_path();
+    let pack = OpenOptions::new()
+        .write(true)
+        .open(&pack_path)
+        .map_err(io_err(&pack_path))?;
+    let journal = Journal::open(&dir.path)?;
+    let mut n = 0;
+    for batch in keys.chunks(concurrency_or_default(concurrency)) {
+        let got: Vec<(Key, Result<Vec<u8>, PullError>)> = std::thread::scope(|s| {
+            let hs: Vec<_> = batch
+                .iter()
+                .map(|&(l, e)| ((l, e), s.spawn(move || src.fetch(l as usize, e as usize))))
+                .collect();
+            hs.into_iter()
+                .map(|(k, h)| {
+                    (
+                        k,
+                        h.join()
+                            .unwrap_or_else(|_| Err(PullError::Invalid("fetch thread panicked".into()))),
+                    )
+                })
+                .collect()
+        });
+        let mut items = Vec::new();
+        let mut err = None;
+        for ((l, e), r) in &got {
+            match r {
+                Ok(b) => items.push((dir.record(*l as usize, *e as usize), b.as_slice())),
+                Err(x) => {
+                    if err.is_none() {
+                        err = Some(PullError::Invalid(format!("layer {l}, expert {e}: {x}")));
+                    }
+                }
+            }
+        }
+        if !items.is_empty() {
+            commit_records(&pack, &pack_path, &journal, &items)?;
+            n += items.len();
+            advance(items.iter().map(|(r, _)| r.length).sum());
+        }
+        if let Some(e) = err {
+            return Err(e);
+        }
+    }
+    Ok(n)
+}
+
+/// `deltafin warm <model_dir>`: see the module docs.
+///
+/// Errors: not a streaming install is fine (nothing to do); network not allowed; unreadable
+/// traces or traces of another model shape; fetch and write failures.
+pub fn warm(
+    model_dir: &Path,
+    http: Arc<Http>,
+    opts: &WarmOptions,
+    progress: &dyn deltafin_format::convert::Progress,
+) -> Result<WarmReport, PullError> {
+    let t0 = Instant::now();
+    let dir = ModelDir::open(model_dir)?;
+    let total = dir.manifest.experts.records.len();
+    let Some(stream) = dir.manifest.stream.clone() else {
+        return Ok(WarmReport {
+            present: total,
+            total,
+            ..WarmReport::default()
+        });
+    };
+    let present = present_checksums(&dir)?;
+    let heat = trace_heat(&opts.traces)?;
+    let cfg = &dir.manifest.config;
+    if let Some(&(l, e)) = heat.keys().find(|&&(l, e)| {
+        l as usize >= cfg.num_hidden_layers() || !cfg.is_moe_layer(l as usize) || e as usize >= cfg.n_routed_experts()
+    }) {
+        return Err(PullError::Invalid(format!(
+            "the traces name expert (layer {l}, expert {e}), which this model does not have: traces of another model?"
+        )));
+    }
+    let mut missing: Vec<&ExpertRecord> = dir
+        .manifest
+        .experts
+        .records
+        .iter()
+        .filter(|r| !present.contains_key(&(r.layer, r.expert)))
+        .collect();
+    missing.sort_by(|a, b| {
+        let h = |r: &ExpertRecord| heat.get(&(r.layer, r.expert)).copied().unwrap_or(0);
+        h(b).cmp(&h(a)).then((a.layer, a.expert).cmp(&(b.layer, b.expert)))
+    });
+    let budget = opts.budget.unwrap_or(u64::MAX);
+    let mut used = 0u64;
+    let mut chosen = Vec::new();
+    for r in &missing {
+        if used + resident(r) > budget {
+            break;
+        }
+        used += resident(r);
+        chosen.push((r.layer, r.expert));
+    }
+    let left_out = missing.len() - chosen.len();
+    let allowed = opts.allow_network || stream.allow_network;
+    if !chosen.is_empty() && !allowed {
+        return Err(PullError::Invalid(format!(
+            "{}: {} expert records are missing; fetching them from {} needs --allow-network",
+            model_dir.display(),
+            missing.len(),
+            stream.url
+        )));
+    }
+    let src = HttpRecordSource::open(&dir, http.clone())?;
+    let bytes: u64 = chosen
+        .iter()
+        .map(|&(l, e)| dir.record(l as usize, e as usize).length)
+        .sum();
+    progress.start(bytes);
+    let fetched = fetch_records(&dir, &src, &chosen, opts.concurrency, &|b| progress.advance(b))?;
+    progress.finish();
+    Ok(WarmReport {
+        records_fetched: fetched,
+        record_bytes: bytes,
+        bytes_fetched: http.bytes_received(),
+        seconds: t0.elapsed().as_secs_f64(),
+        present: total - missing.len() + fetched,
+        total,
+        left_out,
+    })
+}

@@ -1,0 +1,178 @@
+//! `deltafin pull`: full and streaming installs from an HTTP source, and the on-demand expert
+//! source that `run`, `serve`, `chat` and `replay` attach to a streaming install.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use deltafin_engine::experts::{Remote, StoreOptions};
+use deltafin_format::convert::ConvertOptions;
+use deltafin_format::{ModelDir, StoredDtype};
+use deltafin_pull::http::Transfer;
+use deltafin_pull::install::{pull_full, pull_stream, PullOptions};
+use deltafin_pull::{Http, HttpOptions, HttpRecordSource, Source};
+
+use crate::{progress_bar, size, BackboneDtype, ExpertDtype};
+
+#[derive(clap::Args)]
+#[command(group = clap::ArgGroup::new("mode").required(true).multiple(false).args(["full", "stream"]))]
+pub(crate) struct PullArgs {
+    /// Repository URL: files are read from <source>/resolve/<revision>/<file> (the Hugging Face
+    /// layout), or from <source>/<file> with --flat (any server that honours Range).
+    source: String,
+    /// Model directory to create (or a streaming install to upgrade with --full).
+    model_dir: PathBuf,
+    /// Download every file (resumable, verified), then convert. On a streaming install: fetch
+    /// only the experts not cached yet and make it a full install.
+    #[arg(long)]
+    full: bool,
+    /// Fetch config, tokenizer, shard headers and backbone tensors only; routed experts are
+    /// fetched by HTTP range the first time a run needs them (with --allow-network) or by `warm`.
+    #[arg(long)]
+    stream: bool,
+    /// Revision in the Hugging Face layout.
+    #[arg(long, default_value = "main")]
+    revision: String,
+    /// Files are at <source>/<file>.
+    #[arg(long)]
+    flat: bool,
+    /// Streaming: let every later run fetch missing experts without --allow-network.
+    #[arg(long)]
+    allow_network: bool,
+    /// Full: keep the downloaded checkpoint in .<model_dir>.download/ after converting.
+    #[arg(long)]
+    keep_download: bool,
+    /// Storage of 2-D backbone matrices (as for `convert`).
+    #[arg(long, value_enum, default_value = "int8")]
+    backbone: BackboneDtype,
+    /// Storage of routed experts (as for `convert`).
+    #[arg(long, value_enum, default_value = "mxfp4")]
+    experts: ExpertDtype,
+    /// Replace an existing model directory.
+    #[arg(long)]
+    force: bool,
+    /// Range requests (or expert fetches) in flight at once.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+}
+
+/// Download progress on an indicatif bar (drawn only when stderr is a terminal).
+pub(crate) struct TransferBar(pub(crate) indicatif::ProgressBar);
+
+impl Transfer for TransferBar {
+    fn begin(&self, name: &str, total: u64, done: u64) {
+        self.0.set_message(name.to_string());
+        self.0.set_length(total);
+        self.0.set_position(done);
+    }
+    fn advance(&self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+}
+
+pub(crate) fn run(a: &PullArgs) -> Result<()> {
+    let source = Source::new(&a.source, Some(&a.revision), a.flat)?;
+    let http = Arc::new(Http::new(HttpOptions::default())?);
+    let opts = PullOptions {
+        convert: ConvertOptions {
+            backbone: match a.backbone {
+                BackboneDtype::Int8 => StoredDtype::Int8,
+                BackboneDtype::Bf16 => StoredDtype::Bf16,
+                BackboneDtype::F32 => StoredDtype::F32,
+            },
+            experts: match a.experts {
+                ExpertDtype::Mxfp4 => StoredDtype::Mxfp4,
+                ExpertDtype::Bf16 => StoredDtype::Bf16,
+                ExpertDtype::F32 => StoredDtype::F32,
+            },
+            force: a.force,
+        },
+        allow_network: a.allow_network,
+        keep_download: a.keep_download,
+        concurrency: a.concurrency,
+    };
+    let dl = progress_bar("downloading");
+    let transfer = TransferBar(dl.0.clone());
+    let conv = progress_bar("converting");
+    let what = if a.full { "full" } else { "streaming" };
+    let r = if a.full {
+        pull_full(&http, &source, &a.model_dir, &opts, &transfer, &conv)
+    } else {
+        pull_stream(&http, &source, &a.model_dir, &opts, &transfer, &conv)
+    };
+    dl.0.finish_and_clear();
+    conv.0.finish_and_clear();
+    let r = r.with_context(|| format!("{what} pull of {} into {}", source.url, a.model_dir.display()))?;
+    let rate = r.bytes_fetched as f64 / r.seconds.max(1e-9);
+    eprintln!(
+        "pulled ({}) {} -> {} in {:.1} s: {} fetched ({}/s, {} requests, {} retries){}",
+        r.mode,
+        source.url,
+        a.model_dir.display(),
+        r.seconds,
+        size::human(r.bytes_fetched),
+        size::human(rate as u64),
+        http.requests(),
+        r.retries,
+        if r.mode == "upgrade" {
+            format!(
+                "; {} expert records fetched, {} already cached and kept",
+                r.records_fetched, r.records_kept
+            )
+        } else {
+            String::new()
+        }
+    );
+    if r.mode == "stream" {
+        eprintln!(
+            "routed experts are fetched on first use: `deltafin run --model {0} --allow-network …`, or ahead of time with `deltafin warm {0} --allow-network`",
+            a.model_dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// The on-demand expert source of a streaming install, kept to report what it fetched.
+pub(crate) struct NetworkUse(Option<Arc<HttpRecordSource>>);
+
+impl Drop for NetworkUse {
+    fn drop(&mut self) {
+        if let Some(s) = &self.0 {
+            let n = s.records_fetched();
+            if n > 0 {
+                eprintln!(
+                    "fetched {n} expert records on demand ({} over HTTP, {} retries, {} refetched after a checksum failure) from {}",
+                    size::human(s.http().bytes_received()),
+                    s.http().retries(),
+                    s.records_refetched(),
+                    deltafin_engine::experts::RecordSource::describe(s.as_ref()),
+                );
+            }
+        }
+    }
+}
+
+/// Attaches the HTTP expert source to `opts` when `dir` is a streaming install and network use
+/// is allowed (`allow_network`, or the install's setting). Without permission nothing is
+/// attached, and a missing expert is an error naming the command that fetches it.
+///
+/// Errors: the stream index is missing or malformed.
+pub(crate) fn attach_source(opts: &mut StoreOptions, dir: &ModelDir, allow_network: bool) -> Result<NetworkUse> {
+    let Some(s) = &dir.manifest.stream else {
+        return Ok(NetworkUse(None));
+    };
+    if !(allow_network || s.allow_network) {
+        return Ok(NetworkUse(None));
+    }
+    let http = Arc::new(Http::new(HttpOptions::default())?);
+    let src = Arc::new(
+        HttpRecordSource::open(dir, http)
+            .with_context(|| format!("opening the stream source of {}", show(&dir.path)))?,
+    );
+    opts.remote = Some(Remote(src.clone()));
+    Ok(NetworkUse(Some(src)))
+}
+
+fn show(p: &Path) -> String {
+    p.display().to_string()
+}

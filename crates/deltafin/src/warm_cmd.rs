@@ -1,0 +1,59 @@
+//! `deltafin warm`: fetch the most valuable missing experts of a streaming install.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use deltafin_pull::warm::{warm, WarmOptions};
+use deltafin_pull::{Http, HttpOptions};
+
+use crate::{progress_bar, size};
+
+#[derive(clap::Args)]
+pub(crate) struct WarmArgs {
+    /// Model directory of a streaming install (`deltafin pull --stream`).
+    model_dir: PathBuf,
+    /// Router traces (from `run --trace-routes`) ranking the experts: the most chosen first.
+    #[arg(long, value_name = "FILE", num_args = 1..)]
+    traces: Vec<PathBuf>,
+    /// Most bytes of expert records to fetch, e.g. 2G (default: every missing record).
+    #[arg(long, value_parser = size::parse_size)]
+    budget: Option<u64>,
+    /// Allow fetching from the install's source (needed unless the install allows it).
+    #[arg(long)]
+    allow_network: bool,
+    /// Records fetched at once.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+}
+
+pub(crate) fn run(a: &WarmArgs) -> Result<()> {
+    let http = Arc::new(Http::new(HttpOptions::default())?);
+    let opts = WarmOptions {
+        traces: a.traces.clone(),
+        budget: a.budget,
+        allow_network: a.allow_network,
+        concurrency: a.concurrency,
+    };
+    let bar = progress_bar("warming");
+    let r = warm(&a.model_dir, http.clone(), &opts, &bar);
+    bar.0.finish_and_clear();
+    let r = r.with_context(|| format!("warming {}", a.model_dir.display()))?;
+    eprintln!(
+        "warm {}: fetched {} expert records ({} of records, {} over HTTP, {} retries) in {:.1} s; {} of {} records present{}",
+        a.model_dir.display(),
+        r.records_fetched,
+        size::human(r.record_bytes),
+        size::human(r.bytes_fetched),
+        http.retries(),
+        r.seconds,
+        r.present,
+        r.total,
+        if r.left_out > 0 {
+            format!(" ({} missing ones left out by --budget)", r.left_out)
+        } else {
+            String::new()
+        }
+    );
+    Ok(())
+}

@@ -1,0 +1,739 @@
+//! `deltafin pull`, on-demand expert fetching, `warm` and `cache` against a real HTTP server: nginx
+//! on 127.0.0.1 (CI installs it; `.ci/run`), serving the reference fixtures in the Hugging Face
+//! layout (`<repo>/resolve/main/<file>`, with the hub's `X-Linked-Etag` sha256 on weight files).
+//! Faults (500s, a flipped byte, a server ignoring Range, a slow link to kill a transfer in) come
+//! from a small proxy in front of nginx written here with `std::net`; nginx serves every byte.
+//!
+//! Without nginx the tests say so on stderr and return.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+fn fixture(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/deepseek_v3")
+        .join(case)
+}
+
+fn nginx_binary() -> Option<PathBuf> {
+    ["/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/bin/nginx"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+}
+
+fn sha256_hex(path: &Path) -> String {
+    let out = Command::new("sha256sum").arg(path).output().expect("sha256sum");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or("")
+        .to_string()
+}
+
+/// nginx serving `root` on a free loopback port, stopped on drop.
+struct Nginx {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Nginx {
+    /// Serves the fixture `cases` at `/<case>/resolve/main/<file>`, with `X-Linked-Etag`
+    /// (quoted sha256) on `.safetensors` files as the Hugging Face hub sends it.
+    fn start(cases: &[&str]) -> Option<Nginx> {
+        Self::start_with(cases, &[])
+    }
+
+    /// Also serves the files of each `(name, dir)` at `/<name>/<file>` (a flat source).
+    fn start_with(cases: &[&str], flat: &[(&str, &Path)]) -> Option<Nginx> {
+        let bin = match nginx_binary() {
+            Some(b) => b,
+            None => {
+                eprintln!("SKIPPED: nginx is not installed (.ci/run installs it: apt-get install nginx-light)");
+                return None;
+            }
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let srv = dir.path().join("srv");
+        let mut map = String::new();
+        for case in cases {
+            let to = srv.join(case).join("resolve/main");
+            std::fs::create_dir_all(&to).unwrap();
+            for e in std::fs::read_dir(fixture(case)).unwrap().flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                std::fs::copy(e.path(), to.join(&name)).unwrap();
+                if name.ends_with(".safetensors") {
+                    map.push_str(&format!(
+                        "    /{case}/resolve/main/{name} \"\\\"{}\\\"\";\n",
+                        sha256_hex(&e.path())
+                    ));
+                }
+            }
+        }
+        for (name, from) in flat {
+            std::fs::create_dir_all(srv.join(name)).unwrap();
+            for e in std::fs::read_dir(from).unwrap().flatten() {
+                std::fs::copy(e.path(), srv.join(name).join(e.file_name())).unwrap();
+            }
+        }
+        for _ in 0..5 {
+            let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let d = dir.path().display();
+            let conf = format!(
+                "daemon off;\nmaster_process off;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
+                 events {{ worker_connections 256; }}\n\
+                 http {{\n  access_log {d}/access.log;\n  client_body_temp_path {d}/t_body;\n  proxy_temp_path {d}/t_proxy;\n\
+                   fastcgi_temp_path {d}/t_fcgi;\n  uwsgi_temp_path {d}/t_uwsgi;\n  scgi_temp_path {d}/t_scgi;\n\
+                   default_type application/octet-stream;\n  keepalive_timeout 5;\n  map_hash_bucket_size 256;\n\
+                   map $uri $linked_etag {{\n    default \"\";\n{map}  }}\n\
+                   server {{\n    listen 127.0.0.1:{port};\n    root {srv};\n    add_header X-Linked-Etag $linked_etag always;\n  }}\n}}\n",
+                srv = srv.display()
+            );
+            std::fs::write(dir.path().join("nginx.conf"), conf).unwrap();
+            let mut child = Command::new(&bin)
+                .arg("-p")
+                .arg(dir.path())
+                .arg("-e")
+                .arg(dir.path().join("error.log"))
+                .arg("-c")
+                .arg(dir.path().join("nginx.conf"))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn nginx");
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(5) {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break; // port taken or bad config: try another port
+                }
+                if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                    return Some(Nginx { child, port, _dir: dir });
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let log = std::fs::read_to_string(dir.path().join("error.log")).unwrap_or_default();
+        panic!("nginx did not start: {log}");
+    }
+
+    fn url(&self, case: &str) -> String {
+        format!("http://127.0.0.1:{}/{case}", self.port)
+    }
+}
+
+/// What the proxy does to the next requests.
+#[derive(Default)]
+struct Faults {
+    /// Answer this many requests with 500 without forwarding them.
+    fail_next: usize,
+    /// Remove `Range` and `If-Range` (the server then answers 200 with the whole file).
+    strip_range: bool,
+    /// Flip one byte in the body of the next response with at least this many body bytes.
+    flip_next_over: Option<usize>,
+    /// Send responses at about this many bytes per second.
+    throttle: Option<usize>,
+    /// `GET <path> [<range>]` of every request.
+    log: Vec<String>,
+}
+
+/// A fault-injecting HTTP/1.1 proxy in front of nginx (one request per connection).
+struct Proxy {
+    port: u16,
+    faults: Arc<Mutex<Faults>>,
+}
+
+impl Proxy {
+    fn start(upstream: u16) -> Proxy {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let faults = Arc::new(Mutex::new(Faults::default()));
+        let f = faults.clone();
+        std::thread::spawn(move || {
+            for c in l.incoming().flatten() {
+                let f = f.clone();
+                std::thread::spawn(move || {
+                    let _ = serve(c, upstream, &f);
+                });
+            }
+        });
+        Proxy { port, faults }
+    }
+
+    fn url(&self, case: &str) -> String {
+        format!("http://127.0.0.1:{}/{case}", self.port)
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut Faults) -> T) -> T {
+        f(&mut self.faults.lock().unwrap())
+    }
+}
+
+fn serve(mut c: TcpStream, upstream: u16, faults: &Mutex<Faults>) -> std::io::Result<()> {
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if c.read(&mut b)? == 0 {
+            return Ok(());
+        }
+        head.push(b[0]);
+    }
+    let text = String::from_utf8_lossy(&head).into_owned();
+    let mut lines: Vec<&str> = text.split("\r\n").filter(|l| !l.is_empty()).collect();
+    let path = lines[0].split_whitespace().nth(1).unwrap_or("").to_string();
+    let range = lines
+        .iter()
+        .find(|l| l.to_ascii_lowercase().starts_with("range:"))
+        .map(|l| l[6..].trim().to_string())
+        .unwrap_or_default();
+    let (fail, strip, throttle) = {
+        let mut f = faults.lock().unwrap();
+        f.log.push(format!("GET {path} {range}"));
+        let fail = f.fail_next > 0;
+        if fail {
+            f.fail_next -= 1;
+        }
+        (fail, f.strip_range, f.throttle)
+    };
+    if fail {
+        c.write_all(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")?;
+        return Ok(());
+    }
+    lines.retain(|l| {
+        let k = l.to_ascii_lowercase();
+        !k.starts_with("connection:") && !(strip && (k.starts_with("range:") || k.starts_with("if-range:")))
+    });
+    let mut req = lines.join("\r\n");
+    req.push_str("\r\nConnection: close\r\n\r\n");
+    let mut up = TcpStream::connect(("127.0.0.1", upstream))?;
+    up.write_all(req.as_bytes())?;
+    let mut resp = Vec::new();
+    up.read_to_end(&mut resp)?;
+    let body_at = resp
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(resp.len(), |p| p + 4);
+    {
+        let mut f = faults.lock().unwrap();
+        if let Some(min) = f.flip_next_over {
+            if resp.len() - body_at >= min {
+                let i = body_at + (resp.len() - body_at) / 2;
+                resp[i] ^= 0x10;
+                f.flip_next_over = None;
+            }
+        }
+    }
+    match throttle {
+        None => c.write_all(&resp)?,
+        Some(bps) => {
+            let chunk = (bps / 20).max(1);
+            for part in resp.chunks(chunk) {
+                c.write_all(part)?;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn deltafin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_deltafin"));
+    c.env("DELTAFIN_HTTP_BACKOFF_MS", "20")
+        .env("DELTAFIN_HTTP_TIMEOUT_S", "10");
+    c
+}
+
+fn run_ok(args: &[&str]) -> Output {
+    let out = deltafin().args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "deltafin {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn read(p: &Path) -> Vec<u8> {
+    std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// Expert records and backbone of two model directories are byte-identical.
+fn assert_same_model(a: &Path, b: &Path) {
+    assert!(
+        read(&a.join("backbone.bin")) == read(&b.join("backbone.bin")),
+        "backbone.bin differs"
+    );
+    assert!(
+        read(&a.join("experts.pack")) == read(&b.join("experts.pack")),
+        "experts.pack differs"
+    );
+    let m = |p: &Path| {
+        let v: serde_json::Value = serde_json::from_slice(&read(&p.join("manifest.json"))).unwrap();
+        (v["experts"].clone(), v["backbone"].clone())
+    };
+    assert_eq!(m(a), m(b), "manifests differ");
+}
+
+fn local_convert(case: &str, out: &Path) {
+    run_ok(&["convert", s(&fixture(case)), s(out)]);
+}
+
+fn logits(model: &Path, extra: &[&str], json: &Path) -> Vec<u8> {
+    let mut args = vec![
+        "run",
+        "--model",
+        s(model),
+        "--prompt-ids",
+        "5,17,42,7,3",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+        "--ram-budget",
+        "0",
+        "--logits-out",
+        s(json),
+    ];
+    args.extend_from_slice(extra);
+    run_ok(&args);
+    read(json)
+}
+
+#[test]
+fn full_and_streaming_installs_match_a_local_convert() {
+    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    local_convert("dsv3_b", &t.join("ref"));
+
+    // Full: downloaded (two shards + index, sha256-verified), converted.
+    let out = run_ok(&["pull", &ng.url("dsv3_b"), s(&t.join("full")), "--full"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("pulled (full)"));
+    assert_same_model(&t.join("ref"), &t.join("full"));
+    assert!(!t.join(".full.download").exists(), "download directory left behind");
+
+    // Streaming: backbone identical, expert pack sparse and empty.
+    run_ok(&["pull", &ng.url("dsv3_b"), s(&t.join("st")), "--stream"]);
+    assert!(read(&t.join("ref/backbone.bin")) == read(&t.join("st/backbone.bin")));
+    assert_eq!(
+        std::fs::metadata(t.join("ref/experts.pack")).unwrap().len(),
+        std::fs::metadata(t.join("st/experts.pack")).unwrap().len()
+    );
+    assert!(!t.join(".st.stream-src").exists());
+    let stats = String::from_utf8_lossy(&run_ok(&["cache", "stats", s(&t.join("st"))]).stdout).into_owned();
+    assert!(
+        stats.contains("streaming install") && stats.contains("total: 0 of 48 records"),
+        "{stats}"
+    );
+
+    // Without network permission: a clear error naming the expert and the fix.
+    let out = deltafin()
+        .args([
+            "run",
+            "--model",
+            s(&t.join("st")),
+            "--prompt-ids",
+            "5,17",
+            "--max-new-tokens",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("layer ")
+            && err.contains("expert ")
+            && err.contains("deltafin warm")
+            && err.contains("--allow-network"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+
+    // With it: experts fetched on demand; ids and logits identical to the full install.
+    let want = logits(&t.join("full"), &[], &t.join("full.json"));
+    let out = deltafin()
+        .args([
+            "run",
+            "--model",
+            s(&t.join("st")),
+            "--prompt-ids",
+            "5,17,42,7,3",
+            "--max-new-tokens",
+            "6",
+            "--ignore-eos",
+            "--ram-budget",
+            "0",
+            "--allow-network",
+            "--logits-out",
+            s(&t.join("st.json")),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("expert records on demand"), "{err}");
+    assert!(
+        want == read(&t.join("st.json")),
+        "streaming run differs from the full install"
+    );
+    // A second run needs no network: the fetched records are local now.
+    assert!(want == logits(&t.join("st"), &[], &t.join("st2.json")));
+
+    let v = String::from_utf8_lossy(&run_ok(&["cache", "verify", s(&t.join("st"))]).stdout).into_owned();
+    assert!(v.contains("ok: "), "{v}");
+    let stats = String::from_utf8_lossy(&run_ok(&["cache", "stats", s(&t.join("st"))]).stdout).into_owned();
+    assert!(
+        !stats.contains("total: 0 of") && !stats.contains("total: 48 of"),
+        "{stats}"
+    );
+
+    // Upgrade to full: keeps what is cached, fetches the rest, ends identical to a full convert.
+    let out = run_ok(&["pull", &ng.url("dsv3_b"), s(&t.join("st")), "--full"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("pulled (upgrade)") && err.contains("already cached and kept"),
+        "{err}"
+    );
+    assert!(!err.contains(" 0 already cached"), "{err}");
+    assert_same_model(&t.join("ref"), &t.join("st"));
+    assert!(!t.join("st/experts.present").exists() && !t.join("st/stream-index.json").exists());
+    let v: serde_json::Value = serde_json::from_slice(&read(&t.join("st/manifest.json"))).unwrap();
+    assert!(v.get("stream").is_none());
+}
+
+#[test]
+fn retries_500s_refetches_a_corrupted_body_and_names_a_server_ignoring_range() {
+    let Some(ng) = Nginx::start(&["dsv3_a"]) else { return };
+    let px = Proxy::start(ng.port);
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    local_convert("dsv3_a", &t.join("ref"));
+
+    // 500s, then the server recovers.
+    px.with(|f| f.fail_next = 3);
+    let out = run_ok(&["pull", &px.url("dsv3_a"), s(&t.join("a")), "--full"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("3 retries"), "{err}");
+    assert_same_model(&t.join("ref"), &t.join("a"));
+
+    // A flipped byte in the weights: sha256 (X-Linked-Etag) catches it, the file is fetched again.
+    px.with(|f| {
+        f.flip_next_over = Some(100_000);
+        f.log.clear();
+    });
+    run_ok(&["pull", &px.url("dsv3_a"), s(&t.join("b")), "--full"]);
+    assert_same_model(&t.join("ref"), &t.join("b"));
+    let gets = px.with(|f| f.log.iter().filter(|l| l.contains("model.safetensors ")).count());
+    assert_eq!(
+        gets,
+        2,
+        "the corrupted download must be fetched again: {:?}",
+        px.with(|f| f.log.clone())
+    );
+
+    // A server that ignores Range: a streaming install says so and leaves nothing behind.
+    px.with(|f| f.strip_range = true);
+    let out = deltafin()
+        .args(["pull", &px.url("dsv3_a"), s(&t.join("c")), "--stream"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("ignored the Range request") && err.contains("--full"),
+        "{err}"
+    );
+    assert!(!t.join("c").exists());
+    // A full install does not need Range.
+    run_ok(&["pull", &px.url("dsv3_a"), s(&t.join("d")), "--full"]);
+    assert_same_model(&t.join("ref"), &t.join("d"));
+}
+
+fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_killed_download_resumes_with_range() {
+    let Some(ng) = Nginx::start(&["dsv3_a"]) else { return };
+    let px = Proxy::start(ng.port);
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    local_convert("dsv3_a", &t.join("ref"));
+    let size = std::fs::metadata(fixture("dsv3_a").join("model.safetensors"))
+        .unwrap()
+        .len();
+
+    px.with(|f| f.throttle = Some(200_000));
+    let mut child = deltafin()
+        .args(["pull", &px.url("dsv3_a"), s(&t.join("m")), "--full"])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let part = t.join(".m.download/model.safetensors.part");
+    wait_for("a partial download", Duration::from_secs(60), || {
+        std::fs::metadata(&part).map(|m| m.len() > 100_000).unwrap_or(false)
+    });
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let have = std::fs::metadata(&part).unwrap().len();
+    assert!(have < size, "killed too late");
+
+    px.with(|f| {
+        f.throttle = None;
+        f.log.clear();
+    });
+    run_ok(&["pull", &px.url("dsv3_a"), s(&t.join("m")), "--full"]);
+    assert_same_model(&t.join("ref"), &t.join("m"));
+    let log = px.with(|f| f.log.clone());
+    let resumed = log
+        .iter()
+        .find(|l| l.contains("model.safetensors "))
+        .cloned()
+        .unwrap_or_default();
+    let from: u64 = resumed
+        .split("bytes=")
+        .nth(1)
+        .and_then(|r| r.trim_end_matches('-').parse().ok())
+        .unwrap_or(0);
+    assert!(
+        from > 0 && from <= have,
+        "expected a resumed Range request, got {log:?}"
+    );
+}
+
+fn journal_entries(model: &Path) -> u64 {
+    std::fs::metadata(model.join("experts.present"))
+        .map(|m| m.len().saturating_sub(16) / 40)
+        .unwrap_or(0)
+}
+
+#[test]
+fn warm_killed_then_verified_and_resumed() {
+    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
+    let px = Proxy::start(ng.port);
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    local_convert("dsv3_b", &t.join("ref"));
+    let m = t.join("m");
+    run_ok(&["pull", &px.url("dsv3_b"), s(&m), "--stream"]);
+
+    // Warm without permission: refused, nothing fetched.
+    let out = deltafin().args(["warm", s(&m)]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--allow-network"));
+
+    // Slow link, killed mid-way.
+    px.with(|f| f.throttle = Some(40_000));
+    let mut child = deltafin()
+        .args(["warm", s(&m), "--allow-network", "--concurrency", "1"])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for("some warmed records", Duration::from_secs(60), || {
+        journal_entries(&m) >= 3
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let v = String::from_utf8_lossy(&run_ok(&["cache", "verify", s(&m)]).stdout).into_owned();
+    assert!(v.contains("ok: "), "{v}");
+    let stats = String::from_utf8_lossy(&run_ok(&["cache", "stats", s(&m)]).stdout).into_owned();
+    assert!(
+        !stats.contains("total: 0 of") && !stats.contains("total: 48 of"),
+        "{stats}"
+    );
+
+    // Resume: everything present, byte-identical to a full convert; gc finds nothing to fix.
+    px.with(|f| f.throttle = None);
+    let out = run_ok(&["warm", s(&m), "--allow-network"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("48 of 48 records present"));
+    run_ok(&["cache", "verify", s(&m)]);
+    let gc = String::from_utf8_lossy(&run_ok(&["cache", "gc", s(&m)]).stdout).into_owned();
+    assert!(gc.contains("0 incomplete records freed"), "{gc}");
+    assert!(read(&t.join("ref/experts.pack")) == read(&m.join("experts.pack")));
+}
+
+struct Mount(PathBuf);
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+fn disk_usage(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.metadata().unwrap().blocks() * 512)
+        .sum()
+}
+
+#[test]
+fn a_full_disk_during_warm_leaves_a_consistent_cache() {
+    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    run_ok(&["pull", &ng.url("dsv3_b"), s(&t.join("st")), "--stream"]);
+    // A file system holding the streaming install and about two more records.
+    let mnt = t.join("tiny");
+    std::fs::create_dir(&mnt).unwrap();
+    let size = disk_usage(&t.join("st")) + 4 * 4096 + 8192;
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+        .arg(&mnt)
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !ok {
+        eprintln!("SKIPPED: cannot mount a tmpfs here (needs root)");
+        return;
+    }
+    let _guard = Mount(mnt.clone());
+    let m = mnt.join("m");
+    let cp = Command::new("cp")
+        .args(["-a", "--sparse=always"])
+        .arg(t.join("st"))
+        .arg(&m)
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    let out = deltafin()
+        .args(["warm", s(&m), "--allow-network", "--concurrency", "1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "warm onto a full disk must fail: {err}");
+    assert!(err.contains("No space left on device"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let v = String::from_utf8_lossy(&run_ok(&["cache", "verify", s(&m)]).stdout).into_owned();
+    assert!(v.contains("ok: "), "{v}");
+    let stats = String::from_utf8_lossy(&run_ok(&["cache", "stats", s(&m)]).stdout).into_owned();
+    assert!(!stats.contains("total: 48 of"), "{stats}");
+    // gc frees the blocks of the record that did not fit.
+    run_ok(&["cache", "gc", s(&m)]);
+    run_ok(&["cache", "verify", s(&m)]);
+}
+
+#[test]
+fn a_mirror_of_a_full_install_streams_checksummed_records() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    run_ok(&["synth", "--preset", "tiny", "--out", s(&t.join("src"))]);
+    let Some(ng) = Nginx::start_with(&[], &[("mirror", &t.join("src"))]) else {
+        return;
+    };
+    let px = Proxy::start(ng.port);
+    let st = t.join("st");
+    run_ok(&["pull", &px.url("mirror"), s(&st), "--stream", "--flat"]);
+    assert!(read(&t.join("src/backbone.bin")) == read(&st.join("backbone.bin")));
+
+    // Two 500s, then one record body corrupted in transit: retried, then caught by its checksum
+    // and fetched again.
+    px.with(|f| {
+        f.fail_next = 2;
+        f.flip_next_over = Some(13_000);
+        f.log.clear();
+    });
+    let want = logits(&t.join("src"), &[], &t.join("a.json"));
+    assert!(want == logits(&st, &["--allow-network"], &t.join("b.json")));
+    let gets = px.with(|f| f.log.iter().filter(|l| l.contains("experts.pack")).count());
+    let present = deltafin()
+        .args(["cache", "stats", s(&st)])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap();
+    let n: usize = present
+        .split("total: ")
+        .nth(1)
+        .and_then(|x| x.split_whitespace().next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or(0);
+    assert!(n > 0 && gets == n + 3, "{n} records, {gets} range requests: {present}");
+    run_ok(&["cache", "verify", s(&st)]);
+
+    // Full install from the mirror, and upgrading the streaming one: identical to the source.
+    run_ok(&["pull", &px.url("mirror"), s(&t.join("full")), "--full", "--flat"]);
+    assert_same_model(&t.join("src"), &t.join("full"));
+    run_ok(&["pull", &px.url("mirror"), s(&st), "--full", "--flat"]);
+    assert_same_model(&t.join("src"), &st);
+}
+
+#[test]
+fn a_killed_streaming_pull_resumes_the_ranges_it_has() {
+    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
+    let px = Proxy::start(ng.port);
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let shard_ranges = |px: &Proxy| px.with(|f| f.log.iter().filter(|l| l.contains(".safetensors bytes=")).count());
+    run_ok(&["pull", &px.url("dsv3_b"), s(&t.join("fresh")), "--stream"]);
+    let fresh = shard_ranges(&px);
+    assert!(
+        fresh >= 8,
+        "the test needs several backbone ranges to interrupt, got {fresh}"
+    );
+
+    px.with(|f| {
+        f.throttle = Some(60_000);
+        f.log.clear();
+    });
+    let mut child = deltafin()
+        .args([
+            "pull",
+            &px.url("dsv3_b"),
+            s(&t.join("m")),
+            "--stream",
+            "--concurrency",
+            "1",
+        ])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let done = t.join(".m.stream-src/ranges.done");
+    wait_for("some backbone ranges", Duration::from_secs(60), || {
+        std::fs::read_to_string(&done)
+            .map(|s| s.lines().count() >= 2)
+            .unwrap_or(false)
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        !t.join("m").exists(),
+        "an interrupted pull must not leave a model directory"
+    );
+    let had = std::fs::read_to_string(&done).unwrap().lines().count();
+
+    px.with(|f| {
+        f.throttle = None;
+        f.log.clear();
+    });
+    run_ok(&["pull", &px.url("dsv3_b"), s(&t.join("m")), "--stream"]);
+    let again = shard_ranges(&px);
+    assert!(
+        again + had <= fresh,
+        "resumed pull made {again} range requests, a fresh one {fresh}, {had} were done"
+    );
+    assert!(read(&t.join("fresh/backbone.bin")) == read(&t.join("m/backbone.bin")));
+    assert!(read(&t.join("fresh/manifest.json")) == read(&t.join("m/manifest.json")));
+}
