@@ -57,6 +57,7 @@ fn reuse_matches_a_fresh_run_and_the_greedy_loop() {
         ignore_eos: true,
         record_logits: false,
         trace_routes: None,
+        ..Default::default()
     };
     let plain = generate(s.model().as_ref(), &second, &opts, |_| true).unwrap();
     assert_eq!(plain.generated_ids, fresh.generated_ids);

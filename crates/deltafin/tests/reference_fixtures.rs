@@ -89,6 +89,7 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
             ignore_eos: true,
             record_logits: true,
             trace_routes: None,
+            ..Default::default()
         };
         let got = generate(&model, &prompt, &opts, |_| true).unwrap();
         if got.generated_ids != want_ids {
@@ -162,6 +163,7 @@ fn output_is_bit_identical_at_any_cache_budget() {
         ignore_eos: true,
         record_logits: true,
         trace_routes: None,
+        ..Default::default()
     };
     let mut runs = Vec::new();
     for budget in [0u64, 1, 64 << 10, 1 << 30] {
@@ -211,6 +213,7 @@ fn generation_stops_at_an_end_of_sequence_id() {
             ignore_eos: false,
             record_logits: false,
             trace_routes: None,
+            ..Default::default()
         },
         |_| true,
     )
@@ -227,6 +230,7 @@ fn generation_stops_at_an_end_of_sequence_id() {
             ignore_eos: true,
             record_logits: false,
             trace_routes: None,
+            ..Default::default()
         },
         |_| true,
     )
