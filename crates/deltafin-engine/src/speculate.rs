@@ -14,6 +14,8 @@
 //! Drafters:
 //! - `lookup` (prompt lookup decoding): the tokens that followed the most recent earlier
 //!   occurrence of the context's last `n` tokens (`n` = 3, 2, 1, longest match first).
+//! - `auto`: lookup when the context has a match and its acceptance so far is at least
+//!   self-drafting's, else self-drafting.
 //! - `self`: the target model itself with every MoE layer routed among the experts already in
 //!   the expert cache, plus the shared experts ([`CausalLm::forward_draft`]): no expert reads.
 //!
@@ -22,8 +24,9 @@
 //! and cost `t_1 + k·(δ + t_d)`, where `t_1` is a plain step's time, `δ` the measured extra time
 //! per verified position (mostly the extra expert bytes the position adds to the union: on an
 //! I/O-bound model time is bytes), and `t_d` the drafter's time per token. The `k` (0 = plain)
-//! with the highest `E(k) / cost(k)` is taken; every 32nd step that would be plain tries `k = 1`
-//! instead so the estimates follow the text.
+//! with the highest `E(k) / cost(k)` is taken. Every 32nd step that would be plain tries `k = 1`
+//! instead, and every 32nd pass in a row is replaced by a plain step, so the estimates follow
+//! the text and the cache (the first plain step, which pays one-off costs, is not timed).
 
 use std::fmt;
 use std::str::FromStr;
@@ -145,11 +148,15 @@ pub struct Adaptive {
     /// EMA of the extra seconds per verified position beyond the first.
     delta: Option<f64>,
     /// EMA of drafting seconds per drafted token, per drafter.
-    t_draft: [f64; 3],
+    t_draft: [Option<f64>; 3],
     /// Decayed (accepted, trials) per drafter, for the per-token acceptance estimate.
     acc: [(f64, f64); 3],
     /// Plain steps since the last verification pass.
     since_pass: usize,
+    /// Verification passes since the last plain step.
+    since_plain: usize,
+    /// Plain steps seen (the first is not timed: it pays one-off costs).
+    plain_seen: usize,
 }
 
 impl Default for Adaptive {
@@ -157,9 +164,11 @@ impl Default for Adaptive {
         Adaptive {
             t1: None,
             delta: None,
-            t_draft: [0.0; 3],
+            t_draft: [None; 3],
             acc: [(0.0, 0.0); 3],
             since_pass: 0,
+            since_plain: 0,
+            plain_seen: 0,
         }
     }
 }
@@ -187,10 +196,14 @@ impl Adaptive {
         if avail == 0 {
             return 0;
         }
+        if self.since_plain >= EXPLORE_EVERY {
+            // Re-time a plain step now and then, so the comparison follows the cache's state.
+            return 0;
+        }
         // Before any pass, assume a verified position costs a quarter of a plain step.
         let delta = self.delta.unwrap_or(0.25 * t1).max(0.0);
         let a = self.acceptance(d);
-        let per = delta + self.t_draft[d as usize];
+        let per = delta + self.t_draft[d as usize].unwrap_or(0.0);
         let (mut best, mut best_rate) = (0, 1.0 / t1);
         let (mut e, mut ai) = (1.0, 1.0);
         for k in 1..=avail.min(MAX_DRAFT) {
@@ -215,7 +228,11 @@ impl Adaptive {
 
     /// Records a plain step's time.
     pub fn plain(&mut self, seconds: f64) {
-        self.t1 = Some(ema(self.t1, seconds));
+        self.plain_seen += 1;
+        self.since_plain = 0;
+        if self.plain_seen > 1 {
+            self.t1 = Some(ema(self.t1, seconds));
+        }
     }
 
     /// Records a pass of `k` drafted tokens of which `j` were accepted, its verification time
@@ -225,8 +242,9 @@ impl Adaptive {
         let (a, n) = self.acc[i];
         let trials = j + usize::from(j < k);
         self.acc[i] = (DECAY * a + j as f64, DECAY * n + trials as f64);
+        self.since_plain += 1;
         if k > 0 {
-            self.t_draft[i] = self.t_draft[i] + EMA * (draft_s / k as f64 - self.t_draft[i]);
+            self.t_draft[i] = Some(ema(self.t_draft[i], draft_s / k as f64));
             if let Some(t1) = self.t1 {
                 self.delta = Some(ema(self.delta, ((verify_s - t1) / k as f64).max(0.0)));
             }
@@ -362,11 +380,25 @@ impl Speculator {
             SpeculateMode::Lookup => lookup().unwrap_or((None, 0)),
             SpeculateMode::SelfDraft if self_ok => (Some(Drafter::SelfDraft), MAX_DRAFT),
             SpeculateMode::SelfDraft => (None, 0),
-            SpeculateMode::Auto => lookup().unwrap_or(if self_ok {
-                (Some(Drafter::SelfDraft), MAX_DRAFT)
-            } else {
-                (None, 0)
-            }),
+            SpeculateMode::Auto => {
+                let own = if self_ok {
+                    (Some(Drafter::SelfDraft), MAX_DRAFT)
+                } else {
+                    (None, 0)
+                };
+                match lookup() {
+                    // A match is free to draft; take it unless self-drafting has been accepted
+                    // more often.
+                    Some(l)
+                        if !self_ok
+                            || self.adaptive.acceptance(Drafter::Lookup)
+                                >= self.adaptive.acceptance(Drafter::SelfDraft) =>
+                    {
+                        l
+                    }
+                    _ => own,
+                }
+            }
         }
     }
 
@@ -526,6 +558,8 @@ mod tests {
     fn adaptive_length_follows_acceptance_and_cost() {
         let mut a = Adaptive::default();
         assert_eq!(a.choose(Drafter::Lookup, 4), 0, "no plain step measured yet");
+        a.plain(50.0); // the first plain step is not timed
+        assert_eq!(a.choose(Drafter::Lookup, 4), 0, "no plain step timed yet");
         a.plain(1.0);
         // Cheap positions (δ = 0.1 s) and high acceptance: draft long.
         for _ in 0..20 {
@@ -535,6 +569,7 @@ mod tests {
         // Expensive positions (each as dear as a plain step) and no acceptance: plain, with one
         // exploratory draft every EXPLORE_EVERY steps.
         let mut b = Adaptive::default();
+        b.plain(1.0);
         b.plain(1.0);
         for _ in 0..20 {
             b.pass(Drafter::SelfDraft, 2, 0, 3.0, 0.1);
