@@ -513,8 +513,7 @@ impl RoutedExperts {
                         combine(u, o, &mut outs, &mut next_combine);
                     }
                 } else if computing > 0 {
-                    let (u, o) = rx
-                        .recv()
+                    let (u, o) = wait_for(&rx)
                         .map_err(|_| EngineError::Invalid(format!("layer {layer}: an expert computation failed")))?;
                     computing -= 1;
                     combine(u, o, &mut outs, &mut next_combine);
@@ -570,6 +569,26 @@ impl RoutedExperts {
             }
         }
         (out, shared_out.into_inner())
+    }
+}
+
+/// Waits for the next result of a task spawned on the rayon pool. On a thread of the pool itself
+/// it keeps running pool tasks meanwhile (a blocking receive there could wait for a task queued
+/// behind itself); elsewhere it blocks.
+fn wait_for<T>(rx: &std::sync::mpsc::Receiver<T>) -> Result<T, std::sync::mpsc::RecvError> {
+    if rayon::current_thread_index().is_none() {
+        return rx.recv();
+    }
+    loop {
+        match rx.try_recv() {
+            Ok(v) => return Ok(v),
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err(std::sync::mpsc::RecvError),
+            Err(std::sync::mpsc::TryRecvError::Empty) => {
+                if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                    std::thread::yield_now();
+                }
+            }
+        }
     }
 }
 

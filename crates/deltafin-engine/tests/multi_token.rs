@@ -260,3 +260,17 @@ fn rollback_continues_like_a_fresh_state() {
     assert!(st2.truncate(0));
     assert!(st2.is_empty());
 }
+
+/// The expert-major pass also completes when called from the only thread of a rayon pool (it
+/// then runs its own expert tasks while it waits), with a window smaller than the union.
+#[test]
+fn batched_prefill_inside_a_one_thread_pool() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tiny = synth("tiny", &SynthSpec::tiny(300), tmp.path());
+    let model = load(&tiny, 0, 1);
+    let p = prompt(model.as_ref(), 16, 6);
+    let reference = token_at_a_time(model.as_ref(), &p);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let got = pool.install(|| chunked(model.as_ref(), &p, 16));
+    assert_bit_identical("one-thread pool", &reference, &got);
+}
