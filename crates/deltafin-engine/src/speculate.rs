@@ -335,6 +335,8 @@ impl Speculator {
         chooser: &mut Sampler,
     ) -> Result<StepOutput, EngineError> {
         let (drafter, avail) = self.offer(model, context);
+        // A pass runs 1 + k positions from position len - 1: stay within the context length.
+        let avail = avail.min(model.context_length().saturating_sub(context.len()));
         let k = match (self.fixed_k, drafter) {
             (_, None) => 0,
             (Some(k), Some(_)) => k.min(avail),
