@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::experts::StoreCounters;
-use crate::model::{CausalLm, DecodeState};
+use crate::model::{CausalLm, LayerRoutes};
+use crate::sampler::{Sampler, SamplingParams};
+use crate::speculate::{SpecStats, SpeculateMode, Speculator};
 use crate::traces::{TraceShape, TraceWriter};
 use crate::EngineError;
 
@@ -28,13 +30,59 @@ pub struct GenerateOptions {
     /// Append every token's routed-expert choices to this router trace file
     /// (format: [`crate::traces`]).
     pub trace_routes: Option<PathBuf>,
+    /// Prompt tokens per batched prefill pass (`--prefill-chunk`): 1 = token at a time, 0 =
+    /// as many as the memory allowance holds ([`prefill_chunk_tokens`]).
+    pub prefill_chunk: usize,
+    /// Speculative decoding (`--speculate`); greedy output is identical either way.
+    pub speculate: SpeculateMode,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_new_tokens: 16,
+            eos_token_ids: Vec::new(),
+            ignore_eos: false,
+            record_logits: false,
+            trace_routes: None,
+            prefill_chunk: 0,
+            speculate: DEFAULT_SPECULATE,
+        }
+    }
+}
+
+/// Default `--speculate` (see bench/NOTES.md, "Multi-token passes": where it pays).
+pub const DEFAULT_SPECULATE: SpeculateMode = SpeculateMode::Off;
+
+/// Activation memory a batched prefill pass may hold, bytes: an eighth of the expert cache
+/// budget, at least 32 MiB (the budget is the memory the user gave the engine; activations live
+/// beside it).
+pub fn prefill_allowance(budget: u64) -> u64 {
+    (budget / 8).max(32 << 20)
+}
+
+/// Prompt tokens per prefill pass: `requested` when non-zero, else as many as
+/// [`prefill_allowance`] holds at [`CausalLm::batch_bytes_per_token`], capped at 4096; never
+/// more than the prompt.
+pub fn prefill_chunk_tokens(model: &dyn CausalLm, requested: usize, prompt: usize) -> usize {
+    let n = if requested > 0 {
+        requested
+    } else {
+        let per = model.batch_bytes_per_token().max(1) as u64;
+        (prefill_allowance(model.store().budget()) / per).clamp(1, 4096) as usize
+    };
+    n.min(prompt).max(1)
 }
 
 /// Where one forward pass's time went.
 #[derive(Debug, Clone, Serialize)]
 pub struct StepStats {
-    /// `prefill` (a prompt token) or `decode` (a generated token).
+    /// `prefill` (a chunk of prompt tokens), `decode` (one generated token) or `verify` (a
+    /// speculative pass: the drafted tokens checked at once).
     pub kind: &'static str,
+    /// Tokens the pass produced: the chunk's prompt tokens (prefill), 1 (decode), or the
+    /// accepted drafts plus one (verify).
+    pub tokens: usize,
     /// Wall time of the forward pass, seconds.
     pub seconds: f64,
     /// Time the compute waited for expert reads, seconds.
@@ -70,6 +118,16 @@ pub struct GenerateStats {
     pub finish_reason: &'static str,
     /// One entry per forward pass, prompt tokens first.
     pub steps: Vec<StepStats>,
+    /// Prompt tokens per prefill pass used.
+    pub prefill_chunk: usize,
+    /// Routed-expert bytes read on demand during the prefill.
+    pub prefill_expert_bytes: u64,
+    /// Distinct (layer, routed expert) pairs the prompt's tokens chose.
+    pub prefill_unique_experts: usize,
+    /// MoE layers of the model (to turn `prefill_unique_experts` into a per-layer mean).
+    pub moe_layers: usize,
+    /// Speculative decoding counters.
+    pub speculation: SpecStats,
 }
 
 impl GenerateStats {
@@ -135,71 +193,140 @@ pub fn generate(
         }
         None => None,
     };
-    let mut run_step =
-        |cache: &mut Box<dyn DecodeState>, token: u32, kind: &'static str, steps: &mut Vec<StepStats>| {
-            let (c0, p0, t) = (model.store().counters(), model.routed().profile(), Instant::now());
-            let pos = cache.len();
-            let (logits, routes) = model.forward(cache.as_mut(), token)?;
-            let seconds = t.elapsed().as_secs_f64();
-            let (c1, p1) = (model.store().counters(), model.routed().profile());
-            let d = diff(c1, c0);
-            let io_wait_s = d.read_wait_ns as f64 * 1e-9;
-            let attention_s = (p1.attention_ns - p0.attention_ns) as f64 * 1e-9;
-            let expert_compute_s = ((p1.mlp_ns - p0.mlp_ns) as f64 * 1e-9 - io_wait_s).max(0.0);
-            steps.push(StepStats {
-                kind,
-                seconds,
-                io_wait_s,
-                expert_compute_s,
-                attention_s,
-                other_s: (seconds - io_wait_s - expert_compute_s - attention_s).max(0.0),
-                expert_bytes_read: d.bytes_read_demand,
-            });
-            if let Some(w) = trace.as_mut() {
-                let r: Vec<&[usize]> = routes.iter().map(|(_, r)| r.experts.as_slice()).collect();
-                w.record(pos, &r)?;
-            }
-            Ok::<Vec<f32>, EngineError>(logits)
-        };
+    let moe_layers = (0..model.config().num_hidden_layers())
+        .filter(|&l| model.config().is_moe_layer(l))
+        .count();
+    // One forward pass with its time breakdown.
+    let measure = |kind: &'static str,
+                   f: &mut dyn FnMut() -> Result<(usize, Vec<LayerRoutes>), EngineError>,
+                   steps: &mut Vec<StepStats>|
+     -> Result<Vec<LayerRoutes>, EngineError> {
+        let (c0, p0, t) = (model.store().counters(), model.routed().profile(), Instant::now());
+        let (tokens, routes) = f()?;
+        let seconds = t.elapsed().as_secs_f64();
+        let (c1, p1) = (model.store().counters(), model.routed().profile());
+        let d = diff(c1, c0);
+        let io_wait_s = d.read_wait_ns as f64 * 1e-9;
+        let attention_s = (p1.attention_ns - p0.attention_ns) as f64 * 1e-9;
+        let expert_compute_s = ((p1.mlp_ns - p0.mlp_ns) as f64 * 1e-9 - io_wait_s).max(0.0);
+        steps.push(StepStats {
+            kind,
+            tokens,
+            seconds,
+            io_wait_s,
+            expert_compute_s,
+            attention_s,
+            other_s: (seconds - io_wait_s - expert_compute_s - attention_s).max(0.0),
+            expert_bytes_read: d.bytes_read_demand,
+        });
+        Ok(routes)
+    };
     let t0 = Instant::now();
     let mut logits = Vec::new();
     let mut steps = Vec::new();
-    for &t in prompt {
-        logits = run_step(&mut cache, t, "prefill", &mut steps)?;
+    let chunk = prefill_chunk_tokens(model, opts.prefill_chunk, prompt.len());
+    let mut unique = std::collections::HashSet::new();
+    let mut pos = 0;
+    let c_prefill = model.store().counters();
+    for c in prompt.chunks(chunk) {
+        let routes = measure(
+            "prefill",
+            &mut || {
+                let mut out = model.forward_batch(cache.as_mut(), c, false)?;
+                logits = out
+                    .logits
+                    .pop()
+                    .ok_or_else(|| EngineError::Invalid("prefill returned no logits".into()))?;
+                Ok((c.len(), out.routes))
+            },
+            &mut steps,
+        )?;
+        for r in &routes {
+            for (l, routing) in r {
+                unique.extend(routing.experts.iter().map(|&e| (*l, e)));
+            }
+            if let Some(w) = trace.as_mut() {
+                let rr: Vec<&[usize]> = r.iter().map(|(_, x)| x.experts.as_slice()).collect();
+                w.record(pos, &rr)?;
+            }
+            pos += 1;
+        }
     }
+    out.stats.prefill_expert_bytes = diff(model.store().counters(), c_prefill).bytes_read_demand;
+    out.stats.prefill_unique_experts = unique.len();
+    out.stats.moe_layers = moe_layers;
+    out.stats.prefill_chunk = chunk;
     let mut finish = "length";
     let mut steady_start: Option<Instant> = None;
-    for step in 0..opts.max_new_tokens {
-        if step > 0 {
-            let last = *out.generated_ids.last().expect("one token per step");
-            if step == 2 {
+    let mut steady_from = 0;
+    let mut chooser = Sampler::new(SamplingParams {
+        seed: Some(0),
+        ..SamplingParams::default()
+    });
+    let mut spec = Speculator::new(opts.speculate);
+    let mut context: Vec<u32> = prompt.to_vec();
+    // Tokens chosen but not yet handed out, with the logits that chose them.
+    let mut pending: std::collections::VecDeque<(u32, Vec<f32>)> = Default::default();
+    pending.push_back((deltafin_kernels::argmax(&logits) as u32, std::mem::take(&mut logits)));
+    out.stats.ttft = t0.elapsed();
+    'gen: while out.generated_ids.len() < opts.max_new_tokens {
+        if pending.is_empty() {
+            if out.generated_ids.len() >= 2 && steady_start.is_none() {
                 steady_start = Some(Instant::now());
+                steady_from = out.generated_ids.len();
             }
-            logits = run_step(&mut cache, last, "decode", &mut steps)?;
+            let mut step_out = None;
+            let routes = measure(
+                "decode",
+                &mut || {
+                    let s = spec.step(model, cache.as_mut(), &context, &mut chooser)?;
+                    let routes = s.routes.clone();
+                    let n = s.tokens.len();
+                    step_out = Some(s);
+                    Ok((n, routes))
+                },
+                &mut steps,
+            )?;
+            let s = step_out.ok_or_else(|| EngineError::Invalid("decode step produced nothing".into()))?;
+            if s.drafted > 0 {
+                if let Some(last) = steps.last_mut() {
+                    last.kind = "verify";
+                }
+            }
+            let base = context.len() - 1;
+            if let Some(w) = trace.as_mut() {
+                for (i, r) in routes.iter().enumerate() {
+                    let rr: Vec<&[usize]> = r.iter().map(|(_, x)| x.experts.as_slice()).collect();
+                    w.record(base + i, &rr)?;
+                }
+            }
+            pending.extend(s.tokens.into_iter().zip(s.logits));
         }
-        let next = deltafin_kernels::argmax(&logits) as u32;
-        if step == 0 {
-            out.stats.ttft = t0.elapsed();
-        }
-        if opts.record_logits {
-            out.step_logits.push(logits.clone());
-        }
-        out.generated_ids.push(next);
-        let keep_going = on_token(next);
-        if !opts.ignore_eos && opts.eos_token_ids.contains(&next) {
-            finish = "eos";
-            break;
-        }
-        if !keep_going {
-            finish = "stop";
-            break;
+        while let Some((next, l)) = pending.pop_front() {
+            if opts.record_logits {
+                out.step_logits.push(l);
+            }
+            out.generated_ids.push(next);
+            context.push(next);
+            let keep_going = on_token(next);
+            if !opts.ignore_eos && opts.eos_token_ids.contains(&next) {
+                finish = "eos";
+                break 'gen;
+            }
+            if !keep_going {
+                finish = "stop";
+                break 'gen;
+            }
+            if out.generated_ids.len() >= opts.max_new_tokens {
+                break 'gen;
+            }
         }
     }
-    // Decode steps: step 1 (the first forward of a generated token) is excluded; steps 2.. count.
-    let decode_steps = out.generated_ids.len().saturating_sub(1);
+    out.stats.speculation = spec.stats;
+    // Steady decode: the tokens chosen after the first decode step (which pays one-off costs).
     if let Some(s) = steady_start {
         out.stats.steady_decode_time = s.elapsed();
-        out.stats.steady_decode_steps = decode_steps.saturating_sub(1);
+        out.stats.steady_decode_steps = out.generated_ids.len().saturating_sub(steady_from);
     }
     out.stats.prompt_tokens = prompt.len();
     out.stats.generated_tokens = out.generated_ids.len();

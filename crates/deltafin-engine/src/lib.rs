@@ -21,6 +21,7 @@ pub mod moe;
 pub mod rope;
 pub mod sampler;
 pub mod session;
+pub mod speculate;
 pub mod traces;
 
 use std::path::PathBuf;

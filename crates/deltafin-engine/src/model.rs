@@ -21,6 +21,16 @@ use crate::EngineError;
 /// Which routed experts each MoE layer chose for the last token: `(layer, routing)`.
 pub type LayerRoutes = Vec<(usize, Routing)>;
 
+/// What a multi-token pass ([`CausalLm::forward_batch`]) produced.
+#[derive(Debug, Clone, Default)]
+pub struct BatchOutput {
+    /// Logits `[vocab_size]` of every position of the chunk (`all_logits`), or of its last
+    /// position only.
+    pub logits: Vec<Vec<f32>>,
+    /// The routing of every MoE layer, one entry per position of the chunk.
+    pub routes: Vec<LayerRoutes>,
+}
+
 /// Per-sequence decode state of a model (KV caches, recurrent states), one position per token.
 pub trait DecodeState: Send + Any {
     /// Tokens held.
@@ -75,6 +85,56 @@ pub trait CausalLm: Send + Sync {
     /// beyond its rollback window); the state is then unchanged and the caller starts over.
     fn rollback(&self, state: &mut dyn DecodeState, len: usize) -> bool {
         state.truncate(len)
+    }
+
+    /// Runs `tokens` (a chunk: prompt prefill or speculative verification) at the next
+    /// positions of `state`; returns the logits of every position (`all_logits`) or of the last
+    /// one, and every position's routing. Equals calling [`CausalLm::forward`] once per token
+    /// (same greedy ids, logits within f32 rounding; families say how close).
+    ///
+    /// The default runs [`CausalLm::forward`] per token; families override it with a batched
+    /// pass (expert-major MoE through [`RoutedExperts::run_batch`]).
+    ///
+    /// Errors: as [`CausalLm::forward`]; on an error `state` may hold part of the chunk (the
+    /// caller truncates or resets it).
+    fn forward_batch(
+        &self,
+        state: &mut dyn DecodeState,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        let mut out = BatchOutput::default();
+        for (i, &t) in tokens.iter().enumerate() {
+            let (logits, routes) = self.forward(state, t)?;
+            if all_logits || i + 1 == tokens.len() {
+                out.logits.push(logits);
+            }
+            out.routes.push(routes);
+        }
+        Ok(out)
+    }
+
+    /// Self-drafting pass (speculative decoding): runs `token` at the next position of `state`
+    /// like [`CausalLm::forward`], but every MoE layer routes only among the routed experts
+    /// already in the expert cache (plus the shared experts), so it reads nothing from storage.
+    /// The logits are not the model's; the caller truncates `state` back after drafting.
+    /// Returns `None` when the family does not support it (the default).
+    ///
+    /// Errors: as [`CausalLm::forward`].
+    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        let _ = (state, token);
+        Ok(None)
+    }
+
+    /// Whether [`CausalLm::forward_draft`] is implemented (self-drafting available).
+    fn supports_draft(&self) -> bool {
+        false
+    }
+
+    /// Activation bytes a batched pass holds per token of its chunk (for choosing the prefill
+    /// chunk); the default assumes a handful of hidden-sized f32 buffers.
+    fn batch_bytes_per_token(&self) -> usize {
+        16 * self.config().hidden_size() * 4
     }
 
     /// The routed-expert runtime (store, controls, timings).
@@ -347,6 +407,215 @@ impl RoutedExperts {
         }
         Ok((out, shared_out.into_inner()))
     }
+    /// The routed part of a MoE block for a chunk of `n = routings.len()` tokens of layer
+    /// `layer`, expert-major: every expert chosen by any token of the chunk is read ONCE
+    /// (ascending expert id, which is file order) and applied to all the tokens that chose it
+    /// by `expert(record, tokens)` (`tokens`: ascending chunk positions; returns
+    /// `[tokens.len(), out_dim]`, a matrix-matrix product), on the compute pool as each record
+    /// arrives; `shared()` runs meanwhile. Returns `(out: [n, out_dim], shared)` with
+    /// `out[t] = Σ_i routings[t].weights[i] · expert_i(t)` summed in the order of
+    /// `routings[t].experts` exactly as [`Self::run`] sums it (the experts are combined in
+    /// ascending id, which is router order), so each token's result equals a one-token
+    /// [`Self::run`] whenever `expert` equals the one-token computation row by row.
+    ///
+    /// Memory: at most `window = top_k + readers` records are held at once (being read or
+    /// computed), whatever the size of the chunk's union of experts: the next record is asked
+    /// for only when one is done. Held records are never evicted (store rule), and records the
+    /// cache cannot make room for are simply not cached, so a union larger than the cache
+    /// budget neither deadlocks nor grows memory beyond `budget + window × record` plus the
+    /// store's read buffers.
+    ///
+    /// Errors: expert read or checksum failures.
+    pub fn run_batch<E, S>(
+        &self,
+        layer: usize,
+        routings: &[Routing],
+        out_dim: usize,
+        expert: E,
+        shared: Option<S>,
+    ) -> Result<(Vec<f32>, Option<Vec<f32>>), EngineError>
+    where
+        E: Fn(&Expert, &[usize]) -> Vec<f32> + Sync,
+        S: FnOnce() -> Vec<f32> + Send,
+    {
+        let n = routings.len();
+        let mut union: Vec<usize> = routings.iter().flat_map(|r| r.experts.iter().copied()).collect();
+        union.sort_unstable();
+        union.dedup();
+        // members[u]: (token, weight) of every token that chose union[u], tokens ascending.
+        let mut members: Vec<Vec<(usize, f32)>> = vec![Vec::new(); union.len()];
+        for (t, r) in routings.iter().enumerate() {
+            for (&e, &w) in r.experts.iter().zip(&r.weights) {
+                if let Ok(u) = union.binary_search(&e) {
+                    members[u].push((t, w));
+                }
+            }
+        }
+        let tokens: Vec<Vec<usize>> = members.iter().map(|m| m.iter().map(|&(t, _)| t).collect()).collect();
+        let window = (self.default_top_k + self.store.readers()).max(1);
+        let stand_in = match &self.compute_only {
+            Some(v) => Some(v[layer].clone().ok_or_else(|| {
+                EngineError::Invalid(format!("layer {layer}: compute-only mode without a resident record"))
+            })?),
+            None => None,
+        };
+        let mut acc = vec![0f32; n * out_dim];
+        let shared_out: OnceLock<Vec<f32>> = OnceLock::new();
+        let (tx, rx) = std::sync::mpsc::channel::<(usize, Vec<f32>)>();
+        let expert = &expert;
+        let tokens = &tokens;
+        rayon::in_place_scope(|s| -> Result<(), EngineError> {
+            if let Some(f) = shared {
+                let slot = &shared_out;
+                s.spawn(move |_| {
+                    let _ = slot.set(f());
+                });
+            }
+            let mut fetches: std::collections::VecDeque<(usize, crate::experts::Fetch<'_>)> = Default::default();
+            let mut outs: Vec<Option<Vec<f32>>> = vec![None; union.len()];
+            let (mut next_issue, mut next_combine, mut computing) = (0, 0, 0);
+            let mut combine = |u: usize, o: Vec<f32>, outs: &mut Vec<Option<Vec<f32>>>, next: &mut usize| {
+                outs[u] = Some(o);
+                while *next < outs.len() {
+                    let Some(o) = outs[*next].take() else { break };
+                    for (j, &(t, w)) in members[*next].iter().enumerate() {
+                        deltafin_kernels::axpy(
+                            w,
+                            &o[j * out_dim..(j + 1) * out_dim],
+                            &mut acc[t * out_dim..(t + 1) * out_dim],
+                        );
+                    }
+                    *next += 1;
+                }
+            };
+            loop {
+                // Ask for more records while fewer than `window` are held.
+                while next_issue < union.len() && fetches.len() + computing < window {
+                    if stand_in.is_none() {
+                        fetches.push_back((next_issue, self.store.fetch(layer, &[union[next_issue]])?));
+                    } else {
+                        let e = stand_in
+                            .clone()
+                            .ok_or_else(|| EngineError::Invalid("no stand-in".into()))?;
+                        let (tx, u) = (tx.clone(), next_issue);
+                        computing += 1;
+                        s.spawn(move |_| {
+                            let o = expert(&e, &tokens[u]);
+                            let _ = tx.send((u, o));
+                        });
+                    }
+                    next_issue += 1;
+                }
+                if let Some((u, mut f)) = fetches.pop_front() {
+                    let (_, e) = f
+                        .next()
+                        .ok_or_else(|| EngineError::Invalid(format!("layer {layer}: expert fetch ended early")))??;
+                    drop(f);
+                    let tx = tx.clone();
+                    computing += 1;
+                    s.spawn(move |_| {
+                        let o = expert(&e, &tokens[u]);
+                        drop(e); // the record is released before the slot is counted free
+                        let _ = tx.send((u, o));
+                    });
+                    while let Ok((u, o)) = rx.try_recv() {
+                        computing -= 1;
+                        combine(u, o, &mut outs, &mut next_combine);
+                    }
+                } else if computing > 0 {
+                    let (u, o) = wait_for(&rx)
+                        .map_err(|_| EngineError::Invalid(format!("layer {layer}: an expert computation failed")))?;
+                    computing -= 1;
+                    combine(u, o, &mut outs, &mut next_combine);
+                } else {
+                    break;
+                }
+            }
+            if next_combine != union.len() {
+                return Err(EngineError::Invalid(format!(
+                    "layer {layer}: an expert output is missing"
+                )));
+            }
+            Ok(())
+        })?;
+        Ok((acc, shared_out.into_inner()))
+    }
+
+    /// The routed part of a MoE block for one token, computed with records the caller already
+    /// holds (`records[i]` for `routing.experts[i]`; self-drafting with resident experts): no
+    /// reads. Sums in router order like [`Self::run`]; `shared()` runs meanwhile.
+    pub fn run_with<E, S>(
+        &self,
+        routing: &Routing,
+        records: &[Arc<Expert>],
+        out_dim: usize,
+        expert: E,
+        shared: Option<S>,
+    ) -> (Vec<f32>, Option<Vec<f32>>)
+    where
+        E: Fn(&Expert) -> Vec<f32> + Sync,
+        S: FnOnce() -> Vec<f32> + Send,
+    {
+        let outs: Vec<OnceLock<Vec<f32>>> = records.iter().map(|_| OnceLock::new()).collect();
+        let shared_out: OnceLock<Vec<f32>> = OnceLock::new();
+        let expert = &expert;
+        rayon::in_place_scope(|s| {
+            if let Some(f) = shared {
+                let slot = &shared_out;
+                s.spawn(move |_| {
+                    let _ = slot.set(f());
+                });
+            }
+            for (slot, e) in outs.iter().zip(records) {
+                s.spawn(move |_| {
+                    let _ = slot.set(expert(e));
+                });
+            }
+        });
+        let mut out = vec![0f32; out_dim];
+        for (o, w) in outs.iter().zip(&routing.weights) {
+            if let Some(o) = o.get() {
+                deltafin_kernels::axpy(*w, o, &mut out);
+            }
+        }
+        (out, shared_out.into_inner())
+    }
+}
+
+/// Waits for the next result of a task spawned on the rayon pool. On a thread of the pool itself
+/// it keeps running pool tasks meanwhile (a blocking receive there could wait for a task queued
+/// behind itself); elsewhere it blocks.
+fn wait_for<T>(rx: &std::sync::mpsc::Receiver<T>) -> Result<T, std::sync::mpsc::RecvError> {
+    if rayon::current_thread_index().is_none() {
+        return rx.recv();
+    }
+    loop {
+        match rx.try_recv() {
+            Ok(v) => return Ok(v),
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err(std::sync::mpsc::RecvError),
+            Err(std::sync::mpsc::TryRecvError::Empty) => {
+                if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+}
+
+/// [`swiglu`] for `n` tokens at once (matrix-matrix products): x `[n, cols of gate]` →
+/// `[n, rows of down]`, each row bit-identical to [`swiglu`] of that row (the kernels'
+/// `matmul` equals `n` matvecs bit for bit).
+pub fn swiglu_batch(gate: MatRef<'_>, up: MatRef<'_>, down: MatRef<'_>, x: &[f32], n: usize) -> Vec<f32> {
+    let mut g = vec![0f32; n * gate.rows];
+    let mut u = vec![0f32; n * up.rows];
+    gate.matmul(x, n, &mut g);
+    up.matmul(x, n, &mut u);
+    for (a, b) in g.iter_mut().zip(&u) {
+        *a = silu(*a) * b;
+    }
+    let mut out = vec![0f32; n * down.rows];
+    down.matmul(&g, n, &mut out);
+    out
 }
 
 /// A MoE block with a softmax top-k router and SwiGLU routed experts and no shared expert

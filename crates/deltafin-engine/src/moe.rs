@@ -43,6 +43,14 @@ fn top_k_indices(v: &[f32], k: usize) -> Vec<usize> {
 /// Routes one token from its router logits `[n_routed_experts]` (f32, `x · W_gate^T`) and the
 /// `e_score_correction_bias` `[n_routed_experts]`.
 pub fn route(cfg: &RouterConfig, logits: &[f32], bias: &[f32]) -> Routing {
+    route_masked(cfg, logits, bias, None)
+}
+
+/// [`route`] restricted to the experts with `allowed[e]` (self-drafting with the experts
+/// already in memory): the groups are chosen as [`route`] chooses them, then the top-k is taken
+/// among the allowed experts of the kept groups only, so fewer than top-k (even none) may be
+/// chosen. The weights are normalised over the chosen experts. With `None` it is [`route`].
+pub fn route_masked(cfg: &RouterConfig, logits: &[f32], bias: &[f32], allowed: Option<&[bool]>) -> Routing {
     let n = cfg.n_routed_experts;
     let scores: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
     let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
@@ -62,7 +70,17 @@ pub fn route(cfg: &RouterConfig, logits: &[f32], bias: &[f32]) -> Routing {
             }
         }
     }
+    if let Some(allowed) = allowed {
+        for (c, &a) in choice.iter_mut().zip(allowed) {
+            if !a {
+                *c = f32::NEG_INFINITY;
+            }
+        }
+    }
     let mut experts = top_k_indices(&choice, cfg.top_k);
+    if allowed.is_some() {
+        experts.retain(|&e| choice[e] > f32::NEG_INFINITY);
+    }
     experts.sort_unstable();
     let mut weights: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
     if cfg.norm_topk_prob {

@@ -75,6 +75,67 @@ impl Sampler {
         if self.params.is_greedy() || logits.len() <= 1 {
             return greedy(logits);
         }
+        let Some((keep, mass)) = self.distribution(logits) else {
+            return greedy(logits);
+        };
+        let c = &self.scratch;
+        let r = self.rng.random::<f64>() * mass;
+        let mut acc = 0f64;
+        for e in &c[..keep] {
+            acc += e.1 as f64;
+            if r < acc {
+                return e.0;
+            }
+        }
+        c[keep - 1].0
+    }
+
+    /// Speculative decoding: accepts the drafted token `draft` (proposed by a deterministic
+    /// drafter) with probability `p(draft)` under this sampler's distribution for `logits`
+    /// (`Ok(())`), or rejects it and returns a token drawn from `p` with `draft` removed and
+    /// renormalised (`Err(token)`). For a drafter whose proposal is a point mass this is the
+    /// speculative-sampling rule `min(1, p/q)` with residual `norm(max(0, p − q))`, so the
+    /// token's distribution is exactly `p` (Leviathan et al. 2023, arXiv:2211.17192).
+    /// Greedy: accepted iff `draft` is the argmax, otherwise the argmax. [SPEC_VERIFY]
+    pub fn verify_draft(&mut self, logits: &[f32], draft: u32) -> Result<(), u32> {
+        if self.params.is_greedy() || logits.len() <= 1 {
+            let g = greedy(logits);
+            return if g == draft { Ok(()) } else { Err(g) };
+        }
+        let Some((keep, mass)) = self.distribution(logits) else {
+            let g = greedy(logits);
+            return if g == draft { Ok(()) } else { Err(g) };
+        };
+        let c = &self.scratch;
+        let p_draft = c[..keep]
+            .iter()
+            .find(|e| e.0 == draft)
+            .map_or(0.0, |e| e.1 as f64 / mass);
+        if self.rng.random::<f64>() < p_draft {
+            return Ok(());
+        }
+        let rest = mass - p_draft * mass;
+        if rest <= 0.0 {
+            // p(draft) = 1 up to rounding and the draw still failed: the draft is the only token.
+            return Ok(());
+        }
+        let r = self.rng.random::<f64>() * rest;
+        let mut acc = 0f64;
+        let mut last = None;
+        for e in c[..keep].iter().filter(|e| e.0 != draft) {
+            acc += e.1 as f64;
+            last = Some(e.0);
+            if r < acc {
+                return Err(e.0);
+            }
+        }
+        last.map_or(Ok(()), Err)
+    }
+
+    /// The sampling distribution of `logits` in `scratch`: (id, unnormalised probability)
+    /// descending, the first `keep` survive top-k/top-p, with total mass `mass`. None when every
+    /// logit is NaN.
+    fn distribution(&mut self, logits: &[f32]) -> Option<(usize, f64)> {
         let inv_t = 1.0 / self.params.temperature;
         let c = &mut self.scratch;
         c.clear();
@@ -86,7 +147,7 @@ impl Sampler {
                 .map(|(i, &l)| (i as u32, l * inv_t)),
         );
         if c.is_empty() {
-            return greedy(logits);
+            return None;
         }
         // Descending by value, ties by ascending id, so the order (and the draw) is reproducible.
         let by_value = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
@@ -117,15 +178,7 @@ impl Sampler {
             }
         }
         let mass: f64 = c[..keep].iter().map(|e| e.1 as f64).sum();
-        let r = self.rng.random::<f64>() * mass;
-        let mut acc = 0f64;
-        for e in &c[..keep] {
-            acc += e.1 as f64;
-            if r < acc {
-                return e.0;
-            }
-        }
-        c[keep - 1].0
+        Some((keep, mass))
     }
 }
 
@@ -243,5 +296,53 @@ mod tests {
         assert_eq!(top[0].0, greedy(&l));
         assert!(top.windows(2).all(|w| w[0].1 >= w[1].1));
         assert!((top[0].1 - logprob_of(&l, top[0].0)).abs() < 1e-6);
+    }
+
+    /// The speculative rejection rule leaves the token distribution unchanged: the empirical
+    /// distribution of (draft if accepted, else the replacement) matches plain sampling's
+    /// probabilities, for a likely, an unlikely and an excluded (top-k) draft. [SPEC_VERIFY]
+    #[test]
+    fn draft_verification_keeps_the_distribution() {
+        let logits = [2.0f32, 1.0, 0.5, -1.0, 0.0];
+        let params = SamplingParams {
+            temperature: 0.8,
+            top_p: 1.0,
+            top_k: 4,
+            seed: Some(7),
+        };
+        // Exact probabilities: softmax(logits / T) over the top 4 (id 3 excluded).
+        let kept = [0usize, 1, 2, 4];
+        let z: f64 = kept.iter().map(|&i| (logits[i] as f64 / 0.8).exp()).sum();
+        let mut p = [0f64; 5];
+        for &i in &kept {
+            p[i] = (logits[i] as f64 / 0.8).exp() / z;
+        }
+        for draft in [0u32, 2, 3] {
+            let mut s = Sampler::new(params);
+            let n = 40_000;
+            let mut counts = [0usize; 5];
+            for _ in 0..n {
+                let t = match s.verify_draft(&logits, draft) {
+                    Ok(()) => draft,
+                    Err(t) => {
+                        assert_ne!(t, draft, "a rejected draft is never the replacement");
+                        t
+                    }
+                };
+                counts[t as usize] += 1;
+            }
+            for i in 0..5 {
+                let f = counts[i] as f64 / n as f64;
+                assert!(
+                    (f - p[i]).abs() < 0.01,
+                    "draft {draft}: token {i} frequency {f:.4}, p {:.4}",
+                    p[i]
+                );
+            }
+        }
+        // Greedy: accepted iff the argmax.
+        let mut g = Sampler::new(SamplingParams::default());
+        assert_eq!(g.verify_draft(&logits, 0), Ok(()));
+        assert_eq!(g.verify_draft(&logits, 2), Err(0));
     }
 }

@@ -16,9 +16,10 @@ use std::time::Instant;
 use deltafin_tokenizer::{Tokenizer, TokenizerError};
 
 use crate::experts::StoreCounters;
-use crate::generate::GenerateStats;
+use crate::generate::{prefill_chunk_tokens, GenerateStats, DEFAULT_SPECULATE};
 use crate::model::{CausalLm, DecodeState};
 use crate::sampler::{logprob_of, top_logprobs, Sampler, SamplingParams};
+use crate::speculate::{SpeculateMode, Speculator};
 use crate::EngineError;
 
 /// One generation's settings.
@@ -106,6 +107,10 @@ pub struct Session {
     cache: Box<dyn DecodeState>,
     /// The tokens whose entries `cache` holds, in order.
     cached: Vec<u32>,
+    /// Prompt tokens per prefill pass (0 = automatic, 1 = token at a time).
+    prefill_chunk: usize,
+    /// Speculative decoding mode.
+    speculate: SpeculateMode,
 }
 
 impl Session {
@@ -119,7 +124,21 @@ impl Session {
             eos_token_ids,
             cache,
             cached: Vec::new(),
+            prefill_chunk: 0,
+            speculate: DEFAULT_SPECULATE,
         }
+    }
+
+    /// Prompt tokens per batched prefill pass (`--prefill-chunk`; 0 = as many as the memory
+    /// allowance holds, 1 = token at a time). Output does not depend on it.
+    pub fn set_prefill_chunk(&mut self, tokens: usize) {
+        self.prefill_chunk = tokens;
+    }
+
+    /// Speculative decoding mode (`--speculate`). Greedy output does not depend on it; sampled
+    /// output keeps its distribution (not its exact draws).
+    pub fn set_speculate(&mut self, mode: SpeculateMode) {
+        self.speculate = mode;
     }
 
     /// The model.
@@ -159,12 +178,21 @@ impl Session {
         self.cached.clear();
     }
 
-    /// Runs one token at the next position; on failure the cache is reset, because a forward
-    /// pass that failed midway may have appended to some layers only.
-    fn step(&mut self, token: u32) -> Result<Vec<f32>, EngineError> {
-        match self.model.forward(self.cache.as_mut(), token) {
-            Ok((logits, _)) => {
-                self.cached.push(token);
+    /// Runs `tokens` at the next positions in one batched pass; returns the last position's
+    /// logits. On failure the cache is reset, because a pass that failed midway may have
+    /// appended to some layers only.
+    fn run_chunk(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        let r = self
+            .model
+            .forward_batch(self.cache.as_mut(), tokens, false)
+            .and_then(|mut o| {
+                o.logits
+                    .pop()
+                    .ok_or_else(|| EngineError::Invalid("forward pass returned no logits".into()))
+            });
+        match r {
+            Ok(logits) => {
+                self.cached.extend_from_slice(tokens);
                 Ok(logits)
             }
             Err(e) => {
@@ -261,13 +289,16 @@ impl Session {
             },
         };
         let mut logits = Vec::new();
-        for &t in &req.prompt[reused..] {
+        let rest = &req.prompt[reused..];
+        let chunk = prefill_chunk_tokens(self.model.as_ref(), self.prefill_chunk, rest.len());
+        out.stats.prefill_chunk = chunk;
+        for c in rest.chunks(chunk) {
             if should_stop() {
                 out.finish = FinishReason::Cancelled;
                 self.finish_stats(&mut out, start_counters, None);
                 return Ok(out);
             }
-            logits = self.step(t)?;
+            logits = self.run_chunk(c)?;
         }
 
         let tokenizer = Arc::clone(&self.tokenizer);
@@ -275,24 +306,43 @@ impl Session {
         let mut stops = StopMatcher::new(&req.stop);
         let mut sampler = Sampler::new(req.sampling);
         let mut steady_start: Option<Instant> = None;
+        let mut steady_from = 0;
         let mut finished = false;
-        for step in 0..req.max_new_tokens {
-            if step > 0 {
+        let mut spec = Speculator::new(self.speculate);
+        // Tokens chosen but not yet handed out, with the logits that chose them.
+        let mut pending: std::collections::VecDeque<(u32, Vec<f32>)> = Default::default();
+        pending.push_back((sampler.sample(&logits), std::mem::take(&mut logits)));
+        out.stats.ttft = t0.elapsed();
+        for _ in 0..req.max_new_tokens {
+            if pending.is_empty() {
                 if should_stop() {
                     out.finish = FinishReason::Cancelled;
                     finished = true;
                     break;
                 }
-                if step == 2 {
+                if out.generated_ids.len() >= 2 && steady_start.is_none() {
                     steady_start = Some(Instant::now());
+                    steady_from = out.generated_ids.len();
                 }
                 let last = out.generated_ids[out.generated_ids.len() - 1];
-                logits = self.step(last)?;
+                let mut context = self.cached.clone();
+                context.push(last);
+                let model = Arc::clone(&self.model);
+                let s = match spec.step(model.as_ref(), self.cache.as_mut(), &context, &mut sampler) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        self.reset();
+                        return Err(e);
+                    }
+                };
+                self.cached.push(last);
+                self.cached
+                    .extend_from_slice(&s.tokens[..s.tokens.len().saturating_sub(1)]);
+                pending.extend(s.tokens.into_iter().zip(s.logits));
             }
-            let id = sampler.sample(&logits);
-            if step == 0 {
-                out.stats.ttft = t0.elapsed();
-            }
+            let Some((id, logits)) = pending.pop_front() else {
+                break;
+            };
             out.generated_ids.push(id);
             let logprob = req.logprobs.map(|n| self.token_logprob(&logits, id, n));
             if !req.ignore_eos && self.eos_token_ids.contains(&id) {
@@ -348,11 +398,12 @@ impl Session {
                 });
             }
         }
-        self.finish_stats(&mut out, start_counters, steady_start);
+        out.stats.speculation = spec.stats;
+        self.finish_stats(&mut out, start_counters, steady_start.map(|t| (t, steady_from)));
         Ok(out)
     }
 
-    fn finish_stats(&self, out: &mut GenerationOutput, start: StoreCounters, steady_start: Option<Instant>) {
+    fn finish_stats(&self, out: &mut GenerationOutput, start: StoreCounters, steady_start: Option<(Instant, usize)>) {
         let s = &mut out.stats;
         s.generated_tokens = out.generated_ids.len();
         let run = out.prompt_tokens - out.reused_tokens;
@@ -361,9 +412,9 @@ impl Session {
         } else {
             run as f64 / s.ttft.as_secs_f64()
         };
-        if let Some(t) = steady_start {
+        if let Some((t, from)) = steady_start {
             s.steady_decode_time = t.elapsed();
-            s.steady_decode_steps = out.generated_ids.len().saturating_sub(2);
+            s.steady_decode_steps = out.generated_ids.len().saturating_sub(from);
         }
         s.experts = self.counters().since(&start);
         s.peak_rss_bytes = crate::mem::peak_rss_bytes();

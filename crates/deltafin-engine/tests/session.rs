@@ -57,6 +57,7 @@ fn reuse_matches_a_fresh_run_and_the_greedy_loop() {
         ignore_eos: true,
         record_logits: false,
         trace_routes: None,
+        ..Default::default()
     };
     let plain = generate(s.model().as_ref(), &second, &opts, |_| true).unwrap();
     assert_eq!(plain.generated_ids, fresh.generated_ids);
@@ -115,4 +116,68 @@ fn seeds_stops_and_cancellation() {
         .unwrap();
     assert_eq!(cancelled.finish, FinishReason::Cancelled);
     assert_eq!(cancelled.generated_ids.len(), 3);
+}
+
+/// Batched prefill chunks and speculative decoding in the session: greedy output, prefix reuse
+/// and stop handling equal the plain session's; the KV cache stays in step with its tokens
+/// after speculative passes that overshoot the end of a generation.
+#[test]
+fn chunked_prefill_and_speculation_match_the_plain_session() {
+    use deltafin_engine::speculate::SpeculateMode;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut plain = session(tmp.path());
+    plain.set_prefill_chunk(1);
+    plain.set_speculate(SpeculateMode::Off);
+    let never = || false;
+    let first: Vec<u32> = vec![0, 10, 20, 30, 40, 50, 10, 20];
+    let a = plain.generate(&req(first.clone(), 20), &never, |_| true).unwrap();
+    let mut second = first.clone();
+    second.extend(&a.generated_ids);
+    second.extend([60, 70]);
+    let b = plain.generate(&req(second.clone(), 24), &never, |_| true).unwrap();
+    for (mode, chunk) in [
+        (SpeculateMode::Lookup, 3),
+        (SpeculateMode::SelfDraft, 0),
+        (SpeculateMode::Auto, 5),
+    ] {
+        let tmp2 = tempfile::tempdir().unwrap();
+        let mut s = session(tmp2.path());
+        s.set_prefill_chunk(chunk);
+        s.set_speculate(mode);
+        let a2 = s.generate(&req(first.clone(), 20), &never, |_| true).unwrap();
+        assert_eq!(a2.generated_ids, a.generated_ids, "{mode}: first request");
+        // The cache holds exactly the tokens the session says it holds.
+        assert_eq!(s.cached_tokens()[..first.len()], first[..]);
+        let b2 = s.generate(&req(second.clone(), 24), &never, |_| true).unwrap();
+        // Plain decoding leaves the last generated token unprocessed; a verification pass that
+        // covered it (speculation decides by measured cost, so timing-dependent) leaves it in the
+        // cache too. Either way every cached token is reused.
+        let plain_reuse = first.len() + a.generated_ids.len() - 1;
+        assert!(
+            (plain_reuse..=plain_reuse + 1).contains(&b2.reused_tokens),
+            "{mode}: reuse {} (plain {plain_reuse})",
+            b2.reused_tokens
+        );
+        assert_eq!(
+            b2.generated_ids, b.generated_ids,
+            "{mode}: second request (reused prefix)"
+        );
+        assert_eq!(b2.text, b.text);
+        if mode != SpeculateMode::Lookup {
+            let passes = a2.stats.speculation.passes + b2.stats.speculation.passes;
+            assert!(passes > 0, "{mode}: no speculative pass ran");
+        }
+        // A cancellation mid-way through a speculative pass's tokens.
+        let mut n = 0;
+        let c = s
+            .generate(&req(vec![0, 5], 30), &never, |_| {
+                n += 1;
+                n < 4
+            })
+            .unwrap();
+        assert_eq!(c.finish, FinishReason::Cancelled);
+        assert_eq!(c.generated_ids.len(), 4);
+        let fresh = plain.generate(&req(vec![0, 5], 4), &never, |_| true).unwrap();
+        assert_eq!(c.generated_ids, fresh.generated_ids, "{mode}: cancelled prefix");
+    }
 }

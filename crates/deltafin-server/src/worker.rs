@@ -19,6 +19,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::metrics::Metrics;
 
 /// What a running job reports.
+// `Done` is large (the generation's statistics) but sent once per job: boxing it saves nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum JobEvent {
     /// One decode step's output.

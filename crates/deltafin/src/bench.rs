@@ -82,7 +82,10 @@ pub struct BenchArgs {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Step {
+    /// `prefill`, `decode` or `verify` (a speculative pass).
     pub kind: String,
+    /// Tokens the pass produced (0 in files from before multi-token passes: read as 1).
+    pub tokens: usize,
     pub seconds: f64,
     pub io_wait_s: f64,
     pub expert_compute_s: f64,
@@ -113,29 +116,39 @@ pub struct RunStats {
     pub non_default_routing: bool,
     pub experts_per_token: Option<usize>,
     pub ram_budget: Option<u64>,
+    pub prefill_chunk: Option<usize>,
+    pub prefill_expert_bytes: Option<u64>,
+    pub prefill_unique_expert_bytes: Option<u64>,
+    pub speculation: Option<Value>,
     pub steps: Vec<Step>,
 }
 
 impl RunStats {
-    /// Decode steps that count for the steady rate: every decode step but the first.
+    /// Decode steps that count for the steady rate: every decode (or speculative verify) step
+    /// but the first.
     fn steady_steps(&self) -> &[Step] {
-        let first = self.steps.iter().position(|s| s.kind == "decode");
+        let first = self.steps.iter().position(|s| s.kind != "prefill");
         match first {
             Some(i) if i + 1 < self.steps.len() => &self.steps[i + 1..],
             _ => &[],
         }
     }
 
+    /// Generated tokens of the steady steps.
+    fn steady_tokens(&self) -> f64 {
+        self.steady_steps().iter().map(|s| s.tokens.max(1) as f64).sum()
+    }
+
     /// Routed-expert bytes read on demand per steady decode token.
     fn demand_bytes_per_token(&self) -> Option<f64> {
         let s = self.steady_steps();
-        (!s.is_empty()).then(|| s.iter().map(|x| x.expert_bytes_read as f64).sum::<f64>() / s.len() as f64)
+        (!s.is_empty()).then(|| s.iter().map(|x| x.expert_bytes_read as f64).sum::<f64>() / self.steady_tokens())
     }
 
-    /// Mean of one time component over the steady decode steps, seconds.
+    /// One time component over the steady decode steps per generated token, seconds.
     fn steady_mean(&self, f: impl Fn(&Step) -> f64) -> Option<f64> {
         let s = self.steady_steps();
-        (!s.is_empty()).then(|| s.iter().map(f).sum::<f64>() / s.len() as f64)
+        (!s.is_empty()).then(|| s.iter().map(f).sum::<f64>() / self.steady_tokens())
     }
 }
 

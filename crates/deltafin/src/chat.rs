@@ -45,6 +45,8 @@ pub struct ChatArgs {
     ram_budget: Option<u64>,
     #[command(flatten)]
     store: crate::StoreArgs,
+    #[command(flatten)]
+    passes: crate::PassArgs,
 }
 
 const HELP: &str =
@@ -81,6 +83,8 @@ pub fn run(a: &ChatArgs) -> Result<()> {
     }
     let model: Arc<dyn CausalLm> = Arc::from(model);
     let mut session = Session::new(Arc::clone(&model), Arc::clone(&tokenizer), eos);
+    session.set_prefill_chunk(a.passes.prefill_chunk);
+    session.set_speculate(a.passes.speculate);
 
     // Ctrl-C during an answer stops it; at the prompt it leaves.
     let generating = Arc::new(AtomicBool::new(false));

@@ -20,6 +20,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use deltafin_engine::experts::{CachePolicy, IoMode, StoreOptions};
 use deltafin_engine::generate::{generate, GenerateOptions, GenerateStats};
+use deltafin_engine::speculate::Drafter;
 use deltafin_engine::{load_model, CausalLm};
 use deltafin_format::convert::{convert, ConvertOptions, Progress};
 use deltafin_format::{ModelDir, StoredDtype};
@@ -151,6 +152,28 @@ struct RunArgs {
     compute_only: bool,
     #[command(flatten)]
     store: StoreArgs,
+    #[command(flatten)]
+    passes: PassArgs,
+}
+
+/// Multi-token pass settings shared by `run`, `chat` and `serve` (and `bench` through its
+/// `--config` run arguments).
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct PassArgs {
+    /// Prompt tokens per batched prefill pass (expert-major: each expert the chunk selects is
+    /// read once for the chunk); 1 = token at a time, 0 = as many as an eighth of --ram-budget
+    /// holds (at least 32 MiB of activations, at most 4096 tokens). Output does not depend on it.
+    #[arg(long, value_name = "TOKENS", default_value_t = 0)]
+    pub(crate) prefill_chunk: usize,
+    /// Speculative decoding: `off`, `lookup` (n-gram match in the context), `self` (the model
+    /// routed among cached experts only), or `auto` (lookup when it matches, else self). Greedy
+    /// output is identical with any setting; the draft length adapts to measured benefit.
+    #[arg(long, default_value_t = deltafin_engine::generate::DEFAULT_SPECULATE, value_parser = parse_speculate)]
+    pub(crate) speculate: deltafin_engine::speculate::SpeculateMode,
+}
+
+fn parse_speculate(s: &str) -> Result<deltafin_engine::speculate::SpeculateMode, String> {
+    s.parse()
 }
 
 /// Expert-store settings shared by `run`, `bench` and `serve`.
@@ -491,6 +514,8 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         ignore_eos: a.ignore_eos,
         record_logits: a.logits_out.is_some(),
         trace_routes: a.trace_routes.clone(),
+        prefill_chunk: a.passes.prefill_chunk,
+        speculate: a.passes.speculate,
     };
     let mut dec = tokenizer.stream_decoder(true);
     let mut stdout = std::io::stdout().lock();
@@ -575,6 +600,18 @@ fn stats_json(out: &deltafin_engine::generate::GenerateOutput, model: &dyn Causa
         "experts_per_token": model.routed().experts_per_token(),
         "ram_budget": budget,
         "finish_reason": s.finish_reason,
+        "prefill_chunk": s.prefill_chunk,
+        "prefill_expert_bytes": s.prefill_expert_bytes,
+        "prefill_unique_experts": s.prefill_unique_experts,
+        "prefill_unique_expert_bytes": s.prefill_unique_experts as u64 * model.store().record_bytes(),
+        "moe_layers": s.moe_layers,
+        "speculation": {
+            "stats": s.speculation,
+            "tokens_per_pass": s.speculation.tokens_per_pass(),
+            "acceptance_lookup": s.speculation.acceptance(Drafter::Lookup),
+            "acceptance_self": s.speculation.acceptance(Drafter::SelfDraft),
+            "bytes_per_pass_token": s.speculation.bytes_per_pass_token(),
+        },
         "steps": s.steps,
     })
 }
@@ -603,6 +640,28 @@ pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &dyn CausalLm, 
     );
     eprintln!("time to first token  {:.3} s", s.ttft.as_secs_f64());
     eprintln!("prefill              {:.2} tok/s", s.prefill_tokens_per_s);
+    eprintln!(
+        "prefill experts      {} read ({:.2} MiB/prompt token), {} distinct (layer, expert) = {:.1} per MoE layer, chunks of {} tokens",
+        size::human(s.prefill_expert_bytes),
+        s.prefill_expert_bytes as f64 / s.prompt_tokens.max(1) as f64 / (1u64 << 20) as f64,
+        s.prefill_unique_experts,
+        s.prefill_unique_experts as f64 / s.moe_layers.max(1) as f64,
+        s.prefill_chunk
+    );
+    let sp = &s.speculation;
+    if sp.passes > 0 {
+        eprintln!(
+            "speculation          {} passes, {:.2} tokens/pass, acceptance lookup {:.0}% of {} / self {:.0}% of {}, {}/token verified, {} plain steps",
+            sp.passes,
+            sp.tokens_per_pass(),
+            100.0 * sp.acceptance(Drafter::Lookup),
+            sp.drafted[Drafter::Lookup as usize],
+            100.0 * sp.acceptance(Drafter::SelfDraft),
+            sp.drafted[Drafter::SelfDraft as usize],
+            size::human(sp.bytes_per_pass_token() as u64),
+            sp.plain_steps
+        );
+    }
     eprintln!("steady decode        {decode}");
     eprintln!(
         "routed-expert bytes  {} read from storage ({} misses, {} hits, {} evictions)",

@@ -41,6 +41,8 @@ pub struct ServeArgs {
     ram_budget: Option<u64>,
     #[command(flatten)]
     store: crate::StoreArgs,
+    #[command(flatten)]
+    passes: crate::PassArgs,
     /// Model id clients send in `model` (default: the model directory's name).
     #[arg(long)]
     model_id: Option<String>,
@@ -74,7 +76,9 @@ pub fn run(a: &ServeArgs) -> Result<()> {
             .unwrap_or_else(|| "deltafin".into()),
     };
     let context = model.context_length();
-    let session = Session::new(model, tokenizer, eos);
+    let mut session = Session::new(model, tokenizer, eos);
+    session.set_prefill_chunk(a.passes.prefill_chunk);
+    session.set_speculate(a.passes.speculate);
     let mut config = ServerConfig::new(model_id.clone());
     config.api_key = a.api_key.clone().filter(|k| !k.is_empty());
     config.max_tokens = a.max_tokens;

@@ -252,9 +252,35 @@ fn check_stats(stderr: &str, prompt_len: usize, generated: usize, manifest: &Val
     let layers = cfg["num_hidden_layers"].as_u64().unwrap();
     let dense = cfg["first_k_dense_replace"].as_u64().unwrap();
     let k = cfg["num_experts_per_tok"].as_u64().unwrap();
-    let positions = (prompt_len + generated - 1) as u64;
+    // Prefill: one request per distinct (layer, expert) of each chunk (expert-major), so with
+    // the whole prompt in one chunk exactly the distinct pairs; token at a time, top-k per
+    // position. Decode: top-k per position.
+    let pf = stat(stderr, "prefill experts");
+    let num_before = |marker: &str| -> u64 {
+        let head = &pf[..pf.find(marker).unwrap_or_else(|| panic!("prefill experts line: {pf}"))];
+        head.split_whitespace().last().unwrap().parse().unwrap()
+    };
+    let distinct = num_before(" distinct");
+    let chunk: usize = pf
+        .rsplit("chunks of ")
+        .next()
+        .unwrap()
+        .trim_end_matches(" tokens")
+        .parse()
+        .unwrap();
+    let prefill_requests = if chunk >= prompt_len {
+        distinct
+    } else {
+        assert_eq!(chunk, 1, "{pf}");
+        (layers - dense) * k * prompt_len as u64
+    };
+    let decode_positions = (generated - 1) as u64;
     let (bytes, misses, hits, _) = expert_counters(stderr);
-    assert_eq!(misses + hits, (layers - dense) * k * positions, "{stderr}");
+    assert_eq!(
+        misses + hits,
+        prefill_requests + (layers - dense) * k * decode_positions,
+        "{stderr}"
+    );
     // Reads are whole 4 KiB-aligned records (O_DIRECT), so each miss reads the padded length.
     let record = manifest["experts"]["records"][0]["length"]
         .as_u64()

@@ -101,6 +101,7 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
             ignore_eos: true,
             record_logits: true,
             trace_routes: None,
+            ..Default::default()
         };
         let got = generate(model.as_ref(), &prompt, &opts, |_| true).unwrap();
         if got.generated_ids != want_ids {
@@ -271,6 +272,7 @@ fn output_is_bit_identical_at_any_cache_budget() {
         ignore_eos: true,
         record_logits: true,
         trace_routes: None,
+        ..Default::default()
     };
     let mut runs = Vec::new();
     for budget in [0u64, 1, 64 << 10, 1 << 30] {
@@ -320,6 +322,7 @@ fn generation_stops_at_an_end_of_sequence_id() {
             ignore_eos: false,
             record_logits: false,
             trace_routes: None,
+            ..Default::default()
         },
         |_| true,
     )
@@ -336,6 +339,7 @@ fn generation_stops_at_an_end_of_sequence_id() {
             ignore_eos: true,
             record_logits: false,
             trace_routes: None,
+            ..Default::default()
         },
         |_| true,
     )
@@ -462,6 +466,7 @@ fn kimi_k3_first_position_of_k3_a_matches_llama_cpp() {
             ignore_eos: true,
             record_logits: true,
             trace_routes: None,
+            ..Default::default()
         };
         let got = generate(model.as_ref(), &ids(&p["prompt_ids"]), &opts, |_| true).unwrap();
         let want = floats(&p["step_logits"][0]);

@@ -111,6 +111,11 @@ impl Cache {
         (priority, self.tick)
     }
 
+    /// The cached record of `key`, without counting a use or changing its rank.
+    pub(crate) fn peek(&self, key: &Key) -> Option<&Arc<Expert>> {
+        self.map.get(key).map(|e| &e.expert)
+    }
+
     /// Looks up `key` and counts a use of it.
     pub(crate) fn get(&mut self, key: &Key) -> Option<&mut Entry> {
         let (pinned, uses, old) = {

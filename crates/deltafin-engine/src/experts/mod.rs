@@ -772,6 +772,17 @@ impl ExpertStore {
         })
     }
 
+    /// The records of layer `layer` in the cache now, ascending expert id, for computing with
+    /// resident experts only (self-drafting): no read, no hit counted, no change to the
+    /// eviction order. The returned `Arc`s keep the records alive (and unevictable) while held.
+    pub fn resident(&self, layer: usize) -> Vec<(usize, Arc<Expert>)> {
+        let n = self.shared.records.get(layer).map_or(0, Vec::len);
+        let st = self.shared.lock();
+        (0..n)
+            .filter_map(|e| st.cache.peek(&(layer as u32, e as u32)).map(|x| (e, x.clone())))
+            .collect()
+    }
+
     /// Like [`ExpertStore::fetch`], but waits for all records and returns them in request order.
     pub fn get(&self, layer: usize, experts: &[usize]) -> Result<Vec<Arc<Expert>>, EngineError> {
         self.fetch(layer, experts)?.in_order()

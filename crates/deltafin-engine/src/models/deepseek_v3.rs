@@ -19,8 +19,8 @@ use deltafin_kernels::{rms_norm, softmax_inplace, MatRef};
 use rayon::prelude::*;
 
 use crate::experts::StoreOptions;
-use crate::model::{state_as, swiglu, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
-use crate::moe::{route, RouterConfig, Routing};
+use crate::model::{state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::moe::{route, route_masked, RouterConfig, Routing};
 use crate::rope::{yarn_mscale, RotaryEmbedding};
 use crate::EngineError;
 
@@ -230,7 +230,15 @@ impl DeepseekV3 {
     /// the routing of every MoE layer.
     ///
     /// Errors: token id outside the vocabulary, expert read or checksum failures.
-    fn forward_token(&self, cache: &mut KvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+    ///
+    /// `draft`: route every MoE layer among the experts resident in the cache only (no reads;
+    /// see [`CausalLm::forward_draft`]).
+    fn forward_token(
+        &self,
+        cache: &mut KvCache,
+        token: u32,
+        draft: bool,
+    ) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         let c = &self.cfg;
         if token as usize >= c.vocab_size {
             return Err(EngineError::TokenOutOfRange {
@@ -255,7 +263,11 @@ impl DeepseekV3 {
             rms_norm(&x, self.v(&n.post_attention_layernorm)?, c.rms_norm_eps, &mut xn);
             let mlp = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
                 if c.is_moe_layer(l) {
-                    let (out, r) = self.moe(l, &xn)?;
+                    let (out, r) = if draft {
+                        self.moe_draft(l, &xn)?
+                    } else {
+                        self.moe(l, &xn)?
+                    };
                     routes.push((l, r));
                     Ok(out)
                 } else {
@@ -285,11 +297,10 @@ impl DeepseekV3 {
     fn attention(&self, l: usize, xn: &[f32], pos: usize, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
         let c = &self.cfg;
         let n = &self.names[l];
-        let (nh, nope, rope, vd, kvl) = (
+        let (nh, nope, rope, kvl) = (
             c.num_attention_heads,
             c.qk_nope_head_dim,
             c.qk_rope_head_dim,
-            c.v_head_dim,
             c.kv_lora_rank,
         );
         let qk = nope + rope;
@@ -315,47 +326,312 @@ impl DeepseekV3 {
         self.rope.apply(&mut k_pe, pos);
         cache.c_kv[l].extend_from_slice(&latent);
         cache.k_pe[l].extend_from_slice(&k_pe);
-        let t_len = pos + 1;
-        let ckv_cache = &cache.c_kv[l];
-        let kpe_cache = &cache.k_pe[l];
-        // kv_b_proj: [n_heads * (nope + v), kv_lora_rank]; per head: W_UK rows then W_UV rows.
         let kv_b = self.m(&n.kv_b_proj)?;
-        let scale = self.softmax_scale;
-        let rope_emb = &self.rope;
         // out: [n_heads, v_head_dim]
         let heads: Vec<Vec<f32>> = (0..nh)
             .into_par_iter()
             .map(|hh| {
-                let qh = &q[hh * qk..(hh + 1) * qk];
-                let mut q_pe = qh[nope..].to_vec();
-                rope_emb.apply(&mut q_pe, pos);
-                let base = hh * (nope + vd);
-                // q_abs = W_UK_h^T q_nope: [kv_lora_rank]
-                let mut q_abs = vec![0f32; kvl];
-                kv_b.rows(base, base + nope).matvec_t(&qh[..nope], &mut q_abs);
-                // scores[t] = (q_abs · c_t + q_pe · k_pe_t) · scale, t ≤ pos (causal)
-                let mut scores: Vec<f32> = (0..t_len)
-                    .map(|t| {
-                        let s = deltafin_kernels::dot(&q_abs, &ckv_cache[t * kvl..(t + 1) * kvl])
-                            + deltafin_kernels::dot(&q_pe, &kpe_cache[t * rope..(t + 1) * rope]);
-                        s * scale
-                    })
-                    .collect();
-                softmax_inplace(&mut scores);
-                // ctx = Σ_t p_t c_t: [kv_lora_rank]; o_h = W_UV_h ctx: [v_head_dim]
-                let mut ctx = vec![0f32; kvl];
-                for (t, p) in scores.iter().enumerate() {
-                    deltafin_kernels::axpy(*p, &ckv_cache[t * kvl..(t + 1) * kvl], &mut ctx);
-                }
-                let mut o = vec![0f32; vd];
-                kv_b.rows(base + nope, base + nope + vd).matvec(&ctx, &mut o);
-                o
+                self.attend_head(
+                    kv_b,
+                    hh,
+                    &q[hh * qk..(hh + 1) * qk],
+                    pos,
+                    &cache.c_kv[l],
+                    &cache.k_pe[l],
+                )
             })
             .collect();
         let flat: Vec<f32> = heads.concat();
         let mut out = vec![0f32; c.hidden_size];
         self.m(&n.o_proj)?.matvec(&flat, &mut out);
         Ok(out)
+    }
+
+    /// One head of MLA for the query at position `pos` over cached positions `0..=pos`
+    /// (causal): `q_head: [qk_head_dim]` (before rope) → `[v_head_dim]`. Shared by the one-token
+    /// and the batched pass, so both compute every head with the same operations. [MLA_ABSORB]
+    fn attend_head(
+        &self,
+        kv_b: MatRef<'_>,
+        hh: usize,
+        q_head: &[f32],
+        pos: usize,
+        ckv: &[f32],
+        kpe: &[f32],
+    ) -> Vec<f32> {
+        let c = &self.cfg;
+        let (nope, rope, vd, kvl) = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let mut q_pe = q_head[nope..].to_vec();
+        self.rope.apply(&mut q_pe, pos);
+        // kv_b_proj: [n_heads * (nope + v), kv_lora_rank]; per head: W_UK rows then W_UV rows.
+        let base = hh * (nope + vd);
+        // q_abs = W_UK_h^T q_nope: [kv_lora_rank]
+        let mut q_abs = vec![0f32; kvl];
+        kv_b.rows(base, base + nope).matvec_t(&q_head[..nope], &mut q_abs);
+        // scores[t] = (q_abs · c_t + q_pe · k_pe_t) · scale, t ≤ pos (causal)
+        let mut scores: Vec<f32> = (0..=pos)
+            .map(|t| {
+                let s = deltafin_kernels::dot(&q_abs, &ckv[t * kvl..(t + 1) * kvl])
+                    + deltafin_kernels::dot(&q_pe, &kpe[t * rope..(t + 1) * rope]);
+                s * self.softmax_scale
+            })
+            .collect();
+        softmax_inplace(&mut scores);
+        // ctx = Σ_t p_t c_t: [kv_lora_rank]; o_h = W_UV_h ctx: [v_head_dim]
+        let mut ctx = vec![0f32; kvl];
+        for (t, p) in scores.iter().enumerate() {
+            deltafin_kernels::axpy(*p, &ckv[t * kvl..(t + 1) * kvl], &mut ctx);
+        }
+        let mut o = vec![0f32; vd];
+        kv_b.rows(base + nope, base + nope + vd).matvec(&ctx, &mut o);
+        o
+    }
+
+    /// MLA for a chunk of `nt` tokens at positions `pos0..pos0 + nt`: the projections as
+    /// matrix-matrix products, the chunk's latents and rope keys appended to the cache, then
+    /// every (token, head) attends causally over the cached prefix and the chunk up to itself.
+    /// Each token's result equals [`Self::attention`] bit for bit (same per-row kernels, same
+    /// per-head operations). xn: `[nt, hidden]` → `[nt, hidden]`.
+    fn attention_batch(
+        &self,
+        l: usize,
+        xn: &[f32],
+        nt: usize,
+        pos0: usize,
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>, EngineError> {
+        let c = &self.cfg;
+        let n = &self.names[l];
+        let (nh, nope, rope, kvl) = (
+            c.num_attention_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.kv_lora_rank,
+        );
+        let qk = nope + rope;
+        // q: [nt, n_heads * qk_head_dim]
+        let mut q = vec![0f32; nt * nh * qk];
+        match c.q_lora_rank {
+            Some(r) => {
+                let mut qa = vec![0f32; nt * r];
+                self.m(&n.q_a_proj)?.matmul(xn, nt, &mut qa);
+                let mut qan = vec![0f32; nt * r];
+                let w = self.v(&n.q_a_layernorm)?;
+                for (a, b) in qa.chunks(r).zip(qan.chunks_mut(r)) {
+                    rms_norm(a, w, LATENT_NORM_EPS, b);
+                }
+                self.m(&n.q_b_proj)?.matmul(&qan, nt, &mut q);
+            }
+            None => self.m(&n.q_proj)?.matmul(xn, nt, &mut q),
+        }
+        // compressed_kv: [nt, kv_lora_rank + qk_rope_head_dim]
+        let mut ckv = vec![0f32; nt * (kvl + rope)];
+        self.m(&n.kv_a_proj_with_mqa)?.matmul(xn, nt, &mut ckv);
+        let w = self.v(&n.kv_a_layernorm)?;
+        let mut latent = vec![0f32; kvl];
+        for (i, row) in ckv.chunks(kvl + rope).enumerate() {
+            rms_norm(&row[..kvl], w, LATENT_NORM_EPS, &mut latent);
+            let mut k_pe = row[kvl..].to_vec();
+            self.rope.apply(&mut k_pe, pos0 + i);
+            cache.c_kv[l].extend_from_slice(&latent);
+            cache.k_pe[l].extend_from_slice(&k_pe);
+        }
+        let kv_b = self.m(&n.kv_b_proj)?;
+        let (ckv_cache, kpe_cache) = (&cache.c_kv[l], &cache.k_pe[l]);
+        // heads: [nt * n_heads] of [v_head_dim], token-major (the one-token layout per token).
+        let heads: Vec<Vec<f32>> = (0..nt * nh)
+            .into_par_iter()
+            .map(|i| {
+                let (t, hh) = (i / nh, i % nh);
+                let qh = &q[(t * nh + hh) * qk..(t * nh + hh + 1) * qk];
+                self.attend_head(kv_b, hh, qh, pos0 + t, ckv_cache, kpe_cache)
+            })
+            .collect();
+        let flat: Vec<f32> = heads.concat();
+        let mut out = vec![0f32; nt * c.hidden_size];
+        self.m(&n.o_proj)?.matmul(&flat, nt, &mut out);
+        Ok(out)
+    }
+
+    /// The router of MoE layer `l` with the current `--experts-per-token`.
+    fn router_cfg(&self) -> RouterConfig {
+        RouterConfig {
+            top_k: self.routed.experts_per_token(),
+            ..self.router
+        }
+    }
+
+    /// The shared experts of layer `l` as matrices (None without shared experts).
+    fn shared_mats(&self, l: usize) -> Result<Option<[MatRef<'_>; 3]>, EngineError> {
+        let n = &self.names[l];
+        if self.cfg.n_shared_experts == 0 {
+            return Ok(None);
+        }
+        Ok(Some([
+            self.m(&n.shared_gate_proj)?,
+            self.m(&n.shared_up_proj)?,
+            self.m(&n.shared_down_proj)?,
+        ]))
+    }
+
+    /// MoE block for a chunk of `nt` tokens, expert-major ([`RoutedExperts::run_batch`]): each
+    /// expert chosen in the chunk is read once and applied to its tokens with matrix-matrix
+    /// products; the shared experts run over the whole chunk meanwhile. Each token's result
+    /// equals [`Self::moe`] bit for bit. xn: `[nt, hidden]` → `[nt, hidden]`.
+    fn moe_batch(&self, l: usize, xn: &[f32], nt: usize) -> Result<(Vec<f32>, Vec<Routing>), EngineError> {
+        let c = &self.cfg;
+        let h = c.hidden_size;
+        let n = &self.names[l];
+        let gate = self.m(&n.router)?;
+        let mut logits = vec![0f32; nt * gate.rows];
+        gate.matmul(xn, nt, &mut logits);
+        let router = self.router_cfg();
+        let bias = self.v(&n.router_bias)?;
+        let routings: Vec<Routing> = logits.chunks(gate.rows).map(|lg| route(&router, lg, bias)).collect();
+        let shared = self
+            .shared_mats(l)?
+            .map(|[g, u, d]| move || swiglu_batch(g, u, d, xn, nt));
+        let (mut out, shared_out) = self.routed.run_batch(
+            l,
+            &routings,
+            h,
+            |e, tokens| {
+                let mut xs = Vec::with_capacity(tokens.len() * h);
+                for &t in tokens {
+                    xs.extend_from_slice(&xn[t * h..(t + 1) * h]);
+                }
+                swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), &xs, tokens.len())
+            },
+            shared,
+        )?;
+        if let Some(sh) = shared_out {
+            for (a, b) in out.iter_mut().zip(&sh) {
+                *a += b;
+            }
+        }
+        Ok((out, routings))
+    }
+
+    /// MoE block of a self-drafting pass: the router restricted to the experts of layer `l`
+    /// resident in the cache ([`route_masked`]), computed with those records (no reads), plus
+    /// the shared experts. x: `[hidden]` → `[hidden]`.
+    fn moe_draft(&self, l: usize, xn: &[f32]) -> Result<(Vec<f32>, Routing), EngineError> {
+        let c = &self.cfg;
+        let n = &self.names[l];
+        let gate = self.m(&n.router)?;
+        let mut logits = vec![0f32; gate.rows];
+        gate.matvec(xn, &mut logits);
+        let resident = self.routed.store.resident(l);
+        let mut allowed = vec![false; c.n_routed_experts];
+        for (e, _) in &resident {
+            if let Some(a) = allowed.get_mut(*e) {
+                *a = true;
+            }
+        }
+        let routing = route_masked(&self.router_cfg(), &logits, self.v(&n.router_bias)?, Some(&allowed));
+        let records: Vec<_> = routing
+            .experts
+            .iter()
+            .filter_map(|e| resident.iter().find(|(r, _)| r == e).map(|(_, x)| x.clone()))
+            .collect();
+        drop(resident);
+        let shared = self.shared_mats(l)?.map(|[g, u, d]| move || swiglu(g, u, d, xn));
+        let (mut out, shared_out) = self.routed.run_with(
+            &routing,
+            &records,
+            c.hidden_size,
+            |e| swiglu(e.matrix(0), e.matrix(1), e.matrix(2), xn),
+            shared,
+        );
+        if let Some(sh) = shared_out {
+            for (a, b) in out.iter_mut().zip(&sh) {
+                *a += b;
+            }
+        }
+        Ok((out, routing))
+    }
+
+    /// Runs a chunk of tokens at the next positions of `cache` (batched attention, expert-major
+    /// MoE); see [`CausalLm::forward_batch`]. Every position's logits equal
+    /// [`Self::forward_token`]'s bit for bit: the batched kernels compute each row as the
+    /// one-token kernels do, attention runs the same per-head operations, and the routed
+    /// experts are summed in the same order.
+    fn forward_chunk(&self, cache: &mut KvCache, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError> {
+        let c = &self.cfg;
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(EngineError::TokenOutOfRange {
+                id,
+                vocab_size: c.vocab_size,
+            });
+        }
+        let nt = tokens.len();
+        if nt == 0 {
+            return Ok(BatchOutput::default());
+        }
+        let pos0 = cache.len;
+        let h = c.hidden_size;
+        // x: [nt, hidden]
+        let mut x = vec![0f32; nt * h];
+        let embed = self.m("model.embed_tokens.weight")?;
+        for (row, &t) in x.chunks_mut(h).zip(tokens) {
+            embed.row_into(t as usize, row);
+        }
+        let mut xn = vec![0f32; nt * h];
+        let mut routes: Vec<LayerRoutes> = vec![Vec::new(); nt];
+        for l in 0..c.num_hidden_layers {
+            let n = &self.names[l];
+            let w = self.v(&n.input_layernorm)?;
+            for (a, b) in x.chunks(h).zip(xn.chunks_mut(h)) {
+                rms_norm(a, w, c.rms_norm_eps, b);
+            }
+            let attn = self
+                .routed
+                .time_attention(|| self.attention_batch(l, &xn, nt, pos0, cache))?;
+            for (a, b) in x.iter_mut().zip(&attn) {
+                *a += b;
+            }
+            drop(attn);
+            let w = self.v(&n.post_attention_layernorm)?;
+            for (a, b) in x.chunks(h).zip(xn.chunks_mut(h)) {
+                rms_norm(a, w, c.rms_norm_eps, b);
+            }
+            let mlp = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
+                if c.is_moe_layer(l) {
+                    let (out, rs) = self.moe_batch(l, &xn, nt)?;
+                    for (r, routing) in routes.iter_mut().zip(rs) {
+                        r.push((l, routing));
+                    }
+                    Ok(out)
+                } else {
+                    Ok(swiglu_batch(
+                        self.m(&n.gate_proj)?,
+                        self.m(&n.up_proj)?,
+                        self.m(&n.down_proj)?,
+                        &xn,
+                        nt,
+                    ))
+                }
+            })?;
+            for (a, b) in x.iter_mut().zip(&mlp) {
+                *a += b;
+            }
+        }
+        cache.len += nt;
+        for _ in 0..nt {
+            self.routed.count_forward();
+        }
+        let norm = self.v("model.norm.weight")?;
+        let lm = self.m("lm_head.weight")?;
+        let first = if all_logits { 0 } else { nt - 1 };
+        let mut logits = Vec::with_capacity(nt - first);
+        let mut xf = vec![0f32; h];
+        for t in first..nt {
+            rms_norm(&x[t * h..(t + 1) * h], norm, c.rms_norm_eps, &mut xf);
+            let mut lg = vec![0f32; lm.rows];
+            lm.matvec(&xf, &mut lg);
+            logits.push(lg);
+        }
+        Ok(BatchOutput { logits, routes })
     }
 
     /// MoE block: routed experts (read through the expert store) weighted by the router, plus
@@ -367,10 +643,7 @@ impl DeepseekV3 {
         let gate = self.m(&n.router)?;
         let mut logits = vec![0f32; gate.rows];
         gate.matvec(xn, &mut logits);
-        let router = RouterConfig {
-            top_k: self.routed.experts_per_token(),
-            ..self.router
-        };
+        let router = self.router_cfg();
         let routing = route(&router, &logits, self.v(&n.router_bias)?);
         let shared = if c.n_shared_experts > 0 {
             let (g, u, d) = (
@@ -428,7 +701,41 @@ impl CausalLm for DeepseekV3 {
     }
 
     fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
-        self.forward_token(state_as::<KvCache>(state)?, token)
+        self.forward_token(state_as::<KvCache>(state)?, token, false)
+    }
+
+    fn forward_batch(
+        &self,
+        state: &mut dyn DecodeState,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        let cache = state_as::<KvCache>(state)?;
+        if tokens.len() == 1 {
+            // One token: the decode path (it also predicts and prefetches the next layer).
+            let (logits, routes) = self.forward_token(cache, tokens[0], false)?;
+            return Ok(BatchOutput {
+                logits: vec![logits],
+                routes: vec![routes],
+            });
+        }
+        self.forward_chunk(cache, tokens, all_logits)
+    }
+
+    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        Ok(Some(self.forward_token(state_as::<KvCache>(state)?, token, true)?.0))
+    }
+
+    fn supports_draft(&self) -> bool {
+        true
+    }
+
+    fn batch_bytes_per_token(&self) -> usize {
+        // x, xn, attention and MLP outputs, q, compressed kv, router logits, shared expert
+        // activations (f32), plus the gathered expert inputs and outputs.
+        let c = &self.cfg;
+        let q = c.num_attention_heads * c.qk_head_dim();
+        4 * (8 * c.hidden_size + 2 * q + c.n_routed_experts + 3 * c.moe_intermediate_size * c.n_shared_experts.max(1))
     }
 
     fn routed(&self) -> &RoutedExperts {

@@ -1,0 +1,276 @@
+//! Multi-token passes are exact: batched (expert-major) prefill gives the logits of
+//! token-at-a-time processing bit for bit, speculative decoding gives the greedy output of plain
+//! decoding, and a rolled-back decode state continues exactly like a fresh one.
+//!
+//! Models: the committed transformers fixtures (`tests/fixtures/deepseek_v3/dsv3_{a,b,c}`,
+//! converted with the default int8 backbone and MXFP4 experts) and the `tiny` and `demo`
+//! synthetic shapes (`deltafin_format::synth`, written as checkpoints and converted).
+//!
+//! Tolerance: 0. The batched kernels compute every row exactly as the one-token kernels do
+//! (`MatRef::matmul` equals `n` matvecs bit for bit), attention runs the same per-head
+//! operations, and routed experts are summed in the same (router) order, so equality is exact;
+//! any difference is a bug, not rounding.
+
+use std::path::{Path, PathBuf};
+
+use deltafin_engine::experts::StoreOptions;
+use deltafin_engine::generate::{generate, GenerateOptions};
+use deltafin_engine::sampler::{Sampler, SamplingParams};
+use deltafin_engine::speculate::{SpeculateMode, Speculator};
+use deltafin_engine::{load_model, CausalLm};
+use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
+use deltafin_format::synth::{write_checkpoint, SynthSpec};
+use deltafin_format::ModelDir;
+
+fn fixture(case: &str, tmp: &Path) -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/deepseek_v3")
+        .join(case);
+    let out = tmp.join(case);
+    convert(&src, &out, &ConvertOptions::default(), &NoProgress).unwrap();
+    out
+}
+
+fn synth(name: &str, spec: &SynthSpec, tmp: &Path) -> PathBuf {
+    let hf = tmp.join(format!("{name}-hf"));
+    write_checkpoint(&hf, spec, 0, 1).unwrap();
+    let out = tmp.join(name);
+    convert(&hf, &out, &ConvertOptions::default(), &NoProgress).unwrap();
+    out
+}
+
+/// A model with `budget` bytes of expert cache and `readers` reader threads (1 reader makes the
+/// expert-major window `top_k + 1`, smaller than a chunk's union of experts).
+fn load(dir: &Path, budget: u64, readers: usize) -> Box<dyn CausalLm> {
+    let mut o = StoreOptions::new(budget);
+    o.readers = readers;
+    load_model(&ModelDir::open(dir).unwrap(), o).unwrap()
+}
+
+fn prompt(model: &dyn CausalLm, n: usize, seed: u32) -> Vec<u32> {
+    let v = model.vocab_size() as u32;
+    (0..n as u32).map(|i| (i * 7919 + seed * 131 + 3) % v).collect()
+}
+
+/// Every position's logits, one forward per token.
+fn token_at_a_time(model: &dyn CausalLm, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut st = model.new_state();
+    tokens
+        .iter()
+        .map(|&t| model.forward(st.as_mut(), t).unwrap().0)
+        .collect()
+}
+
+/// Every position's logits, in batched passes of `chunk` tokens.
+fn chunked(model: &dyn CausalLm, tokens: &[u32], chunk: usize) -> Vec<Vec<f32>> {
+    let mut st = model.new_state();
+    let mut out = Vec::new();
+    for c in tokens.chunks(chunk) {
+        let o = model.forward_batch(st.as_mut(), c, true).unwrap();
+        assert_eq!(o.logits.len(), c.len());
+        assert_eq!(o.routes.len(), c.len());
+        out.extend(o.logits);
+    }
+    assert_eq!(st.len(), tokens.len());
+    out
+}
+
+fn assert_bit_identical(what: &str, a: &[Vec<f32>], b: &[Vec<f32>]) {
+    assert_eq!(a.len(), b.len(), "{what}: positions");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let same = x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+        if !same {
+            let d = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+            panic!("{what}: position {i} differs (max |Δ| {d:e})");
+        }
+    }
+}
+
+fn check_prefill(name: &str, dir: &Path, n: usize) {
+    // Budget 0 (nothing stays cached; every chunk's union exceeds the cache) with one reader,
+    // and a roomy cache with the default readers.
+    for (budget, readers) in [(0u64, 1usize), (64 << 20, 0)] {
+        let model = load(dir, budget, readers);
+        let p = prompt(model.as_ref(), n, 1);
+        let reference = token_at_a_time(model.as_ref(), &p);
+        for chunk in [1, 7, n] {
+            let got = chunked(model.as_ref(), &p, chunk);
+            assert_bit_identical(&format!("{name} budget {budget} chunk {chunk}"), &reference, &got);
+        }
+        // Last-position logits only.
+        let mut st = model.new_state();
+        let last = model.forward_batch(st.as_mut(), &p, false).unwrap();
+        assert_eq!(last.logits.len(), 1);
+        assert_bit_identical(&format!("{name} last only"), &reference[n - 1..], &last.logits);
+    }
+}
+
+#[test]
+fn batched_prefill_equals_token_at_a_time_on_the_fixtures() {
+    let tmp = tempfile::tempdir().unwrap();
+    for case in ["dsv3_a", "dsv3_b", "dsv3_c"] {
+        let dir = fixture(case, tmp.path());
+        check_prefill(case, &dir, 23);
+    }
+}
+
+#[test]
+fn batched_prefill_equals_token_at_a_time_on_synthetic_models() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tiny = synth("tiny", &SynthSpec::tiny(300), tmp.path());
+    check_prefill("tiny", &tiny, 40);
+    let demo = synth("demo", &SynthSpec::demo(320), tmp.path());
+    check_prefill("demo", &demo, 30);
+}
+
+/// Greedy ids of plain decoding and of `spec`, both after the same prompt; also checks the
+/// state length after every step.
+fn decode(model: &dyn CausalLm, p: &[u32], n: usize, mut spec: Speculator) -> (Vec<u32>, Speculator) {
+    let mut st = model.new_state();
+    let o = model.forward_batch(st.as_mut(), p, false).unwrap();
+    let mut chooser = Sampler::new(SamplingParams::default());
+    let mut ctx = p.to_vec();
+    ctx.push(chooser.sample(&o.logits[0]));
+    while ctx.len() < p.len() + n {
+        let s = spec.step(model, st.as_mut(), &ctx, &mut chooser).unwrap();
+        assert!(!s.tokens.is_empty());
+        ctx.extend(&s.tokens);
+        assert_eq!(st.len(), ctx.len() - 1, "state holds everything but the last token");
+    }
+    ctx.truncate(p.len() + n);
+    (ctx[p.len()..].to_vec(), spec)
+}
+
+fn check_speculation(name: &str, model: &dyn CausalLm, p: &[u32], n: usize, fixed: &[usize]) {
+    let (plain, _) = decode(model, p, n, Speculator::new(SpeculateMode::Off));
+    for mode in [SpeculateMode::Lookup, SpeculateMode::SelfDraft, SpeculateMode::Auto] {
+        let (ids, spec) = decode(model, p, n, Speculator::new(mode));
+        assert_eq!(
+            ids, plain,
+            "{name}: --speculate {mode} (adaptive) changed the greedy output"
+        );
+        for &k in fixed {
+            let (ids, spec_k) = decode(model, p, n, Speculator::new(mode).with_fixed_draft(k));
+            assert_eq!(ids, plain, "{name}: --speculate {mode}, {k} drafted tokens per pass");
+            if mode != SpeculateMode::Lookup {
+                assert!(spec_k.stats.passes > 0, "{name}: {mode} k={k} never verified a draft");
+            }
+        }
+        let _ = spec;
+    }
+}
+
+#[test]
+fn speculation_keeps_greedy_output_on_the_fixtures() {
+    let tmp = tempfile::tempdir().unwrap();
+    for case in ["dsv3_a", "dsv3_b", "dsv3_c"] {
+        let dir = fixture(case, tmp.path());
+        // A small cache, so self-drafting routes among a changing resident subset.
+        let model = load(&dir, 16 << 10, 0);
+        let p = prompt(model.as_ref(), 9, 2);
+        check_speculation(case, model.as_ref(), &p, 40, &[1, 3, 8]);
+        // And through `generate` with its options, every mode.
+        let base = GenerateOptions {
+            max_new_tokens: 40,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let plain = generate(
+            model.as_ref(),
+            &p,
+            &GenerateOptions {
+                speculate: SpeculateMode::Off,
+                prefill_chunk: 1,
+                ..base.clone()
+            },
+            |_| true,
+        )
+        .unwrap();
+        for (mode, chunk) in [
+            (SpeculateMode::Auto, 0),
+            (SpeculateMode::Lookup, 4),
+            (SpeculateMode::SelfDraft, 0),
+        ] {
+            let o = generate(
+                model.as_ref(),
+                &p,
+                &GenerateOptions {
+                    speculate: mode,
+                    prefill_chunk: chunk,
+                    ..base.clone()
+                },
+                |_| true,
+            )
+            .unwrap();
+            assert_eq!(
+                o.generated_ids, plain.generated_ids,
+                "{case}: generate --speculate {mode}"
+            );
+            let toks: usize = o
+                .stats
+                .steps
+                .iter()
+                .filter(|s| s.kind != "prefill")
+                .map(|s| s.tokens)
+                .sum();
+            assert_eq!(toks + 1, o.generated_ids.len(), "{case}: step token counts");
+        }
+    }
+}
+
+#[test]
+fn speculation_keeps_greedy_output_on_a_long_demo_generation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let demo = synth("demo", &SynthSpec::demo(320), tmp.path());
+    // 4 MiB: about a third of one layer's experts stay resident.
+    let model = load(&demo, 4 << 20, 0);
+    let p = prompt(model.as_ref(), 12, 3);
+    check_speculation("demo", model.as_ref(), &p, 200, &[4]);
+}
+
+#[test]
+fn rollback_continues_like_a_fresh_state() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = fixture("dsv3_b", tmp.path());
+    let model = load(&dir, 1 << 20, 0);
+    let a = prompt(model.as_ref(), 12, 4);
+    let b = prompt(model.as_ref(), 5, 5);
+    let mut st = model.new_state();
+    model.forward_batch(st.as_mut(), &a, false).unwrap();
+    let full_bytes = st.bytes();
+    assert!(st.truncate(7));
+    assert_eq!(st.len(), 7);
+    assert!(st.truncate(9), "truncating past the end is a no-op");
+    assert_eq!(st.len(), 7);
+    assert!(st.bytes() <= full_bytes);
+    let rolled = model.forward_batch(st.as_mut(), &b, true).unwrap().logits;
+    let mut fresh_tokens = a[..7].to_vec();
+    fresh_tokens.extend(&b);
+    let fresh = token_at_a_time(model.as_ref(), &fresh_tokens);
+    assert_bit_identical("rollback", &fresh[7..], &rolled);
+    // Self-drafting leaves no trace in the state once rolled back.
+    let mut st2 = model.new_state();
+    model.forward_batch(st2.as_mut(), &a[..7], false).unwrap();
+    for &t in &b {
+        assert!(model.forward_draft(st2.as_mut(), t).unwrap().is_some());
+    }
+    assert!(st2.truncate(7));
+    let again = model.forward_batch(st2.as_mut(), &b, true).unwrap().logits;
+    assert_bit_identical("rollback after drafting", &fresh[7..], &again);
+    assert!(st2.truncate(0));
+    assert!(st2.is_empty());
+}
+
+/// The expert-major pass also completes when called from the only thread of a rayon pool (it
+/// then runs its own expert tasks while it waits), with a window smaller than the union.
+#[test]
+fn batched_prefill_inside_a_one_thread_pool() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tiny = synth("tiny", &SynthSpec::tiny(300), tmp.path());
+    let model = load(&tiny, 0, 1);
+    let p = prompt(model.as_ref(), 16, 6);
+    let reference = token_at_a_time(model.as_ref(), &p);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let got = pool.install(|| chunked(model.as_ref(), &p, 16));
+    assert_bit_identical("one-thread pool", &reference, &got);
+}
