@@ -1239,7 +1239,10 @@ mod tests {
         want_rec[0] = 0x2F;
         want_rec[16] = 127;
         assert_eq!(rec, want_rec);
-        let e = ck.read_f32_slice("e.gate_up_proj", &[2, 1, 32], 2).unwrap_err().to_string();
+        let e = ck
+            .read_f32_slice("e.gate_up_proj", &[2, 1, 32], 2)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("slice 2") && e.contains("e.gate_up_proj_blocks"), "{e}");
         // Compressed-tensors weights are not fused over experts.
         let e = ck.read_f32_slice("m.weight", &[1, 32], 0).unwrap_err().to_string();
