@@ -18,6 +18,12 @@
 //! `window(pos)` is `0..=pos`, or with a sliding window `w` the last `w` positions
 //! `pos + 1 - w ..= pos` (transformers' `sliding_window_overlay`: `kv_idx > q_idx - w`).
 //! [GQA_ATTENTION]
+//!
+//! gpt-oss adds biases to the four projections, a window per layer (`layer_types`), and an
+//! attention sink per head: a learned logit `sink_h` that joins the softmax denominator and
+//! receives no value, `p_t = exp(s_t) / (Σ_u exp(s_u) + exp(sink_h))` (transformers
+//! `models/gpt_oss/modeling_gpt_oss.py` `eager_attention_forward`: the sink is concatenated as an
+//! extra column, the max subtracted, softmaxed, and the column dropped). [ATTN_SINKS]
 
 use deltafin_format::model_dir::Backbone;
 use deltafin_format::Rope;
@@ -50,6 +56,13 @@ pub struct GqaNames {
     /// Per-head RMSNorm weights `[head_dim]` (Qwen3), applied before RoPE.
     pub q_norm: Option<String>,
     pub k_norm: Option<String>,
+    /// Projection biases `[rows of the projection]` (gpt-oss): q, k, v, o.
+    pub biases: Option<[String; 4]>,
+    /// Per-head attention sink logits `[n_heads]` (gpt-oss). [ATTN_SINKS]
+    pub sinks: Option<String>,
+    /// This layer's window when it differs from [`GqaDims::sliding_window`] (gpt-oss'
+    /// `sliding_attention` layers); None: the model-wide setting.
+    pub sliding_window: Option<usize>,
 }
 
 impl GqaNames {
@@ -64,6 +77,21 @@ impl GqaNames {
             o_proj: format!("{a}.o_proj.weight"),
             q_norm: qk_norm.then(|| format!("{a}.q_norm.weight")),
             k_norm: qk_norm.then(|| format!("{a}.k_norm.weight")),
+            biases: None,
+            sinks: None,
+            sliding_window: None,
+        }
+    }
+
+    /// gpt-oss names: projections with biases (`{q,k,v,o}_proj.bias`), `self_attn.sinks`, and
+    /// the layer's window (`Some(w)` for `sliding_attention` layers).
+    pub fn with_biases_and_sinks(prefix: &str, sliding_window: Option<usize>) -> Self {
+        let a = format!("{prefix}.self_attn");
+        GqaNames {
+            biases: Some(["q", "k", "v", "o"].map(|p| format!("{a}.{p}_proj.bias"))),
+            sinks: Some(format!("{a}.sinks")),
+            sliding_window,
+            ..Self::new(prefix, false)
         }
     }
 
@@ -75,7 +103,10 @@ impl GqaNames {
         for m in [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj] {
             bb.matrix(m)?;
         }
-        for v in [&self.q_norm, &self.k_norm].into_iter().flatten() {
+        for v in [&self.q_norm, &self.k_norm, &self.sinks].into_iter().flatten() {
+            bb.vector(v)?;
+        }
+        for v in self.biases.iter().flatten() {
             bb.vector(v)?;
         }
         Ok(())
@@ -228,6 +259,11 @@ impl GqaAttention {
         bb.matrix(&names.q_proj)?.matvec(xn, &mut buf.q);
         bb.matrix(&names.k_proj)?.matvec(xn, &mut buf.k);
         bb.matrix(&names.v_proj)?.matvec(xn, &mut buf.v);
+        if let Some([bq, bk, bv, _]) = &names.biases {
+            for (y, b) in [(&mut buf.q, bq), (&mut buf.k, bk), (&mut buf.v, bv)] {
+                add_bias(y, bb.vector(b)?);
+            }
+        }
         if let Some(n) = &names.q_norm {
             let w = bb.vector(n)?;
             buf.q
@@ -245,7 +281,7 @@ impl GqaAttention {
         cache.k[layer].extend_from_slice(&buf.k);
         cache.v[layer].extend_from_slice(&buf.v);
 
-        let start = match d.sliding_window {
+        let start = match names.sliding_window.or(d.sliding_window) {
             Some(w) => (pos + 1).saturating_sub(w),
             None => 0,
         };
@@ -255,6 +291,10 @@ impl GqaAttention {
         buf.ctx.clear();
         buf.ctx.resize(nh * hd, 0.0);
         let (q, scale) = (&buf.q, self.scale);
+        let sinks = match &names.sinks {
+            Some(n) => Some(bb.vector(n)?),
+            None => None,
+        };
         let per_head = |(h, (ctx, scores)): (usize, (&mut [f32], &mut [f32]))| {
             let qh = &q[h * hd..(h + 1) * hd];
             let kvo = (h / group) * hd;
@@ -262,7 +302,10 @@ impl GqaAttention {
                 let t = start + i;
                 *s = dot(qh, &keys[t * kv_dim + kvo..t * kv_dim + kvo + hd]) * scale;
             }
-            softmax_inplace(scores);
+            match sinks {
+                Some(sinks) => softmax_with_sink(scores, sinks[h]),
+                None => softmax_inplace(scores),
+            }
             for (i, p) in scores.iter().enumerate() {
                 let t = start + i;
                 axpy(*p, &values[t * kv_dim + kvo..t * kv_dim + kvo + hd], ctx);
@@ -283,6 +326,52 @@ impl GqaAttention {
                 .for_each(per_head);
         }
         bb.matrix(&names.o_proj)?.matvec(&buf.ctx, out);
+        if let Some([.., bo]) = &names.biases {
+            add_bias(out, bb.vector(bo)?);
+        }
         Ok(())
+    }
+}
+
+fn add_bias(y: &mut [f32], b: &[f32]) {
+    for (a, b) in y.iter_mut().zip(b) {
+        *a += b;
+    }
+}
+
+/// Softmax of `scores` with an extra sink logit in the denominator that takes no probability
+/// of its own: `p_t = exp(s_t - m) / (Σ_u exp(s_u - m) + exp(sink - m))`, `m` the max over the
+/// scores and the sink. [ATTN_SINKS]
+pub fn softmax_with_sink(scores: &mut [f32], sink: f32) {
+    let m = scores.iter().copied().fold(sink, f32::max);
+    let mut sum = (sink - m).exp();
+    for s in scores.iter_mut() {
+        *s = (*s - m).exp();
+        sum += *s;
+    }
+    for s in scores.iter_mut() {
+        *s /= sum;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sink_takes_share_of_the_denominator_only() {
+        // Scores ln 1, ln 3 and sink ln 4: exp sum 1 + 3 + 4 = 8 → 1/8, 3/8 (sum 1/2, no value
+        // for the sink).
+        let mut s = [0.0f32, 3f32.ln()];
+        softmax_with_sink(&mut s, 4f32.ln());
+        assert!((s[0] - 0.125).abs() < 1e-7 && (s[1] - 0.375).abs() < 1e-7, "{s:?}");
+        // A sink far below the scores changes nothing; large logits do not overflow (1000 + ln 2
+        // is rounded to f32 spacing 6e-5 there).
+        let mut s = [1000.0f32, 1000.0 + 2f32.ln()];
+        softmax_with_sink(&mut s, -1e4);
+        assert!(
+            (s[0] - 1.0 / 3.0).abs() < 1e-4 && (s[1] - 2.0 / 3.0).abs() < 1e-4,
+            "{s:?}"
+        );
     }
 }

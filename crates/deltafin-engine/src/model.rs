@@ -172,6 +172,7 @@ pub fn load_model(dir: &ModelDir, opts: StoreOptions) -> Result<Box<dyn CausalLm
         ModelConfig::KimiLinear(_) => Ok(Box::new(crate::models::KimiLinear::load_with(dir, opts)?)),
         ModelConfig::Qwen3Moe(_) => Ok(Box::new(crate::models::Qwen3Moe::load_with(dir, opts)?)),
         ModelConfig::Mixtral(_) => Ok(Box::new(crate::models::Mixtral::load_with(dir, opts)?)),
+        ModelConfig::GptOss(_) => Ok(Box::new(crate::models::GptOss::load_with(dir, opts)?)),
     }
 }
 

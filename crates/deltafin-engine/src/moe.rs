@@ -129,6 +129,25 @@ pub fn route_softmax(logits: &[f32], top_k: usize, norm_topk_prob: bool, scratch
     }
 }
 
+/// gpt-oss router: the `top_k` largest `logits` (`x · W^T + b`, `[n_routed_experts]`; ties to
+/// the lower id) are chosen first, and their weights are the softmax over those `top_k` logits
+/// only (the other experts take no share of the denominator). Returns the experts sorted by id
+/// with their weights.
+///
+/// Source: transformers `models/gpt_oss/modeling_gpt_oss.py` `GptOssTopKRouter`
+/// (`torch.topk` then `softmax(router_top_value)`). [TOPK_THEN_SOFTMAX]
+pub fn route_topk_softmax(logits: &[f32], top_k: usize) -> Routing {
+    let chosen = top_k_indices(logits, top_k);
+    let mut w: Vec<f32> = chosen.iter().map(|&e| logits[e]).collect();
+    softmax_inplace(&mut w);
+    let mut pairs: Vec<(usize, f32)> = chosen.into_iter().zip(w).collect();
+    pairs.sort_unstable_by_key(|&(e, _)| e);
+    Routing {
+        experts: pairs.iter().map(|&(e, _)| e).collect(),
+        weights: pairs.iter().map(|&(_, w)| w).collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,5 +251,22 @@ mod tests {
         let r2 = route_softmax(&shifted, 2, false, &mut scratch);
         assert_eq!(r2.experts, r.experts);
         assert!((r2.weights[1] - 6.0 / 13.0).abs() < 1e-5, "{r2:?}");
+    }
+
+    #[test]
+    fn topk_then_softmax_router_hand_computed() {
+        // Logits 0, ln 3, -5, ln 1 + 0 ... top-2 are experts 1 (ln 3) and 0 or 3 (both 0): the
+        // tie goes to expert 0. Softmax over ln 3 and 0 only: 3/4 and 1/4 (expert 2's -5 and
+        // expert 3's 0 are not in the denominator).
+        let logits = [0.0, 3f32.ln(), -5.0, 0.0];
+        let r = route_topk_softmax(&logits, 2);
+        assert_eq!(r.experts, vec![0, 1]);
+        assert!(
+            (r.weights[0] - 0.25).abs() < 1e-6 && (r.weights[1] - 0.75).abs() < 1e-6,
+            "{r:?}"
+        );
+        // top-1: weight exactly 1.
+        let r = route_topk_softmax(&logits, 1);
+        assert_eq!((r.experts, r.weights), (vec![1], vec![1.0]));
     }
 }

@@ -8,7 +8,7 @@
 //! [`ModelConfig`], and the arms of the `match`es below.
 //!
 //! Families: `deepseek_v3` ([`DeepseekV3Config`]), `qwen3_moe` ([`Qwen3MoeConfig`]), `mixtral`
-//! ([`MixtralConfig`]).
+//! ([`MixtralConfig`]), `gpt_oss` ([`GptOssConfig`]).
 
 use std::path::Path;
 
@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::{text_config, DeepseekV3Config};
+use crate::gpt_oss::GptOssConfig;
 use crate::kimi_linear::KimiLinearConfig;
 use crate::mixtral::MixtralConfig;
 use crate::qwen3_moe::Qwen3MoeConfig;
@@ -38,6 +39,10 @@ pub enum ModelConfig {
     /// Mixtral (`model_type` `mixtral`): GQA, softmax top-2 routing in every layer,
     /// `block_sparse_moe` tensor names.
     Mixtral(MixtralConfig),
+    /// gpt-oss (`model_type` `gpt_oss`): GQA with biases, attention sinks and alternating
+    /// sliding/full layers, a biased top-k router with softmax over the chosen experts, clamped
+    /// SwiGLU experts with biases, fused over the experts in the checkpoint.
+    GptOss(GptOssConfig),
 }
 
 /// `model_type`s accepted by [`ModelConfig::from_value`] (of the text config).
@@ -48,6 +53,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "kimi_k3",
     "qwen3_moe",
     "mixtral",
+    "gpt_oss",
 ];
 
 /// How a backbone tensor is stored.
@@ -68,12 +74,16 @@ pub struct BackboneTensor {
 }
 
 /// One matrix of a routed-expert record: record-local name (`gate_proj`, `up_proj`, `down_proj`
-/// as in the checkpoint) and shape `[rows, cols]` (`y = W x` with `x: [cols]`).
+/// as in the checkpoint) and shape `[rows, cols]` (`y = W x` with `x: [cols]`; a bias vector is
+/// `[1, n]`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ExpertMatrix {
     pub name: String,
     pub rows: usize,
     pub cols: usize,
+    /// [`TensorRole::Matrix`]: stored in the `--experts` dtype (MXFP4 by default);
+    /// [`TensorRole::F32`]: always f32 (gpt-oss expert biases).
+    pub role: TensorRole,
 }
 
 /// Where one expert matrix comes from in the checkpoint.
@@ -92,6 +102,10 @@ pub struct ExpertSource {
 pub enum Select {
     /// The whole tensor, `[rows, cols]`.
     Whole,
+    /// Slice `index` along dimension 0 of a tensor fused over the experts (`[n_experts, ..]`,
+    /// gpt-oss): the slice holds the `rows * cols` values as `[rows, cols]`, or as
+    /// `[cols, rows]` when `transposed` (transformers' `x @ W` layout, read transposed).
+    Expert { index: usize, transposed: bool },
 }
 
 impl ModelConfig {
@@ -122,6 +136,7 @@ impl ModelConfig {
             "kimi_linear" => Ok(ModelConfig::KimiLinear(KimiLinearConfig::from_value(raw, path)?)),
             "qwen3_moe" => Ok(ModelConfig::Qwen3Moe(Qwen3MoeConfig::from_value(raw, path)?)),
             "mixtral" => Ok(ModelConfig::Mixtral(MixtralConfig::from_value(raw, path)?)),
+            "gpt_oss" => Ok(ModelConfig::GptOss(GptOssConfig::from_value(raw, path)?)),
             _ => {
                 let top = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
                 let shown = if mt.is_empty() { top } else { mt };
@@ -144,6 +159,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(_) => "kimi_linear",
             ModelConfig::Qwen3Moe(_) => "qwen3_moe",
             ModelConfig::Mixtral(_) => "mixtral",
+            ModelConfig::GptOss(_) => "gpt_oss",
         }
     }
 
@@ -154,6 +170,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(c) => &c.model_type,
             ModelConfig::Qwen3Moe(_) => "qwen3_moe",
             ModelConfig::Mixtral(_) => "mixtral",
+            ModelConfig::GptOss(_) => "gpt_oss",
         }
     }
 
@@ -181,6 +198,14 @@ impl ModelConfig {
         }
     }
 
+    /// The gpt-oss config, when this is one.
+    pub fn as_gpt_oss(&self) -> Option<&GptOssConfig> {
+        match self {
+            ModelConfig::GptOss(c) => Some(c),
+            _ => None,
+        }
+    }
+
     /// The Mixtral config, when this is one.
     pub fn as_mixtral(&self) -> Option<&MixtralConfig> {
         match self {
@@ -195,6 +220,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(c) => c.vocab_size,
             ModelConfig::Qwen3Moe(c) => c.vocab_size,
             ModelConfig::Mixtral(c) => c.vocab_size,
+            ModelConfig::GptOss(c) => c.vocab_size,
         }
     }
 
@@ -204,6 +230,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(c) => c.hidden_size,
             ModelConfig::Qwen3Moe(c) => c.hidden_size,
             ModelConfig::Mixtral(c) => c.hidden_size,
+            ModelConfig::GptOss(c) => c.hidden_size,
         }
     }
 
@@ -213,6 +240,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(c) => c.num_hidden_layers,
             ModelConfig::Qwen3Moe(c) => c.num_hidden_layers,
             ModelConfig::Mixtral(c) => c.num_hidden_layers,
+            ModelConfig::GptOss(c) => c.num_hidden_layers,
         }
     }
 
@@ -223,6 +251,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(c) => c.max_position_embeddings,
             ModelConfig::Qwen3Moe(c) => c.max_position_embeddings,
             ModelConfig::Mixtral(c) => c.max_position_embeddings,
+            ModelConfig::GptOss(c) => c.max_position_embeddings,
         }
     }
 
@@ -233,6 +262,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(c) => c.is_moe_layer(layer),
             ModelConfig::Qwen3Moe(c) => c.is_moe_layer(layer),
             ModelConfig::Mixtral(c) => c.is_moe_layer(layer),
+            ModelConfig::GptOss(c) => c.is_moe_layer(layer),
         }
     }
 
@@ -243,6 +273,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(c) => c.num_experts,
             ModelConfig::Qwen3Moe(c) => c.num_experts,
             ModelConfig::Mixtral(c) => c.num_local_experts,
+            ModelConfig::GptOss(c) => c.num_local_experts,
         }
     }
 
@@ -253,6 +284,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(c) => c.num_experts_per_token,
             ModelConfig::Qwen3Moe(c) => c.num_experts_per_tok,
             ModelConfig::Mixtral(c) => c.num_experts_per_tok,
+            ModelConfig::GptOss(c) => c.num_experts_per_tok,
         }
     }
 
@@ -276,6 +308,7 @@ impl ModelConfig {
             ),
             ModelConfig::Qwen3Moe(c) => (c.num_experts, "routed experts per MoE layer".into()),
             ModelConfig::Mixtral(c) => (c.num_local_experts, "routed experts per layer".into()),
+            ModelConfig::GptOss(c) => (c.num_local_experts, "routed experts per layer".into()),
         }
     }
 
@@ -286,6 +319,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(c) => &c.eos_token_id,
             ModelConfig::Qwen3Moe(c) => &c.eos_token_id,
             ModelConfig::Mixtral(c) => &c.eos_token_id,
+            ModelConfig::GptOss(c) => &c.eos_token_id,
         }
     }
 
@@ -295,6 +329,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(c) => c.bos_token_id,
             ModelConfig::Qwen3Moe(c) => c.bos_token_id,
             ModelConfig::Mixtral(c) => c.bos_token_id,
+            ModelConfig::GptOss(c) => c.bos_token_id,
         }
     }
 
@@ -305,6 +340,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(c) => c.backbone_tensors(),
             ModelConfig::Qwen3Moe(c) => c.backbone_tensors(),
             ModelConfig::Mixtral(c) => c.backbone_tensors(),
+            ModelConfig::GptOss(c) => c.backbone_tensors(),
         }
     }
 
@@ -315,6 +351,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(c) => c.expert_matrices(),
             ModelConfig::Qwen3Moe(c) => c.expert_matrices(),
             ModelConfig::Mixtral(c) => c.expert_matrices(),
+            ModelConfig::GptOss(c) => c.expert_matrices(),
         }
     }
 
@@ -340,6 +377,7 @@ impl ModelConfig {
                 shape: vec![m.rows, m.cols],
                 select: Select::Whole,
             },
+            ModelConfig::GptOss(c) => c.expert_source(layer, expert, m),
         }
     }
 
@@ -351,6 +389,7 @@ impl ModelConfig {
             ModelConfig::KimiLinear(c) => c.is_ignored(name),
             ModelConfig::Qwen3Moe(c) => c.is_ignored(name),
             ModelConfig::Mixtral(c) => c.is_ignored(name),
+            ModelConfig::GptOss(c) => c.is_ignored(name),
         }
     }
 }
@@ -424,7 +463,11 @@ mod tests {
         assert!(s.get("deepseek_v3").is_some(), "{s}");
         let back: ModelConfig = serde_json::from_value(s).unwrap();
         assert_eq!(back, c);
-        for (mt, family) in [("qwen3_moe", "qwen3_moe"), ("mixtral", "mixtral")] {
+        for (mt, family) in [
+            ("qwen3_moe", "qwen3_moe"),
+            ("mixtral", "mixtral"),
+            ("gpt_oss", "gpt_oss"),
+        ] {
             let c = ModelConfig::from_value(&json!({"model_type": mt, "num_hidden_layers": 2}), p).unwrap();
             assert_eq!((c.family(), c.model_type()), (family, mt));
             let back: ModelConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();

@@ -300,23 +300,96 @@ impl Checkpoint {
     /// without its scale and packed integers outside a known format are named as such), or a
     /// read error.
     pub fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, FormatError> {
-        let e = self.tensors.get(name).ok_or_else(|| FormatError::MissingTensor {
+        let e = self.checked_entry(name, shape)?;
+        self.decode(e)
+    }
+
+    /// Reads slice `index` along dimension 0 of a tensor fused over the experts (`shape` =
+    /// `[n, ..]`, gpt-oss), as f32 `shape[1..]` row-major, reading only that slice's bytes.
+    ///
+    /// Errors: as [`Self::read_f32`], an index out of range, or an encoding that cannot be
+    /// sliced (only plain tensors and gpt-oss MXFP4 blocks can).
+    pub fn read_f32_slice(&self, name: &str, shape: &[usize], index: usize) -> Result<Vec<f32>, FormatError> {
+        let e = self.checked_entry(name, shape)?;
+        let sub = self.slice_entry(e, index)?;
+        self.decode(&sub)
+    }
+
+    fn missing(&self, name: &str) -> FormatError {
+        FormatError::MissingTensor {
             tensor: name.to_string(),
             path: self
                 .shards
                 .first()
                 .map(|s| s.path.parent().unwrap_or(Path::new(".")).to_path_buf())
                 .unwrap_or_default(),
-        })?;
-        let path = &self.shards[e.shard].path;
+        }
+    }
+
+    /// The entry of `name`, checked to have `shape`.
+    fn checked_entry(&self, name: &str, shape: &[usize]) -> Result<&TensorEntry, FormatError> {
+        let e = self.tensors.get(name).ok_or_else(|| self.missing(name))?;
         if e.shape != shape {
             return Err(FormatError::ShapeMismatch {
-                path: path.clone(),
+                path: self.shards[e.shard].path.clone(),
                 tensor: e.file_name.clone(),
                 expected: shape.to_vec(),
                 found: e.shape.clone(),
             });
         }
+        Ok(e)
+    }
+
+    /// Slice `index` along dimension 0 of `e` as an entry of its own (offsets and lengths of
+    /// every stored part narrowed to the slice; dimension 0 dropped from the shapes).
+    fn slice_entry(&self, e: &TensorEntry, index: usize) -> Result<TensorEntry, FormatError> {
+        let bad = |m: String| FormatError::Checkpoint {
+            path: self.shards[e.shard].path.clone(),
+            message: format!("tensor {}: {m}", e.file_name),
+        };
+        let n = e.shape.first().copied().unwrap_or(0);
+        if e.shape.len() < 2 || index >= n {
+            return Err(bad(format!(
+                "no slice {index} along dimension 0 of shape {:?}",
+                e.shape
+            )));
+        }
+        let part = |p: &TensorEntry| -> Result<TensorEntry, FormatError> {
+            if !p.len.is_multiple_of(n as u64) {
+                return Err(bad(format!("{} bytes do not split into {n} slices", p.len)));
+            }
+            let len = p.len / n as u64;
+            Ok(TensorEntry {
+                shape: p.shape.get(1..).map(<[usize]>::to_vec).unwrap_or_default(),
+                offset: p.offset + index as u64 * len,
+                len,
+                encoding: Encoding::Plain,
+                ..p.clone()
+            })
+        };
+        let mut sub = part(e)?;
+        sub.shape = e.shape[1..].to_vec();
+        sub.encoding = match &e.encoding {
+            Encoding::Plain => Encoding::Plain,
+            Encoding::Mxfp4 {
+                source: source @ Mxfp4Source::GptOssBlocks,
+                packed_shape,
+                scales,
+                shape_tensor: None,
+            } => Encoding::Mxfp4 {
+                source: *source,
+                packed_shape: packed_shape[1..].to_vec(),
+                scales: Box::new(part(scales)?),
+                shape_tensor: None,
+            },
+            _ => return Err(bad("only plain and gpt-oss MXFP4 tensors can be read per expert".into())),
+        };
+        Ok(sub)
+    }
+
+    /// Decodes an entry (whole tensor or slice) to f32.
+    fn decode(&self, e: &TensorEntry) -> Result<Vec<f32>, FormatError> {
+        let path = &self.shards[e.shard].path;
         check_entry(path, e)?;
         let cols = e.shape.last().copied().unwrap_or(1);
         let rows = e.shape.iter().product::<usize>() / cols.max(1);
@@ -366,21 +439,32 @@ impl Checkpoint {
     /// when the tensor is not MXFP4-encoded (or is a stacked gpt-oss tensor of another shape).
     ///
     /// Errors: missing tensor, a read error, or parts whose sizes do not match the shape.
-    pub fn read_mxfp4_record(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<u8>>, FormatError> {
-        let Some(e) = self.tensors.get(name) else {
-            return Err(FormatError::MissingTensor {
-                tensor: name.to_string(),
-                path: self
-                    .shards
-                    .first()
-                    .map(|s| s.path.parent().unwrap_or(Path::new(".")).to_path_buf())
-                    .unwrap_or_default(),
-            });
+    ///
+    /// With `index`, the weight is slice `index` along dimension 0 of a tensor fused over the
+    /// experts (`shape` `[n, rows, cols]`, gpt-oss), and only that slice is read.
+    pub fn read_mxfp4_record(
+        &self,
+        name: &str,
+        shape: &[usize],
+        index: Option<usize>,
+    ) -> Result<Option<Vec<u8>>, FormatError> {
+        let whole = self.tensors.get(name).ok_or_else(|| self.missing(name))?;
+        if !matches!(whole.encoding, Encoding::Mxfp4 { .. }) || whole.shape != shape {
+            return Ok(None);
+        }
+        let sliced;
+        let e = match index {
+            Some(i) => {
+                sliced = self.slice_entry(whole, i)?;
+                &sliced
+            }
+            None => whole,
         };
         let Encoding::Mxfp4 { source, scales, .. } = &e.encoding else {
             return Ok(None);
         };
-        if e.shape != shape || shape.len() != 2 {
+        let shape = &e.shape;
+        if shape.len() != 2 {
             return Ok(None);
         }
         let path = &self.shards[e.shard].path;
@@ -1150,6 +1234,25 @@ mod tests {
         let g = ck.read_f32("e.gate_up_proj", &[2, 1, 32]).unwrap();
         assert_eq!(&g[..32], &want[..]);
         assert_eq!((g[32], g[33]), (-6.0, 1.0));
+        // Per expert: only slice 1 of the fused tensor, decoded or copied bit for bit.
+        let g1 = ck.read_f32_slice("e.gate_up_proj", &[2, 1, 32], 1).unwrap();
+        assert_eq!(&g1[..], &g[32..]);
+        let rec = ck
+            .read_mxfp4_record("e.gate_up_proj", &[2, 1, 32], Some(1))
+            .unwrap()
+            .unwrap();
+        let mut want_rec = vec![0u8; 17];
+        want_rec[0] = 0x2F;
+        want_rec[16] = 127;
+        assert_eq!(rec, want_rec);
+        let e = ck
+            .read_f32_slice("e.gate_up_proj", &[2, 1, 32], 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("slice 2") && e.contains("e.gate_up_proj_blocks"), "{e}");
+        // Compressed-tensors weights are not fused over experts.
+        let e = ck.read_f32_slice("m.weight", &[1, 32], 0).unwrap_err().to_string();
+        assert!(e.contains("m.weight_packed"), "{e}");
     }
 
     #[test]

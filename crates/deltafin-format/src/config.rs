@@ -493,6 +493,7 @@ impl DeepseekV3Config {
                 name: n.into(),
                 rows,
                 cols,
+                role: TensorRole::Matrix,
             })
             .collect()
     }

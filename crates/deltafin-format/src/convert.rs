@@ -93,13 +93,18 @@ pub fn matrix_dims(shape: &[usize]) -> (usize, usize) {
     }
 }
 
-/// Layout of one expert record holding `mats` in `dtype`, and its length in bytes before
-/// padding to [`RECORD_ALIGN`]. Each matrix starts 64-byte aligned inside the record so f32 and
-/// bf16 views are aligned.
-pub fn record_layout(mats: &[ExpertMatrix], dtype: StoredDtype) -> (Vec<ExpertTensorLayout>, u64) {
+/// Layout of one expert record holding `mats`, each in `dtype` or f32 for
+/// [`TensorRole::F32`] parts (gpt-oss biases), and its length in bytes before padding to
+/// [`RECORD_ALIGN`]. Each matrix starts 64-byte aligned inside the record so f32 and bf16 views
+/// are aligned.
+pub fn record_layout(mats: &[ExpertMatrix], experts_dtype: StoredDtype) -> (Vec<ExpertTensorLayout>, u64) {
     let mut layout = Vec::new();
     let mut roff = 0u64;
     for m in mats {
+        let dtype = match m.role {
+            TensorRole::F32 => StoredDtype::F32,
+            TensorRole::Matrix => experts_dtype,
+        };
         let vb = dtype.value_bytes(m.rows, m.cols) as u64;
         let sb = dtype.scale_bytes(m.rows, m.cols) as u64;
         let off = align_up(roff, TENSOR_ALIGN);
@@ -117,10 +122,30 @@ pub fn record_layout(mats: &[ExpertMatrix], dtype: StoredDtype) -> (Vec<ExpertTe
     (layout, roff)
 }
 
-/// Reads one expert matrix `[rows, cols]` as f32 from its checkpoint source.
-fn read_expert_matrix(ck: &Checkpoint, src: &crate::arch::ExpertSource) -> Result<Vec<f32>, FormatError> {
+/// Reads one expert matrix `[rows, cols]` as f32 from its checkpoint source (a fused
+/// `[n_experts, ..]` tensor's slice, transposed back when stored `[cols, rows]`).
+fn read_expert_matrix(
+    ck: &Checkpoint,
+    src: &crate::arch::ExpertSource,
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<f32>, FormatError> {
     match src.select {
         Select::Whole => ck.read_f32(&src.tensor, &src.shape),
+        Select::Expert { index, transposed } => {
+            let w = ck.read_f32_slice(&src.tensor, &src.shape, index)?;
+            if !transposed {
+                return Ok(w);
+            }
+            // w: [cols, rows] → [rows, cols]
+            let mut t = vec![0f32; w.len()];
+            for (c, wrow) in w.chunks_exact(rows.max(1)).enumerate() {
+                for (r, &x) in wrow.iter().enumerate() {
+                    t[r * cols + c] = x;
+                }
+            }
+            Ok(t)
+        }
     }
 }
 
@@ -448,17 +473,24 @@ fn write_all(
                         let source = cfg.expert_source(l, e, m);
                         // MXFP4 sources are copied bit for bit into MXFP4 records (no
                         // re-quantization: those bytes are the trained values).
-                        let copied = match (opts.experts, source.select) {
+                        let copied = match (lay.dtype, source.select) {
                             (StoredDtype::Mxfp4, Select::Whole) => {
-                                ck.read_mxfp4_record(&source.tensor, &source.shape)?
+                                ck.read_mxfp4_record(&source.tensor, &source.shape, None)?
                             }
+                            (
+                                StoredDtype::Mxfp4,
+                                Select::Expert {
+                                    index,
+                                    transposed: false,
+                                },
+                            ) => ck.read_mxfp4_record(&source.tensor, &source.shape, Some(index))?,
                             _ => None,
                         };
                         let b = match copied {
                             Some(b) => b,
                             None => {
-                                let w = read_expert_matrix(ck, &source)?;
-                                encode_matrix(opts.experts, &w, lay.rows, lay.cols)
+                                let w = read_expert_matrix(ck, &source, lay.rows, lay.cols)?;
+                                encode_matrix(lay.dtype, &w, lay.rows, lay.cols)
                             }
                         };
                         rec[lay.offset as usize..lay.offset as usize + b.len()].copy_from_slice(&b);

@@ -86,7 +86,8 @@ impl Footprint {
 /// (per token of context, fixed per sequence) decode-state bytes, as the engine stores them
 /// (f32): MLA keeps `kv_lora_rank + qk_rope_head_dim` values per token per MLA layer; GQA keeps
 /// keys and values `2 × n_kv_heads × head_dim`; KDA keeps a `[heads, d, d]` state and
-/// `K - 1` rows of `3P` convolution inputs per layer, whatever the context.
+/// `K - 1` rows of `3P` convolution inputs per layer, whatever the context. Expert biases
+/// (gpt-oss) count in the record as f32.
 fn state_bytes(cfg: &ModelConfig) -> (u64, u64) {
     match cfg {
         ModelConfig::DeepseekV3(c) => (
@@ -108,6 +109,12 @@ fn state_bytes(cfg: &ModelConfig) -> (u64, u64) {
             0,
         ),
         ModelConfig::Mixtral(c) => (
+            (c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4) as u64,
+            0,
+        ),
+        // The GQA cache keeps every position, sliding-window layers included (the window limits
+        // what attention reads, not what is stored).
+        ModelConfig::GptOss(c) => (
             (c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4) as u64,
             0,
         ),

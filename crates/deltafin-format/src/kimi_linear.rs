@@ -573,6 +573,7 @@ impl KimiLinearConfig {
                 name: n.into(),
                 rows,
                 cols,
+                role: TensorRole::Matrix,
             })
             .collect()
     }

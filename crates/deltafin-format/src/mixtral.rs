@@ -208,6 +208,7 @@ impl MixtralConfig {
                 name: n.into(),
                 rows,
                 cols,
+                role: TensorRole::Matrix,
             })
             .collect()
     }

@@ -267,6 +267,7 @@ impl Qwen3MoeConfig {
                 name: n.into(),
                 rows,
                 cols,
+                role: TensorRole::Matrix,
             })
             .collect()
     }

@@ -1,5 +1,5 @@
 //! Proof of correctness against Hugging Face transformers' `deepseek_v3`, `kimi_linear`,
-//! `qwen3_moe` and `mixtral` implementations (and llama.cpp's goldens for Kimi K3, see below).
+//! `qwen3_moe`, `mixtral` and `gpt_oss` implementations (and llama.cpp's goldens for Kimi K3, see below).
 //!
 //! Each case in `tests/fixtures/<family>/` is a tiny random checkpoint together with the
 //! reference's greedy ids and float32 logits (see `make_fixtures.py` and the README there). Here
@@ -475,4 +475,112 @@ fn kimi_k3_first_position_of_k3_a_matches_llama_cpp() {
         assert_eq!(got.generated_ids[0], ids(&p["generated_ids"])[0]);
         assert!(e < 1e-3, "{}: first-position logits rel L2 {e:.3e}", case.display());
     }
+}
+
+#[test]
+fn gpt_oss_lossless_layout_matches_transformers() {
+    // gpt_oss_a: unquantized fused experts ([E, in, out]); gpt_oss_b: Hub MXFP4 experts, decoded.
+    check_lossless("gpt_oss", 2, "gpt_oss");
+}
+
+#[test]
+fn gpt_oss_default_layout_runs_within_bound() {
+    check_quantized("gpt_oss", 2);
+}
+
+/// The tensor `name`'s bytes as stored in the single `model.safetensors` of `case`.
+fn stored_bytes(case: &Path, name: &str) -> Vec<u8> {
+    let bytes = std::fs::read(case.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let off = header[name]["data_offsets"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{name} not stored"));
+    let (a, b) = (off[0].as_u64().unwrap() as usize, off[1].as_u64().unwrap() as usize);
+    bytes[8 + n + a..8 + n + b].to_vec()
+}
+
+/// gpt_oss_b stores its experts as the Hub's MXFP4 `_blocks`/`_scales`, fused over the experts:
+/// each expert's record holds exactly its slice of those bytes (codes, then scales), its biases
+/// as the stored f32, and the model run from those records (f32 backbone) reproduces the
+/// reference, since MXFP4 values are exact in f32.
+#[test]
+fn gpt_oss_mxfp4_experts_are_copied_bit_for_bit() {
+    let case = fixtures_root("gpt_oss").join("gpt_oss_b");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("model");
+    let opts = ConvertOptions {
+        backbone: StoredDtype::F32,
+        experts: StoredDtype::Mxfp4,
+        force: false,
+    };
+    convert(&case, &out, &opts, &NoProgress).unwrap();
+    let dir = ModelDir::open(&out).unwrap();
+    let pack = std::fs::read(dir.expert_pack_path()).unwrap();
+    let layout = &dir.manifest.experts.layout;
+    let dtypes: Vec<StoredDtype> = layout.iter().map(|m| m.dtype).collect();
+    assert_eq!(
+        dtypes,
+        [
+            StoredDtype::Mxfp4,
+            StoredDtype::F32,
+            StoredDtype::Mxfp4,
+            StoredDtype::F32
+        ]
+    );
+    let n_experts = dir.manifest.config.n_routed_experts();
+    let mut checked = 0;
+    for r in &dir.manifest.experts.records {
+        for m in layout {
+            let base = format!("model.layers.{}.mlp.experts.{}", r.layer, m.name);
+            let part = |a: u64, b: u64| &pack[(r.offset + a) as usize..(r.offset + b) as usize];
+            let slice = |name: &str| {
+                let all = stored_bytes(&case, name);
+                let n = all.len() / n_experts;
+                all[r.expert as usize * n..(r.expert as usize + 1) * n].to_vec()
+            };
+            if m.dtype == StoredDtype::Mxfp4 {
+                // cols are multiples of 32 here: rows need no padding.
+                assert_eq!(
+                    part(m.offset, m.scales_offset),
+                    slice(&format!("{base}_blocks")),
+                    "{base} codes"
+                );
+                assert_eq!(
+                    part(m.scales_offset, m.offset + m.bytes),
+                    slice(&format!("{base}_scales")),
+                    "{base} scales"
+                );
+            } else {
+                assert_eq!(part(m.offset, m.offset + m.bytes), slice(&base), "{base}");
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4 * dir.manifest.experts.records.len());
+    assert!(checked > 0);
+    let r = run_case(&case, StoredDtype::F32, StoredDtype::Mxfp4, 1 << 30);
+    eprintln!("gpt_oss_b from MXFP4 records: max rel L2 {:.3e}", r.max_rel_l2);
+    assert!(r.ids_equal && r.max_rel_l2 < LOSSLESS_REL_L2, "{}", r.max_rel_l2);
+}
+
+/// The per-layer sliding window of `gpt_oss_a` matters: with every layer `full_attention`, the
+/// same weights no longer reproduce the reference (prompts are longer than the window of 4).
+#[test]
+fn gpt_oss_sliding_window_is_applied() {
+    let case = fixtures_root("gpt_oss").join("gpt_oss_a");
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    for f in std::fs::read_dir(&case).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, src.join(f.file_name().unwrap())).unwrap();
+    }
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["layer_types"][0], "sliding_attention");
+    cfg["layer_types"] = serde_json::json!(["full_attention", "full_attention"]);
+    std::fs::write(src.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let without = run_case(&src, StoredDtype::F32, StoredDtype::F32, 1 << 30);
+    eprintln!("gpt_oss_a rel L2 without the window {:.3e}", without.max_rel_l2);
+    assert!(without.max_rel_l2 > 100.0 * LOSSLESS_REL_L2, "{}", without.max_rel_l2);
 }

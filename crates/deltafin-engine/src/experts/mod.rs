@@ -284,6 +284,15 @@ impl Expert {
         .expect("layout validated when the store was opened")
     }
 
+    /// Part `i` of the record as an f32 vector (gpt-oss expert biases, stored f32 whatever the
+    /// experts' dtype); empty when that part is not f32 (families check the layout at load).
+    pub fn f32_part(&self, i: usize) -> &[f32] {
+        match self.matrix(i).data {
+            deltafin_kernels::MatData::F32(v) => v,
+            _ => &[],
+        }
+    }
+
     /// Record length in bytes (the data, without alignment padding).
     pub fn bytes(&self) -> usize {
         self.len
@@ -460,10 +469,13 @@ impl ExpertStore {
         let m = &dir.manifest;
         let path = dir.expert_pack_path();
         let layout: Arc<[ExpertTensorLayout]> = m.experts.layout.clone().into();
-        if layout.len() != 3 {
+        let want: Vec<String> = m.config.expert_matrices().into_iter().map(|x| x.name).collect();
+        if layout.iter().map(|l| &l.name).ne(want.iter()) {
             return Err(EngineError::Invalid(format!(
-                "{}: expert layout must hold gate_proj, up_proj, down_proj",
-                path.display()
+                "{}: expert layout must hold {} (the {} record)",
+                path.display(),
+                want.join(", "),
+                m.config.family()
             )));
         }
         // Validate the layout once so Expert::matrix cannot fail.

@@ -1,11 +1,13 @@
 //! Model families, one file each, all behind [`crate::model::CausalLm`].
 
 pub mod deepseek_v3;
+pub mod gpt_oss;
 pub mod kimi_linear;
 pub mod mixtral;
 pub mod qwen3_moe;
 
 pub use deepseek_v3::{DeepseekV3, KvCache};
+pub use gpt_oss::GptOss;
 pub use kimi_linear::{KimiLinear, KimiLinearState};
 pub use mixtral::Mixtral;
 pub use qwen3_moe::Qwen3Moe;
