@@ -66,4 +66,4 @@ pub enum EngineError {
     Invalid(String),
 }
 
-pub use model::{load_model, CausalLm, DecodeState, LayerRoutes, Profile};
+pub use model::{load_model, CausalLm, DecodeState, LayerRoutes, Numerics, Profile};

@@ -65,6 +65,20 @@ pub struct Profile {
     pub forwards: u64,
 }
 
+/// Whose arithmetic a forward pass follows where implementations legitimately differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Numerics {
+    /// The model's reference math: exact f32 dequantized weights, the reference's eps values.
+    #[default]
+    Reference,
+    /// llama.cpp's CPU backend, for comparing against its goldens (`tests/fixtures/kimi_k3`):
+    /// the inputs of MXFP4 matmuls are rounded through ggml's `Q8_0` first
+    /// ([`deltafin_kernels::q8_0::round_trip`]), and eps values follow llama.cpp where they
+    /// differ (Kimi: `rms_norm_eps` for the MLA `q_a`/`kv_a` norms, K3-SPEC §4, §9).
+    /// Not meant for serving: it only adds rounding error.
+    LlamaCppCpu,
+}
+
 /// A loaded causal language model: resident backbone plus routed experts behind a store.
 pub trait CausalLm: Send + Sync {
     /// The resolved config this model was loaded from.
@@ -142,6 +156,20 @@ pub trait CausalLm: Send + Sync {
 
     /// Mutable access for the load-time controls (compute-only, prefetch).
     fn routed_mut(&mut self) -> &mut RoutedExperts;
+
+    /// Switches the forward pass to `numerics` (see [`Numerics`]).
+    ///
+    /// Errors: the family does not implement `numerics` (only [`Numerics::Reference`] is
+    /// universal; [`Numerics::LlamaCppCpu`] is implemented for kimi_linear / kimi_k3).
+    fn set_numerics(&mut self, numerics: Numerics) -> Result<(), EngineError> {
+        match numerics {
+            Numerics::Reference => Ok(()),
+            other => Err(EngineError::Invalid(format!(
+                "{other:?} numerics are not implemented for model_type {}",
+                self.config().model_type()
+            ))),
+        }
+    }
 
     /// Bytes of the resident backbone.
     fn backbone_bytes(&self) -> usize;

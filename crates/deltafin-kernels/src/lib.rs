@@ -17,6 +17,7 @@ mod ops;
 
 pub mod int8;
 pub mod mxfp4;
+pub mod q8_0;
 pub mod reference;
 
 pub use kernels::{simd_level, SimdLevel};

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use deltafin_engine::experts::StoreOptions;
 use deltafin_engine::generate::{generate, GenerateOptions};
-use deltafin_engine::{load_model, CausalLm};
+use deltafin_engine::{load_model, CausalLm, Numerics};
 use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
 use deltafin_format::{ModelDir, StoredDtype};
 use serde_json::Value;
@@ -435,15 +435,34 @@ fn raw_part(
     }
 }
 
-/// Kimi K3 against llama.cpp's goldens, regression guard for what agrees today: the first
-/// position of `k3_a`'s one-token prompt (relative L2 3.1e-4), which exercises every
-/// per-position part of the K3 forward pass (attention residuals, gated NoPE MLA, KDA with the
-/// lower-bound gate and full-rank output gate, LatentMoE, SiTU, MXFP4 experts). NOT a proof of
-/// K3 correctness: `k3_a`'s later positions drift (~1e-2) and `k3_b` differs from its first
-/// position (0.11); see README "Kimi K3 status".
+/// Agreement with llama.cpp's Kimi K3 goldens under its CPU numerics ([`Numerics::LlamaCppCpu`]).
+/// A step agrees "exactly" within [`K3_EXACT_REL_L2`]; llama.cpp's own spread is below it (no-cache
+/// vs cache max abs 2.6e-5, fixture README) and most steps measure 1e-7..5e-5 here. A step may
+/// instead be off by an isolated `Q8_0` rounding flip: one input element of one expert matmul
+/// rounds to the neighbouring int8 level because our f32 value differs from llama.cpp's in the
+/// last bits, and these tiny random models amplify that to up to ~2e-2 (the spec-derived numpy
+/// forward shows the same steps at the same sizes under 1e-7 weight perturbations). Such steps
+/// must stay within [`K3_FLIP_REL_L2`], well below the reference-numerics gap (0.11 and 0.68), and
+/// at least [`K3_MIN_EXACT_STEPS`] of the 48 steps must agree exactly (measured: 41).
+const K3_EXACT_REL_L2: f64 = 1e-4;
+const K3_FLIP_REL_L2: f64 = 5e-2;
+const K3_MIN_EXACT_STEPS: usize = 38;
+
+/// Kimi K3 against llama.cpp's goldens (tests/fixtures/kimi_k3, llama.cpp 34af94cd, CPU): both
+/// cases, every prompt (1, 6, 30 tokens), 8 greedy steps: ids identical, and the step logits as
+/// bounded above. This exercises attention residuals across block boundaries, gated NoPE MLA,
+/// KDA with the lower-bound decay gate and full-rank output gate, LatentMoE, SiTU and the MXFP4
+/// experts, prefill and decode.
+///
+/// llama.cpp's CPU backend rounds the input of every MXFP4 matmul through `Q8_0` (ggml's
+/// `vec_dot_type` for MXFP4), and these fixtures amplify that rounding to up to 0.68 relative
+/// L2. So the comparison runs with [`Numerics::LlamaCppCpu`], and the test also proves that the
+/// rounding is what matters: with the reference numerics, each case's prompts' last positions
+/// differ by more than 0.1 somewhere.
 #[test]
-fn kimi_k3_first_position_of_k3_a_matches_llama_cpp() {
-    for case in family_cases("kimi_k3", 2).into_iter().filter(|c| c.ends_with("k3_a")) {
+fn kimi_k3_matches_llama_cpp_with_its_cpu_numerics() {
+    let mut errors: Vec<f64> = Vec::new();
+    for case in family_cases("kimi_k3", 2) {
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("model");
         let opts = ConvertOptions {
@@ -452,29 +471,72 @@ fn kimi_k3_first_position_of_k3_a_matches_llama_cpp() {
             force: false,
         };
         convert(&case, &out, &opts, &NoProgress).unwrap();
-        let model = load_model(&ModelDir::open(&out).unwrap(), StoreOptions::new(1 << 30)).unwrap();
+        let dir = ModelDir::open(&out).unwrap();
+        let mut model = load_model(&dir, StoreOptions::new(1 << 30)).unwrap();
+        model.set_numerics(Numerics::LlamaCppCpu).unwrap();
+        let reference = load_model(&dir, StoreOptions::new(1 << 30)).unwrap();
         let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
-        let p = expected["prompts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["prompt_ids"].as_array().unwrap().len() == 1)
-            .expect("a one-token prompt");
-        let opts = GenerateOptions {
-            max_new_tokens: 1,
-            eos_token_ids: vec![],
-            ignore_eos: true,
-            record_logits: true,
-            trace_routes: None,
-            ..Default::default()
-        };
-        let got = generate(model.as_ref(), &ids(&p["prompt_ids"]), &opts, |_| true).unwrap();
-        let want = floats(&p["step_logits"][0]);
-        let e = rel_l2(&got.step_logits[0], &want);
-        eprintln!("{}: first-position rel L2 {e:.3e} vs llama.cpp", case.display());
-        assert_eq!(got.generated_ids[0], ids(&p["generated_ids"])[0]);
-        assert!(e < 1e-3, "{}: first-position logits rel L2 {e:.3e}", case.display());
+        let mut reference_worst = 0f64;
+        for p in expected["prompts"].as_array().unwrap() {
+            let prompt = ids(&p["prompt_ids"]);
+            let want_ids = ids(&p["generated_ids"]);
+            let opts = GenerateOptions {
+                max_new_tokens: want_ids.len(),
+                eos_token_ids: vec![],
+                ignore_eos: true,
+                record_logits: true,
+                trace_routes: None,
+                ..Default::default()
+            };
+            let got = generate(model.as_ref(), &prompt, &opts, |_| true).unwrap();
+            assert_eq!(
+                got.generated_ids,
+                want_ids,
+                "{}: prompt of {}",
+                case.display(),
+                prompt.len()
+            );
+            let steps = p["step_logits"].as_array().unwrap();
+            assert_eq!(got.step_logits.len(), steps.len());
+            for (k, want) in steps.iter().enumerate() {
+                let e = rel_l2(&got.step_logits[k], &floats(want));
+                assert!(
+                    e < K3_FLIP_REL_L2,
+                    "{}: prompt of {}, step {k}: rel L2 {e:.3e}",
+                    case.display(),
+                    prompt.len()
+                );
+                errors.push(e);
+            }
+            // Reference numerics: the prompt's last position (same inputs as step 0).
+            let one = GenerateOptions {
+                max_new_tokens: 1,
+                ..opts
+            };
+            let r = generate(reference.as_ref(), &prompt, &one, |_| true).unwrap();
+            reference_worst = reference_worst.max(rel_l2(&r.step_logits[0], &floats(&steps[0])));
+        }
+        eprintln!(
+            "{}: reference numerics at the prompts' last positions: rel L2 {reference_worst:.3e}",
+            case.display()
+        );
+        assert!(
+            reference_worst > 0.1,
+            "{}: Q8_0 rounding no longer visible ({reference_worst:.3e})",
+            case.display()
+        );
     }
+    let exact = errors.iter().filter(|e| **e < K3_EXACT_REL_L2).count();
+    eprintln!(
+        "kimi_k3: {exact} of {} steps within {K3_EXACT_REL_L2:e} of llama.cpp, worst {:.3e}",
+        errors.len(),
+        errors.iter().cloned().fold(0f64, f64::max)
+    );
+    assert_eq!(errors.len(), 48);
+    assert!(
+        exact >= K3_MIN_EXACT_STEPS,
+        "only {exact} steps agree within {K3_EXACT_REL_L2:e}"
+    );
 }
 
 #[test]

@@ -27,20 +27,21 @@
 use deltafin_format::kimi_linear::{GluActivation, KimiLinearConfig, MixerKind};
 use deltafin_format::model_dir::Backbone;
 use deltafin_format::{ModelConfig, ModelDir};
-use deltafin_kernels::{rms_norm, sigmoid, silu, softmax_inplace, MatRef};
+use deltafin_kernels::{rms_norm, sigmoid, silu, softmax_inplace, MatData, MatRef};
 use rayon::prelude::*;
 
 use crate::blocks::kda::{
     DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, KdaWeights, OutputGate, DEFAULT_CHUNK_SIZE,
 };
 use crate::experts::StoreOptions;
-use crate::model::{state_as, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::model::{state_as, CausalLm, DecodeState, LayerRoutes, Numerics, RoutedExperts};
 use crate::moe::{route, RouterConfig, Routing};
 use crate::EngineError;
 
 /// eps of `q_a_layernorm` and `kv_a_layernorm`: transformers' Kimi Linear builds them with the
 /// `KimiLinearRMSNorm` default 1e-6 whatever `rms_norm_eps` says, and the K3 spec prefers 1e-6
-/// too (§4: Moonshot-derived ports use 1e-6; llama.cpp uses `rms_norm_eps`). [KL_LATENT_NORM_EPS]
+/// too (§4: Moonshot-derived ports use 1e-6; llama.cpp uses `rms_norm_eps`, which
+/// [`Numerics::LlamaCppCpu`] follows). [KL_LATENT_NORM_EPS]
 const LATENT_NORM_EPS: f32 = 1e-6;
 
 /// Tokens a KDA state can roll back without recomputation (speculative decoding drafts are
@@ -179,6 +180,8 @@ pub struct KimiLinear {
     /// Empty decode state of each layer's mixer, cloned for every new sequence.
     empty_states: Vec<MixerState>,
     routed: RoutedExperts,
+    /// Reference math, or llama.cpp's CPU arithmetic (see [`Numerics`]).
+    numerics: Numerics,
 }
 
 impl KimiLinear {
@@ -239,6 +242,7 @@ impl KimiLinear {
             softmax_scale,
             empty_states: Vec::new(),
             routed,
+            numerics: Numerics::Reference,
         };
         // Building each KDA block checks its shapes once.
         let mut empty = Vec::with_capacity(model.cfg.num_hidden_layers);
@@ -420,6 +424,10 @@ impl KimiLinear {
             c.kv_lora_rank,
         );
         let qk = nope + rope;
+        let latent_eps = match self.numerics {
+            Numerics::Reference => LATENT_NORM_EPS,
+            Numerics::LlamaCppCpu => c.rms_norm_eps,
+        };
         // q: [n_heads, qk_head_dim]
         let mut q = vec![0f32; nh * qk];
         match c.q_lora_rank {
@@ -427,7 +435,7 @@ impl KimiLinear {
                 let mut qa = vec![0f32; r];
                 self.m(&n.q_a_proj)?.matvec(xn, &mut qa);
                 let mut qan = vec![0f32; r];
-                rms_norm(&qa, self.v(&n.q_a_layernorm)?, LATENT_NORM_EPS, &mut qan);
+                rms_norm(&qa, self.v(&n.q_a_layernorm)?, latent_eps, &mut qan);
                 self.m(&n.q_b_proj)?.matvec(&qan, &mut q);
             }
             None => self.m(&n.q_proj)?.matvec(xn, &mut q),
@@ -436,7 +444,7 @@ impl KimiLinear {
         let mut ckv = vec![0f32; kvl + rope];
         self.m(&n.kv_a_proj_with_mqa)?.matvec(xn, &mut ckv);
         let mut latent = vec![0f32; kvl];
-        rms_norm(&ckv[..kvl], self.v(&n.kv_a_layernorm)?, LATENT_NORM_EPS, &mut latent);
+        rms_norm(&ckv[..kvl], self.v(&n.kv_a_layernorm)?, latent_eps, &mut latent);
         c_kv.extend_from_slice(&latent);
         k_pe_cache.extend_from_slice(&ckv[kvl..]);
         let t_len = pos + 1;
@@ -530,12 +538,13 @@ impl KimiLinear {
             )))
         };
         let act = c.activation;
+        let q8_0_inputs = self.numerics == Numerics::LlamaCppCpu;
         let xl_ref = &xl;
         let (routed, shared_out) = self.routed.run(
             l,
             &routing,
             c.expert_width(),
-            |e| glu_mlp(act, e.matrix(0), e.matrix(1), e.matrix(2), xl_ref),
+            |e| glu_mlp_with(act, e.matrix(0), e.matrix(1), e.matrix(2), xl_ref, q8_0_inputs),
             shared,
             predict,
         )?;
@@ -598,10 +607,32 @@ pub fn situ(g: f32, u: f32, beta: f32, linear_beta: Option<f32>) -> f32 {
 /// Gated feed-forward `down(act(gate(x), up(x)))` with SwiGLU or SiTU-GLU.
 /// x: `[cols of gate]` → `[rows of down]`.
 pub fn glu_mlp(act: GluActivation, gate: MatRef<'_>, up: MatRef<'_>, down: MatRef<'_>, x: &[f32]) -> Vec<f32> {
+    glu_mlp_with(act, gate, up, down, x, false)
+}
+
+/// [`glu_mlp`]; with `q8_0_inputs`, the input of each MXFP4 matrix is first rounded through
+/// ggml's `Q8_0`, as llama.cpp's CPU backend does ([`Numerics::LlamaCppCpu`], [Q8_0_ROUND_TRIP]).
+/// x: `[cols of gate]` → `[rows of down]`.
+pub fn glu_mlp_with(
+    act: GluActivation,
+    gate: MatRef<'_>,
+    up: MatRef<'_>,
+    down: MatRef<'_>,
+    x: &[f32],
+    q8_0_inputs: bool,
+) -> Vec<f32> {
+    let rounded = |m: &MatRef<'_>, v: &[f32]| -> Option<Vec<f32>> {
+        (q8_0_inputs && matches!(m.data, MatData::Mxfp4 { .. })).then(|| deltafin_kernels::q8_0::round_trip(v))
+    };
+    let xq = rounded(&gate, x);
+    let xg = xq.as_deref().unwrap_or(x);
     let mut g = vec![0f32; gate.rows];
     let mut u = vec![0f32; up.rows];
-    gate.matvec(x, &mut g);
-    up.matvec(x, &mut u);
+    gate.matvec(xg, &mut g);
+    match rounded(&up, x) {
+        Some(xu) => up.matvec(&xu, &mut u),
+        None => up.matvec(x, &mut u),
+    }
     for (a, b) in g.iter_mut().zip(&u) {
         *a = match act {
             GluActivation::Silu => silu(*a) * b,
@@ -609,7 +640,10 @@ pub fn glu_mlp(act: GluActivation, gate: MatRef<'_>, up: MatRef<'_>, down: MatRe
         };
     }
     let mut out = vec![0f32; down.rows];
-    down.matvec(&g, &mut out);
+    match rounded(&down, &g) {
+        Some(gq) => down.matvec(&gq, &mut out),
+        None => down.matvec(&g, &mut out),
+    }
     out
 }
 
@@ -671,6 +705,11 @@ impl CausalLm for KimiLinear {
 
     fn routed_mut(&mut self) -> &mut RoutedExperts {
         &mut self.routed
+    }
+
+    fn set_numerics(&mut self, numerics: Numerics) -> Result<(), EngineError> {
+        self.numerics = numerics;
+        Ok(())
     }
 
     fn backbone_bytes(&self) -> usize {
