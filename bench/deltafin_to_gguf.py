@@ -61,7 +61,11 @@ class Model:
         self.m = json.loads((d / "manifest.json").read_text())
         if self.m.get("format") != "deltafin-model":
             sys.exit(f"deltafin_to_gguf: {d}/manifest.json is not a deltafin model manifest")
-        self.cfg = self.m["config"]
+        # Format v2 tags the config by family; this writer handles DeepSeek-V3 only.
+        cfg = self.m["config"]
+        if "deepseek_v3" not in cfg:
+            sys.exit(f"deltafin_to_gguf: {d} is a {', '.join(cfg)} model; only deepseek_v3 is supported")
+        self.cfg = cfg["deepseek_v3"]
         self.bb = np.memmap(d / self.m["backbone"]["file"], dtype=np.uint8, mode="r")
         self.pack_path = d / self.m["experts"]["file"]
         self.tensors = self.m["backbone"]["tensors"]

@@ -42,7 +42,10 @@ e = m["experts"]
 align = e["record_align"]
 length = e["records"][0]["length"]
 stride = -(-length // align) * align
-print(stride, m["config"]["num_experts_per_tok"])
+# The config is tagged by family ({"deepseek_v3": {...}}); each family names top-k its own way.
+(cfg,) = m["config"].values()
+topk = next(cfg[k] for k in ("num_experts_per_tok", "num_experts_per_token") if k in cfg)
+print(stride, topk)
 EOF
 )
 qd=${2:-$topk}
