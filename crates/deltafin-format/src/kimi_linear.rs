@@ -14,7 +14,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::arch::{BackboneTensor, ExpertMatrix, TensorRole};
-use crate::config::{text_config, token_ids};
+use crate::config::{
+    bool_or as bool_of, eos_bos, f64_or as f64_of, field_err as err, get, text_config, usize_or as usize_of,
+};
 use crate::FormatError;
 
 /// Token mixer of one decoder layer.
@@ -93,46 +95,6 @@ pub struct KimiLinearConfig {
     pub max_position_embeddings: usize,
     pub eos_token_id: Vec<u32>,
     pub bos_token_id: Option<u32>,
-}
-
-fn err(path: &Path, field: &str, msg: impl Into<String>) -> FormatError {
-    FormatError::Config {
-        path: path.to_path_buf(),
-        field: field.to_string(),
-        message: msg.into(),
-    }
-}
-
-fn get<'a>(obj: &'a Value, key: &str) -> Option<&'a Value> {
-    obj.get(key).filter(|v| !v.is_null())
-}
-
-fn usize_of(obj: &Value, path: &Path, key: &str, default: usize) -> Result<usize, FormatError> {
-    match get(obj, key) {
-        None => Ok(default),
-        Some(v) => v
-            .as_u64()
-            .map(|x| x as usize)
-            .ok_or_else(|| err(path, key, format!("expected a non-negative integer, got {v}"))),
-    }
-}
-
-fn f64_of(obj: &Value, path: &Path, key: &str, default: f64) -> Result<f64, FormatError> {
-    match get(obj, key) {
-        None => Ok(default),
-        Some(v) => v
-            .as_f64()
-            .ok_or_else(|| err(path, key, format!("expected a number, got {v}"))),
-    }
-}
-
-fn bool_of(obj: &Value, path: &Path, key: &str, default: bool) -> Result<bool, FormatError> {
-    match get(obj, key) {
-        None => Ok(default),
-        Some(v) => v
-            .as_bool()
-            .ok_or_else(|| err(path, key, format!("expected true or false, got {v}"))),
-    }
 }
 
 /// One-based layer list `key` of `linear_attn_config`.
@@ -266,14 +228,7 @@ impl KimiLinearConfig {
                     as usize,
             ),
         };
-        let mut eos = token_ids(get(tc, "eos_token_id"));
-        if !std::ptr::eq(tc, raw) {
-            for id in token_ids(get(raw, "eos_token_id")) {
-                if !eos.contains(&id) {
-                    eos.push(id);
-                }
-            }
-        }
+        let (eos, bos) = eos_bos(tc, raw);
         let num_attention_heads = usize_of(tc, path, "num_attention_heads", 32)?;
         let kv_heads = usize_of(tc, path, "num_key_value_heads", num_attention_heads)?;
         if kv_heads != num_attention_heads {
@@ -351,10 +306,7 @@ impl KimiLinearConfig {
                 usize_of(tc, path, "model_max_length", 1048576)?,
             )?,
             eos_token_id: eos,
-            bos_token_id: get(tc, "bos_token_id")
-                .or_else(|| get(raw, "bos_token_id"))
-                .and_then(Value::as_u64)
-                .map(|x| x as u32),
+            bos_token_id: bos,
         };
         cfg.validate(path)?;
         Ok(cfg)
