@@ -54,6 +54,19 @@ pub struct TensorLoc {
     pub offset: u64,
     /// Bytes.
     pub len: u64,
+    /// compressed-tensors MXFP4 source (`weight_packed` at `offset`, `shape` the logical
+    /// `[rows, cols]`): where its E8M0 `weight_scale` lies. The record gets both parts bit for
+    /// bit, never re-quantized.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mxfp4_scales: Option<PartLoc>,
+}
+
+/// One stored part of a source tensor: shard file, absolute offset, bytes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PartLoc {
+    pub file: String,
+    pub offset: u64,
+    pub len: u64,
 }
 
 impl StreamIndex {
@@ -229,7 +242,16 @@ impl HttpRecordSource {
                 }
                 .into());
             }
-            deltafin_format::checkpoint::check_dtype(Path::new(&loc.file), &n, loc.dtype)?;
+            if loc.mxfp4_scales.is_some() {
+                if lay.dtype != deltafin_format::StoredDtype::Mxfp4 {
+                    return Err(PullError::Invalid(format!(
+                        "{n}: an MXFP4 source is copied only into MXFP4 records, this install stores {}",
+                        lay.dtype.name()
+                    )));
+                }
+            } else {
+                deltafin_format::checkpoint::check_dtype(Path::new(&loc.file), &n, loc.dtype)?;
+            }
             locs.push(loc);
         }
         let same_file = locs.iter().all(|l| l.file == locs[0].file);
@@ -248,13 +270,41 @@ impl HttpRecordSource {
                 bytes.push(self.read(&l.file, l.offset, l.len)?.0);
             }
         }
-        let mut i = 0;
-        let rec = encode_expert_record(&self.layout, self.length as usize, |_, _, _| {
-            let v = deltafin_format::checkpoint::decode_f32(locs[i].dtype, &bytes[i]);
-            i += 1;
-            Ok(v)
-        })?;
+        let rec = if locs.iter().any(|l| l.mxfp4_scales.is_some()) {
+            self.mxfp4_record(&locs, &bytes)?
+        } else {
+            let mut i = 0;
+            encode_expert_record(&self.layout, self.length as usize, |_, _, _| {
+                let v = deltafin_format::checkpoint::decode_f32(locs[i].dtype, &bytes[i]);
+                i += 1;
+                Ok(v)
+            })?
+        };
         self.fetched.fetch_add(1, Ordering::Relaxed);
+        Ok(rec)
+    }
+
+    /// A record from compressed-tensors MXFP4 sources: each matrix's codes (`packed`) and
+    /// scales (read here) copied into place, as `convert` copies them
+    /// ([`deltafin_format::source_dtypes::mxfp4_record`]).
+    fn mxfp4_record(&self, locs: &[&TensorLoc], packed: &[Vec<u8>]) -> Result<Vec<u8>, PullError> {
+        use deltafin_format::source_dtypes::{mxfp4_record, Mxfp4Source};
+        let mut rec = vec![0u8; self.length as usize];
+        for ((lay, loc), p) in self.layout.iter().zip(locs).zip(packed) {
+            let Some(sc) = &loc.mxfp4_scales else {
+                return Err(PullError::Invalid(format!(
+                    "{}: mixed MXFP4 and plain sources in one expert are not supported",
+                    loc.tensor
+                )));
+            };
+            let (scales, _) = self.read(&sc.file, sc.offset, sc.len)?;
+            let b = mxfp4_record(Mxfp4Source::CompressedTensors, p, &scales, lay.rows, lay.cols)
+                .map_err(|e| PullError::Invalid(format!("{}: {e}", loc.tensor)))?;
+            let at = lay.offset as usize;
+            rec.get_mut(at..at + b.len())
+                .ok_or_else(|| PullError::Invalid(format!("{}: record layout too short", loc.tensor)))?
+                .copy_from_slice(&b);
+        }
         Ok(rec)
     }
 

@@ -29,13 +29,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use deltafin_format::arch::Select;
 use deltafin_format::checkpoint::{Checkpoint, Encoding, TensorEntry};
 use deltafin_format::convert::{self, ConvertOptions, Progress, StreamExtras, COPIED_FILES};
 use deltafin_format::model_dir::{Manifest, StreamSource, FORMAT_NAME, FORMAT_VERSION};
-use deltafin_format::FormatError;
+use deltafin_format::source_dtypes::Mxfp4Source;
+use deltafin_format::{FormatError, StoredDtype};
 use deltafin_format::{ModelConfig, ModelDir};
 
-use crate::fetch::{StreamIndex, TensorLoc, STREAM_INDEX};
+use crate::fetch::{PartLoc, StreamIndex, TensorLoc, STREAM_INDEX};
 use crate::http::{write_atomic, RemoteFile, Transfer};
 use crate::{io_err, sibling, Http, HttpRecordSource, PullError, Source};
 
@@ -297,9 +299,23 @@ pub fn pull_stream(
             for m in cfg.expert_matrices() {
                 let src = cfg.expert_source(l, e, &m);
                 let Some(t) = ck.entry(&src.tensor) else { continue };
-                if !matches!(t.encoding, Encoding::Plain) {
+                // compressed-tensors MXFP4 experts (Kimi K3 as shipped) stream bit for bit into
+                // MXFP4 records; other quantized sources need the full download.
+                let mxfp4_scales = match &t.encoding {
+                    Encoding::Mxfp4 {
+                        source: Mxfp4Source::CompressedTensors,
+                        scales,
+                        ..
+                    } if opts.convert.experts == StoredDtype::Mxfp4 && src.select == Select::Whole => Some(PartLoc {
+                        file: file_name(ck.shard_path(scales)),
+                        offset: scales.offset,
+                        len: scales.len,
+                    }),
+                    _ => None,
+                };
+                if mxfp4_scales.is_none() && !matches!(t.encoding, Encoding::Plain) {
                     return Err(PullError::Invalid(format!(
-                        "{}: tensor {} is quantized in the source (FP8, int4 or MXFP4): streaming installs of quantized checkpoints are not supported yet; use `deltafin pull --full`",
+                        "{}: tensor {} is quantized in the source (FP8, int4, or MXFP4 not stored as MXFP4 records): streaming installs of such checkpoints are not supported yet; use `deltafin pull --full`",
                         source.file_url(&file_name(ck.shard_path(t))),
                         t.file_name
                     )));
@@ -313,6 +329,7 @@ pub fn pull_stream(
                         shape: t.shape.clone(),
                         offset: t.offset,
                         len: t.len,
+                        mxfp4_scales,
                     },
                 );
             }

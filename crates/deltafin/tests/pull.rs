@@ -737,3 +737,25 @@ fn a_killed_streaming_pull_resumes_the_ranges_it_has() {
     assert!(read(&t.join("fresh/backbone.bin")) == read(&t.join("m/backbone.bin")));
     assert!(read(&t.join("fresh/manifest.json")) == read(&t.join("m/manifest.json")));
 }
+
+/// Kimi K3 as shipped: compressed-tensors MXFP4 experts stream bit for bit (codes and E8M0 scales
+/// fetched by range, copied into the records), so a streaming install runs exactly like a full
+/// one and upgrades to the same files as a local convert.
+#[test]
+fn a_k3_checkpoint_with_mxfp4_experts_streams_bit_for_bit() {
+    let k3 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/kimi_k3/k3_a");
+    let Some(ng) = Nginx::start_with(&[], &[("k3_a", &k3)]) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    run_ok(&["convert", s(&k3), s(&t.join("ref"))]);
+    run_ok(&["pull", &ng.url("k3_a"), s(&t.join("st")), "--stream", "--flat"]);
+    let want = logits(&t.join("ref"), &[], &t.join("ref.json"));
+    let got = logits(&t.join("st"), &["--allow-network"], &t.join("st.json"));
+    assert!(want == got, "streaming K3 run differs from the local convert");
+    let v = String::from_utf8_lossy(&run_ok(&["cache", "verify", s(&t.join("st"))]).stdout).into_owned();
+    assert!(v.contains("ok: "), "{v}");
+    run_ok(&["pull", &ng.url("k3_a"), s(&t.join("st")), "--full", "--flat"]);
+    assert_same_model(&t.join("ref"), &t.join("st"));
+}
