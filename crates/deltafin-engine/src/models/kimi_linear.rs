@@ -34,7 +34,7 @@ use crate::blocks::kda::{
     DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, KdaWeights, OutputGate, DEFAULT_CHUNK_SIZE,
 };
 use crate::experts::StoreOptions;
-use crate::model::{state_as, CausalLm, DecodeState, LayerRoutes, Numerics, RoutedExperts};
+use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, Numerics, RoutedExperts};
 use crate::moe::{route, RouterConfig, Routing};
 use crate::EngineError;
 
@@ -401,6 +401,220 @@ impl KimiLinear {
         Ok((logits, routes))
     }
 
+    /// Runs a chunk of tokens at the next positions of `st` ([`CausalLm::forward_batch`]): KDA
+    /// layers run their chunked prefill over the whole chunk ([`Kda::prefill`], the same algebra
+    /// as the recurrence up to f32 rounding), MLA layers attend token by token (causal, appending
+    /// to the latent cache), MoE layers go expert-major (every expert the chunk selects is read
+    /// once and applied to all its tokens, [`RoutedExperts::run_batch`]); attention residuals
+    /// keep one bank per position, as the one-token path.
+    fn forward_chunk(
+        &self,
+        st: &mut KimiLinearState,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        let c = &self.cfg;
+        let (h, nt) = (c.hidden_size, tokens.len());
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(EngineError::TokenOutOfRange {
+                id,
+                vocab_size: c.vocab_size,
+            });
+        }
+        let pos0 = st.len;
+        let embed = self.m("model.embed_tokens.weight")?;
+        // xs: [nt][hidden], the residual stream of each position.
+        let mut xs: Vec<Vec<f32>> = tokens
+            .iter()
+            .map(|&t| {
+                let mut x = vec![0f32; h];
+                embed.row_into(t as usize, &mut x);
+                x
+            })
+            .collect();
+        let mut banks: Vec<Vec<Vec<f32>>> = vec![Vec::new(); nt];
+        let mut routes: Vec<LayerRoutes> = vec![Vec::new(); nt];
+        // xn: [nt, hidden], normalised inputs of the current block.
+        let mut xn = vec![0f32; nt * h];
+        for l in 0..c.num_hidden_layers {
+            let n = &self.names[l];
+            let mut sums = Vec::with_capacity(nt);
+            for t in 0..nt {
+                let x = std::mem::take(&mut xs[t]);
+                let (a_in, s) = match c.attn_res_block_size {
+                    Some(bs) => {
+                        let a_in = attn_res_mix(&banks[t], &x, &self.res_scores[l].0, c.rms_norm_eps);
+                        if l % bs == 0 {
+                            banks[t].push(x);
+                            (a_in, vec![0f32; h])
+                        } else {
+                            (a_in, x)
+                        }
+                    }
+                    None => (x.clone(), x),
+                };
+                rms_norm(
+                    &a_in,
+                    self.v(&n.input_layernorm)?,
+                    c.rms_norm_eps,
+                    &mut xn[t * h..(t + 1) * h],
+                );
+                sums.push(s);
+            }
+            let mixed = self.routed.time_attention(|| -> Result<Vec<f32>, EngineError> {
+                match &mut st.layers[l] {
+                    MixerState::Kda(ks) => {
+                        let mut out = vec![0f32; nt * h];
+                        self.kda(l)?
+                            .prefill(ks, &xn, &mut out)
+                            .map_err(|e| EngineError::Invalid(e.to_string()))?;
+                        Ok(out)
+                    }
+                    MixerState::Mla { c_kv, k_pe } => {
+                        let mut out = Vec::with_capacity(nt * h);
+                        for t in 0..nt {
+                            out.extend(self.mla(l, &xn[t * h..(t + 1) * h], pos0 + t, c_kv, k_pe)?);
+                        }
+                        Ok(out)
+                    }
+                }
+            })?;
+            for (t, s) in sums.iter_mut().enumerate() {
+                for (a, b) in s.iter_mut().zip(&mixed[t * h..(t + 1) * h]) {
+                    *a += b;
+                }
+                let f_in = match c.attn_res_block_size {
+                    Some(_) => attn_res_mix(&banks[t], s, &self.res_scores[l].1, c.rms_norm_eps),
+                    None => s.clone(),
+                };
+                rms_norm(
+                    &f_in,
+                    self.v(&n.post_attention_layernorm)?,
+                    c.rms_norm_eps,
+                    &mut xn[t * h..(t + 1) * h],
+                );
+            }
+            let ffn = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
+                if c.is_moe_layer(l) {
+                    let (out, rs) = self.moe_batch(l, &xn, nt)?;
+                    for (r, routing) in routes.iter_mut().zip(rs) {
+                        r.push((l, routing));
+                    }
+                    Ok(out)
+                } else {
+                    Ok(glu_mlp_batch(
+                        c.activation,
+                        self.m(&n.gate_proj)?,
+                        self.m(&n.up_proj)?,
+                        self.m(&n.down_proj)?,
+                        &xn,
+                        nt,
+                    ))
+                }
+            })?;
+            for (t, mut s) in sums.into_iter().enumerate() {
+                for (a, b) in s.iter_mut().zip(&ffn[t * h..(t + 1) * h]) {
+                    *a += b;
+                }
+                xs[t] = s;
+            }
+        }
+        st.len += nt;
+        for _ in 0..nt {
+            self.routed.count_forward();
+        }
+        let norm = self.v("model.norm.weight")?;
+        let lm = self.m("lm_head.weight")?;
+        let first = if all_logits { 0 } else { nt - 1 };
+        let mut logits = Vec::with_capacity(nt - first);
+        let mut y = vec![0f32; h];
+        for t in first..nt {
+            let z = match c.attn_res_block_size {
+                Some(_) => attn_res_mix(&banks[t], &xs[t], &self.out_res_score, c.rms_norm_eps),
+                None => xs[t].clone(),
+            };
+            rms_norm(&z, norm, c.rms_norm_eps, &mut y);
+            let mut lg = vec![0f32; lm.rows];
+            lm.matvec(&y, &mut lg);
+            logits.push(lg);
+        }
+        Ok(BatchOutput { logits, routes })
+    }
+
+    /// Expert-major MoE block for `nt` tokens (see [`Self::moe`] for one token):
+    /// xn: `[nt, hidden]` → `[nt, hidden]`, plus each token's routing.
+    fn moe_batch(&self, l: usize, xn: &[f32], nt: usize) -> Result<(Vec<f32>, Vec<Routing>), EngineError> {
+        let c = &self.cfg;
+        let (h, w) = (c.hidden_size, c.expert_width());
+        let n = &self.names[l];
+        let gate = self.m(&n.router)?;
+        let mut logits = vec![0f32; nt * gate.rows];
+        gate.matmul(xn, nt, &mut logits);
+        let router = RouterConfig {
+            top_k: self.routed.experts_per_token(),
+            ..self.router
+        };
+        let bias = self.v(&n.router_bias)?;
+        let routings: Vec<Routing> = logits.chunks(gate.rows).map(|lg| route(&router, lg, bias)).collect();
+        // xl: [nt, expert_width]
+        let xl = match c.routed_expert_hidden_size {
+            Some(lat) => {
+                let mut xl = vec![0f32; nt * lat];
+                self.m(&n.latent_down)?.matmul(xn, nt, &mut xl);
+                xl
+            }
+            None => xn.to_vec(),
+        };
+        let act = c.activation;
+        let shared = if c.num_shared_experts > 0 {
+            let (g, u, d) = (
+                self.m(&n.shared_gate_proj)?,
+                self.m(&n.shared_up_proj)?,
+                self.m(&n.shared_down_proj)?,
+            );
+            Some(move || glu_mlp_batch(act, g, u, d, xn, nt))
+        } else {
+            None
+        };
+        let xl_ref = &xl;
+        let (routed, shared_out) = self.routed.run_batch(
+            l,
+            &routings,
+            w,
+            |e, toks| {
+                let mut rows = Vec::with_capacity(toks.len() * w);
+                for &t in toks {
+                    rows.extend_from_slice(&xl_ref[t * w..(t + 1) * w]);
+                }
+                glu_mlp_batch(act, e.matrix(0), e.matrix(1), e.matrix(2), &rows, toks.len())
+            },
+            shared,
+        )?;
+        let mut out = match c.routed_expert_hidden_size {
+            Some(lat) => {
+                let mut y = routed;
+                if c.latent_moe_use_norm {
+                    let norm = self.v(&n.latent_norm)?;
+                    let mut yn = vec![0f32; lat];
+                    for row in y.chunks_mut(lat) {
+                        rms_norm(row, norm, c.rms_norm_eps, &mut yn);
+                        row.copy_from_slice(&yn);
+                    }
+                }
+                let mut up = vec![0f32; nt * h];
+                self.m(&n.latent_up)?.matmul(&y, nt, &mut up);
+                up
+            }
+            None => routed,
+        };
+        if let Some(sh) = shared_out {
+            for (a, b) in out.iter_mut().zip(&sh) {
+                *a += b;
+            }
+        }
+        Ok((out, routings))
+    }
+
     /// NoPE MLA for one token at position `pos` in its absorbed form (as in `deepseek_v3.rs`,
     /// [MLA_ABSORB]), without rotary embeddings (`mla_use_nope`: the `qk_rope_head_dim` part is a
     /// plain shared-key dot product), with K3's output gate `o ⊙ σ(x W_g^T)` when configured
@@ -647,6 +861,32 @@ pub fn glu_mlp_with(
     out
 }
 
+/// [`glu_mlp`] for `n` tokens at once (matrix-matrix products): x `[n, cols of gate]` →
+/// `[n, rows of down]`, each row equal to [`glu_mlp`] of that row (the kernels' `matmul` equals
+/// `n` matvecs bit for bit).
+pub fn glu_mlp_batch(
+    act: GluActivation,
+    gate: MatRef<'_>,
+    up: MatRef<'_>,
+    down: MatRef<'_>,
+    x: &[f32],
+    n: usize,
+) -> Vec<f32> {
+    let mut g = vec![0f32; n * gate.rows];
+    let mut u = vec![0f32; n * up.rows];
+    gate.matmul(x, n, &mut g);
+    up.matmul(x, n, &mut u);
+    for (a, b) in g.iter_mut().zip(&u) {
+        *a = match act {
+            GluActivation::Silu => silu(*a) * b,
+            GluActivation::Situ { beta, linear_beta } => situ(*a, *b, beta, linear_beta),
+        };
+    }
+    let mut out = vec![0f32; n * down.rows];
+    down.matmul(&g, n, &mut out);
+    out
+}
+
 impl CausalLm for KimiLinear {
     fn config(&self) -> &ModelConfig {
         &self.config
@@ -663,6 +903,39 @@ impl CausalLm for KimiLinear {
 
     fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         self.forward_token(state_as::<KimiLinearState>(state)?, token)
+    }
+
+    fn forward_batch(
+        &self,
+        state: &mut dyn DecodeState,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        let st = state_as::<KimiLinearState>(state)?;
+        if self.numerics != Numerics::Reference {
+            // The peer-numerics mode (Q8_0-rounded expert inputs) lives in the one-token path.
+            let mut out = BatchOutput::default();
+            for (i, &t) in tokens.iter().enumerate() {
+                let (logits, routes) = self.forward_token(st, t)?;
+                if all_logits || i + 1 == tokens.len() {
+                    out.logits.push(logits);
+                }
+                out.routes.push(routes);
+            }
+            return Ok(out);
+        }
+        if tokens.len() == 1 {
+            // One token: the decode path (it also predicts and prefetches the next layer).
+            let (logits, routes) = self.forward_token(st, tokens[0])?;
+            return Ok(BatchOutput {
+                logits: vec![logits],
+                routes: vec![routes],
+            });
+        }
+        if tokens.is_empty() {
+            return Ok(BatchOutput::default());
+        }
+        self.forward_chunk(st, tokens, all_logits)
     }
 
     fn rollback(&self, state: &mut dyn DecodeState, len: usize) -> bool {
