@@ -448,6 +448,23 @@ pub(crate) fn gqa_layer_tensors(
         .collect()
 }
 
+/// The three matrices of a gated-MLP routed expert (`y = W x`) in record order gate, up, down,
+/// named as in the family's checkpoint (`gate_proj`/`up_proj`/`down_proj`, or Mixtral/Kimi's
+/// `w1`/`w3`/`w2`): gate and up `[inter, width]`, down `[width, inter]`, all stored in the
+/// experts' dtype.
+pub(crate) fn glu_expert_matrices(names: [&str; 3], width: usize, inter: usize) -> Vec<ExpertMatrix> {
+    let [g, u, d] = names;
+    [(g, inter, width), (u, inter, width), (d, width, inter)]
+        .into_iter()
+        .map(|(n, rows, cols)| ExpertMatrix {
+            name: n.into(),
+            rows,
+            cols,
+            role: TensorRole::Matrix,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

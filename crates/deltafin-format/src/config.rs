@@ -487,15 +487,7 @@ impl DeepseekV3Config {
     /// The three matrices of one routed expert (`y = W x`), as named in the checkpoint.
     pub fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.moe_intermediate_size);
-        [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
-            .into_iter()
-            .map(|(n, rows, cols)| ExpertMatrix {
-                name: n.into(),
-                rows,
-                cols,
-                role: TensorRole::Matrix,
-            })
-            .collect()
+        crate::arch::glu_expert_matrices(["gate_proj", "up_proj", "down_proj"], h, i)
     }
 
     /// Names the converter deliberately skips: MTP layers (index ≥ num_hidden_layers) and rotary

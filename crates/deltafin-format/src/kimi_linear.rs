@@ -519,15 +519,7 @@ impl KimiLinearConfig {
     /// `[moe_intermediate, expert_width]` and `w2` (down) `[expert_width, moe_intermediate]`.
     pub fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (w, i) = (self.expert_width(), self.moe_intermediate_size);
-        [("w1", i, w), ("w3", i, w), ("w2", w, i)]
-            .into_iter()
-            .map(|(n, rows, cols)| ExpertMatrix {
-                name: n.into(),
-                rows,
-                cols,
-                role: TensorRole::Matrix,
-            })
-            .collect()
+        crate::arch::glu_expert_matrices(["w1", "w3", "w2"], w, i)
     }
 
     /// Checkpoint name of routed-expert matrix `m` of `expert` in `layer`.

@@ -202,15 +202,7 @@ impl MixtralConfig {
     /// `[hidden, intermediate]`.
     pub fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.intermediate_size);
-        [("w1", i, h), ("w3", i, h), ("w2", h, i)]
-            .into_iter()
-            .map(|(n, rows, cols)| ExpertMatrix {
-                name: n.into(),
-                rows,
-                cols,
-                role: TensorRole::Matrix,
-            })
-            .collect()
+        crate::arch::glu_expert_matrices(["w1", "w3", "w2"], h, i)
     }
 
     /// Names the converter deliberately skips: rotary frequency buffers.

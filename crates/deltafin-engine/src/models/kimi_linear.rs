@@ -311,6 +311,36 @@ impl KimiLinear {
         Kda::new(cfg, w).map_err(|e| EngineError::Invalid(e.to_string()))
     }
 
+    /// The start of layer `l` for one position (K3-SPEC §1 steps 1–2): the mixer's input before
+    /// its norm, and the running sum the mixer adds to. With attention residuals the input is
+    /// the depth mix of the bank and `x`, and at a block start `x` joins the bank and the sum
+    /// restarts from 0 [ATTN_RES]; without them both are `x`.
+    fn enter_layer(&self, l: usize, bank: &mut Vec<Vec<f32>>, x: Vec<f32>) -> (Vec<f32>, Vec<f32>) {
+        let c = &self.cfg;
+        match c.attn_res_block_size {
+            Some(bs) => {
+                let a_in = attn_res_mix(bank, &x, &self.res_scores[l].0, c.rms_norm_eps);
+                if l % bs == 0 {
+                    let zero = vec![0f32; x.len()];
+                    bank.push(x);
+                    (a_in, zero)
+                } else {
+                    (a_in, x)
+                }
+            }
+            None => (x.clone(), x),
+        }
+    }
+
+    /// The FFN's input before its norm (step 4): the depth mix of the bank and the running sum
+    /// `s` with attention residuals, else `s`.
+    fn ffn_input<'a>(&self, l: usize, bank: &[Vec<f32>], s: &'a [f32]) -> std::borrow::Cow<'a, [f32]> {
+        match self.cfg.attn_res_block_size {
+            Some(_) => attn_res_mix(bank, s, &self.res_scores[l].1, self.cfg.rms_norm_eps).into(),
+            None => s.into(),
+        }
+    }
+
     /// Runs one token at the next position of `st`; returns the logits `[vocab_size]` and the
     /// routing of every MoE layer.
     fn forward_token(&self, st: &mut KimiLinearState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
@@ -333,19 +363,7 @@ impl KimiLinear {
         for l in 0..c.num_hidden_layers {
             let n = &self.names[l];
             // a_in: the mixer's input before its norm; s: the running sum the mixer adds to.
-            let (a_in, mut s) = match c.attn_res_block_size {
-                Some(bs) => {
-                    let a_in = attn_res_mix(&bank, &x, &self.res_scores[l].0, c.rms_norm_eps);
-                    let s = if l % bs == 0 {
-                        bank.push(std::mem::take(&mut x));
-                        vec![0f32; h]
-                    } else {
-                        std::mem::take(&mut x)
-                    };
-                    (a_in, s)
-                }
-                None => (x.clone(), std::mem::take(&mut x)),
-            };
+            let (a_in, mut s) = self.enter_layer(l, &mut bank, std::mem::take(&mut x));
             rms_norm(&a_in, self.v(&n.input_layernorm)?, c.rms_norm_eps, &mut xn);
             let mixed = self.routed.time_attention(|| -> Result<Vec<f32>, EngineError> {
                 match &mut st.layers[l] {
@@ -362,10 +380,7 @@ impl KimiLinear {
             for (a, b) in s.iter_mut().zip(&mixed) {
                 *a += b;
             }
-            let f_in = match c.attn_res_block_size {
-                Some(_) => attn_res_mix(&bank, &s, &self.res_scores[l].1, c.rms_norm_eps),
-                None => s.clone(),
-            };
+            let f_in = self.ffn_input(l, &bank, &s);
             rms_norm(&f_in, self.v(&n.post_attention_layernorm)?, c.rms_norm_eps, &mut xn);
             let ffn = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
                 if c.is_moe_layer(l) {
@@ -441,18 +456,7 @@ impl KimiLinear {
             let mut sums = Vec::with_capacity(nt);
             for t in 0..nt {
                 let x = std::mem::take(&mut xs[t]);
-                let (a_in, s) = match c.attn_res_block_size {
-                    Some(bs) => {
-                        let a_in = attn_res_mix(&banks[t], &x, &self.res_scores[l].0, c.rms_norm_eps);
-                        if l % bs == 0 {
-                            banks[t].push(x);
-                            (a_in, vec![0f32; h])
-                        } else {
-                            (a_in, x)
-                        }
-                    }
-                    None => (x.clone(), x),
-                };
+                let (a_in, s) = self.enter_layer(l, &mut banks[t], x);
                 rms_norm(
                     &a_in,
                     self.v(&n.input_layernorm)?,
@@ -483,10 +487,7 @@ impl KimiLinear {
                 for (a, b) in s.iter_mut().zip(&mixed[t * h..(t + 1) * h]) {
                     *a += b;
                 }
-                let f_in = match c.attn_res_block_size {
-                    Some(_) => attn_res_mix(&banks[t], s, &self.res_scores[l].1, c.rms_norm_eps),
-                    None => s.clone(),
-                };
+                let f_in = self.ffn_input(l, &banks[t], s);
                 rms_norm(
                     &f_in,
                     self.v(&n.post_attention_layernorm)?,
