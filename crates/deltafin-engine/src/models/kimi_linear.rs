@@ -320,7 +320,7 @@ impl KimiLinear {
         match c.attn_res_block_size {
             Some(bs) => {
                 let a_in = attn_res_mix(bank, &x, &self.res_scores[l].0, c.rms_norm_eps);
-                if l % bs == 0 {
+                if l.is_multiple_of(bs) {
                     let zero = vec![0f32; x.len()];
                     bank.push(x);
                     (a_in, zero)
