@@ -24,9 +24,15 @@
 //! and cost `t_1 + k·(δ + t_d)`, where `t_1` is a plain step's time, `δ` the measured extra time
 //! per verified position (mostly the extra expert bytes the position adds to the union: on an
 //! I/O-bound model time is bytes), and `t_d` the drafter's time per token. The `k` (0 = plain)
-//! with the highest `E(k) / cost(k)` is taken. Every 32nd step that would be plain tries `k = 1`
-//! instead, and every 32nd pass in a row is replaced by a plain step, so the estimates follow
-//! the text and the cache (the first plain step, which pays one-off costs, is not timed).
+//! with the highest `E(k) / cost(k)` is taken. After 32 steps that would be plain, one tries
+//! `k = 1` instead (exploration), and every 32nd pass in a row is replaced by a plain step, so
+//! the estimates follow the text and the cache (the first plain step, which pays one-off costs,
+//! is not timed). An exploratory draft that is rejected doubles the interval to the next one
+//! (32, 64, … 1024 plain steps); any accepted token resets it to 32. So when drafts never pay,
+//! exploration adds at most one extra verified position per 32 plain steps at first and a
+//! vanishing share later: with a position as dear as a plain step (random routing, I/O-bound),
+//! 1/32 ≈ 3 % over the first 32 steps and ⌊log2(n / 32 + 1)⌋ extra steps in an n-step
+//! generation (4 in 512: 0.8 %), plus the drafter's own time for self-drafting.
 
 use std::fmt;
 use std::str::FromStr;
@@ -157,6 +163,11 @@ pub struct Adaptive {
     since_plain: usize,
     /// Plain steps seen (the first is not timed: it pays one-off costs).
     plain_seen: usize,
+    /// Plain steps between exploratory drafts now: [`EXPLORE_EVERY`], doubled after each
+    /// rejected exploration up to [`EXPLORE_MAX`].
+    explore_every: usize,
+    /// The pass in flight is exploratory (chosen by the interval, not by expected benefit).
+    exploring: bool,
 }
 
 impl Default for Adaptive {
@@ -169,14 +180,18 @@ impl Default for Adaptive {
             since_pass: 0,
             since_plain: 0,
             plain_seen: 0,
+            explore_every: EXPLORE_EVERY,
+            exploring: false,
         }
     }
 }
 
 const EMA: f64 = 0.3;
 const DECAY: f64 = 0.9;
-/// Steps that would be plain between exploratory one-token drafts.
+/// Steps that would be plain before the first exploratory one-token draft.
 const EXPLORE_EVERY: usize = 32;
+/// The longest interval between exploratory drafts (after repeated rejections).
+const EXPLORE_MAX: usize = 1024;
 
 fn ema(old: Option<f64>, new: f64) -> f64 {
     old.map_or(new, |o| o + EMA * (new - o))
@@ -216,8 +231,9 @@ impl Adaptive {
         }
         if best == 0 {
             self.since_pass += 1;
-            if self.since_pass >= EXPLORE_EVERY {
+            if self.since_pass >= self.explore_every {
                 self.since_pass = 0;
+                self.exploring = true;
                 return 1;
             }
         } else {
@@ -243,6 +259,11 @@ impl Adaptive {
         let trials = j + usize::from(j < k);
         self.acc[i] = (DECAY * a + j as f64, DECAY * n + trials as f64);
         self.since_plain += 1;
+        if j > 0 {
+            self.explore_every = EXPLORE_EVERY;
+        } else if std::mem::take(&mut self.exploring) {
+            self.explore_every = (2 * self.explore_every).min(EXPLORE_MAX);
+        }
         if k > 0 {
             self.t_draft[i] = Some(ema(self.t_draft[i], draft_s / k as f64));
             if let Some(t1) = self.t1 {
@@ -578,5 +599,50 @@ mod tests {
         }
         let ks: Vec<usize> = (0..EXPLORE_EVERY).map(|_| b.choose(Drafter::SelfDraft, 8)).collect();
         assert_eq!(ks.iter().filter(|&&k| k > 0).count(), 1);
+        assert_eq!(
+            ks[EXPLORE_EVERY - 1],
+            1,
+            "the exploration comes after {EXPLORE_EVERY} plain steps"
+        );
+    }
+
+    /// Counts the steps that explore within `steps` choices, feeding each exploration's outcome
+    /// back as a pass with `accepted` tokens.
+    fn explorations(a: &mut Adaptive, steps: usize, accepted: usize) -> Vec<usize> {
+        let mut at = Vec::new();
+        for s in 0..steps {
+            if a.choose(Drafter::Lookup, 8) > 0 {
+                a.pass(Drafter::Lookup, 1, accepted, 2.0, 0.0);
+                at.push(s);
+            } else {
+                a.plain(1.0);
+            }
+        }
+        at
+    }
+
+    #[test]
+    fn rejected_explorations_back_off_and_acceptance_resets_them() {
+        // Each position as dear as a plain step, drafts never accepted: explorations after
+        // 32, 64, 128, … plain steps: 5 in 1000 steps.
+        let mut a = Adaptive::default();
+        a.plain(1.0);
+        a.plain(1.0);
+        for _ in 0..20 {
+            a.pass(Drafter::Lookup, 1, 0, 2.0, 0.0);
+        }
+        a.explore_every = EXPLORE_EVERY;
+        let at = explorations(&mut a, 1000, 0);
+        assert_eq!(at, vec![31, 95, 223, 479, 991]);
+        // The interval stops growing at EXPLORE_MAX.
+        let later = explorations(&mut a, 6000, 0);
+        let gaps: Vec<usize> = later.windows(2).map(|w| w[1] - w[0]).collect();
+        assert!(gaps.iter().all(|&g| g <= EXPLORE_MAX), "{gaps:?}");
+        assert_eq!(gaps.last(), Some(&EXPLORE_MAX));
+        // An accepted exploration resets the interval to EXPLORE_EVERY.
+        a.explore_every = EXPLORE_MAX;
+        a.exploring = true;
+        a.pass(Drafter::Lookup, 1, 1, 2.0, 0.0);
+        assert_eq!(a.explore_every, EXPLORE_EVERY);
     }
 }
