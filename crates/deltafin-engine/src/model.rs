@@ -49,6 +49,12 @@ pub trait DecodeState: Send + Any {
     /// Bytes held by the state.
     fn bytes(&self) -> usize;
 
+    /// Accepts every position held: later rollbacks will not go before the current length. A
+    /// state whose rollback reaches back a bounded number of positions (Kimi's KDA log) starts
+    /// its window afresh here, so a sequence of forwards that is rolled back as a whole (a
+    /// self-drafting run) fits in it. Cheap; the default has nothing to do.
+    fn commit(&mut self) {}
+
     /// For the owning model to recover its concrete type.
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
@@ -568,6 +574,51 @@ impl RoutedExperts {
             Ok(())
         })?;
         Ok((acc, shared_out.into_inner()))
+    }
+
+    /// The routed part of a self-drafting MoE block for one token ([`CausalLm::forward_draft`]):
+    /// `route(allowed)` routes with `allowed[e]` true exactly for the experts of `layer` resident
+    /// in the cache now (`allowed`: `[n_experts]`), and the chosen experts are computed with
+    /// those records by `expert` ([`Self::run_with`]): no reads, no change to the cache. Returns
+    /// `(routed out: [out_dim], shared out, routing)`; a routing that names an expert outside
+    /// `allowed` contributes nothing for it.
+    pub fn run_draft<R, E, S>(
+        &self,
+        layer: usize,
+        n_experts: usize,
+        route: R,
+        out_dim: usize,
+        expert: E,
+        shared: Option<S>,
+    ) -> (Vec<f32>, Option<Vec<f32>>, Routing)
+    where
+        R: FnOnce(&[bool]) -> Routing,
+        E: Fn(&Expert) -> Vec<f32> + Sync,
+        S: FnOnce() -> Vec<f32> + Send,
+    {
+        let resident = self.store.resident(layer);
+        let mut allowed = vec![false; n_experts];
+        for (e, _) in &resident {
+            if let Some(a) = allowed.get_mut(*e) {
+                *a = true;
+            }
+        }
+        let mut routing = route(&allowed);
+        // Keep (expert, weight) pairs aligned with the records actually held.
+        let mut records = Vec::with_capacity(routing.experts.len());
+        let mut weights = Vec::with_capacity(routing.experts.len());
+        let mut experts = Vec::with_capacity(routing.experts.len());
+        for (&e, &w) in routing.experts.iter().zip(&routing.weights) {
+            if let Some((_, x)) = resident.iter().find(|(r, _)| *r == e) {
+                records.push(x.clone());
+                weights.push(w);
+                experts.push(e);
+            }
+        }
+        drop(resident);
+        (routing.experts, routing.weights) = (experts, weights);
+        let (out, shared_out) = self.run_with(&routing, &records, out_dim, expert, shared);
+        (out, shared_out, routing)
     }
 
     /// The routed part of a MoE block for one token, computed with records the caller already

@@ -22,7 +22,7 @@ pub struct RouterConfig {
 }
 
 /// Chosen experts for one token, sorted by expert id, with their combine weights.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Routing {
     pub experts: Vec<usize>,
     pub weights: Vec<f32>,

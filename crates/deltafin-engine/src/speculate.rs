@@ -440,6 +440,8 @@ impl Speculator {
                 Ok(v)
             }
             Drafter::SelfDraft => {
+                // The k one-token forwards are rolled back together: give them a whole window.
+                state.commit();
                 let base = state.len();
                 let mut last = *context
                     .last()

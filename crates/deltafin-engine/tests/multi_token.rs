@@ -329,9 +329,11 @@ fn kimi_batched_prefill_equals_token_at_a_time_within_rounding() {
     }
 }
 
-/// Speculative decoding on Kimi Linear / K3 (prompt lookup; self-drafting is DeepSeek-only) rolls
-/// the KDA states back (no state copies) and keeps the greedy output; a repetitive prompt makes
-/// the lookup drafter propose, so verification and rollback really run.
+/// Speculative decoding on Kimi Linear / K3 rolls the KDA states back (no state copies) and keeps
+/// the greedy output: prompt lookup (a repetitive prompt makes it propose, so verification and
+/// rollback really run) and self-drafting, both with every expert resident (the drafter is then
+/// the model itself, so drafts are accepted and long rollbacks happen) and with none (drafts from
+/// the shared experts alone, mostly rejected).
 #[test]
 fn kimi_speculation_keeps_greedy_output() {
     let tmp = tempfile::tempdir().unwrap();
@@ -354,5 +356,29 @@ fn kimi_speculation_keeps_greedy_output() {
             passes += s.stats.passes;
         }
         assert!(passes > 0, "{case}: the lookup drafter never proposed");
+        for budget in [64u64 << 20, 0] {
+            let model = load(&dir, budget, 0);
+            let mut accepted = 0;
+            for k in [1, 4] {
+                let (ids, s) = decode(
+                    model.as_ref(),
+                    &p,
+                    24,
+                    Speculator::new(SpeculateMode::SelfDraft).with_fixed_draft(k),
+                );
+                assert_eq!(
+                    ids, plain,
+                    "{case}: --speculate self, budget {budget}, {k} drafted per pass"
+                );
+                assert!(s.stats.passes > 0, "{case}: self-drafting never ran");
+                accepted += s.stats.accepted[1];
+            }
+            if budget > 0 {
+                assert!(
+                    accepted > 0,
+                    "{case}: with every expert resident, self-drafts must be accepted"
+                );
+            }
+        }
     }
 }

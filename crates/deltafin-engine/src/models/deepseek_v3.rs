@@ -521,24 +521,13 @@ impl DeepseekV3 {
         let gate = self.m(&n.router)?;
         let mut logits = vec![0f32; gate.rows];
         gate.matvec(xn, &mut logits);
-        let resident = self.routed.store.resident(l);
-        let mut allowed = vec![false; c.n_routed_experts];
-        for (e, _) in &resident {
-            if let Some(a) = allowed.get_mut(*e) {
-                *a = true;
-            }
-        }
-        let routing = route_masked(&self.router_cfg(), &logits, self.v(&n.router_bias)?, Some(&allowed));
-        let records: Vec<_> = routing
-            .experts
-            .iter()
-            .filter_map(|e| resident.iter().find(|(r, _)| r == e).map(|(_, x)| x.clone()))
-            .collect();
-        drop(resident);
+        let bias = self.v(&n.router_bias)?;
+        let router = self.router_cfg();
         let shared = self.shared_mats(l)?.map(|[g, u, d]| move || swiglu(g, u, d, xn));
-        let (mut out, shared_out) = self.routed.run_with(
-            &routing,
-            &records,
+        let (mut out, shared_out, routing) = self.routed.run_draft(
+            l,
+            c.n_routed_experts,
+            |allowed| route_masked(&router, &logits, bias, Some(allowed)),
             c.hidden_size,
             |e| swiglu(e.matrix(0), e.matrix(1), e.matrix(2), xn),
             shared,

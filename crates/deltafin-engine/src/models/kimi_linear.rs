@@ -33,9 +33,9 @@ use rayon::prelude::*;
 use crate::blocks::kda::{
     DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, KdaWeights, OutputGate, DEFAULT_CHUNK_SIZE,
 };
-use crate::experts::StoreOptions;
+use crate::experts::{Expert, StoreOptions};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, Numerics, RoutedExperts};
-use crate::moe::{route, RouterConfig, Routing};
+use crate::moe::{route, route_masked, RouterConfig, Routing};
 use crate::EngineError;
 
 /// eps of `q_a_layernorm` and `kv_a_layernorm`: transformers' Kimi Linear builds them with the
@@ -47,6 +47,9 @@ const LATENT_NORM_EPS: f32 = 1e-6;
 /// Tokens a KDA state can roll back without recomputation (speculative decoding drafts are
 /// shorter); further back, the session starts over.
 const KDA_ROLLBACK_WINDOW: usize = 32;
+// A self-drafting run (up to MAX_DRAFT one-token forwards) and its verification pass
+// (MAX_DRAFT + 1 positions) each fit in the rollback window.
+const _: () = assert!(KDA_ROLLBACK_WINDOW > crate::speculate::MAX_DRAFT);
 
 /// Tensor names of one decoder layer, as in the checkpoint.
 struct LayerNames {
@@ -147,6 +150,14 @@ impl DecodeState for KimiLinearState {
     /// truncate succeeds only when nothing is dropped (use [`CausalLm::rollback`]).
     fn truncate(&mut self, len: usize) -> bool {
         len >= self.len
+    }
+
+    fn commit(&mut self) {
+        for s in &mut self.layers {
+            if let MixerState::Kda(k) = s {
+                k.commit();
+            }
+        }
     }
 
     fn bytes(&self) -> usize {
@@ -342,8 +353,14 @@ impl KimiLinear {
     }
 
     /// Runs one token at the next position of `st`; returns the logits `[vocab_size]` and the
-    /// routing of every MoE layer.
-    fn forward_token(&self, st: &mut KimiLinearState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+    /// routing of every MoE layer. `draft`: route every MoE layer among the experts resident in
+    /// the cache only (no reads; see [`CausalLm::forward_draft`]).
+    fn forward_token(
+        &self,
+        st: &mut KimiLinearState,
+        token: u32,
+        draft: bool,
+    ) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         let c = &self.cfg;
         if token as usize >= c.vocab_size {
             return Err(EngineError::TokenOutOfRange {
@@ -384,7 +401,7 @@ impl KimiLinear {
             rms_norm(&f_in, self.v(&n.post_attention_layernorm)?, c.rms_norm_eps, &mut xn);
             let ffn = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
                 if c.is_moe_layer(l) {
-                    let (out, r) = self.moe(l, &xn)?;
+                    let (out, r) = self.moe(l, &xn, draft)?;
                     routes.push((l, r));
                     Ok(out)
                 } else {
@@ -707,9 +724,10 @@ impl KimiLinear {
     }
 
     /// MoE block (K3-SPEC §5; transformers `KimiLinearMoE`): routed experts through the store,
-    /// in the latent width with LatentMoE, plus the shared experts on the full width.
-    /// x: `[hidden]` → `[hidden]`.
-    fn moe(&self, l: usize, xn: &[f32]) -> Result<(Vec<f32>, Routing), EngineError> {
+    /// in the latent width with LatentMoE, plus the shared experts on the full width. `draft`:
+    /// the router restricted to the experts resident in the cache ([`route_masked`]), computed
+    /// with those records (no reads). x: `[hidden]` → `[hidden]`.
+    fn moe(&self, l: usize, xn: &[f32], draft: bool) -> Result<(Vec<f32>, Routing), EngineError> {
         let c = &self.cfg;
         let n = &self.names[l];
         // router_logits = x · W_gate^T in f32: [num_experts]
@@ -720,7 +738,11 @@ impl KimiLinear {
             top_k: self.routed.experts_per_token(),
             ..self.router
         };
-        let routing = route(&router, &logits, self.v(&n.router_bias)?);
+        let routing = if draft {
+            Routing::default()
+        } else {
+            route(&router, &logits, self.v(&n.router_bias)?)
+        };
         // xl: [expert_width] = routed_expert_down_proj(x) with LatentMoE, else x.
         let xl = match c.routed_expert_hidden_size {
             Some(lat) => {
@@ -755,14 +777,23 @@ impl KimiLinear {
         let act = c.activation;
         let q8_0_inputs = self.numerics == Numerics::LlamaCppCpu;
         let xl_ref = &xl;
-        let (routed, shared_out) = self.routed.run(
-            l,
-            &routing,
-            c.expert_width(),
-            |e| glu_mlp_with(act, e.matrix(0), e.matrix(1), e.matrix(2), xl_ref, q8_0_inputs),
-            shared,
-            predict,
-        )?;
+        let expert = |e: &Expert| glu_mlp_with(act, e.matrix(0), e.matrix(1), e.matrix(2), xl_ref, q8_0_inputs);
+        let (routed, shared_out, routing) = if draft {
+            let bias = self.v(&n.router_bias)?;
+            self.routed.run_draft(
+                l,
+                c.num_experts,
+                |allowed| route_masked(&router, &logits, bias, Some(allowed)),
+                c.expert_width(),
+                expert,
+                shared,
+            )
+        } else {
+            let (routed, shared_out) = self
+                .routed
+                .run(l, &routing, c.expert_width(), expert, shared, predict)?;
+            (routed, shared_out, routing)
+        };
         let mut out = match c.routed_expert_hidden_size {
             Some(lat) => {
                 // y_r = up(rms(Σ w_i e_i; routed_expert_norm)) with latent_moe_use_norm.
@@ -903,7 +934,17 @@ impl CausalLm for KimiLinear {
     }
 
     fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
-        self.forward_token(state_as::<KimiLinearState>(state)?, token)
+        self.forward_token(state_as::<KimiLinearState>(state)?, token, false)
+    }
+
+    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        Ok(Some(
+            self.forward_token(state_as::<KimiLinearState>(state)?, token, true)?.0,
+        ))
+    }
+
+    fn supports_draft(&self) -> bool {
+        true
     }
 
     fn forward_batch(
@@ -917,7 +958,7 @@ impl CausalLm for KimiLinear {
             // The peer-numerics mode (Q8_0-rounded expert inputs) lives in the one-token path.
             let mut out = BatchOutput::default();
             for (i, &t) in tokens.iter().enumerate() {
-                let (logits, routes) = self.forward_token(st, t)?;
+                let (logits, routes) = self.forward_token(st, t, false)?;
                 if all_logits || i + 1 == tokens.len() {
                     out.logits.push(logits);
                 }
@@ -927,7 +968,7 @@ impl CausalLm for KimiLinear {
         }
         if tokens.len() == 1 {
             // One token: the decode path (it also predicts and prefetches the next layer).
-            let (logits, routes) = self.forward_token(st, tokens[0])?;
+            let (logits, routes) = self.forward_token(st, tokens[0], false)?;
             return Ok(BatchOutput {
                 logits: vec![logits],
                 routes: vec![routes],
