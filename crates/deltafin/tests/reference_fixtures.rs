@@ -1,5 +1,5 @@
 //! Proof of correctness against Hugging Face transformers' `deepseek_v3`, `kimi_linear`,
-//! `qwen3_moe`, `mixtral` and `gpt_oss` implementations (and llama.cpp's goldens for Kimi K3, see below).
+//! `qwen3_moe`, `mixtral`, `gpt_oss`, `qwen3_next` and `qwen3_5_moe` implementations (and llama.cpp's goldens for Kimi K3, see below).
 //!
 //! Each case in `tests/fixtures/<family>/` is a tiny random checkpoint together with the
 //! reference's greedy ids and float32 logits (see `make_fixtures.py` and the README there). Here
@@ -215,6 +215,30 @@ fn qwen3_moe_lossless_layout_matches_transformers() {
 #[test]
 fn qwen3_moe_default_layout_runs_within_bound() {
     check_quantized("qwen3_moe", 2);
+}
+
+/// Gated DeltaNet + gated attention hybrid (tests/fixtures/qwen3_next/make_fixtures.py): chat prompts
+/// longer than the reference's DeltaNet chunk (64), per-expert tensors, fused in_proj_qkvz/ba.
+#[test]
+fn qwen3_next_lossless_layout_matches_transformers() {
+    check_lossless("qwen3_next", 2, "qwen3_next");
+}
+
+#[test]
+fn qwen3_next_default_layout_runs_within_bound() {
+    check_quantized("qwen3_next", 2);
+}
+
+/// Qwen3.5-MoE text model behind its multimodal wrapper: `model.language_model.` names, fused
+/// experts, separate DeltaNet projections, vision and MTP tensors skipped.
+#[test]
+fn qwen3_5_moe_lossless_layout_matches_transformers() {
+    check_lossless("qwen3_5_moe", 2, "qwen3_5_moe");
+}
+
+#[test]
+fn qwen3_5_moe_default_layout_runs_within_bound() {
+    check_quantized("qwen3_5_moe", 2);
 }
 
 #[test]
