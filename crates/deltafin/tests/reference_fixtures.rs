@@ -91,7 +91,7 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
     let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
     let mut worst = 0f64;
     let mut ids_equal = true;
-    for p in expected["prompts"].as_array().expect("prompts") {
+    for (pi, p) in expected["prompts"].as_array().expect("prompts").iter().enumerate() {
         let prompt = ids(&p["prompt_ids"]);
         let want_ids = ids(&p["generated_ids"]);
         let want_logits: Vec<Vec<f64>> = p["step_logits"].as_array().unwrap().iter().map(floats).collect();
@@ -108,13 +108,20 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
             ids_equal = false;
         }
         // Compare logits step by step while the ids agree (after a divergence the inputs differ).
+        let mut prompt_worst = 0f64;
         for (k, (g, w)) in got.step_logits.iter().zip(&want_logits).enumerate() {
             let e = rel_l2(g, w);
-            worst = worst.max(e);
+            prompt_worst = prompt_worst.max(e);
             if k < want_ids.len() && got.generated_ids[k] != want_ids[k] {
                 break;
             }
         }
+        eprintln!(
+            "{} {backbone:?}/{experts:?} prompt {pi} ({} tokens): max rel L2 {prompt_worst:.3e}",
+            case.file_name().unwrap_or_default().to_string_lossy(),
+            prompt.len()
+        );
+        worst = worst.max(prompt_worst);
     }
     CaseResult {
         max_rel_l2: worst,
