@@ -626,6 +626,18 @@ impl CausalLm for Qwen3Next {
         self.forward_tokens(st, tokens, all_logits, tokens.len() > 1)
     }
 
+    /// f32 activations of a batched pass per token: the DeltaNet projections (`in_proj_qkvz` /
+    /// `in_proj_qkv + z`), conv inputs and outputs, q, k, v, z, o and the block output; the
+    /// attention query+gate, keys and values; hidden-sized residual and norm buffers; router
+    /// logits.
+    fn batch_bytes_per_token(&self) -> usize {
+        let c = &self.cfg;
+        let (kd, vd) = (c.key_dim(), c.value_dim());
+        let deltanet = (2 * kd + 2 * vd + 2 * c.linear_num_value_heads) + 2 * c.conv_dim() + 2 * kd + 3 * vd;
+        let attn = 3 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim;
+        4 * (deltanet.max(attn) + 8 * c.hidden_size + c.num_experts)
+    }
+
     fn rollback(&self, state: &mut dyn DecodeState, len: usize) -> bool {
         let Ok(st) = state_as::<Qwen3NextState>(state) else {
             return false;
