@@ -179,6 +179,11 @@ impl GdnState {
         (self.conv.capacity() + self.cur.capacity() + self.base.capacity() + self.log.capacity()) * 4
     }
 
+    /// The layer shape this state was made for.
+    pub fn dims(&self) -> GdnDims {
+        self.dims
+    }
+
     /// The recurrent state `[nv, dk, dv]` at the current length.
     pub fn recurrent(&self) -> &[f32] {
         &self.cur
@@ -239,7 +244,8 @@ impl<'a> GatedDeltaNet<'a> {
     /// Runs `n` tokens `x: [n, hidden]` → `out: [n, hidden]`, appending them to `state`:
     /// token by token through the recurrence (the reference's decode path) when `chunked` is
     /// false, else in chunks of [`GDN_CHUNK_SIZE`] (its prefill path); the two agree up to f32
-    /// rounding.
+    /// rounding. `state` must have been made for `self.dims` (the caller checks
+    /// [`GdnState::dims`]).
     pub fn forward(&self, state: &mut GdnState, x: &[f32], n: usize, out: &mut [f32], chunked: bool) {
         let d = self.dims;
         let (kd, vd, nv, c) = (d.key_dim(), d.value_dim(), d.nv, d.conv_dim());

@@ -469,7 +469,11 @@ impl Qwen3Next {
     ) -> Result<BatchOutput, EngineError> {
         let c = &self.cfg;
         let (n, h) = (tokens.len(), c.hidden_size);
-        if st.layers.len() != c.num_hidden_layers || st.kv_dim != c.num_key_value_heads * c.head_dim {
+        let foreign = st
+            .layers
+            .iter()
+            .any(|s| matches!(s, MixerState::DeltaNet(g) if g.dims() != self.gdn));
+        if foreign || st.layers.len() != c.num_hidden_layers || st.kv_dim != c.num_key_value_heads * c.head_dim {
             return Err(EngineError::Invalid("decode state belongs to another model".into()));
         }
         let embed = self.m(&c.name("embed_tokens.weight"))?;
