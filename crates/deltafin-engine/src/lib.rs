@@ -6,7 +6,8 @@
 //!   cache, verifying checksums, counting bytes and hits.
 //! - [`model`]: the [`model::CausalLm`] interface every family implements, [`model::load_model`],
 //!   and the routed-expert runtime the families share.
-//! - [`models`]: one file per model family (`deepseek_v3`, `qwen3_moe`, `mixtral`), built from
+//! - [`models`]: one file per model family (`deepseek_v3`, `kimi_linear`, `qwen3_moe`, `mixtral`,
+//!   `gpt_oss`, `qwen3_next`), built from
 //!   shared blocks ([`rope`], [`moe`], [`gqa`]).
 //! - [`generate`]: the greedy decode loop with timing statistics.
 

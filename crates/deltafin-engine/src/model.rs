@@ -207,6 +207,7 @@ pub fn load_model(dir: &ModelDir, opts: StoreOptions) -> Result<Box<dyn CausalLm
         ModelConfig::Qwen3Moe(_) => Ok(Box::new(crate::models::Qwen3Moe::load_with(dir, opts)?)),
         ModelConfig::Mixtral(_) => Ok(Box::new(crate::models::Mixtral::load_with(dir, opts)?)),
         ModelConfig::GptOss(_) => Ok(Box::new(crate::models::GptOss::load_with(dir, opts)?)),
+        ModelConfig::Qwen3Next(_) => Ok(Box::new(crate::models::Qwen3Next::load_with(dir, opts)?)),
     }
 }
 

@@ -8,7 +8,8 @@
 //! [`ModelConfig`], and the arms of the `match`es below.
 //!
 //! Families: `deepseek_v3` ([`DeepseekV3Config`]), `qwen3_moe` ([`Qwen3MoeConfig`]), `mixtral`
-//! ([`MixtralConfig`]), `gpt_oss` ([`GptOssConfig`]).
+//! ([`MixtralConfig`]), `gpt_oss` ([`GptOssConfig`]), `qwen3_next` / `qwen3_5_moe`
+//! ([`Qwen3NextConfig`]).
 
 use std::path::Path;
 
@@ -20,6 +21,7 @@ use crate::gpt_oss::GptOssConfig;
 use crate::kimi_linear::KimiLinearConfig;
 use crate::mixtral::MixtralConfig;
 use crate::qwen3_moe::Qwen3MoeConfig;
+use crate::qwen3_next::Qwen3NextConfig;
 use crate::FormatError;
 
 /// Resolved hyperparameters of a supported model, tagged by family (the manifest stores it as
@@ -43,6 +45,10 @@ pub enum ModelConfig {
     /// sliding/full layers, a biased top-k router with softmax over the chosen experts, clamped
     /// SwiGLU experts with biases, fused over the experts in the checkpoint.
     GptOss(GptOssConfig),
+    /// Qwen3-Next (`qwen3_next`) and Qwen3.5-MoE (`qwen3_5_moe`, text model
+    /// `qwen3_5_moe_text`): gated DeltaNet linear attention and gated full attention with partial
+    /// RoPE, softmax top-k MoE with a sigmoid-gated shared expert.
+    Qwen3Next(Qwen3NextConfig),
 }
 
 /// `model_type`s accepted by [`ModelConfig::from_value`] (of the text config).
@@ -54,6 +60,8 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "qwen3_moe",
     "mixtral",
     "gpt_oss",
+    "qwen3_next",
+    "qwen3_5_moe",
 ];
 
 /// How a backbone tensor is stored.
@@ -137,6 +145,7 @@ impl ModelConfig {
             "qwen3_moe" => Ok(ModelConfig::Qwen3Moe(Qwen3MoeConfig::from_value(raw, path)?)),
             "mixtral" => Ok(ModelConfig::Mixtral(MixtralConfig::from_value(raw, path)?)),
             "gpt_oss" => Ok(ModelConfig::GptOss(GptOssConfig::from_value(raw, path)?)),
+            "qwen3_next" | "qwen3_5_moe_text" => Ok(ModelConfig::Qwen3Next(Qwen3NextConfig::from_value(raw, path)?)),
             _ => {
                 let top = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
                 let shown = if mt.is_empty() { top } else { mt };
@@ -160,6 +169,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(_) => "qwen3_moe",
             ModelConfig::Mixtral(_) => "mixtral",
             ModelConfig::GptOss(_) => "gpt_oss",
+            ModelConfig::Qwen3Next(_) => "qwen3_next",
         }
     }
 
@@ -171,6 +181,15 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(_) => "qwen3_moe",
             ModelConfig::Mixtral(_) => "mixtral",
             ModelConfig::GptOss(_) => "gpt_oss",
+            ModelConfig::Qwen3Next(c) => &c.model_type,
+        }
+    }
+
+    /// The Qwen3-Next / Qwen3.5-MoE config, when this is one.
+    pub fn as_qwen3_next(&self) -> Option<&Qwen3NextConfig> {
+        match self {
+            ModelConfig::Qwen3Next(c) => Some(c),
+            _ => None,
         }
     }
 
@@ -221,6 +240,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(c) => c.vocab_size,
             ModelConfig::Mixtral(c) => c.vocab_size,
             ModelConfig::GptOss(c) => c.vocab_size,
+            ModelConfig::Qwen3Next(c) => c.vocab_size,
         }
     }
 
@@ -231,6 +251,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(c) => c.hidden_size,
             ModelConfig::Mixtral(c) => c.hidden_size,
             ModelConfig::GptOss(c) => c.hidden_size,
+            ModelConfig::Qwen3Next(c) => c.hidden_size,
         }
     }
 
@@ -241,6 +262,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(c) => c.num_hidden_layers,
             ModelConfig::Mixtral(c) => c.num_hidden_layers,
             ModelConfig::GptOss(c) => c.num_hidden_layers,
+            ModelConfig::Qwen3Next(c) => c.num_hidden_layers,
         }
     }
 
@@ -252,6 +274,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(c) => c.max_position_embeddings,
             ModelConfig::Mixtral(c) => c.max_position_embeddings,
             ModelConfig::GptOss(c) => c.max_position_embeddings,
+            ModelConfig::Qwen3Next(c) => c.max_position_embeddings,
         }
     }
 
@@ -263,6 +286,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(c) => c.is_moe_layer(layer),
             ModelConfig::Mixtral(c) => c.is_moe_layer(layer),
             ModelConfig::GptOss(c) => c.is_moe_layer(layer),
+            ModelConfig::Qwen3Next(c) => c.is_moe_layer(layer),
         }
     }
 
@@ -274,6 +298,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(c) => c.num_experts,
             ModelConfig::Mixtral(c) => c.num_local_experts,
             ModelConfig::GptOss(c) => c.num_local_experts,
+            ModelConfig::Qwen3Next(c) => c.num_experts,
         }
     }
 
@@ -285,6 +310,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(c) => c.num_experts_per_tok,
             ModelConfig::Mixtral(c) => c.num_experts_per_tok,
             ModelConfig::GptOss(c) => c.num_experts_per_tok,
+            ModelConfig::Qwen3Next(c) => c.num_experts_per_tok,
         }
     }
 
@@ -309,6 +335,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(c) => (c.num_experts, "routed experts per MoE layer".into()),
             ModelConfig::Mixtral(c) => (c.num_local_experts, "routed experts per layer".into()),
             ModelConfig::GptOss(c) => (c.num_local_experts, "routed experts per layer".into()),
+            ModelConfig::Qwen3Next(c) => (c.num_experts, "routed experts per MoE layer".into()),
         }
     }
 
@@ -320,6 +347,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(c) => &c.eos_token_id,
             ModelConfig::Mixtral(c) => &c.eos_token_id,
             ModelConfig::GptOss(c) => &c.eos_token_id,
+            ModelConfig::Qwen3Next(c) => &c.eos_token_id,
         }
     }
 
@@ -330,6 +358,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(c) => c.bos_token_id,
             ModelConfig::Mixtral(c) => c.bos_token_id,
             ModelConfig::GptOss(c) => c.bos_token_id,
+            ModelConfig::Qwen3Next(c) => c.bos_token_id,
         }
     }
 
@@ -341,6 +370,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(c) => c.backbone_tensors(),
             ModelConfig::Mixtral(c) => c.backbone_tensors(),
             ModelConfig::GptOss(c) => c.backbone_tensors(),
+            ModelConfig::Qwen3Next(c) => c.backbone_tensors(),
         }
     }
 
@@ -352,6 +382,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(c) => c.expert_matrices(),
             ModelConfig::Mixtral(c) => c.expert_matrices(),
             ModelConfig::GptOss(c) => c.expert_matrices(),
+            ModelConfig::Qwen3Next(c) => c.expert_matrices(),
         }
     }
 
@@ -378,6 +409,7 @@ impl ModelConfig {
                 select: Select::Whole,
             },
             ModelConfig::GptOss(c) => c.expert_source(layer, expert, m),
+            ModelConfig::Qwen3Next(c) => c.expert_source(layer, expert, m),
         }
     }
 
@@ -390,6 +422,7 @@ impl ModelConfig {
             ModelConfig::Qwen3Moe(c) => c.is_ignored(name),
             ModelConfig::Mixtral(c) => c.is_ignored(name),
             ModelConfig::GptOss(c) => c.is_ignored(name),
+            ModelConfig::Qwen3Next(c) => c.is_ignored(name),
         }
     }
 }
@@ -484,6 +517,7 @@ mod tests {
             ("qwen3_moe", "qwen3_moe"),
             ("mixtral", "mixtral"),
             ("gpt_oss", "gpt_oss"),
+            ("qwen3_next", "qwen3_next"),
         ] {
             let c = ModelConfig::from_value(&json!({"model_type": mt, "num_hidden_layers": 2}), p).unwrap();
             assert_eq!((c.family(), c.model_type()), (family, mt));

@@ -118,6 +118,19 @@ fn state_bytes(cfg: &ModelConfig) -> (u64, u64) {
             (c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4) as u64,
             0,
         ),
+        // Full-attention layers keep keys and values per token; each gated DeltaNet layer keeps
+        // a `[v_heads, d_k, d_v]` recurrent state and `K - 1` convolution input rows.
+        ModelConfig::Qwen3Next(c) => {
+            use crate::qwen3_next::Qwen3NextMixer;
+            let attn = c.mixers.iter().filter(|m| **m == Qwen3NextMixer::Attention).count();
+            let lin = c.mixers.len() - attn;
+            let per_lin = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+                + (c.linear_conv_kernel_dim - 1) * c.conv_dim();
+            (
+                (attn * 2 * c.num_key_value_heads * c.head_dim * 4) as u64,
+                (lin * per_lin * 4) as u64,
+            )
+        }
     }
 }
 

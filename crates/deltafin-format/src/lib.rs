@@ -2,7 +2,8 @@
 //!
 //! - [`arch`]: model families: the tensors of each architecture, digested from `config.json`.
 //! - [`config`]: `config.json` of the DeepSeek-V3 family, resolved with transformers' defaults;
-//!   [`qwen3_moe`], [`mixtral`] and [`kimi_linear`] do the same for those families.
+//!   [`qwen3_moe`], [`mixtral`], [`kimi_linear`], [`gpt_oss`] and [`qwen3_next`] do the same for
+//!   those families.
 //! - [`checkpoint`]: validated safetensors reading (single file or index + shards), quantized
 //!   source weights presented and decoded under their plain names.
 //! - [`quantization`] and [`source_dtypes`]: `quantization_config` and the exact decoders of
@@ -25,6 +26,7 @@ pub mod model_dir;
 pub mod presence;
 pub mod quantization;
 pub mod qwen3_moe;
+pub mod qwen3_next;
 pub mod source_dtypes;
 pub mod staging;
 pub mod synth;
@@ -36,6 +38,7 @@ pub use gpt_oss::GptOssConfig;
 pub use mixtral::MixtralConfig;
 pub use model_dir::{ExpertRecord, Manifest, ModelDir, StoredDtype};
 pub use qwen3_moe::Qwen3MoeConfig;
+pub use qwen3_next::Qwen3NextConfig;
 
 use std::path::PathBuf;
 

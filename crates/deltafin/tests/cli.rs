@@ -481,19 +481,22 @@ fn chat_wraps_the_prompt_with_the_chat_template() {
     }
 }
 
-/// Qwen3-MoE and Mixtral end to end through the binary: `convert` (lossless and default
-/// layouts), then `run --chat` on the user message of each case's chat prompt reproduces the
-/// reference's prompt ids, greedy ids and logits; the default layout runs a text prompt.
+/// Qwen3-MoE, Mixtral, Qwen3-Next and Qwen3.5-MoE end to end through the binary: `convert`
+/// (lossless and default layouts), then `run --chat` on the user message of each case's chat
+/// prompt reproduces the reference's prompt ids, greedy ids and logits; the default layout runs a
+/// text prompt. (Fixture folder, case, family the manifest names.)
 #[test]
 fn qwen3_moe_and_mixtral_convert_and_run_with_chat() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
-    for (family, case) in [
-        ("qwen3_moe", "qwen3_moe_a"),
-        ("qwen3_moe", "qwen3_moe_b"),
-        ("mixtral", "mixtral_a"),
-        ("mixtral", "mixtral_b"),
+    for (folder, case, family) in [
+        ("qwen3_moe", "qwen3_moe_a", "qwen3_moe"),
+        ("qwen3_moe", "qwen3_moe_b", "qwen3_moe"),
+        ("mixtral", "mixtral_a", "mixtral"),
+        ("mixtral", "mixtral_b", "mixtral"),
+        ("qwen3_next", "qwen3_next_a", "qwen3_next"),
+        ("qwen3_5_moe", "qwen3_5_moe_b", "qwen3_next"),
     ] {
-        let src = root.join(family).join(case);
+        let src = root.join(folder).join(case);
         let tmp = tempfile::tempdir().unwrap();
         let model = tmp.path().join("m");
         convert_lossless(&src, &model);
@@ -549,6 +552,31 @@ fn qwen3_moe_and_mixtral_convert_and_run_with_chat() {
             "{case}: --prompt ids"
         );
         assert_eq!(gen.len(), 4);
+    }
+}
+
+/// `deltafin info` on the Qwen3-Next and Qwen3.5-MoE configs: family, model type, layer and expert
+/// counts, and the fixed DeltaNet state (qwen3_next_a: 3 DeltaNet layers × (4 value heads × 8 × 12
+/// recurrent + 3 × 80 conv values) × 4 bytes = 7488; one attention layer keeps 2 × 2 × 16 f32 per
+/// token = 256 bytes).
+#[test]
+fn info_reports_qwen3_next_and_qwen3_5_moe() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let out = ok(exec(deltafin().arg("info").arg(root.join("qwen3_next/qwen3_next_a"))));
+    let t = text(&out.stdout);
+    for needle in [
+        "qwen3_next (qwen3_next)",
+        "4 (3 MoE)",
+        "8 per MoE layer, top-2",
+        "(7488 bytes) per sequence",
+        "(256 bytes) of context",
+    ] {
+        assert!(t.contains(needle), "missing {needle:?} in:\n{t}");
+    }
+    let out = ok(exec(deltafin().arg("info").arg(root.join("qwen3_5_moe/qwen3_5_moe_a"))));
+    let t = text(&out.stdout);
+    for needle in ["qwen3_next (qwen3_5_moe)", "4 (4 MoE)"] {
+        assert!(t.contains(needle), "missing {needle:?} in:\n{t}");
     }
 }
 

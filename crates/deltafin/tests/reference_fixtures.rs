@@ -1,5 +1,5 @@
 //! Proof of correctness against Hugging Face transformers' `deepseek_v3`, `kimi_linear`,
-//! `qwen3_moe`, `mixtral` and `gpt_oss` implementations (and llama.cpp's goldens for Kimi K3, see below).
+//! `qwen3_moe`, `mixtral`, `gpt_oss`, `qwen3_next` and `qwen3_5_moe` implementations (and llama.cpp's goldens for Kimi K3, see below).
 //!
 //! Each case in `tests/fixtures/<family>/` is a tiny random checkpoint together with the
 //! reference's greedy ids and float32 logits (see `make_fixtures.py` and the README there). Here
@@ -91,7 +91,7 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
     let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
     let mut worst = 0f64;
     let mut ids_equal = true;
-    for p in expected["prompts"].as_array().expect("prompts") {
+    for (pi, p) in expected["prompts"].as_array().expect("prompts").iter().enumerate() {
         let prompt = ids(&p["prompt_ids"]);
         let want_ids = ids(&p["generated_ids"]);
         let want_logits: Vec<Vec<f64>> = p["step_logits"].as_array().unwrap().iter().map(floats).collect();
@@ -108,13 +108,20 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
             ids_equal = false;
         }
         // Compare logits step by step while the ids agree (after a divergence the inputs differ).
+        let mut prompt_worst = 0f64;
         for (k, (g, w)) in got.step_logits.iter().zip(&want_logits).enumerate() {
             let e = rel_l2(g, w);
-            worst = worst.max(e);
+            prompt_worst = prompt_worst.max(e);
             if k < want_ids.len() && got.generated_ids[k] != want_ids[k] {
                 break;
             }
         }
+        eprintln!(
+            "{} {backbone:?}/{experts:?} prompt {pi} ({} tokens): max rel L2 {prompt_worst:.3e}",
+            case.file_name().unwrap_or_default().to_string_lossy(),
+            prompt.len()
+        );
+        worst = worst.max(prompt_worst);
     }
     CaseResult {
         max_rel_l2: worst,
@@ -215,6 +222,30 @@ fn qwen3_moe_lossless_layout_matches_transformers() {
 #[test]
 fn qwen3_moe_default_layout_runs_within_bound() {
     check_quantized("qwen3_moe", 2);
+}
+
+/// Gated DeltaNet + gated attention hybrid (tests/fixtures/qwen3_next/make_fixtures.py): chat prompts
+/// longer than the reference's DeltaNet chunk (64), per-expert tensors, fused in_proj_qkvz/ba.
+#[test]
+fn qwen3_next_lossless_layout_matches_transformers() {
+    check_lossless("qwen3_next", 2, "qwen3_next");
+}
+
+#[test]
+fn qwen3_next_default_layout_runs_within_bound() {
+    check_quantized("qwen3_next", 2);
+}
+
+/// Qwen3.5-MoE text model behind its multimodal wrapper: `model.language_model.` names, fused
+/// experts, separate DeltaNet projections, vision and MTP tensors skipped.
+#[test]
+fn qwen3_5_moe_lossless_layout_matches_transformers() {
+    check_lossless("qwen3_5_moe", 2, "qwen3_5_moe");
+}
+
+#[test]
+fn qwen3_5_moe_default_layout_runs_within_bound() {
+    check_quantized("qwen3_5_moe", 2);
 }
 
 #[test]

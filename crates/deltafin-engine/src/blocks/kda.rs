@@ -818,14 +818,33 @@ pub fn delta_step(
     beta: f32,
     out: Option<&mut [f32]>,
 ) {
-    // decay each key row, and r = S^T k: [d]
-    let mut r = vec![0f32; d];
-    for i in 0..d {
+    delta_step_kv(src, s, d, d, q, k, v, g, beta, out)
+}
+
+/// [`delta_step`] with key width `dk` and value width `dv`: state `s: [dk, dv]`, `q`, `k`, `g`:
+/// `[dk]`, `v`, `out`: `[dv]` (gated DeltaNet passes its per-head scalar decay repeated over
+/// `dk`). Same arithmetic in the same order, so `dk = dv = d` gives [`delta_step`]'s bits.
+#[allow(clippy::too_many_arguments)]
+pub fn delta_step_kv(
+    src: Option<&[f32]>,
+    s: &mut [f32],
+    dk: usize,
+    dv: usize,
+    q: Option<&[f32]>,
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+    out: Option<&mut [f32]>,
+) {
+    // decay each key row, and r = S^T k: [dv]
+    let mut r = vec![0f32; dv];
+    for i in 0..dk {
         let e = g[i].exp();
-        let row = &mut s[i * d..(i + 1) * d];
+        let row = &mut s[i * dv..(i + 1) * dv];
         match src {
             Some(x) => {
-                for (a, &b) in row.iter_mut().zip(&x[i * d..(i + 1) * d]) {
+                for (a, &b) in row.iter_mut().zip(&x[i * dv..(i + 1) * dv]) {
                     *a = b * e;
                 }
             }
@@ -845,9 +864,9 @@ pub fn delta_step(
         *rj = beta * (vj - *rj);
     }
     let delta = r;
-    let mut o = vec![0f32; if q.is_some() { d } else { 0 }];
-    for i in 0..d {
-        let row = &mut s[i * d..(i + 1) * d];
+    let mut o = vec![0f32; if q.is_some() { dv } else { 0 }];
+    for i in 0..dk {
+        let row = &mut s[i * dv..(i + 1) * dv];
         let ki = k[i];
         for (a, &dj) in row.iter_mut().zip(&delta) {
             *a += ki * dj;
@@ -886,27 +905,46 @@ pub fn chunk_step(
     beta: &[f32],
     o: &mut [f32],
 ) {
+    chunk_step_kv(src, s, d, d, q, k, v, g, beta, o)
+}
+
+/// [`chunk_step`] with key width `dk` and value width `dv`: `q, k, g: [c, dk]`, `v, o: [c, dv]`,
+/// state `s: [dk, dv]`. Same arithmetic in the same order, so `dk = dv = d` gives
+/// [`chunk_step`]'s bits.
+#[allow(clippy::too_many_arguments)]
+pub fn chunk_step_kv(
+    src: Option<&[f32]>,
+    s: &mut [f32],
+    dk: usize,
+    dv: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    o: &mut [f32],
+) {
     let c = beta.len();
-    // G: [c, d] cumulative log-decays
+    // G: [c, dk] cumulative log-decays
     let mut cg = g.to_vec();
     for t in 1..c {
-        for i in 0..d {
-            cg[t * d + i] += cg[(t - 1) * d + i];
+        for i in 0..dk {
+            cg[t * dk + i] += cg[(t - 1) * dk + i];
         }
     }
     let s0: &[f32] = match src {
         Some(x) => x,
         None => &*s,
     };
-    // u[t] = v_t − (k_t ⊙ e^{G_t})^T S_0 and o[t] = (q_t ⊙ e^{G_t})^T S_0, both [d]
+    // u[t] = v_t − (k_t ⊙ e^{G_t})^T S_0 and o[t] = (q_t ⊙ e^{G_t})^T S_0, both [dv]
     let mut u = v.to_vec();
     for t in 0..c {
-        let (ut, ot) = (&mut u[t * d..(t + 1) * d], &mut o[t * d..(t + 1) * d]);
+        let (ut, ot) = (&mut u[t * dv..(t + 1) * dv], &mut o[t * dv..(t + 1) * dv]);
         ot.fill(0.0);
-        for i in 0..d {
-            let e = cg[t * d + i].exp();
-            let (kc, qc) = (k[t * d + i] * e, q[t * d + i] * e);
-            let row = &s0[i * d..(i + 1) * d];
+        for i in 0..dk {
+            let e = cg[t * dk + i].exp();
+            let (kc, qc) = (k[t * dk + i] * e, q[t * dk + i] * e);
+            let row = &s0[i * dv..(i + 1) * dv];
             for ((uj, oj), &sj) in ut.iter_mut().zip(ot.iter_mut()).zip(row) {
                 *uj -= kc * sj;
                 *oj += qc * sj;
@@ -915,42 +953,42 @@ pub fn chunk_step(
     }
     // Forward substitution over the chunk: U_t = β_t (u_t − Σ_{j<t} A_tj U_j); o_t += Σ_{j≤t} M_tj U_j.
     for t in 0..c {
-        let (prev, rest) = u.split_at_mut(t * d);
-        let ut = &mut rest[..d];
+        let (prev, rest) = u.split_at_mut(t * dv);
+        let ut = &mut rest[..dv];
         let mut m_tt = 0f32;
         for j in 0..t {
             let (mut a, mut m) = (0f32, 0f32);
-            for i in 0..d {
-                let e = (cg[t * d + i] - cg[j * d + i]).exp();
-                a += k[t * d + i] * e * k[j * d + i];
-                m += q[t * d + i] * e * k[j * d + i];
+            for i in 0..dk {
+                let e = (cg[t * dk + i] - cg[j * dk + i]).exp();
+                a += k[t * dk + i] * e * k[j * dk + i];
+                m += q[t * dk + i] * e * k[j * dk + i];
             }
-            let uj = &prev[j * d..(j + 1) * d];
+            let uj = &prev[j * dv..(j + 1) * dv];
             for (x, &y) in ut.iter_mut().zip(uj) {
                 *x -= a * y;
             }
-            for (x, &y) in o[t * d..(t + 1) * d].iter_mut().zip(uj) {
+            for (x, &y) in o[t * dv..(t + 1) * dv].iter_mut().zip(uj) {
                 *x += m * y;
             }
         }
-        for i in 0..d {
-            m_tt += q[t * d + i] * k[t * d + i];
+        for i in 0..dk {
+            m_tt += q[t * dk + i] * k[t * dk + i];
         }
         for x in ut.iter_mut() {
             *x *= beta[t];
         }
-        for (x, &y) in o[t * d..(t + 1) * d].iter_mut().zip(ut.iter()) {
+        for (x, &y) in o[t * dv..(t + 1) * dv].iter_mut().zip(ut.iter()) {
             *x += m_tt * y;
         }
     }
     // S_c = diag(e^{G_c}) S_0 + Σ_t (k_t ⊙ e^{G_c − G_t}) U_t^T
-    let last = (c - 1) * d;
-    for i in 0..d {
+    let last = (c - 1) * dk;
+    for i in 0..dk {
         let e = cg[last + i].exp();
-        let row = &mut s[i * d..(i + 1) * d];
+        let row = &mut s[i * dv..(i + 1) * dv];
         match src {
             Some(x) => {
-                for (a, &b) in row.iter_mut().zip(&x[i * d..(i + 1) * d]) {
+                for (a, &b) in row.iter_mut().zip(&x[i * dv..(i + 1) * dv]) {
                     *a = b * e;
                 }
             }
@@ -961,8 +999,8 @@ pub fn chunk_step(
             }
         }
         for t in 0..c {
-            let kw = k[t * d + i] * (cg[last + i] - cg[t * d + i]).exp();
-            for (a, &b) in row.iter_mut().zip(&u[t * d..(t + 1) * d]) {
+            let kw = k[t * dk + i] * (cg[last + i] - cg[t * dk + i]).exp();
+            for (a, &b) in row.iter_mut().zip(&u[t * dv..(t + 1) * dv]) {
                 *a += kw * b;
             }
         }

@@ -3,5 +3,8 @@
 //!
 //! - [`kda`]: Kimi Delta Attention (Kimi Linear, Kimi K3), a gated delta-rule linear attention with
 //!   a fixed-size recurrent state, decode step and chunked prefill, and cheap rollback.
+//! - [`gated_deltanet`]: Gated DeltaNet (Qwen3-Next, Qwen3.5-MoE), KDA's recurrence with one
+//!   decay per head, grouped value heads and a gated RMSNorm output, with the same rollback.
 
+pub mod gated_deltanet;
 pub mod kda;

@@ -5,9 +5,11 @@ pub mod gpt_oss;
 pub mod kimi_linear;
 pub mod mixtral;
 pub mod qwen3_moe;
+pub mod qwen3_next;
 
 pub use deepseek_v3::{DeepseekV3, KvCache};
 pub use gpt_oss::GptOss;
 pub use kimi_linear::{KimiLinear, KimiLinearState};
 pub use mixtral::Mixtral;
 pub use qwen3_moe::Qwen3Moe;
+pub use qwen3_next::{Qwen3Next, Qwen3NextState};

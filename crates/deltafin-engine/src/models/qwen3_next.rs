@@ -1,0 +1,689 @@
+//! Qwen3-Next (`qwen3_next`) and Qwen3.5-MoE (`qwen3_5_moe`, text model) forward pass, matching
+//! transformers 5.24 `models/qwen3_next/modeling_qwen3_next.py` and
+//! `models/qwen3_5_moe/modeling_qwen3_5_moe.py` (`Qwen3_5MoeForCausalLM`) in f32.
+//!
+//! Per decoder layer (PyTorch equivalent in the comments):
+//! ```text
+//! h = x + mixer(input_layernorm(x))            # gated DeltaNet or gated attention (layer_types)
+//! x = h + mlp(post_attention_layernorm(h))     # sparse MoE block, or a dense MLP
+//! ```
+//! then `logits = lm_head(norm(x))`. Every RMSNorm of the model, the per-head q/k norms
+//! included, is zero-centred: `x · rsqrt(mean(x²) + eps) · (1 + w)` (`Qwen3NextRMSNorm`); the
+//! DeltaNet output norm is the ordinary gated one ([`crate::blocks::gated_deltanet`]).
+//!
+//! Gated attention (`Qwen3NextAttention`): `q_proj(x)` holds per head `[query (hd) | gate
+//! (hd)]`; q and k get their per-head zero-centred RMSNorm, then rotate-half RoPE on the first
+//! `rotary_dim = head_dim · partial_rotary_factor` dims only; grouped-query softmax attention with
+//! scale `head_dim^-0.5`; the context is multiplied by `sigmoid(gate)` before `o_proj`. Qwen3.5's
+//! interleaved M-RoPE uses the same position for its three sections with text-only input, which
+//! is ordinary RoPE. [QWEN3_NEXT_ATTENTION]
+//!
+//! MoE (`Qwen3NextSparseMoeBlock`): softmax over all experts, top-k, renormalised when
+//! `norm_topk_prob` [SOFTMAX_TOPK]; SwiGLU experts; plus a shared SwiGLU expert scaled by
+//! `sigmoid(shared_expert_gate · x)`. [QWEN3_NEXT_MOE]
+//!
+//! Decode state: keys and values of the attention layers, and per DeltaNet layer its
+//! convolution rows and recurrent state, which roll back within a window for speculative
+//! decoding ([`GdnState`]).
+
+use deltafin_format::model_dir::Backbone;
+use deltafin_format::qwen3_next::Qwen3NextMixer;
+use deltafin_format::{ModelConfig, ModelDir, Qwen3NextConfig};
+use deltafin_kernels::{axpy, dot, rms_norm, rms_norm_inplace, sigmoid, silu, softmax_inplace, MatRef};
+
+use crate::blocks::gated_deltanet::{GatedDeltaNet, GdnDims, GdnProj, GdnState, GdnWeights};
+use crate::experts::{Expert, StoreOptions};
+use crate::model::{state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::moe::{route_softmax, Routing};
+use crate::rope::RotaryEmbedding;
+use crate::EngineError;
+
+/// Tokens past the last commit a DeltaNet state can roll back over (speculative decoding
+/// verifies drafts shorter than this).
+const GDN_ROLLBACK_WINDOW: usize = 32;
+
+/// Tensor names of one token mixer.
+enum MixerNames {
+    Attention {
+        q_proj: String,
+        k_proj: String,
+        v_proj: String,
+        o_proj: String,
+        /// `1 + q_norm.weight`, `1 + k_norm.weight`: `[head_dim]`.
+        q_norm: Vec<f32>,
+        k_norm: Vec<f32>,
+    },
+    DeltaNet {
+        /// `in_proj_qkvz`, `in_proj_ba` (Qwen3-Next) or `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+        /// `in_proj_a` (Qwen3.5).
+        proj: Vec<String>,
+        conv1d: String,
+        dt_bias: String,
+        a_log: String,
+        norm: String,
+        out_proj: String,
+    },
+}
+
+/// Names and precomputed norm weights of one decoder layer.
+struct Layer {
+    /// `1 + input_layernorm.weight`, `1 + post_attention_layernorm.weight`: `[hidden]`.
+    input_ln: Vec<f32>,
+    post_ln: Vec<f32>,
+    mixer: MixerNames,
+    /// MoE: `gate`, `shared_expert.{gate,up,down}_proj`, `shared_expert_gate`; dense:
+    /// `{gate,up,down}_proj`.
+    mlp: Vec<String>,
+}
+
+/// Decode state of one layer's token mixer.
+#[derive(Debug, Clone)]
+enum MixerState {
+    /// Keys (normalised, rotated) and values `[n_tokens, n_kv_heads · head_dim]`.
+    Kv {
+        k: Vec<f32>,
+        v: Vec<f32>,
+    },
+    DeltaNet(GdnState),
+}
+
+/// Per-sequence decode state of a Qwen3-Next model.
+#[derive(Debug, Clone)]
+pub struct Qwen3NextState {
+    layers: Vec<MixerState>,
+    kv_dim: usize,
+    len: usize,
+}
+
+impl DecodeState for Qwen3NextState {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Only [`CausalLm::rollback`] can shorten the DeltaNet states; a bare truncate succeeds
+    /// when nothing is dropped.
+    fn truncate(&mut self, len: usize) -> bool {
+        len >= self.len
+    }
+
+    fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|s| match s {
+                MixerState::Kv { k, v } => (k.capacity() + v.capacity()) * 4,
+                MixerState::DeltaNet(g) => g.bytes(),
+            })
+            .sum()
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// A loaded Qwen3-Next / Qwen3.5-MoE model.
+pub struct Qwen3Next {
+    config: ModelConfig,
+    pub cfg: Qwen3NextConfig,
+    backbone: Backbone,
+    layers: Vec<Layer>,
+    /// `1 + norm.weight`.
+    final_norm: Vec<f32>,
+    rope: RotaryEmbedding,
+    gdn: GdnDims,
+    /// For each layer, the next MoE layer after it (prefetch prediction).
+    next_moe: Vec<Option<usize>>,
+    routed: RoutedExperts,
+}
+
+/// `1 + w` of a zero-centred RMSNorm weight.
+fn centred(bb: &Backbone, name: &str) -> Result<Vec<f32>, EngineError> {
+    Ok(bb.vector(name)?.iter().map(|w| 1.0 + w).collect())
+}
+
+impl Qwen3Next {
+    /// Loads the backbone into memory and opens the expert store with `opts`.
+    ///
+    /// Errors: not a qwen3_next / qwen3_5_moe directory, a missing or malformed backbone tensor
+    /// (every tensor the forward pass reads is checked here), unreadable files.
+    pub fn load_with(dir: &ModelDir, opts: StoreOptions) -> Result<Self, EngineError> {
+        let config = dir.manifest.config.clone();
+        let cfg = config
+            .as_qwen3_next()
+            .ok_or_else(|| EngineError::Invalid(format!("{}: not a qwen3_next model", dir.path.display())))?
+            .clone();
+        let bb = dir.load_backbone()?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let p = cfg.name(&format!("layers.{l}"));
+            let mixer = match cfg.mixers[l] {
+                Qwen3NextMixer::Attention => {
+                    let a = format!("{p}.self_attn");
+                    let m = MixerNames::Attention {
+                        q_proj: format!("{a}.q_proj.weight"),
+                        k_proj: format!("{a}.k_proj.weight"),
+                        v_proj: format!("{a}.v_proj.weight"),
+                        o_proj: format!("{a}.o_proj.weight"),
+                        q_norm: centred(&bb, &format!("{a}.q_norm.weight"))?,
+                        k_norm: centred(&bb, &format!("{a}.k_norm.weight"))?,
+                    };
+                    if let MixerNames::Attention {
+                        q_proj,
+                        k_proj,
+                        v_proj,
+                        o_proj,
+                        ..
+                    } = &m
+                    {
+                        for n in [q_proj, k_proj, v_proj, o_proj] {
+                            bb.matrix(n)?;
+                        }
+                    }
+                    m
+                }
+                Qwen3NextMixer::GatedDeltaNet => {
+                    let a = format!("{p}.linear_attn");
+                    let proj: Vec<String> = if cfg.fused_linear_proj {
+                        ["in_proj_qkvz", "in_proj_ba"]
+                            .iter()
+                            .map(|n| format!("{a}.{n}.weight"))
+                            .collect()
+                    } else {
+                        ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+                            .iter()
+                            .map(|n| format!("{a}.{n}.weight"))
+                            .collect()
+                    };
+                    for n in &proj {
+                        bb.matrix(n)?;
+                    }
+                    let m = MixerNames::DeltaNet {
+                        proj,
+                        conv1d: format!("{a}.conv1d.weight"),
+                        dt_bias: format!("{a}.dt_bias"),
+                        a_log: format!("{a}.A_log"),
+                        norm: format!("{a}.norm.weight"),
+                        out_proj: format!("{a}.out_proj.weight"),
+                    };
+                    if let MixerNames::DeltaNet {
+                        conv1d,
+                        dt_bias,
+                        a_log,
+                        norm,
+                        out_proj,
+                        ..
+                    } = &m
+                    {
+                        bb.f32_tensor(conv1d)?;
+                        for n in [dt_bias, a_log, norm] {
+                            bb.vector(n)?;
+                        }
+                        bb.matrix(out_proj)?;
+                    }
+                    m
+                }
+            };
+            let mp = format!("{p}.mlp");
+            let mlp: Vec<String> = if cfg.is_moe_layer(l) {
+                [
+                    "gate",
+                    "shared_expert.gate_proj",
+                    "shared_expert.up_proj",
+                    "shared_expert.down_proj",
+                    "shared_expert_gate",
+                ]
+                .iter()
+                .map(|n| format!("{mp}.{n}.weight"))
+                .collect()
+            } else {
+                ["gate_proj", "up_proj", "down_proj"]
+                    .iter()
+                    .map(|n| format!("{mp}.{n}.weight"))
+                    .collect()
+            };
+            for n in &mlp {
+                bb.matrix(n)?;
+            }
+            layers.push(Layer {
+                input_ln: centred(&bb, &format!("{p}.input_layernorm.weight"))?,
+                post_ln: centred(&bb, &format!("{p}.post_attention_layernorm.weight"))?,
+                mixer,
+                mlp,
+            });
+        }
+        bb.matrix(&cfg.name("embed_tokens.weight"))?;
+        bb.matrix("lm_head.weight")?;
+        let final_norm = centred(&bb, &cfg.name("norm.weight"))?;
+        let gdn = GdnDims {
+            hidden: cfg.hidden_size,
+            nk: cfg.linear_num_key_heads,
+            nv: cfg.linear_num_value_heads,
+            dk: cfg.linear_key_head_dim,
+            dv: cfg.linear_value_head_dim,
+            kernel: cfg.linear_conv_kernel_dim,
+            eps: cfg.rms_norm_eps,
+        };
+        let next_moe = (0..cfg.num_hidden_layers)
+            .map(|l| (l + 1..cfg.num_hidden_layers).find(|&k| cfg.is_moe_layer(k)))
+            .collect();
+        let routed = RoutedExperts::open(dir, opts)?;
+        Ok(Qwen3Next {
+            rope: RotaryEmbedding::new(&cfg.rope, cfg.rotary_dim, false),
+            config,
+            cfg,
+            backbone: bb,
+            layers,
+            final_norm,
+            gdn,
+            next_moe,
+            routed,
+        })
+    }
+
+    fn m(&self, name: &str) -> Result<MatRef<'_>, EngineError> {
+        Ok(self.backbone.matrix(name)?)
+    }
+
+    /// The gated DeltaNet of layer `l` with its weights borrowed from the backbone.
+    fn deltanet(&self, l: usize) -> Result<GatedDeltaNet<'_>, EngineError> {
+        let MixerNames::DeltaNet {
+            proj,
+            conv1d,
+            dt_bias,
+            a_log,
+            norm,
+            out_proj,
+        } = &self.layers[l].mixer
+        else {
+            return Err(EngineError::Invalid(format!(
+                "layer {l} is not a linear-attention layer"
+            )));
+        };
+        let bb = &self.backbone;
+        let proj = if self.cfg.fused_linear_proj {
+            GdnProj::Fused {
+                qkvz: bb.matrix(&proj[0])?,
+                ba: bb.matrix(&proj[1])?,
+            }
+        } else {
+            GdnProj::Split {
+                qkv: bb.matrix(&proj[0])?,
+                z: bb.matrix(&proj[1])?,
+                b: bb.matrix(&proj[2])?,
+                a: bb.matrix(&proj[3])?,
+            }
+        };
+        Ok(GatedDeltaNet {
+            dims: self.gdn,
+            w: GdnWeights {
+                proj,
+                conv: bb.f32_tensor(conv1d)?.0,
+                dt_bias: bb.vector(dt_bias)?,
+                a_log: bb.vector(a_log)?,
+                norm: bb.vector(norm)?,
+                out_proj: bb.matrix(out_proj)?,
+            },
+        })
+    }
+
+    /// Gated attention of layer `l` for `n` tokens `xn: [n, hidden]` at positions `pos0..`,
+    /// appending their keys and values; returns `[n, hidden]`. [QWEN3_NEXT_ATTENTION]
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        l: usize,
+        xn: &[f32],
+        n: usize,
+        pos0: usize,
+        kc: &mut Vec<f32>,
+        vc: &mut Vec<f32>,
+    ) -> Result<Vec<f32>, EngineError> {
+        let MixerNames::Attention {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            q_norm,
+            k_norm,
+        } = &self.layers[l].mixer
+        else {
+            return Err(EngineError::Invalid(format!("layer {l} is not an attention layer")));
+        };
+        let c = &self.cfg;
+        let (nh, nkv, hd, rd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim);
+        let (kv_dim, group, scale) = (nkv * hd, nh / nkv, (hd as f32).powf(-0.5));
+        let mut qg = vec![0f32; n * 2 * nh * hd];
+        let mut k = vec![0f32; n * kv_dim];
+        let mut v = vec![0f32; n * kv_dim];
+        self.m(q_proj)?.matmul(xn, n, &mut qg);
+        self.m(k_proj)?.matmul(xn, n, &mut k);
+        self.m(v_proj)?.matmul(xn, n, &mut v);
+        let mut ctx = vec![0f32; n * nh * hd];
+        for t in 0..n {
+            let pos = pos0 + t;
+            let kt = &mut k[t * kv_dim..(t + 1) * kv_dim];
+            for kh in kt.chunks_exact_mut(hd) {
+                rms_norm_inplace(kh, k_norm, c.rms_norm_eps);
+                self.rope.apply(&mut kh[..rd], pos);
+            }
+            kc.extend_from_slice(kt);
+            vc.extend_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
+            let qt = &mut qg[t * 2 * nh * hd..(t + 1) * 2 * nh * hd];
+            let mut scores = vec![0f32; pos + 1];
+            for h in 0..nh {
+                let (q, gate) = qt[h * 2 * hd..(h + 1) * 2 * hd].split_at_mut(hd);
+                rms_norm_inplace(q, q_norm, c.rms_norm_eps);
+                self.rope.apply(&mut q[..rd], pos);
+                let kvo = (h / group) * hd;
+                for (s, sc) in scores.iter_mut().enumerate() {
+                    *sc = dot(q, &kc[s * kv_dim + kvo..s * kv_dim + kvo + hd]) * scale;
+                }
+                softmax_inplace(&mut scores);
+                let o = &mut ctx[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd];
+                for (s, &p) in scores.iter().enumerate() {
+                    axpy(p, &vc[s * kv_dim + kvo..s * kv_dim + kvo + hd], o);
+                }
+                for (e, &g) in o.iter_mut().zip(gate.iter()) {
+                    *e *= sigmoid(g);
+                }
+            }
+        }
+        let mut out = vec![0f32; n * c.hidden_size];
+        self.m(o_proj)?.matmul(&ctx, n, &mut out);
+        Ok(out)
+    }
+
+    /// The MLP of layer `l` for `n` tokens `xn: [n, hidden]` → `[n, hidden]`, with the routing
+    /// of each token on MoE layers. [QWEN3_NEXT_MOE]
+    fn mlp(&self, l: usize, xn: &[f32], n: usize) -> Result<(Vec<f32>, Vec<Routing>), EngineError> {
+        let c = &self.cfg;
+        let h = c.hidden_size;
+        let names = &self.layers[l].mlp;
+        if !c.is_moe_layer(l) {
+            let y = swiglu_batch(self.m(&names[0])?, self.m(&names[1])?, self.m(&names[2])?, xn, n);
+            return Ok((y, Vec::new()));
+        }
+        let router = self.m(&names[0])?;
+        let (sg, su, sd) = (self.m(&names[1])?, self.m(&names[2])?, self.m(&names[3])?);
+        let shared_gate = self.m(&names[4])?;
+        let k = self.routed.experts_per_token();
+        let mut logits = vec![0f32; n * router.rows];
+        router.matmul(xn, n, &mut logits);
+        let mut scratch = Vec::new();
+        let routings: Vec<Routing> = logits
+            .chunks_exact(router.rows)
+            .map(|lg| route_softmax(lg, k, c.norm_topk_prob, &mut scratch))
+            .collect();
+        let fused = c.fused_experts;
+        let (mut y, shared) = if n == 1 {
+            let predict = || -> Result<Option<(usize, Vec<usize>)>, EngineError> {
+                let Some(next) = self.next_moe[l] else { return Ok(None) };
+                let r = self.m(&self.layers[next].mlp[0])?;
+                let mut lg = vec![0f32; r.rows];
+                r.matvec(xn, &mut lg);
+                let mut p = Vec::new();
+                Ok(Some((next, route_softmax(&lg, k, c.norm_topk_prob, &mut p).experts)))
+            };
+            self.routed.run(
+                l,
+                &routings[0],
+                h,
+                |e| expert_forward(e, fused, xn),
+                Some(|| swiglu(sg, su, sd, xn)),
+                predict,
+            )?
+        } else {
+            self.routed.run_batch(
+                l,
+                &routings,
+                h,
+                |e, toks| {
+                    let x: Vec<f32> = toks
+                        .iter()
+                        .flat_map(|&t| xn[t * h..(t + 1) * h].iter().copied())
+                        .collect();
+                    expert_forward_batch(e, fused, &x, toks.len())
+                },
+                Some(|| swiglu_batch(sg, su, sd, xn, n)),
+            )?
+        };
+        let shared = shared.ok_or_else(|| EngineError::Invalid(format!("layer {l}: shared expert output missing")))?;
+        // y += sigmoid(shared_expert_gate · x) · shared_expert(x), per token.
+        let mut gl = vec![0f32; n];
+        shared_gate.matmul(xn, n, &mut gl);
+        for t in 0..n {
+            axpy(sigmoid(gl[t]), &shared[t * h..(t + 1) * h], &mut y[t * h..(t + 1) * h]);
+        }
+        Ok((y, routings))
+    }
+
+    /// Runs `tokens` at the next positions of `st`; DeltaNet layers take the chunked path when
+    /// `chunked` (prefill), the recurrence otherwise. Returns logits of every position
+    /// (`all_logits`) or the last, and every position's routes.
+    fn forward_tokens(
+        &self,
+        st: &mut Qwen3NextState,
+        tokens: &[u32],
+        all_logits: bool,
+        chunked: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        let c = &self.cfg;
+        let (n, h) = (tokens.len(), c.hidden_size);
+        let foreign = st
+            .layers
+            .iter()
+            .any(|s| matches!(s, MixerState::DeltaNet(g) if g.dims() != self.gdn));
+        if foreign || st.layers.len() != c.num_hidden_layers || st.kv_dim != c.num_key_value_heads * c.head_dim {
+            return Err(EngineError::Invalid("decode state belongs to another model".into()));
+        }
+        let embed = self.m(&c.name("embed_tokens.weight"))?;
+        let mut x = vec![0f32; n * h];
+        for (t, &tok) in tokens.iter().enumerate() {
+            if tok as usize >= c.vocab_size {
+                return Err(EngineError::TokenOutOfRange {
+                    id: tok,
+                    vocab_size: c.vocab_size,
+                });
+            }
+            embed.row_into(tok as usize, &mut x[t * h..(t + 1) * h]);
+        }
+        let pos0 = st.len;
+        let mut routes: Vec<LayerRoutes> = vec![Vec::new(); n];
+        let mut xn = vec![0f32; n * h];
+        for l in 0..c.num_hidden_layers {
+            let layer = &self.layers[l];
+            // h = x + mixer(input_layernorm(x))
+            for t in 0..n {
+                rms_norm(
+                    &x[t * h..(t + 1) * h],
+                    &layer.input_ln,
+                    c.rms_norm_eps,
+                    &mut xn[t * h..(t + 1) * h],
+                );
+            }
+            let out = self.routed.time_attention(|| -> Result<Vec<f32>, EngineError> {
+                match &mut st.layers[l] {
+                    MixerState::Kv { k, v } => self.attention(l, &xn, n, pos0, k, v),
+                    MixerState::DeltaNet(s) => {
+                        let mut out = vec![0f32; n * h];
+                        self.deltanet(l)?.forward(s, &xn, n, &mut out, chunked);
+                        Ok(out)
+                    }
+                }
+            })?;
+            for (a, o) in x.iter_mut().zip(&out) {
+                *a += o;
+            }
+            // x = h + mlp(post_attention_layernorm(h))
+            for t in 0..n {
+                rms_norm(
+                    &x[t * h..(t + 1) * h],
+                    &layer.post_ln,
+                    c.rms_norm_eps,
+                    &mut xn[t * h..(t + 1) * h],
+                );
+            }
+            let (y, r) = self.routed.time_mlp(|| self.mlp(l, &xn, n))?;
+            for (a, o) in x.iter_mut().zip(&y) {
+                *a += o;
+            }
+            for (t, rt) in r.into_iter().enumerate() {
+                routes[t].push((l, rt));
+            }
+        }
+        st.len += n;
+        for _ in 0..n {
+            self.routed.count_forward();
+        }
+        // logits = lm_head(norm(x))
+        let lm = self.m("lm_head.weight")?;
+        let mut out = BatchOutput {
+            logits: Vec::new(),
+            routes,
+        };
+        for t in 0..n {
+            if all_logits || t + 1 == n {
+                rms_norm(&x[t * h..(t + 1) * h], &self.final_norm, c.rms_norm_eps, &mut xn[..h]);
+                let mut logits = vec![0f32; lm.rows];
+                lm.matvec(&xn[..h], &mut logits);
+                out.logits.push(logits);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// One routed expert on `x: [hidden]`: SwiGLU from `gate_proj`, `up_proj`, `down_proj`, or from
+/// the fused `gate_up_proj [2I, hidden]` (gate rows first) and `down_proj`.
+fn expert_forward(e: &Expert, fused: bool, x: &[f32]) -> Vec<f32> {
+    if !fused {
+        return swiglu(e.matrix(0), e.matrix(1), e.matrix(2), x);
+    }
+    expert_forward_batch(e, true, x, 1)
+}
+
+/// [`expert_forward`] for `n` tokens `x: [n, hidden]` → `[n, hidden]`.
+fn expert_forward_batch(e: &Expert, fused: bool, x: &[f32], n: usize) -> Vec<f32> {
+    if !fused {
+        return swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), x, n);
+    }
+    let (gu, down) = (e.matrix(0), e.matrix(1));
+    let i = gu.rows / 2;
+    let mut a = vec![0f32; n * gu.rows];
+    gu.matmul(x, n, &mut a);
+    let mut act = vec![0f32; n * i];
+    for t in 0..n {
+        let (g, u) = a[t * 2 * i..(t + 1) * 2 * i].split_at(i);
+        for ((o, &gv), &uv) in act[t * i..(t + 1) * i].iter_mut().zip(g).zip(u) {
+            *o = silu(gv) * uv;
+        }
+    }
+    let mut out = vec![0f32; n * down.rows];
+    down.matmul(&act, n, &mut out);
+    out
+}
+
+impl CausalLm for Qwen3Next {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn new_state(&self) -> Box<dyn DecodeState> {
+        let layers = self
+            .cfg
+            .mixers
+            .iter()
+            .map(|m| match m {
+                Qwen3NextMixer::Attention => MixerState::Kv {
+                    k: Vec::new(),
+                    v: Vec::new(),
+                },
+                Qwen3NextMixer::GatedDeltaNet => MixerState::DeltaNet(GdnState::new(self.gdn, GDN_ROLLBACK_WINDOW)),
+            })
+            .collect();
+        Box::new(Qwen3NextState {
+            layers,
+            kv_dim: self.cfg.num_key_value_heads * self.cfg.head_dim,
+            len: 0,
+        })
+    }
+
+    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        let mut out = self.forward_tokens(state_as::<Qwen3NextState>(state)?, &[token], false, false)?;
+        let logits = out.logits.pop().unwrap_or_default();
+        Ok((logits, out.routes.pop().unwrap_or_default()))
+    }
+
+    /// A layer-major pass over the chunk: DeltaNet layers in chunks (the reference's prefill
+    /// path), attention token by token within the layer, MoE expert-major
+    /// ([`RoutedExperts::run_batch`]).
+    fn forward_batch(
+        &self,
+        state: &mut dyn DecodeState,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        if tokens.is_empty() {
+            return Ok(BatchOutput::default());
+        }
+        let st = state_as::<Qwen3NextState>(state)?;
+        self.forward_tokens(st, tokens, all_logits, tokens.len() > 1)
+    }
+
+    /// f32 activations of a batched pass per token: the DeltaNet projections (`in_proj_qkvz` /
+    /// `in_proj_qkv + z`), conv inputs and outputs, q, k, v, z, o and the block output; the
+    /// attention query+gate, keys and values; hidden-sized residual and norm buffers; router
+    /// logits.
+    fn batch_bytes_per_token(&self) -> usize {
+        let c = &self.cfg;
+        let (kd, vd) = (c.key_dim(), c.value_dim());
+        let deltanet = (2 * kd + 2 * vd + 2 * c.linear_num_value_heads) + 2 * c.conv_dim() + 2 * kd + 3 * vd;
+        let attn = 3 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim;
+        4 * (deltanet.max(attn) + 8 * c.hidden_size + c.num_experts)
+    }
+
+    fn rollback(&self, state: &mut dyn DecodeState, len: usize) -> bool {
+        let Ok(st) = state_as::<Qwen3NextState>(state) else {
+            return false;
+        };
+        if len >= st.len {
+            return true;
+        }
+        // Every DeltaNet layer must reach back that far before anything changes.
+        let reachable = st.layers.iter().all(|s| match s {
+            MixerState::DeltaNet(g) => len >= g.committed_len(),
+            MixerState::Kv { .. } => true,
+        });
+        if !reachable {
+            return false;
+        }
+        let kv_dim = st.kv_dim;
+        for s in st.layers.iter_mut() {
+            match s {
+                MixerState::DeltaNet(g) => {
+                    if !g.rollback(len) {
+                        return false;
+                    }
+                }
+                MixerState::Kv { k, v } => {
+                    k.truncate(len * kv_dim);
+                    v.truncate(len * kv_dim);
+                }
+            }
+        }
+        st.len = len;
+        true
+    }
+
+    fn routed(&self) -> &RoutedExperts {
+        &self.routed
+    }
+
+    fn routed_mut(&mut self) -> &mut RoutedExperts {
+        &mut self.routed
+    }
+
+    fn backbone_bytes(&self) -> usize {
+        self.backbone.bytes()
+    }
+}
