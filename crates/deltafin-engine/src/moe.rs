@@ -109,10 +109,33 @@ pub fn route_masked(cfg: &RouterConfig, logits: &[f32], bias: &[f32], allowed: O
 /// (arXiv:1701.06538) for the top-k gate; Jiang et al. 2024 (Mixtral, arXiv:2401.04088) §2.1.
 /// [SOFTMAX_TOPK]
 pub fn route_softmax(logits: &[f32], top_k: usize, norm_topk_prob: bool, scratch: &mut Vec<f32>) -> Routing {
+    route_softmax_masked(logits, top_k, norm_topk_prob, scratch, None)
+}
+
+/// [`route_softmax`] restricted to the experts with `allowed[e]` (`[n_routed_experts]`;
+/// self-drafting with the experts already in memory): the probabilities are the softmax over
+/// every expert as the model computes them, the top-k is taken among the allowed ones only (so
+/// fewer than top-k, even none, may be chosen), and with `norm_topk_prob` the weights are
+/// normalised over the chosen. With `None` it is [`route_softmax`].
+pub fn route_softmax_masked(
+    logits: &[f32],
+    top_k: usize,
+    norm_topk_prob: bool,
+    scratch: &mut Vec<f32>,
+    allowed: Option<&[bool]>,
+) -> Routing {
     scratch.clear();
     scratch.extend_from_slice(logits);
     softmax_inplace(scratch);
-    let chosen = top_k_indices(scratch, top_k);
+    let chosen = match allowed {
+        None => top_k_indices(scratch, top_k),
+        Some(a) => {
+            let mut c = top_k_indices(scratch, scratch.len());
+            c.retain(|&e| a.get(e).copied().unwrap_or(false));
+            c.truncate(top_k);
+            c
+        }
+    };
     let mut weights_desc: Vec<f32> = chosen.iter().map(|&e| scratch[e]).collect();
     if norm_topk_prob {
         let denom: f32 = weights_desc.iter().sum();
@@ -234,6 +257,30 @@ mod tests {
         let r = route_softmax(&logits, 3, true, &mut scratch);
         assert_eq!(r.experts, vec![0, 1, 2]);
         assert!((r.weights[2] - 0.125 / 0.875).abs() < 1e-6, "{r:?}");
+    }
+
+    #[test]
+    fn masked_softmax_router_hand_computed() {
+        // Probabilities 0.1, 0.2, 0.3, 0.4 (logits ln 1..ln 4); experts 2 and 3 not resident.
+        let logits: Vec<f32> = [1f32, 2.0, 3.0, 4.0].iter().map(|x| x.ln()).collect();
+        let allowed = [true, true, false, false];
+        let mut scratch = Vec::new();
+        let r = route_softmax_masked(&logits, 2, true, &mut scratch, Some(&allowed));
+        assert_eq!(r.experts, vec![0, 1]);
+        assert!((r.weights[0] - 1.0 / 3.0).abs() < 1e-6 && (r.weights[1] - 2.0 / 3.0).abs() < 1e-6);
+        // Without norm_topk_prob the weights stay the model's probabilities.
+        let r = route_softmax_masked(&logits, 2, false, &mut scratch, Some(&allowed));
+        assert!((r.weights[0] - 0.1).abs() < 1e-6 && (r.weights[1] - 0.2).abs() < 1e-6);
+        // One allowed expert: fewer than top-k; none: nothing.
+        let r = route_softmax_masked(&logits, 2, true, &mut scratch, Some(&[false, false, true, false]));
+        assert_eq!((r.experts, r.weights), (vec![2], vec![1.0]));
+        let r = route_softmax_masked(&logits, 2, true, &mut scratch, Some(&[false; 4]));
+        assert!(r.experts.is_empty() && r.weights.is_empty());
+        // No mask: the plain router.
+        assert_eq!(
+            route_softmax_masked(&logits, 2, true, &mut scratch, None),
+            route_softmax(&logits, 2, true, &mut scratch)
+        );
     }
 
     #[test]

@@ -384,13 +384,45 @@ fn check_lookup_speculation(family: &str, case: &str, tmp: &Path) -> (PathBuf, V
     (dir, p, plain)
 }
 
-/// Speculative decoding on Qwen3-Next / Qwen3.5-MoE rolls the gated DeltaNet states back (replay
-/// from the committed state) and the attention caches, and keeps the greedy output.
+/// Self-drafting keeps the greedy output `plain` of prompt `p` on the model at `dir`, with every
+/// expert resident (the drafter is then the model itself: drafts are accepted and long rollbacks
+/// of the recurrent states run) and with none (drafts from the shared experts alone).
+fn check_self_drafting(case: &str, dir: &Path, p: &[u32], plain: &[u32]) {
+    for budget in [64u64 << 20, 0] {
+        let model = load(dir, budget, 0);
+        let mut accepted = 0;
+        for k in [1, 4] {
+            let (ids, s) = decode(
+                model.as_ref(),
+                p,
+                24,
+                Speculator::new(SpeculateMode::SelfDraft).with_fixed_draft(k),
+            );
+            assert_eq!(
+                ids, plain,
+                "{case}: --speculate self, budget {budget}, {k} drafted per pass"
+            );
+            assert!(s.stats.passes > 0, "{case}: self-drafting never ran");
+            accepted += s.stats.accepted[1];
+        }
+        if budget > 0 {
+            assert!(
+                accepted > 0,
+                "{case}: with every expert resident, self-drafts must be accepted"
+            );
+        }
+    }
+}
+
+/// Speculative decoding on Qwen3-Next / Qwen3.5-MoE (lookup and self-drafting) rolls the gated
+/// DeltaNet states back (replay from the committed state) and the attention caches, and keeps
+/// the greedy output.
 #[test]
 fn qwen3_next_speculation_keeps_greedy_output() {
     let tmp = tempfile::tempdir().unwrap();
     for (family, case) in [("qwen3_next", "qwen3_next_a"), ("qwen3_5_moe", "qwen3_5_moe_b")] {
-        check_lookup_speculation(family, case, tmp.path());
+        let (dir, p, plain) = check_lookup_speculation(family, case, tmp.path());
+        check_self_drafting(case, &dir, &p, &plain);
     }
 }
 
@@ -404,29 +436,6 @@ fn kimi_speculation_keeps_greedy_output() {
     let tmp = tempfile::tempdir().unwrap();
     for (family, case) in [("kimi_linear", "kl_b"), ("kimi_k3", "k3_a")] {
         let (dir, p, plain) = check_lookup_speculation(family, case, tmp.path());
-        for budget in [64u64 << 20, 0] {
-            let model = load(&dir, budget, 0);
-            let mut accepted = 0;
-            for k in [1, 4] {
-                let (ids, s) = decode(
-                    model.as_ref(),
-                    &p,
-                    24,
-                    Speculator::new(SpeculateMode::SelfDraft).with_fixed_draft(k),
-                );
-                assert_eq!(
-                    ids, plain,
-                    "{case}: --speculate self, budget {budget}, {k} drafted per pass"
-                );
-                assert!(s.stats.passes > 0, "{case}: self-drafting never ran");
-                accepted += s.stats.accepted[1];
-            }
-            if budget > 0 {
-                assert!(
-                    accepted > 0,
-                    "{case}: with every expert resident, self-drafts must be accepted"
-                );
-            }
-        }
+        check_self_drafting(case, &dir, &p, &plain);
     }
 }

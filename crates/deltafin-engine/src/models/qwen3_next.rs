@@ -34,13 +34,15 @@ use deltafin_kernels::{axpy, dot, rms_norm, rms_norm_inplace, sigmoid, silu, sof
 use crate::blocks::gated_deltanet::{GatedDeltaNet, GdnDims, GdnProj, GdnState, GdnWeights};
 use crate::experts::{Expert, StoreOptions};
 use crate::model::{state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
-use crate::moe::{route_softmax, Routing};
+use crate::moe::{route_softmax, route_softmax_masked, Routing};
 use crate::rope::RotaryEmbedding;
 use crate::EngineError;
 
 /// Tokens past the last commit a DeltaNet state can roll back over (speculative decoding
 /// verifies drafts shorter than this).
 const GDN_ROLLBACK_WINDOW: usize = 32;
+// A self-drafting run and its verification pass each fit in the rollback window.
+const _: () = assert!(GDN_ROLLBACK_WINDOW > crate::speculate::MAX_DRAFT);
 
 /// Tensor names of one token mixer.
 enum MixerNames {
@@ -104,6 +106,14 @@ impl DecodeState for Qwen3NextState {
     /// when nothing is dropped.
     fn truncate(&mut self, len: usize) -> bool {
         len >= self.len
+    }
+
+    fn commit(&mut self) {
+        for s in &mut self.layers {
+            if let MixerState::DeltaNet(g) = s {
+                g.commit();
+            }
+        }
     }
 
     fn bytes(&self) -> usize {
@@ -394,8 +404,10 @@ impl Qwen3Next {
     }
 
     /// The MLP of layer `l` for `n` tokens `xn: [n, hidden]` → `[n, hidden]`, with the routing
-    /// of each token on MoE layers. [QWEN3_NEXT_MOE]
-    fn mlp(&self, l: usize, xn: &[f32], n: usize) -> Result<(Vec<f32>, Vec<Routing>), EngineError> {
+    /// of each token on MoE layers. `draft` (one token): the router restricted to the experts
+    /// resident in the cache, computed with those records, no reads ([`CausalLm::forward_draft`]).
+    /// [QWEN3_NEXT_MOE]
+    fn mlp(&self, l: usize, xn: &[f32], n: usize, draft: bool) -> Result<(Vec<f32>, Vec<Routing>), EngineError> {
         let c = &self.cfg;
         let h = c.hidden_size;
         let names = &self.layers[l].mlp;
@@ -410,12 +422,26 @@ impl Qwen3Next {
         let mut logits = vec![0f32; n * router.rows];
         router.matmul(xn, n, &mut logits);
         let mut scratch = Vec::new();
-        let routings: Vec<Routing> = logits
-            .chunks_exact(router.rows)
-            .map(|lg| route_softmax(lg, k, c.norm_topk_prob, &mut scratch))
-            .collect();
+        let routings: Vec<Routing> = if draft {
+            Vec::new()
+        } else {
+            logits
+                .chunks_exact(router.rows)
+                .map(|lg| route_softmax(lg, k, c.norm_topk_prob, &mut scratch))
+                .collect()
+        };
         let fused = c.fused_experts;
-        let (mut y, shared) = if n == 1 {
+        let (mut y, shared, routings) = if draft && n == 1 {
+            let (y, shared, r) = self.routed.run_draft(
+                l,
+                router.rows,
+                |allowed| route_softmax_masked(&logits, k, c.norm_topk_prob, &mut scratch, Some(allowed)),
+                h,
+                |e| expert_forward(e, fused, xn),
+                Some(|| swiglu(sg, su, sd, xn)),
+            );
+            (y, shared, vec![r])
+        } else if n == 1 {
             let predict = || -> Result<Option<(usize, Vec<usize>)>, EngineError> {
                 let Some(next) = self.next_moe[l] else { return Ok(None) };
                 let r = self.m(&self.layers[next].mlp[0])?;
@@ -424,16 +450,17 @@ impl Qwen3Next {
                 let mut p = Vec::new();
                 Ok(Some((next, route_softmax(&lg, k, c.norm_topk_prob, &mut p).experts)))
             };
-            self.routed.run(
+            let (y, shared) = self.routed.run(
                 l,
                 &routings[0],
                 h,
                 |e| expert_forward(e, fused, xn),
                 Some(|| swiglu(sg, su, sd, xn)),
                 predict,
-            )?
+            )?;
+            (y, shared, routings)
         } else {
-            self.routed.run_batch(
+            let (y, shared) = self.routed.run_batch(
                 l,
                 &routings,
                 h,
@@ -445,7 +472,8 @@ impl Qwen3Next {
                     expert_forward_batch(e, fused, &x, toks.len())
                 },
                 Some(|| swiglu_batch(sg, su, sd, xn, n)),
-            )?
+            )?;
+            (y, shared, routings)
         };
         let shared = shared.ok_or_else(|| EngineError::Invalid(format!("layer {l}: shared expert output missing")))?;
         // y += sigmoid(shared_expert_gate · x) · shared_expert(x), per token.
@@ -458,7 +486,8 @@ impl Qwen3Next {
     }
 
     /// Runs `tokens` at the next positions of `st`; DeltaNet layers take the chunked path when
-    /// `chunked` (prefill), the recurrence otherwise. Returns logits of every position
+    /// `chunked` (prefill), the recurrence otherwise; `draft` routes MoE layers among the cached
+    /// experts only (one token, self-drafting). Returns logits of every position
     /// (`all_logits`) or the last, and every position's routes.
     fn forward_tokens(
         &self,
@@ -466,6 +495,7 @@ impl Qwen3Next {
         tokens: &[u32],
         all_logits: bool,
         chunked: bool,
+        draft: bool,
     ) -> Result<BatchOutput, EngineError> {
         let c = &self.cfg;
         let (n, h) = (tokens.len(), c.hidden_size);
@@ -523,7 +553,7 @@ impl Qwen3Next {
                     &mut xn[t * h..(t + 1) * h],
                 );
             }
-            let (y, r) = self.routed.time_mlp(|| self.mlp(l, &xn, n))?;
+            let (y, r) = self.routed.time_mlp(|| self.mlp(l, &xn, n, draft))?;
             for (a, o) in x.iter_mut().zip(&y) {
                 *a += o;
             }
@@ -609,9 +639,18 @@ impl CausalLm for Qwen3Next {
     }
 
     fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
-        let mut out = self.forward_tokens(state_as::<Qwen3NextState>(state)?, &[token], false, false)?;
+        let mut out = self.forward_tokens(state_as::<Qwen3NextState>(state)?, &[token], false, false, false)?;
         let logits = out.logits.pop().unwrap_or_default();
         Ok((logits, out.routes.pop().unwrap_or_default()))
+    }
+
+    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        let mut out = self.forward_tokens(state_as::<Qwen3NextState>(state)?, &[token], false, false, true)?;
+        Ok(out.logits.pop())
+    }
+
+    fn supports_draft(&self) -> bool {
+        true
     }
 
     /// A layer-major pass over the chunk: DeltaNet layers in chunks (the reference's prefill
@@ -627,7 +666,7 @@ impl CausalLm for Qwen3Next {
             return Ok(BatchOutput::default());
         }
         let st = state_as::<Qwen3NextState>(state)?;
-        self.forward_tokens(st, tokens, all_logits, tokens.len() > 1)
+        self.forward_tokens(st, tokens, all_logits, tokens.len() > 1, false)
     }
 
     /// f32 activations of a batched pass per token: the DeltaNet projections (`in_proj_qkvz` /
