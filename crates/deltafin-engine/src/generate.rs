@@ -81,7 +81,8 @@ pub struct StepStats {
     /// speculative pass: the drafted tokens checked at once).
     pub kind: &'static str,
     /// Tokens the pass produced: the chunk's prompt tokens (prefill), 1 (decode), or the
-    /// accepted drafts plus one (verify).
+    /// accepted drafts plus one (verify), of which only those handed out before the generation
+    /// ended (`max_new_tokens`, EOS, stop) count.
     pub tokens: usize,
     /// Wall time of the forward pass, seconds.
     pub seconds: f64,
@@ -321,6 +322,11 @@ pub fn generate(
                 break 'gen;
             }
         }
+    }
+    // A verification pass can choose more tokens than were handed out (max_new_tokens, EOS or
+    // a stop came first): its step counts only those handed out.
+    if let Some(last) = steps.last_mut().filter(|s| s.kind != "prefill") {
+        last.tokens = last.tokens.saturating_sub(pending.len());
     }
     out.stats.speculation = spec.stats;
     // Steady decode: the tokens chosen after the first decode step (which pays one-off costs).
