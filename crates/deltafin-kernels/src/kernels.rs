@@ -113,7 +113,7 @@ fn mm_rows_of(w_len: usize, cols: usize, x_len: usize, n: usize, yt_len: usize) 
     rows
 }
 
-/// Visits every (row r, token tile `[t0, t0 + tn)` with tn ≤ `tile`, segment `[k0, k1)` of
+/// Visits every (row r, token tile `[t0, t0 + tn)` with tn ≤ `tile`, tiles of balanced sizes, segment `[k0, k1)` of
 /// the row's `units` (columns, blocks or chunks)) as `f(i, r, t0, tn, k0, k1)`, `i` = r's
 /// index in its row block. Rows go in blocks of about [`ROW_BLOCK_BYTES`]; for each block,
 /// each token tile, each segment (`seg` units, the last one ending at `units`), every row of
@@ -134,9 +134,11 @@ fn for_tiles(
     let mut r0 = 0;
     while r0 < rows {
         let r1 = (r0 + rb).min(rows);
+        // n.div_ceil(tile) tiles of balanced sizes (8 tokens in tiles of 6: 4 + 4, not 6 + 2).
+        let tiles = n.div_ceil(tile);
         let mut t0 = 0;
-        while t0 < n {
-            let tn = (n - t0).min(tile);
+        for j in 0..tiles {
+            let tn = n / tiles + usize::from(j < n % tiles);
             let mut k0 = 0;
             loop {
                 let k1 = if units - k0 <= seg { units } else { k0 + seg };
