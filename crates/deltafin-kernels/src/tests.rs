@@ -184,6 +184,22 @@ fn every_level_mxfp4_edges() {
                     assert_eq!(bits(&ys), bits(&y[r..r + len]), "{what}: rows {r}..{} alone", r + len);
                 }
             }
+            // The tile kernels on the same rows (special scales, NaN row): 7 tokens, token 3 is x.
+            let n = 7;
+            let mut xs = random_vec(&mut rng, n * cols);
+            xs[3 * cols..4 * cols].copy_from_slice(&x);
+            let mut ym = vec![f32::NAN; n * rows];
+            m.matmul_with(k, &xs, n, &mut ym);
+            assert_eq!(bits(&ym[3 * rows..4 * rows]), bits(&y), "{what}: matmul token 3");
+            for t in 0..n {
+                let mut yv = vec![f32::NAN; rows];
+                m.matvec_with(k, &xs[t * cols..(t + 1) * cols], &mut yv);
+                assert_eq!(
+                    bits(&ym[t * rows..(t + 1) * rows]),
+                    bits(&yv),
+                    "{what}: matmul token {t}"
+                );
+            }
         }
     }
 }
