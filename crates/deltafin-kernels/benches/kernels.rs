@@ -13,6 +13,11 @@
 //! as decoding a large MoE layer does. divan prints its table (throughput = weight bytes, scales
 //! included, per second); then a summary measured the same way in this process prints GB/s and
 //! each kernel's ratio to the streaming read.
+//!
+//! Batched products (issue 6): `matmul` of n = 1, 8, 64 tokens against `n` matvecs over the
+//! first [`MM_SET`] bytes of the same matrices (larger than the L3 slice, so the first token
+//! tile streams every weight from DRAM), printed as weight GB/s-equivalent (n × weight bytes
+//! per second) and ns per token per matrix.
 
 use std::hint::black_box;
 use std::sync::OnceLock;
@@ -28,6 +33,10 @@ const WORKING_SET: usize = 256 << 20;
 const MX_ROWS: usize = 1024;
 const MX_COLS: usize = 2048;
 const I8_N: usize = 4096;
+/// Bytes of weights the batched benchmarks cycle through.
+const MM_SET: usize = 64 << 20;
+/// Token counts of the batched benchmarks.
+const MM_N: [usize; 3] = [1, 8, 64];
 
 /// splitmix64, to fill buffers without pulling in a generator.
 fn fill(buf: &mut [u8], mut seed: u64) {
@@ -59,6 +68,9 @@ struct Data {
     stream_i8: Vec<u64>,
     x_mx: Vec<f32>,
     x_i8: Vec<f32>,
+    /// 64 tokens of activations for the batched benchmarks, `[64, cols]`.
+    xs_mx: Vec<f32>,
+    xs_i8: Vec<f32>,
 }
 
 fn data() -> &'static Data {
@@ -98,6 +110,8 @@ fn data() -> &'static Data {
             i8,
             x_mx: x(MX_COLS),
             x_i8: x(I8_N),
+            xs_mx: (0..64 * MX_COLS).map(|i| ((i % 23) as f32 - 11.0) / 11.0).collect(),
+            xs_i8: (0..64 * I8_N).map(|i| ((i % 23) as f32 - 11.0) / 11.0).collect(),
         }
     })
 }
@@ -147,6 +161,43 @@ fn i8_pass(d: &Data, y: &mut [f32]) {
     }
 }
 
+fn mx_mat(m: &Mx) -> MatRef<'_> {
+    let data = MatData::Mxfp4 {
+        packed: &m.packed,
+        scales: &m.scales,
+    };
+    MatRef::new(MX_ROWS, MX_COLS, data).expect("bench shape")
+}
+
+fn i8_mat(m: &I8) -> MatRef<'_> {
+    let data = MatData::Int8 {
+        q: &m.q,
+        scales: &m.scales,
+    };
+    MatRef::new(I8_N, I8_N, data).expect("bench shape")
+}
+
+/// The first matrices of `mats` that together hold at least [`MM_SET`] bytes.
+fn mm_set<'a>(mats: Vec<MatRef<'a>>) -> Vec<MatRef<'a>> {
+    let per = mats[0].nbytes();
+    mats.into_iter().take(MM_SET.div_ceil(per)).collect()
+}
+
+/// One pass of `n`-token products over `mats`: one `matmul`, or `n` matvecs per matrix.
+fn mm_pass(mats: &[MatRef], xs: &[f32], n: usize, batched: bool, y: &mut [f32]) {
+    for m in mats {
+        let (rows, cols) = (m.rows, m.cols);
+        let x = black_box(&xs[..n * cols]);
+        if batched {
+            m.matmul(x, n, &mut y[..n * rows]);
+        } else {
+            for t in 0..n {
+                m.matvec(&x[t * cols..(t + 1) * cols], &mut y[t * rows..(t + 1) * rows]);
+            }
+        }
+    }
+}
+
 /// The reference: every byte read once, the least work a kernel over these bytes can do.
 fn stream(words: &[u64]) -> u64 {
     words.iter().fold(0u64, |a, &w| a.wrapping_add(w))
@@ -187,6 +238,26 @@ fn matvec_int8(b: divan::Bencher) {
     let mut y = vec![0f32; I8_N];
     b.counter(BytesCount::new(i8_bytes(d)))
         .bench_local(|| one_thread().install(|| i8_pass(d, &mut y)));
+}
+
+#[divan::bench(args = MM_N, sample_count = 5, sample_size = 1)]
+fn matmul_mxfp4(b: divan::Bencher, n: usize) {
+    let d = data();
+    let mats = mm_set(d.mx.iter().map(mx_mat).collect());
+    let mut y = vec![0f32; 64 * MX_ROWS];
+    let bytes: usize = mats.iter().map(|m| m.nbytes()).sum();
+    b.counter(BytesCount::new(n * bytes))
+        .bench_local(|| one_thread().install(|| mm_pass(&mats, &d.xs_mx, n, true, &mut y)));
+}
+
+#[divan::bench(args = MM_N, sample_count = 5, sample_size = 1)]
+fn matmul_int8(b: divan::Bencher, n: usize) {
+    let d = data();
+    let mats = mm_set(d.i8.iter().map(i8_mat).collect());
+    let mut y = vec![0f32; 64 * I8_N];
+    let bytes: usize = mats.iter().map(|m| m.nbytes()).sum();
+    b.counter(BytesCount::new(n * bytes))
+        .bench_local(|| one_thread().install(|| mm_pass(&mats, &d.xs_i8, n, true, &mut y)));
 }
 
 /// Best-of-`n` seconds of `f` after one warm-up call (best-of filters noisy neighbours).
@@ -237,4 +308,42 @@ fn main() {
         "  int8  matvec [{I8_N}x{I8_N}] {k_i8:6.2} GB/s   streaming read {s_i8:6.2} GB/s   ratio {:5.1} %  (target >= 50 %)",
         100.0 * k_i8 / s_i8
     );
+    println!();
+    println!(
+        "batched products (1 thread, first {} MiB of the matrices, best of passes alternated over 3 s):",
+        MM_SET >> 20
+    );
+    let sets: [(&str, Vec<MatRef>, &[f32]); 2] = [
+        ("mxfp4 [1024x2048]", mm_set(d.mx.iter().map(mx_mat).collect()), &d.xs_mx),
+        ("int8  [4096x4096]", mm_set(d.i8.iter().map(i8_mat).collect()), &d.xs_i8),
+    ];
+    let mut y = vec![0f32; 64 * I8_N.max(MX_ROWS)];
+    for (name, mats, xs) in &sets {
+        let bytes: usize = mats.iter().map(|m| m.nbytes()).sum();
+        for n in MM_N {
+            // Alternated for 3 s (at least 3 of each), the order swapped every round.
+            let (mut tv, mut tm) = (f64::INFINITY, f64::INFINITY);
+            let (start, mut round) = (Instant::now(), 0);
+            while round < 3 || start.elapsed() < Duration::from_secs(3) {
+                for batched in [round % 2 == 0, round % 2 != 0] {
+                    let t = pool.install(|| best(1, || mm_pass(mats, xs, n, batched, &mut y)));
+                    if batched {
+                        tm = tm.min(t);
+                    } else {
+                        tv = tv.min(t);
+                    }
+                }
+                round += 1;
+            }
+            let per_tok = |s: f64| s / (n * mats.len()) as f64 * 1e9;
+            println!(
+                "  {name} n={n:2}  matvec x n {:6.2} GB/s-eq ({:8.0} ns/token)   matmul {:6.2} GB/s-eq ({:8.0} ns/token)   speedup {:4.2}x",
+                gbps(n * bytes, tv),
+                per_tok(tv),
+                gbps(n * bytes, tm),
+                per_tok(tm),
+                tv / tm
+            );
+        }
+    }
 }

@@ -18,10 +18,12 @@ pub enum SimdLevel {
     /// AVX2 as above for every format but MXFP4, which gets an AVX-512F kernel: 64 packed
     /// bytes (4 blocks) per load, nibbles shifted into place and decoded by 16-entry `vpermps`
     /// lookups, against `x` rearranged once per product; one scale FMA per 4 blocks and lane.
+    /// Needs AVX-512F and AVX-512VL (the token-tile products of the other formats use the
+    /// AVX2 arithmetic with 32 registers).
     Avx512,
 }
 
-/// The level in use: AVX-512 when the CPU also has AVX-512F, else AVX2 when it has AVX2, FMA
+/// The level in use: AVX-512 when the CPU also has AVX-512F and AVX-512VL, else AVX2 when it has AVX2, FMA
 /// and F16C, else portable. The MXFP4 kernels of different levels group their partial sums
 /// differently, so their results may differ within f32 rounding; within one level (one
 /// process) every product is deterministic. Setting the environment variable `DELTAFIN_KERNELS_SIMD` to
@@ -33,6 +35,16 @@ pub fn simd_level() -> SimdLevel {
 
 /// `(packed, scales, x, xp, y)`: see [`Kernels::mx_rows`].
 pub(crate) type MxRows = fn(&[u8], &[u8], &[f32], &[f32], &mut [f32]);
+
+/// `(w, cols, x, n, yt)`: token-tile products for one weight format. `w: [rows * cols]`,
+/// `x: [n * cols]` (n ≥ 1 tokens), `yt: [rows * n]`; sets `yt[r * n + t]` to exactly the value
+/// the level's `dot_*` gives for row r and token t (same operations in the same order), each
+/// weight decoded once per tile of tokens.
+pub(crate) type Mm<W> = fn(&[W], usize, &[f32], usize, &mut [f32]);
+
+/// `(packed, scales, cols, x, n, xps, yt)`: MXFP4 token-tile products, `yt[r * n + t]` equal
+/// bit for bit to `mx_rows` of row r and token t; `xps = mx_prepare_tokens(x, n)`.
+pub(crate) type MxMm = fn(&[u8], &[u8], usize, &[f32], usize, &[f32], &mut [f32]);
 
 /// One row kernel per weight format, plus `axpy`.
 pub(crate) struct Kernels {
@@ -53,6 +65,15 @@ pub(crate) struct Kernels {
     /// `xp = mx_prepare(x)`. Each row's result depends on that row and `x` only (one fixed
     /// sequence of operations per row, whichever rows share a call).
     pub mx_rows: MxRows,
+    /// Token-tile products ([`Mm`]); `mm_i8` is unscaled like `dot_i8`.
+    pub mm_f32: Mm<f32>,
+    pub mm_bf16: Mm<bf16>,
+    pub mm_f16: Mm<f16>,
+    pub mm_i8: Mm<i8>,
+    /// `n` tokens `x: [n * cols]` rearranged once per product for [`Kernels::mx_mm`] (empty on
+    /// levels that read `x` directly).
+    pub mx_prepare_tokens: fn(&[f32], usize) -> Vec<f32>,
+    pub mx_mm: MxMm,
 }
 
 /// `mx_rows` through a one-row kernel that reads `x` directly.
@@ -72,6 +93,142 @@ fn no_prepare(_: &[f32]) -> Vec<f32> {
     Vec::new()
 }
 
+fn no_prepare_tokens(_: &[f32], _: usize) -> Vec<f32> {
+    Vec::new()
+}
+
+/// Weight bytes of a row block that the tile loops keep hot in L2 while every token tile passes
+/// over it.
+const ROW_BLOCK_BYTES: usize = 64 << 10;
+
+/// Checks the [`Mm`] slice lengths; returns the row count.
+#[inline]
+fn mm_rows_of(w_len: usize, cols: usize, x_len: usize, n: usize, yt_len: usize) -> usize {
+    assert!(
+        n > 0 && x_len == n * cols && yt_len.is_multiple_of(n),
+        "mm: x or yt length"
+    );
+    let rows = yt_len / n;
+    assert_eq!(w_len, rows * cols, "mm: w length");
+    rows
+}
+
+/// Visits every (row r, token tile `[t0, t0 + tn)` with tn ≤ `tile`, tiles of balanced sizes, segment `[k0, k1)` of
+/// the row's `units` (columns, blocks or chunks)) as `f(i, r, t0, tn, k0, k1)`, `i` = r's
+/// index in its row block. Rows go in blocks of about [`ROW_BLOCK_BYTES`]; for each block,
+/// each token tile, each segment (`seg` units, the last one ending at `units`), every row of
+/// the block. So a segment of the tile's activations stays in L1 while the block's rows pass
+/// over it, and the block's weights stay in L2 for all tiles; a row's segments come in order,
+/// the kernels carry their partial sums from one to the next (state slot `i`).
+#[inline(always)]
+fn for_tiles(
+    rows: usize,
+    n: usize,
+    tile: usize,
+    row_bytes: usize,
+    units: usize,
+    seg: usize,
+    mut f: impl FnMut(usize, usize, usize, usize, usize, usize),
+) {
+    let rb = row_block(rows, row_bytes);
+    let mut r0 = 0;
+    while r0 < rows {
+        let r1 = (r0 + rb).min(rows);
+        // n.div_ceil(tile) tiles of balanced sizes (8 tokens in tiles of 6: 4 + 4, not 6 + 2).
+        let tiles = n.div_ceil(tile);
+        let mut t0 = 0;
+        for j in 0..tiles {
+            let tn = n / tiles + usize::from(j < n % tiles);
+            let mut k0 = 0;
+            loop {
+                let k1 = if units - k0 <= seg { units } else { k0 + seg };
+                for r in r0..r1 {
+                    f(r - r0, r, t0, tn, k0, k1);
+                }
+                if k1 == units {
+                    break;
+                }
+                k0 = k1;
+            }
+            t0 += tn;
+        }
+        r0 = r1;
+    }
+}
+
+/// Rows per block of [`for_tiles`].
+#[inline]
+fn row_block(rows: usize, row_bytes: usize) -> usize {
+    (ROW_BLOCK_BYTES / row_bytes.max(1)).clamp(1, rows.max(1))
+}
+
+/// Bytes of one token tile's activations that a segment of [`for_tiles`] keeps in L1.
+const SEG_X_BYTES: usize = 24 << 10;
+
+/// `f::<tn>(args)` for a run-time tile size `tn` in 1..=8.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_tile {
+    ($tn:expr, $f:ident($($a:expr),* $(,)?)) => {
+        match $tn {
+            1 => $f::<1>($($a),*),
+            2 => $f::<2>($($a),*),
+            3 => $f::<3>($($a),*),
+            4 => $f::<4>($($a),*),
+            5 => $f::<5>($($a),*),
+            6 => $f::<6>($($a),*),
+            7 => $f::<7>($($a),*),
+            8 => $f::<8>($($a),*),
+            _ => unreachable!("tile size"),
+        }
+    };
+}
+
+/// [`Mm`] through a one-row dot product (the portable level: no decode to share).
+#[inline(always)]
+fn mm_by_dot<W>(dot: fn(&[W], &[f32]) -> f32, w: &[W], cols: usize, x: &[f32], n: usize, yt: &mut [f32]) {
+    let rows = mm_rows_of(w.len(), cols, x.len(), n, yt.len());
+    for r in 0..rows {
+        for t in 0..n {
+            yt[r * n + t] = dot(&w[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+        }
+    }
+}
+
+/// [`MxMm`] through a one-row MXFP4 dot product that reads `x` directly.
+#[inline(always)]
+fn mx_mm_by_dot(
+    dot: fn(&[u8], &[u8], &[f32]) -> f32,
+    packed: &[u8],
+    scales: &[u8],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    yt: &mut [f32],
+) {
+    let (pb, sb) = (
+        crate::mxfp4::packed_row_bytes(cols),
+        crate::mxfp4::scale_row_bytes(cols),
+    );
+    assert!(
+        n > 0 && x.len() == n * cols && yt.len().is_multiple_of(n),
+        "mx_mm: x or yt length"
+    );
+    let rows = yt.len() / n;
+    assert!(
+        packed.len() == rows * pb && scales.len() == rows * sb,
+        "mx_mm: packed or scales length"
+    );
+    for r in 0..rows {
+        for t in 0..n {
+            yt[r * n + t] = dot(
+                &packed[r * pb..(r + 1) * pb],
+                &scales[r * sb..(r + 1) * sb],
+                &x[t * cols..(t + 1) * cols],
+            );
+        }
+    }
+}
+
 static PORTABLE: Kernels = Kernels {
     level: SimdLevel::Portable,
     dot_f32: portable::dot_f32,
@@ -81,6 +238,12 @@ static PORTABLE: Kernels = Kernels {
     axpy: portable::axpy,
     mx_prepare: no_prepare,
     mx_rows: |p, s, x, _, y| rows_by_dot(portable::dot_mxfp4, p, s, x, y),
+    mm_f32: |w, c, x, n, y| mm_by_dot(portable::dot_f32, w, c, x, n, y),
+    mm_bf16: |w, c, x, n, y| mm_by_dot(portable::dot_bf16, w, c, x, n, y),
+    mm_f16: |w, c, x, n, y| mm_by_dot(portable::dot_f16, w, c, x, n, y),
+    mm_i8: |w, c, x, n, y| mm_by_dot(portable::dot_i8, w, c, x, n, y),
+    mx_prepare_tokens: no_prepare_tokens,
+    mx_mm: |p, s, c, x, n, _, y| mx_mm_by_dot(portable::dot_mxfp4, p, s, c, x, n, y),
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -93,14 +256,28 @@ static AVX2: Kernels = Kernels {
     axpy: avx2::safe::axpy,
     mx_prepare: no_prepare,
     mx_rows: |p, s, x, _, y| rows_by_dot(avx2::safe::dot_mxfp4, p, s, x, y),
+    mm_f32: tiles_avx2::mm_f32,
+    mm_bf16: tiles_avx2::mm_bf16,
+    mm_f16: tiles_avx2::mm_f16,
+    mm_i8: tiles_avx2::mm_i8,
+    mx_prepare_tokens: no_prepare_tokens,
+    mx_mm: avx2::safe::mx_mm,
 };
 
-/// AVX2 for every format but MXFP4, which gets the AVX-512 multi-row kernel.
+/// AVX2 for every format but MXFP4, which gets the AVX-512 multi-row kernel. The token-tile
+/// products of the other formats run the AVX2 kernels' exact operations with AVX-512VL enabled,
+/// so that the compiler has 32 vector registers for the tile's accumulators.
 #[cfg(target_arch = "x86_64")]
 static AVX512: Kernels = Kernels {
     level: SimdLevel::Avx512,
     mx_prepare: avx512::safe::mx_prepare,
     mx_rows: avx512::safe::mx_rows,
+    mm_f32: tiles_avx512vl::mm_f32,
+    mm_bf16: tiles_avx512vl::mm_bf16,
+    mm_f16: tiles_avx512vl::mm_f16,
+    mm_i8: tiles_avx512vl::mm_i8,
+    mx_prepare_tokens: avx512::safe::mx_prepare_tokens,
+    mx_mm: avx512::safe::mx_mm,
     ..AVX2
 };
 
@@ -111,7 +288,7 @@ fn has_avx2() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 fn has_avx512() -> bool {
-    has_avx2() && is_x86_feature_detected!("avx512f")
+    has_avx2() && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl")
 }
 
 static SELECTED: OnceLock<&'static Kernels> = OnceLock::new();
@@ -283,6 +460,9 @@ mod avx2 {
         pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
             unsafe { super::axpy(alpha, x, y) }
         }
+        pub fn mx_mm(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], n: usize, _: &[f32], yt: &mut [f32]) {
+            super::mx_mm(packed, scales, cols, x, n, yt)
+        }
     }
 
     /// Horizontal sum in a fixed order: high half + low half, then pairs.
@@ -380,11 +560,11 @@ mod avx2 {
         s
     }
 
-    /// One 32-element block: 8 lane sums of (2 * E2M1 value) * x. `p` points at the block's 16
-    /// packed bytes, `x` at its 32 activations.
+    /// One 32-element block's doubled E2M1 values (exact small integers) as four 8-lane f32
+    /// vectors, elements 0..8, 8..16, 16..24, 24..32. `p` points at the block's 16 packed bytes.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn mx_block(p: *const u8, x: *const f32) -> __m256 {
+    unsafe fn mx_decode(p: *const u8) -> [__m256; 4] {
         let tbl = _mm_loadu_si128(E2M1_X2.as_ptr() as *const __m128i);
         let m = _mm_set1_epi8(0x0F);
         let v = _mm_loadu_si128(p as *const __m128i);
@@ -393,15 +573,31 @@ mod avx2 {
         // Element 2i is the low nibble of byte i: interleave low and high codes.
         let e0 = _mm_unpacklo_epi8(lo, hi); // elements 0..16
         let e1 = _mm_unpackhi_epi8(lo, hi); // elements 16..32
-        let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e0));
-        let w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(e0, e0)));
-        let w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e1));
-        let w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(e1, e1)));
-        let sa = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
-        let sb = _mm256_mul_ps(w1, _mm256_loadu_ps(x.add(8)));
-        let sa = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x.add(16)), sa);
-        let sb = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x.add(24)), sb);
+        [
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e0)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(e0, e0))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e1)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(e1, e1))),
+        ]
+    }
+
+    /// 8 lane sums of the decoded block `w` times its 32 activations at `x`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn mx_apply(w: &[__m256; 4], x: *const f32) -> __m256 {
+        let sa = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+        let sb = _mm256_mul_ps(w[1], _mm256_loadu_ps(x.add(8)));
+        let sa = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x.add(16)), sa);
+        let sb = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x.add(24)), sb);
         _mm256_add_ps(sa, sb)
+    }
+
+    /// One 32-element block: 8 lane sums of (2 * E2M1 value) * x. `p` points at the block's 16
+    /// packed bytes, `x` at its 32 activations.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn mx_block(p: *const u8, x: *const f32) -> __m256 {
+        mx_apply(&mx_decode(p), x)
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -437,6 +633,112 @@ mod avx2 {
         hsum(_mm256_add_ps(a0, a1))
     }
 
+    /// [`dot_mxfp4`] of one row (`p`: its packed bytes, `s`: its scale bytes) for the `T`
+    /// tokens `x + t * n` (each `[n]`) at once, over blocks `[b0, b1)`: each block decoded once,
+    /// then per token the same operations into the same accumulator as `dot_mxfp4` (full block
+    /// b into `a0` when b is even, else `a1`; a partial last block into `a1`). The accumulators
+    /// are carried in `st: [2 * T]` between segments; the last segment (b1 = blocks of the row)
+    /// writes `out[t] = hsum(a0 + a1)`.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn mx_tile<const T: usize>(
+        p: *const u8,
+        s: *const u8,
+        n: usize,
+        x: *const f32,
+        b0: usize,
+        b1: usize,
+        st: *mut __m256,
+        out: *mut f32,
+    ) {
+        let full = n / BLOCK;
+        let nb = n.div_ceil(BLOCK);
+        let scale = |b: usize| _mm256_set1_ps(E8M0_HALF[*s.add(b) as usize]);
+        let mut a0 = [_mm256_setzero_ps(); T];
+        let mut a1 = [_mm256_setzero_ps(); T];
+        if b0 > 0 {
+            for t in 0..T {
+                a0[t] = *st.add(2 * t);
+                a1[t] = *st.add(2 * t + 1);
+            }
+        }
+        for b in b0..b1.min(full) {
+            let w = mx_decode(p.add(b * BLOCK_BYTES));
+            let sc = scale(b);
+            let acc = if b % 2 == 0 { &mut a0 } else { &mut a1 };
+            for (t, at) in acc.iter_mut().enumerate() {
+                *at = _mm256_fmadd_ps(mx_apply(&w, x.add(t * n + b * BLOCK)), sc, *at);
+            }
+        }
+        if b1 < nb {
+            for t in 0..T {
+                *st.add(2 * t) = a0[t];
+                *st.add(2 * t + 1) = a1[t];
+            }
+            return;
+        }
+        if full < nb {
+            let w = mx_decode(p.add(full * BLOCK_BYTES));
+            let sc = scale(full);
+            for (t, at) in a1.iter_mut().enumerate() {
+                let mut xpad = [0.0f32; BLOCK];
+                std::ptr::copy_nonoverlapping(x.add(t * n + full * BLOCK), xpad.as_mut_ptr(), n - full * BLOCK);
+                *at = _mm256_fmadd_ps(mx_apply(&w, xpad.as_ptr()), sc, *at);
+            }
+        }
+        for t in 0..T {
+            *out.add(t) = hsum(_mm256_add_ps(a0[t], a1[t]));
+        }
+    }
+
+    /// Tokens per MXFP4 tile (16 registers: 4 decoded vectors, 2 accumulators per token).
+    const MX_TILE: usize = 4;
+
+    /// [`super::MxMm`] for this level: [`mx_tile`] over row blocks, token tiles and segments.
+    pub(super) fn mx_mm(packed: &[u8], scales: &[u8], n: usize, x: &[f32], nt: usize, yt: &mut [f32]) {
+        let (pb, sb) = (crate::mxfp4::packed_row_bytes(n), crate::mxfp4::scale_row_bytes(n));
+        assert!(
+            nt > 0 && x.len() == nt * n && yt.len().is_multiple_of(nt),
+            "mx_mm: x or yt length"
+        );
+        let rows = yt.len() / nt;
+        assert!(
+            packed.len() == rows * pb && scales.len() == rows * sb,
+            "mx_mm: packed or scales length"
+        );
+        let nb = sb;
+        let seg = (super::SEG_X_BYTES / (4 * MX_TILE) / BLOCK).max(1);
+        // SAFETY (all `unsafe` below): lengths checked above; the level's table is handed out
+        // only after the run-time AVX2/FMA check.
+        let mut st = vec![
+            unsafe { _mm256_setzero_ps() };
+            if nb > seg {
+                2 * MX_TILE * super::row_block(rows, pb)
+            } else {
+                0
+            }
+        ];
+        let (pp, sp, xp, yp, stp) = (
+            packed.as_ptr(),
+            scales.as_ptr(),
+            x.as_ptr(),
+            yt.as_mut_ptr(),
+            st.as_mut_ptr(),
+        );
+        super::for_tiles(rows, nt, MX_TILE, pb, nb, seg, |i, r, t0, tn, b0, b1| unsafe {
+            let out = if b1 == nb {
+                yp.add(r * nt + t0)
+            } else {
+                std::ptr::null_mut()
+            };
+            let str = if st.is_empty() { stp } else { stp.add(2 * MX_TILE * i) };
+            by_tile!(
+                tn,
+                mx_tile(pp.add(r * pb), sp.add(r * sb), n, xp.add(t0 * n), b0, b1, str, out)
+            )
+        });
+    }
+
     /// Same arithmetic as the portable `axpy` (no FMA contraction), at AVX2 width.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
@@ -446,6 +748,194 @@ mod avx2 {
         }
     }
 }
+
+/// The main loop of the AVX2 level's `dot4!` over elements `[k, $k1)` for the `T` tokens
+/// `x + t * cols` at once, on the accumulators `a: [[__m256; 4]; T]`: each 8-weight vector
+/// `$load` is decoded once and fed to every token's own accumulators, in exactly the order
+/// `dot4!` uses for one token. Advances `k`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! dot4_tile {
+    ($a:ident, $k:ident, $k1:expr, $x:expr, $cols:expr, |$i:ident| $load:expr) => {{
+        let k1: usize = $k1;
+        let x: *const f32 = $x;
+        let cols: usize = $cols;
+        while $k + 32 <= k1 {
+            for j in 0..4 {
+                let $i = $k + 8 * j;
+                let w = $load;
+                for (t, at) in $a.iter_mut().enumerate() {
+                    at[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x.add(t * cols + $i)), at[j]);
+                }
+            }
+            $k += 32;
+        }
+    }};
+}
+
+/// Token-tile products ([`Mm`]) for f32, bf16, f16 and int8 with the AVX2 kernels' arithmetic,
+/// compiled for `$feat` with tiles of up to `$tile` tokens.
+#[cfg(target_arch = "x86_64")]
+macro_rules! dot_tile_level {
+    ($name:ident, $feat:literal, $tile:literal) => {
+        mod $name {
+            use super::{for_tiles, mm_rows_of, row_block, SEG_X_BYTES};
+            use half::{bf16, f16};
+            use std::arch::x86_64::*;
+
+            /// Tokens per tile.
+            const TILE: usize = $tile;
+
+            /// The AVX2 level's `hsum` (same operations).
+            #[target_feature(enable = $feat)]
+            #[inline]
+            unsafe fn hsum(v: __m256) -> f32 {
+                let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+                let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0b01));
+                _mm_cvtss_f32(s)
+            }
+
+            /// One row `w: [cols]` against tokens `x + t * cols` over elements `[k0, k1)`
+            /// (k0, and k1 unless it is `cols`, multiples of 32), partial sums carried in `st:
+            /// [4 * T]` between segments; the last segment (k1 = cols) finishes as the level's
+            /// `dot_*` does (8-wide steps into the first accumulator, `hsum((a0 + a1) + (a2 +
+            /// a3))`, the scalar tail in order) and writes `out[t]`.
+            macro_rules! tile_fn {
+                ($fname:ident, $W:ty, |$w:ident, $i:ident| $load:expr, |$v:ident| $scalar:expr) => {
+                    #[target_feature(enable = $feat)]
+                    unsafe fn $fname<const T: usize>(
+                        $w: *const $W,
+                        cols: usize,
+                        x: *const f32,
+                        k0: usize,
+                        k1: usize,
+                        st: *mut __m256,
+                        out: *mut f32,
+                    ) {
+                        let mut a = [[_mm256_setzero_ps(); 4]; T];
+                        if k0 > 0 {
+                            for (t, at) in a.iter_mut().enumerate() {
+                                for (j, v) in at.iter_mut().enumerate() {
+                                    *v = *st.add(4 * t + j);
+                                }
+                            }
+                        }
+                        let mut k = k0;
+                        dot4_tile!(a, k, k1, x, cols, |$i| $load);
+                        if k1 < cols {
+                            for (t, at) in a.iter().enumerate() {
+                                for (j, v) in at.iter().enumerate() {
+                                    *st.add(4 * t + j) = *v;
+                                }
+                            }
+                            return;
+                        }
+                        while k + 8 <= cols {
+                            let $i = k;
+                            let w = $load;
+                            for (t, at) in a.iter_mut().enumerate() {
+                                at[0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x.add(t * cols + $i)), at[0]);
+                            }
+                            k += 8;
+                        }
+                        for (t, at) in a.iter().enumerate() {
+                            let mut acc = hsum(_mm256_add_ps(
+                                _mm256_add_ps(at[0], at[1]),
+                                _mm256_add_ps(at[2], at[3]),
+                            ));
+                            for i in k..cols {
+                                let $v = *$w.add(i);
+                                acc += $scalar * *x.add(t * cols + i);
+                            }
+                            *out.add(t) = acc;
+                        }
+                    }
+                };
+            }
+
+            tile_fn!(tile_f32, f32, |w, i| _mm256_loadu_ps(w.add(i)), |v| v);
+            tile_fn!(
+                tile_bf16,
+                u16,
+                |w, i| _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128(w.add(i) as *const __m128i)),
+                    16
+                )),
+                |v| f32::from_bits((v as u32) << 16)
+            );
+            tile_fn!(
+                tile_f16,
+                u16,
+                |w, i| _mm256_cvtph_ps(_mm_loadu_si128(w.add(i) as *const __m128i)),
+                |v| f16::from_bits(v).to_f32()
+            );
+            tile_fn!(
+                tile_i8,
+                i8,
+                |w, i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(w.add(i) as *const __m128i))),
+                |v| v as f32
+            );
+
+            // Safe entry points: only reachable through the level's table, which `detect` hands
+            // out after checking the CPU features `$feat` names; that check is the safety
+            // argument for the `unsafe` calls. Bounds: `mm_rows_of` checks every length, each
+            // tile reads row `r < rows` and tokens `t0 + tn <= n`.
+            macro_rules! mm_fn {
+                ($mname:ident, $W:ty, $P:ty, $tname:ident) => {
+                    pub(in super::super) fn $mname(w: &[$W], cols: usize, x: &[f32], n: usize, yt: &mut [f32]) {
+                        let rows = mm_rows_of(w.len(), cols, x.len(), n, yt.len());
+                        let (wp, xp, yp) = (w.as_ptr() as *const $P, x.as_ptr(), yt.as_mut_ptr());
+                        let rb = cols * std::mem::size_of::<$W>();
+                        let seg = (SEG_X_BYTES / (4 * TILE) / 32 * 32).max(32);
+                        // Partial sums of the block's rows between segments.
+                        let mut st = vec![
+                            unsafe { _mm256_setzero_ps() };
+                            if cols > seg {
+                                4 * TILE * row_block(rows, rb)
+                            } else {
+                                0
+                            }
+                        ];
+                        let sp = st.as_mut_ptr();
+                        for_tiles(
+                            rows,
+                            n,
+                            TILE,
+                            rb,
+                            cols,
+                            seg,
+                            |i, r, t0, tn, k0, k1| unsafe {
+                                let out = if k1 == cols {
+                                    yp.add(r * n + t0)
+                                } else {
+                                    std::ptr::null_mut()
+                                };
+                                let s = if st.is_empty() {
+                                    sp
+                                } else {
+                                    sp.add(4 * TILE * i)
+                                };
+                                by_tile!(
+                                    tn,
+                                    $tname(wp.add(r * cols), cols, xp.add(t0 * cols), k0, k1, s, out)
+                                )
+                            },
+                        );
+                    }
+                };
+            }
+            mm_fn!(mm_f32, f32, f32, tile_f32);
+            mm_fn!(mm_bf16, bf16, u16, tile_bf16);
+            mm_fn!(mm_f16, f16, u16, tile_f16);
+            mm_fn!(mm_i8, i8, i8, tile_i8);
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+dot_tile_level!(tiles_avx2, "avx2,fma,f16c", 3);
+#[cfg(target_arch = "x86_64")]
+dot_tile_level!(tiles_avx512vl, "avx2,fma,f16c,avx512f,avx512vl", 6);
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
@@ -461,6 +951,12 @@ mod avx512 {
         }
         pub fn mx_rows(packed: &[u8], scales: &[u8], x: &[f32], xp: &[f32], y: &mut [f32]) {
             unsafe { super::mx_rows(packed, scales, x, xp, y) }
+        }
+        pub fn mx_prepare_tokens(x: &[f32], n: usize) -> Vec<f32> {
+            super::prepare_tokens(x, n)
+        }
+        pub fn mx_mm(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], n: usize, xps: &[f32], yt: &mut [f32]) {
+            unsafe { super::mx_mm(packed, scales, cols, x, n, xps, yt) }
         }
     }
 
@@ -494,6 +990,24 @@ mod avx512 {
         for (i, &v) in x.iter().enumerate() {
             let e = i % CHUNK;
             xp[i - e + (e % 8) * 16 + e / 8] = v;
+        }
+        buf
+    }
+
+    /// [`prepare`] for `n` tokens `x: [n * cols]` into one buffer: token t's prepared floats
+    /// start `t * cols.div_ceil(128) * 128` floats after the first 64-byte boundary.
+    fn prepare_tokens(x: &[f32], n: usize) -> Vec<f32> {
+        assert!(n > 0 && x.len().is_multiple_of(n), "mx_prepare_tokens: x length");
+        let cols = x.len() / n;
+        let len = cols.div_ceil(CHUNK) * CHUNK;
+        let mut buf = vec![0.0f32; n * len + 15];
+        let off = align_offset(&buf);
+        for (t, xt) in x.chunks_exact(cols.max(1)).enumerate().take(n) {
+            let xp = &mut buf[off + t * len..off + (t + 1) * len];
+            for (i, &v) in xt.iter().enumerate() {
+                let e = i % CHUNK;
+                xp[i - e + (e % 8) * 16 + e / 8] = v;
+            }
         }
         buf
     }
@@ -659,6 +1173,162 @@ mod avx512 {
                 xp.as_ptr(),
             );
         }
+    }
+
+    /// [`row`] for the `T` tokens whose prepared activations start at `xp + t * xstride` (each
+    /// aligned), over chunks `[c0, c1)`, results to `out[t]`. Each 64-byte chunk is decoded
+    /// once (7 shifts, 8 lookups, the scale lanes); then every token runs exactly [`row`]'s
+    /// operations on it: the [`chunk_sums`] chains `g0` (even m, first a multiply) and `g1` (odd
+    /// m), then `acc0 += g0 * scale`, `acc1 += g1 * scale` in chunk order, the same masked last
+    /// chunk, and `hsum(acc0 + acc1)`. `acc0`, `acc1` are carried in `st: [2 * T]` between
+    /// segments; the last segment (c1 = chunks of the row) writes `out`.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn row_tile<const T: usize>(
+        p: *const u8,
+        s: *const u8,
+        nb: usize,
+        xp: *const f32,
+        xstride: usize,
+        c0: usize,
+        c1: usize,
+        st: *mut __m512,
+        out: *mut f32,
+    ) {
+        let nc = nb.div_ceil(CHUNK_BLOCKS);
+        let last = nc - 1;
+        let dist = (2 * nb * BLOCK_BYTES).max(2048);
+        let tbl = _mm512_loadu_ps(E2M1_VALUES.as_ptr());
+        let rot = _mm512_setr_epi32(23, 23, 23, 23, 15, 15, 15, 15, 7, 7, 7, 7, 31, 31, 31, 31);
+        let mut acc0 = [_mm512_setzero_ps(); T];
+        let mut acc1 = [_mm512_setzero_ps(); T];
+        if c0 > 0 {
+            for t in 0..T {
+                acc0[t] = *st.add(2 * t);
+                acc1[t] = *st.add(2 * t + 1);
+            }
+        }
+        // One chunk `$v` with scale lanes `$sc` at prepared offset `$xo` into every token's sums
+        // (a macro, not a closure, so that the tile's vectors stay in registers).
+        macro_rules! step {
+            ($v:expr, $sc:expr, $xo:expr) => {{
+                let (v, sc, xo): (__m512i, __m512, usize) = ($v, $sc, $xo);
+                let mut g0 = [_mm512_setzero_ps(); T];
+                let mut g1 = [_mm512_setzero_ps(); T];
+                macro_rules! m {
+                    ($m:literal, $g:ident, $first:literal) => {
+                        let w = _mm512_permutexvar_ps(_mm512_srli_epi32::<{ 4 * $m }>(v), tbl);
+                        for t in 0..T {
+                            let xm = _mm512_load_ps(xp.add(t * xstride + xo + $m * 16));
+                            $g[t] = if $first {
+                                _mm512_mul_ps(w, xm)
+                            } else {
+                                _mm512_fmadd_ps(w, xm, $g[t])
+                            };
+                        }
+                    };
+                }
+                m!(0, g0, true);
+                m!(1, g1, true);
+                m!(2, g0, false);
+                m!(3, g1, false);
+                m!(4, g0, false);
+                m!(5, g1, false);
+                m!(6, g0, false);
+                m!(7, g1, false);
+                for t in 0..T {
+                    acc0[t] = _mm512_fmadd_ps(g0[t], sc, acc0[t]);
+                    acc1[t] = _mm512_fmadd_ps(g1[t], sc, acc1[t]);
+                }
+            }};
+        }
+        for c in c0..c1.min(last) {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(c * 64 + dist) as *const i8);
+            if c.is_multiple_of(16) {
+                _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(c * CHUNK_BLOCKS + dist / 16) as *const i8);
+            }
+            let v = _mm512_loadu_si512(p.add(c * 64) as *const __m512i);
+            let sc = scale_lanes((s.add(c * CHUNK_BLOCKS) as *const u32).read_unaligned(), rot);
+            step!(v, sc, c * CHUNK);
+        }
+        if c1 < nc {
+            for t in 0..T {
+                *st.add(2 * t) = acc0[t];
+                *st.add(2 * t + 1) = acc1[t];
+            }
+            return;
+        }
+        let vb = nb - last * CHUNK_BLOCKS;
+        let dmask = ((1u32 << (4 * vb)) - 1) as __mmask16;
+        let v = _mm512_maskz_loadu_epi32(dmask, p.add(last * 64) as *const i32);
+        let mut sb = [1u8; 4];
+        for (i, b) in sb.iter_mut().enumerate().take(vb) {
+            *b = *s.add(last * CHUNK_BLOCKS + i);
+        }
+        step!(v, scale_lanes(u32::from_le_bytes(sb), rot), last * CHUNK);
+        for t in 0..T {
+            *out.add(t) = hsum(_mm512_add_ps(acc0[t], acc1[t]));
+        }
+    }
+
+    /// Tokens per tile: 4 accumulators per token (g0, g1, acc0, acc1) in 32 registers.
+    const MX_TILE: usize = 6;
+
+    /// [`super::MxMm`]: [`row_tile`] over row blocks, token tiles and segments of
+    /// [`super::for_tiles`]; `xps = prepare_tokens(x, n)`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn mx_mm(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], n: usize, xps: &[f32], yt: &mut [f32]) {
+        let nb = cols.div_ceil(BLOCK);
+        let pb = nb * BLOCK_BYTES;
+        assert!(
+            n > 0 && x.len() == n * cols && yt.len().is_multiple_of(n),
+            "mx_mm: x or yt length"
+        );
+        let rows = yt.len() / n;
+        assert!(
+            packed.len() == rows * pb && scales.len() == rows * nb,
+            "mx_mm: packed or scales length"
+        );
+        if nb == 0 {
+            yt.fill(0.0);
+            return;
+        }
+        let nc = nb.div_ceil(CHUNK_BLOCKS);
+        let len = nc * CHUNK;
+        assert_eq!(xps.len(), n * len + 15, "mx_mm: xps is not mx_prepare_tokens(x, n)");
+        let seg = (super::SEG_X_BYTES / (4 * MX_TILE) / CHUNK).max(1);
+        let mut st = vec![
+            _mm512_setzero_ps();
+            if nc > seg {
+                2 * MX_TILE * super::row_block(rows, pb)
+            } else {
+                0
+            }
+        ];
+        let xa = xps.as_ptr().add(align_offset(xps));
+        let (pp, sp, yp, stp) = (packed.as_ptr(), scales.as_ptr(), yt.as_mut_ptr(), st.as_mut_ptr());
+        super::for_tiles(rows, n, MX_TILE, pb, nc, seg, |i, r, t0, tn, c0, c1| {
+            let out = if c1 == nc {
+                yp.add(r * n + t0)
+            } else {
+                std::ptr::null_mut()
+            };
+            let str = if st.is_empty() { stp } else { stp.add(2 * MX_TILE * i) };
+            by_tile!(
+                tn,
+                row_tile(
+                    pp.add(r * pb),
+                    sp.add(r * nb),
+                    nb,
+                    xa.add(t0 * len),
+                    len,
+                    c0,
+                    c1,
+                    str,
+                    out
+                )
+            )
+        });
     }
 }
 

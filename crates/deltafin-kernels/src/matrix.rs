@@ -195,8 +195,12 @@ impl<'a> MatRef<'a> {
     }
 
     /// `y = x W^T` for `n` tokens: `x: [n, cols]`, `y: [n, rows]`. Each output element is
-    /// computed exactly as [`MatRef::matvec`] computes it, so the result equals `n` matvecs bit
-    /// for bit; weight rows are reused across tokens while they sit in cache.
+    /// computed exactly as [`MatRef::matvec`] computes it (the same partial-sum chains, scale
+    /// applications and horizontal reduction, in the same order), so the result equals `n`
+    /// matvecs bit for bit. The level's tile kernels decode each weight vector (an MXFP4
+    /// 64-byte chunk, 8 int8/bf16/f16 weights) once and apply it to a tile of up to 4–6 tokens,
+    /// each with its own accumulators; rows are split across the current rayon pool when
+    /// `rows * cols * n > 65536` (results do not depend on the split).
     ///
     /// # Panics
     /// If `x.len() != n * cols` or `y.len() != n * rows`.
@@ -211,57 +215,52 @@ impl<'a> MatRef<'a> {
         if n == 0 || rows == 0 {
             return;
         }
-        if let MatData::Mxfp4 { .. } = self.data {
-            // The same row kernel as matvec, each row for every token while it is in cache.
-            let xps: Vec<Vec<f32>> = (0..n).map(|t| (k.mx_prepare)(&x[t * cols..(t + 1) * cols])).collect();
-            let row_tokens = |r: usize, out: &mut [f32]| {
-                for (t, o) in out.iter_mut().enumerate() {
-                    let xt = &x[t * cols..(t + 1) * cols];
-                    self.mx_rows(k, r, xt, &xps[t], std::slice::from_mut(o));
-                }
-            };
-            let mut yt = vec![0.0f32; rows * n];
-            if (rows * cols).saturating_mul(n) <= PAR_MIN_WEIGHTS {
-                for (r, yrow) in yt.chunks_mut(n).enumerate() {
-                    row_tokens(r, yrow);
-                }
-            } else {
-                let chunk = self.row_chunk();
-                yt.par_chunks_mut(chunk * n).enumerate().for_each(|(i, yc)| {
-                    for (j, yrow) in yc.chunks_mut(n).enumerate() {
-                        row_tokens(i * chunk + j, yrow);
-                    }
-                });
-            }
-            for (r, yrow) in yt.chunks(n).enumerate() {
-                for (t, &v) in yrow.iter().enumerate() {
-                    y[t * rows + r] = v;
-                }
-            }
-            return;
+        if n == 1 {
+            return self.matvec_with(k, x, y);
         }
-        if (rows * cols).saturating_mul(n) <= PAR_MIN_WEIGHTS {
-            for r in 0..rows {
-                for t in 0..n {
-                    y[t * rows + r] = self.row_dot(k, r, &x[t * cols..(t + 1) * cols]);
-                }
-            }
-            return;
-        }
-        // Rows in parallel into a [rows, n] scratch, then transposed into [n, rows].
-        let chunk = self.row_chunk();
+        let xps = match self.data {
+            MatData::Mxfp4 { .. } => (k.mx_prepare_tokens)(x, n),
+            _ => Vec::new(),
+        };
+        // Rows (in parallel when large) into a [rows, n] scratch, then transposed into [n, rows].
         let mut yt = vec![0.0f32; rows * n];
-        yt.par_chunks_mut(chunk * n).enumerate().for_each(|(i, yc)| {
-            let r0 = i * chunk;
-            for (j, yrow) in yc.chunks_mut(n).enumerate() {
-                for (t, v) in yrow.iter_mut().enumerate() {
-                    *v = self.row_dot(k, r0 + j, &x[t * cols..(t + 1) * cols]);
-                }
-            }
-        });
+        if (rows * cols).saturating_mul(n) <= PAR_MIN_WEIGHTS {
+            self.mm_rows(k, 0, x, n, &xps, &mut yt);
+        } else {
+            let chunk = self.row_chunk();
+            yt.par_chunks_mut(chunk * n)
+                .enumerate()
+                .for_each(|(i, yc)| self.mm_rows(k, i * chunk, x, n, &xps, yc));
+        }
         for (r, yrow) in yt.chunks(n).enumerate() {
             for (t, &v) in yrow.iter().enumerate() {
                 y[t * rows + r] = v;
+            }
+        }
+    }
+
+    /// Rows `[r0, r0 + yt.len() / n)` of the product for all `n` tokens into `yt: [rows', n]`
+    /// through the level's tile kernels; `xps` is `mx_prepare_tokens(x, n)` for MXFP4.
+    fn mm_rows(&self, k: &Kernels, r0: usize, x: &[f32], n: usize, xps: &[f32], yt: &mut [f32]) {
+        let c = self.cols;
+        let r1 = r0 + yt.len() / n;
+        match self.data {
+            MatData::F32(w) => (k.mm_f32)(&w[r0 * c..r1 * c], c, x, n, yt),
+            MatData::Bf16(w) => (k.mm_bf16)(&w[r0 * c..r1 * c], c, x, n, yt),
+            MatData::F16(w) => (k.mm_f16)(&w[r0 * c..r1 * c], c, x, n, yt),
+            MatData::Int8 { q, scales } => {
+                (k.mm_i8)(&q[r0 * c..r1 * c], c, x, n, yt);
+                // As `row_dot`: the row scale times the unscaled dot product (IEEE multiplication
+                // is commutative, so `v * s` is the same number).
+                for (yrow, &s) in yt.chunks_mut(n).zip(&scales[r0..r1]) {
+                    for v in yrow {
+                        *v *= s;
+                    }
+                }
+            }
+            MatData::Mxfp4 { packed, scales } => {
+                let (pb, sb) = (mxfp4::packed_row_bytes(c), mxfp4::scale_row_bytes(c));
+                (k.mx_mm)(&packed[r0 * pb..r1 * pb], &scales[r0 * sb..r1 * sb], c, x, n, xps, yt)
             }
         }
     }

@@ -64,6 +64,45 @@ fn every_level_matches_reference() {
     }
 }
 
+/// The tile kernels on every level: `matmul` must equal `n` matvecs bit for bit for every
+/// format, token counts around the tile sizes (1, 3, 7, 8, 9, 33), odd row counts, widths with
+/// partial MXFP4 blocks / chunks and scalar tails, and matrices large enough to span several
+/// row blocks and to be split across threads.
+#[test]
+fn every_level_matmul_equals_matvecs() {
+    let mut rng = rng(24);
+    let shapes = [
+        (1usize, 1usize),
+        (3, 7),
+        (5, 33),
+        (7, 129),
+        (13, 257),
+        (33, 1000),
+        (31, 2100),
+        (5, 3300),
+        (129, 520),
+    ];
+    for k in all_levels() {
+        for format in FORMATS {
+            for &(rows, cols) in &shapes {
+                let tm = random_mat(&mut rng, format, rows, cols);
+                let m = tm.mat();
+                for n in [1usize, 2, 3, 7, 8, 9, 33] {
+                    let x = random_vec(&mut rng, n * cols);
+                    let mut y = vec![f32::NAN; n * rows];
+                    m.matmul_with(k, &x, n, &mut y);
+                    let mut want = vec![f32::NAN; n * rows];
+                    for t in 0..n {
+                        m.matvec_with(k, &x[t * cols..(t + 1) * cols], &mut want[t * rows..(t + 1) * rows]);
+                    }
+                    let what = format!("{:?} {format} [{rows}, {cols}] n={n}", k.level);
+                    assert_eq!(bits(&y), bits(&want), "{what}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn every_level_dot_and_axpy() {
     let mut rng = rng(22);
@@ -144,6 +183,22 @@ fn every_level_mxfp4_edges() {
                     m.rows(r, r + len).matvec_with(k, &x, &mut ys);
                     assert_eq!(bits(&ys), bits(&y[r..r + len]), "{what}: rows {r}..{} alone", r + len);
                 }
+            }
+            // The tile kernels on the same rows (special scales, NaN row): 7 tokens, token 3 is x.
+            let n = 7;
+            let mut xs = random_vec(&mut rng, n * cols);
+            xs[3 * cols..4 * cols].copy_from_slice(&x);
+            let mut ym = vec![f32::NAN; n * rows];
+            m.matmul_with(k, &xs, n, &mut ym);
+            assert_eq!(bits(&ym[3 * rows..4 * rows]), bits(&y), "{what}: matmul token 3");
+            for t in 0..n {
+                let mut yv = vec![f32::NAN; rows];
+                m.matvec_with(k, &xs[t * cols..(t + 1) * cols], &mut yv);
+                assert_eq!(
+                    bits(&ym[t * rows..(t + 1) * rows]),
+                    bits(&yv),
+                    "{what}: matmul token {t}"
+                );
             }
         }
     }

@@ -50,7 +50,7 @@ fn matmul_equals_matvecs_bit_for_bit() {
     let mut rng = rng(12);
     for format in FORMATS {
         for &(rows, cols) in &SHAPES {
-            for n in [1usize, 3, 5] {
+            for n in [1usize, 3, 5, 7, 8, 9, 33] {
                 let tm = random_mat(&mut rng, format, rows, cols);
                 let m = tm.mat();
                 let x = random_vec(&mut rng, n * cols);
