@@ -280,6 +280,7 @@ pub fn generate(
             let routes = measure(
                 "decode",
                 &mut || {
+                    spec.set_remaining(opts.max_new_tokens - out.generated_ids.len());
                     let s = spec.step(model, cache.as_mut(), &context, &mut chooser)?;
                     let routes = s.routes.clone();
                     let n = s.tokens.len();

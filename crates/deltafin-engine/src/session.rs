@@ -328,6 +328,7 @@ impl Session {
                 let mut context = self.cached.clone();
                 context.push(last);
                 let model = Arc::clone(&self.model);
+                spec.set_remaining(req.max_new_tokens.saturating_sub(out.generated_ids.len()));
                 let s = match spec.step(model.as_ref(), self.cache.as_mut(), &context, &mut sampler) {
                     Ok(s) => s,
                     Err(e) => {

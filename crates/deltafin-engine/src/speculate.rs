@@ -316,6 +316,8 @@ pub struct Speculator {
     adaptive: Adaptive,
     /// Fixed draft length (research / tests); None = adaptive.
     fixed_k: Option<usize>,
+    /// Tokens the generation still needs ([`Self::set_remaining`]); None = unbounded.
+    remaining: Option<usize>,
     pub stats: SpecStats,
 }
 
@@ -326,8 +328,16 @@ impl Speculator {
             mode,
             adaptive: Adaptive::default(),
             fixed_k: None,
+            remaining: None,
             stats: SpecStats::default(),
         }
+    }
+
+    /// Tells the speculator that the generation needs at most `n` more tokens: later steps
+    /// draft at most `n - 1` (a pass yields its accepted drafts plus one), so no pass computes
+    /// or counts tokens past the end.
+    pub fn set_remaining(&mut self, n: usize) {
+        self.remaining = Some(n);
     }
 
     /// Drafts exactly `k` tokens whenever the drafter offers them (no adaptation); for tests and
@@ -357,7 +367,10 @@ impl Speculator {
     ) -> Result<StepOutput, EngineError> {
         let (drafter, avail) = self.offer(model, context);
         // A pass runs 1 + k positions from position len - 1: stay within the context length.
-        let avail = avail.min(model.context_length().saturating_sub(context.len()));
+        let mut avail = avail.min(model.context_length().saturating_sub(context.len()));
+        if let Some(n) = self.remaining {
+            avail = avail.min(n.saturating_sub(1));
+        }
         let k = match (self.fixed_k, drafter) {
             (_, None) => 0,
             (Some(k), Some(_)) => k.min(avail),

@@ -7,7 +7,7 @@
 use crate::arch::{ModelConfig, TensorRole};
 use crate::convert::{matrix_dims, record_layout};
 use crate::kimi_linear::MixerKind;
-use crate::model_dir::{StoredDtype, RECORD_ALIGN};
+use crate::model_dir::{StoredDtype, RECORD_ALIGN, TENSOR_ALIGN};
 
 /// Sizes of one model, bytes unless stated.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,18 +40,20 @@ pub struct Footprint {
 impl Footprint {
     /// Computes the footprint of `cfg`.
     pub fn of(cfg: &ModelConfig) -> Footprint {
+        // backbone.bin: each tensor starts TENSOR_ALIGN-aligned after the previous one.
         let (mut int8, mut bf16) = (0u64, 0u64);
+        let place = |pos: u64, bytes: u64| pos.div_ceil(TENSOR_ALIGN) * TENSOR_ALIGN + bytes;
         for t in cfg.backbone_tensors() {
             let (rows, cols) = matrix_dims(&t.shape);
             let n = (rows * cols) as u64;
             match t.role {
                 TensorRole::F32 => {
-                    int8 += 4 * n;
-                    bf16 += 4 * n;
+                    int8 = place(int8, 4 * n);
+                    bf16 = place(bf16, 4 * n);
                 }
                 TensorRole::Matrix => {
-                    int8 += n + 4 * rows as u64;
-                    bf16 += 2 * n;
+                    int8 = place(int8, n + 4 * rows as u64);
+                    bf16 = place(bf16, 2 * n);
                 }
             }
         }

@@ -84,6 +84,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
     let model: Arc<dyn CausalLm> = Arc::from(model);
     let mut session = Session::new(Arc::clone(&model), Arc::clone(&tokenizer), eos);
     session.set_prefill_chunk(a.passes.prefill_chunk);
+    a.passes.warn_unsupported(model.as_ref());
     session.set_speculate(a.passes.speculate);
 
     // Ctrl-C during an answer stops it; at the prompt it leaves.

@@ -22,8 +22,13 @@ pub struct InfoArgs {
 
 pub fn run(a: &InfoArgs) -> Result<()> {
     let p = &a.path;
-    let cfg: ModelConfig = if p.join("manifest.json").is_file() {
-        ModelDir::open(p)?.manifest.config
+    let manifest = if p.join("manifest.json").is_file() {
+        Some(ModelDir::open(p)?.manifest)
+    } else {
+        None
+    };
+    let cfg: ModelConfig = if let Some(m) = &manifest {
+        m.config.clone()
     } else {
         let file = if p.is_dir() { p.join("config.json") } else { p.clone() };
         ModelConfig::from_file(&file)
@@ -33,8 +38,18 @@ pub fn run(a: &InfoArgs) -> Result<()> {
     if let Some(b) = a.bandwidth.iter().find(|b| !(b.is_finite() && **b > 0.0)) {
         anyhow::bail!("--bandwidth {b}: must be a positive number of GB/s");
     }
-    let f = Footprint::of(&cfg);
+    let mut f = Footprint::of(&cfg);
     let h = |b: u64| format!("{} ({b} bytes)", size::human(b));
+    // A model directory: its stored layout (the dtypes it was converted with), not the defaults.
+    let stored = manifest.as_ref().map(|m| {
+        let record = m.experts.records.first().map_or(0, |r| r.length);
+        let align = m.experts.record_align.max(1);
+        f.expert_record = record;
+        f.expert_stride = record.div_ceil(align) * align;
+        f.expert_pack = m.experts.bytes;
+        f.expert_bytes_per_token = (f.moe_layers * f.top_k) as u64 * f.expert_stride;
+        (m.backbone.matrix_dtype.name(), m.backbone.bytes, m.experts.dtype.name())
+    });
     println!("model                      {} ({})", cfg.family(), cfg.model_type());
     println!(
         "layers                     {} ({} MoE), hidden {}, vocab {}",
@@ -48,10 +63,23 @@ pub fn run(a: &InfoArgs) -> Result<()> {
         cfg.n_routed_experts(),
         f.top_k
     );
-    println!("resident backbone (int8)   {}", h(f.backbone_int8));
-    println!("resident backbone (bf16)   {}", h(f.backbone_bf16));
+    let expert_dtype = match stored {
+        Some((backbone_dtype, backbone_bytes, expert_dtype)) => {
+            println!(
+                "resident backbone          {} ({backbone_dtype} matrices, as stored in this directory)",
+                h(backbone_bytes)
+            );
+            expert_dtype
+        }
+        None => {
+            println!("resident backbone (int8)   {}", h(f.backbone_int8));
+            println!("resident backbone (bf16)   {}", h(f.backbone_bf16));
+            "mxfp4"
+        }
+    };
+    let label = format!("one expert ({expert_dtype})");
     println!(
-        "one expert (MXFP4)         {}, {} with 4 KiB padding",
+        "{label:<27}{}, {} with 4 KiB padding",
         h(f.expert_record),
         h(f.expert_stride)
     );

@@ -172,6 +172,20 @@ pub(crate) struct PassArgs {
     pub(crate) speculate: deltafin_engine::speculate::SpeculateMode,
 }
 
+impl PassArgs {
+    /// Warns (stderr) when `--speculate self` asks for a drafter `model`'s family lacks: the
+    /// run then decodes plainly.
+    pub(crate) fn warn_unsupported(&self, model: &dyn CausalLm) {
+        if self.speculate == deltafin_engine::speculate::SpeculateMode::SelfDraft && !model.supports_draft() {
+            eprintln!(
+                "warning: --speculate self: the {} family has no self-drafting; decoding one token per step \
+                 (use --speculate lookup or auto for prompt-lookup drafts)",
+                model.config().family()
+            );
+        }
+    }
+}
+
 fn parse_speculate(s: &str) -> Result<deltafin_engine::speculate::SpeculateMode, String> {
     s.parse()
 }
@@ -491,6 +505,7 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     let mut store_opts = a.store.options(budget)?;
     let _network = pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     let mut model = load_model(&dir, store_opts)?;
+    a.passes.warn_unsupported(model.as_ref());
     if a.compute_only {
         model.routed_mut().set_compute_only()?;
         eprintln!("warning: --compute-only: experts are computed with stand-in records; output is not the model's");

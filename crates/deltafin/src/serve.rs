@@ -66,6 +66,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         model.store().warm_pinned();
     }
     let model: Arc<dyn CausalLm> = Arc::from(model);
+    a.passes.warn_unsupported(model.as_ref());
     let model_id = match &a.model_id {
         Some(id) => id.clone(),
         None => a

@@ -580,6 +580,32 @@ fn info_reports_qwen3_next_and_qwen3_5_moe() {
     }
 }
 
+/// `deltafin info` on a converted directory reports the layout it was converted with (here the
+/// lossless f32 one), and its backbone and pack sizes equal the files'; on the source checkpoint
+/// its int8 backbone estimate equals the default convert's `backbone.bin` to the byte.
+#[test]
+fn info_reports_a_model_directory_as_stored() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_5_moe/qwen3_5_moe_a");
+    let f32_dir = tmp.path().join("f32");
+    ok(convert(&src, &f32_dir, &["--backbone", "f32", "--experts", "f32"]));
+    let len = |p: &Path| std::fs::metadata(p).unwrap().len();
+    let t = text(&ok(exec(deltafin().arg("info").arg(&f32_dir))).stdout);
+    for needle in [
+        format!("({} bytes) (f32 matrices", len(&f32_dir.join("backbone.bin"))),
+        "one expert (f32)".to_string(),
+        format!("({} bytes) in 32 records", len(&f32_dir.join("experts.pack"))),
+    ] {
+        assert!(t.contains(&needle), "missing {needle:?} in:\n{t}");
+    }
+    let default_dir = tmp.path().join("default");
+    ok(convert(&src, &default_dir, &[]));
+    let t = text(&ok(exec(deltafin().arg("info").arg(&src))).stdout);
+    let needle = format!("({} bytes)", len(&default_dir.join("backbone.bin")));
+    let line = t.lines().find(|l| l.starts_with("resident backbone (int8)")).unwrap();
+    assert!(line.contains(&needle), "{line:?} vs backbone.bin {needle}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. Error paths of `convert`
 // ---------------------------------------------------------------------------------------------
