@@ -116,6 +116,14 @@ pub enum Select {
     Expert { index: usize, transposed: bool },
 }
 
+/// Multimodal / release wrappers (top-level `model_type`) and the text models they hold
+/// (`text_config.model_type`).
+const WRAPPERS: &[(&str, &[&str])] = &[
+    ("kimi_k25", &["deepseek_v3", "kimi_k2"]),
+    ("kimi_k3", &["kimi_linear"]),
+    ("qwen3_5_moe", &["qwen3_5_moe_text"]),
+];
+
 impl ModelConfig {
     /// Reads and resolves `config.json`, choosing the family from `model_type` (of
     /// `text_config` for multimodal wrappers). Returns the config and the raw JSON.
@@ -139,6 +147,25 @@ impl ModelConfig {
     pub fn from_value(raw: &Value, path: &Path) -> Result<Self, FormatError> {
         let tc = text_config(raw);
         let mt = tc.get("model_type").and_then(Value::as_str).unwrap_or("");
+        let top = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
+        // Multimodal wrappers name the text model they hold; another one inside is a mix-up.
+        if let Some((_, inner)) = WRAPPERS.iter().find(|(w, _)| *w == top) {
+            if !inner.contains(&mt) {
+                let found = if std::ptr::eq(tc, raw) {
+                    "no text_config".to_string()
+                } else {
+                    format!("text_config.model_type {mt:?}")
+                };
+                return Err(FormatError::Config {
+                    path: path.to_path_buf(),
+                    field: "text_config.model_type".into(),
+                    message: format!(
+                        "model_type {top:?} wraps a text model of type {}, but the file has {found}",
+                        inner.join(" or ")
+                    ),
+                });
+            }
+        }
         match mt {
             "deepseek_v3" | "kimi_k2" => Ok(ModelConfig::DeepseekV3(DeepseekV3Config::from_value(raw, path)?)),
             "kimi_linear" => Ok(ModelConfig::KimiLinear(KimiLinearConfig::from_value(raw, path)?)),
@@ -147,7 +174,6 @@ impl ModelConfig {
             "gpt_oss" => Ok(ModelConfig::GptOss(GptOssConfig::from_value(raw, path)?)),
             "qwen3_next" | "qwen3_5_moe_text" => Ok(ModelConfig::Qwen3Next(Qwen3NextConfig::from_value(raw, path)?)),
             _ => {
-                let top = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
                 let shown = if mt.is_empty() { top } else { mt };
                 Err(FormatError::Config {
                     path: path.to_path_buf(),
@@ -529,5 +555,30 @@ mod tests {
             e.to_string().contains("model_type") && e.to_string().contains("llama"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_wrapper_must_hold_its_own_text_model() {
+        let p = Path::new("config.json");
+        let e = ModelConfig::from_value(&json!({"model_type": "qwen3_5_moe", "num_hidden_layers": 2}), p)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("qwen3_5_moe_text") && e.contains("no text_config"), "{e}");
+        let e = ModelConfig::from_value(
+            &json!({"model_type": "kimi_k3", "text_config": {"model_type": "qwen3_5_moe_text"}}),
+            p,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("text_config.model_type") && e.contains("kimi_linear") && e.contains("qwen3_5_moe_text"),
+            "{e}"
+        );
+        let c = ModelConfig::from_value(
+            &json!({"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2", "num_hidden_layers": 2}}),
+            p,
+        )
+        .unwrap();
+        assert_eq!(c.family(), "deepseek_v3");
     }
 }

@@ -162,7 +162,8 @@ struct RunArgs {
 pub(crate) struct PassArgs {
     /// Prompt tokens per batched prefill pass (expert-major: each expert the chunk selects is
     /// read once for the chunk); 1 = token at a time, 0 = as many as an eighth of --ram-budget
-    /// holds (at least 32 MiB of activations, at most 4096 tokens). Output does not depend on it.
+    /// holds (at least 32 MiB of activations, at most 4096 tokens). Greedy output does not depend
+    /// on it (logits bit-identical; within f32 rounding on KDA / gated DeltaNet layers).
     #[arg(long, value_name = "TOKENS", default_value_t = 0)]
     pub(crate) prefill_chunk: usize,
     /// Speculative decoding: `off`, `lookup` (n-gram match in the context), `self` (the model
@@ -506,6 +507,15 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     let _network = pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     let mut model = load_model(&dir, store_opts)?;
     a.passes.warn_unsupported(model.as_ref());
+    let ctx = model.context_length();
+    if prompt_ids.len().saturating_add(a.max_new_tokens) > ctx {
+        eprintln!(
+            "warning: the prompt ({} tokens) plus --max-new-tokens {} exceed the model's context length \
+             ({ctx}, max_position_embeddings): positions past it were never trained (`serve` refuses such requests)",
+            prompt_ids.len(),
+            a.max_new_tokens
+        );
+    }
     if a.compute_only {
         model.routed_mut().set_compute_only()?;
         eprintln!("warning: --compute-only: experts are computed with stand-in records; output is not the model's");
