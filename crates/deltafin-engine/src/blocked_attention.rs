@@ -1,0 +1,150 @@
+//! Blocked scaled-dot-product attention for many query rows over one set of cached keys and
+//! values: the chunk of a batched pass (prompt prefill, speculative verification) attends to
+//! the cached prefix and to itself, and every query head of the chunk that shares a key/value
+//! head (GQA: the `n_heads / n_kv_heads` heads of a group; MLA: all heads, which share the
+//! latents) reads the same keys.
+//!
+//! Streaming the keys once per (token, head) re-reads the whole cache `rows` times from wherever
+//! it lives (L3 or DRAM once it outgrows L2). Here the keys are visited in tiles of
+//! [`KEY_TILE`] positions; each tile is used by every query row before the next tile is loaded,
+//! first for the scores, then (after each row's softmax) for the weighted sum of values.
+//!
+//! Exactness: the tiling only reorders *which* (row, key) pair is computed when, never the
+//! arithmetic of one score or one output element. Every score is `score(row, t)` (the caller's
+//! one-token formula, e.g. `dot(q, k_t) · scale`), each row's softmax sees its complete row, and
+//! every output element is accumulated over `t` in ascending order with
+//! [`deltafin_kernels::axpy`] (multiply, then add) — the same operations in the same order as the
+//! per-(token, head) loop of the one-token path, so the result is bit-identical to it.
+//!
+//! Source: the query-tile × key-tile schedule of FlashAttention (Dao et al. 2022,
+//! arXiv:2205.14135, Alg. 1) without its online softmax (which would change the summation
+//! order): the full score row is kept, `[rows, window]` f32 per call.
+
+use deltafin_kernels::axpy;
+
+/// Key positions per tile: 64 GQA keys of 128 f32 (32 KiB) or 64 MLA latents of 512 f32
+/// (128 KiB) stay in L2 while every query row of the call uses them.
+pub const KEY_TILE: usize = 64;
+
+/// Attention of `windows.len()` query rows over shared keys and values.
+///
+/// - `windows[r] = (start, end)`: row `r` attends to key positions `start..end` (ascending,
+///   non-empty for a causal row: it includes the row's own position).
+/// - `score(r, t)`: row `r`'s logit for key `t` (already scaled).
+/// - `softmax(r, s)`: normalises row `r`'s logits `s: [end - start]` in place (plain softmax, or
+///   with gpt-oss' sink).
+/// - `value(t)`: the value vector of position `t`, `[dv]`.
+/// - `scores`: scratch, grown to `Σ_r (end_r - start_r)` f32.
+/// - `ctx: [rows, dv]`, must be zero on entry: `ctx[r] = Σ_t p_r[t] · value(t)` summed in
+///   ascending `t` with `axpy`.
+///
+/// # Panics
+/// If `ctx.len() != windows.len() * dv` or a value is not `[dv]`.
+pub fn attend_rows<'v, S, M, V>(
+    windows: &[(usize, usize)],
+    score: S,
+    softmax: M,
+    value: V,
+    dv: usize,
+    scores: &mut Vec<f32>,
+    ctx: &mut [f32],
+) where
+    S: Fn(usize, usize) -> f32,
+    M: Fn(usize, &mut [f32]),
+    V: Fn(usize) -> &'v [f32],
+{
+    assert_eq!(ctx.len(), windows.len() * dv, "attend_rows: ctx length");
+    if windows.is_empty() {
+        return;
+    }
+    // offsets[r]: where row r's logits start in `scores`.
+    let mut offsets = Vec::with_capacity(windows.len() + 1);
+    let mut total = 0;
+    for &(s, e) in windows {
+        offsets.push(total);
+        total += e.saturating_sub(s);
+    }
+    scores.clear();
+    scores.resize(total, 0.0);
+    let lo = windows.iter().map(|w| w.0).min().unwrap_or(0);
+    let hi = windows.iter().map(|w| w.1).max().unwrap_or(0);
+    // Scores, key tile by key tile.
+    let mut t0 = lo;
+    while t0 < hi {
+        let t1 = (t0 + KEY_TILE).min(hi);
+        for (r, &(s, e)) in windows.iter().enumerate() {
+            let (a, b) = (s.max(t0), e.min(t1));
+            let row = &mut scores[offsets[r]..offsets[r] + e.saturating_sub(s)];
+            for t in a..b {
+                row[t - s] = score(r, t);
+            }
+        }
+        t0 = t1;
+    }
+    for (r, &(s, e)) in windows.iter().enumerate() {
+        softmax(r, &mut scores[offsets[r]..offsets[r] + e.saturating_sub(s)]);
+    }
+    // Weighted values, key tile by key tile; per output element ascending t.
+    let mut t0 = lo;
+    while t0 < hi {
+        let t1 = (t0 + KEY_TILE).min(hi);
+        for (r, (&(s, e), c)) in windows.iter().zip(ctx.chunks_exact_mut(dv)).enumerate() {
+            let (a, b) = (s.max(t0), e.min(t1));
+            let row = &scores[offsets[r]..offsets[r] + e.saturating_sub(s)];
+            for t in a..b {
+                axpy(row[t - s], value(t), c);
+            }
+        }
+        t0 = t1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use deltafin_kernels::{dot, softmax_inplace};
+
+    /// Against the per-row loop (scores, softmax, axpy in t order), bit for bit, with windows
+    /// of different lengths that straddle several key tiles.
+    #[test]
+    fn equals_the_per_row_loop_bit_for_bit() {
+        let (d, n) = (24, 3 * KEY_TILE + 5);
+        let mut seed = 7u32;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        };
+        let keys: Vec<f32> = (0..n * d).map(|_| rnd()).collect();
+        let vals: Vec<f32> = (0..n * d).map(|_| rnd()).collect();
+        let windows = [
+            (0, 1),
+            (0, n),
+            (10, KEY_TILE + 3),
+            (KEY_TILE - 1, 2 * KEY_TILE + 9),
+            (n - 1, n),
+        ];
+        let qs: Vec<f32> = (0..windows.len() * d).map(|_| rnd() * 4.0).collect();
+        let score = |r: usize, t: usize| dot(&qs[r * d..(r + 1) * d], &keys[t * d..(t + 1) * d]) * 0.3;
+        let mut ctx = vec![0f32; windows.len() * d];
+        let mut scratch = Vec::new();
+        attend_rows(
+            &windows,
+            score,
+            |_, s| softmax_inplace(s),
+            |t| &vals[t * d..(t + 1) * d],
+            d,
+            &mut scratch,
+            &mut ctx,
+        );
+        for (r, &(s, e)) in windows.iter().enumerate() {
+            let mut sc: Vec<f32> = (s..e).map(|t| score(r, t)).collect();
+            softmax_inplace(&mut sc);
+            let mut want = vec![0f32; d];
+            for (i, p) in sc.iter().enumerate() {
+                axpy(*p, &vals[(s + i) * d..(s + i + 1) * d], &mut want);
+            }
+            let got = &ctx[r * d..(r + 1) * d];
+            assert!(want.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()), "row {r}");
+        }
+    }
+}
