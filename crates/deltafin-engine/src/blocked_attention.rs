@@ -33,26 +33,25 @@ pub const KEY_TILE: usize = 64;
 /// - `score(r, t)`: row `r`'s logit for key `t` (already scaled).
 /// - `softmax(r, s)`: normalises row `r`'s logits `s: [end - start]` in place (plain softmax, or
 ///   with gpt-oss' sink).
-/// - `value(t)`: the value vector of position `t`, `[dv]`.
+/// - `values`: the value vector of position `t` is `values.row(t)`, `[dv]`.
 /// - `scores`: scratch, grown to `Σ_r (end_r - start_r)` f32.
 /// - `ctx: [rows, dv]`, must be zero on entry: `ctx[r] = Σ_t p_r[t] · value(t)` summed in
 ///   ascending `t` with `axpy`.
 ///
 /// # Panics
 /// If `ctx.len() != windows.len() * dv` or a value is not `[dv]`.
-pub fn attend_rows<'v, S, M, V>(
+pub fn attend_rows<S, M>(
     windows: &[(usize, usize)],
     score: S,
     softmax: M,
-    value: V,
-    dv: usize,
+    values: Values<'_>,
     scores: &mut Vec<f32>,
     ctx: &mut [f32],
 ) where
     S: Fn(usize, usize) -> f32,
     M: Fn(usize, &mut [f32]),
-    V: Fn(usize) -> &'v [f32],
 {
+    let dv = values.width;
     assert_eq!(ctx.len(), windows.len() * dv, "attend_rows: ctx length");
     if windows.is_empty() {
         return;
@@ -84,18 +83,112 @@ pub fn attend_rows<'v, S, M, V>(
     for (r, &(s, e)) in windows.iter().enumerate() {
         softmax(r, &mut scores[offsets[r]..offsets[r] + e.saturating_sub(s)]);
     }
-    // Weighted values, key tile by key tile; per output element ascending t.
+    // Weighted values, key tile by key tile; per output element ascending t. Runs of four
+    // rows with the same window (the heads of one token) share each value load.
     let mut t0 = lo;
     while t0 < hi {
         let t1 = (t0 + KEY_TILE).min(hi);
-        for (r, (&(s, e), c)) in windows.iter().zip(ctx.chunks_exact_mut(dv)).enumerate() {
+        let mut r = 0;
+        while r < windows.len() {
+            let (s, e) = windows[r];
             let (a, b) = (s.max(t0), e.min(t1));
-            let row = &scores[offsets[r]..offsets[r] + e.saturating_sub(s)];
-            for t in a..b {
-                axpy(row[t - s], value(t), c);
+            if r + 4 <= windows.len() && windows[r + 1..r + 4].iter().all(|&w| w == (s, e)) {
+                let p = [0, 1, 2, 3].map(|i| &scores[offsets[r + i]..offsets[r + i] + e.saturating_sub(s)]);
+                accumulate4(p, &values, s, a, b, &mut ctx[r * dv..(r + 4) * dv]);
+                r += 4;
+            } else {
+                let row = &scores[offsets[r]..offsets[r] + e.saturating_sub(s)];
+                let c = &mut ctx[r * dv..(r + 1) * dv];
+                for t in a..b {
+                    axpy(row[t - s], values.row(t), c);
+                }
+                r += 1;
             }
         }
         t0 = t1;
+    }
+}
+
+/// Value vectors at a fixed stride: position `t`'s is `data[t * stride + offset ..][..width]`
+/// (GQA: one key/value head's slice of `[n_tokens, n_kv_heads * head_dim]`; MLA: the latents
+/// `[n_tokens, kv_lora_rank]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Values<'a> {
+    pub data: &'a [f32],
+    pub stride: usize,
+    pub offset: usize,
+    pub width: usize,
+}
+
+impl<'a> Values<'a> {
+    /// Position `t`'s vector `[width]`.
+    ///
+    /// # Panics
+    /// If it lies outside `data`.
+    #[inline]
+    pub fn row(&self, t: usize) -> &'a [f32] {
+        let o = t * self.stride + self.offset;
+        &self.data[o..o + self.width]
+    }
+}
+
+/// `ctx[i] += Σ_{t ∈ a..b} p[i][t - s] · values.row(t)` for four rows `ctx: [4, width]`, every
+/// element accumulated in ascending `t` as a multiply then an add — exactly the sequence of
+/// [`axpy`] calls it replaces (which is "multiply, then add" on every SIMD level), so the bits
+/// are the same; each value load serves the four rows. Compiled for AVX2 when the CPU has it
+/// (plain Rust, no FMA contraction: Rust never fuses `a * b + c`).
+fn accumulate4(p: [&[f32]; 4], values: &Values<'_>, s: usize, a: usize, b: usize, ctx: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was detected at run time just above.
+        unsafe { accumulate4_avx2(p, values, s, a, b, ctx) };
+        return;
+    }
+    accumulate4_body(p, values, s, a, b, ctx);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn accumulate4_avx2(p: [&[f32]; 4], values: &Values<'_>, s: usize, a: usize, b: usize, ctx: &mut [f32]) {
+    accumulate4_body(p, values, s, a, b, ctx);
+}
+
+#[inline(always)]
+fn accumulate4_body(p: [&[f32]; 4], values: &Values<'_>, s: usize, a: usize, b: usize, ctx: &mut [f32]) {
+    const CB: usize = 16;
+    let dv = values.width;
+    assert_eq!(ctx.len(), 4 * dv);
+    for pi in &p {
+        assert!(b <= s + pi.len() && a >= s);
+    }
+    let mut j = 0;
+    while j + CB <= dv {
+        let mut acc = [[0f32; CB]; 4];
+        for (i, ai) in acc.iter_mut().enumerate() {
+            ai.copy_from_slice(&ctx[i * dv + j..i * dv + j + CB]);
+        }
+        for t in a..b {
+            let v: &[f32; CB] = values.row(t)[j..j + CB].try_into().expect("CB columns");
+            let ps = [p[0][t - s], p[1][t - s], p[2][t - s], p[3][t - s]];
+            for (ai, &pi) in acc.iter_mut().zip(&ps) {
+                for k in 0..CB {
+                    ai[k] += pi * v[k];
+                }
+            }
+        }
+        for (i, ai) in acc.iter().enumerate() {
+            ctx[i * dv + j..i * dv + j + CB].copy_from_slice(ai);
+        }
+        j += CB;
+    }
+    for jj in j..dv {
+        for (i, pi) in p.iter().enumerate() {
+            let mut x = ctx[i * dv + jj];
+            for t in a..b {
+                x += pi[t - s] * values.row(t)[jj];
+            }
+            ctx[i * dv + jj] = x;
+        }
     }
 }
 
@@ -131,8 +224,12 @@ mod tests {
             &windows,
             score,
             |_, s| softmax_inplace(s),
-            |t| &vals[t * d..(t + 1) * d],
-            d,
+            Values {
+                data: &vals,
+                stride: d,
+                offset: 0,
+                width: d,
+            },
             &mut scratch,
             &mut ctx,
         );

@@ -427,8 +427,12 @@ impl GqaAttention {
                     Some(sinks) => softmax_with_sink(s, sinks[g * group + r % group]),
                     None => softmax_inplace(s),
                 },
-                |t| &values[t * kv_dim + kvo..t * kv_dim + kvo + hd],
-                hd,
+                crate::blocked_attention::Values {
+                    data: values,
+                    stride: kv_dim,
+                    offset: kvo,
+                    width: hd,
+                },
                 scores,
                 &mut out,
             );

@@ -438,8 +438,12 @@ impl DeepseekV3 {
                 s * scale
             },
             |_, s| softmax_inplace(s),
-            |t| &ckv[t * kvl..(t + 1) * kvl],
-            kvl,
+            crate::blocked_attention::Values {
+                data: ckv,
+                stride: kvl,
+                offset: 0,
+                width: kvl,
+            },
             scores,
             &mut ctx,
         );
