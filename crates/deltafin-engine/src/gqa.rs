@@ -1,5 +1,7 @@
 //! Grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245) with a standard per-layer KV
-//! cache and rotate-half RoPE, one token at a time: the attention block of Mixtral, Qwen3-MoE and
+//! cache and rotate-half RoPE, one token at a time or a chunk of tokens at once
+//! ([`GqaAttention::forward_batch`], through [`crate::blocked_attention`]; bit-identical to token
+//! at a time): the attention block of Mixtral, Qwen3-MoE and
 //! other Llama-style families, matching transformers' `eager_attention_forward` +
 //! `apply_rotary_pos_emb` (`models/mixtral/modeling_mixtral.py`,
 //! `models/qwen3_moe/modeling_qwen3_moe.py`) in f32.

@@ -3,8 +3,9 @@
 //! decoding, and a rolled-back decode state continues exactly like a fresh one.
 //!
 //! Models: the committed transformers fixtures (`tests/fixtures/deepseek_v3/dsv3_{a,b,c}`,
-//! converted with the default int8 backbone and MXFP4 experts) and the `tiny` and `demo`
-//! synthetic shapes (`deltafin_format::synth`, written as checkpoints and converted).
+//! `qwen3_moe`, `mixtral`, `gpt_oss`, converted with the default int8 backbone and MXFP4
+//! experts) and the `tiny` and `demo` synthetic shapes (`deltafin_format::synth`, written as
+//! checkpoints and converted); Kimi Linear / K3 within rounding (see their test).
 //!
 //! Tolerance: 0. The batched kernels compute every row exactly as the one-token kernels do
 //! (`MatRef::matmul` equals `n` matvecs bit for bit), attention runs the same per-head

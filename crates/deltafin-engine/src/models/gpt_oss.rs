@@ -1,4 +1,5 @@
-//! gpt-oss forward pass, one token at a time, matching transformers'
+//! gpt-oss forward pass, one token at a time or a chunk at once (batched GQA, expert-major
+//! MoE; bit-identical to token at a time), matching transformers'
 //! `models/gpt_oss/modeling_gpt_oss.py` (5.x) in f32.
 //!
 //! Per decoder layer (PyTorch equivalent in the comments):

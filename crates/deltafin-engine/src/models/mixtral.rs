@@ -1,4 +1,5 @@
-//! Mixtral forward pass, one token at a time, matching transformers'
+//! Mixtral forward pass, one token at a time or a chunk at once (batched GQA, expert-major
+//! MoE; bit-identical to token at a time), matching transformers'
 //! `models/mixtral/modeling_mixtral.py` in f32.
 //!
 //! Per decoder layer (PyTorch equivalent in the comments):

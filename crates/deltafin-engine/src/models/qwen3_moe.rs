@@ -1,4 +1,5 @@
-//! Qwen3-MoE forward pass, one token at a time, matching transformers'
+//! Qwen3-MoE forward pass, one token at a time or a chunk at once (batched GQA, expert-major
+//! MoE; bit-identical to token at a time), matching transformers'
 //! `models/qwen3_moe/modeling_qwen3_moe.py` in f32.
 //!
 //! Per decoder layer (PyTorch equivalent in the comments):
