@@ -20,7 +20,9 @@
 //! arXiv:2205.14135, Alg. 1) without its online softmax (which would change the summation
 //! order): the full score row is kept, `[rows, window]` f32 per call.
 
-use deltafin_kernels::axpy;
+use deltafin_kernels::{axpy, dot, softmax_inplace, MatRef};
+
+use crate::rope::RotaryEmbedding;
 
 /// Key positions per tile: 64 GQA keys of 128 f32 (32 KiB) or 64 MLA latents of 512 f32
 /// (128 KiB) stay in L2 while every query row of the call uses them.
@@ -106,6 +108,93 @@ pub fn attend_rows<S, M>(
             }
         }
         t0 = t1;
+    }
+}
+
+/// Shape of a weight-absorbed MLA block (DeepSeek-V2 §2.1, arXiv:2405.04434; [MLA_ABSORB]) for
+/// [`mla_tile`].
+#[derive(Clone, Copy)]
+pub struct MlaShape<'a> {
+    pub n_heads: usize,
+    pub nope: usize,
+    /// `qk_rope_head_dim`: the shared-key part of each query.
+    pub rope: usize,
+    pub v_head_dim: usize,
+    pub kv_lora_rank: usize,
+    /// Softmax scale.
+    pub scale: f32,
+    /// RoPE of the shared-key part at the query's position (DeepSeek-V3); None: no rotation
+    /// (Kimi's NoPE MLA, where that part is a plain shared-key dot product).
+    pub rotary: Option<&'a RotaryEmbedding>,
+}
+
+/// Weight-absorbed MLA of a tile of `q.len() / (n_heads · qk_head_dim)` consecutive tokens at
+/// positions `pos0..`, every head, over the cached latents `ckv: [n_cached, kv_lora_rank]` and
+/// shared keys `kpe: [n_cached, rope]` (which already hold the tile): `q: [tokens, n_heads *
+/// qk_head_dim]` (before rope) → `out: [tokens, n_heads * v_head_dim]`. Per (token, head): the
+/// absorbed query `q_abs = W_UK_h^T q_nope` (`kv_b` rows `h·(nope + v) ..+ nope`), scores
+/// `(q_abs · c_t + q_pe · k_pe_t) · scale` over `t ≤ pos`, softmax, `ctx = Σ_t p_t c_t` in
+/// ascending `t`, `o_h = W_UV_h ctx` — the operations of the one-token path
+/// (`DeepseekV3::attend_head`, `KimiLinear::mla`), scheduled by [`attend_rows`], so each row is
+/// bit-identical to it. `scores` is scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_tile(
+    shape: &MlaShape<'_>,
+    kv_b: MatRef<'_>,
+    q: &[f32],
+    pos0: usize,
+    ckv: &[f32],
+    kpe: &[f32],
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let (nh, nope, rope, vd, kvl) = (
+        shape.n_heads,
+        shape.nope,
+        shape.rope,
+        shape.v_head_dim,
+        shape.kv_lora_rank,
+    );
+    let qk = nope + rope;
+    let rows = q.len() / qk;
+    // Per row (token, head): the absorbed query [kv_lora_rank] and the (rotated) rope query.
+    let mut q_abs = vec![0f32; rows * kvl];
+    let mut q_pe = vec![0f32; rows * rope];
+    for (r, qa) in q_abs.chunks_exact_mut(kvl).enumerate() {
+        let (t, hh) = (r / nh, r % nh);
+        let qh = &q[r * qk..(r + 1) * qk];
+        let qp = &mut q_pe[r * rope..(r + 1) * rope];
+        qp.copy_from_slice(&qh[nope..]);
+        if let Some(rot) = shape.rotary {
+            rot.apply(qp, pos0 + t);
+        }
+        let base = hh * (nope + vd);
+        kv_b.rows(base, base + nope).matvec_t(&qh[..nope], qa);
+    }
+    let windows: Vec<(usize, usize)> = (0..rows).map(|r| (0, pos0 + r / nh + 1)).collect();
+    let mut ctx = vec![0f32; rows * kvl];
+    let scale = shape.scale;
+    attend_rows(
+        &windows,
+        |r, t| {
+            let s = dot(&q_abs[r * kvl..(r + 1) * kvl], &ckv[t * kvl..(t + 1) * kvl])
+                + dot(&q_pe[r * rope..(r + 1) * rope], &kpe[t * rope..(t + 1) * rope]);
+            s * scale
+        },
+        |_, s| softmax_inplace(s),
+        Values {
+            data: ckv,
+            stride: kvl,
+            offset: 0,
+            width: kvl,
+        },
+        scores,
+        &mut ctx,
+    );
+    // o_h = W_UV_h ctx: [v_head_dim]
+    for (r, (o, cx)) in out.chunks_exact_mut(vd).zip(ctx.chunks_exact(kvl)).enumerate() {
+        let base = (r % nh) * (nope + vd);
+        kv_b.rows(base + nope, base + nope + vd).matvec(cx, o);
     }
 }
 
@@ -195,7 +284,6 @@ fn accumulate4_body(p: [&[f32]; 4], values: &Values<'_>, s: usize, a: usize, b: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use deltafin_kernels::{dot, softmax_inplace};
 
     /// Against the per-row loop (scores, softmax, axpy in t order), bit for bit, with windows
     /// of different lengths that straddle several key tiles.

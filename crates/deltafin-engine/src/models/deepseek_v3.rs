@@ -387,78 +387,11 @@ impl DeepseekV3 {
         o
     }
 
-    /// MLA of a tile of `q.len() / (n_heads · qk_head_dim)` consecutive tokens at positions
-    /// `pos0..`, every head, over the cached latents (which already hold the tile):
-    /// `q: [tokens, n_heads * qk_head_dim]` (before rope) → `out: [tokens, n_heads *
-    /// v_head_dim]`. The same per-(token, head) operations as [`Self::attend_head`] — absorbed
-    /// query, scores `(q_abs · c_t + q_pe · k_pe_t) · scale`, softmax, `Σ_t p_t c_t` in
-    /// ascending `t`, `W_UV_h` — scheduled by [`crate::blocked_attention::attend_rows`] so that
-    /// each latent tile serves all the tile's (token, head) rows while it is in cache; the
-    /// result is bit-identical to [`Self::attend_head`] per row. [MLA_ABSORB]
-    #[allow(clippy::too_many_arguments)]
-    fn attend_tile(
-        &self,
-        kv_b: MatRef<'_>,
-        q: &[f32],
-        pos0: usize,
-        ckv: &[f32],
-        kpe: &[f32],
-        scores: &mut Vec<f32>,
-        out: &mut [f32],
-    ) {
-        let c = &self.cfg;
-        let (nh, nope, rope, vd, kvl) = (
-            c.num_attention_heads,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-            c.kv_lora_rank,
-        );
-        let qk = nope + rope;
-        let rows = q.len() / qk;
-        // Per row (token, head): the absorbed query [kv_lora_rank] and the rotated rope query.
-        let mut q_abs = vec![0f32; rows * kvl];
-        let mut q_pe = vec![0f32; rows * rope];
-        for (r, (qa, qp)) in q_abs.chunks_exact_mut(kvl).zip(q_pe.chunks_exact_mut(rope)).enumerate() {
-            let (t, hh) = (r / nh, r % nh);
-            let qh = &q[r * qk..(r + 1) * qk];
-            qp.copy_from_slice(&qh[nope..]);
-            self.rope.apply(qp, pos0 + t);
-            let base = hh * (nope + vd);
-            kv_b.rows(base, base + nope).matvec_t(&qh[..nope], qa);
-        }
-        let windows: Vec<(usize, usize)> = (0..rows).map(|r| (0, pos0 + r / nh + 1)).collect();
-        let mut ctx = vec![0f32; rows * kvl];
-        let scale = self.softmax_scale;
-        crate::blocked_attention::attend_rows(
-            &windows,
-            |r, t| {
-                let s = deltafin_kernels::dot(&q_abs[r * kvl..(r + 1) * kvl], &ckv[t * kvl..(t + 1) * kvl])
-                    + deltafin_kernels::dot(&q_pe[r * rope..(r + 1) * rope], &kpe[t * rope..(t + 1) * rope]);
-                s * scale
-            },
-            |_, s| softmax_inplace(s),
-            crate::blocked_attention::Values {
-                data: ckv,
-                stride: kvl,
-                offset: 0,
-                width: kvl,
-            },
-            scores,
-            &mut ctx,
-        );
-        // o_h = W_UV_h ctx: [v_head_dim]
-        for (r, (o, cx)) in out.chunks_exact_mut(vd).zip(ctx.chunks_exact(kvl)).enumerate() {
-            let base = (r % nh) * (nope + vd);
-            kv_b.rows(base + nope, base + nope + vd).matvec(cx, o);
-        }
-    }
-
     /// MLA for a chunk of `nt` tokens at positions `pos0..pos0 + nt`: the projections as
     /// matrix-matrix products, the chunk's latents and rope keys appended to the cache, then
     /// every (token, head) attends causally over the cached prefix and the chunk up to itself,
-    /// tiles of tokens in parallel through the blocked kernel ([`Self::attend_tile`]). Each
-    /// token's result equals [`Self::attention`] bit for bit (same per-row kernels, same
+    /// tiles of tokens in parallel through the blocked kernel
+    /// ([`crate::blocked_attention::mla_tile`]). Each token's result equals [`Self::attention`] bit for bit (same per-row kernels, same
     /// per-head operations). xn: `[nt, hidden]` → `[nt, hidden]`.
     fn attention_batch(
         &self,
@@ -509,6 +442,15 @@ impl DeepseekV3 {
         // flat: [nt, n_heads * v_head_dim], token-major (the one-token layout per token).
         let vd = c.v_head_dim;
         let mut flat = vec![0f32; nt * nh * vd];
+        let mla = crate::blocked_attention::MlaShape {
+            n_heads: nh,
+            nope,
+            rope,
+            v_head_dim: vd,
+            kv_lora_rank: kvl,
+            scale: self.softmax_scale,
+            rotary: Some(&self.rope),
+        };
         // Blocked: a tile of tokens with all their heads shares every latent tile; tiles in
         // parallel (several per thread, the later ones see more keys).
         let threads = rayon::current_num_threads().max(1);
@@ -518,7 +460,8 @@ impl DeepseekV3 {
             .for_each_init(Vec::new, |scores, (i, o)| {
                 let t0 = i * tile;
                 let t1 = (t0 + tile).min(nt);
-                self.attend_tile(
+                crate::blocked_attention::mla_tile(
+                    &mla,
                     kv_b,
                     &q[t0 * nh * qk..t1 * nh * qk],
                     pos0 + t0,
