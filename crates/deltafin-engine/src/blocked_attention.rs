@@ -28,6 +28,18 @@ use crate::rope::RotaryEmbedding;
 /// (128 KiB) stay in L2 while every query row of the call uses them.
 pub const KEY_TILE: usize = 64;
 
+/// Score rows × keys (f32) one work item may hold: 256 KiB, so a tile's scores stay in L2 next
+/// to its key tiles.
+pub const SCORES_PER_ITEM: usize = 1 << 16;
+
+/// Tokens per work item of a batched pass of `nt` tokens whose rows (`heads` per token) see up
+/// to `keys` positions: enough items for `threads` (about four each, the later ones see more
+/// keys), at most 8 tokens, and at most [`SCORES_PER_ITEM`] scores (at least one token).
+pub fn tokens_per_item(nt: usize, heads: usize, keys: usize, threads: usize) -> usize {
+    let by_memory = SCORES_PER_ITEM / (heads.max(1) * keys.max(1));
+    nt.div_ceil(4 * threads.max(1)).min(by_memory).clamp(1, 8)
+}
+
 /// Attention of `windows.len()` query rows over shared keys and values.
 ///
 /// - `windows[r] = (start, end)`: row `r` attends to key positions `start..end` (ascending,

@@ -406,10 +406,10 @@ impl GqaAttention {
             Some(w) => ((p + 1).saturating_sub(w), p + 1),
             None => (0, p + 1),
         };
-        // Tokens per work item: a few per item for parallelism, at most 8 (rows × window
-        // scores stay small).
+        // Tokens per work item: a few per item for parallelism, at most 8, the scores bounded.
         let threads = rayon::current_num_threads().max(1);
-        let tile = nt.div_ceil(2 * threads).clamp(1, 8);
+        let n_keys = span(pos0 + nt - 1).1 - span(pos0).0;
+        let tile = crate::blocked_attention::tokens_per_item(nt, group, n_keys, threads.div_ceil(nkv));
         let n_tiles = nt.div_ceil(tile);
         // One work item: key/value head g, tokens [t0, t1) → rows (token, head of g) of ctx,
         // token-major.
@@ -446,8 +446,7 @@ impl GqaAttention {
                 ctx[(t * nh + h) * hd..(t * nh + h + 1) * hd].copy_from_slice(row);
             }
         };
-        let visible = span(pos0 + nt - 1).1 - span(pos0).0;
-        if nh * nt * visible * hd >= 1 << 15 && nkv * n_tiles > 1 {
+        if nh * nt * n_keys * hd >= 1 << 15 && nkv * n_tiles > 1 {
             let outs: Vec<(usize, usize, Vec<f32>)> = (0..nkv * n_tiles)
                 .into_par_iter()
                 .map_init(Vec::new, |scores, i| {

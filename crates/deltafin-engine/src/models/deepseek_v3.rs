@@ -454,7 +454,7 @@ impl DeepseekV3 {
         // Blocked: a tile of tokens with all their heads shares every latent tile; tiles in
         // parallel (several per thread, the later ones see more keys).
         let threads = rayon::current_num_threads().max(1);
-        let tile = nt.div_ceil(4 * threads).clamp(1, 8);
+        let tile = crate::blocked_attention::tokens_per_item(nt, nh, pos0 + nt, threads);
         flat.par_chunks_mut(tile * nh * vd)
             .enumerate()
             .for_each_init(Vec::new, |scores, (i, o)| {

@@ -768,7 +768,7 @@ impl KimiLinear {
         // flat: [nt, n_heads * v_head_dim]
         let mut flat = vec![0f32; nt * nh * vd];
         let threads = rayon::current_num_threads().max(1);
-        let tile = nt.div_ceil(4 * threads).clamp(1, 8);
+        let tile = crate::blocked_attention::tokens_per_item(nt, nh, pos0 + nt, threads);
         flat.par_chunks_mut(tile * nh * vd)
             .enumerate()
             .for_each_init(Vec::new, |scores, (i, o)| {
