@@ -1,5 +1,7 @@
 //! Grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245) with a standard per-layer KV
-//! cache and rotate-half RoPE, one token at a time: the attention block of Mixtral, Qwen3-MoE and
+//! cache and rotate-half RoPE, one token at a time or a chunk of tokens at once
+//! ([`GqaAttention::forward_batch`], through [`crate::blocked_attention`]; bit-identical to token
+//! at a time): the attention block of Mixtral, Qwen3-MoE and
 //! other Llama-style families, matching transformers' `eager_attention_forward` +
 //! `apply_rotary_pos_emb` (`models/mixtral/modeling_mixtral.py`,
 //! `models/qwen3_moe/modeling_qwen3_moe.py`) in f32.
@@ -27,10 +29,11 @@
 
 use deltafin_format::model_dir::Backbone;
 use deltafin_format::Rope;
-use deltafin_kernels::{axpy, dot, rms_norm_inplace, softmax_inplace};
+use deltafin_kernels::{dot, rms_norm, rms_norm_inplace, softmax_inplace};
 use rayon::prelude::*;
 
-use crate::model::DecodeState;
+use crate::model::{BatchOutput, DecodeState, LayerRoutes, RoutedExperts};
+use crate::moe::Routing;
 use crate::rope::RotaryEmbedding;
 use crate::EngineError;
 
@@ -182,6 +185,11 @@ impl KvCache {
     pub fn advance(&mut self) {
         self.len += 1;
     }
+
+    /// Marks a chunk of `n` tokens done ([`GqaAttention::forward_batch`] on every layer).
+    pub fn advance_by(&mut self, n: usize) {
+        self.len += n;
+    }
 }
 
 impl DecodeState for KvCache {
@@ -232,6 +240,15 @@ impl GqaAttention {
         }
     }
 
+    /// Activation bytes a batched pass holds per token of its chunk: the residual stream and
+    /// its normalised copy, block outputs, q/k/v and attention context (f32), plus `extra` f32
+    /// of the family's MLP (router logits, dense-MLP activations); for
+    /// [`crate::model::CausalLm::batch_bytes_per_token`].
+    pub fn batch_bytes_per_token(&self, extra: usize) -> usize {
+        let d = &self.dims;
+        4 * (8 * d.hidden + 2 * d.n_heads * d.head_dim + 2 * d.n_kv_heads * d.head_dim + extra)
+    }
+
     /// Runs layer `layer`'s attention for the token at `cache.pos()` and appends its key and
     /// value to the cache. `xn: [hidden]` (after `input_layernorm`) → `out: [hidden]`; `buf`
     /// holds the work buffers (taken out of `cache`).
@@ -249,87 +266,315 @@ impl GqaAttention {
         out: &mut [f32],
     ) -> Result<(), EngineError> {
         let d = &self.dims;
-        let (nh, nkv, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
-        let kv_dim = nkv * hd;
-        let group = nh / nkv;
+        let (nh, kv_dim) = (d.n_heads, d.n_kv_heads * d.head_dim);
         let pos = cache.pos();
-        buf.q.resize(nh * hd, 0.0);
+        buf.q.resize(nh * d.head_dim, 0.0);
         buf.k.resize(kv_dim, 0.0);
         buf.v.resize(kv_dim, 0.0);
         bb.matrix(&names.q_proj)?.matvec(xn, &mut buf.q);
         bb.matrix(&names.k_proj)?.matvec(xn, &mut buf.k);
         bb.matrix(&names.v_proj)?.matvec(xn, &mut buf.v);
-        if let Some([bq, bk, bv, _]) = &names.biases {
-            for (y, b) in [(&mut buf.q, bq), (&mut buf.k, bk), (&mut buf.v, bv)] {
-                add_bias(y, bb.vector(b)?);
-            }
-        }
-        if let Some(n) = &names.q_norm {
-            let w = bb.vector(n)?;
-            buf.q
-                .chunks_exact_mut(hd)
-                .for_each(|h| rms_norm_inplace(h, w, self.qk_norm_eps));
-        }
-        if let Some(n) = &names.k_norm {
-            let w = bb.vector(n)?;
-            buf.k
-                .chunks_exact_mut(hd)
-                .for_each(|h| rms_norm_inplace(h, w, self.qk_norm_eps));
-        }
-        buf.q.chunks_exact_mut(hd).for_each(|h| self.rope.apply(h, pos));
-        buf.k.chunks_exact_mut(hd).for_each(|h| self.rope.apply(h, pos));
+        self.finish_qkv(bb, names, pos, 1, &mut buf.q, &mut buf.k, &mut buf.v)?;
         cache.k[layer].extend_from_slice(&buf.k);
         cache.v[layer].extend_from_slice(&buf.v);
-
-        let start = match names.sliding_window.or(d.sliding_window) {
-            Some(w) => (pos + 1).saturating_sub(w),
-            None => 0,
-        };
-        let t_len = pos + 1 - start;
-        let (keys, values) = (&cache.k[layer], &cache.v[layer]);
-        buf.scores.resize(nh * t_len, 0.0);
         buf.ctx.clear();
-        buf.ctx.resize(nh * hd, 0.0);
-        let (q, scale) = (&buf.q, self.scale);
-        let sinks = match &names.sinks {
-            Some(n) => Some(bb.vector(n)?),
-            None => None,
-        };
-        let per_head = |(h, (ctx, scores)): (usize, (&mut [f32], &mut [f32]))| {
-            let qh = &q[h * hd..(h + 1) * hd];
-            let kvo = (h / group) * hd;
-            for (i, s) in scores.iter_mut().enumerate() {
-                let t = start + i;
-                *s = dot(qh, &keys[t * kv_dim + kvo..t * kv_dim + kvo + hd]) * scale;
-            }
-            match sinks {
-                Some(sinks) => softmax_with_sink(scores, sinks[h]),
-                None => softmax_inplace(scores),
-            }
-            for (i, p) in scores.iter().enumerate() {
-                let t = start + i;
-                axpy(*p, &values[t * kv_dim + kvo..t * kv_dim + kvo + hd], ctx);
-            }
-        };
-        // Heads in parallel once there is enough work to pay for it (long contexts).
-        if nh * t_len * hd >= 1 << 15 {
-            buf.ctx
-                .par_chunks_mut(hd)
-                .zip(buf.scores.par_chunks_mut(t_len))
-                .enumerate()
-                .for_each(per_head);
-        } else {
-            buf.ctx
-                .chunks_mut(hd)
-                .zip(buf.scores.chunks_mut(t_len))
-                .enumerate()
-                .for_each(per_head);
-        }
+        buf.ctx.resize(nh * d.head_dim, 0.0);
+        self.attend(bb, names, layer, &buf.q, pos, 1, cache, &mut buf.scores, &mut buf.ctx)?;
         bb.matrix(&names.o_proj)?.matvec(&buf.ctx, out);
         if let Some([.., bo]) = &names.biases {
             add_bias(out, bb.vector(bo)?);
         }
         Ok(())
+    }
+
+    /// Runs layer `layer`'s attention for a chunk of `nt` tokens at positions
+    /// `cache.pos() .. cache.pos() + nt` (the caller advances the cache by `nt` once every layer
+    /// has run, [`KvCache::advance_by`]) and appends their keys and values to the cache. The
+    /// projections run as matrix-matrix products over the chunk; each token attends causally
+    /// (and within its window) over the cached prefix and the chunk up to itself through the
+    /// blocked kernel ([`crate::blocked_attention`]). `xn: [nt, hidden]` → `out: [nt, hidden]`.
+    /// Each token's result equals [`Self::forward`] bit for bit (`matmul` equals `matvec` row
+    /// by row, and attention performs the same operations per (token, head)).
+    ///
+    /// Errors: a missing or malformed tensor.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_batch(
+        &self,
+        bb: &Backbone,
+        names: &GqaNames,
+        layer: usize,
+        xn: &[f32],
+        nt: usize,
+        cache: &mut KvCache,
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let d = &self.dims;
+        let (nh, kv_dim) = (d.n_heads, d.n_kv_heads * d.head_dim);
+        let pos0 = cache.pos();
+        let mut q = vec![0f32; nt * nh * d.head_dim];
+        let mut k = vec![0f32; nt * kv_dim];
+        let mut v = vec![0f32; nt * kv_dim];
+        bb.matrix(&names.q_proj)?.matmul(xn, nt, &mut q);
+        bb.matrix(&names.k_proj)?.matmul(xn, nt, &mut k);
+        bb.matrix(&names.v_proj)?.matmul(xn, nt, &mut v);
+        self.finish_qkv(bb, names, pos0, nt, &mut q, &mut k, &mut v)?;
+        cache.k[layer].extend_from_slice(&k);
+        cache.v[layer].extend_from_slice(&v);
+        drop((k, v));
+        let mut ctx = vec![0f32; nt * nh * d.head_dim];
+        let mut scratch = Vec::new();
+        self.attend(bb, names, layer, &q, pos0, nt, cache, &mut scratch, &mut ctx)?;
+        drop(q);
+        bb.matrix(&names.o_proj)?.matmul(&ctx, nt, out);
+        if let Some([.., bo]) = &names.biases {
+            let bo = bb.vector(bo)?;
+            out.chunks_exact_mut(d.hidden).for_each(|o| add_bias(o, bo));
+        }
+        Ok(())
+    }
+
+    /// Biases, per-head q/k norms and RoPE of `nt` tokens at positions `pos0..`: `q: [nt,
+    /// n_heads * head_dim]`, `k, v: [nt, n_kv_heads * head_dim]`, in place, row by row.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_qkv(
+        &self,
+        bb: &Backbone,
+        names: &GqaNames,
+        pos0: usize,
+        nt: usize,
+        q: &mut [f32],
+        k: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let hd = self.dims.head_dim;
+        let (qd, kd) = (q.len() / nt, k.len() / nt);
+        if let Some([bq, bk, bv, _]) = &names.biases {
+            for (y, b, w) in [(&mut *q, bq, qd), (&mut *k, bk, kd), (&mut *v, bv, kd)] {
+                let b = bb.vector(b)?;
+                y.chunks_exact_mut(w).for_each(|row| add_bias(row, b));
+            }
+        }
+        if let Some(n) = &names.q_norm {
+            let w = bb.vector(n)?;
+            q.chunks_exact_mut(hd)
+                .for_each(|h| rms_norm_inplace(h, w, self.qk_norm_eps));
+        }
+        if let Some(n) = &names.k_norm {
+            let w = bb.vector(n)?;
+            k.chunks_exact_mut(hd)
+                .for_each(|h| rms_norm_inplace(h, w, self.qk_norm_eps));
+        }
+        for (i, (qr, kr)) in q.chunks_exact_mut(qd).zip(k.chunks_exact_mut(kd)).enumerate() {
+            qr.chunks_exact_mut(hd).for_each(|h| self.rope.apply(h, pos0 + i));
+            kr.chunks_exact_mut(hd).for_each(|h| self.rope.apply(h, pos0 + i));
+        }
+        Ok(())
+    }
+
+    /// The attention core of `nt` tokens at positions `pos0..pos0 + nt` whose keys and values
+    /// are already in layer `layer`'s cache: `q: [nt, n_heads * head_dim]` (rotated) →
+    /// `ctx: [nt, n_heads * head_dim]` (zero on entry). For each (token, head):
+    /// `s_t = dot(q_h, K[t, h / g]) · scale` over the window, softmax (with the sink on
+    /// gpt-oss), `ctx_h = Σ_t p_t V[t, h / g]` in ascending `t` ([`crate::blocked_attention`]:
+    /// the rows of one key/value head and a tile of tokens share every key tile). Work items
+    /// (key/value head × token tile) run in parallel once there is enough work.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        bb: &Backbone,
+        names: &GqaNames,
+        layer: usize,
+        q: &[f32],
+        pos0: usize,
+        nt: usize,
+        cache: &KvCache,
+        scratch: &mut Vec<f32>,
+        ctx: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let d = &self.dims;
+        let (nh, nkv, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
+        let kv_dim = nkv * hd;
+        let group = nh / nkv;
+        let window = names.sliding_window.or(d.sliding_window);
+        let (keys, values) = (&cache.k[layer], &cache.v[layer]);
+        let sinks = match &names.sinks {
+            Some(n) => Some(bb.vector(n)?),
+            None => None,
+        };
+        let scale = self.scale;
+        let span = |p: usize| match window {
+            Some(w) => ((p + 1).saturating_sub(w), p + 1),
+            None => (0, p + 1),
+        };
+        // Tokens per work item: a few per item for parallelism, at most 8, the scores bounded.
+        let threads = rayon::current_num_threads().max(1);
+        let n_keys = span(pos0 + nt - 1).1 - span(pos0).0;
+        let tile = crate::blocked_attention::tokens_per_item(nt, group, n_keys, threads.div_ceil(nkv));
+        let n_tiles = nt.div_ceil(tile);
+        // One work item: key/value head g, tokens [t0, t1) → rows (token, head of g) of ctx,
+        // token-major.
+        let item = |g: usize, t0: usize, t1: usize, scores: &mut Vec<f32>| -> Vec<f32> {
+            let rows = (t1 - t0) * group;
+            let windows: Vec<(usize, usize)> = (0..rows).map(|r| span(pos0 + t0 + r / group)).collect();
+            let kvo = g * hd;
+            let q_row = |r: usize| {
+                let (t, h) = (t0 + r / group, g * group + r % group);
+                &q[(t * nh + h) * hd..(t * nh + h + 1) * hd]
+            };
+            let mut out = vec![0f32; rows * hd];
+            crate::blocked_attention::attend_rows(
+                &windows,
+                |r, t| dot(q_row(r), &keys[t * kv_dim + kvo..t * kv_dim + kvo + hd]) * scale,
+                |r, s| match sinks {
+                    Some(sinks) => softmax_with_sink(s, sinks[g * group + r % group]),
+                    None => softmax_inplace(s),
+                },
+                crate::blocked_attention::Values {
+                    data: values,
+                    stride: kv_dim,
+                    offset: kvo,
+                    width: hd,
+                },
+                scores,
+                &mut out,
+            );
+            out
+        };
+        let scatter = |ctx: &mut [f32], g: usize, t0: usize, o: &[f32]| {
+            for (r, row) in o.chunks_exact(hd).enumerate() {
+                let (t, h) = (t0 + r / group, g * group + r % group);
+                ctx[(t * nh + h) * hd..(t * nh + h + 1) * hd].copy_from_slice(row);
+            }
+        };
+        if nh * nt * n_keys * hd >= 1 << 15 && nkv * n_tiles > 1 {
+            let outs: Vec<(usize, usize, Vec<f32>)> = (0..nkv * n_tiles)
+                .into_par_iter()
+                .map_init(Vec::new, |scores, i| {
+                    let (g, ti) = (i % nkv, i / nkv);
+                    let t0 = ti * tile;
+                    (g, t0, item(g, t0, (t0 + tile).min(nt), scores))
+                })
+                .collect();
+            for (g, t0, o) in outs {
+                scatter(ctx, g, t0, &o);
+            }
+        } else {
+            for ti in 0..n_tiles {
+                let t0 = ti * tile;
+                for g in 0..nkv {
+                    let o = item(g, t0, (t0 + tile).min(nt), scratch);
+                    scatter(ctx, g, t0, &o);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The shared parts of a Llama-style decoder (Mixtral, Qwen3-MoE, gpt-oss): token embedding
+/// `model.embed_tokens`, per layer `h = x + attn(input_layernorm(x))`,
+/// `x = h + mlp(post_attention_layernorm(h))`, then `lm_head(model.norm(x))`.
+pub struct GqaDecoder<'a> {
+    pub backbone: &'a Backbone,
+    pub attn: &'a GqaAttention,
+    pub routed: &'a RoutedExperts,
+    pub n_layers: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+}
+
+/// Checkpoint names of one layer's norms and attention, for [`GqaDecoder::forward_chunk`].
+pub struct GqaLayer<'a> {
+    /// `input_layernorm.weight [hidden]`.
+    pub input_layernorm: &'a str,
+    /// `post_attention_layernorm.weight [hidden]`.
+    pub post_attention_layernorm: &'a str,
+    pub attn: &'a GqaNames,
+}
+
+/// The MLP block of layer `l` over a chunk, for [`GqaDecoder::forward_chunk`]: `(l, xn: [nt,
+/// hidden], nt)` → `([nt, hidden]`, the routing of every token when the layer is MoE).
+pub type ChunkMlp<'f> = dyn Fn(usize, &[f32], usize) -> Result<(Vec<f32>, Option<Vec<Routing>>), EngineError> + 'f;
+
+impl GqaDecoder<'_> {
+    /// Runs `tokens` (a chunk) at the next positions of `cache` with batched attention
+    /// ([`GqaAttention::forward_batch`]) and the family's batched MLP `mlp` (expert-major MoE);
+    /// returns the logits of every position (`all_logits`) or of the last one, and every
+    /// position's routing. Each position's logits equal the family's one-token pass bit for bit
+    /// when `mlp` equals its one-token block row by row.
+    ///
+    /// Errors: a token outside the vocabulary, a cache of another model, a missing tensor,
+    /// expert read failures.
+    pub fn forward_chunk<'n>(
+        &self,
+        layer: &dyn Fn(usize) -> GqaLayer<'n>,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        all_logits: bool,
+        mlp: &ChunkMlp<'_>,
+    ) -> Result<BatchOutput, EngineError> {
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(EngineError::TokenOutOfRange {
+                id,
+                vocab_size: self.vocab_size,
+            });
+        }
+        cache.check(self.n_layers, &self.attn.dims)?;
+        let nt = tokens.len();
+        if nt == 0 {
+            return Ok(BatchOutput::default());
+        }
+        let (bb, eps) = (self.backbone, self.rms_norm_eps);
+        let h = self.attn.dims.hidden;
+        // x: [nt, hidden]
+        let mut x = vec![0f32; nt * h];
+        let embed = bb.matrix("model.embed_tokens.weight")?;
+        for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
+            embed.row_into(t as usize, row);
+        }
+        let mut xn = vec![0f32; nt * h];
+        let mut out = vec![0f32; nt * h];
+        let mut routes: Vec<LayerRoutes> = vec![Vec::new(); nt];
+        for l in 0..self.n_layers {
+            let n = layer(l);
+            let w = bb.vector(n.input_layernorm)?;
+            for (a, b) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
+                rms_norm(a, w, eps, b);
+            }
+            self.routed
+                .time_attention(|| self.attn.forward_batch(bb, n.attn, l, &xn, nt, cache, &mut out))?;
+            for (a, o) in x.iter_mut().zip(&out) {
+                *a += o;
+            }
+            let w = bb.vector(n.post_attention_layernorm)?;
+            for (a, b) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
+                rms_norm(a, w, eps, b);
+            }
+            let (y, rs) = self.routed.time_mlp(|| mlp(l, &xn, nt))?;
+            if let Some(rs) = rs {
+                for (r, routing) in routes.iter_mut().zip(rs) {
+                    r.push((l, routing));
+                }
+            }
+            for (a, o) in x.iter_mut().zip(&y) {
+                *a += o;
+            }
+        }
+        cache.advance_by(nt);
+        for _ in 0..nt {
+            self.routed.count_forward();
+        }
+        let norm = bb.vector("model.norm.weight")?;
+        let lm = bb.matrix("lm_head.weight")?;
+        let first = if all_logits { 0 } else { nt - 1 };
+        let mut logits = Vec::with_capacity(nt - first);
+        for t in first..nt {
+            rms_norm(&x[t * h..(t + 1) * h], norm, eps, &mut xn[..h]);
+            let mut lg = vec![0f32; lm.rows];
+            lm.matvec(&xn[..h], &mut lg);
+            logits.push(lg);
+        }
+        Ok(BatchOutput { logits, routes })
     }
 }
 

@@ -1,5 +1,7 @@
 //! deltafin's engine: model forward passes, the routed-expert store, and generation.
 //!
+//! - [`blocked_attention`]: query-tile × key-tile attention of a chunk's rows over shared
+//!   cached keys (batched passes), bit-identical to the per-(token, head) loop.
 //! - [`blocks`]: mixer blocks shared by model families (Kimi Delta Attention) with their
 //!   per-sequence state.
 //! - [`experts`]: reading routed-expert records from `experts.pack` on demand into a byte-budgeted
@@ -11,6 +13,7 @@
 //!   shared blocks ([`rope`], [`moe`], [`gqa`]).
 //! - [`generate`]: the greedy decode loop with timing statistics.
 
+pub mod blocked_attention;
 pub mod blocks;
 pub mod experts;
 pub mod generate;

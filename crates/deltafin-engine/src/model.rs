@@ -743,6 +743,56 @@ pub fn softmax_moe(
     Ok((out, routing))
 }
 
+/// [`softmax_moe`] for a chunk of `nt` tokens, expert-major ([`RoutedExperts::run_batch`]):
+/// the router as one matrix-matrix product, every expert chosen in the chunk read once and
+/// applied to its tokens with [`swiglu_batch`]. xn: `[nt, hidden]` → `([nt, hidden]`, one
+/// routing per token). Each token's output and routing equal [`softmax_moe`]'s bit for bit
+/// (`matmul` rows equal `matvec`, the experts are summed in the same order); no next-layer
+/// prediction (the chunk's union is read in file order instead).
+///
+/// Source: transformers `MixtralSparseMoeBlock` / `Qwen3MoeSparseMoeBlock`. [SOFTMAX_MOE]
+///
+/// Errors: expert read or checksum failures.
+pub fn softmax_moe_batch(
+    routed: &RoutedExperts,
+    layer: usize,
+    router: MatRef<'_>,
+    norm_topk_prob: bool,
+    xn: &[f32],
+    nt: usize,
+) -> Result<(Vec<f32>, Vec<Routing>), EngineError> {
+    let k = routed.experts_per_token();
+    let h = xn.len() / nt.max(1);
+    let mut logits = vec![0f32; nt * router.rows];
+    router.matmul(xn, nt, &mut logits);
+    let mut probs = Vec::new();
+    let routings: Vec<Routing> = logits
+        .chunks_exact(router.rows)
+        .map(|lg| route_softmax(lg, k, norm_topk_prob, &mut probs))
+        .collect();
+    let (out, _) = routed.run_batch(
+        layer,
+        &routings,
+        h,
+        |e, tokens| {
+            let xs = gather_rows(xn, h, tokens);
+            swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), &xs, tokens.len())
+        },
+        None::<fn() -> Vec<f32>>,
+    )?;
+    Ok((out, routings))
+}
+
+/// Rows `tokens` of `x: [n, width]`, gathered into `[tokens.len(), width]` (the inputs of one
+/// expert in an expert-major pass).
+pub fn gather_rows(x: &[f32], width: usize, tokens: &[usize]) -> Vec<f32> {
+    let mut xs = Vec::with_capacity(tokens.len() * width);
+    for &t in tokens {
+        xs.extend_from_slice(&x[t * width..(t + 1) * width]);
+    }
+    xs
+}
+
 /// [`swiglu`] into caller buffers (no allocation once they have grown): `gate_buf`, `up_buf`
 /// become `[rows of gate]`, `out: [rows of down]`.
 pub fn swiglu_into(

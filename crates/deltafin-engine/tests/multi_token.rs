@@ -3,8 +3,9 @@
 //! decoding, and a rolled-back decode state continues exactly like a fresh one.
 //!
 //! Models: the committed transformers fixtures (`tests/fixtures/deepseek_v3/dsv3_{a,b,c}`,
-//! converted with the default int8 backbone and MXFP4 experts) and the `tiny` and `demo`
-//! synthetic shapes (`deltafin_format::synth`, written as checkpoints and converted).
+//! `qwen3_moe`, `mixtral`, `gpt_oss`, converted with the default int8 backbone and MXFP4
+//! experts) and the `tiny` and `demo` synthetic shapes (`deltafin_format::synth`, written as
+//! checkpoints and converted); Kimi Linear / K3 within rounding (see their test).
 //!
 //! Tolerance: 0. The batched kernels compute every row exactly as the one-token kernels do
 //! (`MatRef::matmul` equals `n` matvecs bit for bit), attention runs the same per-head
@@ -437,5 +438,59 @@ fn kimi_speculation_keeps_greedy_output() {
     for (family, case) in [("kimi_linear", "kl_b"), ("kimi_k3", "k3_a")] {
         let (dir, p, plain) = check_lookup_speculation(family, case, tmp.path());
         check_self_drafting(case, &dir, &p, &plain);
+    }
+}
+
+/// The GQA families (Qwen3-MoE with dense and MoE layers and q/k norms; Mixtral with and without
+/// a sliding window of 6; gpt-oss with sinks, biases and a window of 4 on some layers): batched
+/// prefill (GQA over the chunk through the blocked kernel, expert-major MoE) equals token at a
+/// time bit for bit (tolerance 0, as for DeepSeek-V3: the same per-row kernels, the same
+/// per-(token, head) operations, the experts summed in the same order). 23 tokens with chunks of
+/// 7 put chunk boundaries inside and across the windows.
+#[test]
+fn gqa_batched_prefill_equals_token_at_a_time() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (family, case) in [
+        ("qwen3_moe", "qwen3_moe_a"),
+        ("qwen3_moe", "qwen3_moe_b"),
+        ("mixtral", "mixtral_a"),
+        ("mixtral", "mixtral_b"),
+        ("gpt_oss", "gpt_oss_a"),
+        ("gpt_oss", "gpt_oss_b"),
+    ] {
+        let dir = kimi_fixture(family, case, tmp.path());
+        check_prefill(case, &dir, 23);
+    }
+}
+
+/// Prompt-lookup speculation (verification through the batched pass, rollback of the KV cache)
+/// keeps the greedy output of plain decoding on the GQA families; the repetitive prompt makes
+/// the drafter propose.
+#[test]
+fn gqa_speculation_keeps_greedy_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (family, case) in [
+        ("qwen3_moe", "qwen3_moe_b"),
+        ("mixtral", "mixtral_b"),
+        ("gpt_oss", "gpt_oss_a"),
+    ] {
+        let dir = kimi_fixture(family, case, tmp.path());
+        let model = load(&dir, 64 << 20, 0);
+        let p: Vec<u32> = (0..18).map(|i| [11u32, 23, 37, 41, 53, 67][i % 6]).collect();
+        let (plain, _) = decode(model.as_ref(), &p, 24, Speculator::new(SpeculateMode::Off));
+        let (auto, _) = decode(model.as_ref(), &p, 24, Speculator::new(SpeculateMode::Auto));
+        assert_eq!(auto, plain, "{case}: --speculate auto");
+        let mut passes = 0;
+        for k in [1, 3, 8] {
+            let (ids, s) = decode(
+                model.as_ref(),
+                &p,
+                24,
+                Speculator::new(SpeculateMode::Lookup).with_fixed_draft(k),
+            );
+            assert_eq!(ids, plain, "{case}: --speculate lookup, {k} drafted tokens per pass");
+            passes += s.stats.passes;
+        }
+        assert!(passes > 0, "{case}: the lookup drafter never proposed");
     }
 }

@@ -389,8 +389,9 @@ impl DeepseekV3 {
 
     /// MLA for a chunk of `nt` tokens at positions `pos0..pos0 + nt`: the projections as
     /// matrix-matrix products, the chunk's latents and rope keys appended to the cache, then
-    /// every (token, head) attends causally over the cached prefix and the chunk up to itself.
-    /// Each token's result equals [`Self::attention`] bit for bit (same per-row kernels, same
+    /// every (token, head) attends causally over the cached prefix and the chunk up to itself,
+    /// tiles of tokens in parallel through the blocked kernel
+    /// ([`crate::blocked_attention::mla_tile`]). Each token's result equals [`Self::attention`] bit for bit (same per-row kernels, same
     /// per-head operations). xn: `[nt, hidden]` → `[nt, hidden]`.
     fn attention_batch(
         &self,
@@ -438,16 +439,38 @@ impl DeepseekV3 {
         }
         let kv_b = self.m(&n.kv_b_proj)?;
         let (ckv_cache, kpe_cache) = (&cache.c_kv[l], &cache.k_pe[l]);
-        // heads: [nt * n_heads] of [v_head_dim], token-major (the one-token layout per token).
-        let heads: Vec<Vec<f32>> = (0..nt * nh)
-            .into_par_iter()
-            .map(|i| {
-                let (t, hh) = (i / nh, i % nh);
-                let qh = &q[(t * nh + hh) * qk..(t * nh + hh + 1) * qk];
-                self.attend_head(kv_b, hh, qh, pos0 + t, ckv_cache, kpe_cache)
-            })
-            .collect();
-        let flat: Vec<f32> = heads.concat();
+        // flat: [nt, n_heads * v_head_dim], token-major (the one-token layout per token).
+        let vd = c.v_head_dim;
+        let mut flat = vec![0f32; nt * nh * vd];
+        let mla = crate::blocked_attention::MlaShape {
+            n_heads: nh,
+            nope,
+            rope,
+            v_head_dim: vd,
+            kv_lora_rank: kvl,
+            scale: self.softmax_scale,
+            rotary: Some(&self.rope),
+        };
+        // Blocked: a tile of tokens with all their heads shares every latent tile; tiles in
+        // parallel (several per thread, the later ones see more keys).
+        let threads = rayon::current_num_threads().max(1);
+        let tile = crate::blocked_attention::tokens_per_item(nt, nh, pos0 + nt, threads);
+        flat.par_chunks_mut(tile * nh * vd)
+            .enumerate()
+            .for_each_init(Vec::new, |scores, (i, o)| {
+                let t0 = i * tile;
+                let t1 = (t0 + tile).min(nt);
+                crate::blocked_attention::mla_tile(
+                    &mla,
+                    kv_b,
+                    &q[t0 * nh * qk..t1 * nh * qk],
+                    pos0 + t0,
+                    ckv_cache,
+                    kpe_cache,
+                    scores,
+                    o,
+                );
+            });
         let mut out = vec![0f32; nt * c.hidden_size];
         self.m(&n.o_proj)?.matmul(&flat, nt, &mut out);
         Ok(out)

@@ -1,4 +1,5 @@
-//! gpt-oss forward pass, one token at a time, matching transformers'
+//! gpt-oss forward pass, one token at a time or a chunk at once (batched GQA, expert-major
+//! MoE; bit-identical to token at a time), matching transformers'
 //! `models/gpt_oss/modeling_gpt_oss.py` (5.x) in f32.
 //!
 //! Per decoder layer (PyTorch equivalent in the comments):
@@ -21,9 +22,9 @@ use deltafin_format::{GptOssConfig, ModelConfig, ModelDir, StoredDtype};
 use deltafin_kernels::{rms_norm, sigmoid, MatRef};
 
 use crate::experts::{Expert, StoreOptions};
-use crate::gqa::{GqaAttention, GqaDims, GqaNames, KvCache};
-use crate::model::{state_as, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
-use crate::moe::route_topk_softmax;
+use crate::gqa::{GqaAttention, GqaDecoder, GqaDims, GqaLayer, GqaNames, KvCache};
+use crate::model::{gather_rows, state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::moe::{route_topk_softmax, Routing};
 use crate::EngineError;
 
 /// Tensor names of one decoder layer, as in the Hugging Face checkpoint.
@@ -84,6 +85,42 @@ pub fn clamped_swiglu_expert(
     down.matvec(&h, &mut out);
     for (o, b) in out.iter_mut().zip(down_bias) {
         *o += b;
+    }
+    out
+}
+
+/// [`clamped_swiglu_expert`] for `n` tokens at once (matrix-matrix products): `x: [n, hidden]`
+/// → `[n, hidden]`, each row bit-identical to [`clamped_swiglu_expert`] of that row (`matmul`
+/// equals `n` matvecs bit for bit; the element-wise steps are the same). [CLAMPED_SWIGLU]
+#[allow(clippy::too_many_arguments)]
+pub fn clamped_swiglu_expert_batch(
+    gate_up: MatRef<'_>,
+    gate_up_bias: &[f32],
+    down: MatRef<'_>,
+    down_bias: &[f32],
+    alpha: f32,
+    limit: f32,
+    x: &[f32],
+    n: usize,
+) -> Vec<f32> {
+    let mut gu = vec![0f32; n * gate_up.rows];
+    gate_up.matmul(x, n, &mut gu);
+    let h: Vec<f32> = gu
+        .chunks_exact(gate_up.rows)
+        .flat_map(|row| {
+            row.chunks_exact(2).zip(gate_up_bias.chunks_exact(2)).map(|(v, b)| {
+                let gate = (v[0] + b[0]).min(limit);
+                let up = (v[1] + b[1]).clamp(-limit, limit);
+                (up + 1.0) * (gate * sigmoid(gate * alpha))
+            })
+        })
+        .collect();
+    let mut out = vec![0f32; n * down.rows];
+    down.matmul(&h, n, &mut out);
+    for row in out.chunks_exact_mut(down.rows) {
+        for (o, b) in row.iter_mut().zip(down_bias) {
+            *o += b;
+        }
     }
     out
 }
@@ -198,6 +235,80 @@ impl GptOss {
         Ok((out, routing))
     }
 
+    /// The MoE block of layer `l` for a chunk of `nt` tokens, expert-major
+    /// ([`RoutedExperts::run_batch`]): router logits as one matrix-matrix product, each expert
+    /// chosen in the chunk read once and applied to its tokens
+    /// ([`clamped_swiglu_expert_batch`]). xn: `[nt, hidden]` → `[nt, hidden]` and one routing per
+    /// token, each equal to [`Self::moe`]'s bit for bit.
+    fn moe_batch(&self, l: usize, xn: &[f32], nt: usize) -> Result<(Vec<f32>, Vec<Routing>), EngineError> {
+        let k = self.routed.experts_per_token();
+        let n = &self.names[l];
+        let h = self.cfg.hidden_size;
+        let w = self.m(&n.router)?;
+        let bias = self.v(&n.router_bias)?;
+        let mut logits = vec![0f32; nt * w.rows];
+        w.matmul(xn, nt, &mut logits);
+        let routings: Vec<Routing> = logits
+            .chunks_exact_mut(w.rows)
+            .map(|lg| {
+                for (a, b) in lg.iter_mut().zip(bias) {
+                    *a += b;
+                }
+                route_topk_softmax(lg, k)
+            })
+            .collect();
+        let (alpha, limit) = (self.cfg.swiglu_alpha, self.cfg.swiglu_limit);
+        let (out, _) = self.routed.run_batch(
+            l,
+            &routings,
+            h,
+            |e, tokens| {
+                let xs = gather_rows(xn, h, tokens);
+                clamped_swiglu_expert_batch(
+                    e.matrix(0),
+                    e.f32_part(1),
+                    e.matrix(2),
+                    e.f32_part(3),
+                    alpha,
+                    limit,
+                    &xs,
+                    tokens.len(),
+                )
+            },
+            None::<fn() -> Vec<f32>>,
+        )?;
+        Ok((out, routings))
+    }
+
+    /// Runs a chunk of tokens at the next positions of `cache`: batched GQA with sinks and
+    /// per-layer windows ([`GqaAttention::forward_batch`]) and expert-major MoE
+    /// ([`Self::moe_batch`]); see [`CausalLm::forward_batch`]. Every position's logits equal
+    /// [`Self::forward_token`]'s bit for bit.
+    fn forward_chunk(&self, cache: &mut KvCache, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError> {
+        let c = &self.cfg;
+        let dec = GqaDecoder {
+            backbone: &self.backbone,
+            attn: &self.attn,
+            routed: &self.routed,
+            n_layers: c.num_hidden_layers,
+            vocab_size: c.vocab_size,
+            rms_norm_eps: c.rms_norm_eps,
+        };
+        let layer = |l: usize| {
+            let n = &self.names[l];
+            GqaLayer {
+                input_layernorm: &n.input_layernorm,
+                post_attention_layernorm: &n.post_attention_layernorm,
+                attn: &n.attn,
+            }
+        };
+        let mlp = |l: usize, xn: &[f32], nt: usize| {
+            let (y, r) = self.moe_batch(l, xn, nt)?;
+            Ok((y, Some(r)))
+        };
+        dec.forward_chunk(&layer, cache, tokens, all_logits, &mlp)
+    }
+
     /// Runs one token at the next position of `cache`; returns the logits `[vocab_size]` and
     /// the routing of every layer.
     ///
@@ -266,6 +377,28 @@ impl CausalLm for GptOss {
 
     fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         self.forward_token(state_as::<KvCache>(state)?, token)
+    }
+
+    fn forward_batch(
+        &self,
+        state: &mut dyn DecodeState,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        let cache = state_as::<KvCache>(state)?;
+        if tokens.len() == 1 {
+            // One token: the decode path (it also predicts and prefetches the next layer).
+            let (logits, routes) = self.forward_token(cache, tokens[0])?;
+            return Ok(BatchOutput {
+                logits: vec![logits],
+                routes: vec![routes],
+            });
+        }
+        self.forward_chunk(cache, tokens, all_logits)
+    }
+
+    fn batch_bytes_per_token(&self) -> usize {
+        self.attn.batch_bytes_per_token(self.cfg.num_local_experts)
     }
 
     fn routed(&self) -> &RoutedExperts {

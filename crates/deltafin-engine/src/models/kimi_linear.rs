@@ -491,13 +491,7 @@ impl KimiLinear {
                             .map_err(|e| EngineError::Invalid(e.to_string()))?;
                         Ok(out)
                     }
-                    MixerState::Mla { c_kv, k_pe } => {
-                        let mut out = Vec::with_capacity(nt * h);
-                        for t in 0..nt {
-                            out.extend(self.mla(l, &xn[t * h..(t + 1) * h], pos0 + t, c_kv, k_pe)?);
-                        }
-                        Ok(out)
-                    }
+                    MixerState::Mla { c_kv, k_pe } => self.mla_batch(l, &xn, nt, pos0, c_kv, k_pe),
                 }
             })?;
             for (t, s) in sums.iter_mut().enumerate() {
@@ -720,6 +714,104 @@ impl KimiLinear {
         }
         let mut out = vec![0f32; c.hidden_size];
         self.m(&n.o_proj)?.matvec(&flat, &mut out);
+        Ok(out)
+    }
+
+    /// [`Self::mla`] for a chunk of `nt` tokens at positions `pos0..pos0 + nt`: the projections
+    /// as matrix-matrix products, the chunk's latents and key parts appended to the cache, then
+    /// tiles of tokens (all heads) in parallel through the blocked kernel
+    /// ([`crate::blocked_attention::mla_tile`], no rotation). Each token's result equals
+    /// [`Self::mla`]'s bit for bit (`matmul` rows equal `matvec`, the same per-(token, head)
+    /// operations). xn: `[nt, hidden]` → `[nt, hidden]`.
+    fn mla_batch(
+        &self,
+        l: usize,
+        xn: &[f32],
+        nt: usize,
+        pos0: usize,
+        c_kv: &mut Vec<f32>,
+        k_pe_cache: &mut Vec<f32>,
+    ) -> Result<Vec<f32>, EngineError> {
+        let c = &self.cfg;
+        let n = &self.names[l];
+        let (nh, nope, rope, vd, kvl) = (
+            c.num_attention_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        );
+        let qk = nope + rope;
+        let latent_eps = match self.numerics {
+            Numerics::Reference => LATENT_NORM_EPS,
+            Numerics::LlamaCppCpu => c.rms_norm_eps,
+        };
+        // q: [nt, n_heads * qk_head_dim]
+        let mut q = vec![0f32; nt * nh * qk];
+        match c.q_lora_rank {
+            Some(r) => {
+                let mut qa = vec![0f32; nt * r];
+                self.m(&n.q_a_proj)?.matmul(xn, nt, &mut qa);
+                let mut qan = vec![0f32; nt * r];
+                let w = self.v(&n.q_a_layernorm)?;
+                for (a, b) in qa.chunks_exact(r).zip(qan.chunks_exact_mut(r)) {
+                    rms_norm(a, w, latent_eps, b);
+                }
+                self.m(&n.q_b_proj)?.matmul(&qan, nt, &mut q);
+            }
+            None => self.m(&n.q_proj)?.matmul(xn, nt, &mut q),
+        }
+        // compressed_kv: [nt, kv_lora_rank + qk_rope_head_dim]; the latent is normalised.
+        let mut ckv = vec![0f32; nt * (kvl + rope)];
+        self.m(&n.kv_a_proj_with_mqa)?.matmul(xn, nt, &mut ckv);
+        let w = self.v(&n.kv_a_layernorm)?;
+        let mut latent = vec![0f32; kvl];
+        for row in ckv.chunks_exact(kvl + rope) {
+            rms_norm(&row[..kvl], w, latent_eps, &mut latent);
+            c_kv.extend_from_slice(&latent);
+            k_pe_cache.extend_from_slice(&row[kvl..]);
+        }
+        let kv_b = self.m(&n.kv_b_proj)?;
+        let (ckv_cache, kpe_cache) = (&*c_kv, &*k_pe_cache);
+        let mla = crate::blocked_attention::MlaShape {
+            n_heads: nh,
+            nope,
+            rope,
+            v_head_dim: vd,
+            kv_lora_rank: kvl,
+            scale: self.softmax_scale,
+            rotary: None,
+        };
+        // flat: [nt, n_heads * v_head_dim]
+        let mut flat = vec![0f32; nt * nh * vd];
+        let threads = rayon::current_num_threads().max(1);
+        let tile = crate::blocked_attention::tokens_per_item(nt, nh, pos0 + nt, threads);
+        flat.par_chunks_mut(tile * nh * vd)
+            .enumerate()
+            .for_each_init(Vec::new, |scores, (i, o)| {
+                let t0 = i * tile;
+                let t1 = (t0 + tile).min(nt);
+                crate::blocked_attention::mla_tile(
+                    &mla,
+                    kv_b,
+                    &q[t0 * nh * qk..t1 * nh * qk],
+                    pos0 + t0,
+                    ckv_cache,
+                    kpe_cache,
+                    scores,
+                    o,
+                );
+            });
+        if c.mla_use_output_gate {
+            // o ⊙ σ(x W_g^T), W_g: [n_heads * v_head_dim, hidden]
+            let mut g = vec![0f32; nt * nh * vd];
+            self.m(&n.g_proj)?.matmul(xn, nt, &mut g);
+            for (o, gi) in flat.iter_mut().zip(&g) {
+                *o *= sigmoid(*gi);
+            }
+        }
+        let mut out = vec![0f32; nt * c.hidden_size];
+        self.m(&n.o_proj)?.matmul(&flat, nt, &mut out);
         Ok(out)
     }
 

@@ -1,4 +1,5 @@
-//! Mixtral forward pass, one token at a time, matching transformers'
+//! Mixtral forward pass, one token at a time or a chunk at once (batched GQA, expert-major
+//! MoE; bit-identical to token at a time), matching transformers'
 //! `models/mixtral/modeling_mixtral.py` in f32.
 //!
 //! Per decoder layer (PyTorch equivalent in the comments):
@@ -18,8 +19,10 @@ use deltafin_format::{MixtralConfig, ModelConfig, ModelDir};
 use deltafin_kernels::{rms_norm, MatRef};
 
 use crate::experts::StoreOptions;
-use crate::gqa::{GqaAttention, GqaDims, GqaNames, KvCache};
-use crate::model::{softmax_moe, state_as, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::gqa::{GqaAttention, GqaDecoder, GqaDims, GqaLayer, GqaNames, KvCache};
+use crate::model::{
+    softmax_moe, softmax_moe_batch, state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts,
+};
 use crate::EngineError;
 
 /// Tensor names of one decoder layer, as in the Hugging Face checkpoint.
@@ -173,6 +176,35 @@ impl Mixtral {
         cache.buffers = b;
         Ok((logits, routes))
     }
+
+    /// Runs a chunk of tokens at the next positions of `cache`: batched GQA
+    /// ([`GqaAttention::forward_batch`]) and expert-major MoE ([`softmax_moe_batch`]); see
+    /// [`CausalLm::forward_batch`]. Every position's logits equal [`Self::forward_token`]'s
+    /// bit for bit.
+    fn forward_chunk(&self, cache: &mut KvCache, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError> {
+        let c = &self.cfg;
+        let dec = GqaDecoder {
+            backbone: &self.backbone,
+            attn: &self.attn,
+            routed: &self.routed,
+            n_layers: c.num_hidden_layers,
+            vocab_size: c.vocab_size,
+            rms_norm_eps: c.rms_norm_eps,
+        };
+        let layer = |l: usize| {
+            let n = &self.names[l];
+            GqaLayer {
+                input_layernorm: &n.input_layernorm,
+                post_attention_layernorm: &n.post_attention_layernorm,
+                attn: &n.attn,
+            }
+        };
+        let mlp = |l: usize, xn: &[f32], nt: usize| {
+            let (y, r) = softmax_moe_batch(&self.routed, l, self.m(&self.names[l].router)?, true, xn, nt)?;
+            Ok((y, Some(r)))
+        };
+        dec.forward_chunk(&layer, cache, tokens, all_logits, &mlp)
+    }
 }
 
 impl CausalLm for Mixtral {
@@ -186,6 +218,28 @@ impl CausalLm for Mixtral {
 
     fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         self.forward_token(state_as::<KvCache>(state)?, token)
+    }
+
+    fn forward_batch(
+        &self,
+        state: &mut dyn DecodeState,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        let cache = state_as::<KvCache>(state)?;
+        if tokens.len() == 1 {
+            // One token: the decode path (it also predicts and prefetches the next layer).
+            let (logits, routes) = self.forward_token(cache, tokens[0])?;
+            return Ok(BatchOutput {
+                logits: vec![logits],
+                routes: vec![routes],
+            });
+        }
+        self.forward_chunk(cache, tokens, all_logits)
+    }
+
+    fn batch_bytes_per_token(&self) -> usize {
+        self.attn.batch_bytes_per_token(self.cfg.num_local_experts)
     }
 
     fn routed(&self) -> &RoutedExperts {

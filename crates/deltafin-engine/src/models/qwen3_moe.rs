@@ -1,4 +1,5 @@
-//! Qwen3-MoE forward pass, one token at a time, matching transformers'
+//! Qwen3-MoE forward pass, one token at a time or a chunk at once (batched GQA, expert-major
+//! MoE; bit-identical to token at a time), matching transformers'
 //! `models/qwen3_moe/modeling_qwen3_moe.py` in f32.
 //!
 //! Per decoder layer (PyTorch equivalent in the comments):
@@ -19,8 +20,11 @@ use deltafin_format::{ModelConfig, ModelDir, Qwen3MoeConfig};
 use deltafin_kernels::{rms_norm, MatRef};
 
 use crate::experts::StoreOptions;
-use crate::gqa::{GqaAttention, GqaDims, GqaNames, KvCache};
-use crate::model::{softmax_moe, state_as, swiglu_into, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::gqa::{GqaAttention, GqaDecoder, GqaDims, GqaLayer, GqaNames, KvCache};
+use crate::model::{
+    softmax_moe, softmax_moe_batch, state_as, swiglu_batch, swiglu_into, BatchOutput, CausalLm, DecodeState,
+    LayerRoutes, RoutedExperts,
+};
 use crate::EngineError;
 
 /// Tensor names of one decoder layer, as in the Hugging Face checkpoint.
@@ -208,6 +212,47 @@ impl Qwen3Moe {
         cache.buffers = b;
         Ok((logits, routes))
     }
+
+    /// Runs a chunk of tokens at the next positions of `cache`: batched GQA
+    /// ([`GqaAttention::forward_batch`]), expert-major MoE ([`softmax_moe_batch`]) and dense MLPs
+    /// as matrix-matrix products; see [`CausalLm::forward_batch`]. Every position's logits
+    /// equal [`Self::forward_token`]'s bit for bit.
+    fn forward_chunk(&self, cache: &mut KvCache, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError> {
+        let c = &self.cfg;
+        let dec = GqaDecoder {
+            backbone: &self.backbone,
+            attn: &self.attn,
+            routed: &self.routed,
+            n_layers: c.num_hidden_layers,
+            vocab_size: c.vocab_size,
+            rms_norm_eps: c.rms_norm_eps,
+        };
+        let layer = |l: usize| {
+            let n = &self.names[l];
+            GqaLayer {
+                input_layernorm: &n.input_layernorm,
+                post_attention_layernorm: &n.post_attention_layernorm,
+                attn: &n.attn,
+            }
+        };
+        let mlp = |l: usize, xn: &[f32], nt: usize| {
+            let n = &self.names[l];
+            if c.is_moe_layer(l) {
+                let (y, r) = softmax_moe_batch(&self.routed, l, self.m(&n.router)?, c.norm_topk_prob, xn, nt)?;
+                Ok((y, Some(r)))
+            } else {
+                let y = swiglu_batch(
+                    self.m(&n.gate_proj)?,
+                    self.m(&n.up_proj)?,
+                    self.m(&n.down_proj)?,
+                    xn,
+                    nt,
+                );
+                Ok((y, None))
+            }
+        };
+        dec.forward_chunk(&layer, cache, tokens, all_logits, &mlp)
+    }
 }
 
 impl CausalLm for Qwen3Moe {
@@ -221,6 +266,29 @@ impl CausalLm for Qwen3Moe {
 
     fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         self.forward_token(state_as::<KvCache>(state)?, token)
+    }
+
+    fn forward_batch(
+        &self,
+        state: &mut dyn DecodeState,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        let cache = state_as::<KvCache>(state)?;
+        if tokens.len() == 1 {
+            // One token: the decode path (it also predicts and prefetches the next layer).
+            let (logits, routes) = self.forward_token(cache, tokens[0])?;
+            return Ok(BatchOutput {
+                logits: vec![logits],
+                routes: vec![routes],
+            });
+        }
+        self.forward_chunk(cache, tokens, all_logits)
+    }
+
+    fn batch_bytes_per_token(&self) -> usize {
+        self.attn
+            .batch_bytes_per_token(self.cfg.num_experts.max(2 * self.cfg.intermediate_size))
     }
 
     fn routed(&self) -> &RoutedExperts {
