@@ -15,7 +15,7 @@ use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::{silu, MatRef};
 
 use crate::experts::{Expert, ExpertStore, StoreOptions};
-use crate::moe::{route_softmax, Routing};
+use crate::moe::{route_softmax, route_softmax_masked, Routing};
 use crate::EngineError;
 
 /// Which routed experts each MoE layer chose for the last token: `(layer, routing)`.
@@ -703,7 +703,9 @@ pub fn swiglu_batch(gate: MatRef<'_>, up: MatRef<'_>, down: MatRef<'_>, x: &[f32
 /// (Mixtral, Qwen3-MoE): `y = Σ_i w_i · expert_i(xn)` over the experts [`route_softmax`] picks
 /// from `router · xn`, with top-k = [`RoutedExperts::experts_per_token`]. `next_router` is the
 /// next MoE layer and its router, used with prefetch on to predict that layer's experts from
-/// this hidden state. xn: `[hidden]` → `[hidden]`; `logits` and `probs` are reused buffers.
+/// this hidden state. `draft`: the top-k is taken among the experts resident in the cache and
+/// computed with those records, no reads ([`RoutedExperts::run_draft`], self-drafting).
+/// xn: `[hidden]` → `[hidden]`; `logits` and `probs` are reused buffers.
 ///
 /// Source: transformers `MixtralSparseMoeBlock` / `Qwen3MoeSparseMoeBlock`. [SOFTMAX_MOE]
 ///
@@ -718,10 +720,22 @@ pub fn softmax_moe(
     xn: &[f32],
     logits: &mut Vec<f32>,
     probs: &mut Vec<f32>,
+    draft: bool,
 ) -> Result<(Vec<f32>, Routing), EngineError> {
     let k = routed.experts_per_token();
     logits.resize(router.rows, 0.0);
     router.matvec(xn, logits);
+    if draft {
+        let (out, _, routing) = routed.run_draft(
+            layer,
+            router.rows,
+            |allowed| route_softmax_masked(logits, k, norm_topk_prob, probs, Some(allowed)),
+            xn.len(),
+            |e| swiglu(e.matrix(0), e.matrix(1), e.matrix(2), xn),
+            None::<fn() -> Vec<f32>>,
+        );
+        return Ok((out, routing));
+    }
     let routing = route_softmax(logits, k, norm_topk_prob, probs);
     let predict = || -> Result<Option<(usize, Vec<usize>)>, EngineError> {
         let Some((next, r)) = next_router else {

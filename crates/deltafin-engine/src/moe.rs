@@ -28,6 +28,19 @@ pub struct Routing {
     pub weights: Vec<f32>,
 }
 
+/// [`top_k_indices`] among the indices with `allowed[i]` (all with `None`).
+fn top_k_allowed(v: &[f32], k: usize, allowed: Option<&[bool]>) -> Vec<usize> {
+    match allowed {
+        None => top_k_indices(v, k),
+        Some(a) => {
+            let mut c = top_k_indices(v, v.len());
+            c.retain(|&e| a.get(e).copied().unwrap_or(false));
+            c.truncate(k);
+            c
+        }
+    }
+}
+
 /// Indices of the `k` largest values, largest first; ties go to the lower index.
 fn top_k_indices(v: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..v.len()).collect();
@@ -127,15 +140,7 @@ pub fn route_softmax_masked(
     scratch.clear();
     scratch.extend_from_slice(logits);
     softmax_inplace(scratch);
-    let chosen = match allowed {
-        None => top_k_indices(scratch, top_k),
-        Some(a) => {
-            let mut c = top_k_indices(scratch, scratch.len());
-            c.retain(|&e| a.get(e).copied().unwrap_or(false));
-            c.truncate(top_k);
-            c
-        }
-    };
+    let chosen = top_k_allowed(scratch, top_k, allowed);
     let mut weights_desc: Vec<f32> = chosen.iter().map(|&e| scratch[e]).collect();
     if norm_topk_prob {
         let denom: f32 = weights_desc.iter().sum();
@@ -160,7 +165,15 @@ pub fn route_softmax_masked(
 /// Source: transformers `models/gpt_oss/modeling_gpt_oss.py` `GptOssTopKRouter`
 /// (`torch.topk` then `softmax(router_top_value)`). [TOPK_THEN_SOFTMAX]
 pub fn route_topk_softmax(logits: &[f32], top_k: usize) -> Routing {
-    let chosen = top_k_indices(logits, top_k);
+    route_topk_softmax_masked(logits, top_k, None)
+}
+
+/// [`route_topk_softmax`] restricted to the experts with `allowed[e]` (`[n_routed_experts]`;
+/// self-drafting with the experts already in memory): the top-k among the allowed experts (fewer
+/// when fewer are allowed), weights the softmax over the chosen logits. With `None` it is
+/// [`route_topk_softmax`].
+pub fn route_topk_softmax_masked(logits: &[f32], top_k: usize, allowed: Option<&[bool]>) -> Routing {
+    let chosen = top_k_allowed(logits, top_k, allowed);
     let mut w: Vec<f32> = chosen.iter().map(|&e| logits[e]).collect();
     softmax_inplace(&mut w);
     let mut pairs: Vec<(usize, f32)> = chosen.into_iter().zip(w).collect();
@@ -257,6 +270,23 @@ mod tests {
         let r = route_softmax(&logits, 3, true, &mut scratch);
         assert_eq!(r.experts, vec![0, 1, 2]);
         assert!((r.weights[2] - 0.125 / 0.875).abs() < 1e-6, "{r:?}");
+    }
+
+    #[test]
+    fn masked_topk_then_softmax_router_hand_computed() {
+        // Expert 2 (the second largest logit) not resident: top-2 among {0, 1, 3} = 3 and 1,
+        // weights softmax(2, 4) = (1 / (1 + e²), e² / (1 + e²)) = (0.11920, 0.88080).
+        let logits = [1f32, 2.0, 3.0, 4.0];
+        let r = route_topk_softmax_masked(&logits, 2, Some(&[true, true, false, true]));
+        assert_eq!(r.experts, vec![1, 3]);
+        assert!((r.weights[0] - 0.119_203).abs() < 1e-5 && (r.weights[1] - 0.880_797).abs() < 1e-5);
+        assert!(route_topk_softmax_masked(&logits, 2, Some(&[false; 4]))
+            .experts
+            .is_empty());
+        assert_eq!(
+            route_topk_softmax_masked(&logits, 2, None),
+            route_topk_softmax(&logits, 2)
+        );
     }
 
     #[test]

@@ -463,9 +463,9 @@ fn gqa_batched_prefill_equals_token_at_a_time() {
     }
 }
 
-/// Prompt-lookup speculation (verification through the batched pass, rollback of the KV cache)
-/// keeps the greedy output of plain decoding on the GQA families; the repetitive prompt makes
-/// the drafter propose.
+/// Speculation keeps the greedy output of plain decoding on the GQA families: prompt lookup
+/// (verification through the batched pass, rollback of the KV cache; the repetitive prompt makes
+/// the drafter propose) and self-drafting with all and with no experts resident.
 #[test]
 fn gqa_speculation_keeps_greedy_output() {
     let tmp = tempfile::tempdir().unwrap();
@@ -474,23 +474,7 @@ fn gqa_speculation_keeps_greedy_output() {
         ("mixtral", "mixtral_b"),
         ("gpt_oss", "gpt_oss_a"),
     ] {
-        let dir = kimi_fixture(family, case, tmp.path());
-        let model = load(&dir, 64 << 20, 0);
-        let p: Vec<u32> = (0..18).map(|i| [11u32, 23, 37, 41, 53, 67][i % 6]).collect();
-        let (plain, _) = decode(model.as_ref(), &p, 24, Speculator::new(SpeculateMode::Off));
-        let (auto, _) = decode(model.as_ref(), &p, 24, Speculator::new(SpeculateMode::Auto));
-        assert_eq!(auto, plain, "{case}: --speculate auto");
-        let mut passes = 0;
-        for k in [1, 3, 8] {
-            let (ids, s) = decode(
-                model.as_ref(),
-                &p,
-                24,
-                Speculator::new(SpeculateMode::Lookup).with_fixed_draft(k),
-            );
-            assert_eq!(ids, plain, "{case}: --speculate lookup, {k} drafted tokens per pass");
-            passes += s.stats.passes;
-        }
-        assert!(passes > 0, "{case}: the lookup drafter never proposed");
+        let (dir, p, plain) = check_lookup_speculation(family, case, tmp.path());
+        check_self_drafting(case, &dir, &p, &plain);
     }
 }

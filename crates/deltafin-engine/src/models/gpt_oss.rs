@@ -24,7 +24,7 @@ use deltafin_kernels::{rms_norm, sigmoid, MatRef};
 use crate::experts::{Expert, StoreOptions};
 use crate::gqa::{GqaAttention, GqaDecoder, GqaDims, GqaLayer, GqaNames, KvCache};
 use crate::model::{gather_rows, state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
-use crate::moe::{route_topk_softmax, Routing};
+use crate::moe::{route_topk_softmax, route_topk_softmax_masked, Routing};
 use crate::EngineError;
 
 /// Tensor names of one decoder layer, as in the Hugging Face checkpoint.
@@ -212,9 +212,32 @@ impl GptOss {
     }
 
     /// The MoE block of layer `l` on `xn: [hidden]`; returns `[hidden]` and the routing.
-    fn moe(&self, l: usize, xn: &[f32], logits: &mut Vec<f32>) -> Result<(Vec<f32>, crate::moe::Routing), EngineError> {
+    /// `draft`: the top-k among the experts resident in the cache, computed with those records,
+    /// no reads ([`RoutedExperts::run_draft`], self-drafting).
+    fn moe(
+        &self,
+        l: usize,
+        xn: &[f32],
+        logits: &mut Vec<f32>,
+        draft: bool,
+    ) -> Result<(Vec<f32>, crate::moe::Routing), EngineError> {
         let k = self.routed.experts_per_token();
         self.router_logits(l, xn, logits)?;
+        let (alpha, limit) = (self.cfg.swiglu_alpha, self.cfg.swiglu_limit);
+        let expert = |e: &Expert| {
+            clamped_swiglu_expert(e.matrix(0), e.f32_part(1), e.matrix(2), e.f32_part(3), alpha, limit, xn)
+        };
+        if draft {
+            let (out, _, routing) = self.routed.run_draft(
+                l,
+                logits.len(),
+                |allowed| route_topk_softmax_masked(logits, k, Some(allowed)),
+                xn.len(),
+                expert,
+                None::<fn() -> Vec<f32>>,
+            );
+            return Ok((out, routing));
+        }
         let routing = route_topk_softmax(logits, k);
         let predict = || -> Result<Option<(usize, Vec<usize>)>, EngineError> {
             let next = l + 1;
@@ -224,10 +247,6 @@ impl GptOss {
             let mut nl = Vec::new();
             self.router_logits(next, xn, &mut nl)?;
             Ok(Some((next, route_topk_softmax(&nl, k).experts)))
-        };
-        let (alpha, limit) = (self.cfg.swiglu_alpha, self.cfg.swiglu_limit);
-        let expert = |e: &Expert| {
-            clamped_swiglu_expert(e.matrix(0), e.f32_part(1), e.matrix(2), e.f32_part(3), alpha, limit, xn)
         };
         let (out, _) = self
             .routed
@@ -313,7 +332,12 @@ impl GptOss {
     /// the routing of every layer.
     ///
     /// Errors: token id outside the vocabulary, expert read or checksum failures.
-    fn forward_token(&self, cache: &mut KvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+    fn forward_token(
+        &self,
+        cache: &mut KvCache,
+        token: u32,
+        draft: bool,
+    ) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         let c = &self.cfg;
         if token as usize >= c.vocab_size {
             return Err(EngineError::TokenOutOfRange {
@@ -347,7 +371,7 @@ impl GptOss {
             }
             // x = h + mlp(post_attention_layernorm(h))
             rms_norm(&b.x, self.v(&n.post_attention_layernorm)?, c.rms_norm_eps, &mut b.xn);
-            let (y, r) = self.routed.time_mlp(|| self.moe(l, &b.xn, &mut b.router))?;
+            let (y, r) = self.routed.time_mlp(|| self.moe(l, &b.xn, &mut b.router, draft))?;
             routes.push((l, r));
             for (a, o) in b.x.iter_mut().zip(&y) {
                 *a += o;
@@ -376,7 +400,15 @@ impl CausalLm for GptOss {
     }
 
     fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
-        self.forward_token(state_as::<KvCache>(state)?, token)
+        self.forward_token(state_as::<KvCache>(state)?, token, false)
+    }
+
+    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        Ok(Some(self.forward_token(state_as::<KvCache>(state)?, token, true)?.0))
+    }
+
+    fn supports_draft(&self) -> bool {
+        true
     }
 
     fn forward_batch(
@@ -388,7 +420,7 @@ impl CausalLm for GptOss {
         let cache = state_as::<KvCache>(state)?;
         if tokens.len() == 1 {
             // One token: the decode path (it also predicts and prefetches the next layer).
-            let (logits, routes) = self.forward_token(cache, tokens[0])?;
+            let (logits, routes) = self.forward_token(cache, tokens[0], false)?;
             return Ok(BatchOutput {
                 logits: vec![logits],
                 routes: vec![routes],

@@ -110,7 +110,12 @@ impl Mixtral {
     /// the routing of every layer.
     ///
     /// Errors: token id outside the vocabulary, expert read or checksum failures.
-    fn forward_token(&self, cache: &mut KvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+    fn forward_token(
+        &self,
+        cache: &mut KvCache,
+        token: u32,
+        draft: bool,
+    ) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         let c = &self.cfg;
         if token as usize >= c.vocab_size {
             return Err(EngineError::TokenOutOfRange {
@@ -159,6 +164,7 @@ impl Mixtral {
                     &b.xn,
                     &mut b.router,
                     &mut b.probs,
+                    draft,
                 )
             })?;
             for (a, o) in b.x.iter_mut().zip(&y) {
@@ -217,7 +223,15 @@ impl CausalLm for Mixtral {
     }
 
     fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
-        self.forward_token(state_as::<KvCache>(state)?, token)
+        self.forward_token(state_as::<KvCache>(state)?, token, false)
+    }
+
+    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        Ok(Some(self.forward_token(state_as::<KvCache>(state)?, token, true)?.0))
+    }
+
+    fn supports_draft(&self) -> bool {
+        true
     }
 
     fn forward_batch(
@@ -229,7 +243,7 @@ impl CausalLm for Mixtral {
         let cache = state_as::<KvCache>(state)?;
         if tokens.len() == 1 {
             // One token: the decode path (it also predicts and prefetches the next layer).
-            let (logits, routes) = self.forward_token(cache, tokens[0])?;
+            let (logits, routes) = self.forward_token(cache, tokens[0], false)?;
             return Ok(BatchOutput {
                 logits: vec![logits],
                 routes: vec![routes],

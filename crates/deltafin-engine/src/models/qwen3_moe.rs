@@ -132,7 +132,12 @@ impl Qwen3Moe {
     /// the routing of every MoE layer.
     ///
     /// Errors: token id outside the vocabulary, expert read or checksum failures.
-    fn forward_token(&self, cache: &mut KvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+    fn forward_token(
+        &self,
+        cache: &mut KvCache,
+        token: u32,
+        draft: bool,
+    ) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         let c = &self.cfg;
         if token as usize >= c.vocab_size {
             return Err(EngineError::TokenOutOfRange {
@@ -181,6 +186,7 @@ impl Qwen3Moe {
                         &b.xn,
                         &mut b.router,
                         &mut b.probs,
+                        draft,
                     )?;
                     out.copy_from_slice(&y);
                     routes.push((l, r));
@@ -265,7 +271,15 @@ impl CausalLm for Qwen3Moe {
     }
 
     fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
-        self.forward_token(state_as::<KvCache>(state)?, token)
+        self.forward_token(state_as::<KvCache>(state)?, token, false)
+    }
+
+    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        Ok(Some(self.forward_token(state_as::<KvCache>(state)?, token, true)?.0))
+    }
+
+    fn supports_draft(&self) -> bool {
+        true
     }
 
     fn forward_batch(
@@ -277,7 +291,7 @@ impl CausalLm for Qwen3Moe {
         let cache = state_as::<KvCache>(state)?;
         if tokens.len() == 1 {
             // One token: the decode path (it also predicts and prefetches the next layer).
-            let (logits, routes) = self.forward_token(cache, tokens[0])?;
+            let (logits, routes) = self.forward_token(cache, tokens[0], false)?;
             return Ok(BatchOutput {
                 logits: vec![logits],
                 routes: vec![routes],
