@@ -68,7 +68,7 @@ pub fn run(dir: Option<PathBuf>, max_new_tokens: usize) -> Result<()> {
     let pack = ModelDir::open(&model)?.manifest.experts.bytes;
     let budget = (pack / 4) & !((1 << 20) - 1);
     eprintln!(
-        "generating with an expert cache budget of {} for an expert pack of {} ({:.1}× the budget)\n",
+        "generating with an expert cache budget of {} for an expert pack of {} ({:.2}× the budget)\n",
         size::human(budget),
         size::human(pack),
         pack as f64 / budget.max(1) as f64

@@ -90,7 +90,8 @@ enum Cmd {
     Serve(serve::ServeArgs),
     /// Chat with the model in the terminal (multi-turn, streamed, KV cache reused).
     Chat(chat::ChatArgs),
-    /// Write a deterministic random model directory directly: tiny, demo or bench (13.7 GB pack).
+    /// Write a deterministic random model directory directly: tiny, demo, bench (13.7 GB pack),
+    /// k3-tiny or k3-bench (Kimi K3 structure).
     Synth(synth_cmd::SynthArgs),
     /// Benchmark `deltafin run` (fresh process per run, balanced order, ids verified, floor, chart).
     Bench(bench::BenchArgs),
