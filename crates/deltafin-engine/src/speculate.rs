@@ -27,7 +27,10 @@
 //! with the highest `E(k) / cost(k)` is taken. After 32 steps that would be plain, one tries
 //! `k = 1` instead (exploration), and every 32nd pass in a row is replaced by a plain step, so
 //! the estimates follow the text and the cache (the first plain step, which pays one-off costs,
-//! is not timed). An exploratory draft that is rejected doubles the interval to the next one
+//! is not timed). A drafter is first tried by such an exploration, not on the prior (drafts
+//! are offered at every step by self-drafting and at every unigram match by lookup, evidence of
+//! nothing). An exploratory draft that is rejected doubles the
+//! interval to the next one
 //! (32, 64, … 1024 plain steps); any accepted token resets it to 32. So when drafts never pay,
 //! exploration adds at most one extra verified position per 32 plain steps at first and a
 //! vanishing share later: with a position as dear as a plain step (random routing, I/O-bound),
@@ -228,6 +231,12 @@ impl Adaptive {
             if rate > best_rate {
                 (best, best_rate) = (k, rate);
             }
+        }
+        // No evidence yet that this drafter's tokens are accepted (self-drafting offers at every
+        // step, lookup at every unigram match): its first try is an exploration after the
+        // interval, not a bet on the prior.
+        if self.acc[d as usize].1 == 0.0 {
+            best = 0;
         }
         if best == 0 {
             self.since_pass += 1;
@@ -634,6 +643,25 @@ mod tests {
             }
         }
         at
+    }
+
+    #[test]
+    fn a_drafter_is_first_tried_by_an_exploration() {
+        let mut a = Adaptive::default();
+        a.plain(1.0);
+        a.plain(1.0);
+        let ks: Vec<usize> = (0..EXPLORE_EVERY).map(|_| a.choose(Drafter::SelfDraft, 8)).collect();
+        assert_eq!(ks.iter().filter(|&&k| k > 0).count(), 1, "{ks:?}");
+        assert_eq!(ks[EXPLORE_EVERY - 1], 1);
+        // Likewise lookup; once a drafter has been accepted, it drafts without waiting.
+        let mut b = Adaptive::default();
+        b.plain(1.0);
+        b.plain(1.0);
+        assert_eq!(b.choose(Drafter::Lookup, 8), 0);
+        for _ in 0..4 {
+            b.pass(Drafter::Lookup, 4, 4, 1.1, 0.0);
+        }
+        assert!(b.choose(Drafter::Lookup, 8) > 0);
     }
 
     #[test]
