@@ -221,6 +221,29 @@ pub fn state_as<T: 'static>(state: &mut dyn DecodeState) -> Result<&mut T, Engin
         .ok_or_else(|| EngineError::Invalid("decode state belongs to another model".into()))
 }
 
+/// The [`CausalLm::forward_batch`] of the families with a one-token decode path and a chunk
+/// path, over their decode state `S`: one token goes through `token` (the decode path, which also
+/// predicts and prefetches the next layer's experts), any other count through `chunk`.
+///
+/// Errors: a state of another model, and what the paths return.
+pub fn one_or_chunk<S: 'static>(
+    state: &mut dyn DecodeState,
+    tokens: &[u32],
+    all_logits: bool,
+    token: impl FnOnce(&mut S, u32) -> Result<(Vec<f32>, LayerRoutes), EngineError>,
+    chunk: impl FnOnce(&mut S, &[u32], bool) -> Result<BatchOutput, EngineError>,
+) -> Result<BatchOutput, EngineError> {
+    let s = state_as::<S>(state)?;
+    if let [t] = tokens {
+        let (logits, routes) = token(s, *t)?;
+        return Ok(BatchOutput {
+            logits: vec![logits],
+            routes: vec![routes],
+        });
+    }
+    chunk(s, tokens, all_logits)
+}
+
 /// Routed experts of one model: the store plus the controls and timings every family shares.
 pub struct RoutedExperts {
     pub store: Arc<ExpertStore>,

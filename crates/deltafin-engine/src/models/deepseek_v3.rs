@@ -19,7 +19,9 @@ use deltafin_kernels::{rms_norm, softmax_inplace, MatRef};
 use rayon::prelude::*;
 
 use crate::experts::StoreOptions;
-use crate::model::{state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::model::{
+    one_or_chunk, state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts,
+};
 use crate::moe::{route, route_masked, RouterConfig, Routing};
 use crate::rope::{yarn_mscale, RotaryEmbedding};
 use crate::EngineError;
@@ -722,16 +724,13 @@ impl CausalLm for DeepseekV3 {
         tokens: &[u32],
         all_logits: bool,
     ) -> Result<BatchOutput, EngineError> {
-        let cache = state_as::<KvCache>(state)?;
-        if tokens.len() == 1 {
-            // One token: the decode path (it also predicts and prefetches the next layer).
-            let (logits, routes) = self.forward_token(cache, tokens[0], false)?;
-            return Ok(BatchOutput {
-                logits: vec![logits],
-                routes: vec![routes],
-            });
-        }
-        self.forward_chunk(cache, tokens, all_logits)
+        one_or_chunk::<KvCache>(
+            state,
+            tokens,
+            all_logits,
+            |c, t| self.forward_token(c, t, false),
+            |c, t, a| self.forward_chunk(c, t, a),
+        )
     }
 
     fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {

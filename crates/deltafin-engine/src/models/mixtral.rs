@@ -21,7 +21,8 @@ use deltafin_kernels::{rms_norm, MatRef};
 use crate::experts::StoreOptions;
 use crate::gqa::{GqaAttention, GqaDecoder, GqaDims, GqaLayer, GqaNames, KvCache};
 use crate::model::{
-    softmax_moe, softmax_moe_batch, state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts,
+    one_or_chunk, softmax_moe, softmax_moe_batch, state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes,
+    RoutedExperts,
 };
 use crate::EngineError;
 
@@ -240,16 +241,13 @@ impl CausalLm for Mixtral {
         tokens: &[u32],
         all_logits: bool,
     ) -> Result<BatchOutput, EngineError> {
-        let cache = state_as::<KvCache>(state)?;
-        if tokens.len() == 1 {
-            // One token: the decode path (it also predicts and prefetches the next layer).
-            let (logits, routes) = self.forward_token(cache, tokens[0], false)?;
-            return Ok(BatchOutput {
-                logits: vec![logits],
-                routes: vec![routes],
-            });
-        }
-        self.forward_chunk(cache, tokens, all_logits)
+        one_or_chunk::<KvCache>(
+            state,
+            tokens,
+            all_logits,
+            |c, t| self.forward_token(c, t, false),
+            |c, t, a| self.forward_chunk(c, t, a),
+        )
     }
 
     fn batch_bytes_per_token(&self) -> usize {
