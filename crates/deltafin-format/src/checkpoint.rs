@@ -211,9 +211,15 @@ impl Checkpoint {
             files
         };
         if files.is_empty() {
+            let message = if dir.join("manifest.json").is_file() {
+                "this is a deltafin model directory (manifest.json), not a Hugging Face checkpoint: it is \
+                 converted already"
+            } else {
+                "no *.safetensors file (and no model.safetensors.index.json)"
+            };
             return Err(FormatError::Checkpoint {
                 path: dir.to_path_buf(),
-                message: "no *.safetensors file (and no model.safetensors.index.json)".into(),
+                message: message.into(),
             });
         }
         let mut shards = Vec::new();

@@ -292,7 +292,7 @@ fn main() -> ExitCode {
             dry_run,
         } => {
             if dry_run {
-                cmd_convert_dry_run(&hf_dir)
+                cmd_convert_dry_run(&hf_dir, &model_dir, force)
             } else {
                 cmd_convert(&hf_dir, &model_dir, backbone, experts, force)
             }
@@ -362,7 +362,7 @@ pub(crate) fn progress_bar(message: &str) -> Bar {
     Bar(pb)
 }
 
-fn cmd_convert_dry_run(hf_dir: &Path) -> Result<()> {
+fn cmd_convert_dry_run(hf_dir: &Path, model_dir: &Path, force: bool) -> Result<()> {
     let p = deltafin_format::convert::plan(hf_dir).with_context(|| format!("checking {}", hf_dir.display()))?;
     let f = deltafin_format::footprint::Footprint::of(&p.config);
     eprintln!(
@@ -381,6 +381,13 @@ fn cmd_convert_dry_run(hf_dir: &Path) -> Result<()> {
         size::human(f.backbone_bf16),
         size::human(f.expert_pack)
     );
+    let occupied = std::fs::read_dir(model_dir).is_ok_and(|mut d| d.next().is_some());
+    if occupied && !force {
+        eprintln!(
+            "note: {} exists and is not empty: the real convert needs --force to replace it",
+            model_dir.display()
+        );
+    }
     Ok(())
 }
 

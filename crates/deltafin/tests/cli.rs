@@ -610,6 +610,27 @@ fn info_reports_a_model_directory_as_stored() {
 // 3. Error paths of `convert`
 // ---------------------------------------------------------------------------------------------
 
+/// Converting a deltafin model directory says what it is; `--dry-run` into an occupied output
+/// directory says the real convert would need `--force`, and writes nothing.
+#[test]
+fn convert_names_a_model_directory_and_dry_run_notes_force() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = copy_case("dsv3_a", tmp.path());
+    let m = tmp.path().join("m");
+    ok(convert(&hf, &m, &[]));
+    let again = tmp.path().join("again");
+    expect_error(
+        &convert(&m, &again, &[]),
+        &["deltafin model directory", "manifest.json"],
+    );
+    assert_no_output(&again);
+    let before: Vec<_> = std::fs::read_dir(&m).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let out = ok(exec(deltafin().arg("convert").arg("--dry-run").arg(&hf).arg(&m)));
+    assert!(text(&out.stderr).contains("needs --force"), "{}", text(&out.stderr));
+    let after: Vec<_> = std::fs::read_dir(&m).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(before, after);
+}
+
 #[test]
 fn convert_rejects_an_unknown_model_type() {
     let tmp = tempfile::tempdir().unwrap();
