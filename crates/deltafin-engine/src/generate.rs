@@ -190,7 +190,7 @@ pub fn generate(
                 n_experts: c.n_routed_experts() as u32,
                 top_k: model.routed().experts_per_token() as u32,
             };
-            Some(TraceWriter::open(p, shape)?)
+            Some(TraceWriter::open(p, shape).map_err(|e| EngineError::Invalid(format!("--trace-routes: {e}")))?)
         }
         None => None,
     };
