@@ -187,6 +187,16 @@ impl ModelConfig {
         }
     }
 
+    /// Adapts the choices a config cannot tell to what the checkpoint holds (`has(name)`: the
+    /// checkpoint has a tensor of that name): today the routed-expert naming of Qwen3-Next /
+    /// Qwen3.5-MoE ([`Qwen3NextConfig::adapt_expert_naming`]). Call it after opening the
+    /// checkpoint, before anything reads tensors by name.
+    pub fn adapt_to_checkpoint(&mut self, has: impl Fn(&str) -> bool) {
+        if let ModelConfig::Qwen3Next(c) = self {
+            c.adapt_expert_naming(has);
+        }
+    }
+
     /// Family name (the engine's model file), e.g. `deepseek_v3`.
     pub fn family(&self) -> &'static str {
         match self {

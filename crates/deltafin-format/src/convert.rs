@@ -216,8 +216,9 @@ pub fn convert(
             message: "--experts int8 is not supported (mxfp4, bf16, f32)".into(),
         });
     }
-    let (cfg, raw) = ModelConfig::from_file(&hf_dir.join("config.json"))?;
+    let (mut cfg, raw) = ModelConfig::from_file(&hf_dir.join("config.json"))?;
     let ck = Checkpoint::open(hf_dir)?;
+    cfg.adapt_to_checkpoint(|n| ck.entry(n).is_some());
 
     crate::staging::write_dir_atomically(out_dir, opts.force, Some(hf_dir), |tmp| {
         write_all(&ck, &cfg, raw, hf_dir, tmp, opts, progress, None)
@@ -246,8 +247,9 @@ pub fn convert_stream(
     extras: &StreamExtras,
     progress: &dyn Progress,
 ) -> Result<ConvertReport, FormatError> {
-    let (cfg, raw) = ModelConfig::from_file(&hf_dir.join("config.json"))?;
+    let (mut cfg, raw) = ModelConfig::from_file(&hf_dir.join("config.json"))?;
     let ck = Checkpoint::open(hf_dir)?;
+    cfg.adapt_to_checkpoint(|n| ck.entry(n).is_some());
     crate::staging::write_dir_atomically(out_dir, opts.force, Some(hf_dir), |tmp| {
         write_all(&ck, &cfg, raw, hf_dir, tmp, opts, progress, Some(extras))
     })
@@ -362,8 +364,9 @@ pub struct ConvertPlan {
 ///
 /// Errors: as [`convert`]'s checks.
 pub fn plan(hf_dir: &Path) -> Result<ConvertPlan, FormatError> {
-    let (cfg, _) = ModelConfig::from_file(&hf_dir.join("config.json"))?;
+    let (mut cfg, _) = ModelConfig::from_file(&hf_dir.join("config.json"))?;
     let ck = Checkpoint::open(hf_dir)?;
+    cfg.adapt_to_checkpoint(|n| ck.entry(n).is_some());
     let (needed, ignored) = check_complete(&ck, &cfg, hf_dir)?;
     let moe = (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)).count();
     Ok(ConvertPlan {

@@ -327,6 +327,25 @@ impl Qwen3NextConfig {
         Ok(())
     }
 
+    /// Follows the checkpoint's routed-expert naming where both exist in the wild: fused over
+    /// the experts (`mlp.experts.gate_up_proj [E, 2I, hidden]`, `down_proj [E, hidden, I]`, as
+    /// transformers' Qwen3.5-MoE module holds them) or one set per expert
+    /// (`mlp.experts.{e}.{gate,up,down}_proj.weight`, the original Qwen3-Next release and
+    /// re-exports such as vLLM's loader accepts). `has(name)` says whether the checkpoint holds a
+    /// tensor; with both or neither form present the family's default stays (and the converter's
+    /// completeness check names what is missing).
+    pub fn adapt_expert_naming(&mut self, has: impl Fn(&str) -> bool) {
+        let Some(l) = (0..self.num_hidden_layers).find(|&l| self.is_moe_layer(l)) else {
+            return;
+        };
+        let e = self.name(&format!("layers.{l}.mlp.experts"));
+        let fused = has(&format!("{e}.gate_up_proj"));
+        let split = has(&format!("{e}.0.gate_proj.weight"));
+        if fused != split {
+            self.fused_experts = fused;
+        }
+    }
+
     /// Whether decoder layer `layer` (0-based) is a MoE layer, as `Qwen3NextDecoderLayer`
     /// decides: not in `mlp_only_layers`, experts present, `(layer + 1) % decoder_sparse_step ==
     /// 0` (Qwen3.5-MoE: every layer).

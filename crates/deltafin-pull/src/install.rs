@@ -282,8 +282,9 @@ pub fn pull_stream(
     for s in &shards {
         files.insert(s.clone(), shard_header(http, source, &sd, s)?);
     }
-    let (cfg, _) = ModelConfig::from_file(&sd.join("config.json"))?;
+    let (mut cfg, _) = ModelConfig::from_file(&sd.join("config.json"))?;
     let ck = Checkpoint::open(&sd)?;
+    cfg.adapt_to_checkpoint(|n| ck.entry(n).is_some());
     let mut ranges: Vec<(String, u64, u64)> = Vec::new();
     for t in cfg.backbone_tensors() {
         if let Some(e) = ck.entry(&t.name) {

@@ -243,6 +243,77 @@ fn qwen3_5_moe_lossless_layout_matches_transformers() {
     check_lossless("qwen3_5_moe", 2, "qwen3_5_moe");
 }
 
+/// Qwen3.5-MoE with its routed experts stored one tensor set per expert
+/// (`mlp.experts.{e}.{gate,up,down}_proj.weight`, as re-exports hold them) instead of fused over
+/// the experts: the converter follows the checkpoint's naming and the result still matches
+/// transformers (the same expected.json) in the lossless layout.
+#[test]
+fn qwen3_5_moe_per_expert_names_match_transformers() {
+    use safetensors::tensor::TensorView;
+    use safetensors::{Dtype, SafeTensors};
+    let src = fixtures_root("qwen3_5_moe").join("qwen3_5_moe_a");
+    let tmp = tempfile::tempdir().unwrap();
+    let split = tmp.path().join("split");
+    std::fs::create_dir(&split).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        if e.file_name() != "model.safetensors" {
+            std::fs::copy(e.path(), split.join(e.file_name())).unwrap();
+        }
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    // (name, shape, f32 little-endian bytes)
+    let mut out: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut split_tensors = 0;
+    for (name, t) in st.tensors() {
+        assert_eq!(t.dtype(), Dtype::F32, "{name}");
+        let shape = t.shape().to_vec();
+        let data = t.data();
+        if let Some(prefix) = name.strip_suffix(".gate_up_proj") {
+            // [E, 2I, H]: gate rows first, then up.
+            let (e, two_i, h) = (shape[0], shape[1], shape[2]);
+            let half = two_i / 2 * h * 4;
+            for x in 0..e {
+                let m = &data[x * 2 * half..(x + 1) * 2 * half];
+                out.push((
+                    format!("{prefix}.{x}.gate_proj.weight"),
+                    vec![two_i / 2, h],
+                    m[..half].to_vec(),
+                ));
+                out.push((
+                    format!("{prefix}.{x}.up_proj.weight"),
+                    vec![two_i / 2, h],
+                    m[half..].to_vec(),
+                ));
+            }
+            split_tensors += 1;
+        } else if name.contains(".mlp.experts.down_proj") {
+            let (e, rows, cols) = (shape[0], shape[1], shape[2]);
+            let prefix = name.strip_suffix(".down_proj").unwrap();
+            let n = rows * cols * 4;
+            for x in 0..e {
+                out.push((
+                    format!("{prefix}.{x}.down_proj.weight"),
+                    vec![rows, cols],
+                    data[x * n..(x + 1) * n].to_vec(),
+                ));
+            }
+        } else {
+            out.push((name.to_string(), shape, data.to_vec()));
+        }
+    }
+    assert!(split_tensors > 0, "the fixture has no fused experts to split");
+    let views: Vec<(String, TensorView<'_>)> = out
+        .iter()
+        .map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), d).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &split.join("model.safetensors")).unwrap();
+    let r = run_case(&split, StoredDtype::F32, StoredDtype::F32, 1 << 30);
+    assert!(r.ids_equal, "greedy ids differ from transformers");
+    assert!(r.max_rel_l2 < 1e-4, "rel L2 {:e}", r.max_rel_l2);
+}
+
 #[test]
 fn qwen3_5_moe_default_layout_runs_within_bound() {
     check_quantized("qwen3_5_moe", 2);
