@@ -438,9 +438,17 @@ pub(crate) fn cmd_convert(
         );
     }
     if !report.ignored_tensors.is_empty() {
+        let shown: Vec<&str> = report.ignored_tensors.iter().take(3).map(String::as_str).collect();
+        let more = report.ignored_tensors.len() - shown.len();
         eprintln!(
-            "ignored {} source tensors (MTP layers, non-text towers, rotary buffers)",
-            report.ignored_tensors.len()
+            "ignored {} source tensors (MTP layers, non-text towers, rotary buffers): {}{}",
+            report.ignored_tensors.len(),
+            shown.join(", "),
+            if more > 0 {
+                format!(", and {more} more")
+            } else {
+                String::new()
+            }
         );
     }
     Ok(())
