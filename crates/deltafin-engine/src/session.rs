@@ -109,8 +109,10 @@ pub struct Session {
     cached: Vec<u32>,
     /// Prompt tokens per prefill pass (0 = automatic, 1 = token at a time).
     prefill_chunk: usize,
-    /// Speculative decoding mode.
-    speculate: SpeculateMode,
+    /// Speculative decoding: the mode and the adaptive draft-length state, kept across
+    /// requests so what a conversation's earlier turns taught (acceptance, per-position cost)
+    /// carries over; its counters restart per request.
+    spec: Speculator,
 }
 
 impl Session {
@@ -125,7 +127,7 @@ impl Session {
             cache,
             cached: Vec::new(),
             prefill_chunk: 0,
-            speculate: DEFAULT_SPECULATE,
+            spec: Speculator::new(DEFAULT_SPECULATE),
         }
     }
 
@@ -138,7 +140,9 @@ impl Session {
     /// Speculative decoding mode (`--speculate`). Greedy output does not depend on it; sampled
     /// output keeps its distribution (not its exact draws).
     pub fn set_speculate(&mut self, mode: SpeculateMode) {
-        self.speculate = mode;
+        if mode != self.spec.mode() {
+            self.spec = Speculator::new(mode);
+        }
     }
 
     /// The model.
@@ -308,7 +312,10 @@ impl Session {
         let mut steady_start: Option<Instant> = None;
         let mut steady_from = 0;
         let mut finished = false;
-        let mut spec = Speculator::new(self.speculate);
+        // Taken for the request and put back at its end (a failed request starts afresh).
+        let mode = self.spec.mode();
+        let mut spec = std::mem::replace(&mut self.spec, Speculator::new(mode));
+        spec.stats = Default::default();
         // Tokens chosen but not yet handed out, with the logits that chose them.
         let mut pending: std::collections::VecDeque<(u32, Vec<f32>)> = Default::default();
         pending.push_back((sampler.sample(&logits), std::mem::take(&mut logits)));
@@ -400,6 +407,7 @@ impl Session {
             }
         }
         out.stats.speculation = spec.stats;
+        self.spec = spec;
         self.finish_stats(&mut out, start_counters, steady_start.map(|t| (t, steady_from)));
         Ok(out)
     }

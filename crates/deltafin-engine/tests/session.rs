@@ -118,6 +118,33 @@ fn seeds_stops_and_cancellation() {
     assert_eq!(cancelled.generated_ids.len(), 3);
 }
 
+/// The adaptive speculation state lives as long as the session: two 20-token requests
+/// together reach the first exploratory draft (after 32 plain steps) that neither reaches alone,
+/// and each request's statistics count only its own steps.
+#[test]
+fn speculation_state_carries_across_requests() {
+    use deltafin_engine::speculate::SpeculateMode;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut s = session(tmp.path());
+    s.set_speculate(SpeculateMode::SelfDraft);
+    let never = || false;
+    let a = s.generate(&req(vec![0, 10, 20], 20), &never, |_| true).unwrap();
+    assert_eq!(a.stats.speculation.passes, 0, "no exploration within 20 steps");
+    let mut next = vec![0, 10, 20];
+    next.extend(&a.generated_ids);
+    let b = s.generate(&req(next, 20), &never, |_| true).unwrap();
+    assert!(
+        b.stats.speculation.passes > 0,
+        "the second request continues the first's count"
+    );
+    assert!(b.stats.speculation.plain_steps < 20);
+    // Another mode starts afresh.
+    s.set_speculate(SpeculateMode::Lookup);
+    s.set_speculate(SpeculateMode::SelfDraft);
+    let c = s.generate(&req(vec![0, 5], 20), &never, |_| true).unwrap();
+    assert_eq!(c.stats.speculation.passes, 0);
+}
+
 /// Batched prefill chunks and speculative decoding in the session: greedy output, prefix reuse
 /// and stop handling equal the plain session's; the KV cache stays in step with its tokens
 /// after speculative passes that overshoot the end of a generation. 40 tokens per request: the
