@@ -20,7 +20,7 @@
 //! arXiv:2205.14135, Alg. 1) without its online softmax (which would change the summation
 //! order): the full score row is kept, `[rows, window]` f32 per call.
 
-use deltafin_kernels::{axpy, dot, softmax_inplace, MatRef};
+use deltafin_kernels::{axpy, dot, rms_norm, softmax_inplace, MatRef};
 
 use crate::rope::RotaryEmbedding;
 
@@ -120,6 +120,47 @@ pub fn attend_rows<S, M>(
             }
         }
         t0 = t1;
+    }
+}
+
+/// The query projection of an MLA layer: with a query LoRA (`q_lora_rank` set), `q_a_proj`
+/// `[q_lora_rank, hidden]`, `q_a_layernorm` `[q_lora_rank]` and `q_b_proj`
+/// `[n_heads · qk_head_dim, q_lora_rank]`; without, `q_proj` `[n_heads · qk_head_dim, hidden]`.
+pub enum MlaQuery<'a> {
+    Lora {
+        a: MatRef<'a>,
+        norm: &'a [f32],
+        b: MatRef<'a>,
+    },
+    Plain(MatRef<'a>),
+}
+
+impl MlaQuery<'_> {
+    /// Queries of `nt` tokens: `q_b(rms_norm(q_a · x; eps))` or `q_proj · x`, row by row as the
+    /// one-token path computes them (`matmul` rows equal `matvec`). xn: `[nt, hidden]` →
+    /// `[nt, n_heads · qk_head_dim]`.
+    ///
+    /// Source: transformers `DeepseekV3Attention` / `KimiMLAAttention` (`q_b_proj(q_a_layernorm(q_a_proj(x)))`).
+    pub fn project(&self, xn: &[f32], nt: usize, eps: f32) -> Vec<f32> {
+        match self {
+            MlaQuery::Lora { a, norm, b } => {
+                let r = a.rows;
+                let mut qa = vec![0f32; nt * r];
+                a.matmul(xn, nt, &mut qa);
+                let mut qan = vec![0f32; nt * r];
+                for (x, y) in qa.chunks_exact(r).zip(qan.chunks_exact_mut(r)) {
+                    rms_norm(x, norm, eps, y);
+                }
+                let mut q = vec![0f32; nt * b.rows];
+                b.matmul(&qan, nt, &mut q);
+                q
+            }
+            MlaQuery::Plain(m) => {
+                let mut q = vec![0f32; nt * m.rows];
+                m.matmul(xn, nt, &mut q);
+                q
+            }
+        }
     }
 }
 

@@ -747,20 +747,15 @@ impl KimiLinear {
             Numerics::LlamaCppCpu => c.rms_norm_eps,
         };
         // q: [nt, n_heads * qk_head_dim]
-        let mut q = vec![0f32; nt * nh * qk];
-        match c.q_lora_rank {
-            Some(r) => {
-                let mut qa = vec![0f32; nt * r];
-                self.m(&n.q_a_proj)?.matmul(xn, nt, &mut qa);
-                let mut qan = vec![0f32; nt * r];
-                let w = self.v(&n.q_a_layernorm)?;
-                for (a, b) in qa.chunks_exact(r).zip(qan.chunks_exact_mut(r)) {
-                    rms_norm(a, w, latent_eps, b);
-                }
-                self.m(&n.q_b_proj)?.matmul(&qan, nt, &mut q);
-            }
-            None => self.m(&n.q_proj)?.matmul(xn, nt, &mut q),
-        }
+        let query = match c.q_lora_rank {
+            Some(_) => crate::blocked_attention::MlaQuery::Lora {
+                a: self.m(&n.q_a_proj)?,
+                norm: self.v(&n.q_a_layernorm)?,
+                b: self.m(&n.q_b_proj)?,
+            },
+            None => crate::blocked_attention::MlaQuery::Plain(self.m(&n.q_proj)?),
+        };
+        let q = query.project(xn, nt, latent_eps);
         // compressed_kv: [nt, kv_lora_rank + qk_rope_head_dim]; the latent is normalised.
         let mut ckv = vec![0f32; nt * (kvl + rope)];
         self.m(&n.kv_a_proj_with_mqa)?.matmul(xn, nt, &mut ckv);
