@@ -70,4 +70,5 @@ pub enum EngineError {
     Invalid(String),
 }
 
+pub use blocked_attention::MlaForm;
 pub use model::{load_model, CausalLm, DecodeState, LayerRoutes, Numerics, Profile};

@@ -14,6 +14,7 @@ use std::time::Instant;
 use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::{silu, MatRef};
 
+use crate::blocked_attention::MlaForm;
 use crate::experts::{Expert, ExpertStore, StoreOptions};
 use crate::moe::{route_softmax, route_softmax_masked, Routing};
 use crate::EngineError;
@@ -150,6 +151,10 @@ pub trait CausalLm: Send + Sync {
     fn supports_draft(&self) -> bool {
         false
     }
+
+    /// How batched passes compute MLA attention (see [`MlaForm`]); families without MLA
+    /// ignore it. The default is [`MlaForm::Auto`], or the `DELTAFIN_MLA_FORM` override.
+    fn set_mla_form(&mut self, _form: MlaForm) {}
 
     /// Activation bytes a batched pass holds per token of its chunk (for choosing the prefill
     /// chunk); the default assumes a handful of hidden-sized f32 buffers.

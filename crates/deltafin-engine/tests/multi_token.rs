@@ -18,7 +18,7 @@ use deltafin_engine::experts::StoreOptions;
 use deltafin_engine::generate::{generate, GenerateOptions};
 use deltafin_engine::sampler::{Sampler, SamplingParams};
 use deltafin_engine::speculate::{SpeculateMode, Speculator};
-use deltafin_engine::{load_model, CausalLm};
+use deltafin_engine::{load_model, CausalLm, MlaForm};
 use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
 use deltafin_format::synth::{write_checkpoint, SynthSpec};
 use deltafin_format::ModelDir;
@@ -46,6 +46,20 @@ fn load(dir: &Path, budget: u64, readers: usize) -> Box<dyn CausalLm> {
     let mut o = StoreOptions::new(budget);
     o.readers = readers;
     load_model(&ModelDir::open(dir).unwrap(), o).unwrap()
+}
+
+/// As [`load`], with batched MLA in `form`.
+fn load_form(dir: &Path, budget: u64, readers: usize, form: MlaForm) -> Box<dyn CausalLm> {
+    let mut m = load(dir, budget, readers);
+    m.set_mla_form(form);
+    m
+}
+
+/// Relative L2 distance `‖a − b‖ / ‖a‖`.
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
+    (num / den).sqrt()
 }
 
 fn prompt(model: &dyn CausalLm, n: usize, seed: u32) -> Vec<u32> {
@@ -87,11 +101,14 @@ fn assert_bit_identical(what: &str, a: &[Vec<f32>], b: &[Vec<f32>]) {
     }
 }
 
-fn check_prefill(name: &str, dir: &Path, n: usize) {
+/// Batched prefill (with the absorbed MLA form) equals token at a time bit for bit (chunks of 1,
+/// 7 and the whole prompt); for an MLA family (`mla`), with the decompressed form (what `auto`
+/// picks for long prompt chunks) within relative L2 1e-5 at every position, with the same argmax.
+fn check_prefill(name: &str, dir: &Path, n: usize, mla: bool) {
     // Budget 0 (nothing stays cached; every chunk's union exceeds the cache) with one reader,
     // and a roomy cache with the default readers.
     for (budget, readers) in [(0u64, 1usize), (64 << 20, 0)] {
-        let model = load(dir, budget, readers);
+        let mut model = load_form(dir, budget, readers, MlaForm::Absorbed);
         let p = prompt(model.as_ref(), n, 1);
         let reference = token_at_a_time(model.as_ref(), &p);
         for chunk in [1, 7, n] {
@@ -103,6 +120,29 @@ fn check_prefill(name: &str, dir: &Path, n: usize) {
         let last = model.forward_batch(st.as_mut(), &p, false).unwrap();
         assert_eq!(last.logits.len(), 1);
         assert_bit_identical(&format!("{name} last only"), &reference[n - 1..], &last.logits);
+        if !mla {
+            continue;
+        }
+        model.set_mla_form(MlaForm::Decompressed);
+        let mut worst = 0f64;
+        for chunk in [7, n] {
+            let got = chunked(model.as_ref(), &p, chunk);
+            for (i, (a, b)) in reference.iter().zip(&got).enumerate() {
+                let rel = rel_l2(a, b);
+                worst = worst.max(rel);
+                assert!(
+                    rel < 1e-5,
+                    "{name} decompressed MLA, chunk {chunk}, position {i}: rel L2 {rel:e}"
+                );
+                assert_eq!(
+                    deltafin_kernels::argmax(a),
+                    deltafin_kernels::argmax(b),
+                    "{name} decompressed MLA, chunk {chunk}, position {i}: argmax"
+                );
+            }
+        }
+        assert!(worst > 0.0, "{name}: the decompressed form was not used");
+        eprintln!("{name} budget {budget}: decompressed MLA vs token at a time, max rel L2 {worst:.3e}");
     }
 }
 
@@ -111,7 +151,7 @@ fn batched_prefill_equals_token_at_a_time_on_the_fixtures() {
     let tmp = tempfile::tempdir().unwrap();
     for case in ["dsv3_a", "dsv3_b", "dsv3_c"] {
         let dir = fixture(case, tmp.path());
-        check_prefill(case, &dir, 23);
+        check_prefill(case, &dir, 23, true);
     }
 }
 
@@ -119,9 +159,9 @@ fn batched_prefill_equals_token_at_a_time_on_the_fixtures() {
 fn batched_prefill_equals_token_at_a_time_on_synthetic_models() {
     let tmp = tempfile::tempdir().unwrap();
     let tiny = synth("tiny", &SynthSpec::tiny(300), tmp.path());
-    check_prefill("tiny", &tiny, 40);
+    check_prefill("tiny", &tiny, 40, true);
     let demo = synth("demo", &SynthSpec::demo(320), tmp.path());
-    check_prefill("demo", &demo, 30);
+    check_prefill("demo", &demo, 30, true);
 }
 
 /// Greedy ids of plain decoding and of `spec`, both after the same prompt; also checks the
@@ -294,25 +334,31 @@ fn kimi_fixture(family: &str, case: &str, tmp: &Path) -> PathBuf {
 fn check_batched_within(family: &str, case: &str, bound: f64, n: usize, tmp: &Path) {
     let dir = kimi_fixture(family, case, tmp);
     for (budget, readers) in [(0u64, 1usize), (64 << 20, 0)] {
-        let model = load(&dir, budget, readers);
+        let mut model = load(&dir, budget, readers);
         let p = prompt(model.as_ref(), n, 2);
         let reference = token_at_a_time(model.as_ref(), &p);
         let mut worst = 0f64;
-        for chunk in [1, 7, n] {
+        // MLA layers (Kimi): both batched forms; other families ignore the setting.
+        for (form, chunk) in [
+            (MlaForm::Absorbed, 1),
+            (MlaForm::Absorbed, 7),
+            (MlaForm::Absorbed, n),
+            (MlaForm::Decompressed, 7),
+            (MlaForm::Decompressed, n),
+        ] {
+            model.set_mla_form(form);
             let got = chunked(model.as_ref(), &p, chunk);
             for (i, (a, b)) in reference.iter().zip(&got).enumerate() {
-                let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-                let den: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
-                let rel = (num / den).sqrt();
+                let rel = rel_l2(a, b);
                 worst = worst.max(rel);
                 assert!(
                     rel < bound,
-                    "{case} budget {budget} chunk {chunk} position {i}: rel L2 {rel:e}"
+                    "{case} budget {budget} {form:?} chunk {chunk} position {i}: rel L2 {rel:e}"
                 );
                 assert_eq!(
                     deltafin_kernels::argmax(a),
                     deltafin_kernels::argmax(b),
-                    "{case} chunk {chunk} position {i}: argmax"
+                    "{case} {form:?} chunk {chunk} position {i}: argmax"
                 );
             }
         }
@@ -459,7 +505,7 @@ fn gqa_batched_prefill_equals_token_at_a_time() {
         ("gpt_oss", "gpt_oss_b"),
     ] {
         let dir = kimi_fixture(family, case, tmp.path());
-        check_prefill(case, &dir, 23);
+        check_prefill(case, &dir, 23, false);
     }
 }
 

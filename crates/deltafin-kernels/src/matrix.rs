@@ -232,11 +232,7 @@ impl<'a> MatRef<'a> {
                 .enumerate()
                 .for_each(|(i, yc)| self.mm_rows(k, i * chunk, x, n, &xps, yc));
         }
-        for (r, yrow) in yt.chunks(n).enumerate() {
-            for (t, &v) in yrow.iter().enumerate() {
-                y[t * rows + r] = v;
-            }
-        }
+        transpose_into(&yt, rows, n, y);
     }
 
     /// Rows `[r0, r0 + yt.len() / n)` of the product for all `n` tokens into `yt: [rows', n]`
@@ -380,5 +376,33 @@ impl<'a> MatRef<'a> {
         let threads = rayon::current_num_threads().max(1);
         let min_rows = CHUNK_MIN_WEIGHTS.div_ceil(self.cols.max(1));
         self.rows.div_ceil(4 * threads).max(min_rows).max(1)
+    }
+}
+
+/// `y: [n, rows]` = the transpose of `yt: [rows, n]`, in 64 × 64 blocks (a row-major walk
+/// with a stride of `rows` f32 misses the cache and the TLB on every store once `n` is in the
+/// thousands), token blocks in parallel when the matrix is large.
+fn transpose_into(yt: &[f32], rows: usize, n: usize, y: &mut [f32]) {
+    const B: usize = 64;
+    let block = |t0: usize, yb: &mut [f32]| {
+        let tn = yb.len() / rows;
+        let mut r0 = 0;
+        while r0 < rows {
+            let r1 = (r0 + B).min(rows);
+            for t in 0..tn {
+                let dst = &mut yb[t * rows + r0..t * rows + r1];
+                for (d, r) in dst.iter_mut().zip(r0..r1) {
+                    *d = yt[r * n + t0 + t];
+                }
+            }
+            r0 = r1;
+        }
+    };
+    if rows * n <= PAR_MIN_WEIGHTS {
+        block(0, y);
+    } else {
+        y.par_chunks_mut(B * rows)
+            .enumerate()
+            .for_each(|(i, yb)| block(i * B, yb));
     }
 }

@@ -18,6 +18,7 @@ use deltafin_format::{DeepseekV3Config, ModelConfig, ModelDir, Rope};
 use deltafin_kernels::{rms_norm, softmax_inplace, MatRef};
 use rayon::prelude::*;
 
+use crate::blocked_attention::MlaForm;
 use crate::experts::StoreOptions;
 use crate::model::{
     one_or_chunk, state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts,
@@ -133,6 +134,8 @@ pub struct DeepseekV3 {
     softmax_scale: f32,
     router: RouterConfig,
     routed: RoutedExperts,
+    /// How batched passes compute MLA ([`CausalLm::set_mla_form`]).
+    mla_form: MlaForm,
 }
 
 impl DeepseekV3 {
@@ -217,6 +220,7 @@ impl DeepseekV3 {
             softmax_scale: softmax_scale as f32,
             router,
             routed,
+            mla_form: MlaForm::from_env().map_err(EngineError::Invalid)?,
         })
     }
 
@@ -411,7 +415,6 @@ impl DeepseekV3 {
             c.qk_rope_head_dim,
             c.kv_lora_rank,
         );
-        let qk = nope + rope;
         // q: [nt, n_heads * qk_head_dim]
         let query = match c.q_lora_rank {
             Some(_) => crate::blocked_attention::MlaQuery::Lora {
@@ -438,7 +441,6 @@ impl DeepseekV3 {
         let (ckv_cache, kpe_cache) = (&cache.c_kv[l], &cache.k_pe[l]);
         // flat: [nt, n_heads * v_head_dim], token-major (the one-token layout per token).
         let vd = c.v_head_dim;
-        let mut flat = vec![0f32; nt * nh * vd];
         let mla = crate::blocked_attention::MlaShape {
             n_heads: nh,
             nope,
@@ -448,26 +450,7 @@ impl DeepseekV3 {
             scale: self.softmax_scale,
             rotary: Some(&self.rope),
         };
-        // Blocked: a tile of tokens with all their heads shares every latent tile; tiles in
-        // parallel (several per thread, the later ones see more keys).
-        let threads = rayon::current_num_threads().max(1);
-        let tile = crate::blocked_attention::tokens_per_item(nt, nh, pos0 + nt, threads);
-        flat.par_chunks_mut(tile * nh * vd)
-            .enumerate()
-            .for_each_init(Vec::new, |scores, (i, o)| {
-                let t0 = i * tile;
-                let t1 = (t0 + tile).min(nt);
-                crate::blocked_attention::mla_tile(
-                    &mla,
-                    kv_b,
-                    &q[t0 * nh * qk..t1 * nh * qk],
-                    pos0 + t0,
-                    ckv_cache,
-                    kpe_cache,
-                    scores,
-                    o,
-                );
-            });
+        let flat = crate::blocked_attention::mla_chunk(&mla, kv_b, &q, pos0, ckv_cache, kpe_cache, self.mla_form);
         let mut out = vec![0f32; nt * c.hidden_size];
         self.m(&n.o_proj)?.matmul(&flat, nt, &mut out);
         Ok(out)
@@ -730,6 +713,10 @@ impl CausalLm for DeepseekV3 {
 
     fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
         Ok(Some(self.forward_token(state_as::<KvCache>(state)?, token, true)?.0))
+    }
+
+    fn set_mla_form(&mut self, form: MlaForm) {
+        self.mla_form = form;
     }
 
     fn supports_draft(&self) -> bool {

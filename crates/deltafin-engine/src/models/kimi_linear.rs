@@ -30,6 +30,7 @@ use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::{rms_norm, sigmoid, silu, softmax_inplace, MatData, MatRef};
 use rayon::prelude::*;
 
+use crate::blocked_attention::MlaForm;
 use crate::blocks::kda::{
     DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, KdaWeights, OutputGate, DEFAULT_CHUNK_SIZE,
 };
@@ -193,6 +194,8 @@ pub struct KimiLinear {
     routed: RoutedExperts,
     /// Reference math, or llama.cpp's CPU arithmetic (see [`Numerics`]).
     numerics: Numerics,
+    /// How batched passes compute MLA ([`CausalLm::set_mla_form`]).
+    mla_form: MlaForm,
 }
 
 impl KimiLinear {
@@ -254,6 +257,7 @@ impl KimiLinear {
             empty_states: Vec::new(),
             routed,
             numerics: Numerics::Reference,
+            mla_form: MlaForm::from_env().map_err(EngineError::Invalid)?,
         };
         // Building each KDA block checks its shapes once.
         let mut empty = Vec::with_capacity(model.cfg.num_hidden_layers);
@@ -741,7 +745,6 @@ impl KimiLinear {
             c.v_head_dim,
             c.kv_lora_rank,
         );
-        let qk = nope + rope;
         let latent_eps = match self.numerics {
             Numerics::Reference => LATENT_NORM_EPS,
             Numerics::LlamaCppCpu => c.rms_norm_eps,
@@ -778,25 +781,7 @@ impl KimiLinear {
             rotary: None,
         };
         // flat: [nt, n_heads * v_head_dim]
-        let mut flat = vec![0f32; nt * nh * vd];
-        let threads = rayon::current_num_threads().max(1);
-        let tile = crate::blocked_attention::tokens_per_item(nt, nh, pos0 + nt, threads);
-        flat.par_chunks_mut(tile * nh * vd)
-            .enumerate()
-            .for_each_init(Vec::new, |scores, (i, o)| {
-                let t0 = i * tile;
-                let t1 = (t0 + tile).min(nt);
-                crate::blocked_attention::mla_tile(
-                    &mla,
-                    kv_b,
-                    &q[t0 * nh * qk..t1 * nh * qk],
-                    pos0 + t0,
-                    ckv_cache,
-                    kpe_cache,
-                    scores,
-                    o,
-                );
-            });
+        let mut flat = crate::blocked_attention::mla_chunk(&mla, kv_b, &q, pos0, ckv_cache, kpe_cache, self.mla_form);
         if c.mla_use_output_gate {
             // o ⊙ σ(x W_g^T), W_g: [n_heads * v_head_dim, hidden]
             let mut g = vec![0f32; nt * nh * vd];
@@ -1028,6 +1013,10 @@ impl CausalLm for KimiLinear {
         Ok(Some(
             self.forward_token(state_as::<KimiLinearState>(state)?, token, true)?.0,
         ))
+    }
+
+    fn set_mla_form(&mut self, form: MlaForm) {
+        self.mla_form = form;
     }
 
     fn supports_draft(&self) -> bool {
