@@ -269,26 +269,6 @@ pub enum MlaForm {
     Decompressed,
 }
 
-impl MlaForm {
-    /// The form named by the environment variable `DELTAFIN_MLA_FORM` (`auto`, `absorbed` or
-    /// `decompressed`; a research override for side-by-side measurements), else `Auto`.
-    ///
-    /// Errors: any other value (naming the variable).
-    pub fn from_env() -> Result<MlaForm, String> {
-        match std::env::var("DELTAFIN_MLA_FORM") {
-            Err(_) => Ok(MlaForm::Auto),
-            Ok(v) => match v.as_str() {
-                "" | "auto" => Ok(MlaForm::Auto),
-                "absorbed" => Ok(MlaForm::Absorbed),
-                "decompressed" => Ok(MlaForm::Decompressed),
-                other => Err(format!(
-                    "DELTAFIN_MLA_FORM={other:?}: expected auto, absorbed or decompressed"
-                )),
-            },
-        }
-    }
-}
-
 /// Whether the decompressed form needs at most 80 % of the absorbed form's multiply-adds for
 /// a chunk of `nt` tokens after `pos0` cached positions. Per head, with `P = Σ_i (pos0 + i + 1)`
 /// (query, key) pairs: absorbed `P · (2 · kv_lora_rank + rope) + nt · 2 · nope · kv_lora_rank`

@@ -71,4 +71,5 @@ pub enum EngineError {
 }
 
 pub use blocked_attention::MlaForm;
+pub use model::BatchForm;
 pub use model::{load_model, CausalLm, DecodeState, LayerRoutes, Numerics, Profile};

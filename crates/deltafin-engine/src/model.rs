@@ -152,10 +152,6 @@ pub trait CausalLm: Send + Sync {
         false
     }
 
-    /// How batched passes compute MLA attention (see [`MlaForm`]); families without MLA
-    /// ignore it. The default is [`MlaForm::Auto`], or the `DELTAFIN_MLA_FORM` override.
-    fn set_mla_form(&mut self, _form: MlaForm) {}
-
     /// Activation bytes a batched pass holds per token of its chunk (for choosing the prefill
     /// chunk); the default assumes a handful of hidden-sized f32 buffers.
     fn batch_bytes_per_token(&self) -> usize {
@@ -267,6 +263,72 @@ pub struct RoutedExperts {
     attention_ns: AtomicU64,
     mlp_ns: AtomicU64,
     forwards: AtomicU64,
+    /// Arithmetic of batched passes.
+    batch_form: BatchForm,
+}
+
+/// Tokens of one matrix product from which [`BatchForm::Auto`] uses the wide MXFP4 tile
+/// ([`deltafin_kernels::MatRef::matmul_wide`]): above every speculative verification pass
+/// (at most [`crate::speculate::MAX_DRAFT`] + 1 tokens), which therefore stays bit-identical to
+/// token-at-a-time decoding.
+pub const WIDE_MIN_TOKENS: usize = 16;
+const _: () = assert!(WIDE_MIN_TOKENS > crate::speculate::MAX_DRAFT + 1);
+
+/// The arithmetic of batched passes (prompt chunks, speculative verification). Every form
+/// computes the same model; they differ only in f32 rounding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum BatchForm {
+    /// Each kernel where it pays: MLA in the decompressed form for long chunks
+    /// ([`MlaForm::Auto`]) and the wide MXFP4 tile for products of at least
+    /// [`WIDE_MIN_TOKENS`] tokens (a prompt chunk's tokens of one expert). Both give results
+    /// within f32 rounding of token at a time; verification passes keep the bit-identical
+    /// kernels, so speculation never changes greedy output.
+    #[default]
+    Auto,
+    /// Every position bit-identical to token-at-a-time decoding (absorbed MLA, kernels in the
+    /// matrix-vector order).
+    Exact,
+    /// The faster forms wherever they apply, whatever the size (tests of those paths on small
+    /// models).
+    Fast,
+}
+
+impl BatchForm {
+    /// The form named by the environment variable `DELTAFIN_BATCH_FORM` (`auto`, `exact` or
+    /// `fast`: a research override for side-by-side measurements), else `Auto`.
+    ///
+    /// Errors: any other value, naming the variable.
+    pub fn from_env() -> Result<BatchForm, EngineError> {
+        match std::env::var("DELTAFIN_BATCH_FORM") {
+            Err(_) => Ok(BatchForm::Auto),
+            Ok(v) => match v.as_str() {
+                "" | "auto" => Ok(BatchForm::Auto),
+                "exact" => Ok(BatchForm::Exact),
+                "fast" => Ok(BatchForm::Fast),
+                other => Err(EngineError::Invalid(format!(
+                    "DELTAFIN_BATCH_FORM={other:?}: expected auto, exact or fast"
+                ))),
+            },
+        }
+    }
+
+    /// The MLA form of a batched pass.
+    pub fn mla(self) -> MlaForm {
+        match self {
+            BatchForm::Auto => MlaForm::Auto,
+            BatchForm::Exact => MlaForm::Absorbed,
+            BatchForm::Fast => MlaForm::Decompressed,
+        }
+    }
+
+    /// Whether a product over `n` tokens uses [`deltafin_kernels::MatRef::matmul_wide`].
+    pub fn wide(self, n: usize) -> bool {
+        match self {
+            BatchForm::Auto => n >= WIDE_MIN_TOKENS,
+            BatchForm::Exact => false,
+            BatchForm::Fast => n > 1,
+        }
+    }
 }
 
 impl RoutedExperts {
@@ -289,7 +351,18 @@ impl RoutedExperts {
             attention_ns: AtomicU64::new(0),
             mlp_ns: AtomicU64::new(0),
             forwards: AtomicU64::new(0),
+            batch_form: BatchForm::from_env()?,
         })
+    }
+
+    /// The arithmetic of batched passes ([`BatchForm`]).
+    pub fn batch_form(&self) -> BatchForm {
+        self.batch_form
+    }
+
+    /// Sets the arithmetic of batched passes.
+    pub fn set_batch_form(&mut self, form: BatchForm) {
+        self.batch_form = form;
     }
 
     /// Routed experts used per token (the config's top-k unless overridden).
@@ -474,8 +547,9 @@ impl RoutedExperts {
     /// The routed part of a MoE block for a chunk of `n = routings.len()` tokens of layer
     /// `layer`, expert-major: every expert chosen by any token of the chunk is read ONCE
     /// (ascending expert id, which is file order) and applied to all the tokens that chose it
-    /// by `expert(record, tokens)` (`tokens`: ascending chunk positions; returns
-    /// `[tokens.len(), out_dim]`, a matrix-matrix product), on the compute pool as each record
+    /// by `expert(record, tokens, wide)` (`tokens`: ascending chunk positions; `wide`:
+    /// [`BatchForm::wide`] of the token count, whether the products may use the wide tile;
+    /// returns `[tokens.len(), out_dim]`, a matrix-matrix product), on the compute pool as each record
     /// arrives; `shared()` runs meanwhile. Returns `(out: [n, out_dim], shared)` with
     /// `out[t] = Σ_i routings[t].weights[i] · expert_i(t)` summed in the order of
     /// `routings[t].experts` exactly as [`Self::run`] sums it (the experts are combined in
@@ -499,10 +573,11 @@ impl RoutedExperts {
         shared: Option<S>,
     ) -> Result<(Vec<f32>, Option<Vec<f32>>), EngineError>
     where
-        E: Fn(&Expert, &[usize]) -> Vec<f32> + Sync,
+        E: Fn(&Expert, &[usize], bool) -> Vec<f32> + Sync,
         S: FnOnce() -> Vec<f32> + Send,
     {
         let n = routings.len();
+        let form = self.batch_form;
         let mut union: Vec<usize> = routings.iter().flat_map(|r| r.experts.iter().copied()).collect();
         union.sort_unstable();
         union.dedup();
@@ -564,7 +639,7 @@ impl RoutedExperts {
                         let (tx, u) = (tx.clone(), next_issue);
                         computing += 1;
                         s.spawn(move |_| {
-                            let o = expert(&e, &tokens[u]);
+                            let o = expert(&e, &tokens[u], form.wide(tokens[u].len()));
                             let _ = tx.send((u, o));
                         });
                     }
@@ -578,7 +653,7 @@ impl RoutedExperts {
                     let tx = tx.clone();
                     computing += 1;
                     s.spawn(move |_| {
-                        let o = expert(&e, &tokens[u]);
+                        let o = expert(&e, &tokens[u], form.wide(tokens[u].len()));
                         drop(e); // the record is released before the slot is counted free
                         let _ = tx.send((u, o));
                     });
@@ -713,17 +788,18 @@ fn wait_for<T>(rx: &std::sync::mpsc::Receiver<T>) -> Result<T, std::sync::mpsc::
 
 /// [`swiglu`] for `n` tokens at once (matrix-matrix products): x `[n, cols of gate]` →
 /// `[n, rows of down]`, each row bit-identical to [`swiglu`] of that row (the kernels'
-/// `matmul` equals `n` matvecs bit for bit).
-pub fn swiglu_batch(gate: MatRef<'_>, up: MatRef<'_>, down: MatRef<'_>, x: &[f32], n: usize) -> Vec<f32> {
+/// `matmul` equals `n` matvecs bit for bit), or with `wide` (see [`BatchForm::wide`]) through
+/// `matmul_wide`, equal within f32 rounding.
+pub fn swiglu_batch(gate: MatRef<'_>, up: MatRef<'_>, down: MatRef<'_>, x: &[f32], n: usize, wide: bool) -> Vec<f32> {
     let mut g = vec![0f32; n * gate.rows];
     let mut u = vec![0f32; n * up.rows];
-    gate.matmul(x, n, &mut g);
-    up.matmul(x, n, &mut u);
+    gate.matmul_if_wide(wide, x, n, &mut g);
+    up.matmul_if_wide(wide, x, n, &mut u);
     for (a, b) in g.iter_mut().zip(&u) {
         *a = silu(*a) * b;
     }
     let mut out = vec![0f32; n * down.rows];
-    down.matmul(&g, n, &mut out);
+    down.matmul_if_wide(wide, &g, n, &mut out);
     out
 }
 
@@ -816,9 +892,9 @@ pub fn softmax_moe_batch(
         layer,
         &routings,
         h,
-        |e, tokens| {
+        |e, tokens, wide| {
             let xs = gather_rows(xn, h, tokens);
-            swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), &xs, tokens.len())
+            swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), &xs, tokens.len(), wide)
         },
         None::<fn() -> Vec<f32>>,
     )?;

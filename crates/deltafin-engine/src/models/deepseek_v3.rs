@@ -18,7 +18,6 @@ use deltafin_format::{DeepseekV3Config, ModelConfig, ModelDir, Rope};
 use deltafin_kernels::{rms_norm, softmax_inplace, MatRef};
 use rayon::prelude::*;
 
-use crate::blocked_attention::MlaForm;
 use crate::experts::StoreOptions;
 use crate::model::{
     one_or_chunk, state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts,
@@ -134,8 +133,6 @@ pub struct DeepseekV3 {
     softmax_scale: f32,
     router: RouterConfig,
     routed: RoutedExperts,
-    /// How batched passes compute MLA ([`CausalLm::set_mla_form`]).
-    mla_form: MlaForm,
 }
 
 impl DeepseekV3 {
@@ -220,7 +217,6 @@ impl DeepseekV3 {
             softmax_scale: softmax_scale as f32,
             router,
             routed,
-            mla_form: MlaForm::from_env().map_err(EngineError::Invalid)?,
         })
     }
 
@@ -450,7 +446,15 @@ impl DeepseekV3 {
             scale: self.softmax_scale,
             rotary: Some(&self.rope),
         };
-        let flat = crate::blocked_attention::mla_chunk(&mla, kv_b, &q, pos0, ckv_cache, kpe_cache, self.mla_form);
+        let flat = crate::blocked_attention::mla_chunk(
+            &mla,
+            kv_b,
+            &q,
+            pos0,
+            ckv_cache,
+            kpe_cache,
+            self.routed.batch_form().mla(),
+        );
         let mut out = vec![0f32; nt * c.hidden_size];
         self.m(&n.o_proj)?.matmul(&flat, nt, &mut out);
         Ok(out)
@@ -493,17 +497,17 @@ impl DeepseekV3 {
         let routings: Vec<Routing> = logits.chunks(gate.rows).map(|lg| route(&router, lg, bias)).collect();
         let shared = self
             .shared_mats(l)?
-            .map(|[g, u, d]| move || swiglu_batch(g, u, d, xn, nt));
+            .map(|[g, u, d]| move || swiglu_batch(g, u, d, xn, nt, false));
         let (mut out, shared_out) = self.routed.run_batch(
             l,
             &routings,
             h,
-            |e, tokens| {
+            |e, tokens, wide| {
                 let mut xs = Vec::with_capacity(tokens.len() * h);
                 for &t in tokens {
                     xs.extend_from_slice(&xn[t * h..(t + 1) * h]);
                 }
-                swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), &xs, tokens.len())
+                swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), &xs, tokens.len(), wide)
             },
             shared,
         )?;
@@ -601,6 +605,7 @@ impl DeepseekV3 {
                         self.m(&n.down_proj)?,
                         &xn,
                         nt,
+                        false,
                     ))
                 }
             })?;
@@ -713,10 +718,6 @@ impl CausalLm for DeepseekV3 {
 
     fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
         Ok(Some(self.forward_token(state_as::<KvCache>(state)?, token, true)?.0))
-    }
-
-    fn set_mla_form(&mut self, form: MlaForm) {
-        self.mla_form = form;
     }
 
     fn supports_draft(&self) -> bool {

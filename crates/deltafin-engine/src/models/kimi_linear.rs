@@ -30,7 +30,6 @@ use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::{rms_norm, sigmoid, silu, softmax_inplace, MatData, MatRef};
 use rayon::prelude::*;
 
-use crate::blocked_attention::MlaForm;
 use crate::blocks::kda::{
     DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, KdaWeights, OutputGate, DEFAULT_CHUNK_SIZE,
 };
@@ -194,8 +193,6 @@ pub struct KimiLinear {
     routed: RoutedExperts,
     /// Reference math, or llama.cpp's CPU arithmetic (see [`Numerics`]).
     numerics: Numerics,
-    /// How batched passes compute MLA ([`CausalLm::set_mla_form`]).
-    mla_form: MlaForm,
 }
 
 impl KimiLinear {
@@ -257,7 +254,6 @@ impl KimiLinear {
             empty_states: Vec::new(),
             routed,
             numerics: Numerics::Reference,
-            mla_form: MlaForm::from_env().map_err(EngineError::Invalid)?,
         };
         // Building each KDA block checks its shapes once.
         let mut empty = Vec::with_capacity(model.cfg.num_hidden_layers);
@@ -525,6 +521,7 @@ impl KimiLinear {
                         self.m(&n.down_proj)?,
                         &xn,
                         nt,
+                        false,
                     ))
                 }
             })?;
@@ -588,7 +585,7 @@ impl KimiLinear {
                 self.m(&n.shared_up_proj)?,
                 self.m(&n.shared_down_proj)?,
             );
-            Some(move || glu_mlp_batch(act, g, u, d, xn, nt))
+            Some(move || glu_mlp_batch(act, g, u, d, xn, nt, false))
         } else {
             None
         };
@@ -597,12 +594,12 @@ impl KimiLinear {
             l,
             &routings,
             w,
-            |e, toks| {
+            |e, toks, wide| {
                 let mut rows = Vec::with_capacity(toks.len() * w);
                 for &t in toks {
                     rows.extend_from_slice(&xl_ref[t * w..(t + 1) * w]);
                 }
-                glu_mlp_batch(act, e.matrix(0), e.matrix(1), e.matrix(2), &rows, toks.len())
+                glu_mlp_batch(act, e.matrix(0), e.matrix(1), e.matrix(2), &rows, toks.len(), wide)
             },
             shared,
         )?;
@@ -781,7 +778,15 @@ impl KimiLinear {
             rotary: None,
         };
         // flat: [nt, n_heads * v_head_dim]
-        let mut flat = crate::blocked_attention::mla_chunk(&mla, kv_b, &q, pos0, ckv_cache, kpe_cache, self.mla_form);
+        let mut flat = crate::blocked_attention::mla_chunk(
+            &mla,
+            kv_b,
+            &q,
+            pos0,
+            ckv_cache,
+            kpe_cache,
+            self.routed.batch_form().mla(),
+        );
         if c.mla_use_output_gate {
             // o ⊙ σ(x W_g^T), W_g: [n_heads * v_head_dim, hidden]
             let mut g = vec![0f32; nt * nh * vd];
@@ -967,7 +972,8 @@ pub fn glu_mlp_with(
 
 /// [`glu_mlp`] for `n` tokens at once (matrix-matrix products): x `[n, cols of gate]` →
 /// `[n, rows of down]`, each row equal to [`glu_mlp`] of that row (the kernels' `matmul` equals
-/// `n` matvecs bit for bit).
+/// `n` matvecs bit for bit), or with `wide` ([`crate::model::BatchForm::wide`]) within f32
+/// rounding.
 pub fn glu_mlp_batch(
     act: GluActivation,
     gate: MatRef<'_>,
@@ -975,11 +981,12 @@ pub fn glu_mlp_batch(
     down: MatRef<'_>,
     x: &[f32],
     n: usize,
+    wide: bool,
 ) -> Vec<f32> {
     let mut g = vec![0f32; n * gate.rows];
     let mut u = vec![0f32; n * up.rows];
-    gate.matmul(x, n, &mut g);
-    up.matmul(x, n, &mut u);
+    gate.matmul_if_wide(wide, x, n, &mut g);
+    up.matmul_if_wide(wide, x, n, &mut u);
     for (a, b) in g.iter_mut().zip(&u) {
         *a = match act {
             GluActivation::Silu => silu(*a) * b,
@@ -987,7 +994,7 @@ pub fn glu_mlp_batch(
         };
     }
     let mut out = vec![0f32; n * down.rows];
-    down.matmul(&g, n, &mut out);
+    down.matmul_if_wide(wide, &g, n, &mut out);
     out
 }
 
@@ -1013,10 +1020,6 @@ impl CausalLm for KimiLinear {
         Ok(Some(
             self.forward_token(state_as::<KimiLinearState>(state)?, token, true)?.0,
         ))
-    }
-
-    fn set_mla_form(&mut self, form: MlaForm) {
-        self.mla_form = form;
     }
 
     fn supports_draft(&self) -> bool {

@@ -253,6 +253,7 @@ impl Qwen3Moe {
                     self.m(&n.down_proj)?,
                     xn,
                     nt,
+                    false,
                 );
                 Ok((y, None))
             }
