@@ -135,7 +135,28 @@ fn for_tiles(
     seg: usize,
     mut f: impl FnMut(usize, usize, usize, usize, usize, usize),
 ) {
-    let rb = row_block(rows, row_bytes);
+    for_row_tiles(rows, 1, n, tile, row_bytes, units, seg, |i, r, _, t0, tn, k0, k1| {
+        f(i, r, t0, tn, k0, k1)
+    });
+}
+
+/// [`for_tiles`] for kernels that take `rstep` rows at a time: visits rows `[r, r + nr)`,
+/// `nr` = `rstep` except at the end of the matrix, as `f(i, r, nr, t0, tn, k0, k1)`, `i` = r's
+/// index in its row block (blocks are a multiple of `rstep` rows; the rows' state slots are
+/// `i .. i + nr`).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn for_row_tiles(
+    rows: usize,
+    rstep: usize,
+    n: usize,
+    tile: usize,
+    row_bytes: usize,
+    units: usize,
+    seg: usize,
+    mut f: impl FnMut(usize, usize, usize, usize, usize, usize, usize),
+) {
+    let rb = row_block(rows, row_bytes).next_multiple_of(rstep);
     let mut r0 = 0;
     while r0 < rows {
         let r1 = (r0 + rb).min(rows);
@@ -147,8 +168,8 @@ fn for_tiles(
             let mut k0 = 0;
             loop {
                 let k1 = if units - k0 <= seg { units } else { k0 + seg };
-                for r in r0..r1 {
-                    f(r - r0, r, t0, tn, k0, k1);
+                for r in (r0..r1).step_by(rstep) {
+                    f(r - r0, r, rstep.min(r1 - r), t0, tn, k0, k1);
                 }
                 if k1 == units {
                     break;
@@ -170,7 +191,7 @@ fn row_block(rows: usize, row_bytes: usize) -> usize {
 /// Bytes of one token tile's activations that a segment of [`for_tiles`] keeps in L1.
 const SEG_X_BYTES: usize = 24 << 10;
 
-/// `f::<tn>(args)` for a run-time tile size `tn` in 1..=8.
+/// `f::<tn>(args)` for a run-time tile size `tn` in 1..=8, or `f::<R, tn>(args)` in 1..=6.
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_tile {
     ($tn:expr, $f:ident($($a:expr),* $(,)?)) => {
@@ -183,6 +204,17 @@ macro_rules! by_tile {
             6 => $f::<6>($($a),*),
             7 => $f::<7>($($a),*),
             8 => $f::<8>($($a),*),
+            _ => unreachable!("tile size"),
+        }
+    };
+    ($tn:expr, $f:ident::<$r:literal>($($a:expr),* $(,)?)) => {
+        match $tn {
+            1 => $f::<$r, 1>($($a),*),
+            2 => $f::<$r, 2>($($a),*),
+            3 => $f::<$r, 3>($($a),*),
+            4 => $f::<$r, 4>($($a),*),
+            5 => $f::<$r, 5>($($a),*),
+            6 => $f::<$r, 6>($($a),*),
             _ => unreachable!("tile size"),
         }
     };
@@ -298,17 +330,17 @@ static AVX2: Kernels = Kernels {
 };
 
 /// AVX2 for every format but MXFP4, which gets the AVX-512 multi-row kernel. The token-tile
-/// products of the other formats run the AVX2 kernels' exact operations with AVX-512VL enabled,
-/// so that the compiler has 32 vector registers for the tile's accumulators.
+/// products of the other formats ([`tiles_avx512`]) perform the AVX2 kernels' exact FMAs and
+/// sums per (row, token) in 16-lane registers, 2 rows × 6 tokens per tile.
 #[cfg(target_arch = "x86_64")]
 static AVX512: Kernels = Kernels {
     level: SimdLevel::Avx512,
     mx_prepare: avx512::safe::mx_prepare,
     mx_rows: avx512::safe::mx_rows,
-    mm_f32: tiles_avx512vl::mm_f32,
-    mm_bf16: tiles_avx512vl::mm_bf16,
-    mm_f16: tiles_avx512vl::mm_f16,
-    mm_i8: tiles_avx512vl::mm_i8,
+    mm_f32: tiles_avx512::mm_f32,
+    mm_bf16: tiles_avx512::mm_bf16,
+    mm_f16: tiles_avx512::mm_f16,
+    mm_i8: tiles_avx512::mm_i8,
     mx_prepare_tokens: avx512::safe::mx_prepare_tokens,
     mx_mm: avx512::safe::mx_mm,
     mx_mm_wide: avx512::safe::mx_mm_wide,
@@ -968,8 +1000,225 @@ macro_rules! dot_tile_level {
 
 #[cfg(target_arch = "x86_64")]
 dot_tile_level!(tiles_avx2, "avx2,fma,f16c", 3);
+
+/// Token-tile products ([`Mm`]) for f32, bf16, f16 and int8 on the AVX-512 level: tiles of 2
+/// rows × up to [`tiles_avx512::TILE`] tokens, bit-identical to the AVX2 `dot_*` of each (row,
+/// token).
+///
+/// The AVX2 `dot4!` keeps four 8-lane accumulators `a0..a3` over elements `k + 8j .. k + 8j + 8`
+/// of each 32-element step. Here `[a0 | a1]` and `[a2 | a3]` are the low and high halves of two
+/// 16-lane registers, so one 16-lane FMA over elements `k .. k + 16` performs exactly the FMAs
+/// of `a0` and `a1` (likewise `k + 16 .. k + 32` for `a2`, `a3`); the 8-wide steps after the
+/// main loop go to lanes 0..8 of the first register under a mask, and the end is `hsum((a0 +
+/// a1) + (a2 + a3))` from the halves and the scalar tail, as `dot_*` does. Each 16-lane `x` load
+/// serves both rows and each decoded 16-weight vector all tokens of the tile.
 #[cfg(target_arch = "x86_64")]
-dot_tile_level!(tiles_avx512vl, "avx2,fma,f16c,avx512f,avx512vl", 6);
+mod tiles_avx512 {
+    use super::{for_row_tiles, mm_rows_of, row_block, SEG_X_BYTES};
+    use half::{bf16, f16};
+    use std::arch::x86_64::*;
+
+    /// Tokens per tile (2 rows × 6 tokens × 2 accumulators = 24 of the 32 registers).
+    pub(super) const TILE: usize = 6;
+    /// Rows per tile.
+    const ROWS: usize = 2;
+
+    /// The AVX2 level's `hsum` (same operations).
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    #[inline]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0b01));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Low plus high 8 lanes: `a0 + a1` of `[a0 | a1]`.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    #[inline]
+    unsafe fn halves(v: __m512) -> __m256 {
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+        _mm256_add_ps(_mm512_castps512_ps256(v), hi)
+    }
+
+    /// Rows `w + rr * cols` (rr < R) against tokens `x + t * cols` (t < T) over elements
+    /// `[k0, k1)` (k0, and k1 unless it is `cols`, multiples of 32), partial sums carried in
+    /// `st: [R * T * 2]` 16-lane slots between segments; the last segment (k1 = cols) finishes
+    /// as the level's `dot_*` does and writes `out[rr * ostride + t]`.
+    ///
+    /// `avx512vl` matters although every vector op is 512 bits wide: with `avx512f` alone the
+    /// compiler allocated only zmm0–23 for this loop and spilled accumulators to the stack.
+    macro_rules! tile_fn {
+        ($fname:ident, $W:ty, |$w:ident, $i:ident| $load16:expr, $load8:expr, |$v:ident| $scalar:expr) => {
+            #[allow(clippy::too_many_arguments)]
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+            unsafe fn $fname<const R: usize, const T: usize>(
+                w0: *const $W,
+                cols: usize,
+                x: *const f32,
+                k0: usize,
+                k1: usize,
+                st: *mut [f32; 16],
+                out: *mut f32,
+                ostride: usize,
+            ) {
+                let mut a = [[[_mm512_setzero_ps(); 2]; T]; R];
+                if k0 > 0 {
+                    for (rr, ar) in a.iter_mut().enumerate() {
+                        for (t, at) in ar.iter_mut().enumerate() {
+                            for (j, v) in at.iter_mut().enumerate() {
+                                *v = _mm512_loadu_ps(st.add((rr * T + t) * 2 + j) as *const f32);
+                            }
+                        }
+                    }
+                }
+                let mut k = k0;
+                while k + 32 <= k1 {
+                    for j in 0..2 {
+                        let $i = k + 16 * j;
+                        let mut wv = [_mm512_setzero_ps(); R];
+                        for (rr, v) in wv.iter_mut().enumerate() {
+                            let $w = w0.add(rr * cols);
+                            *v = $load16;
+                        }
+                        for t in 0..T {
+                            let xv = _mm512_loadu_ps(x.add(t * cols + $i));
+                            for rr in 0..R {
+                                a[rr][t][j] = _mm512_fmadd_ps(wv[rr], xv, a[rr][t][j]);
+                            }
+                        }
+                    }
+                    k += 32;
+                }
+                if k1 < cols {
+                    for (rr, ar) in a.iter().enumerate() {
+                        for (t, at) in ar.iter().enumerate() {
+                            for (j, v) in at.iter().enumerate() {
+                                _mm512_storeu_ps(st.add((rr * T + t) * 2 + j) as *mut f32, *v);
+                            }
+                        }
+                    }
+                    return;
+                }
+                // 8-wide steps into a0: lanes 0..8 of the first register (the others keep a1;
+                // lanes 8..16 of the loads are zero or ignored).
+                while k + 8 <= cols {
+                    let $i = k;
+                    let mut wv = [_mm512_setzero_ps(); R];
+                    for (rr, v) in wv.iter_mut().enumerate() {
+                        let $w = w0.add(rr * cols);
+                        *v = $load8;
+                    }
+                    for t in 0..T {
+                        let xv = _mm512_maskz_loadu_ps(0x00FF, x.add(t * cols + $i));
+                        for rr in 0..R {
+                            a[rr][t][0] = _mm512_mask3_fmadd_ps(wv[rr], xv, a[rr][t][0], 0x00FF);
+                        }
+                    }
+                    k += 8;
+                }
+                for (rr, ar) in a.iter().enumerate() {
+                    let $w = w0.add(rr * cols);
+                    for (t, at) in ar.iter().enumerate() {
+                        let mut acc = hsum(_mm256_add_ps(halves(at[0]), halves(at[1])));
+                        for i in k..cols {
+                            let $v = *$w.add(i);
+                            acc += $scalar * *x.add(t * cols + i);
+                        }
+                        *out.add(rr * ostride + t) = acc;
+                    }
+                }
+            }
+        };
+    }
+
+    tile_fn!(
+        tile_f32,
+        f32,
+        |w, i| _mm512_loadu_ps(w.add(i)),
+        _mm512_maskz_loadu_ps(0x00FF, w.add(i)),
+        |v| v
+    );
+    tile_fn!(
+        tile_bf16,
+        u16,
+        |w, i| _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(w.add(i) as *const __m256i)),
+            16
+        )),
+        _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_zextsi128_si256(_mm_loadu_si128(w.add(i) as *const __m128i))),
+            16
+        )),
+        |v| f32::from_bits((v as u32) << 16)
+    );
+    tile_fn!(
+        tile_f16,
+        u16,
+        |w, i| _mm512_cvtph_ps(_mm256_loadu_si256(w.add(i) as *const __m256i)),
+        _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_loadu_si128(w.add(i) as *const __m128i))),
+        |v| f16::from_bits(v).to_f32()
+    );
+    tile_fn!(
+        tile_i8,
+        i8,
+        |w, i| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(w.add(i) as *const __m128i))),
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadl_epi64(w.add(i) as *const __m128i))),
+        |v| v as f32
+    );
+
+    // Safe entry points: only reachable through the AVX512 table, which `detect` hands out
+    // after checking AVX-512F (and AVX2, FMA, F16C); that check is the safety argument for the
+    // `unsafe` calls. Bounds: `mm_rows_of` checks every length, each tile reads rows `r + rr <
+    // rows` and tokens `t0 + tn <= n`.
+    macro_rules! mm_fn {
+        ($mname:ident, $W:ty, $P:ty, $tname:ident) => {
+            pub(in super::super) fn $mname(w: &[$W], cols: usize, x: &[f32], n: usize, yt: &mut [f32]) {
+                let rows = mm_rows_of(w.len(), cols, x.len(), n, yt.len());
+                let (wp, xp, yp) = (w.as_ptr() as *const $P, x.as_ptr(), yt.as_mut_ptr());
+                let rb = cols * std::mem::size_of::<$W>();
+                let seg = (SEG_X_BYTES / (4 * TILE) / 32 * 32).max(32);
+                // Partial sums of the block's rows between segments: 2 × TILE slots per row.
+                let mut st = vec![
+                    [0f32; 16];
+                    if cols > seg {
+                        2 * TILE * row_block(rows, rb).next_multiple_of(ROWS)
+                    } else {
+                        0
+                    }
+                ];
+                let sp = st.as_mut_ptr();
+                for_row_tiles(
+                    rows,
+                    ROWS,
+                    n,
+                    TILE,
+                    rb,
+                    cols,
+                    seg,
+                    |i, r, nr, t0, tn, k0, k1| unsafe {
+                        let out = if k1 == cols {
+                            yp.add(r * n + t0)
+                        } else {
+                            std::ptr::null_mut()
+                        };
+                        let s = if st.is_empty() { sp } else { sp.add(2 * TILE * i) };
+                        let (w, x) = (wp.add(r * cols), xp.add(t0 * cols));
+                        if nr == 2 {
+                            by_tile!(tn, $tname::<2>(w, cols, x, k0, k1, s, out, n))
+                        } else {
+                            by_tile!(tn, $tname::<1>(w, cols, x, k0, k1, s, out, n))
+                        }
+                    },
+                );
+            }
+        };
+    }
+    mm_fn!(mm_f32, f32, f32, tile_f32);
+    mm_fn!(mm_bf16, bf16, u16, tile_bf16);
+    mm_fn!(mm_f16, f16, u16, tile_f16);
+    mm_fn!(mm_i8, i8, i8, tile_i8);
+}
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
