@@ -256,9 +256,10 @@ pub fn mla_tile(
 /// uses the weight-absorbed form.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum MlaForm {
-    /// [`MlaForm::Decompressed`] when [`decompressed_pays`] says it needs at most 80 % of the
-    /// absorbed form's multiply-adds (long prompt chunks), [`MlaForm::Absorbed`] otherwise
-    /// (speculative verification, short chunks).
+    /// [`MlaForm::Decompressed`] for chunks of at least [`DECOMPRESSED_MIN_TOKENS`] tokens
+    /// when [`decompressed_pays`] says it needs at most 80 % of the absorbed form's
+    /// multiply-adds (long prompt chunks), [`MlaForm::Absorbed`] otherwise (speculative
+    /// verification, short chunks).
     #[default]
     Auto,
     /// Weight-absorbed ([`mla_tile`]): each position bit-identical to the one-token path.
@@ -268,6 +269,12 @@ pub enum MlaForm {
     /// rounding (a different association of the same products), not bit for bit.
     Decompressed,
 }
+
+/// Chunk length from which [`MlaForm::Auto`] may pick the decompressed form: above every
+/// speculative verification pass (at most [`crate::speculate::MAX_DRAFT`] + 1 tokens), which
+/// therefore stays bit-identical to token-at-a-time decoding.
+pub const DECOMPRESSED_MIN_TOKENS: usize = 16;
+const _: () = assert!(DECOMPRESSED_MIN_TOKENS > crate::speculate::MAX_DRAFT + 1);
 
 /// Whether the decompressed form needs at most 80 % of the absorbed form's multiply-adds for
 /// a chunk of `nt` tokens after `pos0` cached positions. Per head, with `P = Σ_i (pos0 + i + 1)`
@@ -307,7 +314,7 @@ pub fn mla_chunk(
     let (nh, qk, vd) = (shape.n_heads, shape.nope + shape.rope, shape.v_head_dim);
     let nt = q.len() / (nh * qk);
     let decompressed = match form {
-        MlaForm::Auto => decompressed_pays(shape, nt, pos0),
+        MlaForm::Auto => nt >= DECOMPRESSED_MIN_TOKENS && decompressed_pays(shape, nt, pos0),
         MlaForm::Absorbed => false,
         MlaForm::Decompressed => true,
     };

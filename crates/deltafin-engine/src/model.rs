@@ -267,29 +267,18 @@ pub struct RoutedExperts {
     batch_form: BatchForm,
 }
 
-/// Tokens of one matrix product from which [`BatchForm::Auto`] uses the wide MXFP4 tile
-/// ([`deltafin_kernels::MatRef::matmul_wide`]): above every speculative verification pass
-/// (at most [`crate::speculate::MAX_DRAFT`] + 1 tokens), which therefore stays bit-identical to
-/// token-at-a-time decoding.
-pub const WIDE_MIN_TOKENS: usize = 16;
-const _: () = assert!(WIDE_MIN_TOKENS > crate::speculate::MAX_DRAFT + 1);
-
 /// The arithmetic of batched passes (prompt chunks, speculative verification). Every form
 /// computes the same model; they differ only in f32 rounding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum BatchForm {
-    /// Each kernel where it pays: MLA in the decompressed form for long chunks
-    /// ([`MlaForm::Auto`]) and the wide MXFP4 tile for products of at least
-    /// [`WIDE_MIN_TOKENS`] tokens (a prompt chunk's tokens of one expert). Both give results
-    /// within f32 rounding of token at a time; verification passes keep the bit-identical
-    /// kernels, so speculation never changes greedy output.
+    /// Each form where it pays: MLA decompressed for long chunks ([`MlaForm::Auto`]), within
+    /// f32 rounding of token at a time; short passes (speculative verification) stay
+    /// bit-identical to it, so speculation never changes greedy output.
     #[default]
     Auto,
-    /// Every position bit-identical to token-at-a-time decoding (absorbed MLA, kernels in the
-    /// matrix-vector order).
+    /// Every position bit-identical to token-at-a-time decoding (absorbed MLA).
     Exact,
-    /// The faster forms wherever they apply, whatever the size (tests of those paths on small
-    /// models).
+    /// The faster forms whatever the size (tests of those paths on small models).
     Fast,
 }
 
@@ -318,15 +307,6 @@ impl BatchForm {
             BatchForm::Auto => MlaForm::Auto,
             BatchForm::Exact => MlaForm::Absorbed,
             BatchForm::Fast => MlaForm::Decompressed,
-        }
-    }
-
-    /// Whether a product over `n` tokens uses [`deltafin_kernels::MatRef::matmul_wide`].
-    pub fn wide(self, n: usize) -> bool {
-        match self {
-            BatchForm::Auto => n >= WIDE_MIN_TOKENS,
-            BatchForm::Exact => false,
-            BatchForm::Fast => n > 1,
         }
     }
 }
@@ -547,9 +527,8 @@ impl RoutedExperts {
     /// The routed part of a MoE block for a chunk of `n = routings.len()` tokens of layer
     /// `layer`, expert-major: every expert chosen by any token of the chunk is read ONCE
     /// (ascending expert id, which is file order) and applied to all the tokens that chose it
-    /// by `expert(record, tokens, wide)` (`tokens`: ascending chunk positions; `wide`:
-    /// [`BatchForm::wide`] of the token count, whether the products may use the wide tile;
-    /// returns `[tokens.len(), out_dim]`, a matrix-matrix product), on the compute pool as each record
+    /// by `expert(record, tokens)` (`tokens`: ascending chunk positions; returns
+    /// `[tokens.len(), out_dim]`, a matrix-matrix product), on the compute pool as each record
     /// arrives; `shared()` runs meanwhile. Returns `(out: [n, out_dim], shared)` with
     /// `out[t] = Σ_i routings[t].weights[i] · expert_i(t)` summed in the order of
     /// `routings[t].experts` exactly as [`Self::run`] sums it (the experts are combined in
@@ -573,11 +552,10 @@ impl RoutedExperts {
         shared: Option<S>,
     ) -> Result<(Vec<f32>, Option<Vec<f32>>), EngineError>
     where
-        E: Fn(&Expert, &[usize], bool) -> Vec<f32> + Sync,
+        E: Fn(&Expert, &[usize]) -> Vec<f32> + Sync,
         S: FnOnce() -> Vec<f32> + Send,
     {
         let n = routings.len();
-        let form = self.batch_form;
         let mut union: Vec<usize> = routings.iter().flat_map(|r| r.experts.iter().copied()).collect();
         union.sort_unstable();
         union.dedup();
@@ -639,7 +617,7 @@ impl RoutedExperts {
                         let (tx, u) = (tx.clone(), next_issue);
                         computing += 1;
                         s.spawn(move |_| {
-                            let o = expert(&e, &tokens[u], form.wide(tokens[u].len()));
+                            let o = expert(&e, &tokens[u]);
                             let _ = tx.send((u, o));
                         });
                     }
@@ -653,7 +631,7 @@ impl RoutedExperts {
                     let tx = tx.clone();
                     computing += 1;
                     s.spawn(move |_| {
-                        let o = expert(&e, &tokens[u], form.wide(tokens[u].len()));
+                        let o = expert(&e, &tokens[u]);
                         drop(e); // the record is released before the slot is counted free
                         let _ = tx.send((u, o));
                     });
@@ -788,18 +766,17 @@ fn wait_for<T>(rx: &std::sync::mpsc::Receiver<T>) -> Result<T, std::sync::mpsc::
 
 /// [`swiglu`] for `n` tokens at once (matrix-matrix products): x `[n, cols of gate]` →
 /// `[n, rows of down]`, each row bit-identical to [`swiglu`] of that row (the kernels'
-/// `matmul` equals `n` matvecs bit for bit), or with `wide` (see [`BatchForm::wide`]) through
-/// `matmul_wide`, equal within f32 rounding.
-pub fn swiglu_batch(gate: MatRef<'_>, up: MatRef<'_>, down: MatRef<'_>, x: &[f32], n: usize, wide: bool) -> Vec<f32> {
+/// `matmul` equals `n` matvecs bit for bit).
+pub fn swiglu_batch(gate: MatRef<'_>, up: MatRef<'_>, down: MatRef<'_>, x: &[f32], n: usize) -> Vec<f32> {
     let mut g = vec![0f32; n * gate.rows];
     let mut u = vec![0f32; n * up.rows];
-    gate.matmul_if_wide(wide, x, n, &mut g);
-    up.matmul_if_wide(wide, x, n, &mut u);
+    gate.matmul(x, n, &mut g);
+    up.matmul(x, n, &mut u);
     for (a, b) in g.iter_mut().zip(&u) {
         *a = silu(*a) * b;
     }
     let mut out = vec![0f32; n * down.rows];
-    down.matmul_if_wide(wide, &g, n, &mut out);
+    down.matmul(&g, n, &mut out);
     out
 }
 
@@ -892,9 +869,9 @@ pub fn softmax_moe_batch(
         layer,
         &routings,
         h,
-        |e, tokens, wide| {
+        |e, tokens| {
             let xs = gather_rows(xn, h, tokens);
-            swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), &xs, tokens.len(), wide)
+            swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), &xs, tokens.len())
         },
         None::<fn() -> Vec<f32>>,
     )?;

@@ -102,9 +102,9 @@ fn assert_bit_identical(what: &str, a: &[Vec<f32>], b: &[Vec<f32>]) {
 }
 
 /// Batched prefill in the exact form equals token at a time bit for bit (chunks of 1, 7 and the
-/// whole prompt); in the fast form (decompressed MLA, the wide MXFP4 tile: what `auto` picks
-/// for long prompt chunks) within relative L2 1e-5 at every position, with the same argmax —
-/// and for an MLA family (`mla`) visibly different from the exact form (so the test sees it).
+/// whole prompt); in the fast form (decompressed MLA: what `auto` picks for long prompt chunks)
+/// within relative L2 1e-5 at every position, with the same argmax, and for an MLA family
+/// (`mla`) visibly different from the exact form (so the test sees it).
 fn check_prefill(name: &str, dir: &Path, n: usize, mla: bool) {
     // Budget 0 (nothing stays cached; every chunk's union exceeds the cache) with one reader,
     // and a roomy cache with the default readers.
@@ -336,7 +336,7 @@ fn check_batched_within(family: &str, case: &str, bound: f64, n: usize, tmp: &Pa
         let p = prompt(model.as_ref(), n, 2);
         let reference = token_at_a_time(model.as_ref(), &p);
         let mut worst = 0f64;
-        // Both batched forms (the fast one: decompressed MLA, wide MXFP4 tile).
+        // Both batched forms (the fast one: decompressed MLA).
         for (form, chunk) in [
             (BatchForm::Exact, 1),
             (BatchForm::Exact, 7),

@@ -74,11 +74,6 @@ pub(crate) struct Kernels {
     /// levels that read `x` directly).
     pub mx_prepare_tokens: fn(&[f32], usize) -> Vec<f32>,
     pub mx_mm: MxMm,
-    /// MXFP4 products for wide token groups (prefill): the same arguments as `mx_mm`, each
-    /// result equal to `mx_mm`'s within f32 rounding but not bit for bit where the level has a
-    /// wide kernel (AVX-512: the block scale folded into the decoded weights, one partial sum
-    /// per token, tiles of up to 16 tokens); on other levels it is `mx_mm`.
-    pub mx_mm_wide: MxMm,
 }
 
 /// `mx_rows` through a one-row kernel that reads `x` directly.
@@ -220,32 +215,6 @@ macro_rules! by_tile {
     };
 }
 
-/// `f::<tn>(args)` for a run-time tile size `tn` in 1..=16.
-#[cfg(target_arch = "x86_64")]
-macro_rules! by_tile16 {
-    ($tn:expr, $f:ident($($a:expr),* $(,)?)) => {
-        match $tn {
-            1 => $f::<1>($($a),*),
-            2 => $f::<2>($($a),*),
-            3 => $f::<3>($($a),*),
-            4 => $f::<4>($($a),*),
-            5 => $f::<5>($($a),*),
-            6 => $f::<6>($($a),*),
-            7 => $f::<7>($($a),*),
-            8 => $f::<8>($($a),*),
-            9 => $f::<9>($($a),*),
-            10 => $f::<10>($($a),*),
-            11 => $f::<11>($($a),*),
-            12 => $f::<12>($($a),*),
-            13 => $f::<13>($($a),*),
-            14 => $f::<14>($($a),*),
-            15 => $f::<15>($($a),*),
-            16 => $f::<16>($($a),*),
-            _ => unreachable!("tile size"),
-        }
-    };
-}
-
 /// [`Mm`] through a one-row dot product (the portable level: no decode to share).
 #[inline(always)]
 fn mm_by_dot<W>(dot: fn(&[W], &[f32]) -> f32, w: &[W], cols: usize, x: &[f32], n: usize, yt: &mut [f32]) {
@@ -307,7 +276,6 @@ static PORTABLE: Kernels = Kernels {
     mm_i8: |w, c, x, n, y| mm_by_dot(portable::dot_i8, w, c, x, n, y),
     mx_prepare_tokens: no_prepare_tokens,
     mx_mm: |p, s, c, x, n, _, y| mx_mm_by_dot(portable::dot_mxfp4, p, s, c, x, n, y),
-    mx_mm_wide: |p, s, c, x, n, _, y| mx_mm_by_dot(portable::dot_mxfp4, p, s, c, x, n, y),
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -326,7 +294,6 @@ static AVX2: Kernels = Kernels {
     mm_i8: tiles_avx2::mm_i8,
     mx_prepare_tokens: no_prepare_tokens,
     mx_mm: avx2::safe::mx_mm,
-    mx_mm_wide: avx2::safe::mx_mm,
 };
 
 /// AVX2 for every format but MXFP4, which gets the AVX-512 multi-row kernel. The token-tile
@@ -343,7 +310,6 @@ static AVX512: Kernels = Kernels {
     mm_i8: tiles_avx512::mm_i8,
     mx_prepare_tokens: avx512::safe::mx_prepare_tokens,
     mx_mm: avx512::safe::mx_mm,
-    mx_mm_wide: avx512::safe::mx_mm_wide,
     ..AVX2
 };
 
@@ -1241,9 +1207,6 @@ mod avx512 {
         pub fn mx_mm(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], n: usize, xps: &[f32], yt: &mut [f32]) {
             unsafe { super::mx_mm(packed, scales, cols, x, n, xps, yt) }
         }
-        pub fn mx_mm_wide(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], n: usize, xps: &[f32], yt: &mut [f32]) {
-            unsafe { super::mx_mm_wide(packed, scales, cols, x, n, xps, yt) }
-        }
     }
 
     /// Blocks per chunk: one 64-byte load of packed codes, 16 dword lanes of 8 nibbles each.
@@ -1603,156 +1566,6 @@ mod avx512 {
             by_tile!(
                 tn,
                 row_tile(
-                    pp.add(r * pb),
-                    sp.add(r * nb),
-                    nb,
-                    xa.add(t0 * len),
-                    len,
-                    c0,
-                    c1,
-                    str,
-                    out
-                )
-            )
-        });
-    }
-
-    /// Tokens per tile of [`row_tile_wide`]: one accumulator per token next to the chunk's
-    /// eight decoded vectors.
-    const WIDE_TILE: usize = 16;
-
-    /// One row for the `T` tokens at `xp + t * xstride` over chunks `[c0, c1)`, for wide token
-    /// groups: each 64-byte chunk is decoded once into eight vectors of exact weights (the
-    /// E2M1 value times its block's scale lane: a power of two, so the product is exact), and
-    /// every token adds their products with its activations to one partial sum (eight FMAs per
-    /// chunk, against [`row_tile`]'s ten over three sums), so tiles can be 16 tokens wide and
-    /// the decode is shared by more of them. `st: [T]` carries the sums between segments; the
-    /// last segment writes `out[t] = hsum(acc[t])`. Equal to [`row`] within f32 rounding (the
-    /// scale is applied per product instead of per chunk sum).
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn row_tile_wide<const T: usize>(
-        p: *const u8,
-        s: *const u8,
-        nb: usize,
-        xp: *const f32,
-        xstride: usize,
-        c0: usize,
-        c1: usize,
-        st: *mut __m512,
-        out: *mut f32,
-    ) {
-        let nc = nb.div_ceil(CHUNK_BLOCKS);
-        let last = nc - 1;
-        let dist = (2 * nb * BLOCK_BYTES).max(2048);
-        let tbl = _mm512_loadu_ps(E2M1_VALUES.as_ptr());
-        let rot = _mm512_setr_epi32(23, 23, 23, 23, 15, 15, 15, 15, 7, 7, 7, 7, 31, 31, 31, 31);
-        let mut acc = [_mm512_setzero_ps(); T];
-        if c0 > 0 {
-            for (t, a) in acc.iter_mut().enumerate() {
-                *a = *st.add(t);
-            }
-        }
-        macro_rules! step {
-            ($v:expr, $sc:expr, $xo:expr) => {{
-                let (v, sc, xo): (__m512i, __m512, usize) = ($v, $sc, $xo);
-                macro_rules! m {
-                    ($m:literal) => {
-                        let w = _mm512_mul_ps(
-                            _mm512_permutexvar_ps(_mm512_srli_epi32::<{ 4 * $m }>(v), tbl),
-                            sc,
-                        );
-                        for (t, a) in acc.iter_mut().enumerate() {
-                            *a = _mm512_fmadd_ps(w, _mm512_load_ps(xp.add(t * xstride + xo + $m * 16)), *a);
-                        }
-                    };
-                }
-                m!(0);
-                m!(1);
-                m!(2);
-                m!(3);
-                m!(4);
-                m!(5);
-                m!(6);
-                m!(7);
-            }};
-        }
-        for c in c0..c1.min(last) {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(c * 64 + dist) as *const i8);
-            if c.is_multiple_of(16) {
-                _mm_prefetch::<_MM_HINT_T0>(s.wrapping_add(c * CHUNK_BLOCKS + dist / 16) as *const i8);
-            }
-            let v = _mm512_loadu_si512(p.add(c * 64) as *const __m512i);
-            let sc = scale_lanes((s.add(c * CHUNK_BLOCKS) as *const u32).read_unaligned(), rot);
-            step!(v, sc, c * CHUNK);
-        }
-        if c1 < nc {
-            for (t, a) in acc.iter().enumerate() {
-                *st.add(t) = *a;
-            }
-            return;
-        }
-        // Last chunk: 1..=4 blocks; missing blocks are zero codes with scale byte 1.
-        let vb = nb - last * CHUNK_BLOCKS;
-        let dmask = ((1u32 << (4 * vb)) - 1) as __mmask16;
-        let v = _mm512_maskz_loadu_epi32(dmask, p.add(last * 64) as *const i32);
-        let mut sb = [1u8; 4];
-        for (i, b) in sb.iter_mut().enumerate().take(vb) {
-            *b = *s.add(last * CHUNK_BLOCKS + i);
-        }
-        step!(v, scale_lanes(u32::from_le_bytes(sb), rot), last * CHUNK);
-        for (t, a) in acc.iter().enumerate() {
-            *out.add(t) = hsum(*a);
-        }
-    }
-
-    /// [`super::Kernels::mx_mm_wide`]: [`row_tile_wide`] over row blocks, token tiles of up to
-    /// [`WIDE_TILE`] and segments of [`super::for_tiles`]; `xps = prepare_tokens(x, n)`.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn mx_mm_wide(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], n: usize, xps: &[f32], yt: &mut [f32]) {
-        let nb = cols.div_ceil(BLOCK);
-        let pb = nb * BLOCK_BYTES;
-        assert!(
-            n > 0 && x.len() == n * cols && yt.len().is_multiple_of(n),
-            "mx_mm_wide: x or yt length"
-        );
-        let rows = yt.len() / n;
-        assert!(
-            packed.len() == rows * pb && scales.len() == rows * nb,
-            "mx_mm_wide: packed or scales length"
-        );
-        if nb == 0 {
-            yt.fill(0.0);
-            return;
-        }
-        let nc = nb.div_ceil(CHUNK_BLOCKS);
-        let len = nc * CHUNK;
-        assert_eq!(
-            xps.len(),
-            n * len + 15,
-            "mx_mm_wide: xps is not mx_prepare_tokens(x, n)"
-        );
-        let seg = (super::SEG_X_BYTES / (4 * WIDE_TILE) / CHUNK).max(1);
-        let mut st = vec![
-            _mm512_setzero_ps();
-            if nc > seg {
-                WIDE_TILE * super::row_block(rows, pb)
-            } else {
-                0
-            }
-        ];
-        let xa = xps.as_ptr().add(align_offset(xps));
-        let (pp, sp, yp, stp) = (packed.as_ptr(), scales.as_ptr(), yt.as_mut_ptr(), st.as_mut_ptr());
-        super::for_tiles(rows, n, WIDE_TILE, pb, nc, seg, |i, r, t0, tn, c0, c1| {
-            let out = if c1 == nc {
-                yp.add(r * n + t0)
-            } else {
-                std::ptr::null_mut()
-            };
-            let str = if st.is_empty() { stp } else { stp.add(WIDE_TILE * i) };
-            by_tile16!(
-                tn,
-                row_tile_wide(
                     pp.add(r * pb),
                     sp.add(r * nb),
                     nb,

@@ -208,37 +208,7 @@ impl<'a> MatRef<'a> {
         self.matmul_with(kernels(), x, n, y)
     }
 
-    /// [`MatRef::matmul`] for wide token groups (a prefill chunk's tokens of one expert): the
-    /// same product, each element equal to `matmul`'s within f32 rounding but, for MXFP4 on the
-    /// AVX-512 level, not bit for bit — the block scale multiplies each decoded weight (exactly:
-    /// it is a power of two) instead of each chunk's partial sum, which leaves one partial sum per
-    /// (row, token) and lets one decoded chunk serve tiles of 16 tokens instead of 6. Other
-    /// formats and levels: `matmul` itself. `n = 1` is `matvec`.
-    ///
-    /// # Panics
-    /// If `x.len() != n * cols` or `y.len() != n * rows`.
-    pub fn matmul_wide(&self, x: &[f32], n: usize, y: &mut [f32]) {
-        self.matmul_impl(kernels(), x, n, y, true)
-    }
-
-    /// [`MatRef::matmul_wide`] when `wide`, else [`MatRef::matmul`].
-    ///
-    /// # Panics
-    /// As `matmul`.
-    pub fn matmul_if_wide(&self, wide: bool, x: &[f32], n: usize, y: &mut [f32]) {
-        self.matmul_impl(kernels(), x, n, y, wide)
-    }
-
     pub(crate) fn matmul_with(&self, k: &Kernels, x: &[f32], n: usize, y: &mut [f32]) {
-        self.matmul_impl(k, x, n, y, false)
-    }
-
-    #[cfg(test)]
-    pub(crate) fn matmul_wide_with(&self, k: &Kernels, x: &[f32], n: usize, y: &mut [f32]) {
-        self.matmul_impl(k, x, n, y, true)
-    }
-
-    fn matmul_impl(&self, k: &Kernels, x: &[f32], n: usize, y: &mut [f32], wide: bool) {
         let (rows, cols) = (self.rows, self.cols);
         assert_eq!(x.len(), n * cols, "matmul: x length");
         assert_eq!(y.len(), n * rows, "matmul: y length");
@@ -255,20 +225,19 @@ impl<'a> MatRef<'a> {
         // Rows (in parallel when large) into a [rows, n] scratch, then transposed into [n, rows].
         let mut yt = vec![0.0f32; rows * n];
         if (rows * cols).saturating_mul(n) <= PAR_MIN_WEIGHTS {
-            self.mm_rows(k, 0, x, n, &xps, &mut yt, wide);
+            self.mm_rows(k, 0, x, n, &xps, &mut yt);
         } else {
             let chunk = self.row_chunk();
             yt.par_chunks_mut(chunk * n)
                 .enumerate()
-                .for_each(|(i, yc)| self.mm_rows(k, i * chunk, x, n, &xps, yc, wide));
+                .for_each(|(i, yc)| self.mm_rows(k, i * chunk, x, n, &xps, yc));
         }
         transpose_into(&yt, rows, n, y);
     }
 
     /// Rows `[r0, r0 + yt.len() / n)` of the product for all `n` tokens into `yt: [rows', n]`
     /// through the level's tile kernels; `xps` is `mx_prepare_tokens(x, n)` for MXFP4.
-    #[allow(clippy::too_many_arguments)]
-    fn mm_rows(&self, k: &Kernels, r0: usize, x: &[f32], n: usize, xps: &[f32], yt: &mut [f32], wide: bool) {
+    fn mm_rows(&self, k: &Kernels, r0: usize, x: &[f32], n: usize, xps: &[f32], yt: &mut [f32]) {
         let c = self.cols;
         let r1 = r0 + yt.len() / n;
         match self.data {
@@ -287,8 +256,7 @@ impl<'a> MatRef<'a> {
             }
             MatData::Mxfp4 { packed, scales } => {
                 let (pb, sb) = (mxfp4::packed_row_bytes(c), mxfp4::scale_row_bytes(c));
-                let mm = if wide { k.mx_mm_wide } else { k.mx_mm };
-                mm(&packed[r0 * pb..r1 * pb], &scales[r0 * sb..r1 * sb], c, x, n, xps, yt)
+                (k.mx_mm)(&packed[r0 * pb..r1 * pb], &scales[r0 * sb..r1 * sb], c, x, n, xps, yt)
             }
         }
     }

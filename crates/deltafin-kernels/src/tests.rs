@@ -200,62 +200,6 @@ fn every_level_mxfp4_edges() {
                     "{what}: matmul token {t}"
                 );
             }
-            // The wide kernel on the same rows, 7 and 21 tokens (tiles of 16 and their
-            // balanced split): within f32 rounding of the exact product, NaN row included.
-            for n in [7usize, 21] {
-                let mut xs = random_vec(&mut rng, n * cols);
-                xs[3 * cols..4 * cols].copy_from_slice(&x);
-                let mut yw = vec![f32::NAN; n * rows];
-                m.matmul_wide_with(k, &xs, n, &mut yw);
-                for t in 0..n {
-                    let xt = &xs[t * cols..(t + 1) * cols];
-                    let (exact, mag) = exact_matvec(&m, xt);
-                    let yt = &yw[t * rows..(t + 1) * rows];
-                    assert!(yt[2].is_nan(), "{what}: wide n={n} token {t}: NaN scale row");
-                    for r in [0, 1, 3, 4, 5, 6] {
-                        assert_close(
-                            &format!("{what} wide n={n} token {t} row {r}"),
-                            &yt[r..r + 1],
-                            &exact[r..r + 1],
-                            &mag[r..r + 1],
-                            cols,
-                        );
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// `matmul_wide` on every level and format: within f32 rounding of the exact product (for
-/// formats and levels without a wide kernel, `matmul` itself bit for bit), token counts around
-/// the 16-token tile (1, 2, 15, 16, 17, 33, 40), widths that span several segments.
-#[test]
-fn every_level_matmul_wide() {
-    let mut rng = rng(25);
-    let shapes = [(1usize, 1usize), (5, 33), (13, 257), (33, 1000), (31, 2100), (129, 520)];
-    for k in all_levels() {
-        for format in FORMATS {
-            for &(rows, cols) in &shapes {
-                let tm = random_mat(&mut rng, format, rows, cols);
-                let m = tm.mat();
-                for n in [1usize, 2, 15, 16, 17, 33, 40] {
-                    let x = random_vec(&mut rng, n * cols);
-                    let mut y = vec![f32::NAN; n * rows];
-                    m.matmul_wide_with(k, &x, n, &mut y);
-                    let what = format!("{:?} {format} [{rows}, {cols}] n={n} wide", k.level);
-                    let mut ym = vec![f32::NAN; n * rows];
-                    m.matmul_with(k, &x, n, &mut ym);
-                    let wide_kernel = format == "mxfp4" && k.level == crate::SimdLevel::Avx512 && n > 1;
-                    if !wide_kernel {
-                        assert_eq!(bits(&y), bits(&ym), "{what}: equals matmul");
-                    }
-                    for t in 0..n {
-                        let (exact, mag) = exact_matvec(&m, &x[t * cols..(t + 1) * cols]);
-                        assert_close(&what, &y[t * rows..(t + 1) * rows], &exact, &mag, cols);
-                    }
-                }
-            }
         }
     }
 }

@@ -497,17 +497,17 @@ impl DeepseekV3 {
         let routings: Vec<Routing> = logits.chunks(gate.rows).map(|lg| route(&router, lg, bias)).collect();
         let shared = self
             .shared_mats(l)?
-            .map(|[g, u, d]| move || swiglu_batch(g, u, d, xn, nt, false));
+            .map(|[g, u, d]| move || swiglu_batch(g, u, d, xn, nt));
         let (mut out, shared_out) = self.routed.run_batch(
             l,
             &routings,
             h,
-            |e, tokens, wide| {
+            |e, tokens| {
                 let mut xs = Vec::with_capacity(tokens.len() * h);
                 for &t in tokens {
                     xs.extend_from_slice(&xn[t * h..(t + 1) * h]);
                 }
-                swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), &xs, tokens.len(), wide)
+                swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), &xs, tokens.len())
             },
             shared,
         )?;
@@ -605,7 +605,6 @@ impl DeepseekV3 {
                         self.m(&n.down_proj)?,
                         &xn,
                         nt,
-                        false,
                     ))
                 }
             })?;

@@ -93,8 +93,7 @@ pub fn clamped_swiglu_expert(
 
 /// [`clamped_swiglu_expert`] for `n` tokens at once (matrix-matrix products): `x: [n, hidden]`
 /// → `[n, hidden]`, each row bit-identical to [`clamped_swiglu_expert`] of that row (`matmul`
-/// equals `n` matvecs bit for bit; the element-wise steps are the same), or with `wide`
-/// ([`crate::model::BatchForm::wide`]) equal within f32 rounding. [CLAMPED_SWIGLU]
+/// equals `n` matvecs bit for bit; the element-wise steps are the same). [CLAMPED_SWIGLU]
 #[allow(clippy::too_many_arguments)]
 pub fn clamped_swiglu_expert_batch(
     gate_up: MatRef<'_>,
@@ -105,10 +104,9 @@ pub fn clamped_swiglu_expert_batch(
     limit: f32,
     x: &[f32],
     n: usize,
-    wide: bool,
 ) -> Vec<f32> {
     let mut gu = vec![0f32; n * gate_up.rows];
-    gate_up.matmul_if_wide(wide, x, n, &mut gu);
+    gate_up.matmul(x, n, &mut gu);
     let h: Vec<f32> = gu
         .chunks_exact(gate_up.rows)
         .flat_map(|row| {
@@ -120,7 +118,7 @@ pub fn clamped_swiglu_expert_batch(
         })
         .collect();
     let mut out = vec![0f32; n * down.rows];
-    down.matmul_if_wide(wide, &h, n, &mut out);
+    down.matmul(&h, n, &mut out);
     for row in out.chunks_exact_mut(down.rows) {
         for (o, b) in row.iter_mut().zip(down_bias) {
             *o += b;
@@ -285,7 +283,7 @@ impl GptOss {
             l,
             &routings,
             h,
-            |e, tokens, wide| {
+            |e, tokens| {
                 let xs = gather_rows(xn, h, tokens);
                 clamped_swiglu_expert_batch(
                     e.matrix(0),
@@ -296,7 +294,6 @@ impl GptOss {
                     limit,
                     &xs,
                     tokens.len(),
-                    wide,
                 )
             },
             None::<fn() -> Vec<f32>>,

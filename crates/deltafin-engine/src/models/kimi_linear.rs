@@ -521,7 +521,6 @@ impl KimiLinear {
                         self.m(&n.down_proj)?,
                         &xn,
                         nt,
-                        false,
                     ))
                 }
             })?;
@@ -585,7 +584,7 @@ impl KimiLinear {
                 self.m(&n.shared_up_proj)?,
                 self.m(&n.shared_down_proj)?,
             );
-            Some(move || glu_mlp_batch(act, g, u, d, xn, nt, false))
+            Some(move || glu_mlp_batch(act, g, u, d, xn, nt))
         } else {
             None
         };
@@ -594,12 +593,12 @@ impl KimiLinear {
             l,
             &routings,
             w,
-            |e, toks, wide| {
+            |e, toks| {
                 let mut rows = Vec::with_capacity(toks.len() * w);
                 for &t in toks {
                     rows.extend_from_slice(&xl_ref[t * w..(t + 1) * w]);
                 }
-                glu_mlp_batch(act, e.matrix(0), e.matrix(1), e.matrix(2), &rows, toks.len(), wide)
+                glu_mlp_batch(act, e.matrix(0), e.matrix(1), e.matrix(2), &rows, toks.len())
             },
             shared,
         )?;
@@ -972,8 +971,7 @@ pub fn glu_mlp_with(
 
 /// [`glu_mlp`] for `n` tokens at once (matrix-matrix products): x `[n, cols of gate]` →
 /// `[n, rows of down]`, each row equal to [`glu_mlp`] of that row (the kernels' `matmul` equals
-/// `n` matvecs bit for bit), or with `wide` ([`crate::model::BatchForm::wide`]) within f32
-/// rounding.
+/// `n` matvecs bit for bit).
 pub fn glu_mlp_batch(
     act: GluActivation,
     gate: MatRef<'_>,
@@ -981,12 +979,11 @@ pub fn glu_mlp_batch(
     down: MatRef<'_>,
     x: &[f32],
     n: usize,
-    wide: bool,
 ) -> Vec<f32> {
     let mut g = vec![0f32; n * gate.rows];
     let mut u = vec![0f32; n * up.rows];
-    gate.matmul_if_wide(wide, x, n, &mut g);
-    up.matmul_if_wide(wide, x, n, &mut u);
+    gate.matmul(x, n, &mut g);
+    up.matmul(x, n, &mut u);
     for (a, b) in g.iter_mut().zip(&u) {
         *a = match act {
             GluActivation::Silu => silu(*a) * b,
@@ -994,7 +991,7 @@ pub fn glu_mlp_batch(
         };
     }
     let mut out = vec![0f32; n * down.rows];
-    down.matmul_if_wide(wide, &g, n, &mut out);
+    down.matmul(&g, n, &mut out);
     out
 }
 

@@ -253,7 +253,6 @@ impl Qwen3Moe {
                     self.m(&n.down_proj)?,
                     xn,
                     nt,
-                    false,
                 );
                 Ok((y, None))
             }

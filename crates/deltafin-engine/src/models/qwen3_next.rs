@@ -412,7 +412,7 @@ impl Qwen3Next {
         let h = c.hidden_size;
         let names = &self.layers[l].mlp;
         if !c.is_moe_layer(l) {
-            let y = swiglu_batch(self.m(&names[0])?, self.m(&names[1])?, self.m(&names[2])?, xn, n, false);
+            let y = swiglu_batch(self.m(&names[0])?, self.m(&names[1])?, self.m(&names[2])?, xn, n);
             return Ok((y, Vec::new()));
         }
         let router = self.m(&names[0])?;
@@ -464,14 +464,14 @@ impl Qwen3Next {
                 l,
                 &routings,
                 h,
-                |e, toks, wide| {
+                |e, toks| {
                     let x: Vec<f32> = toks
                         .iter()
                         .flat_map(|&t| xn[t * h..(t + 1) * h].iter().copied())
                         .collect();
-                    expert_forward_batch(e, fused, &x, toks.len(), wide)
+                    expert_forward_batch(e, fused, &x, toks.len())
                 },
-                Some(|| swiglu_batch(sg, su, sd, xn, n, false)),
+                Some(|| swiglu_batch(sg, su, sd, xn, n)),
             )?;
             (y, shared, routings)
         };
@@ -589,18 +589,18 @@ fn expert_forward(e: &Expert, fused: bool, x: &[f32]) -> Vec<f32> {
     if !fused {
         return swiglu(e.matrix(0), e.matrix(1), e.matrix(2), x);
     }
-    expert_forward_batch(e, true, x, 1, false)
+    expert_forward_batch(e, true, x, 1)
 }
 
 /// [`expert_forward`] for `n` tokens `x: [n, hidden]` → `[n, hidden]`.
-fn expert_forward_batch(e: &Expert, fused: bool, x: &[f32], n: usize, wide: bool) -> Vec<f32> {
+fn expert_forward_batch(e: &Expert, fused: bool, x: &[f32], n: usize) -> Vec<f32> {
     if !fused {
-        return swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), x, n, wide);
+        return swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), x, n);
     }
     let (gu, down) = (e.matrix(0), e.matrix(1));
     let i = gu.rows / 2;
     let mut a = vec![0f32; n * gu.rows];
-    gu.matmul_if_wide(wide, x, n, &mut a);
+    gu.matmul(x, n, &mut a);
     let mut act = vec![0f32; n * i];
     for t in 0..n {
         let (g, u) = a[t * 2 * i..(t + 1) * 2 * i].split_at(i);
@@ -609,7 +609,7 @@ fn expert_forward_batch(e: &Expert, fused: bool, x: &[f32], n: usize, wide: bool
         }
     }
     let mut out = vec![0f32; n * down.rows];
-    down.matmul_if_wide(wide, &act, n, &mut out);
+    down.matmul(&act, n, &mut out);
     out
 }
 
