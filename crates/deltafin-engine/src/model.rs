@@ -268,45 +268,59 @@ pub struct RoutedExperts {
 }
 
 /// The arithmetic of batched passes (prompt chunks, speculative verification). Every form
-/// computes the same model; they differ only in f32 rounding.
+/// computes the same model; they differ in f32 rounding only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum BatchForm {
-    /// Each form where it pays: MLA decompressed for long chunks ([`MlaForm::Auto`]), within
-    /// f32 rounding of token at a time; short passes (speculative verification) stay
-    /// bit-identical to it, so speculation never changes greedy output.
+    /// Every position bit-identical to token-at-a-time decoding (MLA weight-absorbed, as the
+    /// one-token path computes it). The default.
     #[default]
-    Auto,
-    /// Every position bit-identical to token-at-a-time decoding (absorbed MLA).
     Exact,
-    /// The faster forms whatever the size (tests of those paths on small models).
+    /// Prompt chunks of at least [`crate::blocked_attention::DECOMPRESSED_MIN_TOKENS`] tokens
+    /// compute MLA in the decompressed form where it needs fewer multiply-adds
+    /// ([`MlaForm::Auto`]): logits within f32 rounding of token at a time, not bit for bit, so a
+    /// near-tied router choice can fall the other way and greedy ids can differ. Verification
+    /// passes stay exact, so speculation still never changes greedy output. Opt-in
+    /// (`DELTAFIN_BATCH_FORM=fast`).
     Fast,
+    /// The decompressed MLA form for every batched pass, whatever its size (tests of that path
+    /// on small models).
+    FastAlways,
 }
 
 impl BatchForm {
-    /// The form named by the environment variable `DELTAFIN_BATCH_FORM` (`auto`, `exact` or
-    /// `fast`: a research override for side-by-side measurements), else `Auto`.
+    /// The form named by the environment variable `DELTAFIN_BATCH_FORM` (`exact`, `fast` or
+    /// `fast-always`), else `Exact`.
     ///
     /// Errors: any other value, naming the variable.
     pub fn from_env() -> Result<BatchForm, EngineError> {
         match std::env::var("DELTAFIN_BATCH_FORM") {
-            Err(_) => Ok(BatchForm::Auto),
+            Err(_) => Ok(BatchForm::Exact),
             Ok(v) => match v.as_str() {
-                "" | "auto" => Ok(BatchForm::Auto),
-                "exact" => Ok(BatchForm::Exact),
+                "" | "exact" => Ok(BatchForm::Exact),
                 "fast" => Ok(BatchForm::Fast),
+                "fast-always" => Ok(BatchForm::FastAlways),
                 other => Err(EngineError::Invalid(format!(
-                    "DELTAFIN_BATCH_FORM={other:?}: expected auto, exact or fast"
+                    "DELTAFIN_BATCH_FORM={other:?}: expected exact, fast or fast-always"
                 ))),
             },
+        }
+    }
+
+    /// The name `from_env` reads (`exact`, `fast`, `fast-always`).
+    pub fn name(self) -> &'static str {
+        match self {
+            BatchForm::Exact => "exact",
+            BatchForm::Fast => "fast",
+            BatchForm::FastAlways => "fast-always",
         }
     }
 
     /// The MLA form of a batched pass.
     pub fn mla(self) -> MlaForm {
         match self {
-            BatchForm::Auto => MlaForm::Auto,
             BatchForm::Exact => MlaForm::Absorbed,
-            BatchForm::Fast => MlaForm::Decompressed,
+            BatchForm::Fast => MlaForm::Auto,
+            BatchForm::FastAlways => MlaForm::Decompressed,
         }
     }
 }

@@ -102,7 +102,7 @@ fn assert_bit_identical(what: &str, a: &[Vec<f32>], b: &[Vec<f32>]) {
 }
 
 /// Batched prefill in the exact form equals token at a time bit for bit (chunks of 1, 7 and the
-/// whole prompt); in the fast form (decompressed MLA: what `auto` picks for long prompt chunks)
+/// whole prompt); in the fast form (decompressed MLA: what `fast` picks for long prompt chunks)
 /// within relative L2 1e-5 at every position, with the same argmax, and for an MLA family
 /// (`mla`) visibly different from the exact form (so the test sees it).
 fn check_prefill(name: &str, dir: &Path, n: usize, mla: bool) {
@@ -121,7 +121,7 @@ fn check_prefill(name: &str, dir: &Path, n: usize, mla: bool) {
         let last = model.forward_batch(st.as_mut(), &p, false).unwrap();
         assert_eq!(last.logits.len(), 1);
         assert_bit_identical(&format!("{name} last only"), &reference[n - 1..], &last.logits);
-        model.routed_mut().set_batch_form(BatchForm::Fast);
+        model.routed_mut().set_batch_form(BatchForm::FastAlways);
         let mut worst = 0f64;
         for chunk in [7, n] {
             let got = chunked(model.as_ref(), &p, chunk);
@@ -341,8 +341,8 @@ fn check_batched_within(family: &str, case: &str, bound: f64, n: usize, tmp: &Pa
             (BatchForm::Exact, 1),
             (BatchForm::Exact, 7),
             (BatchForm::Exact, n),
-            (BatchForm::Fast, 7),
-            (BatchForm::Fast, n),
+            (BatchForm::FastAlways, 7),
+            (BatchForm::FastAlways, n),
         ] {
             model.routed_mut().set_batch_form(form);
             let got = chunked(model.as_ref(), &p, chunk);

@@ -114,6 +114,8 @@ pub struct RunStats {
     pub cache_policy: Option<String>,
     pub prefetch: Option<bool>,
     pub non_default_routing: bool,
+    /// `exact` unless `DELTAFIN_BATCH_FORM` chose another batched arithmetic.
+    pub batch_form: Option<String>,
     pub experts_per_token: Option<usize>,
     pub ram_budget: Option<u64>,
     pub prefill_chunk: Option<usize>,
@@ -684,6 +686,7 @@ fn build_report(
                 "io_mode": first.and_then(|s| s.io_mode.clone()),
                 "cache_policy": first.and_then(|s| s.cache_policy.clone()),
                 "prefetch": first.and_then(|s| s.prefetch),
+                "batch_form": first.and_then(|s| s.batch_form.clone()),
                 "experts_per_token": first.and_then(|s| s.experts_per_token),
                 "ram_budget": first.and_then(|s| s.ram_budget),
                 "steady_decode_tokens_per_s": steady,
@@ -855,10 +858,14 @@ fn print_table(report: &Value, configs: &[Config]) {
         (
             "routing",
             Box::new(|c: &Value| {
+                let form = match c["batch_form"].as_str() {
+                    Some(f) if f != "exact" => format!(", {f} batched MLA (not bit-identical)"),
+                    _ => String::new(),
+                };
                 if c["equivalent"].as_bool().unwrap_or(true) {
-                    "model's".to_string()
+                    format!("model's{form}")
                 } else {
-                    format!("{} experts/token: NOT EQUIVALENT", c["experts_per_token"])
+                    format!("{} experts/token: NOT EQUIVALENT{form}", c["experts_per_token"])
                 }
             }),
         ),

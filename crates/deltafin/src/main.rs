@@ -21,7 +21,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use deltafin_engine::experts::{CachePolicy, IoMode, StoreOptions};
 use deltafin_engine::generate::{generate, GenerateOptions, GenerateStats};
 use deltafin_engine::speculate::Drafter;
-use deltafin_engine::{load_model, CausalLm};
+use deltafin_engine::{load_model, BatchForm, CausalLm};
 use deltafin_format::convert::{convert, ConvertOptions, Progress};
 use deltafin_format::{ModelDir, StoredDtype};
 use deltafin_tokenizer::Tokenizer;
@@ -270,6 +270,11 @@ impl StoreArgs {
 
 /// The label every output carries when routing differs from the model's.
 pub(crate) const NON_DEFAULT_ROUTING: &str = "non-default routing: output not equivalent to the model";
+
+/// The label of a non-default [`BatchForm`] (research override `DELTAFIN_BATCH_FORM`).
+pub(crate) const BATCH_FORM_NOTE: &str = "long prompt chunks compute MLA in the decompressed form: \
+     logits within f32 rounding of token-at-a-time decoding, not bit for bit (greedy ids can differ \
+     where a router choice is near-tied)";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -637,6 +642,7 @@ fn stats_json(out: &deltafin_engine::generate::GenerateOutput, model: &dyn Causa
         "cache_policy": model.store().options().policy.to_string(),
         "prefetch": model.store().options().prefetch,
         "non_default_routing": model.routed().non_default_routing(),
+        "batch_form": model.routed().batch_form().name(),
         "compute_only": model.routed().compute_only(),
         "experts_per_token": model.routed().experts_per_token(),
         "ram_budget": budget,
@@ -672,6 +678,12 @@ pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &dyn CausalLm, 
             "routing              {} experts per token (model: {}): {NON_DEFAULT_ROUTING}",
             model.routed().experts_per_token(),
             model.config().num_experts_per_tok()
+        );
+    }
+    if model.routed().batch_form() != BatchForm::Exact {
+        eprintln!(
+            "batched arithmetic   {} (DELTAFIN_BATCH_FORM): {BATCH_FORM_NOTE}",
+            model.routed().batch_form().name()
         );
     }
     eprintln!("prompt tokens        {}", s.prompt_tokens);

@@ -1055,6 +1055,66 @@ fn bad_ram_budget_is_rejected() {
     ));
 }
 
+/// `DELTAFIN_BATCH_FORM`: an unknown value is a one-line error naming the variable; `fast`
+/// is labelled on the stats lines and in the stats JSON (the default says `exact`) and keeps
+/// the greedy ids of the fixture with a whole-prompt chunk of 40 tokens (decompressed MLA).
+#[test]
+fn batch_form_override_is_checked_and_labelled() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    ok(convert(&fixture("dsv3_a"), &model, &[]));
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 300).collect();
+    let out = exec(
+        deltafin()
+            .env("DELTAFIN_BATCH_FORM", "quick")
+            .args(["run", "--model"])
+            .arg(&model)
+            .args(["--prompt-ids", "0"]),
+    );
+    expect_error(&out, &["DELTAFIN_BATCH_FORM", "quick"]);
+    let mut runs = Vec::new();
+    let mut logits = Vec::new();
+    for form in [None, Some("fast")] {
+        let stats = tmp.path().join(format!("{form:?}.json"));
+        let lg = tmp.path().join(format!("{form:?}.logits.json"));
+        let mut cmd = deltafin();
+        if let Some(f) = form {
+            cmd.env("DELTAFIN_BATCH_FORM", f);
+        }
+        let out = ok(exec(
+            cmd.args(["run", "--model"])
+                .arg(&model)
+                .args(["--prompt-ids", &join_ids(&prompt)])
+                .args(["--max-new-tokens", "4", "--ignore-eos", "--stats-json"])
+                .arg(&stats)
+                .arg("--logits-out")
+                .arg(&lg),
+        ));
+        logits.push(check_logits_file(&lg, 512, 4).2);
+        let v = read_json(&stats);
+        let err = text(&out.stderr);
+        match form {
+            None => {
+                assert_eq!(v["batch_form"], "exact");
+                assert!(!err.contains("batched arithmetic"), "{err}");
+            }
+            Some(f) => {
+                assert_eq!(v["batch_form"], f);
+                assert!(err.contains("batched arithmetic   fast"), "{err}");
+            }
+        }
+        runs.push(ids(&v["generated_ids"]));
+    }
+    assert_eq!(runs[0], runs[1], "greedy ids with DELTAFIN_BATCH_FORM=fast");
+    // The first generated token's logits come from the prompt pass: within rounding, not equal
+    // (so the decompressed form did run).
+    let rel = rel_l2(&logits[1][0], &logits[0][0]);
+    assert!(
+        rel > 0.0 && rel < 1e-5,
+        "prompt-pass logits, fast vs exact: rel L2 {rel:e}"
+    );
+}
+
 #[test]
 fn run_on_a_directory_that_is_not_a_model() {
     let tmp = tempfile::tempdir().unwrap();
