@@ -260,6 +260,12 @@ impl ModelDir {
                     "{file} is {len} bytes, manifest says {bytes}: the file is truncated"
                 )));
             }
+            if len > bytes {
+                return Err(bad(format!(
+                    "{file} is {len} bytes, manifest says {bytes}: the file is longer than this \
+                     manifest's (from another conversion?); re-run `deltafin convert`"
+                )));
+            }
         }
         for (name, t) in &manifest.backbone.tensors {
             if t.offset % TENSOR_ALIGN != 0 || t.offset + t.bytes > manifest.backbone.bytes {

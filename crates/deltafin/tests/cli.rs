@@ -992,6 +992,13 @@ fn truncated_model_files_fail_at_load() {
         let out = run_ids(&model, &[0], 2, &f, &[]);
         expect_error(&out, &[file, "truncated"]);
         assert!(out.stdout.is_empty(), "nothing generated from a truncated model");
+        // Longer than the manifest says (another conversion's file): also refused.
+        let mut longer = full.clone();
+        longer.extend_from_slice(&[0u8; 4096]);
+        std::fs::write(&p, &longer).unwrap();
+        let out = run_ids(&model, &[0], 2, &f, &[]);
+        expect_error(&out, &[file, "longer"]);
+        assert!(out.stdout.is_empty(), "nothing generated from a mismatched model");
         std::fs::write(&p, &full).unwrap();
     }
     ok(run_ids(&model, &[0], 2, &f, &[]));
