@@ -20,7 +20,7 @@
 //! arXiv:2205.14135, Alg. 1) without its online softmax (which would change the summation
 //! order): the full score row is kept, `[rows, window]` f32 per call.
 
-use deltafin_kernels::{axpy, dot, rms_norm, softmax_inplace, MatRef};
+use deltafin_kernels::{axpy, dot, dot_2x2, rms_norm, softmax_inplace, MatRef};
 use rayon::prelude::*;
 
 use crate::rope::RotaryEmbedding;
@@ -41,11 +41,37 @@ pub fn tokens_per_item(nt: usize, heads: usize, keys: usize, threads: usize) -> 
     nt.div_ceil(4 * threads.max(1)).min(by_memory).clamp(1, 8)
 }
 
+/// The logits of query rows against key positions, for [`attend_rows`]. Any
+/// `Fn(usize, usize) -> f32` is one.
+pub trait RowScorer {
+    /// Row `r`'s logit for key `t` (already scaled).
+    fn score(&self, r: usize, t: usize) -> f32;
+
+    /// `[score(r, t), score(r, t + 1), score(r + 1, t), score(r + 1, t + 1)]`, bit for bit;
+    /// an implementation may share loads between the four.
+    fn score_2x2(&self, r: usize, t: usize) -> [f32; 4] {
+        [
+            self.score(r, t),
+            self.score(r, t + 1),
+            self.score(r + 1, t),
+            self.score(r + 1, t + 1),
+        ]
+    }
+}
+
+impl<F: Fn(usize, usize) -> f32> RowScorer for F {
+    fn score(&self, r: usize, t: usize) -> f32 {
+        self(r, t)
+    }
+}
+
 /// Attention of `windows.len()` query rows over shared keys and values.
 ///
 /// - `windows[r] = (start, end)`: row `r` attends to key positions `start..end` (ascending,
 ///   non-empty for a causal row: it includes the row's own position).
-/// - `score(r, t)`: row `r`'s logit for key `t` (already scaled).
+/// - `score`: row `r`'s logit for key `t` (already scaled), [`RowScorer::score`]; two
+///   consecutive rows with the same window are scored two keys at a time
+///   ([`RowScorer::score_2x2`]).
 /// - `softmax(r, s)`: normalises row `r`'s logits `s: [end - start]` in place (plain softmax, or
 ///   with gpt-oss' sink).
 /// - `values`: the value vector of position `t` is `values.row(t)`, `[dv]`.
@@ -63,7 +89,7 @@ pub fn attend_rows<S, M>(
     scores: &mut Vec<f32>,
     ctx: &mut [f32],
 ) where
-    S: Fn(usize, usize) -> f32,
+    S: RowScorer,
     M: Fn(usize, &mut [f32]),
 {
     let dv = values.width;
@@ -82,15 +108,36 @@ pub fn attend_rows<S, M>(
     scores.resize(total, 0.0);
     let lo = windows.iter().map(|w| w.0).min().unwrap_or(0);
     let hi = windows.iter().map(|w| w.1).max().unwrap_or(0);
-    // Scores, key tile by key tile.
+    // Scores, key tile by key tile; rows with the same window in pairs, two keys at a time.
     let mut t0 = lo;
     while t0 < hi {
         let t1 = (t0 + KEY_TILE).min(hi);
-        for (r, &(s, e)) in windows.iter().enumerate() {
+        let mut r = 0;
+        while r < windows.len() {
+            let (s, e) = windows[r];
             let (a, b) = (s.max(t0), e.min(t1));
-            let row = &mut scores[offsets[r]..offsets[r] + e.saturating_sub(s)];
-            for t in a..b {
-                row[t - s] = score(r, t);
+            let (o0, paired) = (offsets[r], r + 1 < windows.len() && windows[r + 1] == (s, e));
+            if paired {
+                let o1 = offsets[r + 1];
+                let mut t = a;
+                while t + 2 <= b {
+                    let v = score.score_2x2(r, t);
+                    scores[o0 + t - s] = v[0];
+                    scores[o0 + t + 1 - s] = v[1];
+                    scores[o1 + t - s] = v[2];
+                    scores[o1 + t + 1 - s] = v[3];
+                    t += 2;
+                }
+                if t < b {
+                    scores[o0 + t - s] = score.score(r, t);
+                    scores[o1 + t - s] = score.score(r + 1, t);
+                }
+                r += 2;
+            } else {
+                for t in a..b {
+                    scores[o0 + t - s] = score.score(r, t);
+                }
+                r += 1;
             }
         }
         t0 = t1;
@@ -227,13 +274,16 @@ pub fn mla_tile(
     }
     let windows: Vec<(usize, usize)> = (0..rows).map(|r| (0, pos0 + r / nh + 1)).collect();
     let mut ctx = vec![0f32; rows * kvl];
-    let scale = shape.scale;
     attend_rows(
         &windows,
-        |r, t| {
-            let s = dot(&q_abs[r * kvl..(r + 1) * kvl], &ckv[t * kvl..(t + 1) * kvl])
-                + dot(&q_pe[r * rope..(r + 1) * rope], &kpe[t * rope..(t + 1) * rope]);
-            s * scale
+        AbsorbedScores {
+            q_abs: &q_abs,
+            q_pe: &q_pe,
+            ckv,
+            kpe,
+            kvl,
+            rope,
+            scale: shape.scale,
         },
         |_, s| softmax_inplace(s),
         Values {
@@ -610,6 +660,48 @@ fn pv_block_body(p: &[f32], wpad: usize, rn: usize, v: &[f32], vd_pad: usize, w:
     }
 }
 
+/// Weight-absorbed MLA logits: row `r`'s `(q_abs_r · c_t + q_pe_r · k_pe_t) · scale`, the
+/// one-token path's formula (`dot` of each part, then the sum, then the scale); pairs of rows
+/// and keys through [`deltafin_kernels::dot_2x2`], which equals those `dot`s bit for bit.
+struct AbsorbedScores<'a> {
+    q_abs: &'a [f32],
+    q_pe: &'a [f32],
+    ckv: &'a [f32],
+    kpe: &'a [f32],
+    kvl: usize,
+    rope: usize,
+    scale: f32,
+}
+
+impl RowScorer for AbsorbedScores<'_> {
+    fn score(&self, r: usize, t: usize) -> f32 {
+        let (kvl, rope) = (self.kvl, self.rope);
+        let s = dot(&self.q_abs[r * kvl..(r + 1) * kvl], &self.ckv[t * kvl..(t + 1) * kvl])
+            + dot(
+                &self.q_pe[r * rope..(r + 1) * rope],
+                &self.kpe[t * rope..(t + 1) * rope],
+            );
+        s * self.scale
+    }
+
+    fn score_2x2(&self, r: usize, t: usize) -> [f32; 4] {
+        let (kvl, rope) = (self.kvl, self.rope);
+        let c = dot_2x2(
+            &self.q_abs[r * kvl..(r + 1) * kvl],
+            &self.q_abs[(r + 1) * kvl..(r + 2) * kvl],
+            &self.ckv[t * kvl..(t + 1) * kvl],
+            &self.ckv[(t + 1) * kvl..(t + 2) * kvl],
+        );
+        let p = dot_2x2(
+            &self.q_pe[r * rope..(r + 1) * rope],
+            &self.q_pe[(r + 1) * rope..(r + 2) * rope],
+            &self.kpe[t * rope..(t + 1) * rope],
+            &self.kpe[(t + 1) * rope..(t + 2) * rope],
+        );
+        [0, 1, 2, 3].map(|i| (c[i] + p[i]) * self.scale)
+    }
+}
+
 /// Value vectors at a fixed stride: position `t`'s is `data[t * stride + offset ..][..width]`
 /// (GQA: one key/value head's slice of `[n_tokens, n_kv_heads * head_dim]`; MLA: the latents
 /// `[n_tokens, kv_lora_rank]`).
@@ -709,11 +801,15 @@ mod tests {
         };
         let keys: Vec<f32> = (0..n * d).map(|_| rnd()).collect();
         let vals: Vec<f32> = (0..n * d).map(|_| rnd()).collect();
+        // Pairs of equal windows take the two-rows-two-keys path (odd and even lengths).
         let windows = [
+            (0, 1),
             (0, 1),
             (0, n),
             (10, KEY_TILE + 3),
+            (10, KEY_TILE + 3),
             (KEY_TILE - 1, 2 * KEY_TILE + 9),
+            (KEY_TILE - 1, 2 * KEY_TILE + 10),
             (n - 1, n),
         ];
         let qs: Vec<f32> = (0..windows.len() * d).map(|_| rnd() * 4.0).collect();

@@ -33,6 +33,15 @@ pub fn simd_level() -> SimdLevel {
     kernels().level
 }
 
+/// `(a0, a1, b0, b1)`: see [`Kernels::dot_f32_2x2`].
+pub(crate) type Dot2x2 = fn(&[f32], &[f32], &[f32], &[f32]) -> [f32; 4];
+
+/// [`Dot2x2`] as four calls of a level's `dot_f32`.
+#[inline(always)]
+fn dot_2x2_by(dot: fn(&[f32], &[f32]) -> f32, a0: &[f32], a1: &[f32], b0: &[f32], b1: &[f32]) -> [f32; 4] {
+    [dot(a0, b0), dot(a0, b1), dot(a1, b0), dot(a1, b1)]
+}
+
 /// `(packed, scales, x, xp, y)`: see [`Kernels::mx_rows`].
 pub(crate) type MxRows = fn(&[u8], &[u8], &[f32], &[f32], &mut [f32]);
 
@@ -51,6 +60,9 @@ pub(crate) struct Kernels {
     pub level: SimdLevel,
     /// `sum_i w[i] x[i]`, `w.len() == x.len()`.
     pub dot_f32: fn(&[f32], &[f32]) -> f32,
+    /// `[dot_f32(a0, b0), dot_f32(a0, b1), dot_f32(a1, b0), dot_f32(a1, b1)]` bit for bit, all
+    /// four slices of one length: each loaded vector serves two products.
+    pub dot_f32_2x2: Dot2x2,
     pub dot_bf16: fn(&[bf16], &[f32]) -> f32,
     pub dot_f16: fn(&[f16], &[f32]) -> f32,
     /// Unscaled `sum_i q[i] x[i]`; the caller multiplies by the row scale.
@@ -264,6 +276,7 @@ fn mx_mm_by_dot(
 static PORTABLE: Kernels = Kernels {
     level: SimdLevel::Portable,
     dot_f32: portable::dot_f32,
+    dot_f32_2x2: |a0, a1, b0, b1| dot_2x2_by(portable::dot_f32, a0, a1, b0, b1),
     dot_bf16: portable::dot_bf16,
     dot_f16: portable::dot_f16,
     dot_i8: portable::dot_i8,
@@ -282,6 +295,7 @@ static PORTABLE: Kernels = Kernels {
 static AVX2: Kernels = Kernels {
     level: SimdLevel::Avx2,
     dot_f32: avx2::safe::dot_f32,
+    dot_f32_2x2: |a0, a1, b0, b1| dot_2x2_by(avx2::safe::dot_f32, a0, a1, b0, b1),
     dot_bf16: avx2::safe::dot_bf16,
     dot_f16: avx2::safe::dot_f16,
     dot_i8: avx2::safe::dot_i8,
@@ -310,6 +324,7 @@ static AVX512: Kernels = Kernels {
     mm_i8: tiles_avx512::mm_i8,
     mx_prepare_tokens: avx512::safe::mx_prepare_tokens,
     mx_mm: avx512::safe::mx_mm,
+    dot_f32_2x2: avx2::safe::dot_f32_2x2_vl,
     ..AVX2
 };
 
@@ -477,6 +492,10 @@ mod avx2 {
         pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
             unsafe { super::dot_f32(w, x) }
         }
+        /// Only reachable through the `AVX512` table (AVX-512F and AVX-512VL checked).
+        pub fn dot_f32_2x2_vl(a0: &[f32], a1: &[f32], b0: &[f32], b1: &[f32]) -> [f32; 4] {
+            unsafe { super::dot_f32_2x2_vl(a0, a1, b0, b1) }
+        }
         pub fn dot_bf16(w: &[bf16], x: &[f32]) -> f32 {
             unsafe { super::dot_bf16(w, x) }
         }
@@ -549,6 +568,58 @@ mod avx2 {
             s += w[i] * x[i];
         }
         s
+    }
+
+    /// [`dot_f32`] of the four pairs `(a_i, b_j)` at once: per pair the same four 8-lane
+    /// accumulators over 32 elements, 8-wide steps into the first, `hsum((p0 + p1) + (p2 +
+    /// p3))` and the scalar tail, so each result equals `dot_f32(a_i, b_j)` bit for bit (the
+    /// product inside an FMA is commutative); each load serves two pairs. Compiled with
+    /// AVX-512VL for the 32 vector registers its 16 accumulators need.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    #[allow(clippy::needless_range_loop)] // q indexes the accumulators of all four pairs
+    unsafe fn dot_f32_2x2_vl(a0: &[f32], a1: &[f32], b0: &[f32], b1: &[f32]) -> [f32; 4] {
+        let n = a0.len();
+        assert!(a1.len() == n && b0.len() == n && b1.len() == n, "dot_f32_2x2: lengths");
+        let (pa, pb) = ([a0.as_ptr(), a1.as_ptr()], [b0.as_ptr(), b1.as_ptr()]);
+        // acc[2i + j][q]: pair (a_i, b_j), accumulator q.
+        let mut acc = [[_mm256_setzero_ps(); 4]; 4];
+        let mut k = 0usize;
+        while k + 32 <= n {
+            for q in 0..4 {
+                let i = k + 8 * q;
+                let va = [_mm256_loadu_ps(pa[0].add(i)), _mm256_loadu_ps(pa[1].add(i))];
+                let vb = [_mm256_loadu_ps(pb[0].add(i)), _mm256_loadu_ps(pb[1].add(i))];
+                for ia in 0..2 {
+                    for jb in 0..2 {
+                        acc[2 * ia + jb][q] = _mm256_fmadd_ps(va[ia], vb[jb], acc[2 * ia + jb][q]);
+                    }
+                }
+            }
+            k += 32;
+        }
+        while k + 8 <= n {
+            let va = [_mm256_loadu_ps(pa[0].add(k)), _mm256_loadu_ps(pa[1].add(k))];
+            let vb = [_mm256_loadu_ps(pb[0].add(k)), _mm256_loadu_ps(pb[1].add(k))];
+            for ia in 0..2 {
+                for jb in 0..2 {
+                    acc[2 * ia + jb][0] = _mm256_fmadd_ps(va[ia], vb[jb], acc[2 * ia + jb][0]);
+                }
+            }
+            k += 8;
+        }
+        let (a, b) = ([a0, a1], [b0, b1]);
+        let mut out = [0f32; 4];
+        for ia in 0..2 {
+            for jb in 0..2 {
+                let p = &acc[2 * ia + jb];
+                let mut s = hsum(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3])));
+                for e in k..n {
+                    s += a[ia][e] * b[jb][e];
+                }
+                out[2 * ia + jb] = s;
+            }
+        }
+        out
     }
 
     #[target_feature(enable = "avx2,fma")]

@@ -22,7 +22,7 @@ pub mod reference;
 
 pub use kernels::{simd_level, SimdLevel};
 pub use matrix::{MatData, MatRef};
-pub use ops::{argmax, axpy, dot, rms_norm, rms_norm_inplace, sigmoid, silu, softmax_inplace};
+pub use ops::{argmax, axpy, dot, dot_2x2, rms_norm, rms_norm_inplace, sigmoid, silu, softmax_inplace};
 
 // Lets the shared test helpers (tests/common) name this crate from inside its unit tests.
 #[cfg(test)]

@@ -13,6 +13,21 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     (kernels().dot_f32)(a, b)
 }
 
+/// The four dot products `[a0·b0, a0·b1, a1·b0, a1·b1]`, each bit-identical to [`dot`] of that
+/// pair on every SIMD level (on AVX-512 one pass that loads each vector once for two products;
+/// elsewhere four `dot` calls). For attention scores: two query rows against two keys.
+///
+/// # Panics
+/// If the four lengths differ.
+pub fn dot_2x2(a0: &[f32], a1: &[f32], b0: &[f32], b1: &[f32]) -> [f32; 4] {
+    let n = a0.len();
+    assert!(
+        a1.len() == n && b0.len() == n && b1.len() == n,
+        "dot_2x2: length mismatch"
+    );
+    (kernels().dot_f32_2x2)(a0, a1, b0, b1)
+}
+
 /// `y[i] += alpha * x[i]` (BLAS saxpy), as a multiply then an add, bit-identical on every SIMD
 /// level.
 ///

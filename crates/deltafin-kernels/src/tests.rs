@@ -124,6 +124,26 @@ fn every_level_dot_and_axpy() {
     }
 }
 
+/// `dot_f32_2x2` on every level equals the level's `dot_f32` of each pair bit for bit, for
+/// lengths around the 8- and 32-element steps.
+#[test]
+fn every_level_dot_2x2_equals_four_dots() {
+    let mut rng = rng(26);
+    for k in all_levels() {
+        for n in [0usize, 1, 5, 8, 9, 31, 32, 33, 64, 100, 256, 288, 1001] {
+            let v: Vec<Vec<f32>> = (0..4).map(|_| random_vec(&mut rng, n)).collect();
+            let got = (k.dot_f32_2x2)(&v[0], &v[1], &v[2], &v[3]);
+            let want = [
+                (k.dot_f32)(&v[0], &v[2]),
+                (k.dot_f32)(&v[0], &v[3]),
+                (k.dot_f32)(&v[1], &v[2]),
+                (k.dot_f32)(&v[1], &v[3]),
+            ];
+            assert_eq!(bits(&got), bits(&want), "{:?} n={n}", k.level);
+        }
+    }
+}
+
 /// MXFP4 on every level: row counts and widths around the AVX-512 kernel's 4-block chunks and
 /// partial last block, scale bytes 0 (2^-127), 1 ..= 220 and 255 (NaN), large
 /// activations; each row's result must not depend on the rows computed with it.
