@@ -185,19 +185,22 @@ impl Session {
     /// Runs `tokens` at the next positions in one batched pass; returns the last position's
     /// logits. On failure the cache is reset, because a pass that failed midway may have
     /// appended to some layers only.
-    fn run_chunk(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+    /// One batched pass over `tokens`: the last position's logits and every position's routes.
+    fn run_chunk(&mut self, tokens: &[u32]) -> Result<(Vec<f32>, Vec<crate::LayerRoutes>), EngineError> {
         let r = self
             .model
             .forward_batch(self.cache.as_mut(), tokens, false)
             .and_then(|mut o| {
-                o.logits
+                let logits = o
+                    .logits
                     .pop()
-                    .ok_or_else(|| EngineError::Invalid("forward pass returned no logits".into()))
+                    .ok_or_else(|| EngineError::Invalid("forward pass returned no logits".into()))?;
+                Ok((logits, o.routes))
             });
         match r {
-            Ok(logits) => {
+            Ok(out) => {
                 self.cached.extend_from_slice(tokens);
-                Ok(logits)
+                Ok(out)
             }
             Err(e) => {
                 self.reset();
@@ -296,14 +299,26 @@ impl Session {
         let rest = &req.prompt[reused..];
         let chunk = prefill_chunk_tokens(self.model.as_ref(), self.prefill_chunk, rest.len());
         out.stats.prefill_chunk = chunk;
+        let cfg = self.model.config();
+        out.stats.moe_layers = (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)).count();
+        // Distinct (layer, expert) of the tokens prefilled here (not of a reused prefix).
+        let mut unique = std::collections::HashSet::new();
         for c in rest.chunks(chunk) {
             if should_stop() {
                 out.finish = FinishReason::Cancelled;
                 self.finish_stats(&mut out, start_counters, None);
                 return Ok(out);
             }
-            logits = self.run_chunk(c)?;
+            let (lg, routes) = self.run_chunk(c)?;
+            logits = lg;
+            for r in &routes {
+                for (l, routing) in r {
+                    unique.extend(routing.experts.iter().map(|&e| (*l, e)));
+                }
+            }
         }
+        out.stats.prefill_expert_bytes = self.counters().since(&start_counters).bytes_read_demand;
+        out.stats.prefill_unique_experts = unique.len();
 
         let tokenizer = Arc::clone(&self.tokenizer);
         let mut decoder = tokenizer.stream_decoder(true);

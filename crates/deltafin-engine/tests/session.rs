@@ -61,6 +61,13 @@ fn reuse_matches_a_fresh_run_and_the_greedy_loop() {
     };
     let plain = generate(s.model().as_ref(), &second, &opts, |_| true).unwrap();
     assert_eq!(plain.generated_ids, fresh.generated_ids);
+    // The prefill statistics: the same distinct experts as the plain loop on the same prompt
+    // (bytes differ: the expert cache is warm by then), fewer when a prefix is reused, and the
+    // first (cold) request read some.
+    assert_eq!(fresh.stats.prefill_unique_experts, plain.stats.prefill_unique_experts);
+    assert!(fresh.stats.prefill_unique_experts > 0 && fresh.stats.moe_layers == plain.stats.moe_layers);
+    assert!(reused.stats.prefill_unique_experts < fresh.stats.prefill_unique_experts);
+    assert!(a.stats.prefill_expert_bytes > 0, "a cold prefill reads experts");
     // A prompt that diverges early keeps only the shared prefix.
     let other = s.generate(&req(vec![0, 10, 99], 2), &never, |_| true).unwrap();
     assert_eq!(other.reused_tokens, 2);

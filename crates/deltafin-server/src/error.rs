@@ -207,5 +207,18 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>, flav
             "the request body must be a JSON object",
         )));
     }
-    serde_json::from_value(value).map_err(|e| with_flavor(ApiError::bad_request(format!("invalid request: {e}"))))
+    // The path of the offending field (e.g. `max_tokens`, `messages[0].content`) names the
+    // request parameter in the message and in `param`.
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path.is_empty() || path == "." {
+            with_flavor(ApiError::bad_request(format!("invalid request: {inner}")))
+        } else {
+            with_flavor(ApiError::invalid_param(
+                &path,
+                format!("invalid request: `{path}`: {inner}"),
+            ))
+        }
+    })
 }

@@ -132,7 +132,7 @@ fn prompt_ids(s: &AppState, prompt: Option<&Value>) -> Result<Vec<u32>, ApiError
                     .ok_or_else(|| bad("`prompt` must be a string or a list of integer token ids"))?;
                 if id < 0 || id as usize >= s.vocab_size {
                     return Err(bad(&format!(
-                        "token id {id} in `prompt` is out of range: the vocabulary has {} tokens (ids 0..{})",
+                        "token id {id} in `prompt` is out of range: the vocabulary has {} tokens (ids 0 to {})",
                         s.vocab_size,
                         s.vocab_size - 1
                     )));

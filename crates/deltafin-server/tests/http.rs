@@ -308,6 +308,22 @@ fn client_errors_are_openai_shaped_4xx() {
     for c in &cases {
         assert_openai_error(&post(a, "/v1/chat/completions", c), 400);
     }
+    // A field of the wrong type is named in the message and in `param`.
+    let r = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": hello(), "max_tokens": "four"}),
+    );
+    assert_openai_error(&r, 400);
+    assert_eq!(r.json()["error"]["param"], "max_tokens", "{}", r.body);
+    assert!(r.body.contains("`max_tokens`"), "{}", r.body);
+    let r = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": 7, "content": "x"}]}),
+    );
+    assert_openai_error(&r, 400);
+    assert_eq!(r.json()["error"]["param"], "messages[0]", "{}", r.body);
     let too_long = post(a, "/v1/chat/completions", &chat_body(1000));
     assert_openai_error(&too_long, 400);
     assert!(too_long.body.contains("128"), "{}", too_long.body);

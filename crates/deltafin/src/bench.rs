@@ -913,8 +913,25 @@ fn print_table(report: &Value, configs: &[Config]) {
         );
     }
     let ids = report["generated_ids"].as_array().map(|a| a.len()).unwrap_or(0);
+    let not_equivalent: Vec<&str> = report["configs"]
+        .as_array()
+        .map(|cs| {
+            cs.iter()
+                .filter(|c| !c["equivalent"].as_bool().unwrap_or(true))
+                .filter_map(|c| c["name"].as_str())
+                .collect()
+        })
+        .unwrap_or_default();
+    let scope = if not_equivalent.is_empty() {
+        "in every run".to_string()
+    } else {
+        format!(
+            "in every run of each configuration and across those with the model's routing (not {})",
+            not_equivalent.join(", ")
+        )
+    };
     println!(
-        "ids      identical in every run ({ids} ids{}); values below: median [min–max]",
+        "ids      identical {scope} ({ids} ids{}); values below: median [min–max]",
         if report["expected_ids"].is_array() {
             ", equal to --expected-ids"
         } else {

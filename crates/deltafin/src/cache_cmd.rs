@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
+use deltafin_format::ModelDir;
 use deltafin_pull::cache;
 
 use crate::size;
@@ -79,12 +80,23 @@ pub(crate) fn run(a: &CacheArgs) -> Result<()> {
                 );
             }
             if !r.ok() {
+                // Only a streaming install has a source to fetch dropped records from; in a
+                // converted (or fully pulled) model the pack itself is damaged.
+                let streaming = ModelDir::open(model_dir)?.manifest.stream.is_some();
+                let fix = if streaming {
+                    format!(
+                        "`deltafin cache gc {}` drops them so they are fetched again",
+                        model_dir.display()
+                    )
+                } else {
+                    "the expert pack is damaged: re-run `deltafin convert` (or `deltafin pull`) to write it again"
+                        .to_string()
+                };
                 bail!(
-                    "{}: {} of {} present records failed verification; `deltafin cache gc {}` drops them so they are fetched again",
+                    "{}: {} of {} present records failed verification; {fix}",
                     model_dir.display(),
                     r.failures.len(),
                     r.checked,
-                    model_dir.display()
                 );
             }
             println!("ok: {} present records of {} verified", r.checked, r.total);

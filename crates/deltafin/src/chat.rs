@@ -147,10 +147,17 @@ pub fn run(a: &ChatArgs) -> Result<()> {
                 match &last {
                     Some(o) => {
                         crate::print_stats("chat: last answer", &o.stats, model.as_ref(), budget, &dir);
-                        eprintln!(
-                            "reused prompt tokens {} of {} (KV cache kept from the previous turn)",
-                            o.reused_tokens, o.prompt_tokens
-                        );
+                        if o.reused_tokens > 0 {
+                            eprintln!(
+                                "reused prompt tokens {} of {} (KV cache kept from the previous turn; the prefill \
+                                 lines above cover the other {})",
+                                o.reused_tokens,
+                                o.prompt_tokens,
+                                o.prompt_tokens - o.reused_tokens
+                            );
+                        } else {
+                            eprintln!("reused prompt tokens 0 of {}", o.prompt_tokens);
+                        }
                     }
                     None => eprintln!("no answer yet"),
                 }

@@ -487,8 +487,9 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
             let vocab = dir.manifest.config.vocab_size();
             if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
                 bail!(
-                    "--prompt-ids: token id {bad} is outside the vocabulary of {} (ids 0..{vocab})",
-                    a.model.display()
+                    "--prompt-ids: token id {bad} is outside the vocabulary of {} ({vocab} tokens, ids 0 to {})",
+                    a.model.display(),
+                    vocab - 1
                 );
             }
             ids.clone()
@@ -543,6 +544,12 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     }
     if a.store.cache_policy == CachePolicy::Pinned {
         model.store().warm_pinned();
+    }
+    if model.routed().batch_form() != BatchForm::Exact {
+        eprintln!(
+            "warning: DELTAFIN_BATCH_FORM={}: {BATCH_FORM_NOTE}",
+            model.routed().batch_form().name()
+        );
     }
     if let Some(k) = a.experts_per_token {
         model.routed().set_experts_per_token(k)?;

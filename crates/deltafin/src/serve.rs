@@ -67,6 +67,13 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     }
     let model: Arc<dyn CausalLm> = Arc::from(model);
     a.passes.warn_unsupported(model.as_ref());
+    if model.routed().batch_form() != deltafin_engine::BatchForm::Exact {
+        eprintln!(
+            "warning: DELTAFIN_BATCH_FORM={}: {}",
+            model.routed().batch_form().name(),
+            crate::BATCH_FORM_NOTE
+        );
+    }
     let model_id = match &a.model_id {
         Some(id) => id.clone(),
         None => a

@@ -977,6 +977,16 @@ fn corrupted_expert_record_fails_its_checksum_naming_layer_and_expert() {
         &out,
         &["experts.pack", &format!("layer {layer}, expert {expert}"), "checksum"],
     );
+    // `cache verify` names the record and, for a converted model (nothing to fetch from),
+    // says to convert again rather than to `cache gc`.
+    let out = exec(deltafin().args(["cache", "verify"]).arg(&model));
+    assert!(
+        text(&out.stdout).contains(&format!("FAILED layer {layer} expert {expert}")),
+        "{}",
+        text(&out.stdout)
+    );
+    let err = expect_error(&out, &["failed verification", "deltafin convert"]);
+    assert!(!err.contains("cache gc"), "{err}");
 }
 
 #[test]
@@ -1023,7 +1033,10 @@ fn prompt_ids_outside_the_vocabulary_are_rejected() {
     let model = tmp.path().join("m");
     ok(convert(&fixture("dsv3_a"), &model, &[]));
     let out = run_ids(&model, &[0, 12, 512], 2, &tmp.path().join("l.json"), &[]);
-    expect_error(&out, &["--prompt-ids", "token id 512", "vocabulary", "0..512"]);
+    expect_error(
+        &out,
+        &["--prompt-ids", "token id 512", "vocabulary", "512 tokens, ids 0 to 511"],
+    );
     assert!(out.stdout.is_empty());
     let out = run_ids(&model, &[0, 1_000_000], 2, &tmp.path().join("l.json"), &[]);
     expect_error(&out, &["--prompt-ids", "1000000", "vocabulary"]);
