@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use deltafin_format::footprint::Footprint;
 use deltafin_format::{ModelConfig, ModelDir};
 
@@ -31,9 +31,8 @@ pub fn run(a: &InfoArgs) -> Result<()> {
         m.config.clone()
     } else {
         let file = if p.is_dir() { p.join("config.json") } else { p.clone() };
-        ModelConfig::from_file(&file)
-            .with_context(|| format!("reading {}", file.display()))?
-            .0
+        // The error names the file already.
+        ModelConfig::from_file(&file)?.0
     };
     if let Some(b) = a.bandwidth.iter().find(|b| !(b.is_finite() && **b > 0.0)) {
         anyhow::bail!("--bandwidth {b}: must be a positive number of GB/s");

@@ -215,9 +215,9 @@ pub(crate) struct StoreArgs {
     /// the disk is idle: `on` or `off` (default off until the benchmark shows a gain).
     #[arg(long, default_value = "off", value_parser = ["on", "off"])]
     prefetch: String,
-    /// Expert reader threads = most reads in flight (0: max(top_k, 8)).
-    #[arg(long, default_value_t = 0)]
-    readers: usize,
+    /// Expert reader threads = most reads in flight (0: max(top_k, 8); at most 1024).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=1024))]
+    readers: u16,
     /// Streaming installs: fetch routed experts that are not local yet from the install's source.
     #[arg(long)]
     pub(crate) allow_network: bool,
@@ -239,7 +239,7 @@ impl StoreArgs {
         o.io = self.io;
         o.policy = self.cache_policy;
         o.prefetch = self.prefetch == "on";
-        o.readers = self.readers;
+        o.readers = usize::from(self.readers);
         if !(0.0..=1.0).contains(&self.pinned_fraction) {
             bail!("--pinned-fraction {} must be between 0 and 1", self.pinned_fraction);
         }
@@ -701,12 +701,16 @@ pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &dyn CausalLm, 
     eprintln!("time to first token  {:.3} s", s.ttft.as_secs_f64());
     eprintln!("prefill              {:.2} tok/s", s.prefill_tokens_per_s);
     eprintln!(
-        "prefill experts      {} read ({:.2} MiB/prompt token), {} distinct (layer, expert) = {:.1} per MoE layer, chunks of {} tokens",
+        "prefill experts      {} read ({:.2} MiB/prompt token), {} distinct (layer, expert) = {:.1} per MoE layer, {}",
         size::human(s.prefill_expert_bytes),
         s.prefill_expert_bytes as f64 / s.prompt_tokens.max(1) as f64 / (1u64 << 20) as f64,
         s.prefill_unique_experts,
         s.prefill_unique_experts as f64 / s.moe_layers.max(1) as f64,
-        s.prefill_chunk
+        if s.prefill_chunk == 1 {
+            "one token at a time".to_string()
+        } else {
+            format!("chunks of {} tokens", s.prefill_chunk)
+        }
     );
     let sp = &s.speculation;
     if sp.passes > 0 {

@@ -261,13 +261,16 @@ fn check_stats(stderr: &str, prompt_len: usize, generated: usize, manifest: &Val
         head.split_whitespace().last().unwrap().parse().unwrap()
     };
     let distinct = num_before(" distinct");
-    let chunk: usize = pf
-        .rsplit("chunks of ")
-        .next()
-        .unwrap()
-        .trim_end_matches(" tokens")
-        .parse()
-        .unwrap();
+    let chunk: usize = if pf.ends_with("one token at a time") {
+        1
+    } else {
+        pf.rsplit("chunks of ")
+            .next()
+            .unwrap()
+            .trim_end_matches(" tokens")
+            .parse()
+            .unwrap()
+    };
     let prefill_requests = if chunk >= prompt_len {
         distinct
     } else {
