@@ -387,7 +387,7 @@ fn completion_logprobs(lps: &[TokenLogprob]) -> Value {
     let mut offsets = Vec::with_capacity(lps.len());
     for t in lps {
         offsets.push(offset);
-        offset += t.token.len();
+        offset += t.token.chars().count(); // characters, as OpenAI's (Python) offsets
     }
     json!({
         "tokens": lps.iter().map(|t| t.token.as_str()).collect::<Vec<_>>(),
@@ -570,4 +570,24 @@ fn sse(rx: UnboundedReceiver<JobEvent>, meta: Meta) -> Sse<impl Stream<Item = Re
         }
     });
     Sse::new(events).keep_alive(KeepAlive::new().interval(Duration::from_secs(5)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `text_offset` counts characters (OpenAI's offsets are Python string indices), so a
+    /// token of one multi-byte character advances it by 1, not by its UTF-8 length.
+    #[test]
+    fn completion_text_offsets_count_characters() {
+        let lp = |token: &str| TokenLogprob {
+            id: 0,
+            token: token.to_string(),
+            logprob: -1.0,
+            top: vec![(0, token.to_string(), -1.0)],
+        };
+        let v = completion_logprobs(&[lp("\u{fffd}"), lp("é!"), lp("ab")]);
+        assert_eq!(v["text_offset"], json!([0, 1, 3]));
+        assert_eq!(v["tokens"], json!(["\u{fffd}", "é!", "ab"]));
+    }
 }

@@ -64,7 +64,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
         bail!("--top-p {} must be greater than 0 and at most 1", a.top_p);
     }
     let dir = ModelDir::open(&a.model)?;
-    let budget = a.ram_budget.unwrap_or_else(crate::default_ram_budget);
+    let budget = crate::ram_budget(a.ram_budget);
     let tokenizer = Arc::new(
         Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?,
     );

@@ -474,9 +474,31 @@ fn default_ram_budget() -> u64 {
     }
 }
 
+/// The expert cache budget: `--ram-budget` or [`default_ram_budget`]; warns (stderr) when an
+/// explicit budget exceeds the memory this process may use (the cache would then push the
+/// machine into swap or the OOM killer long before it fills).
+pub(crate) fn ram_budget(requested: Option<u64>) -> u64 {
+    let Some(b) = requested else {
+        return default_ram_budget();
+    };
+    let total = deltafin_engine::mem::meminfo_bytes("MemTotal");
+    let limit = deltafin_engine::mem::cgroup_memory_limit();
+    if let Some(m) = [total, limit].into_iter().flatten().min() {
+        if b > m {
+            eprintln!(
+                "warning: --ram-budget {} exceeds the memory this process may use ({}); the expert cache \
+                 cannot grow that large without swapping or being killed",
+                size::human(b),
+                size::human(m)
+            );
+        }
+    }
+    b
+}
+
 fn cmd_run(a: &RunArgs) -> Result<()> {
     let dir = ModelDir::open(&a.model)?;
-    let budget = a.ram_budget.unwrap_or_else(default_ram_budget);
+    let budget = ram_budget(a.ram_budget);
     let tokenizer =
         Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?;
     let prompt_ids: Vec<u32> = match (&a.prompt, &a.prompt_ids) {

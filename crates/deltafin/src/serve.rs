@@ -54,7 +54,7 @@ pub struct ServeArgs {
 /// Loads the model and serves until Ctrl-C or SIGTERM.
 pub fn run(a: &ServeArgs) -> Result<()> {
     let dir = ModelDir::open(&a.model)?;
-    let budget = a.ram_budget.unwrap_or_else(crate::default_ram_budget);
+    let budget = crate::ram_budget(a.ram_budget);
     let tokenizer = Arc::new(
         Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?,
     );
