@@ -25,6 +25,40 @@ use rayon::prelude::*;
 
 use crate::rope::RotaryEmbedding;
 
+/// `fn $name(args)` running `$body(args)` compiled for AVX-512F + FMA or AVX2 + FMA when the CPU
+/// has them (checked at run time), else as plain code. `$body` is `#[inline(always)]` scalar
+/// code whose loops the compiler vectorises for each target; every version performs the same
+/// operations in the same order, so the results do not depend on the version.
+macro_rules! simd_versions {
+    ($(#[$m:meta])* fn $name:ident($($a:ident: $t:ty),* $(,)?) => $body:ident) => {
+        $(#[$m])*
+        fn $name($($a: $t),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,fma")]
+                $(#[$m])*
+                unsafe fn v512($($a: $t),*) {
+                    $body($($a),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                $(#[$m])*
+                unsafe fn v256($($a: $t),*) {
+                    $body($($a),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+                    // SAFETY: the features were detected at run time just above.
+                    return unsafe { v512($($a),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                    // SAFETY: as above.
+                    return unsafe { v256($($a),*) };
+                }
+            }
+            $body($($a),*)
+        }
+    };
+}
+
 /// Key positions per tile: 64 GQA keys of 128 f32 (32 KiB) or 64 MLA latents of 512 f32
 /// (128 KiB) stay in L2 while every query row of the call uses them.
 pub const KEY_TILE: usize = 64;
@@ -513,55 +547,12 @@ pub fn mla_decompressed(
         });
 }
 
-/// Scores of `rn ≤ DRB` query rows `q: [rn, dk]` against keys `0..w` of `kt: [dk, n_pad]`
-/// (transposed keys): `s[r · wpad + t] = (Σ_d q[r][d] · k_t[d]) · scale`, each sum an FMA chain
-/// in ascending `d` starting from 0; keys `w..` of the last block are computed too (padding).
-#[allow(clippy::too_many_arguments)]
-fn qk_block(q: &[f32], dk: usize, kt: &[f32], n_pad: usize, w: usize, wpad: usize, scale: f32, s: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the features were detected at run time just above.
-            return unsafe { qk_block_avx512(q, dk, kt, n_pad, w, wpad, scale, s) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: as above.
-            return unsafe { qk_block_avx2(q, dk, kt, n_pad, w, wpad, scale, s) };
-        }
-    }
-    qk_block_body(q, dk, kt, n_pad, w, wpad, scale, s)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn qk_block_avx512(
-    q: &[f32],
-    dk: usize,
-    kt: &[f32],
-    n_pad: usize,
-    w: usize,
-    wpad: usize,
-    scale: f32,
-    s: &mut [f32],
-) {
-    qk_block_body(q, dk, kt, n_pad, w, wpad, scale, s)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn qk_block_avx2(
-    q: &[f32],
-    dk: usize,
-    kt: &[f32],
-    n_pad: usize,
-    w: usize,
-    wpad: usize,
-    scale: f32,
-    s: &mut [f32],
-) {
-    qk_block_body(q, dk, kt, n_pad, w, wpad, scale, s)
+simd_versions! {
+    /// Scores of `rn ≤ DRB` query rows `q: [rn, dk]` against keys `0..w` of `kt: [dk, n_pad]`
+    /// (transposed keys): `s[r · wpad + t] = (Σ_d q[r][d] · k_t[d]) · scale`, each sum an FMA chain
+    /// in ascending `d` starting from 0; keys `w..` of the last block are computed too (padding).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_block(q: &[f32], dk: usize, kt: &[f32], n_pad: usize, w: usize, wpad: usize, scale: f32, s: &mut [f32]) => qk_block_body
 }
 
 #[inline(always)]
@@ -590,33 +581,10 @@ fn qk_block_body(q: &[f32], dk: usize, kt: &[f32], n_pad: usize, w: usize, wpad:
     }
 }
 
-/// `ctx[r] += Σ_{t < w} p[r · wpad + t] · v_t` for `rn ≤ DRB` rows, `v: [.., vd_pad]`,
-/// `ctx: [rn, vd_pad]`; each element an FMA chain in ascending `t`.
-fn pv_block(p: &[f32], wpad: usize, rn: usize, v: &[f32], vd_pad: usize, w: usize, ctx: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the features were detected at run time just above.
-            return unsafe { pv_block_avx512(p, wpad, rn, v, vd_pad, w, ctx) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: as above.
-            return unsafe { pv_block_avx2(p, wpad, rn, v, vd_pad, w, ctx) };
-        }
-    }
-    pv_block_body(p, wpad, rn, v, vd_pad, w, ctx)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn pv_block_avx512(p: &[f32], wpad: usize, rn: usize, v: &[f32], vd_pad: usize, w: usize, ctx: &mut [f32]) {
-    pv_block_body(p, wpad, rn, v, vd_pad, w, ctx)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn pv_block_avx2(p: &[f32], wpad: usize, rn: usize, v: &[f32], vd_pad: usize, w: usize, ctx: &mut [f32]) {
-    pv_block_body(p, wpad, rn, v, vd_pad, w, ctx)
+simd_versions! {
+    /// `ctx[r] += Σ_{t < w} p[r · wpad + t] · v_t` for `rn ≤ DRB` rows, `v: [.., vd_pad]`,
+    /// `ctx: [rn, vd_pad]`; each element an FMA chain in ascending `t`.
+    fn pv_block(p: &[f32], wpad: usize, rn: usize, v: &[f32], vd_pad: usize, w: usize, ctx: &mut [f32]) => pv_block_body
 }
 
 #[inline(always)]
