@@ -595,36 +595,40 @@ fn pv_block_body(p: &[f32], wpad: usize, rn: usize, v: &[f32], vd_pad: usize, w:
     let mut j = 0;
     // Four 16-lane blocks per pass where the width allows (16 accumulators), else one.
     while j + 4 * VB <= vd_pad {
-        let mut acc = [[0f32; 4 * VB]; DRB];
-        for t in 0..w {
-            let vt: &[f32; 4 * VB] = v[t * vd_pad + j..t * vd_pad + j + 4 * VB].try_into().expect("lanes");
-            for (r, a) in acc.iter_mut().enumerate().take(rn) {
-                let pr = p[r * wpad + t];
-                for (x, &y) in a.iter_mut().zip(vt) {
-                    *x = pr.mul_add(y, *x);
-                }
-            }
-        }
-        for (r, a) in acc.iter().enumerate().take(rn) {
-            ctx[r * vd_pad + j..r * vd_pad + j + 4 * VB].copy_from_slice(a);
-        }
+        pv_lanes::<{ 4 * VB }>(p, wpad, rn, v, vd_pad, w, j, ctx);
         j += 4 * VB;
     }
     while j < vd_pad {
-        let mut acc = [[0f32; VB]; DRB];
-        for t in 0..w {
-            let vt: &[f32; VB] = v[t * vd_pad + j..t * vd_pad + j + VB].try_into().expect("lanes");
-            for (r, a) in acc.iter_mut().enumerate().take(rn) {
-                let pr = p[r * wpad + t];
-                for (x, &y) in a.iter_mut().zip(vt) {
-                    *x = pr.mul_add(y, *x);
-                }
+        pv_lanes::<VB>(p, wpad, rn, v, vd_pad, w, j, ctx);
+        j += VB;
+    }
+}
+
+/// [`pv_block_body`] for value elements `j..j + L`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn pv_lanes<const L: usize>(
+    p: &[f32],
+    wpad: usize,
+    rn: usize,
+    v: &[f32],
+    vd_pad: usize,
+    w: usize,
+    j: usize,
+    ctx: &mut [f32],
+) {
+    let mut acc = [[0f32; L]; DRB];
+    for t in 0..w {
+        let vt: &[f32; L] = v[t * vd_pad + j..t * vd_pad + j + L].try_into().expect("lanes");
+        for (r, a) in acc.iter_mut().enumerate().take(rn) {
+            let pr = p[r * wpad + t];
+            for (x, &y) in a.iter_mut().zip(vt) {
+                *x = pr.mul_add(y, *x);
             }
         }
-        for (r, a) in acc.iter().enumerate().take(rn) {
-            ctx[r * vd_pad + j..r * vd_pad + j + VB].copy_from_slice(a);
-        }
-        j += VB;
+    }
+    for (r, a) in acc.iter().enumerate().take(rn) {
+        ctx[r * vd_pad + j..r * vd_pad + j + L].copy_from_slice(a);
     }
 }
 
