@@ -129,6 +129,8 @@ pub struct GenerateStats {
     pub moe_layers: usize,
     /// Speculative decoding counters.
     pub speculation: SpecStats,
+    /// The `--speculate` mode of the generation (`off`, `auto`, `lookup`, `self`).
+    pub speculate: &'static str,
 }
 
 impl GenerateStats {
@@ -330,6 +332,7 @@ pub fn generate(
         last.tokens = last.tokens.saturating_sub(pending.len());
     }
     out.stats.speculation = spec.stats;
+    out.stats.speculate = spec.mode().name();
     // Steady decode: the tokens chosen after the first decode step (which pays one-off costs).
     if let Some(s) = steady_start {
         out.stats.steady_decode_time = s.elapsed();

@@ -422,6 +422,7 @@ impl Session {
             }
         }
         out.stats.speculation = spec.stats;
+        out.stats.speculate = spec.mode().name();
         self.spec = spec;
         self.finish_stats(&mut out, start_counters, steady_start.map(|t| (t, steady_from)));
         Ok(out)

@@ -682,6 +682,7 @@ fn stats_json(out: &deltafin_engine::generate::GenerateOutput, model: &dyn Causa
         "prefill_unique_expert_bytes": s.prefill_unique_experts as u64 * model.store().record_bytes(),
         "moe_layers": s.moe_layers,
         "speculation": {
+            "mode": s.speculate,
             "stats": s.speculation,
             "tokens_per_pass": s.speculation.tokens_per_pass(),
             "acceptance_lookup": s.speculation.acceptance(Drafter::Lookup),
@@ -735,6 +736,13 @@ pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &dyn CausalLm, 
         }
     );
     let sp = &s.speculation;
+    if sp.passes == 0 && !s.speculate.is_empty() && s.speculate != "off" {
+        eprintln!(
+            "speculation          --speculate {}: no draft verified ({} plain steps: no prompt match, or the \
+             adaptive length found drafting not worth it yet)",
+            s.speculate, sp.plain_steps
+        );
+    }
     if sp.passes > 0 {
         eprintln!(
             "speculation          {} passes, {:.2} tokens/pass, acceptance lookup {:.0}% of {} / self {:.0}% of {}, {}/token verified, {} plain steps",
