@@ -697,25 +697,13 @@ impl<'a> Values<'a> {
     }
 }
 
-/// `ctx[i] += Σ_{t ∈ a..b} p[i][t - s] · values.row(t)` for four rows `ctx: [4, width]`, every
-/// element accumulated in ascending `t` as a multiply then an add — exactly the sequence of
-/// [`axpy`] calls it replaces (which is "multiply, then add" on every SIMD level), so the bits
-/// are the same; each value load serves the four rows. Compiled for AVX2 when the CPU has it
-/// (plain Rust, no FMA contraction: Rust never fuses `a * b + c`).
-fn accumulate4(p: [&[f32]; 4], values: &Values<'_>, s: usize, a: usize, b: usize, ctx: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 was detected at run time just above.
-        unsafe { accumulate4_avx2(p, values, s, a, b, ctx) };
-        return;
-    }
-    accumulate4_body(p, values, s, a, b, ctx);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn accumulate4_avx2(p: [&[f32]; 4], values: &Values<'_>, s: usize, a: usize, b: usize, ctx: &mut [f32]) {
-    accumulate4_body(p, values, s, a, b, ctx);
+simd_versions! {
+    /// `ctx[i] += Σ_{t ∈ a..b} p[i][t - s] · values.row(t)` for four rows `ctx: [4, width]`,
+    /// every element accumulated in ascending `t` as a multiply then an add — exactly the
+    /// sequence of [`axpy`] calls it replaces (which is "multiply, then add" on every SIMD
+    /// level), so the bits are the same; each value load serves the four rows. Plain Rust
+    /// compiled per level (no FMA contraction: Rust never fuses `a * b + c`).
+    fn accumulate4(p: [&[f32]; 4], values: &Values<'_>, s: usize, a: usize, b: usize, ctx: &mut [f32]) => accumulate4_body
 }
 
 #[inline(always)]
