@@ -33,7 +33,7 @@ pub struct BenchArgs {
     #[arg(long, conflicts_with = "prompt_ids")]
     prompt: Option<String>,
     /// Prompt as comma-separated token ids.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
     prompt_ids: Option<Vec<u32>>,
     /// Tokens generated per run (end-of-sequence is ignored, so every run decodes exactly N).
     #[arg(long, default_value_t = 32)]
@@ -53,7 +53,7 @@ pub struct BenchArgs {
     /// Expert cache budget passed to every run (unless a --config sets its own). Default with
     /// --memory-limit: the limit minus the backbone minus 512 MiB for everything else, since
     /// `run`'s own default (a quarter of the cgroup limit) would leave most of the limit unused.
-    #[arg(long, value_parser = size::parse_size)]
+    #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
     ram_budget: Option<u64>,
     /// Drop the page cache before each run even without --memory-limit (root).
     #[arg(long)]

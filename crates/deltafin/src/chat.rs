@@ -41,7 +41,7 @@ pub struct ChatArgs {
     #[arg(long)]
     seed: Option<u64>,
     /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
-    #[arg(long, value_parser = size::parse_size)]
+    #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
     ram_budget: Option<u64>,
     #[command(flatten)]
     store: crate::StoreArgs,

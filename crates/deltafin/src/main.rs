@@ -119,7 +119,7 @@ struct RunArgs {
     #[arg(long, group = "prompt_input")]
     prompt: Option<String>,
     /// Prompt as comma-separated token ids (no tokenizer involved).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
     prompt_ids: Option<Vec<u32>>,
     /// Wrap the prompt as one user message with the model's chat template.
     #[arg(long)]
@@ -131,7 +131,7 @@ struct RunArgs {
     #[arg(long)]
     ignore_eos: bool,
     /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
-    #[arg(long, value_parser = size::parse_size)]
+    #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
     ram_budget: Option<u64>,
     /// Write prompt ids, generated ids and every step's logits as JSON to this file.
     #[arg(long)]

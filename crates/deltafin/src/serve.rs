@@ -37,7 +37,7 @@ pub struct ServeArgs {
     #[arg(long, value_parser = size::parse_size, default_value = "16MiB")]
     max_request_bytes: u64,
     /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
-    #[arg(long, value_parser = size::parse_size)]
+    #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
     ram_budget: Option<u64>,
     #[command(flatten)]
     store: crate::StoreArgs,

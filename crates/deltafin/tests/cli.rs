@@ -1068,6 +1068,14 @@ fn bad_ram_budget_is_rejected() {
         );
         expect_error(&out, &["--ram-budget", bad]);
     }
+    // A negative value as a separate argument is a bad size, not an unknown flag.
+    let out = exec(
+        deltafin()
+            .args(["run", "--model"])
+            .arg(&model)
+            .args(["--prompt-ids", "0", "--ram-budget", "-5"]),
+    );
+    expect_error(&out, &["--ram-budget", "invalid size \"-5\""]);
     // Units are accepted.
     ok(run_ids(
         &model,
