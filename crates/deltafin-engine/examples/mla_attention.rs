@@ -1,6 +1,6 @@
 //! The attention core of one MLA layer for a prompt chunk, in-process and warm: both batched
 //! forms (`mla_chunk` absorbed and decompressed) on random data at the `bench` preset's shape
-//! (16 heads, nope 64, rope 32, v 64, kv_lora_rank 256), seconds per call (best of 5) on the
+//! (16 heads, nope 64, rope 32, v 64, kv_lora_rank 256, int8 `kv_b_proj`), seconds per call (best of 5) on the
 //! rayon pool (RAYON_NUM_THREADS to pin the thread count).
 //!
 //! ```text
@@ -34,8 +34,10 @@ fn main() {
         scale: 0.1,
         rotary: Some(&rot),
     };
-    let w: Vec<f32> = (0..nh * (nope + vd) * kvl).map(|_| rnd()).collect();
-    let kv_b = MatRef::new(nh * (nope + vd), kvl, MatData::F32(&w)).expect("kv_b");
+    // kv_b_proj as the default layout stores it: int8 rows with one f32 scale each.
+    let wq: Vec<i8> = (0..nh * (nope + vd) * kvl).map(|_| (rnd() * 254.0) as i8).collect();
+    let ws: Vec<f32> = (0..nh * (nope + vd)).map(|_| 0.01 + rnd().abs() * 0.01).collect();
+    let kv_b = MatRef::new(nh * (nope + vd), kvl, MatData::Int8 { q: &wq, scales: &ws }).expect("kv_b");
     let ckv: Vec<f32> = (0..nt * kvl).map(|_| rnd()).collect();
     let kpe: Vec<f32> = (0..nt * rope).map(|_| rnd()).collect();
     let q: Vec<f32> = (0..nt * nh * (nope + rope)).map(|_| rnd()).collect();

@@ -271,11 +271,15 @@ pub struct MlaShape<'a> {
 /// `(q_abs · c_t + q_pe · k_pe_t) · scale` over `t ≤ pos`, softmax, `ctx = Σ_t p_t c_t` in
 /// ascending `t`, `o_h = W_UV_h ctx` — the operations of the one-token path
 /// (`DeepseekV3::attend_head`, `KimiLinear::mla`), scheduled by [`attend_rows`], so each row is
-/// bit-identical to it. `scores` is scratch.
+/// bit-identical to it. `w_uk`: the `W_UK` rows of every head decoded once by the caller
+/// ([`decode_w_uk`]), so `q_abs` is `matvec_t` over f32 rows — the same multiply-then-add
+/// sequence as over `kv_b`'s own rows, without decoding them again for every (token, head).
+/// `scores` is scratch.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_tile(
     shape: &MlaShape<'_>,
     kv_b: MatRef<'_>,
+    w_uk: &[f32],
     q: &[f32],
     pos0: usize,
     ckv: &[f32],
@@ -303,8 +307,10 @@ pub fn mla_tile(
         if let Some(rot) = shape.rotary {
             rot.apply(qp, pos0 + t);
         }
-        let base = hh * (nope + vd);
-        kv_b.rows(base, base + nope).matvec_t(&qh[..nope], qa);
+        let w = &w_uk[hh * nope * kvl..(hh + 1) * nope * kvl];
+        MatRef::new(nope, kvl, deltafin_kernels::MatData::F32(w))
+            .expect("W_UK rows")
+            .matvec_t(&qh[..nope], qa);
     }
     let windows: Vec<(usize, usize)> = (0..rows).map(|r| (0, pos0 + r / nh + 1)).collect();
     let mut ctx = vec![0f32; rows * kvl];
@@ -407,6 +413,7 @@ pub fn mla_chunk(
         mla_decompressed(shape, kv_b, q, pos0, ckv, kpe, &mut out);
         return out;
     }
+    let w_uk = decode_w_uk(shape, kv_b);
     // Blocked: a tile of tokens with all their heads shares every latent tile; tiles in
     // parallel (several per thread, the later ones see more keys).
     let threads = rayon::current_num_threads().max(1);
@@ -419,6 +426,7 @@ pub fn mla_chunk(
             mla_tile(
                 shape,
                 kv_b,
+                &w_uk,
                 &q[t0 * nh * qk..t1 * nh * qk],
                 pos0 + t0,
                 ckv,
@@ -428,6 +436,19 @@ pub fn mla_chunk(
             );
         });
     out
+}
+
+/// The `W_UK` rows of every head of `kv_b` (`[n_heads · (nope + v_head_dim), kv_lora_rank]`:
+/// per head `nope` key rows, then `v_head_dim` value rows) decoded to f32 exactly
+/// ([`MatRef::row_into`]): `[n_heads · nope, kv_lora_rank]`.
+pub fn decode_w_uk(shape: &MlaShape<'_>, kv_b: MatRef<'_>) -> Vec<f32> {
+    let (nh, nope, vd, kvl) = (shape.n_heads, shape.nope, shape.v_head_dim, shape.kv_lora_rank);
+    let mut w = vec![0f32; nh * nope * kvl];
+    for (i, row) in w.chunks_exact_mut(kvl.max(1)).enumerate() {
+        let (h, j) = (i / nope, i % nope);
+        kv_b.row_into(h * (nope + vd) + j, row);
+    }
+    w
 }
 
 /// Keys per score block of [`mla_decompressed`] (lanes of the score kernel).
