@@ -196,9 +196,7 @@ pub fn generate(
         }
         None => None,
     };
-    let moe_layers = (0..model.config().num_hidden_layers())
-        .filter(|&l| model.config().is_moe_layer(l))
-        .count();
+    let moe_layers = model.config().moe_layers().count();
     // One forward pass with its time breakdown.
     let measure = |kind: &'static str,
                    f: &mut dyn FnMut() -> Result<(usize, Vec<LayerRoutes>), EngineError>,

@@ -183,9 +183,8 @@ impl Session {
     }
 
     /// Runs `tokens` at the next positions in one batched pass; returns the last position's
-    /// logits. On failure the cache is reset, because a pass that failed midway may have
-    /// appended to some layers only.
-    /// One batched pass over `tokens`: the last position's logits and every position's routes.
+    /// logits and every position's routes. On failure the cache is reset, because a pass that
+    /// failed midway may have appended to some layers only.
     fn run_chunk(&mut self, tokens: &[u32]) -> Result<(Vec<f32>, Vec<crate::LayerRoutes>), EngineError> {
         let r = self
             .model
@@ -299,8 +298,7 @@ impl Session {
         let rest = &req.prompt[reused..];
         let chunk = prefill_chunk_tokens(self.model.as_ref(), self.prefill_chunk, rest.len());
         out.stats.prefill_chunk = chunk;
-        let cfg = self.model.config();
-        out.stats.moe_layers = (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)).count();
+        out.stats.moe_layers = self.model.config().moe_layers().count();
         // Distinct (layer, expert) of the tokens prefilled here (not of a reused prefix).
         let mut unique = std::collections::HashSet::new();
         for c in rest.chunks(chunk) {

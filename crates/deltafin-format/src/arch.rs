@@ -314,6 +314,11 @@ impl ModelConfig {
         }
     }
 
+    /// The decoder layers (0-based, ascending) that have routed experts.
+    pub fn moe_layers(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.num_hidden_layers()).filter(|&l| self.is_moe_layer(l))
+    }
+
     /// Whether decoder layer `layer` (0-based) has routed experts.
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         match self {

@@ -316,7 +316,7 @@ fn check_complete(
         needed.insert(t.name.clone());
     }
     let mats = cfg.expert_matrices();
-    for l in (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)) {
+    for l in cfg.moe_layers() {
         for e in 0..cfg.n_routed_experts() {
             for m in &mats {
                 let src = cfg.expert_source(l, e, m);
@@ -368,7 +368,7 @@ pub fn plan(hf_dir: &Path) -> Result<ConvertPlan, FormatError> {
     let ck = Checkpoint::open(hf_dir)?;
     cfg.adapt_to_checkpoint(|n| ck.entry(n).is_some());
     let (needed, ignored) = check_complete(&ck, &cfg, hf_dir)?;
-    let moe = (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)).count();
+    let moe = cfg.moe_layers().count();
     Ok(ConvertPlan {
         backbone_tensors: cfg.backbone_tensors().len(),
         expert_records: moe * cfg.n_routed_experts(),
@@ -439,7 +439,7 @@ fn write_all(
     let mut ep = File::create(&ep_path).map_err(io(&ep_path))?;
     let mut records = Vec::new();
     let mut offset = 0u64;
-    let moe_layers: Vec<usize> = (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)).collect();
+    let moe_layers: Vec<usize> = cfg.moe_layers().collect();
     // Encode a few experts in parallel, write them in order.
     let batch = rayon::current_num_threads().max(1) * 2;
     if stream.is_some() {

@@ -59,7 +59,7 @@ impl Footprint {
         }
         let (_, record) = record_layout(&cfg.expert_matrices(), StoredDtype::Mxfp4);
         let stride = record.div_ceil(RECORD_ALIGN) * RECORD_ALIGN;
-        let moe_layers = (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)).count();
+        let moe_layers = cfg.moe_layers().count();
         let records = (moe_layers * cfg.n_routed_experts()) as u64;
         let top_k = cfg.num_experts_per_tok();
         let (state_per_token, state_fixed) = state_bytes(cfg);

@@ -410,7 +410,7 @@ pub fn write_checkpoint(dir: &Path, spec: &SynthSpec, bos: u32, eos: u32) -> Res
     let cfg = ModelConfig::from_value(&config, &cpath)?;
     let mut tensors: Vec<(String, Vec<usize>)> =
         cfg.backbone_tensors().into_iter().map(|t| (t.name, t.shape)).collect();
-    for l in (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)) {
+    for l in cfg.moe_layers() {
         for e in 0..cfg.n_routed_experts() {
             for m in cfg.expert_matrices() {
                 let src = cfg.expert_source(l, e, &m);
@@ -647,7 +647,7 @@ fn write_files(
 
     let (layout, rec_len) = record_layout(&cfg.expert_matrices(), StoredDtype::Mxfp4);
     let stride = align_up(rec_len, RECORD_ALIGN);
-    let moe_layers: Vec<usize> = (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)).collect();
+    let moe_layers: Vec<usize> = cfg.moe_layers().collect();
     let n_records = moe_layers.len() * cfg.n_routed_experts();
     // Same storage roles as `convert`: int8 matrices, f32 vectors and routers.
     let table: Vec<(String, Vec<usize>, StoredDtype)> = cfg

@@ -36,7 +36,7 @@ fn release_tensors(cfg: &ModelConfig) -> Vec<(String, &'static str, Vec<usize>)>
         };
         v.push((format!("language_model.{}", t.name), dtype, t.shape));
     }
-    for l in (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)) {
+    for l in cfg.moe_layers() {
         for e in 0..cfg.n_routed_experts() {
             for m in cfg.expert_matrices() {
                 let base = format!(

@@ -27,7 +27,7 @@ fn real(name: &str) -> PathBuf {
 fn release_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let mut v: Vec<(String, Vec<usize>)> = cfg.backbone_tensors().into_iter().map(|t| (t.name, t.shape)).collect();
     let mut seen = std::collections::HashSet::new();
-    for l in (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)) {
+    for l in cfg.moe_layers() {
         for e in 0..cfg.n_routed_experts() {
             for m in cfg.expert_matrices() {
                 let s = cfg.expert_source(l, e, &m);

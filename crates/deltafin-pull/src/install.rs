@@ -295,7 +295,7 @@ pub fn pull_stream(
 
     let mut index = StreamIndex::new();
     index.files = files;
-    for l in (0..cfg.num_hidden_layers()).filter(|&l| cfg.is_moe_layer(l)) {
+    for l in cfg.moe_layers() {
         for e in 0..cfg.n_routed_experts() {
             for m in cfg.expert_matrices() {
                 let src = cfg.expert_source(l, e, &m);

@@ -75,7 +75,7 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         a.out.display(),
         t0.elapsed().as_secs_f64()
     );
-    let moe = (0..c.num_hidden_layers()).filter(|&l| c.is_moe_layer(l)).count();
+    let moe = c.moe_layers().count();
     let em = c.expert_matrices();
     eprintln!(
         "  {} ({}): {} layers ({} MoE), hidden {}, {} routed experts per MoE layer (top-{}) of {} -> {}, vocab {}",
