@@ -1364,6 +1364,32 @@ mod avx512 {
         zero(w) || zero(!w)
     }
 
+    /// [`has_special`] for eight scale bytes.
+    #[inline(always)]
+    fn has_special64(w: u64) -> bool {
+        let zero = |v: u64| v.wrapping_sub(0x0101_0101_0101_0101) & !v & 0x8080_8080_8080_8080 != 0;
+        zero(w) || zero(!w)
+    }
+
+    /// Chunks whose scale bytes [`row`] converts together (16 blocks, one 16-byte load).
+    const GROUP: usize = 4;
+
+    /// `vpermps` indices taking chunk `j` of a group's 16 block scales to its lanes: lane `d`
+    /// gets block `4j + d / 4`.
+    static GROUP_LANES: [[i32; 16]; GROUP] = {
+        let mut t = [[0i32; 16]; GROUP];
+        let mut j = 0;
+        while j < GROUP {
+            let mut d = 0;
+            while d < 16 {
+                t[j][d] = (4 * j + d / 4) as i32;
+                d += 1;
+            }
+            j += 1;
+        }
+        t
+    };
+
     /// Lane `d` of a chunk belongs to block `d / 4`: the scale of that block as 16 lanes, from
     /// the chunk's four scale bytes `w` (little-endian). Normal case: rotate byte `d / 4` into
     /// the exponent field and mask (`2^(s-127)` exactly); bytes 0 and 255 go through the table.
@@ -1424,11 +1450,10 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     #[inline]
     unsafe fn row(p: *const u8, s: *const u8, nb: usize, xp: *const f32) -> f32 {
-        let nc = nb.div_ceil(CHUNK_BLOCKS);
-        let last = nc - 1;
         let dist = (2 * nb * BLOCK_BYTES).max(2048);
         let tbl = _mm512_loadu_ps(E2M1_VALUES.as_ptr());
         let rot = _mm512_setr_epi32(23, 23, 23, 23, 15, 15, 15, 15, 7, 7, 7, 7, 31, 31, 31, 31);
+        let group_idx = GROUP_LANES.map(|l| _mm512_loadu_si512(l.as_ptr() as *const __m512i));
         let pf = |c: usize| {
             _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(c * 64 + dist) as *const i8);
             if c.is_multiple_of(16) {
@@ -1440,38 +1465,61 @@ mod avx512 {
         let mut acc0 = _mm512_setzero_ps();
         let mut acc1 = _mm512_setzero_ps();
         let mut c = 0;
-        // Two chunks per step so that their independent partial sums overlap.
-        while c + 2 <= last {
-            pf(c);
-            pf(c + 1);
-            let (a0, a1) = chunk_sums(load(c), xp.add(c * CHUNK), tbl);
-            let (b0, b1) = chunk_sums(load(c + 1), xp.add((c + 1) * CHUNK), tbl);
-            let (sa, sb) = (scale(c), scale(c + 1));
-            acc0 = _mm512_fmadd_ps(a0, sa, acc0);
-            acc1 = _mm512_fmadd_ps(a1, sa, acc1);
-            acc0 = _mm512_fmadd_ps(b0, sb, acc0);
-            acc1 = _mm512_fmadd_ps(b1, sb, acc1);
-            c += 2;
+        // Chunks of four full blocks, in groups of four whose 16 scale bytes are all normal:
+        // one widening load and shift gives the 16 block scales, one `vpermps` per chunk
+        // spreads them to the lanes (the same values as `scale_lanes`).
+        let full = nb / CHUNK_BLOCKS;
+        while c + GROUP <= full {
+            for j in 0..GROUP {
+                pf(c + j);
+            }
+            let sp = s.add(c * CHUNK_BLOCKS);
+            let (lo, hi) = (
+                (sp as *const u64).read_unaligned(),
+                (sp.add(8) as *const u64).read_unaligned(),
+            );
+            if has_special64(lo) || has_special64(hi) {
+                for j in c..c + GROUP {
+                    let (a0, a1) = chunk_sums(load(j), xp.add(j * CHUNK), tbl);
+                    let sa = scale(j);
+                    acc0 = _mm512_fmadd_ps(a0, sa, acc0);
+                    acc1 = _mm512_fmadd_ps(a1, sa, acc1);
+                }
+            } else {
+                let bs = _mm512_slli_epi32::<23>(_mm512_cvtepu8_epi32(_mm_loadu_si128(sp as *const __m128i)));
+                let bs = _mm512_castsi512_ps(bs);
+                for (j, idx) in group_idx.iter().enumerate() {
+                    let (a0, a1) = chunk_sums(load(c + j), xp.add((c + j) * CHUNK), tbl);
+                    let sa = _mm512_permutexvar_ps(*idx, bs);
+                    acc0 = _mm512_fmadd_ps(a0, sa, acc0);
+                    acc1 = _mm512_fmadd_ps(a1, sa, acc1);
+                }
+            }
+            c += GROUP;
         }
-        if c < last {
+        while c < full {
+            pf(c);
             let (a0, a1) = chunk_sums(load(c), xp.add(c * CHUNK), tbl);
             let sa = scale(c);
             acc0 = _mm512_fmadd_ps(a0, sa, acc0);
             acc1 = _mm512_fmadd_ps(a1, sa, acc1);
+            c += 1;
         }
-        // Last chunk: 1..=4 blocks, read without passing the row's end; missing blocks are zero
-        // codes with scale byte 1.
-        let vb = nb - last * CHUNK_BLOCKS;
-        let dmask = ((1u32 << (4 * vb)) - 1) as __mmask16;
-        let v = _mm512_maskz_loadu_epi32(dmask, p.add(last * 64) as *const i32);
-        let mut sb = [1u8; 4];
-        for (i, b) in sb.iter_mut().enumerate().take(vb) {
-            *b = *s.add(last * CHUNK_BLOCKS + i);
+        // A last chunk of 1..=3 blocks, read without passing the row's end; missing blocks are
+        // zero codes with scale byte 1.
+        let vb = nb - full * CHUNK_BLOCKS;
+        if vb > 0 {
+            let dmask = ((1u32 << (4 * vb)) - 1) as __mmask16;
+            let v = _mm512_maskz_loadu_epi32(dmask, p.add(full * 64) as *const i32);
+            let mut sb = [1u8; 4];
+            for (i, b) in sb.iter_mut().enumerate().take(vb) {
+                *b = *s.add(full * CHUNK_BLOCKS + i);
+            }
+            let (a0, a1) = chunk_sums(v, xp.add(full * CHUNK), tbl);
+            let sa = scale_lanes(u32::from_le_bytes(sb), rot);
+            acc0 = _mm512_fmadd_ps(a0, sa, acc0);
+            acc1 = _mm512_fmadd_ps(a1, sa, acc1);
         }
-        let (a0, a1) = chunk_sums(v, xp.add(last * CHUNK), tbl);
-        let sa = scale_lanes(u32::from_le_bytes(sb), rot);
-        acc0 = _mm512_fmadd_ps(a0, sa, acc0);
-        acc1 = _mm512_fmadd_ps(a1, sa, acc1);
         hsum(_mm512_add_ps(acc0, acc1))
     }
 

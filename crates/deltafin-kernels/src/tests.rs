@@ -145,8 +145,9 @@ fn every_level_dot_2x2_equals_four_dots() {
 }
 
 /// MXFP4 on every level: row counts and widths around the AVX-512 kernel's 4-block chunks and
-/// partial last block, scale bytes 0 (2^-127), 1 ..= 220 and 255 (NaN), large
-/// activations; each row's result must not depend on the rows computed with it.
+/// partial last block, scale bytes 0 (2^-127; alone, and among others), 1 ..= 220 (with and
+/// without a 0 among them) and 255 (NaN), large activations; each row's result must not depend
+/// on the rows computed with it.
 #[test]
 fn every_level_mxfp4_edges() {
     use crate::{mxfp4, MatData, MatRef};
@@ -169,6 +170,13 @@ fn every_level_mxfp4_edges() {
             for (i, s) in scales[3 * sb..4 * sb].iter_mut().enumerate() {
                 *s = if i % 2 == 0 { 0 } else { 200 };
             }
+            // Row 4: every finite class but 0, so the AVX-512 row converts whole groups of 16
+            // scale bytes at once.
+            for (i, s) in scales[4 * sb..5 * sb].iter_mut().enumerate() {
+                *s = special[1 + i % (special.len() - 1)];
+            }
+            // Row 5: every block 2^-127, whose products are lost unless that scale is right.
+            scales[5 * sb..6 * sb].fill(0);
             let m = MatRef::new(
                 rows,
                 cols,
