@@ -1306,12 +1306,82 @@ mod avx512 {
         let len = x.len().div_ceil(CHUNK) * CHUNK;
         let mut buf = vec![0.0f32; len + 15];
         let off = align_offset(&buf);
-        let xp = &mut buf[off..off + len];
-        for (i, &v) in x.iter().enumerate() {
+        unsafe { arrange(x, &mut buf[off..off + len]) };
+        buf
+    }
+
+    /// `xp[128c + 16m + d] = x[128c + 8d + m]` ([`prepare`]'s order) for every element of `x`;
+    /// `xp` is `x.len()` rounded up to whole chunks and zero beyond `x.len()`.
+    ///
+    /// A whole chunk is the transpose of `x`'s 16 rows of 8 (row `d` = elements `8d .. 8d + 8`)
+    /// into 8 rows of 16: registers `r_j = [row j | row j + 8]` go through the usual 8 × 8
+    /// transpose in each 256-bit half (`unpacklo/hi`, `shufps`), and one two-source permute
+    /// per output joins the 128-bit lanes (rows 0–3, 4–7, 8–11, 12–15 of column `m`). The rest
+    /// of `x` goes one element at a time.
+    #[target_feature(enable = "avx512f")]
+    fn arrange(x: &[f32], xp: &mut [f32]) {
+        let whole = x.len() / CHUNK * CHUNK;
+        assert!(xp.len() >= whole, "arrange: xp length");
+        // Output lanes 0-3 and 8-11 from `a`, 4-7 and 12-15 from `b`: 128-bit lane `h` of both
+        // for column m, lane `h + 1` for column m + 4.
+        let join = |h: i32| {
+            _mm512_setr_epi32(
+                h,
+                h + 1,
+                h + 2,
+                h + 3,
+                16 + h,
+                17 + h,
+                18 + h,
+                19 + h,
+                8 + h,
+                9 + h,
+                10 + h,
+                11 + h,
+                24 + h,
+                25 + h,
+                26 + h,
+                27 + h,
+            )
+        };
+        let (lo, hi) = (join(0), join(4));
+        for c in (0..whole).step_by(CHUNK) {
+            // SAFETY: c + 128 <= whole <= x.len() and <= xp.len() (asserted); unaligned loads and
+            // stores.
+            unsafe {
+                let src = x.as_ptr().add(c);
+                let r = |j: usize| {
+                    let a = _mm512_castps256_ps512(_mm256_loadu_ps(src.add(8 * j)));
+                    let b = _mm256_loadu_ps(src.add(8 * j + 64));
+                    _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castps_pd(a), _mm256_castps_pd(b)))
+                };
+                let (r0, r1, r2, r3, r4, r5, r6, r7) = (r(0), r(1), r(2), r(3), r(4), r(5), r(6), r(7));
+                let (t0, t1) = (_mm512_unpacklo_ps(r0, r1), _mm512_unpackhi_ps(r0, r1));
+                let (t2, t3) = (_mm512_unpacklo_ps(r2, r3), _mm512_unpackhi_ps(r2, r3));
+                let (t4, t5) = (_mm512_unpacklo_ps(r4, r5), _mm512_unpackhi_ps(r4, r5));
+                let (t6, t7) = (_mm512_unpacklo_ps(r6, r7), _mm512_unpackhi_ps(r6, r7));
+                // u_k: columns k and k + 4 of rows 0-3 (first four) or 4-7 (last four) in each half.
+                let u = [
+                    _mm512_shuffle_ps::<0x44>(t0, t2),
+                    _mm512_shuffle_ps::<0xEE>(t0, t2),
+                    _mm512_shuffle_ps::<0x44>(t1, t3),
+                    _mm512_shuffle_ps::<0xEE>(t1, t3),
+                    _mm512_shuffle_ps::<0x44>(t4, t6),
+                    _mm512_shuffle_ps::<0xEE>(t4, t6),
+                    _mm512_shuffle_ps::<0x44>(t5, t7),
+                    _mm512_shuffle_ps::<0xEE>(t5, t7),
+                ];
+                let dst = xp.as_mut_ptr().add(c);
+                for k in 0..4 {
+                    _mm512_storeu_ps(dst.add(16 * k), _mm512_permutex2var_ps(u[k], lo, u[k + 4]));
+                    _mm512_storeu_ps(dst.add(16 * (k + 4)), _mm512_permutex2var_ps(u[k], hi, u[k + 4]));
+                }
+            }
+        }
+        for (i, &v) in x.iter().enumerate().skip(whole) {
             let e = i % CHUNK;
             xp[i - e + (e % 8) * 16 + e / 8] = v;
         }
-        buf
     }
 
     /// [`prepare`] for `n` tokens `x: [n * cols]` into one buffer: token t's prepared floats
@@ -1323,11 +1393,7 @@ mod avx512 {
         let mut buf = vec![0.0f32; n * len + 15];
         let off = align_offset(&buf);
         for (t, xt) in x.chunks_exact(cols.max(1)).enumerate().take(n) {
-            let xp = &mut buf[off + t * len..off + (t + 1) * len];
-            for (i, &v) in xt.iter().enumerate() {
-                let e = i % CHUNK;
-                xp[i - e + (e % 8) * 16 + e / 8] = v;
-            }
+            unsafe { arrange(xt, &mut buf[off + t * len..off + (t + 1) * len]) };
         }
         buf
     }
