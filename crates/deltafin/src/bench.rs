@@ -237,6 +237,31 @@ fn parse_config(s: &str) -> Result<Config> {
     })
 }
 
+/// The arguments of one `deltafin run` of configuration `c`, from `run` on: the model, the
+/// prompt, the new tokens, the stats file, the bench's `--ram-budget` unless `c` sets its own,
+/// then `c`'s own arguments.
+fn run_args(
+    a: &BenchArgs,
+    prompt_args: &[String],
+    stats_path: &Path,
+    budget: Option<u64>,
+    c: &Config,
+) -> Vec<std::ffi::OsString> {
+    let mut v: Vec<std::ffi::OsString> = vec!["run".into(), "--model".into(), a.model.clone().into_os_string()];
+    v.extend(prompt_args.iter().map(Into::into));
+    v.extend([
+        "--max-new-tokens".into(),
+        a.new_tokens.to_string().into(),
+        "--ignore-eos".into(),
+    ]);
+    v.extend(["--stats-json".into(), stats_path.as_os_str().to_owned()]);
+    if let Some(b) = budget.filter(|_| !c.args.iter().any(|x| x.starts_with("--ram-budget"))) {
+        v.extend(["--ram-budget".into(), b.to_string().into()]);
+    }
+    v.extend(c.args.iter().map(Into::into));
+    v
+}
+
 /// Balanced interleaving: round r runs the configurations forward when r is even, backward when
 /// odd (A B B A A B …). Returns (config, index within config).
 fn balanced_order(configs: usize, runs: usize) -> Vec<(usize, usize)> {
@@ -435,6 +460,16 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
         (None, None) => None,
     };
+    // Every configuration's `run` arguments parse before anything runs: a typo in the last
+    // configuration fails now, not after the others' runs.
+    for c in &configs {
+        let argv = run_args(a, &prompt_args, Path::new("stats.json"), budget, c);
+        if let Err(e) = <crate::Cli as clap::Parser>::try_parse_from(std::iter::once("deltafin".into()).chain(argv)) {
+            let msg = e.to_string();
+            let first = msg.lines().next().unwrap_or_default();
+            bail!("--config {}: {}", c.name, first.trim_start_matches("error: "));
+        }
+    }
     let exe = std::env::current_exe().context("locating the deltafin executable")?;
     let (work, _guard) = match &a.work_dir {
         Some(d) => {
@@ -493,17 +528,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             }
             _ => Command::new(&exe),
         };
-        cmd.arg("run")
-            .arg("--model")
-            .arg(&a.model)
-            .args(&prompt_args)
-            .args(["--max-new-tokens", &a.new_tokens.to_string(), "--ignore-eos"])
-            .arg("--stats-json")
-            .arg(&stats_path);
-        if let Some(b) = budget.filter(|_| !c.args.iter().any(|x| x.starts_with("--ram-budget"))) {
-            cmd.args(["--ram-budget", &b.to_string()]);
-        }
-        cmd.args(&c.args).stdout(std::process::Stdio::null());
+        cmd.args(run_args(a, &prompt_args, &stats_path, budget, c))
+            .stdout(std::process::Stdio::null());
         if cold {
             drop_page_cache()?;
         }

@@ -179,3 +179,45 @@ fn bench_on_tiny() {
     assert!(err.contains("no timing is reported"), "{err}");
     assert!(!String::from_utf8_lossy(&out.stdout).contains("steady decode tok/s"));
 }
+
+/// A configuration whose `run` arguments do not parse fails before any run starts, naming the
+/// configuration, even when it comes after a valid one.
+#[test]
+fn bench_rejects_bad_config_before_running() {
+    let t = tempfile::tempdir().unwrap();
+    let model = t.path().join("m");
+    synth(&model);
+    for (config, want) in [
+        ("bad=--bogus-flag", "--config bad: unexpected argument '--bogus-flag'"),
+        ("bad=--io sideways", "--config bad: invalid value 'sideways' for '--io"),
+    ] {
+        let out = deltafin()
+            .args([
+                "bench",
+                "--runs",
+                "1",
+                "--new-tokens",
+                "3",
+                "--config",
+                "ok=--io buffered",
+                "--config",
+                config,
+            ])
+            .arg("--model")
+            .arg(&model)
+            .assert()
+            .failure()
+            .get_output()
+            .clone();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(stderr.contains(want), "{config}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{config}: one line: {stderr}");
+        assert!(
+            !stdout.contains("run 1") && !stderr.contains("run 1"),
+            "{config}: something ran: {stdout}"
+        );
+    }
+}
