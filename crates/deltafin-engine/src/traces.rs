@@ -47,6 +47,17 @@ impl std::fmt::Display for TraceShape {
 }
 
 impl TraceShape {
+    /// Whether the trace's layers and experts are those of the model `c`: the same number of
+    /// layers, the same first MoE layer and the same number of routed experts. The top-k may
+    /// differ (a trace taken with `--experts-per-token` still ranks the same experts).
+    pub fn fits(&self, c: &deltafin_format::ModelConfig) -> bool {
+        let n = c.num_hidden_layers();
+        let first = (0..n).find(|&l| c.is_moe_layer(l)).unwrap_or(n);
+        self.n_layers as usize == n
+            && self.first_moe as usize == first
+            && self.n_experts as usize == c.n_routed_experts()
+    }
+
     fn moe_layers(&self) -> usize {
         (self.n_layers - self.first_moe) as usize
     }

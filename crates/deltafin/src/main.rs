@@ -232,9 +232,9 @@ fn parse_policy(s: &str) -> Result<CachePolicy, String> {
 }
 
 impl StoreArgs {
-    /// Store options for a cache of `budget` bytes. Errors: inconsistent pinning flags or an
-    /// unreadable trace.
-    pub(crate) fn options(&self, budget: u64) -> Result<StoreOptions> {
+    /// Store options for a cache of `budget` bytes over the model in `dir`. Errors:
+    /// inconsistent pinning flags, an unreadable trace, or a trace recorded for another model.
+    pub(crate) fn options(&self, budget: u64, dir: &ModelDir) -> Result<StoreOptions> {
         let mut o = StoreOptions::new(budget);
         o.io = self.io;
         o.policy = self.cache_policy;
@@ -253,6 +253,14 @@ impl StoreArgs {
                 for p in &self.pin_from {
                     let t = deltafin_engine::traces::Trace::read(p)
                         .with_context(|| format!("--pin-from {}", p.display()))?;
+                    if !t.shape.fits(&dir.manifest.config) {
+                        bail!(
+                            "--pin-from {}: recorded for another model ({}), not the one in {}",
+                            p.display(),
+                            t.shape,
+                            dir.path.display()
+                        );
+                    }
                     for (k, n) in t.heat_ranking() {
                         *heat.entry(k).or_default() += n;
                     }
@@ -547,7 +555,7 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         .map(|p| std::fs::File::create(p).with_context(|| format!("--logits-out: creating {}", p.display())))
         .transpose()?;
     let mut logits_guard = RemoveOnDrop(a.logits_out.clone());
-    let mut store_opts = a.store.options(budget)?;
+    let mut store_opts = a.store.options(budget, &dir)?;
     let _network = pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     let mut model = load_model(&dir, store_opts)?;
     a.passes.warn_unsupported(model.as_ref());

@@ -36,13 +36,8 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
     let dir = ModelDir::open(&a.model)?;
     let trace = Trace::read(&a.trace).with_context(|| format!("--trace {}", a.trace.display()))?;
     let c = &dir.manifest.config;
-    let first_moe = (0..c.num_hidden_layers())
-        .find(|&l| c.is_moe_layer(l))
-        .unwrap_or(c.num_hidden_layers());
-    if trace.shape.n_layers as usize != c.num_hidden_layers()
-        || trace.shape.first_moe as usize != first_moe
-        || trace.shape.n_experts as usize != c.n_routed_experts()
-    {
+    let first_moe = trace.shape.first_moe as usize;
+    if !trace.shape.fits(c) {
         bail!(
             "--trace {}: recorded for another model ({}), not the one in {}",
             a.trace.display(),
@@ -50,7 +45,7 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
             a.model.display()
         );
     }
-    let mut store_opts = a.store.options(a.ram_budget)?;
+    let mut store_opts = a.store.options(a.ram_budget, &dir)?;
     let _network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     let store = ExpertStore::open(&dir, store_opts).context("opening the expert store")?;
     let k = trace.shape.top_k as usize;

@@ -221,3 +221,36 @@ fn bench_rejects_bad_config_before_running() {
         );
     }
 }
+
+/// `--pin-from` refuses a router trace recorded for another model, as `replay` does, naming
+/// the trace and both shapes; the same trace pins its own model.
+#[test]
+fn pin_from_rejects_a_trace_of_another_model() {
+    let t = tempfile::tempdir().unwrap();
+    let (tiny, k3, trace) = (t.path().join("tiny"), t.path().join("k3"), t.path().join("t.bin"));
+    synth(&tiny);
+    deltafin()
+        .args(["synth", "--preset", "k3-tiny", "--out"])
+        .arg(&k3)
+        .assert()
+        .success();
+    let run = |model: &Path, extra: &[&str]| {
+        let mut c = deltafin();
+        c.args(["run", "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--model"])
+            .arg(model)
+            .args(extra);
+        c
+    };
+    run(&tiny, &["--trace-routes", trace.to_str().unwrap()])
+        .assert()
+        .success();
+    let pin = ["--cache-policy", "pinned", "--pin-from", trace.to_str().unwrap()];
+    run(&tiny, &pin).assert().success();
+    let out = run(&k3, &pin).assert().failure().get_output().clone();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--pin-from") && err.contains("recorded for another model") && err.contains("8 experts"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
