@@ -309,6 +309,7 @@ impl DeepseekV3Config {
     pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
         let nonzero = [
             ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
             ("hidden_size", self.hidden_size),
             ("num_hidden_layers", self.num_hidden_layers),
             ("num_attention_heads", self.num_attention_heads),

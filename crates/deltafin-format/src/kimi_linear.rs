@@ -316,6 +316,7 @@ impl KimiLinearConfig {
     pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
         for (k, v) in [
             ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
             ("hidden_size", self.hidden_size),
             ("num_hidden_layers", self.num_hidden_layers),
             ("linear_attn_config.head_dim", self.kda_head_dim),

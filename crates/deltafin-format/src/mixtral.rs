@@ -112,6 +112,7 @@ impl MixtralConfig {
     pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
         let nonzero = [
             ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
             ("num_hidden_layers", self.num_hidden_layers),

@@ -647,6 +647,28 @@ fn convert_rejects_an_unknown_model_type() {
     assert_no_output(&out);
 }
 
+/// A context of 0 positions (or any other zero-sized hyperparameter) is refused at convert,
+/// naming the field, instead of making a model that answers every request with an overflow.
+#[test]
+fn convert_rejects_a_zero_context() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    for case in ["deepseek_v3/dsv3_a", "qwen3_moe/qwen3_moe_a", "mixtral/mixtral_a"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let hf = tmp.path().join("hf");
+        copy_dir(&root.join(case), &hf);
+        let cfg_path = hf.join("config.json");
+        let mut cfg = read_json(&cfg_path);
+        cfg["max_position_embeddings"] = 0.into();
+        std::fs::write(&cfg_path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+        let out = tmp.path().join("m");
+        expect_error(
+            &convert(&hf, &out, &[]),
+            &["config.json", "max_position_embeddings", "greater than 0"],
+        );
+        assert_no_output(&out);
+    }
+}
+
 #[test]
 fn convert_rejects_a_missing_tensor() {
     let tmp = tempfile::tempdir().unwrap();
