@@ -26,7 +26,7 @@ pub struct BenchArgs {
     #[arg(long)]
     model: PathBuf,
     /// Runs per configuration (each a fresh process).
-    #[arg(long, default_value_t = 6)]
+    #[arg(long, default_value_t = 6, allow_negative_numbers = true)]
     runs: usize,
     /// Prompt text (default, without --prompt-ids: the demo's prompt, "Routed experts stream
     /// from disk while the backbone stays resident.").
@@ -36,7 +36,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', allow_hyphen_values = true)]
     prompt_ids: Option<Vec<u32>>,
     /// Tokens generated per run (end-of-sequence is ignored, so every run decodes exactly N).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, allow_negative_numbers = true)]
     new_tokens: usize,
     /// Expected generated ids (comma-separated); every run of an equivalent configuration must
     /// produce exactly these.
@@ -48,7 +48,7 @@ pub struct BenchArgs {
     configs: Vec<String>,
     /// Run every process in a fresh memory cgroup of this size (page cache included), through
     /// bench/with-memory-limit.sh, and drop the page cache before each run (cold cache; root).
-    #[arg(long, value_parser = size::parse_size)]
+    #[arg(long, value_parser = size::parse_size, allow_negative_numbers = true)]
     memory_limit: Option<u64>,
     /// Expert cache budget passed to every run (unless a --config sets its own). Default with
     /// --memory-limit: the limit minus the backbone minus 512 MiB for everything else, since
@@ -61,7 +61,7 @@ pub struct BenchArgs {
     /// Read bandwidth for the storage floor: GB/s (1e9 bytes/s), the JSON written by
     /// bench/fio-floor.sh, or `fio` to run bench/fio-floor.sh on the model before and after the runs
     /// and use the mean (~25 s each; FIO_RUNTIME sets fio's seconds).
-    #[arg(long, value_name = "GBPS|FILE")]
+    #[arg(long, value_name = "GBPS|FILE", allow_negative_numbers = true)]
     floor_bandwidth: Option<String>,
     /// Path of with-memory-limit.sh (default: bench/ of the source tree holding this executable,
     /// then ./bench/).

@@ -26,19 +26,19 @@ pub struct ChatArgs {
     #[arg(long)]
     system: Option<String>,
     /// Tokens to generate at most per answer (capped by the context left).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, allow_negative_numbers = true)]
     max_tokens: usize,
     /// Sampling temperature (0 = greedy, exact).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Nucleus sampling mass (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
-    /// Keep only the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
+    /// Keep only the k most likely tokens (0 or -1 = off, as the server's `top_k`).
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = parse_top_k)]
     top_k: usize,
     /// Seed for sampling.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     seed: Option<u64>,
     /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
     #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
@@ -231,5 +231,15 @@ pub fn run(a: &ChatArgs) -> Result<()> {
         }
         messages.push(json!({"role": "assistant", "content": out.text}));
         last = Some(out);
+    }
+}
+
+/// `--top-k`: a count, or 0 / -1 for no top-k filter (the server's convention).
+fn parse_top_k(v: &str) -> std::result::Result<usize, String> {
+    match v.trim() {
+        "-1" => Ok(0),
+        t => t
+            .parse::<usize>()
+            .map_err(|_| format!("{v:?} is not a token count (0 or -1 = off)")),
     }
 }

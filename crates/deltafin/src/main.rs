@@ -83,7 +83,7 @@ enum Cmd {
         #[arg(long)]
         dir: Option<PathBuf>,
         /// Tokens to generate.
-        #[arg(long, default_value_t = 32)]
+        #[arg(long, default_value_t = 32, allow_negative_numbers = true)]
         max_new_tokens: usize,
     },
     /// Serve the model over HTTP: OpenAI-compatible and Anthropic Messages APIs.
@@ -125,7 +125,7 @@ struct RunArgs {
     #[arg(long)]
     chat: bool,
     /// Tokens to generate at most.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true)]
     max_new_tokens: usize,
     /// Keep generating after an end-of-sequence token.
     #[arg(long)]
@@ -145,7 +145,7 @@ struct RunArgs {
     trace_routes: Option<PathBuf>,
     /// RESEARCH ONLY: route each token to K experts instead of the model's top-k. Output is then
     /// not equivalent to the model, and every output says so.
-    #[arg(long, value_name = "K")]
+    #[arg(long, value_name = "K", allow_negative_numbers = true)]
     experts_per_token: Option<usize>,
     /// MEASUREMENT ONLY: compute every chosen expert with one resident record per layer and read
     /// no experts (the compute-only side of the overlap measurement). Output is not the model's.
@@ -165,7 +165,7 @@ pub(crate) struct PassArgs {
     /// read once for the chunk); 1 = token at a time, 0 = as many as an eighth of --ram-budget
     /// holds (at least 32 MiB of activations, at most 4096 tokens). Greedy output does not depend
     /// on it (logits bit-identical; within f32 rounding on KDA / gated DeltaNet layers).
-    #[arg(long, value_name = "TOKENS", default_value_t = 0)]
+    #[arg(long, value_name = "TOKENS", default_value_t = 0, allow_negative_numbers = true)]
     pub(crate) prefill_chunk: usize,
     /// Speculative decoding: `off`, `lookup` (n-gram match in the context), `self` (the model
     /// routed among cached experts only), or `auto` (lookup when it matches, else self). Greedy
@@ -209,14 +209,14 @@ pub(crate) struct StoreArgs {
     #[arg(long, value_name = "TRACES", num_args = 1..)]
     pin_from: Vec<PathBuf>,
     /// Share of --ram-budget reserved for the pinned tier.
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = 0.5, allow_negative_numbers = true)]
     pinned_fraction: f64,
     /// Predict the next MoE layer's experts with its router and read them speculatively while
     /// the disk is idle: `on` or `off` (default off until the benchmark shows a gain).
     #[arg(long, default_value = "off", value_parser = ["on", "off"])]
     prefetch: String,
     /// Expert reader threads = most reads in flight (0: max(top_k, 8); at most 1024).
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=1024))]
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=1024), allow_negative_numbers = true)]
     readers: u16,
     /// Streaming installs: fetch routed experts that are not local yet from the install's source.
     #[arg(long)]

@@ -52,7 +52,7 @@ pub(crate) struct PullArgs {
     #[arg(long)]
     force: bool,
     /// Range requests (or expert fetches) in flight at once.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true)]
     concurrency: usize,
 }
 

@@ -23,7 +23,7 @@ pub struct ReplayArgs {
     #[arg(long)]
     trace: PathBuf,
     /// Expert cache budget (e.g. 512MiB, 4G).
-    #[arg(long, value_parser = size::parse_size, default_value = "0")]
+    #[arg(long, value_parser = size::parse_size, default_value = "0", allow_negative_numbers = true)]
     ram_budget: u64,
     #[command(flatten)]
     store: StoreArgs,

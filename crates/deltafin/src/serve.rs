@@ -24,17 +24,17 @@ pub struct ServeArgs {
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// Port to listen on (0 picks a free one).
-    #[arg(long, default_value_t = 8000)]
+    #[arg(long, default_value_t = 8000, allow_negative_numbers = true)]
     port: u16,
     /// Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every request but /health.
     #[arg(long)]
     api_key: Option<String>,
     /// Largest `max_tokens` a request may ask for, and the default when it gives none
     /// (default: whatever the context leaves after the prompt).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     max_tokens: Option<usize>,
     /// Largest request body, e.g. 1MiB (larger bodies get 413).
-    #[arg(long, value_parser = size::parse_size, default_value = "16MiB")]
+    #[arg(long, value_parser = size::parse_size, default_value = "16MiB", allow_negative_numbers = true)]
     max_request_bytes: u64,
     /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
     #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
@@ -47,7 +47,7 @@ pub struct ServeArgs {
     #[arg(long)]
     model_id: Option<String>,
     /// Testing aid: sleep this many milliseconds after each decode step.
-    #[arg(long, hide = true, default_value_t = 0)]
+    #[arg(long, hide = true, default_value_t = 0, allow_negative_numbers = true)]
     debug_step_delay_ms: u64,
 }
 

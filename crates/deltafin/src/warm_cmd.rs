@@ -17,13 +17,13 @@ pub(crate) struct WarmArgs {
     #[arg(long, value_name = "FILE", num_args = 1..)]
     traces: Vec<PathBuf>,
     /// Most bytes of expert records to fetch, e.g. 2G (default: every missing record).
-    #[arg(long, value_parser = size::parse_size)]
+    #[arg(long, value_parser = size::parse_size, allow_negative_numbers = true)]
     budget: Option<u64>,
     /// Allow fetching from the install's source (needed unless the install allows it).
     #[arg(long)]
     allow_network: bool,
     /// Records fetched at once.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true)]
     concurrency: usize,
 }
 

@@ -669,6 +669,47 @@ fn convert_rejects_a_zero_context() {
     }
 }
 
+/// A negative number for a numeric flag gets that flag's own error (range or type), not clap's
+/// "unexpected argument '-5'"; `chat --top-k -1` means off, as the server's `top_k`.
+#[test]
+fn negative_numbers_get_the_flags_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    ok(convert(&fixture("dsv3_a"), &model, &[]));
+    let m = model.to_str().unwrap();
+    for (args, needles) in [
+        (
+            vec!["run", "--model", m, "--prompt", "hi", "--max-new-tokens", "-5"],
+            vec!["--max-new-tokens", "-5"],
+        ),
+        (
+            vec!["chat", "--model", m, "--temperature", "-1"],
+            vec!["--temperature -1", "between 0 and 2"],
+        ),
+        (
+            vec!["chat", "--model", m, "--top-k", "-2"],
+            vec!["--top-k", "-2", "-1 = off"],
+        ),
+        (vec!["info", m, "--bandwidth", "-1"], vec!["--bandwidth -1", "positive"]),
+        (
+            vec!["bench", "--model", m, "--floor-bandwidth", "-3"],
+            vec!["--floor-bandwidth -3", "positive"],
+        ),
+        (vec!["serve", "--model", m, "--port", "-1"], vec!["--port", "-1"]),
+    ] {
+        let out = exec(deltafin().args(&args).write_stdin(""));
+        let err = expect_error(&out, &needles);
+        assert!(!err.contains("unexpected argument"), "{args:?}: {err}");
+    }
+    // -1 is "off" for chat's top-k: it starts and ends on end of input.
+    let out = exec(
+        deltafin()
+            .args(["chat", "--model", m, "--top-k", "-1", "--max-tokens", "2"])
+            .write_stdin(""),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
 #[test]
 fn convert_rejects_a_missing_tensor() {
     let tmp = tempfile::tempdir().unwrap();
