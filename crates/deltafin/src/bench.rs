@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::size;
+use crate::OutputFile;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -470,6 +471,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             bail!("--config {}: {}", c.name, first.trim_start_matches("error: "));
         }
     }
+    // The report files are claimed before the runs: a bad path fails now, not after them.
+    let json_file = a.json.as_deref().map(|p| OutputFile::claim(p, "--json")).transpose()?;
+    let plot_file = a.plot.as_deref().map(|p| OutputFile::claim(p, "--plot")).transpose()?;
     let exe = std::env::current_exe().context("locating the deltafin executable")?;
     let (work, _guard) = match &a.work_dir {
         Some(d) => {
@@ -602,14 +606,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let reference = verify_ids(&configs, &runs, a.expected_ids.as_deref())?;
     let report = build_report(a, &dir, &configs, &runs, floor.as_ref(), &reference, budget);
     print_table(&report, &configs);
-    if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_vec_pretty(&report)?)
-            .with_context(|| format!("--json: writing {}", p.display()))?;
+    if let (Some(p), Some(f)) = (&a.json, json_file) {
+        f.write(&serde_json::to_vec_pretty(&report)?)?;
         eprintln!("report written to {}", p.display());
     }
-    if let Some(p) = &a.plot {
-        let svg = plot_svg(&configs, &runs, &report);
-        std::fs::write(p, svg).with_context(|| format!("--plot: writing {}", p.display()))?;
+    if let (Some(p), Some(f)) = (&a.plot, plot_file) {
+        f.write(plot_svg(&configs, &runs, &report).as_bytes())?;
         eprintln!("chart written to {}", p.display());
     }
     Ok(())

@@ -37,6 +37,9 @@ impl Drop for TempDir {
 }
 
 pub fn run(dir: Option<PathBuf>, max_new_tokens: usize) -> Result<()> {
+    if max_new_tokens == 0 {
+        anyhow::bail!("--max-new-tokens must be at least 1");
+    }
     let t0 = std::time::Instant::now();
     let (root, _guard) = match dir {
         Some(d) => (d, None),

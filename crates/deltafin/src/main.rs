@@ -547,14 +547,17 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     if a.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }
-    // Create the logits file now so a bad path fails before a long generation, not after it;
-    // the guard removes it again if the run fails, so no empty or partial file is left.
+    // Claim the output files now so a bad path fails before a long generation, not after it.
     let logits_file = a
         .logits_out
-        .as_ref()
-        .map(|p| std::fs::File::create(p).with_context(|| format!("--logits-out: creating {}", p.display())))
+        .as_deref()
+        .map(|p| OutputFile::claim(p, "--logits-out"))
         .transpose()?;
-    let mut logits_guard = RemoveOnDrop(a.logits_out.clone());
+    let stats_file = a
+        .stats_json
+        .as_deref()
+        .map(|p| OutputFile::claim(p, "--stats-json"))
+        .transpose()?;
     let mut store_opts = a.store.options(budget, &dir)?;
     let _network = pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     let mut model = load_model(&dir, store_opts)?;
@@ -622,34 +625,66 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     let tail = dec.finish()?;
     writeln!(stdout, "{tail}")?;
     drop(stdout);
-    if let (Some(path), Some(mut file)) = (&a.logits_out, logits_file) {
+    if let Some(file) = logits_file {
         let json = serde_json::json!({
             "prompt_ids": prompt_ids,
             "generated_ids": out.generated_ids,
             "first_step_logits": out.step_logits.first(),
             "step_logits": out.step_logits,
         });
-        file.write_all(&serde_json::to_vec(&json)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        file.sync_all().with_context(|| format!("writing {}", path.display()))?;
+        file.write(&serde_json::to_vec(&json)?)?;
     }
-    logits_guard.0 = None;
-    if let Some(path) = &a.stats_json {
-        let json = stats_json(&out, model.as_ref(), budget);
-        std::fs::write(path, serde_json::to_vec_pretty(&json)?)
-            .with_context(|| format!("--stats-json: writing {}", path.display()))?;
+    if let Some(file) = stats_file {
+        file.write(&serde_json::to_vec_pretty(&stats_json(&out, model.as_ref(), budget))?)?;
     }
     print_stats("run", &out.stats, model.as_ref(), budget, &dir);
     Ok(())
 }
 
-/// Removes a file when dropped, unless the path was taken out (the run succeeded).
-struct RemoveOnDrop(Option<PathBuf>);
+/// An output file claimed before a long job so that a bad path fails at once: opened for
+/// writing without truncating it. [`OutputFile::write`] replaces its contents at the end; if it
+/// is never written (the job failed), a file the claim created is removed again and a file that
+/// existed before keeps its old contents, so a failed run loses nothing.
+pub(crate) struct OutputFile {
+    path: PathBuf,
+    flag: &'static str,
+    file: Option<std::fs::File>,
+    created: bool,
+}
 
-impl Drop for RemoveOnDrop {
+impl OutputFile {
+    /// Errors: the file cannot be opened or created for writing (`flag: creating PATH: cause`).
+    pub(crate) fn claim(path: &Path, flag: &'static str) -> Result<Self> {
+        let created = !path.exists();
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .with_context(|| format!("{flag}: creating {}", path.display()))?;
+        Ok(OutputFile {
+            path: path.to_path_buf(),
+            flag,
+            file: Some(file),
+            created,
+        })
+    }
+
+    /// Replaces the file's contents with `bytes` and syncs it.
+    pub(crate) fn write(mut self, bytes: &[u8]) -> Result<()> {
+        let mut f = self.file.take().expect("an OutputFile is written once");
+        let what = || format!("{}: writing {}", self.flag, self.path.display());
+        f.set_len(0).with_context(what)?;
+        f.write_all(bytes).with_context(what)?;
+        f.sync_all().with_context(what)?;
+        Ok(())
+    }
+}
+
+impl Drop for OutputFile {
     fn drop(&mut self) {
-        if let Some(p) = &self.0 {
-            let _ = std::fs::remove_file(p);
+        if self.file.is_some() && self.created {
+            let _ = std::fs::remove_file(&self.path);
         }
     }
 }

@@ -1235,7 +1235,7 @@ fn run_on_a_directory_that_is_not_a_model() {
 }
 
 #[test]
-fn unwritable_logits_out_fails_before_generating() {
+fn unwritable_output_files_fail_before_generating() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("m");
     ok(convert(&fixture("dsv3_a"), &model, &[]));
@@ -1243,6 +1243,51 @@ fn unwritable_logits_out_fails_before_generating() {
     let out = run_ids(&model, &[0], 4, &bad, &[]);
     expect_error(&out, &["--logits-out", "no-such-dir/logits.json", "No such file"]);
     assert!(out.stdout.is_empty(), "failed before generating anything");
+    // The same for --stats-json.
+    let logits = tmp.path().join("l.json");
+    let out = run_ids(&model, &[0], 4, &logits, &["--stats-json", bad.to_str().unwrap()]);
+    expect_error(&out, &["--stats-json", "no-such-dir/logits.json", "No such file"]);
+    assert!(out.stdout.is_empty(), "failed before generating anything");
+    assert!(!logits.exists(), "the claimed --logits-out file is removed again");
+    // A failed run keeps an existing output file as it was; a successful one replaces it.
+    let stats = tmp.path().join("stats.json");
+    std::fs::write(&stats, "old").unwrap();
+    let out = run_ids(
+        &model,
+        &[0, 100_000],
+        4,
+        &logits,
+        &["--stats-json", stats.to_str().unwrap()],
+    );
+    expect_error(&out, &["--prompt-ids", "vocabulary"]);
+    assert_eq!(std::fs::read_to_string(&stats).unwrap(), "old");
+    ok(run_ids(
+        &model,
+        &[0],
+        4,
+        &logits,
+        &["--stats-json", stats.to_str().unwrap()],
+    ));
+    assert!(read_json(&stats)["steady_decode_tokens_per_s"].is_number());
+    // bench claims --json before its runs, and demo checks its token count before synthesizing.
+    let out = exec(
+        deltafin()
+            .args([
+                "bench",
+                "--runs",
+                "1",
+                "--new-tokens",
+                "3",
+                "--json",
+                bad.to_str().unwrap(),
+                "--model",
+            ])
+            .arg(&model),
+    );
+    let err = expect_error(&out, &["--json", "no-such-dir/logits.json"]);
+    assert!(!text(&out.stderr).contains("run 1"), "{err}");
+    let out = exec(deltafin().args(["demo", "--max-new-tokens", "0"]));
+    expect_error(&out, &["--max-new-tokens", "at least 1"]);
 }
 
 // ---------------------------------------------------------------------------------------------
