@@ -207,6 +207,11 @@ impl ModelDir {
             path: path.to_path_buf(),
             message: m,
         };
+        if path.is_file() {
+            return Err(bad(
+                "a file, not a model directory (give the directory that holds manifest.json)".into(),
+            ));
+        }
         if !path.is_dir() {
             let partial = path
                 .file_name()
@@ -219,6 +224,9 @@ impl ModelDir {
             return Err(bad("no such directory".into()));
         }
         if !mpath.exists() {
+            if path.join("backbone.bin").exists() || path.join("experts.pack").exists() {
+                return Err(bad("manifest.json not found beside backbone.bin / experts.pack: the model directory is damaged; convert or install it again".into()));
+            }
             if path.join("config.json").is_file() {
                 return Err(bad("manifest.json not found: this looks like a Hugging Face checkpoint; convert it first with `deltafin convert <hf_dir> <model_dir>`".into()));
             }

@@ -92,7 +92,7 @@ impl ChatTemplate {
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| TokenizerError::TemplateSyntax {
                 name: origin.to_string(),
-                message: format!("{e:#}"),
+                message: e.to_string(),
             })?;
         Ok(Self {
             env,
@@ -169,7 +169,7 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| TokenizerError::TemplateRender {
-                message: format!("{e:#}"),
+                message: e.to_string(),
             })?;
         template
             .render(Value::from(minijinja::value::Serde(&ctx)))

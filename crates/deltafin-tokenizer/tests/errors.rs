@@ -98,6 +98,10 @@ fn bad_chat_template_is_a_syntax_error_naming_the_source() {
     let tmp = copy_fixture("hf_bpe");
     write(tmp.path(), "tokenizer_config.json", r#"{"chat_template": "{% if %}"}"#);
     let err = Tokenizer::from_dir(tmp.path()).unwrap_err();
+    // One line, with the position, not a dump of the template.
+    let text = err.to_string();
+    assert_eq!(text.lines().count(), 1, "{text}");
+    assert!(text.contains("chat_template:1"), "{text}");
     match err {
         TokenizerError::TemplateSyntax { name, .. } => {
             assert_eq!(name, "tokenizer_config.json:chat_template")

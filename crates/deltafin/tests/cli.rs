@@ -1232,6 +1232,23 @@ fn run_on_a_directory_that_is_not_a_model() {
             .args(["--chat", "--prompt-ids", "0"]),
     );
     expect_error(&out, &["--chat", "--prompt"]);
+    // A file given as the model, and a converted model whose manifest was deleted.
+    let out = exec(
+        deltafin()
+            .args(["run", "--model"])
+            .arg(model.join("config.json"))
+            .args(["--prompt-ids", "0"]),
+    );
+    expect_error(&out, &["config.json", "a file, not a model directory"]);
+    std::fs::remove_file(model.join("manifest.json")).unwrap();
+    let out = exec(
+        deltafin()
+            .args(["run", "--model"])
+            .arg(&model)
+            .args(["--prompt-ids", "0"]),
+    );
+    let err = expect_error(&out, &["manifest.json not found", "damaged"]);
+    assert!(!err.contains("Hugging Face"), "{err}");
 }
 
 #[test]
