@@ -6,7 +6,8 @@
 //!   the journal and the pack's size. A cache left by any interruption passes: records without a
 //!   journal entry are absent, not corrupt.
 //! - gc: removes the work directories of interrupted pulls and converts (`.<name>.partial`,
-//!   `.<name>.download`, `.<name>.stream-src`), temp files, and for a streaming install rewrites
+//!   `.<name>.download`, `.<name>.stream-src`; also when the pull failed before `<name>`
+//!   existed), temp files, and for a streaming install rewrites
 //!   the journal without torn, damaged, duplicate or failing entries and frees the blocks of
 //!   absent records (bytes of a record written before its entry, or failing its checksum) by
 //!   punching holes. Run it while no other deltafin process uses the directory.
@@ -187,6 +188,10 @@ pub fn gc(model_dir: &Path) -> Result<GcReport, PullError> {
             std::fs::remove_dir_all(&p).map_err(io_err(&p))?;
             rep.removed.push(p);
         }
+    }
+    if !model_dir.exists() && !rep.removed.is_empty() {
+        // Only the leftovers of a failed pull or convert: nothing else to clean.
+        return Ok(rep);
     }
     let dir = ModelDir::open(model_dir)?;
     for e in std::fs::read_dir(&dir.path).map_err(io_err(&dir.path))?.flatten() {

@@ -168,9 +168,7 @@ impl ChatTemplate {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
-            .map_err(|e| TokenizerError::TemplateRender {
-                message: e.to_string(),
-            })?;
+            .map_err(|e| TokenizerError::TemplateRender { message: e.to_string() })?;
         template
             .render(Value::from(minijinja::value::Serde(&ctx)))
             .map_err(classify_render_error)

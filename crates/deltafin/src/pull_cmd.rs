@@ -102,7 +102,20 @@ pub(crate) fn run(a: &PullArgs) -> Result<()> {
     };
     dl.0.finish_and_clear();
     conv.0.finish_and_clear();
-    let r = r.with_context(|| format!("{what} pull of {} into {}", source.url, a.model_dir.display()))?;
+    let r = r.with_context(|| {
+        let left = ["stream-src", "download"]
+            .map(|s| deltafin_pull::sibling(&a.model_dir, s))
+            .into_iter()
+            .find(|p| p.exists());
+        let hint = left.map_or(String::new(), |p| {
+            format!(
+                " (the partial download in {} resumes on the next pull; `deltafin cache gc {}` removes it)",
+                p.display(),
+                a.model_dir.display()
+            )
+        });
+        format!("{what} pull of {} into {}{hint}", source.url, a.model_dir.display())
+    })?;
     let rate = r.bytes_fetched as f64 / r.seconds.max(1e-9);
     eprintln!(
         "pulled ({}) {} -> {} in {:.1} s: {} fetched ({}/s, {} requests, {} retries){}",

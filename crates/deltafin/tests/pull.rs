@@ -448,7 +448,7 @@ fn retries_500s_refetches_a_corrupted_body_and_names_a_server_ignoring_range() {
         px.with(|f| f.log.clone())
     );
 
-    // A server that ignores Range: a streaming install says so and leaves nothing behind.
+    // A server that ignores Range: a streaming install says so and leaves no model behind.
     px.with(|f| f.strip_range = true);
     let out = deltafin()
         .args(["pull", &px.url("dsv3_a"), s(&t.join("c")), "--stream"])
@@ -461,6 +461,16 @@ fn retries_500s_refetches_a_corrupted_body_and_names_a_server_ignoring_range() {
         "{err}"
     );
     assert!(!t.join("c").exists());
+    // What it fetched stays for a resume; the error says where, and `cache gc` removes it
+    // although no model directory exists.
+    let left = t.join(".c.stream-src");
+    assert!(
+        left.exists() && err.contains(".c.stream-src") && err.contains("cache gc"),
+        "{err}"
+    );
+    let out = run_ok(&["cache", "gc", s(&t.join("c"))]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("removed"));
+    assert!(!left.exists());
     // A full install does not need Range.
     run_ok(&["pull", &px.url("dsv3_a"), s(&t.join("d")), "--full"]);
     assert_same_model(&t.join("ref"), &t.join("d"));
