@@ -832,10 +832,10 @@ pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &dyn CausalLm, 
         size::human(budget),
         size::human(m.experts.bytes),
         m.experts.dtype.name(),
-        if budget > 0 {
-            format!("{:.2}", m.experts.bytes as f64 / budget as f64)
-        } else {
-            "∞".into()
+        match m.experts.bytes as f64 / budget as f64 {
+            _ if budget == 0 => "∞".to_string(),
+            r if r < 100.0 => format!("{r:.2}"),
+            r => format!("{r:.3e}"),
         }
     );
     match s.peak_rss_bytes {
