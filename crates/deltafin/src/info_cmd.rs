@@ -101,7 +101,11 @@ pub fn run(a: &InfoArgs) -> Result<()> {
     );
     for b in &a.bandwidth {
         let s = f.seconds_per_token(b * 1e9);
-        let per_token = if s >= 0.1 { format!("{s:.3} s") } else { format!("{:.3} ms", s * 1e3) };
+        let per_token = if s >= 0.1 {
+            format!("{s:.3} s")
+        } else {
+            format!("{:.3} ms", s * 1e3)
+        };
         println!(
             "storage floor at {b:>5.1} GB/s {per_token}/token ({:.2} tokens/s) with a cold expert cache",
             1.0 / s

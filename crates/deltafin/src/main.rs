@@ -127,6 +127,11 @@ struct RunArgs {
     /// Tokens to generate at most.
     #[arg(long, default_value_t = 128, allow_negative_numbers = true)]
     max_new_tokens: usize,
+    /// Run even when the prompt plus --max-new-tokens exceed the model's context length
+    /// (positions the model was never trained on; a warning says so). Without it, such a run is
+    /// refused, as `serve` refuses such requests.
+    #[arg(long)]
+    allow_context_overflow: bool,
     /// Keep generating after an end-of-sequence token.
     #[arg(long)]
     ignore_eos: bool,
@@ -564,12 +569,17 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     a.passes.warn_unsupported(model.as_ref());
     let ctx = model.context_length();
     if prompt_ids.len().saturating_add(a.max_new_tokens) > ctx {
-        eprintln!(
-            "warning: the prompt ({} tokens) plus --max-new-tokens {} exceed the model's context length \
-             ({ctx}, max_position_embeddings): positions past it were never trained (`serve` refuses such requests)",
+        let what = format!(
+            "the prompt ({} tokens) plus --max-new-tokens {} exceed the model's context length ({ctx}, max_position_embeddings)",
             prompt_ids.len(),
             a.max_new_tokens
         );
+        if !a.allow_context_overflow {
+            bail!(
+                "{what}: shorten the prompt or lower --max-new-tokens (--allow-context-overflow runs past it anyway)"
+            );
+        }
+        eprintln!("warning: {what}: positions past it were never trained (--allow-context-overflow)");
     }
     if a.compute_only {
         model.routed_mut().set_compute_only()?;

@@ -1251,6 +1251,37 @@ fn run_on_a_directory_that_is_not_a_model() {
     assert!(!err.contains("Hugging Face"), "{err}");
 }
 
+/// A prompt plus --max-new-tokens past the context is refused, naming both sizes and the
+/// override; with --allow-context-overflow it runs, with a warning.
+#[test]
+fn context_overflow_is_refused_unless_allowed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    ok(convert(&fixture("dsv3_a"), &model, &[]));
+    let ctx = read_json(&model.join("config.json"))["max_position_embeddings"]
+        .as_u64()
+        .unwrap() as usize;
+    let prompt: Vec<u32> = (0..ctx as u32 - 2).map(|i| i % 100).collect();
+    let logits = tmp.path().join("l.json");
+    let out = run_ids(&model, &prompt, 4, &logits, &[]);
+    expect_error(
+        &out,
+        &[
+            "exceed the model's context length",
+            &format!("({ctx}"),
+            "--allow-context-overflow",
+        ],
+    );
+    assert!(out.stdout.is_empty());
+    let out = ok(run_ids(&model, &prompt, 4, &logits, &["--allow-context-overflow"]));
+    assert!(
+        text(&out.stderr).contains("warning: the prompt"),
+        "{}",
+        text(&out.stderr)
+    );
+    ok(run_ids(&model, &prompt, 2, &logits, &[]));
+}
+
 #[test]
 fn unwritable_output_files_fail_before_generating() {
     let tmp = tempfile::tempdir().unwrap();
