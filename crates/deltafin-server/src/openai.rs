@@ -18,6 +18,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest, TokenLogprob};
+use deltafin_tokenizer::Tokenizer;
 use futures_util::stream::{self, Stream};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -332,7 +333,7 @@ pub async fn chat_completions(
     let c = collect(rx).await?;
     let lp = meta
         .logprobs
-        .then(|| json!({"content": chat_logprobs(&c.logprobs), "refusal": null}));
+        .then(|| json!({"content": chat_logprobs(&s.tokenizer, &c.logprobs), "refusal": null}));
     Ok(Json(json!({
         "id": meta.id,
         "object": "chat.completion",
@@ -366,15 +367,19 @@ fn usage(o: &GenerationOutput) -> Value {
     })
 }
 
-fn chat_logprobs(lps: &[TokenLogprob]) -> Vec<Value> {
+/// The chat `logprobs.content` entries. `token` is the token's text (a partial UTF-8 character
+/// as U+FFFD, as OpenAI does); `bytes` its exact bytes ([`Tokenizer::token_bytes`]), so that
+/// concatenating them rebuilds characters split across tokens.
+fn chat_logprobs(tokenizer: &Tokenizer, lps: &[TokenLogprob]) -> Vec<Value> {
+    let bytes = |id: u32, text: &str| tokenizer.token_bytes(id).unwrap_or_else(|_| text.as_bytes().to_vec());
     lps.iter()
         .map(|t| {
             json!({
                 "token": t.token,
                 "logprob": t.logprob,
-                "bytes": t.token.as_bytes(),
-                "top_logprobs": t.top.iter().map(|(_, tok, lp)| json!({
-                    "token": tok, "logprob": lp, "bytes": tok.as_bytes(),
+                "bytes": bytes(t.id, &t.token),
+                "top_logprobs": t.top.iter().map(|(id, tok, lp)| json!({
+                    "token": tok, "logprob": lp, "bytes": bytes(*id, tok),
                 })).collect::<Vec<_>>(),
             })
         })
@@ -426,6 +431,7 @@ async fn launch(
         model: s.config.model_id.clone(),
         include_usage,
         logprobs,
+        tokenizer: Arc::clone(&s.tokenizer),
     };
     Ok((rx, meta))
 }
@@ -437,6 +443,8 @@ struct Meta {
     model: String,
     include_usage: bool,
     logprobs: bool,
+    /// For the exact `bytes` of chat logprobs.
+    tokenizer: Arc<Tokenizer>,
 }
 
 /// The SSE state machine: queued events out first; then the next job event.
@@ -455,7 +463,7 @@ impl StreamState {
         let m = &self.meta;
         let lp = if m.logprobs && !logprobs.is_empty() {
             match m.kind {
-                Kind::Chat => json!({"content": chat_logprobs(logprobs), "refusal": null}),
+                Kind::Chat => json!({"content": chat_logprobs(&m.tokenizer, logprobs), "refusal": null}),
                 Kind::Completion => completion_logprobs(logprobs),
             }
         } else {

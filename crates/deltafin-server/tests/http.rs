@@ -537,3 +537,62 @@ fn non_streaming_disconnect_also_cancels() {
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
     assert_eq!(metric(a, "deltafin_generations_cancelled_total"), 1.0);
 }
+
+/// Every chat logprobs entry's `bytes` and whether its `token` text is a lossy rendering.
+fn check_entry_bytes(e: &Value) -> (Vec<u8>, bool) {
+    let token = e["token"].as_str().unwrap();
+    let bytes: Vec<u8> = e["bytes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| u8::try_from(b.as_u64().unwrap()).unwrap())
+        .collect();
+    assert_eq!(String::from_utf8_lossy(&bytes), token, "{e}");
+    let partial = token.contains('\u{FFFD}');
+    if partial {
+        // A U+FFFD token text comes from bytes that are not UTF-8 alone: `bytes` must be them,
+        // not the UTF-8 of U+FFFD.
+        assert!(std::str::from_utf8(&bytes).is_err(), "{e}");
+    }
+    (bytes, partial)
+}
+
+/// `bytes` of chat logprobs (chosen and top entries, plain and streamed) are the tokens' exact
+/// bytes, also for byte-level tokens holding part of a multi-byte character; the chosen
+/// tokens' bytes concatenate to the answer.
+#[test]
+fn logprob_bytes_are_the_tokens_exact_bytes() {
+    let a = start(|_| {});
+    let mut body = chat_body(24);
+    body["messages"] = json!([{"role": "user", "content": "Ünïcödé: 日本語 ☃ 🎉 — ëèê"}]);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(20);
+    let r = post(a, "/v1/chat/completions", &body).json();
+    let content = r["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let mut partial = 0;
+    let mut joined = Vec::new();
+    for t in content {
+        let (bytes, p) = check_entry_bytes(t);
+        partial += usize::from(p);
+        joined.extend(bytes);
+        for top in t["top_logprobs"].as_array().unwrap() {
+            partial += usize::from(check_entry_bytes(top).1);
+        }
+    }
+    assert!(partial > 0, "no partial-character token to check: {r}");
+    let text = r["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(String::from_utf8_lossy(&joined), text);
+
+    body["stream"] = json!(true);
+    let data = post(a, "/v1/chat/completions", &body).sse_data();
+    let mut streamed = Vec::new();
+    for d in &data[..data.len() - 1] {
+        let c: Value = serde_json::from_str(d).unwrap();
+        if let Some(entries) = c["choices"][0]["logprobs"]["content"].as_array() {
+            for t in entries {
+                streamed.extend(check_entry_bytes(t).0);
+            }
+        }
+    }
+    assert_eq!(streamed, joined);
+}
