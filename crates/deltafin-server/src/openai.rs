@@ -174,7 +174,7 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
         let (st, p) = (Arc::clone(&s), r.prompt.clone());
         off_runtime(move || prompt_ids(&st, p.as_ref())).await?
     };
-    let max_new_tokens = s.max_new_tokens(r.max_tokens, "max_tokens", prompt.len())?;
+    let max_new_tokens = s.max_new_tokens(r.max_tokens, "max_tokens", "prompt", prompt.len())?;
     let req = GenerationRequest {
         prompt,
         max_new_tokens,
@@ -316,7 +316,7 @@ pub async fn chat_completions(
         (Some(v), _) => (Some(v), "max_completion_tokens"),
         (None, v) => (v, "max_tokens"),
     };
-    let max_new_tokens = s.max_new_tokens(requested, param, prompt.len())?;
+    let max_new_tokens = s.max_new_tokens(requested, param, "messages", prompt.len())?;
     let req = GenerationRequest {
         prompt,
         max_new_tokens,

@@ -596,3 +596,35 @@ fn logprob_bytes_are_the_tokens_exact_bytes() {
     }
     assert_eq!(streamed, joined);
 }
+
+/// A context overflow names the prompt's field of the endpoint: `prompt` on completions,
+/// `messages` on chat; the budget's field when the request set one that does not fit.
+#[test]
+fn context_overflow_names_the_endpoints_prompt_field() {
+    let a = start(|_| {});
+    let long: Vec<u32> = (0..200).map(|i| 5 + i % 50).collect();
+    for body in [
+        json!({"model": MODEL, "prompt": long}),
+        json!({"model": MODEL, "prompt": long, "max_tokens": 4}),
+    ] {
+        let r = post(a, "/v1/completions", &body);
+        assert_openai_error(&r, 400);
+        assert_eq!(r.json()["error"]["code"], "context_length_exceeded", "{}", r.body);
+        assert_eq!(r.json()["error"]["param"], "prompt", "{}", r.body);
+    }
+    let r = post(
+        a,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 200}),
+    );
+    assert_openai_error(&r, 400);
+    assert_eq!(r.json()["error"]["param"], "max_tokens", "{}", r.body);
+    let words = "word ".repeat(300);
+    let r = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": words}]}),
+    );
+    assert_openai_error(&r, 400);
+    assert_eq!(r.json()["error"]["param"], "messages", "{}", r.body);
+}
