@@ -30,7 +30,8 @@ use crate::{chat_prompt, collect, new_id, off_runtime, sampling, stop_strings, u
 
 type Shared = Arc<AppState>;
 
-const MAX_TOP_LOGPROBS: i64 = 20;
+/// Largest `top_logprobs` (chat) / `logprobs` (completions), as OpenAI.
+pub(crate) const MAX_TOP_LOGPROBS: i64 = 20;
 
 fn model_object(s: &AppState) -> Value {
     json!({"id": s.config.model_id, "object": "model", "created": s.created, "owned_by": "deltafin"})

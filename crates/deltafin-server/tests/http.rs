@@ -628,3 +628,34 @@ fn context_overflow_names_the_endpoints_prompt_field() {
     assert_openai_error(&r, 400);
     assert_eq!(r.json()["error"]["param"], "messages", "{}", r.body);
 }
+
+/// An integer too large for its field names the parameter and its range instead of serde's
+/// "invalid type: floating point".
+#[test]
+fn huge_integers_name_the_parameter_and_range() {
+    let a = start(|_| {});
+    let raw = |path: &str, body: &str| read_response(send(a, "POST", path, body.as_bytes(), &[]));
+    let huge = "99999999999999999999999";
+    let r = raw(
+        "/v1/chat/completions",
+        &format!(r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":{huge}}}"#),
+    );
+    assert_openai_error(&r, 400);
+    assert_eq!(r.json()["error"]["param"], "max_tokens", "{}", r.body);
+    let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(m.starts_with("`max_tokens` must be a positive integer"), "{m}");
+    assert!(!m.contains("floating point"), "{m}");
+    let r = raw(
+        "/v1/completions",
+        &format!(r#"{{"model":"{MODEL}","prompt":"Hi","logprobs":{huge}}}"#),
+    );
+    assert_openai_error(&r, 400);
+    assert_eq!(r.json()["error"]["param"], "logprobs", "{}", r.body);
+    assert!(r.body.contains("from 0 to 20"), "{}", r.body);
+    let r = raw(
+        "/v1/messages",
+        &format!(r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":{huge}}}"#),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("`max_tokens` must be a positive integer"), "{}", r.body);
+}
