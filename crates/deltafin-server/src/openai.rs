@@ -69,6 +69,9 @@ struct CompletionRequest {
     stream_options: Option<StreamOptions>,
     logprobs: Option<i64>,
     echo: Option<bool>,
+    suffix: Option<String>,
+    best_of: Option<i64>,
+    response_format: Option<Value>,
     ignore_eos: Option<bool>,
 }
 
@@ -89,6 +92,8 @@ struct ChatRequest {
     logprobs: Option<bool>,
     top_logprobs: Option<i64>,
     tools: Option<Value>,
+    best_of: Option<i64>,
+    response_format: Option<Value>,
     ignore_eos: Option<bool>,
 }
 
@@ -99,6 +104,34 @@ fn check_n(n: Option<i64>) -> Result<(), ApiError> {
             "n",
             format!("only `n` = 1 is supported, got {n}"),
         )),
+    }
+}
+
+/// `best_of`: absent or 1 (one candidate per request; see [`check_n`]).
+fn check_best_of(best_of: Option<i64>) -> Result<(), ApiError> {
+    match best_of {
+        None | Some(1) => Ok(()),
+        Some(b) => Err(ApiError::invalid_param(
+            "best_of",
+            format!("only `best_of` = 1 is supported, got {b}"),
+        )),
+    }
+}
+
+/// `response_format`: absent, null or `{"type": "text"}`; structured output (`json_object`,
+/// `json_schema`) is not supported and is refused rather than ignored.
+fn check_response_format(v: Option<&Value>) -> Result<(), ApiError> {
+    let bad = |m: String| Err(ApiError::invalid_param("response_format", m));
+    match v {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::Object(o)) => match o.get("type").and_then(Value::as_str) {
+            Some("text") => Ok(()),
+            Some(t) => bad(format!(
+                "only `response_format` {{\"type\": \"text\"}} is supported, got type `{t}`"
+            )),
+            None => bad("`response_format.type` is required and must be a string".into()),
+        },
+        Some(_) => bad("`response_format` must be an object such as {\"type\": \"text\"}".into()),
     }
 }
 
@@ -156,8 +189,13 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
     let r: CompletionRequest = parse_body(body, Flavor::OpenAi)?;
     s.check_model(&r.model)?;
     check_n(r.n)?;
+    check_best_of(r.best_of)?;
+    check_response_format(r.response_format.as_ref())?;
     if r.echo == Some(true) {
         return Err(ApiError::invalid_param("echo", "`echo` is not supported"));
+    }
+    if r.suffix.as_deref().is_some_and(|x| !x.is_empty()) {
+        return Err(ApiError::invalid_param("suffix", "`suffix` is not supported"));
     }
     let logprobs = match r.logprobs {
         None => None,
@@ -288,6 +326,8 @@ pub async fn chat_completions(
     let r: ChatRequest = parse_body(body, Flavor::OpenAi)?;
     s.check_model(&r.model)?;
     check_n(r.n)?;
+    check_best_of(r.best_of)?;
+    check_response_format(r.response_format.as_ref())?;
     let want_logprobs = r.logprobs.unwrap_or(false);
     let logprobs = match (want_logprobs, r.top_logprobs) {
         (_, Some(n)) if !(0..=MAX_TOP_LOGPROBS).contains(&n) => {

@@ -629,6 +629,59 @@ fn context_overflow_names_the_endpoints_prompt_field() {
     assert_eq!(r.json()["error"]["param"], "messages", "{}", r.body);
 }
 
+/// `response_format`, `best_of` and `suffix` are honoured where deltafin can (plain text, one
+/// candidate, no suffix) and refused with the parameter named otherwise, never ignored.
+#[test]
+fn unsupported_options_are_refused_not_ignored() {
+    let a = start(|_| {});
+    let chat = |extra: Value| {
+        let mut b = chat_body(2);
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        post(a, "/v1/chat/completions", &b)
+    };
+    let cmpl = |extra: Value| {
+        let mut b = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        post(a, "/v1/completions", &b)
+    };
+    let refused = [
+        (
+            chat(json!({"response_format": {"type": "json_object"}})),
+            "response_format",
+        ),
+        (
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})),
+            "response_format",
+        ),
+        (chat(json!({"response_format": "json"})), "response_format"),
+        (chat(json!({"best_of": 2})), "best_of"),
+        (
+            cmpl(json!({"response_format": {"type": "json_object"}})),
+            "response_format",
+        ),
+        (cmpl(json!({"best_of": 3})), "best_of"),
+        (cmpl(json!({"suffix": "tail"})), "suffix"),
+        (cmpl(json!({"echo": true})), "echo"),
+    ];
+    for (r, param) in &refused {
+        assert_openai_error(r, 400);
+        assert_eq!(r.json()["error"]["param"], *param, "{}", r.body);
+        assert!(r.body.contains(&format!("`{param}`")), "{}", r.body);
+    }
+    for r in [
+        chat(json!({"response_format": {"type": "text"}, "best_of": 1})),
+        chat(json!({"response_format": null})),
+        cmpl(json!({"response_format": {"type": "text"}, "best_of": 1, "suffix": "", "echo": false})),
+        cmpl(json!({"suffix": null})),
+    ] {
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+}
+
 /// An integer too large for its field names the parameter and its range instead of serde's
 /// "invalid type: floating point".
 #[test]
