@@ -129,7 +129,7 @@ async fn run(s: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response,
     let stops = stop_strings(r.stop_sequences.as_ref(), "stop_sequences")?;
     let messages = to_chat_messages(&r)?;
     let prompt = chat_prompt(&s, messages, Value::Null).await?;
-    let max_new_tokens = s.max_new_tokens(Some(r.max_tokens), "max_tokens", prompt.len())?;
+    let max_new_tokens = s.max_new_tokens(Some(r.max_tokens), "max_tokens", "messages", prompt.len())?;
     let prompt_tokens = prompt.len();
     let req = GenerationRequest {
         prompt,

@@ -209,11 +209,14 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>, flav
     }
     // The path of the offending field (e.g. `max_tokens`, `messages[0].content`) names the
     // request parameter in the message and in `param`.
-    serde_path_to_error::deserialize(value).map_err(|e| {
+    serde_path_to_error::deserialize(&value).map_err(|e| {
         let path = e.path().to_string();
-        let inner = e.into_inner();
+        let field = value_at(&value, e.path());
+        let inner = e.into_inner().to_string();
         if path.is_empty() || path == "." {
             with_flavor(ApiError::bad_request(format!("invalid request: {inner}")))
+        } else if let Some(message) = field.and_then(|v| integer_mismatch(&path, v, &inner)) {
+            with_flavor(ApiError::invalid_param(&path, message))
         } else {
             with_flavor(ApiError::invalid_param(
                 &path,
@@ -221,4 +224,105 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>, flav
             ))
         }
     })
+}
+
+/// The value at a deserialization error's path, if the path leads to one.
+fn value_at<'a>(root: &'a serde_json::Value, path: &serde_path_to_error::Path) -> Option<&'a serde_json::Value> {
+    use serde_path_to_error::Segment;
+    path.iter().try_fold(root, |v, seg| match seg {
+        Segment::Seq { index } => v.get(*index),
+        Segment::Map { key } => v.get(key.as_str()),
+        Segment::Enum { .. } | Segment::Unknown => None,
+    })
+}
+
+/// A clear message when an integer field got a JSON number that is not an integer of its
+/// type: a fraction (`1.5`), or an integer outside the type's range (`1e23`, which JSON parsing
+/// turns into a float, or `18446744073709551615` for an `i64`); None for any other error.
+/// `serde_message` is serde's (`invalid type: floating point `1e23`, expected i64`), whose
+/// expected type gives the range.
+fn integer_mismatch(param: &str, v: &serde_json::Value, serde_message: &str) -> Option<String> {
+    let serde_json::Value::Number(n) = v else {
+        return None;
+    };
+    let (min, max): (i128, i128) = match serde_message.rsplit_once("expected ")?.1 {
+        "i8" => (i8::MIN.into(), i8::MAX.into()),
+        "i16" => (i16::MIN.into(), i16::MAX.into()),
+        "i32" => (i32::MIN.into(), i32::MAX.into()),
+        "i64" | "isize" => (i64::MIN.into(), i64::MAX.into()),
+        "u8" => (0, u8::MAX.into()),
+        "u16" => (0, u16::MAX.into()),
+        "u32" => (0, u32::MAX.into()),
+        "u64" | "usize" => (0, u64::MAX.into()),
+        _ => return None,
+    };
+    if n.as_f64().is_some_and(|f| f.fract() != 0.0) {
+        return Some(format!("`{param}` must be an integer, got {n}"));
+    }
+    let leaf = param.rsplit('.').next().unwrap_or(param);
+    let range = match leaf {
+        "max_tokens" | "max_completion_tokens" => {
+            "a positive integer (at most what the context length leaves after the prompt)".to_string()
+        }
+        "logprobs" | "top_logprobs" => format!("an integer from 0 to {}", crate::openai::MAX_TOP_LOGPROBS),
+        "n" | "best_of" => "1 (one completion per request)".to_string(),
+        "top_k" => format!("-1, 0 (no limit) or a positive integer up to {max}"),
+        _ => format!("an integer from {min} to {max}"),
+    };
+    Some(format!("`{param}` must be {range}, got {n}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_err(body: &str) -> ApiError {
+        #[derive(serde::Deserialize, Debug)]
+        #[allow(dead_code)]
+        struct R {
+            max_tokens: Option<i64>,
+            seed: Option<i64>,
+            nested: Option<Nested>,
+        }
+        #[derive(serde::Deserialize, Debug)]
+        #[allow(dead_code)]
+        struct Nested {
+            count: Option<u32>,
+        }
+        parse_body::<R>(Ok(Bytes::from(body.to_string())), Flavor::OpenAi).unwrap_err()
+    }
+
+    /// Integers out of their type's range (a float once parsed, or a too-large integer) and
+    /// fractions name the parameter and its range instead of serde's "invalid type: floating
+    /// point"; other type errors keep serde's explanation.
+    #[test]
+    fn out_of_range_integers_name_the_parameter_and_range() {
+        let e = parse_err(r#"{"max_tokens": 99999999999999999999999}"#);
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        assert!(
+            e.message.starts_with("`max_tokens` must be a positive integer"),
+            "{}",
+            e.message
+        );
+        assert!(e.message.ends_with("got 1e+23"), "{}", e.message);
+        assert!(!e.message.contains("floating point"), "{}", e.message);
+        let e = parse_err(r#"{"seed": 18446744073709551615}"#);
+        assert_eq!(e.param.as_deref(), Some("seed"));
+        assert_eq!(
+            e.message,
+            "`seed` must be an integer from -9223372036854775808 to 9223372036854775807, got 18446744073709551615"
+        );
+        let e = parse_err(r#"{"nested": {"count": -1}}"#);
+        assert_eq!(e.param.as_deref(), Some("nested.count"));
+        assert_eq!(
+            e.message,
+            "`nested.count` must be an integer from 0 to 4294967295, got -1"
+        );
+        let e = parse_err(r#"{"max_tokens": 2.5}"#);
+        assert_eq!(e.message, "`max_tokens` must be an integer, got 2.5");
+        let e = parse_err(r#"{"max_tokens": "four"}"#);
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        assert!(e.message.contains("invalid type: string"), "{}", e.message);
+    }
 }

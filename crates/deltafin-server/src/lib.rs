@@ -228,11 +228,14 @@ impl AppState {
     }
 
     /// The generation budget: the request's value (≥ 1, within `--max-tokens`) or the default,
-    /// and prompt plus budget within the context length.
+    /// and prompt plus budget within the context length. `param` names the budget field,
+    /// `prompt_param` the prompt's (`prompt` or `messages`): a context overflow names the
+    /// prompt when it alone fills the context or the request set no budget, else the budget.
     pub(crate) fn max_new_tokens(
         &self,
         requested: Option<i64>,
         param: &str,
+        prompt_param: &str,
         prompt_len: usize,
     ) -> Result<usize, ApiError> {
         let ctx = self.context_length;
@@ -265,7 +268,7 @@ impl AppState {
                 "This model's maximum context length is {ctx} tokens. However, you requested {} tokens ({prompt_len} in the prompt, {n} for the completion). Please reduce the prompt or `{param}`.",
                 prompt_len.saturating_add(n)
             ))
-            .param(if requested.is_some() { param } else { "messages" })
+            .param(if requested.is_some() && prompt_len < ctx { param } else { prompt_param })
             .code("context_length_exceeded"));
         }
         Ok(n)

@@ -18,6 +18,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest, TokenLogprob};
+use deltafin_tokenizer::Tokenizer;
 use futures_util::stream::{self, Stream};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -29,7 +30,8 @@ use crate::{chat_prompt, collect, new_id, off_runtime, sampling, stop_strings, u
 
 type Shared = Arc<AppState>;
 
-const MAX_TOP_LOGPROBS: i64 = 20;
+/// Largest `top_logprobs` (chat) / `logprobs` (completions), as OpenAI.
+pub(crate) const MAX_TOP_LOGPROBS: i64 = 20;
 
 fn model_object(s: &AppState) -> Value {
     json!({"id": s.config.model_id, "object": "model", "created": s.created, "owned_by": "deltafin"})
@@ -67,6 +69,9 @@ struct CompletionRequest {
     stream_options: Option<StreamOptions>,
     logprobs: Option<i64>,
     echo: Option<bool>,
+    suffix: Option<String>,
+    best_of: Option<i64>,
+    response_format: Option<Value>,
     ignore_eos: Option<bool>,
 }
 
@@ -87,6 +92,8 @@ struct ChatRequest {
     logprobs: Option<bool>,
     top_logprobs: Option<i64>,
     tools: Option<Value>,
+    best_of: Option<i64>,
+    response_format: Option<Value>,
     ignore_eos: Option<bool>,
 }
 
@@ -97,6 +104,34 @@ fn check_n(n: Option<i64>) -> Result<(), ApiError> {
             "n",
             format!("only `n` = 1 is supported, got {n}"),
         )),
+    }
+}
+
+/// `best_of`: absent or 1 (one candidate per request; see [`check_n`]).
+fn check_best_of(best_of: Option<i64>) -> Result<(), ApiError> {
+    match best_of {
+        None | Some(1) => Ok(()),
+        Some(b) => Err(ApiError::invalid_param(
+            "best_of",
+            format!("only `best_of` = 1 is supported, got {b}"),
+        )),
+    }
+}
+
+/// `response_format`: absent, null or `{"type": "text"}`; structured output (`json_object`,
+/// `json_schema`) is not supported and is refused rather than ignored.
+fn check_response_format(v: Option<&Value>) -> Result<(), ApiError> {
+    let bad = |m: String| Err(ApiError::invalid_param("response_format", m));
+    match v {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::Object(o)) => match o.get("type").and_then(Value::as_str) {
+            Some("text") => Ok(()),
+            Some(t) => bad(format!(
+                "only `response_format` {{\"type\": \"text\"}} is supported, got type `{t}`"
+            )),
+            None => bad("`response_format.type` is required and must be a string".into()),
+        },
+        Some(_) => bad("`response_format` must be an object such as {\"type\": \"text\"}".into()),
     }
 }
 
@@ -154,8 +189,13 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
     let r: CompletionRequest = parse_body(body, Flavor::OpenAi)?;
     s.check_model(&r.model)?;
     check_n(r.n)?;
+    check_best_of(r.best_of)?;
+    check_response_format(r.response_format.as_ref())?;
     if r.echo == Some(true) {
         return Err(ApiError::invalid_param("echo", "`echo` is not supported"));
+    }
+    if r.suffix.as_deref().is_some_and(|x| !x.is_empty()) {
+        return Err(ApiError::invalid_param("suffix", "`suffix` is not supported"));
     }
     let logprobs = match r.logprobs {
         None => None,
@@ -173,7 +213,7 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
         let (st, p) = (Arc::clone(&s), r.prompt.clone());
         off_runtime(move || prompt_ids(&st, p.as_ref())).await?
     };
-    let max_new_tokens = s.max_new_tokens(r.max_tokens, "max_tokens", prompt.len())?;
+    let max_new_tokens = s.max_new_tokens(r.max_tokens, "max_tokens", "prompt", prompt.len())?;
     let req = GenerationRequest {
         prompt,
         max_new_tokens,
@@ -286,6 +326,8 @@ pub async fn chat_completions(
     let r: ChatRequest = parse_body(body, Flavor::OpenAi)?;
     s.check_model(&r.model)?;
     check_n(r.n)?;
+    check_best_of(r.best_of)?;
+    check_response_format(r.response_format.as_ref())?;
     let want_logprobs = r.logprobs.unwrap_or(false);
     let logprobs = match (want_logprobs, r.top_logprobs) {
         (_, Some(n)) if !(0..=MAX_TOP_LOGPROBS).contains(&n) => {
@@ -315,7 +357,7 @@ pub async fn chat_completions(
         (Some(v), _) => (Some(v), "max_completion_tokens"),
         (None, v) => (v, "max_tokens"),
     };
-    let max_new_tokens = s.max_new_tokens(requested, param, prompt.len())?;
+    let max_new_tokens = s.max_new_tokens(requested, param, "messages", prompt.len())?;
     let req = GenerationRequest {
         prompt,
         max_new_tokens,
@@ -332,7 +374,7 @@ pub async fn chat_completions(
     let c = collect(rx).await?;
     let lp = meta
         .logprobs
-        .then(|| json!({"content": chat_logprobs(&c.logprobs), "refusal": null}));
+        .then(|| json!({"content": chat_logprobs(&s.tokenizer, &c.logprobs), "refusal": null}));
     Ok(Json(json!({
         "id": meta.id,
         "object": "chat.completion",
@@ -366,15 +408,19 @@ fn usage(o: &GenerationOutput) -> Value {
     })
 }
 
-fn chat_logprobs(lps: &[TokenLogprob]) -> Vec<Value> {
+/// The chat `logprobs.content` entries. `token` is the token's text (a partial UTF-8 character
+/// as U+FFFD, as OpenAI does); `bytes` its exact bytes ([`Tokenizer::token_bytes`]), so that
+/// concatenating them rebuilds characters split across tokens.
+fn chat_logprobs(tokenizer: &Tokenizer, lps: &[TokenLogprob]) -> Vec<Value> {
+    let bytes = |id: u32, text: &str| tokenizer.token_bytes(id).unwrap_or_else(|_| text.as_bytes().to_vec());
     lps.iter()
         .map(|t| {
             json!({
                 "token": t.token,
                 "logprob": t.logprob,
-                "bytes": t.token.as_bytes(),
-                "top_logprobs": t.top.iter().map(|(_, tok, lp)| json!({
-                    "token": tok, "logprob": lp, "bytes": tok.as_bytes(),
+                "bytes": bytes(t.id, &t.token),
+                "top_logprobs": t.top.iter().map(|(id, tok, lp)| json!({
+                    "token": tok, "logprob": lp, "bytes": bytes(*id, tok),
                 })).collect::<Vec<_>>(),
             })
         })
@@ -426,6 +472,7 @@ async fn launch(
         model: s.config.model_id.clone(),
         include_usage,
         logprobs,
+        tokenizer: Arc::clone(&s.tokenizer),
     };
     Ok((rx, meta))
 }
@@ -437,6 +484,8 @@ struct Meta {
     model: String,
     include_usage: bool,
     logprobs: bool,
+    /// For the exact `bytes` of chat logprobs.
+    tokenizer: Arc<Tokenizer>,
 }
 
 /// The SSE state machine: queued events out first; then the next job event.
@@ -455,7 +504,7 @@ impl StreamState {
         let m = &self.meta;
         let lp = if m.logprobs && !logprobs.is_empty() {
             match m.kind {
-                Kind::Chat => json!({"content": chat_logprobs(logprobs), "refusal": null}),
+                Kind::Chat => json!({"content": chat_logprobs(&m.tokenizer, logprobs), "refusal": null}),
                 Kind::Completion => completion_logprobs(logprobs),
             }
         } else {

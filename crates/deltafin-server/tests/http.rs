@@ -537,3 +537,178 @@ fn non_streaming_disconnect_also_cancels() {
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
     assert_eq!(metric(a, "deltafin_generations_cancelled_total"), 1.0);
 }
+
+/// Every chat logprobs entry's `bytes` and whether its `token` text is a lossy rendering.
+fn check_entry_bytes(e: &Value) -> (Vec<u8>, bool) {
+    let token = e["token"].as_str().unwrap();
+    let bytes: Vec<u8> = e["bytes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| u8::try_from(b.as_u64().unwrap()).unwrap())
+        .collect();
+    assert_eq!(String::from_utf8_lossy(&bytes), token, "{e}");
+    let partial = token.contains('\u{FFFD}');
+    if partial {
+        // A U+FFFD token text comes from bytes that are not UTF-8 alone: `bytes` must be them,
+        // not the UTF-8 of U+FFFD.
+        assert!(std::str::from_utf8(&bytes).is_err(), "{e}");
+    }
+    (bytes, partial)
+}
+
+/// `bytes` of chat logprobs (chosen and top entries, plain and streamed) are the tokens' exact
+/// bytes, also for byte-level tokens holding part of a multi-byte character; the chosen
+/// tokens' bytes concatenate to the answer.
+#[test]
+fn logprob_bytes_are_the_tokens_exact_bytes() {
+    let a = start(|_| {});
+    let mut body = chat_body(24);
+    body["messages"] = json!([{"role": "user", "content": "Ünïcödé: 日本語 ☃ 🎉 — ëèê"}]);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(20);
+    let r = post(a, "/v1/chat/completions", &body).json();
+    let content = r["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let mut partial = 0;
+    let mut joined = Vec::new();
+    for t in content {
+        let (bytes, p) = check_entry_bytes(t);
+        partial += usize::from(p);
+        joined.extend(bytes);
+        for top in t["top_logprobs"].as_array().unwrap() {
+            partial += usize::from(check_entry_bytes(top).1);
+        }
+    }
+    assert!(partial > 0, "no partial-character token to check: {r}");
+    let text = r["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(String::from_utf8_lossy(&joined), text);
+
+    body["stream"] = json!(true);
+    let data = post(a, "/v1/chat/completions", &body).sse_data();
+    let mut streamed = Vec::new();
+    for d in &data[..data.len() - 1] {
+        let c: Value = serde_json::from_str(d).unwrap();
+        if let Some(entries) = c["choices"][0]["logprobs"]["content"].as_array() {
+            for t in entries {
+                streamed.extend(check_entry_bytes(t).0);
+            }
+        }
+    }
+    assert_eq!(streamed, joined);
+}
+
+/// A context overflow names the prompt's field of the endpoint: `prompt` on completions,
+/// `messages` on chat; the budget's field when the request set one that does not fit.
+#[test]
+fn context_overflow_names_the_endpoints_prompt_field() {
+    let a = start(|_| {});
+    let long: Vec<u32> = (0..200).map(|i| 5 + i % 50).collect();
+    for body in [
+        json!({"model": MODEL, "prompt": long}),
+        json!({"model": MODEL, "prompt": long, "max_tokens": 4}),
+    ] {
+        let r = post(a, "/v1/completions", &body);
+        assert_openai_error(&r, 400);
+        assert_eq!(r.json()["error"]["code"], "context_length_exceeded", "{}", r.body);
+        assert_eq!(r.json()["error"]["param"], "prompt", "{}", r.body);
+    }
+    let r = post(
+        a,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 200}),
+    );
+    assert_openai_error(&r, 400);
+    assert_eq!(r.json()["error"]["param"], "max_tokens", "{}", r.body);
+    let words = "word ".repeat(300);
+    let r = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": words}]}),
+    );
+    assert_openai_error(&r, 400);
+    assert_eq!(r.json()["error"]["param"], "messages", "{}", r.body);
+}
+
+/// `response_format`, `best_of` and `suffix` are honoured where deltafin can (plain text, one
+/// candidate, no suffix) and refused with the parameter named otherwise, never ignored.
+#[test]
+fn unsupported_options_are_refused_not_ignored() {
+    let a = start(|_| {});
+    let chat = |extra: Value| {
+        let mut b = chat_body(2);
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        post(a, "/v1/chat/completions", &b)
+    };
+    let cmpl = |extra: Value| {
+        let mut b = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        post(a, "/v1/completions", &b)
+    };
+    let refused = [
+        (
+            chat(json!({"response_format": {"type": "json_object"}})),
+            "response_format",
+        ),
+        (
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})),
+            "response_format",
+        ),
+        (chat(json!({"response_format": "json"})), "response_format"),
+        (chat(json!({"best_of": 2})), "best_of"),
+        (
+            cmpl(json!({"response_format": {"type": "json_object"}})),
+            "response_format",
+        ),
+        (cmpl(json!({"best_of": 3})), "best_of"),
+        (cmpl(json!({"suffix": "tail"})), "suffix"),
+        (cmpl(json!({"echo": true})), "echo"),
+    ];
+    for (r, param) in &refused {
+        assert_openai_error(r, 400);
+        assert_eq!(r.json()["error"]["param"], *param, "{}", r.body);
+        assert!(r.body.contains(&format!("`{param}`")), "{}", r.body);
+    }
+    for r in [
+        chat(json!({"response_format": {"type": "text"}, "best_of": 1})),
+        chat(json!({"response_format": null})),
+        cmpl(json!({"response_format": {"type": "text"}, "best_of": 1, "suffix": "", "echo": false})),
+        cmpl(json!({"suffix": null})),
+    ] {
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+}
+
+/// An integer too large for its field names the parameter and its range instead of serde's
+/// "invalid type: floating point".
+#[test]
+fn huge_integers_name_the_parameter_and_range() {
+    let a = start(|_| {});
+    let raw = |path: &str, body: &str| read_response(send(a, "POST", path, body.as_bytes(), &[]));
+    let huge = "99999999999999999999999";
+    let r = raw(
+        "/v1/chat/completions",
+        &format!(r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":{huge}}}"#),
+    );
+    assert_openai_error(&r, 400);
+    assert_eq!(r.json()["error"]["param"], "max_tokens", "{}", r.body);
+    let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(m.starts_with("`max_tokens` must be a positive integer"), "{m}");
+    assert!(!m.contains("floating point"), "{m}");
+    let r = raw(
+        "/v1/completions",
+        &format!(r#"{{"model":"{MODEL}","prompt":"Hi","logprobs":{huge}}}"#),
+    );
+    assert_openai_error(&r, 400);
+    assert_eq!(r.json()["error"]["param"], "logprobs", "{}", r.body);
+    assert!(r.body.contains("from 0 to 20"), "{}", r.body);
+    let r = raw(
+        "/v1/messages",
+        &format!(r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":{huge}}}"#),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("`max_tokens` must be a positive integer"), "{}", r.body);
+}

@@ -187,6 +187,47 @@ impl Tokenizer {
         }
     }
 
+    /// The exact bytes of one token id, without the lossy UTF-8 conversion of [`decode`]: a
+    /// byte-level token holding part of a multi-byte character (e.g. the first byte of `é`,
+    /// `[0xC3]`) gives that byte, not U+FFFD. Concatenating the bytes of consecutive tokens
+    /// rebuilds characters split across them; OpenAI's logprobs `bytes` field is this.
+    ///
+    /// For `tiktoken.model` these are the token's bytes (a special token's: its UTF-8 name).
+    /// For `tokenizer.json` it is `decode(&[id], false)` when that decodes losslessly (no
+    /// U+FFFD); otherwise the token's spelling run through the decoder with the byte-producing
+    /// steps kept as bytes: `ByteLevel` maps each character back through GPT-2's byte-to-unicode
+    /// table (openai/gpt-2 `encoder.py` `bytes_to_unicode`, as `tokenizers`'
+    /// `decoders::ByteLevel`), `ByteFallback` turns `<0xNN>` into byte `NN` (as `tokenizers`'
+    /// `decoders::ByteFallback`); string-level steps (`Replace`, `Strip`, `Metaspace`, ...) apply
+    /// to text pieces as in [`decode`] and leave raw bytes alone. Should that not explain the
+    /// U+FFFD (a token literally spelled with U+FFFD), the lossy text's UTF-8 is returned.
+    /// Either way `String::from_utf8_lossy(&token_bytes(id)) == decode(&[id], false)`.
+    ///
+    /// Errors: [`TokenizerError::UnknownTokenId`] for an id outside the vocabulary;
+    /// [`TokenizerError::Decode`] on backend failure.
+    ///
+    /// [`decode`]: Tokenizer::decode
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>, TokenizerError> {
+        match &self.backend {
+            Backend::Tiktoken(tk) => Ok(tk.piece(id, false)?.unwrap_or_default().to_vec()),
+            Backend::Hf(tok) => {
+                let text = self.decode(&[id], false)?;
+                if !text.contains('\u{FFFD}') {
+                    return Ok(text.into_bytes());
+                }
+                let (Some(spelling), Some(decoder)) = (tok.id_to_token(id), tok.get_decoder()) else {
+                    return Ok(text.into_bytes());
+                };
+                let raw = raw_decode(decoder, spelling)?;
+                if String::from_utf8_lossy(&raw) == text {
+                    Ok(raw)
+                } else {
+                    Ok(text.into_bytes())
+                }
+            }
+        }
+    }
+
     /// Fails with [`TokenizerError::UnknownTokenId`] unless `id` names a token.
     pub(crate) fn check_id(&self, id: u32) -> Result<(), TokenizerError> {
         let known = match &self.backend {
@@ -244,6 +285,70 @@ impl Tokenizer {
     pub fn stream_decoder(&self, skip_special_tokens: bool) -> StreamDecoder<'_> {
         StreamDecoder::new(self, skip_special_tokens)
     }
+}
+
+/// One token's piece while [`raw_decode`] runs the decoder chain: text, or bytes that are not
+/// valid UTF-8 (left alone by later string-level steps).
+enum Piece {
+    Text(String),
+    Bytes(Vec<u8>),
+}
+
+impl Piece {
+    fn from_bytes(b: Vec<u8>) -> Piece {
+        match String::from_utf8(b) {
+            Ok(s) => Piece::Text(s),
+            Err(e) => Piece::Bytes(e.into_bytes()),
+        }
+    }
+}
+
+/// Runs the single-token `spelling` through `decoder` keeping bytes exact (see
+/// [`Tokenizer::token_bytes`]).
+fn raw_decode(decoder: &tokenizers::DecoderWrapper, spelling: String) -> Result<Vec<u8>, TokenizerError> {
+    use tokenizers::{Decoder, DecoderWrapper};
+    fn step(d: &DecoderWrapper, piece: Piece) -> Result<Piece, TokenizerError> {
+        let Piece::Text(t) = piece else {
+            return Ok(piece);
+        };
+        Ok(match d {
+            DecoderWrapper::Sequence(seq) => {
+                let mut p = Piece::Text(t);
+                for d in seq.get_decoders() {
+                    p = step(d, p)?;
+                }
+                p
+            }
+            DecoderWrapper::ByteLevel(_) => {
+                let table = synth::byte_to_char();
+                let bytes: Option<Vec<u8>> = t
+                    .chars()
+                    .map(|c| table.iter().position(|&x| x == c).map(|b| b as u8))
+                    .collect();
+                // As tokenizers: a token with a character outside the table stays as spelled.
+                Piece::from_bytes(bytes.unwrap_or_else(|| t.into_bytes()))
+            }
+            DecoderWrapper::ByteFallback(_) => {
+                let byte = (t.len() == 6 && t.starts_with("<0x") && t.ends_with('>'))
+                    .then(|| u8::from_str_radix(&t[3..5], 16).ok())
+                    .flatten();
+                match byte {
+                    Some(b) => Piece::from_bytes(vec![b]),
+                    None => Piece::Text(t),
+                }
+            }
+            other => Piece::Text(
+                other
+                    .decode_chain(vec![t])
+                    .map_err(|e| TokenizerError::Decode { message: e.to_string() })?
+                    .concat(),
+            ),
+        })
+    }
+    Ok(match step(decoder, Piece::Text(spelling))? {
+        Piece::Text(t) => t.into_bytes(),
+        Piece::Bytes(b) => b,
+    })
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use deltafin_engine::session::Session;
 use deltafin_engine::{load_model, CausalLm};
 use deltafin_format::ModelDir;
@@ -51,8 +51,31 @@ pub struct ServeArgs {
     debug_step_delay_ms: u64,
 }
 
+/// Refuses flag values that would start a server that cannot work as asked, before the model
+/// loads: `--max-tokens 0` (every request without `max_tokens` would fail), an empty or
+/// padded `--api-key` (empty would turn authentication off; clients' keys are compared
+/// trimmed), an empty `--model-id` (no request could name it).
+fn check_flags(a: &ServeArgs) -> Result<()> {
+    if a.max_tokens == Some(0) {
+        bail!("--max-tokens must be at least 1");
+    }
+    if let Some(key) = &a.api_key {
+        if key.is_empty() {
+            bail!("--api-key is empty; give a key, or leave the flag out to serve without authentication");
+        }
+        if key.trim() != key {
+            bail!("--api-key must not start or end with whitespace");
+        }
+    }
+    if a.model_id.as_deref().is_some_and(|id| id.trim().is_empty()) {
+        bail!("--model-id is empty; give an id, or leave the flag out to use the model directory's name");
+    }
+    Ok(())
+}
+
 /// Loads the model and serves until Ctrl-C or SIGTERM.
 pub fn run(a: &ServeArgs) -> Result<()> {
+    check_flags(a)?;
     let dir = ModelDir::open(&a.model)?;
     let budget = crate::ram_budget(a.ram_budget);
     let tokenizer = Arc::new(
@@ -88,7 +111,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     session.set_prefill_chunk(a.passes.prefill_chunk);
     session.set_speculate(a.passes.speculate);
     let mut config = ServerConfig::new(model_id.clone());
-    config.api_key = a.api_key.clone().filter(|k| !k.is_empty());
+    config.api_key = a.api_key.clone();
     config.max_tokens = a.max_tokens;
     config.max_request_bytes = usize::try_from(a.max_request_bytes).unwrap_or(usize::MAX);
     config.step_delay = Duration::from_millis(a.debug_step_delay_ms);

@@ -117,3 +117,35 @@ fn serve_answers_on_loopback_and_reports_bad_flags() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("listening on 127.0.0.1"), "{err}");
 }
+
+/// Flag values that would start a server unable to work as asked are refused at startup with
+/// one line, before the model loads or the port opens.
+#[test]
+fn serve_refuses_unusable_flags_at_startup() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = converted(tmp.path());
+    let cases: [(&[&str], &str); 4] = [
+        (&["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (&["--api-key", ""], "--api-key is empty"),
+        (
+            &["--api-key", " key "],
+            "--api-key must not start or end with whitespace",
+        ),
+        (&["--model-id", ""], "--model-id is empty"),
+    ];
+    for (flags, want) in cases {
+        let out = Command::new(bin())
+            .args(["serve", "--port", "0", "--model"])
+            .arg(&model)
+            .args(flags)
+            .timeout(Duration::from_secs(30))
+            .assert()
+            .failure()
+            .get_output()
+            .clone();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{flags:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{flags:?}: {err}");
+        assert!(!err.contains("listening"), "{flags:?}: {err}");
+    }
+}
