@@ -314,6 +314,11 @@ pub(crate) async fn chat_prompt(
 ) -> Result<Vec<u32>, ApiError> {
     let s = Arc::clone(s);
     off_runtime(move || {
+        if let Some(e) = s.tokenizer.chat_template_error() {
+            return Err(ApiError::internal(format!(
+                "the model's chat template is unusable: {e}"
+            )));
+        }
         let template = s.tokenizer.chat_template().ok_or_else(|| {
             ApiError::bad_request("this model has no chat template; use /v1/completions with a raw prompt")
         })?;

@@ -50,6 +50,8 @@ pub struct Tokenizer {
     /// tiktoken only: prepend BOS in `encode(.., add_special_tokens=true)`.
     add_bos_token: bool,
     chat_template: Option<ChatTemplate>,
+    /// The chat template's compile error, kept so that plain-text use still works.
+    chat_template_error: Option<TokenizerError>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -84,8 +86,8 @@ impl Tokenizer {
     /// [`TokenizerError::TokenizerJson`], [`TokenizerError::TiktokenLine`] or
     /// [`TokenizerError::TiktokenBuild`] for a bad vocabulary; [`TokenizerError::Json`] /
     /// [`TokenizerError::Field`] for a bad `tokenizer_config.json` (including a `bos_token` or
-    /// `eos_token` that is not in the vocabulary); [`TokenizerError::TemplateSyntax`] for a chat
-    /// template that does not compile.
+    /// `eos_token` that is not in the vocabulary). A chat template that does not compile is not
+    /// an error here: [`Tokenizer::chat_template_error`] holds it.
     pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
         let config = TokenizerConfig::load(dir)?;
         let json_path = dir.join("tokenizer.json");
@@ -110,6 +112,7 @@ impl Tokenizer {
             eos_token_id: None,
             add_bos_token: false,
             chat_template: None,
+            chat_template_error: None,
         };
         let resolve = |tok: &Tokenizer, field: &str, token: &Option<String>| match token {
             None => Ok(None),
@@ -129,12 +132,10 @@ impl Tokenizer {
             ));
         }
         if let Some(t) = &config.chat_template {
-            tokenizer.chat_template = Some(ChatTemplate::with_origin(
-                &t.source,
-                config.bos_token.clone(),
-                config.eos_token.clone(),
-                &t.origin,
-            )?);
+            match ChatTemplate::with_origin(&t.source, config.bos_token.clone(), config.eos_token.clone(), &t.origin) {
+                Ok(tpl) => tokenizer.chat_template = Some(tpl),
+                Err(e) => tokenizer.chat_template_error = Some(e),
+            }
         }
         Ok(tokenizer)
     }
@@ -274,9 +275,17 @@ impl Tokenizer {
         self.eos_token_id.into_iter().collect()
     }
 
-    /// The chat template from tokenizer_config.json / chat_template.jinja, if any.
+    /// The chat template from tokenizer_config.json / chat_template.jinja, if any (`None` also
+    /// when it does not compile: see [`Tokenizer::chat_template_error`]).
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.chat_template.as_ref()
+    }
+
+    /// Why the model's chat template is unusable: [`TokenizerError::TemplateSyntax`] when it
+    /// does not compile. Loading does not fail for it, so a model whose template is broken still
+    /// tokenizes plain text; whatever needs the template reports this error.
+    pub fn chat_template_error(&self) -> Option<&TokenizerError> {
+        self.chat_template_error.as_ref()
     }
 
     /// A streaming decoder that emits valid UTF-8 text as ids arrive, holding back a multi-byte

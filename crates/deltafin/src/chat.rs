@@ -68,6 +68,9 @@ pub fn run(a: &ChatArgs) -> Result<()> {
     let tokenizer = Arc::new(
         Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?,
     );
+    if let Some(e) = tokenizer.chat_template_error() {
+        bail!("{e}");
+    }
     if tokenizer.chat_template().is_none() {
         bail!(
             "{} has no chat template in tokenizer_config.json; use `deltafin run`",

@@ -531,6 +531,9 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         }
         (Some(text), None) => {
             if a.chat {
+                if let Some(e) = tokenizer.chat_template_error() {
+                    bail!("--chat: {e}");
+                }
                 let tpl = tokenizer.chat_template().with_context(|| {
                     format!(
                         "--chat: {} has no chat template in tokenizer_config.json",

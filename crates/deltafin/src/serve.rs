@@ -81,6 +81,9 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     let tokenizer = Arc::new(
         Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?,
     );
+    if let Some(e) = tokenizer.chat_template_error() {
+        eprintln!("warning: {e}: chat requests will fail; /v1/completions works");
+    }
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
     let mut store_opts = a.store.options(budget, &dir)?;
     let _network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;

@@ -442,6 +442,34 @@ fn text_prompt_encodes_like_the_reference_and_streams_the_decoded_text() {
     assert_eq!(stdout, expected_stdout(&model, &gen));
 }
 
+/// A chat template that does not compile blocks only what needs it: `run --prompt` works,
+/// `run --chat` and `chat` fail with one line naming the template.
+#[test]
+fn a_broken_chat_template_only_fails_chat() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    ok(convert(&fixture("dsv3_a"), &model, &[]));
+    let cfg_path = model.join("tokenizer_config.json");
+    let mut cfg = read_json(&cfg_path);
+    cfg["chat_template"] = "{% if %}".into();
+    std::fs::write(&cfg_path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    let _ = std::fs::remove_file(model.join("chat_template.jinja"));
+    let run = |extra: &[&str]| {
+        exec(
+            deltafin()
+                .args(["run", "--model"])
+                .arg(&model)
+                .args(["--prompt", "hi", "--max-new-tokens", "2"])
+                .args(extra),
+        )
+    };
+    ok(run(&[]));
+    let err = expect_error(&run(&["--chat"]), &["--chat", "chat_template"]);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let out = exec(deltafin().args(["chat", "--model"]).arg(&model).write_stdin(""));
+    expect_error(&out, &["chat_template"]);
+}
+
 #[test]
 fn chat_wraps_the_prompt_with_the_chat_template() {
     for case in ["dsv3_a", "dsv3_b"] {
