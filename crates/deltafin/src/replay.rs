@@ -46,6 +46,9 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
         );
     }
     let mut store_opts = a.store.options(a.ram_budget, &dir)?;
+    if store_opts.prefetch {
+        bail!("--prefetch on: a replay has no hidden states to predict the next layer's experts from; leave it off");
+    }
     let _network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     let store = ExpertStore::open(&dir, store_opts).context("opening the expert store")?;
     let k = trace.shape.top_k as usize;

@@ -253,4 +253,15 @@ fn pin_from_rejects_a_trace_of_another_model() {
         "{err}"
     );
     assert_eq!(err.trim().lines().count(), 1, "{err}");
+    // replay cannot prefetch (no hidden states): refused rather than ignored.
+    let out = deltafin()
+        .args(["replay", "--prefetch", "on", "--model"])
+        .arg(&tiny)
+        .arg("--trace")
+        .arg(&trace)
+        .assert()
+        .failure()
+        .get_output()
+        .clone();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--prefetch on"));
 }
