@@ -200,7 +200,7 @@ impl ModelDir {
     ///
     /// Errors name the directory and what is wrong: no manifest (including an interrupted
     /// convert), another format version, a file shorter than the manifest says, a record out of
-    /// range or misaligned.
+    /// range or misaligned, a `config.json` that is not JSON.
     pub fn open(path: &Path) -> Result<Self, FormatError> {
         let mpath = path.join("manifest.json");
         let bad = |m: String| FormatError::ModelDir {
@@ -251,6 +251,15 @@ impl ModelDir {
                 "manifest format_version {} is not supported by this deltafin (expects {FORMAT_VERSION}); re-run `deltafin convert`",
                 manifest.format_version
             )));
+        }
+        // The copied config.json is read again for its end-of-sequence ids: a damaged copy is
+        // named here, by every command, not only by those that read it later.
+        let cpath = path.join("config.json");
+        if let Ok(text) = std::fs::read_to_string(&cpath) {
+            serde_json::from_str::<Value>(&text).map_err(|e| FormatError::Json {
+                path: cpath.clone(),
+                message: e.to_string(),
+            })?;
         }
         for (file, bytes) in [
             (&manifest.backbone.file, manifest.backbone.bytes),

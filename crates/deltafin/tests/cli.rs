@@ -635,6 +635,12 @@ fn info_reports_a_model_directory_as_stored() {
     let needle = format!("({} bytes)", len(&default_dir.join("backbone.bin")));
     let line = t.lines().find(|l| l.starts_with("resident backbone (int8)")).unwrap();
     assert!(line.contains(&needle), "{line:?} vs backbone.bin {needle}");
+    // A damaged config.json copy is named by info as by run.
+    std::fs::write(default_dir.join("config.json"), "{\"model_type\": ").unwrap();
+    for cmd in [vec!["info"], vec!["run", "--prompt-ids", "0", "--model"]] {
+        let out = exec(deltafin().args(&cmd).arg(&default_dir));
+        expect_error(&out, &["config.json", "malformed JSON"]);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
