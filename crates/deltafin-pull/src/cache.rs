@@ -79,7 +79,7 @@ pub fn stats(model_dir: &Path, traces: &[PathBuf]) -> Result<Stats, PullError> {
     let trace_coverage = if traces.is_empty() {
         None
     } else {
-        let heat = crate::warm::trace_heat(traces)?;
+        let heat = crate::warm::trace_heat(traces, &dir.manifest.config)?;
         let all: u64 = heat.values().sum();
         let hit: u64 = heat
             .iter()

@@ -599,6 +599,20 @@ fn place(
     Ok(())
 }
 
+/// A mirror serves converted files: the storage choices of a convert do not apply to it.
+fn refuse_convert_options_for_mirror(opts: &PullOptions, m: &Manifest) -> Result<(), PullError> {
+    let b = opts.convert.backbone;
+    let e = opts.convert.experts;
+    if b != StoredDtype::Int8 || e != StoredDtype::Mxfp4 {
+        return Err(PullError::Invalid(format!(
+            "the source is a deltafin mirror (its files are already converted: backbone {}, experts {}): --backbone / --experts do not apply; leave them out",
+            m.backbone.matrix_dtype.name(),
+            m.experts.dtype.name()
+        )));
+    }
+    Ok(())
+}
+
 fn mirror_full(
     http: &Arc<Http>,
     source: &Source,
@@ -609,6 +623,7 @@ fn mirror_full(
     progress: &dyn Progress,
 ) -> Result<PullReport, PullError> {
     let t0 = Instant::now();
+    refuse_convert_options_for_mirror(opts, &m)?;
     let dl = sibling(model_dir, "download");
     work_dir(&dl, source)?;
     mirror_small_files(http, source, &m, &dl)?;
@@ -686,6 +701,7 @@ fn mirror_stream(
     transfer: &dyn Transfer,
 ) -> Result<PullReport, PullError> {
     let t0 = Instant::now();
+    refuse_convert_options_for_mirror(opts, &m)?;
     let sd = sibling(model_dir, "stream-src");
     work_dir(&sd, source)?;
     mirror_small_files(http, source, &m, &sd)?;

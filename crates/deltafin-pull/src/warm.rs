@@ -19,7 +19,7 @@ use std::time::Instant;
 use deltafin_engine::traces::Trace;
 use deltafin_format::model_dir::ExpertRecord;
 use deltafin_format::presence::{commit_records, present_checksums, Journal};
-use deltafin_format::ModelDir;
+use deltafin_format::{ModelConfig, ModelDir};
 
 use crate::install::concurrency_or_default;
 use crate::{io_err, Http, HttpRecordSource, PullError};
@@ -60,11 +60,19 @@ fn resident(r: &ExpertRecord) -> u64 {
     r.length.div_ceil(4096) * 4096
 }
 
-/// Heat of each (layer, expert) over `traces`.
-pub fn trace_heat(traces: &[PathBuf]) -> Result<HashMap<(u32, u32), u64>, PullError> {
+/// Heat of each (layer, expert) over `traces`. Errors: an unreadable trace, or one recorded
+/// for another model than `cfg`'s.
+pub fn trace_heat(traces: &[PathBuf], cfg: &ModelConfig) -> Result<HashMap<(u32, u32), u64>, PullError> {
     let mut heat = HashMap::new();
     for p in traces {
-        let t = Trace::read(p)?;
+        let t = Trace::read(p).map_err(|e| PullError::Invalid(format!("--traces: {e}")))?;
+        if !t.shape.fits(cfg) {
+            return Err(PullError::Invalid(format!(
+                "--traces {}: recorded for another model ({})",
+                p.display(),
+                t.shape
+            )));
+        }
         for ((l, e), n) in t.heat_ranking() {
             *heat.entry((l as u32, e as u32)).or_default() += n;
         }
@@ -148,6 +156,9 @@ pub fn warm(
     let t0 = Instant::now();
     let dir = ModelDir::open(model_dir)?;
     let total = dir.manifest.experts.records.len();
+    // The traces are read (and checked against the model) even when nothing is missing, so a
+    // wrong path or another model's trace is reported on a full install too.
+    let heat = trace_heat(&opts.traces, &dir.manifest.config)?;
     let Some(stream) = dir.manifest.stream.clone() else {
         return Ok(WarmReport {
             present: total,
@@ -156,15 +167,6 @@ pub fn warm(
         });
     };
     let present = present_checksums(&dir)?;
-    let heat = trace_heat(&opts.traces)?;
-    let cfg = &dir.manifest.config;
-    if let Some(&(l, e)) = heat.keys().find(|&&(l, e)| {
-        l as usize >= cfg.num_hidden_layers() || !cfg.is_moe_layer(l as usize) || e as usize >= cfg.n_routed_experts()
-    }) {
-        return Err(PullError::Invalid(format!(
-            "the traces name expert (layer {l}, expert {e}), which this model does not have: traces of another model?"
-        )));
-    }
     let mut missing: Vec<&ExpertRecord> = dir
         .manifest
         .experts

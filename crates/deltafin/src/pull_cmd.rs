@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use deltafin_engine::experts::{Remote, StoreOptions};
 use deltafin_format::convert::ConvertOptions;
 use deltafin_format::{ModelDir, StoredDtype};
@@ -52,7 +52,8 @@ pub(crate) struct PullArgs {
     #[arg(long)]
     force: bool,
     /// Range requests (or expert fetches) in flight at once.
-    #[arg(long, default_value_t = 4, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
     concurrency: usize,
 }
 
@@ -71,6 +72,12 @@ impl Transfer for TransferBar {
 }
 
 pub(crate) fn run(a: &PullArgs) -> Result<()> {
+    if a.keep_download && !a.full {
+        bail!("--keep-download applies to --full pulls (a streaming pull downloads no checkpoint)");
+    }
+    if a.flat && a.revision != "main" {
+        bail!("--revision applies to the Hugging Face layout, not to --flat sources (files at <source>/<file>)");
+    }
     let source = Source::new(&a.source, Some(&a.revision), a.flat)?;
     let http = Arc::new(Http::new(HttpOptions::default())?);
     let opts = PullOptions {
@@ -106,7 +113,17 @@ pub(crate) fn run(a: &PullArgs) -> Result<()> {
         let left = ["stream-src", "download"]
             .map(|s| deltafin_pull::sibling(&a.model_dir, s))
             .into_iter()
-            .find(|p| p.exists());
+            .find(|p| p.exists())
+            .filter(|p| {
+                // A work directory holding only its source note has nothing to resume from.
+                let fetched = std::fs::read_dir(p)
+                    .map(|d| d.flatten().any(|e| e.file_name() != "source.json"))
+                    .unwrap_or(true);
+                if !fetched {
+                    let _ = std::fs::remove_dir_all(p);
+                }
+                fetched
+            });
         let hint = left.map_or(String::new(), |p| {
             format!(
                 " (the partial download in {} resumes on the next pull; `deltafin cache gc {}` removes it)",
@@ -136,7 +153,12 @@ pub(crate) fn run(a: &PullArgs) -> Result<()> {
             String::new()
         }
     );
-    if r.mode == "stream" {
+    if r.mode == "stream" && a.allow_network {
+        eprintln!(
+            "routed experts are fetched on first use by `deltafin run --model {0} …` (this install allows network access), or ahead of time with `deltafin warm {0}`",
+            a.model_dir.display()
+        );
+    } else if r.mode == "stream" {
         eprintln!(
             "routed experts are fetched on first use: `deltafin run --model {0} --allow-network …`, or ahead of time with `deltafin warm {0} --allow-network`",
             a.model_dir.display()

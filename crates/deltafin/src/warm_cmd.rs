@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use deltafin_pull::warm::{warm, WarmOptions};
 use deltafin_pull::{Http, HttpOptions};
 
@@ -23,7 +23,8 @@ pub(crate) struct WarmArgs {
     #[arg(long)]
     allow_network: bool,
     /// Records fetched at once.
-    #[arg(long, default_value_t = 4, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
     concurrency: usize,
 }
 
@@ -38,7 +39,8 @@ pub(crate) fn run(a: &WarmArgs) -> Result<()> {
     let bar = progress_bar("warming");
     let r = warm(&a.model_dir, http.clone(), &opts, &bar);
     bar.0.finish_and_clear();
-    let r = r.with_context(|| format!("warming {}", a.model_dir.display()))?;
+    // The errors name the model directory, the record or the URL themselves.
+    let r = r?;
     eprintln!(
         "warm {}: fetched {} expert records ({} of records, {} over HTTP, {} retries) in {:.1} s; {} of {} records present{}",
         a.model_dir.display(),

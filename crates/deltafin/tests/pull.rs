@@ -471,6 +471,15 @@ fn retries_500s_refetches_a_corrupted_body_and_names_a_server_ignoring_range() {
     let out = run_ok(&["cache", "gc", s(&t.join("c"))]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("removed"));
     assert!(!left.exists());
+    // A source that is not there: nothing fetched, nothing left behind to resume.
+    px.with(|f| f.strip_range = false);
+    let out = deltafin()
+        .args(["pull", &px.url("no-such-repo"), s(&t.join("e")), "--stream"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !err.contains("resumes"), "{err}");
+    assert!(!t.join("e").exists() && !t.join(".e.stream-src").exists(), "{err}");
     // A full install does not need Range.
     run_ok(&["pull", &px.url("dsv3_a"), s(&t.join("d")), "--full"]);
     assert_same_model(&t.join("ref"), &t.join("d"));
@@ -688,6 +697,27 @@ fn a_mirror_of_a_full_install_streams_checksummed_records() {
     assert_same_model(&t.join("src"), &t.join("full"));
     run_ok(&["pull", &px.url("mirror"), s(&st), "--full", "--flat"]);
     assert_same_model(&t.join("src"), &st);
+    // A mirror serves converted files: convert options are refused, not ignored.
+    for mode in ["--stream", "--full"] {
+        let out = deltafin()
+            .args([
+                "pull",
+                &px.url("mirror"),
+                s(&t.join("bf")),
+                mode,
+                "--flat",
+                "--backbone",
+                "bf16",
+            ])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("mirror") && err.contains("--backbone"),
+            "{err}"
+        );
+        assert!(!t.join("bf").exists());
+    }
 }
 
 #[test]

@@ -264,4 +264,35 @@ fn pin_from_rejects_a_trace_of_another_model() {
         .get_output()
         .clone();
     assert!(String::from_utf8_lossy(&out.stderr).contains("--prefetch on"));
+    // warm and cache stats read their traces even on a full install: a missing file or another
+    // model's trace is an error there too.
+    for (cmd, model, tr) in [
+        ("warm", &k3, trace.clone()),
+        ("warm", &tiny, t.path().join("missing.bin")),
+        ("stats", &k3, trace.clone()),
+    ] {
+        let mut c = deltafin();
+        if cmd == "stats" {
+            c.args(["cache", "stats"]);
+        } else {
+            c.arg("warm");
+        }
+        let out = c
+            .arg(model)
+            .arg("--traces")
+            .arg(&tr)
+            .assert()
+            .failure()
+            .get_output()
+            .clone();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--traces"), "{cmd}: {err}");
+    }
+    deltafin()
+        .arg("warm")
+        .arg(&tiny)
+        .arg("--traces")
+        .arg(&trace)
+        .assert()
+        .success();
 }
