@@ -441,6 +441,27 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         ],
         (Some(_), Some(_)) => bail!("give --prompt or --prompt-ids, not both"),
     };
+    // The runs would refuse a prompt plus --new-tokens past the context (naming their own
+    // --max-new-tokens); say it here, in the bench's terms, before any run. Configurations that
+    // change the prompt (--chat) or allow the overflow are left to the runs.
+    let passes_through = |flag: &str| configs.iter().any(|c| c.args.iter().any(|x| x == flag));
+    if !passes_through("--chat") && !passes_through("--allow-context-overflow") {
+        let prompt_len = match &prompt_args[..] {
+            [f, ids] if f == "--prompt-ids" => ids.split(',').count(),
+            [_, text] => deltafin_tokenizer::Tokenizer::from_dir(&a.model)
+                .and_then(|t| t.encode(text, true))
+                .map(|ids| ids.len())
+                .unwrap_or(0),
+            _ => 0,
+        };
+        let ctx = dir.manifest.config.max_position_embeddings();
+        if prompt_len.saturating_add(a.new_tokens) > ctx {
+            bail!(
+                "--new-tokens {}: the prompt ({prompt_len} tokens) plus the new tokens exceed the model's context length ({ctx}); lower --new-tokens or shorten the prompt",
+                a.new_tokens
+            );
+        }
+    }
     let limit_script = a
         .memory_limit
         .map(|_| find_limit_script(a.limit_script.as_deref()))
