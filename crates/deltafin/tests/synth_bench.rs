@@ -220,6 +220,19 @@ fn bench_rejects_bad_config_before_running() {
             "{config}: something ran: {stdout}"
         );
     }
+    // --new-tokens past the context is named in the bench's terms before any run.
+    let out = deltafin()
+        .args(["bench", "--runs", "1", "--new-tokens", "100000", "--model"])
+        .arg(&model)
+        .assert()
+        .failure()
+        .get_output()
+        .clone();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--new-tokens 100000") && stderr.contains("context length") && !stderr.contains("run 1"),
+        "{stderr}"
+    );
 }
 
 /// `--pin-from` refuses a router trace recorded for another model, as `replay` does, naming
