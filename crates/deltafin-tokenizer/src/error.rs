@@ -6,8 +6,8 @@ use std::path::PathBuf;
 /// template. Load-time variants name the file (and line or field) that is wrong.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    /// A file could not be read.
-    #[error("cannot read {path}: {source}")]
+    /// A file could not be read (or, for the synthetic tokenizer, written).
+    #[error("{path}: {source}")]
     Io {
         /// The file that failed.
         path: PathBuf,

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use deltafin_format::ModelDir;
 use deltafin_pull::cache;
 
@@ -102,7 +102,8 @@ pub(crate) fn run(a: &CacheArgs) -> Result<()> {
             println!("ok: {} present records of {} verified", r.checked, r.total);
         }
         CacheCmd::Gc { model_dir } => {
-            let r = cache::gc(model_dir)?;
+            let r = cache::gc(model_dir)
+                .with_context(|| format!("cache gc {} (it rewrites files there)", model_dir.display()))?;
             for p in &r.removed {
                 println!("removed {}", p.display());
             }

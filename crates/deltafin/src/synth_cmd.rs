@@ -53,7 +53,8 @@ pub fn run(a: &SynthArgs) -> Result<()> {
         .to_string_lossy()
         .into_owned();
     let tok_dir = TempDir(parent.join(format!(".{name}.tokenizer.tmp")));
-    deltafin_tokenizer::synth::write_byte_level_tokenizer(&tok_dir.0, CORPUS, 256, SPECIALS, BOS, EOS, CHAT_TEMPLATE)?;
+    deltafin_tokenizer::synth::write_byte_level_tokenizer(&tok_dir.0, CORPUS, 256, SPECIALS, BOS, EOS, CHAT_TEMPLATE)
+        .with_context(|| format!("writing the synthetic tokenizer beside {}", a.out.display()))?;
     let (vocab, bos, eos) = tokenizer_ids(&tok_dir.0)?;
     let Some(preset) = Preset::by_name(&a.preset, vocab) else {
         bail!("unknown preset {:?} (one of {})", a.preset, PRESET_NAMES.join(", "));
