@@ -8,7 +8,7 @@
 //!   first_moe u32     index of the first MoE layer (layers first_moe..n_layers are traced)
 //!   n_experts u32     routed experts per layer
 //!   top_k    u32      experts chosen per token per layer in this file
-//! records, one per token forward pass (4 + (n_layers − first_moe) × top_k × 2 bytes each):
+//! records, one per token of every forward pass (4 + (n_layers − first_moe) × top_k × 2 bytes each):
 //!   position u32      the token's position in its sequence (0 = first prompt token)
 //!   experts  [u16; (n_layers − first_moe) × top_k]   expert ids, layer-major, ascending per layer
 //! ```

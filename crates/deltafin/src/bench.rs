@@ -1043,12 +1043,14 @@ fn plot_svg(configs: &[Config], runs: &[Run], report: &Value) -> String {
             x + 16.0
         ));
     }
-    s.push_str(&format!(
-        "<line x1=\"{}\" y1=\"36\" x2=\"{}\" y2=\"36\" stroke=\"black\" stroke-dasharray=\"5,3\"/><text x=\"{}\" y=\"41\">storage floor</text>\n",
-        LEFT + 600.0,
-        LEFT + 630.0,
-        LEFT + 634.0
-    ));
+    if (0..configs.len()).any(|ci| report["configs"][ci]["storage_floor_s_per_token"].is_number()) {
+        s.push_str(&format!(
+            "<line x1=\"{}\" y1=\"36\" x2=\"{}\" y2=\"36\" stroke=\"black\" stroke-dasharray=\"5,3\"/><text x=\"{}\" y=\"41\">storage floor</text>\n",
+            LEFT + 600.0,
+            LEFT + 630.0,
+            LEFT + 634.0
+        ));
+    }
     // The median run of a configuration by steady rate.
     let median_run = |ci: usize| {
         let mut rs: Vec<&Run> = runs.iter().filter(|r| r.config == ci).collect();

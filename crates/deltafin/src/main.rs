@@ -752,7 +752,10 @@ fn stats_json(out: &deltafin_engine::generate::GenerateOutput, model: &dyn Causa
 pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &dyn CausalLm, budget: u64, dir: &ModelDir) {
     let decode = s
         .steady_decode_tokens_per_s()
-        .map(|r| format!("{r:.2} tok/s ({} steps)", s.steady_decode_steps))
+        .map(|r| {
+            let n = s.steady_decode_steps;
+            format!("{r:.2} tok/s ({n} step{})", if n == 1 { "" } else { "s" })
+        })
         .unwrap_or_else(|| "n/a (fewer than 2 decode steps)".into());
     let m = &dir.manifest;
     eprintln!("--- deltafin {title} ---");
@@ -793,9 +796,14 @@ pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &dyn CausalLm, 
     );
     let sp = &s.speculation;
     if sp.passes == 0 && !s.speculate.is_empty() && s.speculate != "off" {
+        let why = if s.speculate == "lookup" {
+            "no prompt match"
+        } else {
+            "the drafter proposed nothing to verify"
+        };
         eprintln!(
-            "speculation          --speculate {}: no draft verified ({} plain steps: no prompt match, or the \
-             adaptive length found drafting not worth it yet)",
+            "speculation          --speculate {}: no draft verified ({} plain steps: {why}, or the adaptive \
+             length found drafting not worth it yet)",
             s.speculate, sp.plain_steps
         );
     }
