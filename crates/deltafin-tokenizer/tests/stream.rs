@@ -1,35 +1,11 @@
 //! StreamDecoder property tests: concatenated pushes + finish == decode(all ids).
 
-use std::path::PathBuf;
-
 use deltafin_tokenizer::Tokenizer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-fn fixture(dir: &str) -> Tokenizer {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/tokenizer")
-        .join(dir);
-    Tokenizer::from_dir(&path).expect("load fixture")
-}
-
-/// GPT-2 byte-to-unicode table (how tokenizer.json spells byte tokens).
-fn gpt2_char(b: u8) -> char {
-    let mut next = 256u32;
-    for x in 0..=255u8 {
-        let printable = matches!(x, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-        let code = if printable {
-            u32::from(x)
-        } else {
-            next += 1;
-            next - 1
-        };
-        if x == b {
-            return char::from_u32(code).unwrap();
-        }
-    }
-    unreachable!()
-}
+mod common;
+use common::{fixture, gpt2_char};
 
 /// The single-byte token id of every byte. The tiktoken fixture's ranks 0..256 are the bytes in
 /// order (see make_tokenizer_fixtures.py `kimi_ranks_from`).

@@ -1,0 +1,32 @@
+//! Helpers shared by the tokenizer's integration tests.
+
+use std::path::PathBuf;
+
+use deltafin_tokenizer::Tokenizer;
+
+/// The tokenizer fixture `dir` under tests/fixtures/tokenizer.
+pub fn fixture(dir: &str) -> Tokenizer {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tokenizer")
+        .join(dir);
+    Tokenizer::from_dir(&path).expect("load fixture")
+}
+
+/// GPT-2 byte-to-unicode table (how tokenizer.json spells byte tokens), written out here
+/// independently of the crate's.
+pub fn gpt2_char(b: u8) -> char {
+    let mut next = 256u32;
+    for x in 0..=255u8 {
+        let printable = matches!(x, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        let code = if printable {
+            u32::from(x)
+        } else {
+            next += 1;
+            next - 1
+        };
+        if x == b {
+            return char::from_u32(code).unwrap();
+        }
+    }
+    unreachable!()
+}
