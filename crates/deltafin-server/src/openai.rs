@@ -92,6 +92,7 @@ struct ChatRequest {
     logprobs: Option<bool>,
     top_logprobs: Option<i64>,
     tools: Option<Value>,
+    tool_choice: Option<Value>,
     best_of: Option<i64>,
     response_format: Option<Value>,
     ignore_eos: Option<bool>,
@@ -133,6 +134,114 @@ fn check_response_format(v: Option<&Value>) -> Result<(), ApiError> {
         },
         Some(_) => bad("`response_format` must be an object such as {\"type\": \"text\"}".into()),
     }
+}
+
+/// `tools` and `tool_choice` checked against OpenAI's schema: `tools` a list of
+/// `{"type": "function", "function": {"name": <non-empty string>, "description"?: <string>,
+/// "parameters"?: <object>}}`; `tool_choice` `"none"`, `"auto"`, `"required"` (which needs
+/// tools) or `{"type": "function", "function": {"name": <one of the tools>}}`. Returns the
+/// tools to pass to the chat template (None for absent, null or an empty list). The output is
+/// not constrained by `tool_choice`: tool calls come back as the model writes them, as text.
+fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<Option<Value>, ApiError> {
+    const SHAPE: &str = r#"{"type": "function", "function": {"name": ...}}"#;
+    let mut names = Vec::new();
+    let tools = match tools {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(list)) => {
+            for (i, t) in list.iter().enumerate() {
+                let at = |field: &str| format!("tools[{i}]{field}");
+                let bad = |field: &str, m: String| Err(ApiError::invalid_param(&at(field), m));
+                let Some(t) = t.as_object() else {
+                    return bad("", format!("`{}` must be an object such as {SHAPE}", at("")));
+                };
+                match t.get("type") {
+                    Some(Value::String(ty)) if ty == "function" => {}
+                    Some(Value::String(ty)) => {
+                        return bad(".type", format!("`{}` must be \"function\", got \"{ty}\"", at(".type")))
+                    }
+                    _ => {
+                        return bad(
+                            ".type",
+                            format!("`{}` is required and must be \"function\"", at(".type")),
+                        )
+                    }
+                }
+                let Some(f) = t.get("function").and_then(Value::as_object) else {
+                    return bad(
+                        ".function",
+                        format!("`{}` is required and must be an object with a `name`", at(".function")),
+                    );
+                };
+                match f.get("name") {
+                    Some(Value::String(n)) if !n.is_empty() => names.push(n.as_str()),
+                    _ => {
+                        return bad(
+                            ".function.name",
+                            format!("`{}` is required and must be a non-empty string", at(".function.name")),
+                        )
+                    }
+                }
+                if !matches!(f.get("description"), None | Some(Value::Null) | Some(Value::String(_))) {
+                    return bad(
+                        ".function.description",
+                        format!("`{}` must be a string", at(".function.description")),
+                    );
+                }
+                if !matches!(f.get("parameters"), None | Some(Value::Null) | Some(Value::Object(_))) {
+                    return bad(
+                        ".function.parameters",
+                        format!("`{}` must be a JSON Schema object", at(".function.parameters")),
+                    );
+                }
+            }
+            (!list.is_empty()).then(|| Value::Array(list.clone()))
+        }
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "tools",
+                format!("`tools` must be a list of tools such as {SHAPE}"),
+            ))
+        }
+    };
+    let bad_choice = |param: &str, m: String| Err(ApiError::invalid_param(param, m));
+    match tool_choice {
+        None | Some(Value::Null) => {}
+        Some(Value::String(c)) => match c.as_str() {
+            "none" | "auto" => {}
+            "required" if tools.is_some() => {}
+            "required" => return bad_choice("tool_choice", "`tool_choice` \"required\" needs `tools`".into()),
+            other => {
+                return bad_choice(
+                    "tool_choice",
+                    format!("`tool_choice` must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got \"{other}\""),
+                )
+            }
+        },
+        Some(Value::Object(o)) => {
+            if o.get("type").and_then(Value::as_str) != Some("function") {
+                return bad_choice("tool_choice.type", "`tool_choice.type` must be \"function\"".into());
+            }
+            let Some(name) = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) else {
+                return bad_choice(
+                    "tool_choice.function.name",
+                    "`tool_choice.function.name` is required and must be a string".into(),
+                );
+            };
+            if !names.contains(&name) {
+                return bad_choice(
+                    "tool_choice.function.name",
+                    format!("`tool_choice.function.name` \"{name}\" is not one of the functions in `tools`"),
+                );
+            }
+        }
+        Some(_) => {
+            return bad_choice(
+                "tool_choice",
+                "`tool_choice` must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}".into(),
+            )
+        }
+    }
+    Ok(tools)
 }
 
 /// Prompt as token ids: a string (tokenized with the tokenizer's special tokens, e.g. BOS), a
@@ -347,10 +456,11 @@ pub async fn chat_completions(
     };
     let sampling = sampling(r.temperature, r.top_p, r.top_k, r.seed, 2.0)?;
     let stop = stop_strings(r.stop.as_ref(), "stop")?;
+    let tools = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
     let messages = normalize_messages(r.messages.as_deref().unwrap_or(&[]))?;
-    let extra = match &r.tools {
-        Some(t) if !t.is_null() => json!({"tools": t}),
-        _ => Value::Null,
+    let extra = match tools {
+        Some(t) => json!({"tools": t}),
+        None => Value::Null,
     };
     let prompt = chat_prompt(&s, messages, extra).await?;
     let (requested, param) = match (r.max_completion_tokens, r.max_tokens) {

@@ -712,3 +712,79 @@ fn huge_integers_name_the_parameter_and_range() {
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body.contains("`max_tokens` must be a positive integer"), "{}", r.body);
 }
+
+/// `tools` and `tool_choice` are checked against OpenAI's schema: a malformed one is 400 naming
+/// the field at fault, never silently passed to the template or dropped; valid forms work.
+#[test]
+fn chat_tools_and_tool_choice_are_type_checked() {
+    let a = start(|_| {});
+    let chat = |extra: Value| {
+        let mut b = chat_body(2);
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        post(a, "/v1/chat/completions", &b)
+    };
+    let tool = json!({"type": "function", "function": {"name": "get_weather", "description": "Weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+    let refused = [
+        (json!({"tools": "x"}), "tools"),
+        (json!({"tools": {"a": 1}}), "tools"),
+        (json!({"tools": [1]}), "tools[0]"),
+        (json!({"tools": [{"type": "function"}]}), "tools[0].function"),
+        (
+            json!({"tools": [tool, {"type": "function", "function": {}}]}),
+            "tools[1].function.name",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": ""}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": 3}}]}),
+            "tools[0].function.name",
+        ),
+        (json!({"tools": [{"function": {"name": "f"}}]}), "tools[0].type"),
+        (
+            json!({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}),
+            "tools[0].type",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}),
+            "tools[0].function.parameters",
+        ),
+        (json!({"tool_choice": 5}), "tool_choice"),
+        (json!({"tool_choice": "sometimes"}), "tool_choice"),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "other"}}),
+            "tool_choice.type",
+        ),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "function", "function": {}}}),
+            "tool_choice.function.name",
+        ),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice.function.name",
+        ),
+    ];
+    for (extra, param) in &refused {
+        let r = chat(extra.clone());
+        assert_openai_error(&r, 400);
+        assert_eq!(r.json()["error"]["param"], *param, "{extra}: {}", r.body);
+        assert_eq!(r.json()["error"]["message"].as_str().unwrap().lines().count(), 1);
+    }
+    for extra in [
+        json!({"tools": [tool]}),
+        json!({"tools": [tool], "tool_choice": "auto"}),
+        json!({"tools": [tool], "tool_choice": "none"}),
+        json!({"tools": [tool], "tool_choice": "required"}),
+        json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+        json!({"tools": [], "tool_choice": "auto"}),
+        json!({"tools": null, "tool_choice": null}),
+    ] {
+        let r = chat(extra.clone());
+        assert_eq!(r.status, 200, "{extra}: {}", r.body);
+    }
+}
