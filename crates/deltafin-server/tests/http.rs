@@ -788,3 +788,50 @@ fn chat_tools_and_tool_choice_are_type_checked() {
         assert_eq!(r.status, 200, "{extra}: {}", r.body);
     }
 }
+
+/// `/v1/messages` does not support tools: a non-empty `tools` (or a `tool_choice` that needs
+/// one) is an Anthropic-shaped 400 naming `tools`, never silently dropped; a malformed one too.
+#[test]
+fn anthropic_tools_are_refused_not_dropped() {
+    let a = start(|_| {});
+    let msg = |extra: Value| {
+        let mut b = json!({"model": MODEL, "max_tokens": 2, "messages": hello()});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        post(a, "/v1/messages", &b)
+    };
+    let tool = json!({"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}});
+    for (extra, names) in [
+        (json!({"tools": "x"}), "tools"),
+        (json!({"tools": {"name": "f"}}), "tools"),
+        (json!({"tools": [1]}), "tools[0]"),
+        (json!({"tools": [tool]}), "tools"),
+        (json!({"tool_choice": {"type": "any"}}), "tool_choice"),
+        (
+            json!({"tool_choice": {"type": "tool", "name": "get_weather"}}),
+            "tool_choice",
+        ),
+        (json!({"tool_choice": "auto"}), "tool_choice"),
+    ] {
+        let r = msg(extra.clone());
+        assert_eq!(r.status, 400, "{extra}: {}", r.body);
+        let v = r.json();
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.starts_with(&format!("{names}:")), "{extra}: {m}");
+        assert_eq!(m.lines().count(), 1, "{m}");
+    }
+    let r = msg(json!({"tools": [tool]}));
+    assert!(r.body.contains("not supported"), "{}", r.body);
+    for extra in [
+        json!({"tools": []}),
+        json!({"tools": null}),
+        json!({"tool_choice": {"type": "auto"}}),
+        json!({"tool_choice": {"type": "none"}}),
+    ] {
+        let r = msg(extra.clone());
+        assert_eq!(r.status, 200, "{extra}: {}", r.body);
+    }
+}
