@@ -835,3 +835,66 @@ fn anthropic_tools_are_refused_not_dropped() {
         assert_eq!(r.status, 200, "{extra}: {}", r.body);
     }
 }
+
+/// Bytes of a legacy completions token: `bytes:\xNN...` decoded, else the text's UTF-8.
+fn completion_token_bytes(t: &str) -> Vec<u8> {
+    match t.strip_prefix("bytes:") {
+        Some(esc) => esc
+            .split("\\x")
+            .skip(1)
+            .map(|h| u8::from_str_radix(h, 16).unwrap_or_else(|e| panic!("{t}: {e}")))
+            .collect(),
+        None => t.as_bytes().to_vec(),
+    }
+}
+
+/// Legacy completions `logprobs: N`: a token that is not valid UTF-8 alone is written
+/// `bytes:\xNN`, so each `top_logprobs` map has N distinct keys even when several byte-level
+/// tokens would all render as U+FFFD; the tokens' bytes rebuild the text and `text_offset`
+/// counts its characters.
+#[test]
+fn completion_logprobs_keep_partial_character_tokens_distinct() {
+    let a = start(|_| {});
+    let body = json!({"model": MODEL, "prompt": "Ünïcödé: 日本語 ☃ 🎉 — ëèê", "max_tokens": 24,
+        "ignore_eos": true, "logprobs": 20});
+    let r = post(a, "/v1/completions", &body).json();
+    let choice = &r["choices"][0];
+    let lp = &choice["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let mut escaped = 0;
+    for (i, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+        let top = top.as_object().unwrap();
+        assert_eq!(top.len(), 20, "position {i}: {top:?}");
+        for k in top.keys() {
+            assert!(!k.contains('\u{FFFD}'), "{k}");
+            escaped += usize::from(k.starts_with("bytes:"));
+        }
+    }
+    assert!(escaped > 0, "no partial-character token to check: {r}");
+    let text = choice["text"].as_str().unwrap();
+    let joined: Vec<u8> = tokens.iter().flat_map(|t| completion_token_bytes(t)).collect();
+    assert_eq!(String::from_utf8_lossy(&joined), text);
+    // text_offset: where each token starts in `text`, in characters.
+    let offsets: Vec<usize> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap() as usize)
+        .collect();
+    let mut before = Vec::new();
+    for (t, &off) in tokens.iter().zip(&offsets) {
+        let prefix = String::from_utf8_lossy(&before).into_owned();
+        let complete = prefix.trim_end_matches('\u{FFFD}').chars().count();
+        assert!(
+            off == complete || off == prefix.chars().count(),
+            "{t}: {off} vs {prefix:?}"
+        );
+        assert!(off <= text.chars().count());
+        before.extend(completion_token_bytes(t));
+    }
+}
