@@ -161,6 +161,39 @@ fn metric(addr: SocketAddr, name: &str) -> f64 {
         .unwrap()
 }
 
+/// `deltafin_requests_total{endpoint,status}` (0 when absent).
+fn requests(addr: SocketAddr, endpoint: &str, status: u16) -> f64 {
+    let name = format!("deltafin_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}}");
+    let text = get(addr, "/metrics").body;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name.as_str()).and_then(|r| r.strip_prefix(' ')))
+        .map_or(0.0, |v| v.parse().unwrap())
+}
+
+/// Waits up to 5 s for the request counts of `endpoint` to be `want` (status, count) and
+/// nothing else among 200 and 499.
+fn wait_for_requests(addr: SocketAddr, endpoint: &str, want: &[(u16, f64)]) {
+    let t0 = Instant::now();
+    loop {
+        let got: Vec<(u16, f64)> = [200, 499]
+            .iter()
+            .map(|&st| (st, requests(addr, endpoint, st)))
+            .collect();
+        let expected: Vec<(u16, f64)> = [200, 499]
+            .iter()
+            .map(|&st| (st, want.iter().find(|w| w.0 == st).map_or(0.0, |w| w.1)))
+            .collect();
+        if got == expected {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "{endpoint}: {got:?}, want {expected:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn assert_openai_error(r: &Resp, status: u16) {
     assert_eq!(r.status, status, "{}", r.body);
     let v = r.json();
@@ -459,6 +492,8 @@ fn disconnect_cancels_within_a_step_and_frees_the_slot() {
     assert_eq!(metric(a, "deltafin_generations_cancelled_total"), 1.0);
     // 100 tokens at 20 ms would take 2 s; far fewer were produced.
     assert!(metric(a, "deltafin_completion_tokens_total") < 50.0);
+    // The abandoned stream counts as 499 (client closed request), the answered one as 200.
+    wait_for_requests(a, "/v1/chat/completions", &[(200, 1.0), (499, 1.0)]);
 }
 
 #[test]
@@ -536,6 +571,8 @@ fn non_streaming_disconnect_also_cancels() {
     assert_eq!(next.status, 200, "{}", next.body);
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
     assert_eq!(metric(a, "deltafin_generations_cancelled_total"), 1.0);
+    // The abandoned request is counted once, as 499; the answered one as 200.
+    wait_for_requests(a, "/v1/completions", &[(200, 1.0), (499, 1.0)]);
 }
 
 /// Every chat logprobs entry's `bytes` and whether its `token` text is a lossy rendering.
