@@ -39,6 +39,53 @@ struct MessagesRequest {
     temperature: Option<f64>,
     top_p: Option<f64>,
     top_k: Option<i64>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+}
+
+/// Tools are not supported on this endpoint (tool_use / tool_result blocks are refused too, and
+/// there is no conversion of Anthropic tools for the chat template): `tools` must be absent,
+/// null or an empty list, and `tool_choice` absent, null, `{"type": "auto"}` or
+/// `{"type": "none"}`. Anything else is 400 rather than silently dropped.
+fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<(), ApiError> {
+    match tools {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(list)) if list.is_empty() => {}
+        Some(Value::Array(list)) => {
+            if let Some(i) = list.iter().position(|t| !t.is_object()) {
+                return Err(ApiError::invalid_param(
+                    &format!("tools[{i}]"),
+                    format!(
+                        "tools[{i}]: each tool must be an object such as {{\"name\": ..., \"input_schema\": {{...}}}}"
+                    ),
+                ));
+            }
+            return Err(ApiError::invalid_param(
+                "tools",
+                "tools: tools are not supported on this endpoint (send the request without `tools`)",
+            ));
+        }
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "tools",
+                "tools: must be a list of tools (and tools are not supported on this endpoint)",
+            ))
+        }
+    }
+    match tool_choice {
+        None | Some(Value::Null) => Ok(()),
+        Some(c) => match c.get("type").and_then(Value::as_str) {
+            Some("auto" | "none") if c.is_object() => Ok(()),
+            Some("any" | "tool") => Err(ApiError::invalid_param(
+                "tool_choice",
+                "tool_choice: tools are not supported on this endpoint, so a tool cannot be required",
+            )),
+            _ => Err(ApiError::invalid_param(
+                "tool_choice",
+                "tool_choice: must be an object whose `type` is auto, any, tool or none",
+            )),
+        },
+    }
 }
 
 /// Text of a `content`: a string or a list of `{"type":"text","text":..}` blocks (joined).
@@ -125,6 +172,7 @@ pub async fn messages(State(s): State<Shared>, body: Result<Bytes, BytesRejectio
 async fn run(s: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let r: MessagesRequest = parse_body(body, Flavor::Anthropic)?;
     s.check_model(&r.model)?;
+    check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
     let sampling = sampling(r.temperature, r.top_p, r.top_k, None, 1.0)?;
     let stops = stop_strings(r.stop_sequences.as_ref(), "stop_sequences")?;
     let messages = to_chat_messages(&r)?;

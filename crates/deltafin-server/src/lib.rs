@@ -189,15 +189,104 @@ async fn auth(State(s): State<Shared>, req: Request, next: Next) -> Response {
     }
 }
 
+/// Counts every request exactly once in `deltafin_requests_total`: with its response's status
+/// once the response body has been sent in full, or with [`CLIENT_CLOSED`] when the client went
+/// away first (the handler dropped before answering, or a stream dropped before its end).
 async fn count_requests(State(s): State<Shared>, req: Request, next: Next) -> Response {
     let endpoint = req
         .extensions()
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "other".into());
+    let mut count = RequestCount {
+        metrics: Arc::clone(&s.metrics),
+        endpoint,
+        status: None,
+        recorded: false,
+    };
     let resp = next.run(req).await;
-    s.metrics.record_request(&endpoint, resp.status().as_u16());
-    resp
+    count.status = Some(resp.status().as_u16());
+    resp.map(|body| {
+        axum::body::Body::new(CountedBody {
+            inner: body,
+            count,
+            finished: false,
+        })
+    })
+}
+
+/// Status label of a request whose client closed the connection before the whole response
+/// was sent (nginx's "client closed request").
+pub const CLIENT_CLOSED: u16 = 499;
+
+/// Records its request when dropped: with `status` once the response is complete, else
+/// [`CLIENT_CLOSED`].
+struct RequestCount {
+    metrics: Arc<Metrics>,
+    endpoint: String,
+    /// The response's status; None while the handler runs.
+    status: Option<u16>,
+    recorded: bool,
+}
+
+impl RequestCount {
+    fn record(&mut self, complete: bool) {
+        if self.recorded {
+            return;
+        }
+        self.recorded = true;
+        let status = match self.status {
+            Some(s) if complete => s,
+            _ => CLIENT_CLOSED,
+        };
+        self.metrics.record_request(&self.endpoint, status);
+    }
+}
+
+impl Drop for RequestCount {
+    fn drop(&mut self) {
+        self.record(false);
+    }
+}
+
+/// A response body that records its request when it ends (complete) or is dropped (complete
+/// only if it had reached its end).
+struct CountedBody {
+    inner: axum::body::Body,
+    count: RequestCount,
+    finished: bool,
+}
+
+impl http_body::Body for CountedBody {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let this = &mut *self;
+        let r = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
+        if let std::task::Poll::Ready(None) = r {
+            this.finished = true;
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for CountedBody {
+    fn drop(&mut self) {
+        let complete = self.finished || http_body::Body::is_end_stream(&self.inner);
+        self.count.record(complete);
+    }
 }
 
 pub(crate) fn unix_now() -> u64 {

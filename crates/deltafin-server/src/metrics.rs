@@ -30,7 +30,7 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// Counts one answered request.
+    /// Counts one request (`status` 499 for one whose client went away before the response was sent in full).
     pub fn record_request(&self, endpoint: &str, status: u16) {
         if let Ok(mut m) = self.requests.lock() {
             *m.entry((endpoint.to_string(), status)).or_default() += 1;
@@ -99,7 +99,7 @@ impl Metrics {
         metric(
             "deltafin_requests_total",
             "counter",
-            "HTTP requests answered, by endpoint and status.",
+            "HTTP requests, each counted once by endpoint and status (499: the client closed the connection before the whole response was sent).",
             &reqs,
         );
         metric(

@@ -8,6 +8,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::fmt::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,6 +93,7 @@ struct ChatRequest {
     logprobs: Option<bool>,
     top_logprobs: Option<i64>,
     tools: Option<Value>,
+    tool_choice: Option<Value>,
     best_of: Option<i64>,
     response_format: Option<Value>,
     ignore_eos: Option<bool>,
@@ -133,6 +135,114 @@ fn check_response_format(v: Option<&Value>) -> Result<(), ApiError> {
         },
         Some(_) => bad("`response_format` must be an object such as {\"type\": \"text\"}".into()),
     }
+}
+
+/// `tools` and `tool_choice` checked against OpenAI's schema: `tools` a list of
+/// `{"type": "function", "function": {"name": <non-empty string>, "description"?: <string>,
+/// "parameters"?: <object>}}`; `tool_choice` `"none"`, `"auto"`, `"required"` (which needs
+/// tools) or `{"type": "function", "function": {"name": <one of the tools>}}`. Returns the
+/// tools to pass to the chat template (None for absent, null or an empty list). The output is
+/// not constrained by `tool_choice`: tool calls come back as the model writes them, as text.
+fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<Option<Value>, ApiError> {
+    const SHAPE: &str = r#"{"type": "function", "function": {"name": ...}}"#;
+    let mut names = Vec::new();
+    let tools = match tools {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(list)) => {
+            for (i, t) in list.iter().enumerate() {
+                let at = |field: &str| format!("tools[{i}]{field}");
+                let bad = |field: &str, m: String| Err(ApiError::invalid_param(&at(field), m));
+                let Some(t) = t.as_object() else {
+                    return bad("", format!("`{}` must be an object such as {SHAPE}", at("")));
+                };
+                match t.get("type") {
+                    Some(Value::String(ty)) if ty == "function" => {}
+                    Some(Value::String(ty)) => {
+                        return bad(".type", format!("`{}` must be \"function\", got \"{ty}\"", at(".type")))
+                    }
+                    _ => {
+                        return bad(
+                            ".type",
+                            format!("`{}` is required and must be \"function\"", at(".type")),
+                        )
+                    }
+                }
+                let Some(f) = t.get("function").and_then(Value::as_object) else {
+                    return bad(
+                        ".function",
+                        format!("`{}` is required and must be an object with a `name`", at(".function")),
+                    );
+                };
+                match f.get("name") {
+                    Some(Value::String(n)) if !n.is_empty() => names.push(n.as_str()),
+                    _ => {
+                        return bad(
+                            ".function.name",
+                            format!("`{}` is required and must be a non-empty string", at(".function.name")),
+                        )
+                    }
+                }
+                if !matches!(f.get("description"), None | Some(Value::Null) | Some(Value::String(_))) {
+                    return bad(
+                        ".function.description",
+                        format!("`{}` must be a string", at(".function.description")),
+                    );
+                }
+                if !matches!(f.get("parameters"), None | Some(Value::Null) | Some(Value::Object(_))) {
+                    return bad(
+                        ".function.parameters",
+                        format!("`{}` must be a JSON Schema object", at(".function.parameters")),
+                    );
+                }
+            }
+            (!list.is_empty()).then(|| Value::Array(list.clone()))
+        }
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "tools",
+                format!("`tools` must be a list of tools such as {SHAPE}"),
+            ))
+        }
+    };
+    let bad_choice = |param: &str, m: String| Err(ApiError::invalid_param(param, m));
+    match tool_choice {
+        None | Some(Value::Null) => {}
+        Some(Value::String(c)) => match c.as_str() {
+            "none" | "auto" => {}
+            "required" if tools.is_some() => {}
+            "required" => return bad_choice("tool_choice", "`tool_choice` \"required\" needs `tools`".into()),
+            other => {
+                return bad_choice(
+                    "tool_choice",
+                    format!("`tool_choice` must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got \"{other}\""),
+                )
+            }
+        },
+        Some(Value::Object(o)) => {
+            if o.get("type").and_then(Value::as_str) != Some("function") {
+                return bad_choice("tool_choice.type", "`tool_choice.type` must be \"function\"".into());
+            }
+            let Some(name) = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) else {
+                return bad_choice(
+                    "tool_choice.function.name",
+                    "`tool_choice.function.name` is required and must be a string".into(),
+                );
+            };
+            if !names.contains(&name) {
+                return bad_choice(
+                    "tool_choice.function.name",
+                    format!("`tool_choice.function.name` \"{name}\" is not one of the functions in `tools`"),
+                );
+            }
+        }
+        Some(_) => {
+            return bad_choice(
+                "tool_choice",
+                "`tool_choice` must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}".into(),
+            )
+        }
+    }
+    Ok(tools)
 }
 
 /// Prompt as token ids: a string (tokenized with the tokenizer's special tokens, e.g. BOS), a
@@ -228,7 +338,9 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
         return Ok(sse(rx, meta).into_response());
     }
     let c = collect(rx).await?;
-    let lp = meta.logprobs.then(|| completion_logprobs(&c.logprobs));
+    let lp = meta
+        .logprobs
+        .then(|| completion_logprobs(|id, t| token_bytes(&s.tokenizer, id, t), &c.logprobs));
     Ok(Json(json!({
         "id": meta.id,
         "object": "text_completion",
@@ -347,10 +459,11 @@ pub async fn chat_completions(
     };
     let sampling = sampling(r.temperature, r.top_p, r.top_k, r.seed, 2.0)?;
     let stop = stop_strings(r.stop.as_ref(), "stop")?;
+    let tools = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
     let messages = normalize_messages(r.messages.as_deref().unwrap_or(&[]))?;
-    let extra = match &r.tools {
-        Some(t) if !t.is_null() => json!({"tools": t}),
-        _ => Value::Null,
+    let extra = match tools {
+        Some(t) => json!({"tools": t}),
+        None => Value::Null,
     };
     let prompt = chat_prompt(&s, messages, extra).await?;
     let (requested, param) = match (r.max_completion_tokens, r.max_tokens) {
@@ -412,7 +525,7 @@ fn usage(o: &GenerationOutput) -> Value {
 /// as U+FFFD, as OpenAI does); `bytes` its exact bytes ([`Tokenizer::token_bytes`]), so that
 /// concatenating them rebuilds characters split across tokens.
 fn chat_logprobs(tokenizer: &Tokenizer, lps: &[TokenLogprob]) -> Vec<Value> {
-    let bytes = |id: u32, text: &str| tokenizer.token_bytes(id).unwrap_or_else(|_| text.as_bytes().to_vec());
+    let bytes = |id: u32, text: &str| token_bytes(tokenizer, id, text);
     lps.iter()
         .map(|t| {
             json!({
@@ -427,21 +540,75 @@ fn chat_logprobs(tokenizer: &Tokenizer, lps: &[TokenLogprob]) -> Vec<Value> {
         .collect()
 }
 
+/// A token's exact bytes ([`Tokenizer::token_bytes`]; its text's UTF-8 should that fail).
+fn token_bytes(tokenizer: &Tokenizer, id: u32, text: &str) -> Vec<u8> {
+    tokenizer.token_bytes(id).unwrap_or_else(|_| text.as_bytes().to_vec())
+}
+
+/// A token as the legacy completions shape writes it: its text, or when its bytes are not
+/// valid UTF-8 on their own (part of a multi-byte character) `bytes:` followed by each byte as
+/// `\xNN` (e.g. `bytes:\xe2\x80`), as OpenAI does, so distinct partial tokens stay distinct.
+fn completion_token(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(t) => t.to_string(),
+        Err(_) => {
+            let mut t = String::from("bytes:");
+            for b in bytes {
+                let _ = write!(t, "\\x{b:02x}");
+            }
+            t
+        }
+    }
+}
+
 /// The legacy completions shape: parallel lists plus one `{token: logprob}` map per position.
-fn completion_logprobs(lps: &[TokenLogprob]) -> Value {
-    let mut offset = 0usize;
+/// Tokens are written by [`completion_token`]. `text_offset` is the token's start in the
+/// returned text, in characters (OpenAI's offsets are Python string indices): the characters
+/// completed by the tokens before it, so the tokens of one split character share an offset.
+/// `bytes_of(id, text)` gives a token's exact bytes.
+fn completion_logprobs(bytes_of: impl Fn(u32, &str) -> Vec<u8>, lps: &[TokenLogprob]) -> Value {
+    let mut chars = 0usize;
+    let mut pending: Vec<u8> = Vec::new();
     let mut offsets = Vec::with_capacity(lps.len());
+    let mut tokens = Vec::with_capacity(lps.len());
     for t in lps {
-        offsets.push(offset);
-        offset += t.token.chars().count(); // characters, as OpenAI's (Python) offsets
+        offsets.push(chars);
+        let bytes = bytes_of(t.id, &t.token);
+        tokens.push(completion_token(&bytes));
+        pending.extend_from_slice(&bytes);
+        // Count the characters `pending` completes; an invalid sequence is one U+FFFD (as in a
+        // lossy decode); an incomplete character at the end waits for the next token.
+        loop {
+            match std::str::from_utf8(&pending) {
+                Ok(v) => {
+                    chars += v.chars().count();
+                    pending.clear();
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    chars += std::str::from_utf8(&pending[..valid]).map_or(0, |v| v.chars().count());
+                    match e.error_len() {
+                        Some(n) => {
+                            chars += 1;
+                            pending.drain(..valid + n);
+                        }
+                        None => {
+                            pending.drain(..valid);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
     }
     json!({
-        "tokens": lps.iter().map(|t| t.token.as_str()).collect::<Vec<_>>(),
+        "tokens": tokens,
         "token_logprobs": lps.iter().map(|t| t.logprob).collect::<Vec<_>>(),
         "top_logprobs": lps.iter().map(|t| {
             let mut m = serde_json::Map::new();
-            for (_, tok, lp) in &t.top {
-                m.entry(tok.clone()).or_insert(json!(lp));
+            for (id, tok, lp) in &t.top {
+                m.entry(completion_token(&bytes_of(*id, tok))).or_insert(json!(lp));
             }
             Value::Object(m)
         }).collect::<Vec<_>>(),
@@ -505,7 +672,7 @@ impl StreamState {
         let lp = if m.logprobs && !logprobs.is_empty() {
             match m.kind {
                 Kind::Chat => json!({"content": chat_logprobs(&m.tokenizer, logprobs), "refusal": null}),
-                Kind::Completion => completion_logprobs(logprobs),
+                Kind::Completion => completion_logprobs(|id, t| token_bytes(&m.tokenizer, id, t), logprobs),
             }
         } else {
             Value::Null
@@ -625,18 +792,64 @@ fn sse(rx: UnboundedReceiver<JobEvent>, meta: Meta) -> Sse<impl Stream<Item = Re
 mod tests {
     use super::*;
 
-    /// `text_offset` counts characters (OpenAI's offsets are Python string indices), so a
-    /// token of one multi-byte character advances it by 1, not by its UTF-8 length.
+    /// `text_offset` counts characters of the returned text (OpenAI's offsets are Python string
+    /// indices), so a token of one multi-byte character advances it by 1, not by its UTF-8
+    /// length, and the tokens of a character split across tokens share one offset; such
+    /// partial tokens are written `bytes:\xNN...`, so two of them never collide as keys.
     #[test]
-    fn completion_text_offsets_count_characters() {
-        let lp = |token: &str| TokenLogprob {
-            id: 0,
-            token: token.to_string(),
-            logprob: -1.0,
-            top: vec![(0, token.to_string(), -1.0)],
+    fn completion_tokens_offsets_and_partial_characters() {
+        // id -> bytes: 1 and 2 are the halves of "é" (c3 a9), 3 is "é!", 4 "ab", 5 is the
+        // first two bytes of "€" (e2 82 ac), 6 its last.
+        let bytes_of = |id: u32, _: &str| match id {
+            1 => vec![0xc3],
+            2 => vec![0xa9],
+            3 => "é!".as_bytes().to_vec(),
+            4 => b"ab".to_vec(),
+            5 => vec![0xe2, 0x82],
+            6 => vec![0xac],
+            _ => unreachable!(),
         };
-        let v = completion_logprobs(&[lp("\u{fffd}"), lp("é!"), lp("ab")]);
-        assert_eq!(v["text_offset"], json!([0, 1, 3]));
-        assert_eq!(v["tokens"], json!(["\u{fffd}", "é!", "ab"]));
+        let lp = |id: u32, top: &[u32]| TokenLogprob {
+            id,
+            token: String::from_utf8_lossy(&bytes_of(id, "")).into_owned(),
+            logprob: -1.0,
+            top: top
+                .iter()
+                .map(|&t| {
+                    (
+                        t,
+                        String::from_utf8_lossy(&bytes_of(t, "")).into_owned(),
+                        -1.0 - t as f32,
+                    )
+                })
+                .collect(),
+        };
+        let v = completion_logprobs(
+            bytes_of,
+            &[
+                lp(1, &[1, 2, 5]),
+                lp(2, &[2]),
+                lp(3, &[3]),
+                lp(5, &[5, 6]),
+                lp(6, &[6]),
+                lp(4, &[4]),
+            ],
+        );
+        assert_eq!(
+            v["tokens"],
+            json!([
+                "bytes:\\xc3",
+                "bytes:\\xa9",
+                "é!",
+                "bytes:\\xe2\\x82",
+                "bytes:\\xac",
+                "ab"
+            ])
+        );
+        // Returned text "éé!€ab": é at 0, é! at 1..3, € at 3, ab at 4.
+        assert_eq!(v["text_offset"], json!([0, 0, 1, 3, 3, 4]));
+        let top0 = v["top_logprobs"][0].as_object().unwrap();
+        assert_eq!(top0.len(), 3, "{top0:?}");
+        assert!(top0.contains_key("bytes:\\xe2\\x82"), "{top0:?}");
     }
 }

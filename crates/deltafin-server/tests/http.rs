@@ -161,6 +161,39 @@ fn metric(addr: SocketAddr, name: &str) -> f64 {
         .unwrap()
 }
 
+/// `deltafin_requests_total{endpoint,status}` (0 when absent).
+fn requests(addr: SocketAddr, endpoint: &str, status: u16) -> f64 {
+    let name = format!("deltafin_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}}");
+    let text = get(addr, "/metrics").body;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name.as_str()).and_then(|r| r.strip_prefix(' ')))
+        .map_or(0.0, |v| v.parse().unwrap())
+}
+
+/// Waits up to 5 s for the request counts of `endpoint` to be `want` (status, count) and
+/// nothing else among 200 and 499.
+fn wait_for_requests(addr: SocketAddr, endpoint: &str, want: &[(u16, f64)]) {
+    let t0 = Instant::now();
+    loop {
+        let got: Vec<(u16, f64)> = [200, 499]
+            .iter()
+            .map(|&st| (st, requests(addr, endpoint, st)))
+            .collect();
+        let expected: Vec<(u16, f64)> = [200, 499]
+            .iter()
+            .map(|&st| (st, want.iter().find(|w| w.0 == st).map_or(0.0, |w| w.1)))
+            .collect();
+        if got == expected {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "{endpoint}: {got:?}, want {expected:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn assert_openai_error(r: &Resp, status: u16) {
     assert_eq!(r.status, status, "{}", r.body);
     let v = r.json();
@@ -459,6 +492,8 @@ fn disconnect_cancels_within_a_step_and_frees_the_slot() {
     assert_eq!(metric(a, "deltafin_generations_cancelled_total"), 1.0);
     // 100 tokens at 20 ms would take 2 s; far fewer were produced.
     assert!(metric(a, "deltafin_completion_tokens_total") < 50.0);
+    // The abandoned stream counts as 499 (client closed request), the answered one as 200.
+    wait_for_requests(a, "/v1/chat/completions", &[(200, 1.0), (499, 1.0)]);
 }
 
 #[test]
@@ -536,6 +571,8 @@ fn non_streaming_disconnect_also_cancels() {
     assert_eq!(next.status, 200, "{}", next.body);
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
     assert_eq!(metric(a, "deltafin_generations_cancelled_total"), 1.0);
+    // The abandoned request is counted once, as 499; the answered one as 200.
+    wait_for_requests(a, "/v1/completions", &[(200, 1.0), (499, 1.0)]);
 }
 
 /// Every chat logprobs entry's `bytes` and whether its `token` text is a lossy rendering.
@@ -711,4 +748,190 @@ fn huge_integers_name_the_parameter_and_range() {
     );
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body.contains("`max_tokens` must be a positive integer"), "{}", r.body);
+}
+
+/// `tools` and `tool_choice` are checked against OpenAI's schema: a malformed one is 400 naming
+/// the field at fault, never silently passed to the template or dropped; valid forms work.
+#[test]
+fn chat_tools_and_tool_choice_are_type_checked() {
+    let a = start(|_| {});
+    let chat = |extra: Value| {
+        let mut b = chat_body(2);
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        post(a, "/v1/chat/completions", &b)
+    };
+    let tool = json!({"type": "function", "function": {"name": "get_weather", "description": "Weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+    let refused = [
+        (json!({"tools": "x"}), "tools"),
+        (json!({"tools": {"a": 1}}), "tools"),
+        (json!({"tools": [1]}), "tools[0]"),
+        (json!({"tools": [{"type": "function"}]}), "tools[0].function"),
+        (
+            json!({"tools": [tool, {"type": "function", "function": {}}]}),
+            "tools[1].function.name",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": ""}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": 3}}]}),
+            "tools[0].function.name",
+        ),
+        (json!({"tools": [{"function": {"name": "f"}}]}), "tools[0].type"),
+        (
+            json!({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}),
+            "tools[0].type",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}),
+            "tools[0].function.parameters",
+        ),
+        (json!({"tool_choice": 5}), "tool_choice"),
+        (json!({"tool_choice": "sometimes"}), "tool_choice"),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "other"}}),
+            "tool_choice.type",
+        ),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "function", "function": {}}}),
+            "tool_choice.function.name",
+        ),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice.function.name",
+        ),
+    ];
+    for (extra, param) in &refused {
+        let r = chat(extra.clone());
+        assert_openai_error(&r, 400);
+        assert_eq!(r.json()["error"]["param"], *param, "{extra}: {}", r.body);
+        assert_eq!(r.json()["error"]["message"].as_str().unwrap().lines().count(), 1);
+    }
+    for extra in [
+        json!({"tools": [tool]}),
+        json!({"tools": [tool], "tool_choice": "auto"}),
+        json!({"tools": [tool], "tool_choice": "none"}),
+        json!({"tools": [tool], "tool_choice": "required"}),
+        json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+        json!({"tools": [], "tool_choice": "auto"}),
+        json!({"tools": null, "tool_choice": null}),
+    ] {
+        let r = chat(extra.clone());
+        assert_eq!(r.status, 200, "{extra}: {}", r.body);
+    }
+}
+
+/// `/v1/messages` does not support tools: a non-empty `tools` (or a `tool_choice` that needs
+/// one) is an Anthropic-shaped 400 naming `tools`, never silently dropped; a malformed one too.
+#[test]
+fn anthropic_tools_are_refused_not_dropped() {
+    let a = start(|_| {});
+    let msg = |extra: Value| {
+        let mut b = json!({"model": MODEL, "max_tokens": 2, "messages": hello()});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        post(a, "/v1/messages", &b)
+    };
+    let tool = json!({"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}});
+    for (extra, names) in [
+        (json!({"tools": "x"}), "tools"),
+        (json!({"tools": {"name": "f"}}), "tools"),
+        (json!({"tools": [1]}), "tools[0]"),
+        (json!({"tools": [tool]}), "tools"),
+        (json!({"tool_choice": {"type": "any"}}), "tool_choice"),
+        (
+            json!({"tool_choice": {"type": "tool", "name": "get_weather"}}),
+            "tool_choice",
+        ),
+        (json!({"tool_choice": "auto"}), "tool_choice"),
+    ] {
+        let r = msg(extra.clone());
+        assert_eq!(r.status, 400, "{extra}: {}", r.body);
+        let v = r.json();
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.starts_with(&format!("{names}:")), "{extra}: {m}");
+        assert_eq!(m.lines().count(), 1, "{m}");
+    }
+    let r = msg(json!({"tools": [tool]}));
+    assert!(r.body.contains("not supported"), "{}", r.body);
+    for extra in [
+        json!({"tools": []}),
+        json!({"tools": null}),
+        json!({"tool_choice": {"type": "auto"}}),
+        json!({"tool_choice": {"type": "none"}}),
+    ] {
+        let r = msg(extra.clone());
+        assert_eq!(r.status, 200, "{extra}: {}", r.body);
+    }
+}
+
+/// Bytes of a legacy completions token: `bytes:\xNN...` decoded, else the text's UTF-8.
+fn completion_token_bytes(t: &str) -> Vec<u8> {
+    match t.strip_prefix("bytes:") {
+        Some(esc) => esc
+            .split("\\x")
+            .skip(1)
+            .map(|h| u8::from_str_radix(h, 16).unwrap_or_else(|e| panic!("{t}: {e}")))
+            .collect(),
+        None => t.as_bytes().to_vec(),
+    }
+}
+
+/// Legacy completions `logprobs: N`: a token that is not valid UTF-8 alone is written
+/// `bytes:\xNN`, so each `top_logprobs` map has N distinct keys even when several byte-level
+/// tokens would all render as U+FFFD; the tokens' bytes rebuild the text and `text_offset`
+/// counts its characters.
+#[test]
+fn completion_logprobs_keep_partial_character_tokens_distinct() {
+    let a = start(|_| {});
+    let body = json!({"model": MODEL, "prompt": "Ünïcödé: 日本語 ☃ 🎉 — ëèê", "max_tokens": 24,
+        "ignore_eos": true, "logprobs": 20});
+    let r = post(a, "/v1/completions", &body).json();
+    let choice = &r["choices"][0];
+    let lp = &choice["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let mut escaped = 0;
+    for (i, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+        let top = top.as_object().unwrap();
+        assert_eq!(top.len(), 20, "position {i}: {top:?}");
+        for k in top.keys() {
+            assert!(!k.contains('\u{FFFD}'), "{k}");
+            escaped += usize::from(k.starts_with("bytes:"));
+        }
+    }
+    assert!(escaped > 0, "no partial-character token to check: {r}");
+    let text = choice["text"].as_str().unwrap();
+    let joined: Vec<u8> = tokens.iter().flat_map(|t| completion_token_bytes(t)).collect();
+    assert_eq!(String::from_utf8_lossy(&joined), text);
+    // text_offset: where each token starts in `text`, in characters.
+    let offsets: Vec<usize> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap() as usize)
+        .collect();
+    let mut before = Vec::new();
+    for (t, &off) in tokens.iter().zip(&offsets) {
+        let prefix = String::from_utf8_lossy(&before).into_owned();
+        let complete = prefix.trim_end_matches('\u{FFFD}').chars().count();
+        assert!(
+            off == complete || off == prefix.chars().count(),
+            "{t}: {off} vs {prefix:?}"
+        );
+        assert!(off <= text.chars().count());
+        before.extend(completion_token_bytes(t));
+    }
 }

@@ -208,6 +208,28 @@ pub(crate) fn attach_source(opts: &mut StoreOptions, dir: &ModelDir, allow_netwo
     Ok(NetworkUse(Some(src)))
 }
 
+impl NetworkUse {
+    /// Whether missing expert records are fetched on demand.
+    pub(crate) fn fetches(&self) -> bool {
+        self.0.is_some()
+    }
+}
+
+/// Records of a streaming install that are not local: `(missing, total)`; `(0, total)` for a
+/// full install.
+///
+/// Errors: the manifest's checksums or the presence journal cannot be read.
+pub(crate) fn missing_records(dir: &ModelDir) -> Result<(usize, usize)> {
+    let total = dir.manifest.experts.records.len();
+    if dir.manifest.stream.is_none() {
+        return Ok((0, total));
+    }
+    let present = deltafin_format::presence::present_checksums(dir)
+        .with_context(|| format!("reading which expert records of {} are present", show(&dir.path)))?
+        .len();
+    Ok((total.saturating_sub(present), total))
+}
+
 fn show(p: &Path) -> String {
     p.display().to_string()
 }

@@ -149,3 +149,75 @@ fn serve_refuses_unusable_flags_at_startup() {
         assert!(!err.contains("listening"), "{flags:?}: {err}");
     }
 }
+
+/// Turns a converted model into a streaming install whose records `missing(i)` are absent (the
+/// manifest has a `stream` section and no checksum for them, and there is no presence
+/// journal), as `pull --stream` leaves one before `warm`. Returns the number of records.
+fn make_streaming(model: &Path, missing: impl Fn(usize) -> bool) -> usize {
+    let path = model.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    m["stream"] = serde_json::json!({"url": "http://127.0.0.1:9/none", "revision": "main",
+        "index": "stream-index.json"});
+    let records = m["experts"]["records"].as_array_mut().unwrap();
+    for (i, r) in records.iter_mut().enumerate() {
+        if missing(i) {
+            r["xxh3"] = serde_json::json!("");
+        }
+    }
+    let n = records.len();
+    std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    n
+}
+
+/// `serve` on a streaming install without network use: it says at startup how many expert
+/// records are missing (requests needing them would fail), and refuses to start when none is
+/// local (every request would fail).
+#[test]
+fn serve_warns_about_missing_records_of_a_streaming_install() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = converted(tmp.path());
+    let total = make_streaming(&model, |i| i % 2 == 0);
+    let missing = total.div_ceil(2);
+    let child = StdCommand::new(bin())
+        .args(["serve", "--port", "0", "--model"])
+        .arg(&model)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut server = Server(child);
+    let mut stderr = BufReader::new(server.0.stderr.take().unwrap());
+    let mut before = Vec::new();
+    loop {
+        let mut line = String::new();
+        assert!(stderr.read_line(&mut line).unwrap() > 0, "server exited: {before:?}");
+        if line.contains("listening on") {
+            break;
+        }
+        before.push(line);
+    }
+    drop(server);
+    let warning: Vec<&String> = before.iter().filter(|l| l.contains("not local")).collect();
+    assert_eq!(warning.len(), 1, "{before:?}");
+    assert!(
+        warning[0].starts_with(&format!("warning: {missing} of {total} expert records")),
+        "{warning:?}"
+    );
+    assert!(warning[0].contains("--allow-network"), "{warning:?}");
+
+    // No record at all: refused with one line.
+    make_streaming(&model, |_| true);
+    let out = Command::new(bin())
+        .args(["serve", "--port", "0", "--model"])
+        .arg(&model)
+        .timeout(Duration::from_secs(30))
+        .assert()
+        .failure()
+        .get_output()
+        .clone();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("none of the {total} expert records")), "{err}");
+    assert!(err.contains("--allow-network"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(!err.contains("listening"), "{err}");
+}
