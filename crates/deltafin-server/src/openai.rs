@@ -137,12 +137,17 @@ fn check_response_format(v: Option<&Value>) -> Result<(), ApiError> {
     }
 }
 
+/// Why `tool_choice` `"required"` or a named function is refused: this server cannot force a
+/// tool call (the model writes calls as text; nothing constrains the decoding).
+const FORCED_TOOL: &str = "`tool_choice` \"required\" or a named function is not supported: this server returns tool calls as the model writes them and cannot force one; use \"auto\" (or \"none\")";
+
 /// `tools` and `tool_choice` checked against OpenAI's schema: `tools` a list of
 /// `{"type": "function", "function": {"name": <non-empty string>, "description"?: <string>,
-/// "parameters"?: <object>}}`; `tool_choice` `"none"`, `"auto"`, `"required"` (which needs
-/// tools) or `{"type": "function", "function": {"name": <one of the tools>}}`. Returns the
-/// tools to pass to the chat template (None for absent, null or an empty list). The output is
-/// not constrained by `tool_choice`: tool calls come back as the model writes them, as text.
+/// "parameters"?: <object>}}`; `tool_choice` `"none"` or `"auto"`; `"required"` and a named
+/// function (`{"type": "function", "function": {"name": <one of the tools>}}`) are checked,
+/// then refused: nothing constrains the decoding, so a tool call cannot be forced. Returns the
+/// tools to pass to the chat template (None for absent, null or an empty list); tool calls
+/// come back as the model writes them, as text.
 fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<Option<Value>, ApiError> {
     const SHAPE: &str = r#"{"type": "function", "function": {"name": ...}}"#;
     let mut names = Vec::new();
@@ -209,8 +214,7 @@ fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<Opt
         None | Some(Value::Null) => {}
         Some(Value::String(c)) => match c.as_str() {
             "none" | "auto" => {}
-            "required" if tools.is_some() => {}
-            "required" => return bad_choice("tool_choice", "`tool_choice` \"required\" needs `tools`".into()),
+            "required" => return bad_choice("tool_choice", FORCED_TOOL.into()),
             other => {
                 return bad_choice(
                     "tool_choice",
@@ -234,6 +238,7 @@ fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<Opt
                     format!("`tool_choice.function.name` \"{name}\" is not one of the functions in `tools`"),
                 );
             }
+            return bad_choice("tool_choice", FORCED_TOOL.into());
         }
         Some(_) => {
             return bad_choice(

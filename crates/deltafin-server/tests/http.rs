@@ -793,6 +793,12 @@ fn chat_tools_and_tool_choice_are_type_checked() {
         (json!({"tool_choice": 5}), "tool_choice"),
         (json!({"tool_choice": "sometimes"}), "tool_choice"),
         (json!({"tool_choice": "required"}), "tool_choice"),
+        // Checked, then refused: a tool call cannot be forced.
+        (json!({"tools": [tool], "tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+            "tool_choice",
+        ),
         (
             json!({"tools": [tool], "tool_choice": {"type": "other"}}),
             "tool_choice.type",
@@ -816,8 +822,6 @@ fn chat_tools_and_tool_choice_are_type_checked() {
         json!({"tools": [tool]}),
         json!({"tools": [tool], "tool_choice": "auto"}),
         json!({"tools": [tool], "tool_choice": "none"}),
-        json!({"tools": [tool], "tool_choice": "required"}),
-        json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
         json!({"tools": [], "tool_choice": "auto"}),
         json!({"tools": null, "tool_choice": null}),
     ] {
