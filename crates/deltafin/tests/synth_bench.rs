@@ -18,6 +18,15 @@ fn synth(out: &Path) {
         .success();
 }
 
+/// Runs `c`, which must fail; its (stdout, stderr).
+fn fails(c: &mut Command) -> (String, String) {
+    let out = c.assert().failure().get_output().clone();
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 #[test]
 fn synth_tiny_is_deterministic_and_runs() {
     let t = tempfile::tempdir().unwrap();
@@ -191,27 +200,11 @@ fn bench_rejects_bad_config_before_running() {
         ("bad=--bogus-flag", "--config bad: unexpected argument '--bogus-flag'"),
         ("bad=--io sideways", "--config bad: invalid value 'sideways' for '--io"),
     ] {
-        let out = deltafin()
-            .args([
-                "bench",
-                "--runs",
-                "1",
-                "--new-tokens",
-                "3",
-                "--config",
-                "ok=--io buffered",
-                "--config",
-                config,
-            ])
-            .arg("--model")
-            .arg(&model)
-            .assert()
-            .failure()
-            .get_output()
-            .clone();
-        let (stdout, stderr) = (
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr),
+        let (stdout, stderr) = fails(
+            deltafin()
+                .args(["bench", "--runs", "1", "--new-tokens", "3"])
+                .args(["--config", "ok=--io buffered", "--config", config, "--model"])
+                .arg(&model),
         );
         assert!(stderr.contains(want), "{config}: {stderr}");
         assert_eq!(stderr.lines().count(), 1, "{config}: one line: {stderr}");
@@ -221,14 +214,11 @@ fn bench_rejects_bad_config_before_running() {
         );
     }
     // --new-tokens past the context is named in the bench's terms before any run.
-    let out = deltafin()
-        .args(["bench", "--runs", "1", "--new-tokens", "100000", "--model"])
-        .arg(&model)
-        .assert()
-        .failure()
-        .get_output()
-        .clone();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let (_, stderr) = fails(
+        deltafin()
+            .args(["bench", "--runs", "1", "--new-tokens", "100000", "--model"])
+            .arg(&model),
+    );
     assert!(
         stderr.contains("--new-tokens 100000") && stderr.contains("context length") && !stderr.contains("run 1"),
         "{stderr}"
@@ -259,24 +249,21 @@ fn pin_from_rejects_a_trace_of_another_model() {
         .success();
     let pin = ["--cache-policy", "pinned", "--pin-from", trace.to_str().unwrap()];
     run(&tiny, &pin).assert().success();
-    let out = run(&k3, &pin).assert().failure().get_output().clone();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (_, err) = fails(&mut run(&k3, &pin));
     assert!(
         err.contains("--pin-from") && err.contains("recorded for another model") && err.contains("8 experts"),
         "{err}"
     );
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     // replay cannot prefetch (no hidden states): refused rather than ignored.
-    let out = deltafin()
-        .args(["replay", "--prefetch", "on", "--model"])
-        .arg(&tiny)
-        .arg("--trace")
-        .arg(&trace)
-        .assert()
-        .failure()
-        .get_output()
-        .clone();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--prefetch on"));
+    let (_, err) = fails(
+        deltafin()
+            .args(["replay", "--prefetch", "on", "--model"])
+            .arg(&tiny)
+            .arg("--trace")
+            .arg(&trace),
+    );
+    assert!(err.contains("--prefetch on"), "{err}");
     // warm and cache stats read their traces even on a full install: a missing file or another
     // model's trace is an error there too.
     for (cmd, model, tr) in [
@@ -290,15 +277,7 @@ fn pin_from_rejects_a_trace_of_another_model() {
         } else {
             c.arg("warm");
         }
-        let out = c
-            .arg(model)
-            .arg("--traces")
-            .arg(&tr)
-            .assert()
-            .failure()
-            .get_output()
-            .clone();
-        let err = String::from_utf8_lossy(&out.stderr);
+        let (_, err) = fails(c.arg(model).arg("--traces").arg(&tr));
         assert!(err.contains("--traces"), "{cmd}: {err}");
     }
     deltafin()
