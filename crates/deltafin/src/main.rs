@@ -567,7 +567,12 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         .map(|p| OutputFile::claim(p, "--stats-json"))
         .transpose()?;
     let mut store_opts = a.store.options(budget, &dir)?;
-    let _network = pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
+    let network = pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
+    if !network.fetches() {
+        if let Some(w) = pull_cmd::missing_records_warning(&dir)? {
+            eprintln!("{w}");
+        }
+    }
     let mut model = load_model(&dir, store_opts)?;
     a.passes.warn_unsupported(model.as_ref());
     let ctx = model.context_length();

@@ -230,6 +230,18 @@ pub(crate) fn missing_records(dir: &ModelDir) -> Result<(usize, usize)> {
     Ok((total.saturating_sub(present), total))
 }
 
+/// The one-line warning for a streaming install whose missing records will not be fetched
+/// (no network use): `None` when every record is local. Errors as [`missing_records`].
+pub(crate) fn missing_records_warning(dir: &ModelDir) -> Result<Option<String>> {
+    let (missing, total) = missing_records(dir)?;
+    Ok((missing > 0).then(|| {
+        format!(
+            "warning: {missing} of {total} expert records of this streaming install are not local; requests that need them will fail without --allow-network (or fetch them with `deltafin warm {} --allow-network`)",
+            show(&dir.path)
+        )
+    }))
+}
+
 fn show(p: &Path) -> String {
     p.display().to_string()
 }

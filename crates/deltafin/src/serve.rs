@@ -86,10 +86,8 @@ fn check_local_records(dir: &ModelDir) -> Result<()> {
             "{shown}: none of the {total} expert records of this streaming install is local and network use is not allowed, so every request would fail: serve with --allow-network, or fetch them first with `deltafin warm {shown} --allow-network`"
         );
     }
-    if missing > 0 {
-        eprintln!(
-            "warning: {missing} of {total} expert records of this streaming install are not local; requests that need them will fail without --allow-network (or fetch them with `deltafin warm {shown} --allow-network`)"
-        );
+    if let Some(w) = crate::pull_cmd::missing_records_warning(dir)? {
+        eprintln!("{w}");
     }
     Ok(())
 }

@@ -220,4 +220,18 @@ fn serve_warns_about_missing_records_of_a_streaming_install() {
     assert!(err.contains("--allow-network"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     assert!(!err.contains("listening"), "{err}");
+    // `run` warns the same way, then fails naming the first record it needs.
+    let out = Command::new(bin())
+        .args(["run", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--model"])
+        .arg(&model)
+        .timeout(Duration::from_secs(30))
+        .assert()
+        .failure()
+        .get_output()
+        .clone();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("warning: {total} of {total} expert records")),
+        "{err}"
+    );
 }
