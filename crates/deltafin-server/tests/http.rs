@@ -208,6 +208,14 @@ fn hello() -> Value {
     json!([{"role": "user", "content": "Hello, who are you?"}])
 }
 
+/// `body` with the fields of the object `extra` set over it.
+fn with(mut body: Value, extra: Value) -> Value {
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
 fn chat_body(max_tokens: usize) -> Value {
     json!({"model": MODEL, "messages": hello(), "max_tokens": max_tokens, "ignore_eos": true})
 }
@@ -671,19 +679,13 @@ fn context_overflow_names_the_endpoints_prompt_field() {
 #[test]
 fn unsupported_options_are_refused_not_ignored() {
     let a = start(|_| {});
-    let chat = |extra: Value| {
-        let mut b = chat_body(2);
-        for (k, v) in extra.as_object().unwrap() {
-            b[k] = v.clone();
-        }
-        post(a, "/v1/chat/completions", &b)
-    };
+    let chat = |extra: Value| post(a, "/v1/chat/completions", &with(chat_body(2), extra));
     let cmpl = |extra: Value| {
-        let mut b = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2});
-        for (k, v) in extra.as_object().unwrap() {
-            b[k] = v.clone();
-        }
-        post(a, "/v1/completions", &b)
+        post(
+            a,
+            "/v1/completions",
+            &with(json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2}), extra),
+        )
     };
     let refused = [
         (
@@ -755,13 +757,7 @@ fn huge_integers_name_the_parameter_and_range() {
 #[test]
 fn chat_tools_and_tool_choice_are_type_checked() {
     let a = start(|_| {});
-    let chat = |extra: Value| {
-        let mut b = chat_body(2);
-        for (k, v) in extra.as_object().unwrap() {
-            b[k] = v.clone();
-        }
-        post(a, "/v1/chat/completions", &b)
-    };
+    let chat = |extra: Value| post(a, "/v1/chat/completions", &with(chat_body(2), extra));
     let tool = json!({"type": "function", "function": {"name": "get_weather", "description": "Weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
     let refused = [
@@ -836,11 +832,11 @@ fn chat_tools_and_tool_choice_are_type_checked() {
 fn anthropic_tools_are_refused_not_dropped() {
     let a = start(|_| {});
     let msg = |extra: Value| {
-        let mut b = json!({"model": MODEL, "max_tokens": 2, "messages": hello()});
-        for (k, v) in extra.as_object().unwrap() {
-            b[k] = v.clone();
-        }
-        post(a, "/v1/messages", &b)
+        post(
+            a,
+            "/v1/messages",
+            &with(json!({"model": MODEL, "max_tokens": 2, "messages": hello()}), extra),
+        )
     };
     let tool = json!({"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}});
     for (extra, names) in [

@@ -53,6 +53,21 @@ fn chat_streams_answers_reuses_the_cache_and_prints_stats() {
 
 struct Server(Child);
 
+/// `deltafin serve --port PORT --model MODEL` with its stderr piped; the server is killed when
+/// the returned guard drops.
+fn spawn_serve(model: &std::path::Path, port: u16) -> (Server, BufReader<std::process::ChildStderr>) {
+    let child = StdCommand::new(bin())
+        .args(["serve", "--port", &port.to_string(), "--model"])
+        .arg(model)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut server = Server(child);
+    let stderr = BufReader::new(server.0.stderr.take().unwrap());
+    (server, stderr)
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -69,15 +84,7 @@ fn serve_answers_on_loopback_and_reports_bad_flags() {
         .local_addr()
         .unwrap()
         .port();
-    let child = StdCommand::new(bin())
-        .args(["serve", "--port", &port.to_string(), "--model"])
-        .arg(&model)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut server = Server(child);
-    let mut stderr = BufReader::new(server.0.stderr.take().unwrap());
+    let (server, mut stderr) = spawn_serve(&model, port);
     let mut banner = String::new();
     stderr.read_line(&mut banner).unwrap();
     assert!(banner.contains(&format!("127.0.0.1:{port}")), "{banner}");
@@ -178,15 +185,7 @@ fn serve_warns_about_missing_records_of_a_streaming_install() {
     let model = converted(tmp.path());
     let total = make_streaming(&model, |i| i % 2 == 0);
     let missing = total.div_ceil(2);
-    let child = StdCommand::new(bin())
-        .args(["serve", "--port", "0", "--model"])
-        .arg(&model)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut server = Server(child);
-    let mut stderr = BufReader::new(server.0.stderr.take().unwrap());
+    let (server, mut stderr) = spawn_serve(&model, 0);
     let mut before = Vec::new();
     loop {
         let mut line = String::new();
