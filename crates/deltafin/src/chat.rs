@@ -80,11 +80,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
     let mut store_opts = a.store.options(budget, &dir)?;
     let network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
-    if !network.fetches() {
-        if let Some(w) = crate::pull_cmd::missing_records_warning(&dir)? {
-            eprintln!("{w}");
-        }
-    }
+    crate::pull_cmd::warn_unfetched_records(&network, &dir, false)?;
     let model = load_model(&dir, store_opts)?;
     if a.store.cache_policy == deltafin_engine::experts::CachePolicy::Pinned {
         model.store().warm_pinned();

@@ -568,11 +568,7 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         .transpose()?;
     let mut store_opts = a.store.options(budget, &dir)?;
     let network = pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
-    if !network.fetches() {
-        if let Some(w) = pull_cmd::missing_records_warning(&dir)? {
-            eprintln!("{w}");
-        }
-    }
+    pull_cmd::warn_unfetched_records(&network, &dir, false)?;
     let mut model = load_model(&dir, store_opts)?;
     a.passes.warn_unsupported(model.as_ref());
     let ctx = model.context_length();

@@ -219,7 +219,7 @@ impl NetworkUse {
 /// full install.
 ///
 /// Errors: the manifest's checksums or the presence journal cannot be read.
-pub(crate) fn missing_records(dir: &ModelDir) -> Result<(usize, usize)> {
+fn missing_records(dir: &ModelDir) -> Result<(usize, usize)> {
     let total = dir.manifest.experts.records.len();
     if dir.manifest.stream.is_none() {
         return Ok((0, total));
@@ -230,16 +230,29 @@ pub(crate) fn missing_records(dir: &ModelDir) -> Result<(usize, usize)> {
     Ok((total.saturating_sub(present), total))
 }
 
-/// The one-line warning for a streaming install whose missing records will not be fetched
-/// (no network use): `None` when every record is local. Errors as [`missing_records`].
-pub(crate) fn missing_records_warning(dir: &ModelDir) -> Result<Option<String>> {
+/// A streaming install whose missing expert records will not be fetched (`network` does not
+/// fetch): prints one warning line saying how many are missing, or, with `refuse_if_none` (the
+/// server, where every request would fail), refuses when none is local. Nothing for a full
+/// install or one with network use.
+///
+/// Errors: no record is local (with `refuse_if_none`); the presence journal cannot be read.
+pub(crate) fn warn_unfetched_records(network: &NetworkUse, dir: &ModelDir, refuse_if_none: bool) -> Result<()> {
+    if network.fetches() {
+        return Ok(());
+    }
     let (missing, total) = missing_records(dir)?;
-    Ok((missing > 0).then(|| {
-        format!(
-            "warning: {missing} of {total} expert records of this streaming install are not local; requests that need them will fail without --allow-network (or fetch them with `deltafin warm {} --allow-network`)",
-            show(&dir.path)
-        )
-    }))
+    let shown = show(&dir.path);
+    if refuse_if_none && total > 0 && missing == total {
+        bail!(
+            "{shown}: none of the {total} expert records of this streaming install is local and network use is not allowed, so every request would fail: serve with --allow-network, or fetch them first with `deltafin warm {shown} --allow-network`"
+        );
+    }
+    if missing > 0 {
+        eprintln!(
+            "warning: {missing} of {total} expert records of this streaming install are not local; requests that need them will fail without --allow-network (or fetch them with `deltafin warm {shown} --allow-network`)"
+        );
+    }
+    Ok(())
 }
 
 fn show(p: &Path) -> String {

@@ -73,25 +73,6 @@ fn check_flags(a: &ServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// A streaming install served without network use: refuses to start when none of its expert
-/// records is local (every request would fail), and warns in one line when some are missing
-/// (requests routed to them fail with 500 naming the fix).
-///
-/// Errors: no record is local; the presence journal cannot be read.
-fn check_local_records(dir: &ModelDir) -> Result<()> {
-    let (missing, total) = crate::pull_cmd::missing_records(dir)?;
-    let shown = dir.path.display();
-    if total > 0 && missing == total {
-        bail!(
-            "{shown}: none of the {total} expert records of this streaming install is local and network use is not allowed, so every request would fail: serve with --allow-network, or fetch them first with `deltafin warm {shown} --allow-network`"
-        );
-    }
-    if let Some(w) = crate::pull_cmd::missing_records_warning(dir)? {
-        eprintln!("{w}");
-    }
-    Ok(())
-}
-
 /// Loads the model and serves until Ctrl-C or SIGTERM.
 pub fn run(a: &ServeArgs) -> Result<()> {
     check_flags(a)?;
@@ -106,9 +87,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
     let mut store_opts = a.store.options(budget, &dir)?;
     let network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
-    if !network.fetches() {
-        check_local_records(&dir)?;
-    }
+    crate::pull_cmd::warn_unfetched_records(&network, &dir, true)?;
     let model = load_model(&dir, store_opts)?;
     if a.store.cache_policy == deltafin_engine::experts::CachePolicy::Pinned {
         model.store().warm_pinned();
