@@ -195,6 +195,21 @@ pub struct Trace {
 }
 
 impl Trace {
+    /// [`Trace::read`], then checks that the trace was recorded for the model `c`
+    /// ([`TraceShape::fits`]). Errors: those of `read`, or `PATH: recorded for another model
+    /// (SHAPE)`.
+    pub fn read_for(path: &Path, c: &deltafin_format::ModelConfig) -> Result<Self, EngineError> {
+        let t = Self::read(path)?;
+        if !t.shape.fits(c) {
+            return Err(EngineError::Invalid(format!(
+                "{}: recorded for another model ({})",
+                path.display(),
+                t.shape
+            )));
+        }
+        Ok(t)
+    }
+
     /// Reads a trace file (ignoring a torn final record).
     pub fn read(path: &Path) -> Result<Self, EngineError> {
         let bytes = std::fs::read(path).map_err(|e| EngineError::Invalid(format!("{}: {e}", path.display())))?;

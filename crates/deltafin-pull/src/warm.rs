@@ -65,14 +65,7 @@ fn resident(r: &ExpertRecord) -> u64 {
 pub fn trace_heat(traces: &[PathBuf], cfg: &ModelConfig) -> Result<HashMap<(u32, u32), u64>, PullError> {
     let mut heat = HashMap::new();
     for p in traces {
-        let t = Trace::read(p).map_err(|e| PullError::Invalid(format!("--traces: {e}")))?;
-        if !t.shape.fits(cfg) {
-            return Err(PullError::Invalid(format!(
-                "--traces {}: recorded for another model ({})",
-                p.display(),
-                t.shape
-            )));
-        }
+        let t = Trace::read_for(p, cfg).map_err(|e| PullError::Invalid(format!("--traces: {e}")))?;
         for ((l, e), n) in t.heat_ranking() {
             *heat.entry((l as u32, e as u32)).or_default() += n;
         }

@@ -256,16 +256,7 @@ impl StoreArgs {
             (CachePolicy::Pinned, false) => {
                 let mut heat = std::collections::HashMap::<(usize, usize), u64>::new();
                 for p in &self.pin_from {
-                    let t = deltafin_engine::traces::Trace::read(p)
-                        .with_context(|| format!("--pin-from {}", p.display()))?;
-                    if !t.shape.fits(&dir.manifest.config) {
-                        bail!(
-                            "--pin-from {}: recorded for another model ({}), not the one in {}",
-                            p.display(),
-                            t.shape,
-                            dir.path.display()
-                        );
-                    }
+                    let t = deltafin_engine::traces::Trace::read_for(p, &dir.manifest.config).context("--pin-from")?;
                     for (k, n) in t.heat_ranking() {
                         *heat.entry(k).or_default() += n;
                     }

@@ -34,17 +34,8 @@ pub struct ReplayArgs {
 
 pub fn run(a: &ReplayArgs) -> Result<()> {
     let dir = ModelDir::open(&a.model)?;
-    let trace = Trace::read(&a.trace).with_context(|| format!("--trace {}", a.trace.display()))?;
-    let c = &dir.manifest.config;
+    let trace = Trace::read_for(&a.trace, &dir.manifest.config).context("--trace")?;
     let first_moe = trace.shape.first_moe as usize;
-    if !trace.shape.fits(c) {
-        bail!(
-            "--trace {}: recorded for another model ({}), not the one in {}",
-            a.trace.display(),
-            trace.shape,
-            a.model.display()
-        );
-    }
     let mut store_opts = a.store.options(a.ram_budget, &dir)?;
     if store_opts.prefetch {
         bail!("--prefetch on: a replay has no hidden states to predict the next layer's experts from; leave it off");
