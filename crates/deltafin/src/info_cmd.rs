@@ -62,6 +62,7 @@ pub fn run(a: &InfoArgs) -> Result<()> {
         cfg.n_routed_experts(),
         f.top_k
     );
+    let resident = stored.map_or(f.backbone_int8, |s| s.1);
     let expert_dtype = match stored {
         Some((backbone_dtype, backbone_bytes, expert_dtype)) => {
             println!(
@@ -111,5 +112,6 @@ pub fn run(a: &InfoArgs) -> Result<()> {
             1.0 / s
         );
     }
+    crate::cuda_info::print(resident, f.expert_record);
     Ok(())
 }

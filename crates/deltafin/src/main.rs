@@ -3,6 +3,7 @@
 mod bench;
 mod cache_cmd;
 mod chat;
+mod cuda_info;
 mod demo;
 mod info_cmd;
 mod pull_cmd;

@@ -1,0 +1,393 @@
+// deltafin CUDA kernels, compiled at run time by NVRTC (no CUDA toolkit at build time).
+//
+// Numerics (the product's promise, issue #16): f32 activations, f32 accumulation, weights decoded
+// exactly to f32, and a fixed reduction order in every kernel: no atomics in reductions, no
+// tensor cores, no TF32. A result therefore depends only on the inputs, never on timing, so
+// output is bit-identical run to run. It is not the CPU kernels' summation order (which differs
+// between the CPU's own SIMD levels), so results agree with the CPU to f32 rounding.
+//
+// Matrix layouts are the CPU crate's (deltafin-kernels `MatData`): row-major `[rows, cols]`,
+// rows = output features.
+//   f32:   w[rows * cols]
+//   int8:  q[rows * cols] (i8), scales[rows] (f32); W[r, c] = scales[r] * q[r, c]
+//   MXFP4: packed[rows * 16 * nb], scales[rows * nb] with nb = ceil(cols / 32); per block of 32
+//          elements, 16 bytes with element 2i in the low nibble of byte i (OCP MX v1.0 §5.3.3,
+//          Hugging Face layout), one E8M0 scale byte 2^(s-127) (§5.4.1; 0 is 2^-127, 255 NaN).
+//
+// Reduction order of every matrix kernel (one warp per output row):
+//   lane l belongs to group g = l / 4 (8 groups) and quarter q = l % 4;
+//   group g takes blocks g, g + 8, g + 16, ... in increasing order; within a block, lane q sums
+//   its 8 elements 8q .. 8q+7 in index order (int8/f32: 16 / 4 elements of each 512 / 128-element
+//   step, same habit), multiplies that partial by the block's scale (a power of two: exact
+//   unless it under- or overflows) and adds it to its own accumulator;
+//   the 32 lane accumulators are then summed by the butterfly tree shfl_xor 16, 8, 4, 2, 1.
+// The matmul kernels run exactly this sequence for each token, so a token's row of a matmul is
+// bit-identical to the matvec of that token.
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned int u32;
+
+__device__ __constant__ float E2M1[16] = {
+    0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+__device__ __forceinline__ float e8m0(u8 s) {
+    if (s == 255) return __int_as_float(0x7fc00000);
+    if (s == 0) return __int_as_float(0x00400000);
+    return __int_as_float(((u32)s) << 23);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 16);
+    v += __shfl_xor_sync(0xffffffffu, v, 8);
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v;
+}
+
+// E2M1 decoders. Each gives the exact E2M1 value of a code, or that value times a power of two
+// that the caller folds back into the block scale (`DEC_SCALE`): products and sums then round
+// exactly as with the plain values (scaling by 2^k commutes with f32 rounding in the normal
+// range), so every decoder gives the same bits; the tests check it.
+//   DEC 0: the __constant__ table (serializes when lanes read different entries: the baseline).
+//   DEC 1: a copy of the table in shared memory (16 words in 16 banks: conflict-free).
+//   DEC 2: bit construction through f16: code (s e1 e0 m) becomes the half with sign s and bits
+//          e1 e0 m at 11..9, i.e. E2M1 x 2^-14 (e = 0 lands on the f16 subnormal 0.5 x 2^-14), two
+//          codes per 32-bit word, widened exactly to f32.
+template <int DEC> struct Dec;
+template <> struct Dec<0> {
+    static constexpr float SCALE = 1.0f;
+    __device__ __forceinline__ static void run(u32 w, const float*, float v[8]) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = E2M1[(w >> (4 * j)) & 15u];
+    }
+};
+template <> struct Dec<1> {
+    static constexpr float SCALE = 1.0f;
+    __device__ __forceinline__ static void run(u32 w, const float* lut, float v[8]) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = lut[(w >> (4 * j)) & 15u];
+    }
+};
+template <> struct Dec<2> {
+    static constexpr float SCALE = 16384.0f;  // 2^14
+    __device__ __forceinline__ static void run(u32 w, const float*, float v[8]) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            // Codes k (bits 4k..) and k + 4 (bits 4k + 16..) as the two halves of one word.
+            const u32 c = w >> (4 * k);
+            const u32 h = ((c << 9) & 0x0E000E00u) | ((c << 12) & 0x80008000u);
+            float lo, hi;
+            // Exact f16 -> f32 widening of both halves (PTX cvt.f32.f16; no header needed).
+            asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+                : "=f"(lo), "=f"(hi) : "r"(h));
+            v[k] = lo;
+            v[k + 4] = hi;
+        }
+    }
+};
+
+// Fills the block's shared copy of the E2M1 table (DEC 1); every thread must reach this.
+__device__ __forceinline__ const float* lut_init(float* lut) {
+    if (threadIdx.x < 16) lut[threadIdx.x] = E2M1[threadIdx.x];
+    __syncthreads();
+    return lut;
+}
+
+// R consecutive rows of an MXFP4 matrix (row stride nb blocks) against up to T tokens
+// (x: [n, cols], token stride cols); `nr` <= R rows exist. Each x load serves R rows and each
+// decoded weight T tokens. For every (row, token) the operations and their order are those of
+// R = T = 1, so the kernels below agree bit for bit whatever R and T they use. The float4
+// loads of x need cols % 4 == 0; otherwise every block takes the scalar path.
+template <int DEC, int R, int T>
+__device__ __forceinline__ void mx_rows(const u8* __restrict__ packed, const u8* __restrict__ scales,
+                                        int nr, int cols, int nb, const float* lut,
+                                        const float* __restrict__ x, int nt, float acc[R][T]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int full = (cols & 3) == 0 ? cols >> 5 : 0;  // blocks on the vector path
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t) acc[r][t] = 0.0f;
+#pragma unroll 2
+    for (int b = g; b < nb; b += 8) {
+        u32 w[R];
+        float sc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            w[r] = r < nr ? *reinterpret_cast<const u32*>(packed + ((size_t)r * nb + b) * 16 + 4 * q) : 0u;
+            sc[r] = r < nr ? e8m0(scales[(size_t)r * nb + b]) * Dec<DEC>::SCALE : 0.0f;
+        }
+        float v[R][8];
+#pragma unroll
+        for (int r = 0; r < R; ++r) Dec<DEC>::run(w[r], lut, v[r]);
+        const int base = b * 32 + 8 * q;
+        if (b < full) {
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                if (t >= nt) continue;
+                const float4 a = *reinterpret_cast<const float4*>(x + (size_t)t * cols + base);
+                const float4 c = *reinterpret_cast<const float4*>(x + (size_t)t * cols + base + 4);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    float s = 0.0f;
+                    s += v[r][0] * a.x; s += v[r][1] * a.y; s += v[r][2] * a.z; s += v[r][3] * a.w;
+                    s += v[r][4] * c.x; s += v[r][5] * c.y; s += v[r][6] * c.z; s += v[r][7] * c.w;
+                    acc[r][t] += s * sc[r];
+                }
+            }
+        } else {
+            const int valid = cols - base;
+            if (valid <= 0) continue;
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                if (t >= nt) continue;
+                const float* xt = x + (size_t)t * cols + base;
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    float s = 0.0f;
+                    for (int j = 0; j < 8 && j < valid; ++j) s += v[r][j] * xt[j];
+                    acc[r][t] += s * sc[r];
+                }
+            }
+        }
+    }
+}
+
+// Y[t, r] = sum_c W[r, c] X[t, c] for MXFP4 W: [rows, cols], X: [n, cols], Y: [n, rows]: one
+// warp per R rows, blockDim.x = 32 * warps, tokens in tiles of T (blockIdx.y).
+template <int DEC, int R, int T>
+__device__ __forceinline__ void mxfp4_mm(const u8* __restrict__ packed, const u8* __restrict__ scales,
+                                         int rows, int cols, const float* __restrict__ x, int n,
+                                         float* __restrict__ y) {
+    __shared__ float lut_s[16];
+    const float* lut = lut_init(lut_s);
+    const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+    if (row0 >= rows) return;
+    const int nr = min(R, rows - row0);
+    const int t0 = blockIdx.y * T;
+    const int nt = min(T, n - t0);
+    const int nb = (cols + 31) >> 5;
+    float acc[R][T];
+    mx_rows<DEC, R, T>(packed + (size_t)row0 * nb * 16, scales + (size_t)row0 * nb, nr, cols, nb, lut,
+                       x + (size_t)t0 * cols, nt, acc);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            const float s = warp_sum(acc[r][t]);
+            if ((threadIdx.x & 31) == 0 && r < nr && t < nt) y[(size_t)(t0 + t) * rows + row0 + r] = s;
+        }
+}
+
+#define MX_KERNEL(NAME, DEC, R, T)                                                                   \
+    extern "C" __global__ void NAME(const u8* __restrict__ packed, const u8* __restrict__ scales,   \
+                                    int rows, int cols, const float* __restrict__ x, int n,         \
+                                    float* __restrict__ y) {                                        \
+        mxfp4_mm<DEC, R, T>(packed, scales, rows, cols, x, n, y);                                   \
+    }
+// Matrix-vector (n = 1, T = 1): the decoders at one row a warp, and the f16 decoder at 2 and 4.
+MX_KERNEL(mxfp4_mv_const_r1, 0, 1, 1)
+MX_KERNEL(mxfp4_mv_lds_r1, 1, 1, 1)
+MX_KERNEL(mxfp4_mv_f16_r1, 2, 1, 1)
+MX_KERNEL(mxfp4_mv_f16_r2, 2, 2, 1)
+MX_KERNEL(mxfp4_mv_f16_r4, 2, 4, 1)
+// Expert-major matrix-matrix, tokens in tiles of 8.
+MX_KERNEL(mxfp4_mm_f16_r1, 2, 1, 8)
+MX_KERNEL(mxfp4_mm_f16_r2, 2, 2, 8)
+MX_KERNEL(mxfp4_mm_f16_r4, 2, 4, 8)
+
+// Signed byte j of v (already XORed with 0x80: unsigned = signed + 128) as an exact f32: the
+// byte becomes the low mantissa byte of 2^23 (one byte permute), and 2^23 + 128 comes off (one
+// add, exact for every integer below 2^24): full-rate instead of the quarter-rate I2F.
+__device__ __forceinline__ float i8f(u32 vx, int j) {
+    return __int_as_float(__byte_perm(vx, 0x4B000000u, 0x7650u + j)) - 8388736.0f;
+}
+
+// R consecutive rows of an int8 matrix (q: [R, cols] row-major, `nr` <= R exist) against up
+// to T tokens: steps of 512 columns, lane l takes columns [step + 16 l, +16) and sums them in
+// index order into its accumulator (the order of R = T = 1 for every row and token). Vector
+// loads need 16-byte aligned rows (cols % 16 == 0) and cols % 4 == 0 for x.
+template <int R, int T>
+__device__ __forceinline__ void i8_rows(const i8* __restrict__ q, int nr, int cols,
+                                        const float* __restrict__ x, int nt, float acc[R][T]) {
+    const int lane = threadIdx.x & 31;
+    const bool vec = ((((size_t)q) & 15) == 0) && ((cols & 15) == 0);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t) acc[r][t] = 0.0f;
+    for (int c0 = lane * 16; c0 < cols; c0 += 512) {
+        if (vec) {
+            float f[R][16];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const uint4 v = r < nr ? *reinterpret_cast<const uint4*>(q + (size_t)r * cols + c0)
+                                       : make_uint4(0u, 0u, 0u, 0u);
+                const u32 w[4] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u, v.z ^ 0x80808080u, v.w ^ 0x80808080u};
+#pragma unroll
+                for (int j = 0; j < 16; ++j) f[r][j] = i8f(w[j >> 2], j & 3);
+            }
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                if (t >= nt) continue;
+                const float4* xt = reinterpret_cast<const float4*>(x + (size_t)t * cols + c0);
+                const float4 a0 = xt[0], a1 = xt[1], a2 = xt[2], a3 = xt[3];
+                const float xs[16] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w,
+                                      a2.x, a2.y, a2.z, a2.w, a3.x, a3.y, a3.z, a3.w};
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    float s = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) s += f[r][j] * xs[j];
+                    acc[r][t] += s;
+                }
+            }
+        } else {
+            const int m = min(16, cols - c0);
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                if (t >= nt) continue;
+                const float* xt = x + (size_t)t * cols + c0;
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    if (r >= nr) continue;
+                    float s = 0.0f;
+                    for (int j = 0; j < m; ++j) s += (float)q[(size_t)r * cols + c0 + j] * xt[j];
+                    acc[r][t] += s;
+                }
+            }
+        }
+    }
+}
+
+// int8 rows: Y[t, r] = scales[r] * sum_c q[r, c] X[t, c] (the CPU reference's arithmetic: the
+// row scale multiplies the finished sum); one warp per R rows, tokens in tiles of T.
+template <int R, int T>
+__device__ __forceinline__ void int8_mm(const i8* __restrict__ q, const float* __restrict__ scales,
+                                        int rows, int cols, const float* __restrict__ x, int n,
+                                        float* __restrict__ y) {
+    const int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+    if (row0 >= rows) return;
+    const int nr = min(R, rows - row0);
+    const int t0 = blockIdx.y * T;
+    const int nt = min(T, n - t0);
+    float acc[R][T];
+    i8_rows<R, T>(q + (size_t)row0 * cols, nr, cols, x + (size_t)t0 * cols, nt, acc);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            const float s = warp_sum(acc[r][t]);
+            if ((threadIdx.x & 31) == 0 && r < nr && t < nt)
+                y[(size_t)(t0 + t) * rows + row0 + r] = scales[row0 + r] * s;
+        }
+}
+
+#define I8_KERNEL(NAME, R, T)                                                                        \
+    extern "C" __global__ void NAME(const i8* __restrict__ q, const float* __restrict__ scales,     \
+                                    int rows, int cols, const float* __restrict__ x, int n,         \
+                                    float* __restrict__ y) {                                        \
+        int8_mm<R, T>(q, scales, rows, cols, x, n, y);                                              \
+    }
+I8_KERNEL(int8_mv_r1, 1, 1)
+I8_KERNEL(int8_mv_r2, 2, 1)
+I8_KERNEL(int8_mv_r4, 4, 1)
+I8_KERNEL(int8_mm_r1, 1, 8)
+I8_KERNEL(int8_mm_r2, 2, 8)
+I8_KERNEL(int8_mm_r4, 4, 8)
+
+// One f32 row against up to T tokens: lane l takes columns 4 l + 128 k .. +3, k in order.
+template <int T>
+__device__ __forceinline__ void f32_row(const float* __restrict__ w, int cols, const float* __restrict__ x,
+                                        int nt, float acc[T]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[t] = 0.0f;
+    for (int c0 = lane * 4; c0 < cols; c0 += 128) {
+        const int m = min(4, cols - c0);
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            if (t >= nt) continue;
+            const float* xt = x + (size_t)t * cols + c0;
+            float s = 0.0f;
+            for (int j = 0; j < m; ++j) s += w[c0 + j] * xt[j];
+            acc[t] += s;
+        }
+    }
+}
+
+extern "C" __global__ void f32_matvec(const float* __restrict__ w, int rows, int cols,
+                                      const float* __restrict__ x, float* __restrict__ y) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    float acc[1];
+    f32_row<1>(w + (size_t)row * cols, cols, x, 1, acc);
+    const float s = warp_sum(acc[0]);
+    if ((threadIdx.x & 31) == 0) y[row] = s;
+}
+
+extern "C" __global__ void f32_matmul(const float* __restrict__ w, int rows, int cols,
+                                      const float* __restrict__ x, int n, float* __restrict__ y) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int t0 = blockIdx.y * 8;
+    const int nt = min(8, n - t0);
+    float acc[8];
+    f32_row<8>(w + (size_t)row * cols, cols, x + (size_t)t0 * cols, nt, acc);
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+        const float s = warp_sum(acc[t]);
+        if ((threadIdx.x & 31) == 0 && t < nt) y[(size_t)(t0 + t) * rows + row] = s;
+    }
+}
+
+// RMSNorm over rows of x: [n, dim] (Zhang & Sennrich 2019; transformers' DeepseekV3RMSNorm):
+// y = x * rsqrt(mean(x^2) + eps) * weight. One block of 256 threads per row; thread i sums
+// x[i], x[i + 256], ... in order, then a fixed shared-memory tree (128, 64, ..., 1).
+// `one_plus` = 1 applies (1 + weight) (Qwen3-Next's zero-centred norm).
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
+                                    int dim, float eps, int one_plus, float* __restrict__ y) {
+    __shared__ float part[256];
+    const float* xr = x + (size_t)blockIdx.x * dim;
+    float* yr = y + (size_t)blockIdx.x * dim;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += 256) s += xr[i] * xr[i];
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = 128; w > 0; w >>= 1) {
+        if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+        __syncthreads();
+    }
+    const float inv = 1.0f / sqrtf(part[0] / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += 256) {
+        const float w = one_plus ? 1.0f + weight[i] : weight[i];
+        yr[i] = xr[i] * inv * w;
+    }
+}
+
+// SwiGLU on concatenated projections: out[t, i] = silu(gate[t, i]) * up[t, i] with
+// silu(v) = v / (1 + exp(-v)) (transformers ACT2FN["silu"]); gate/up: [n, inter].
+extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* __restrict__ up,
+                                  int len, float* __restrict__ out) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    const float g = gate[i];
+    out[i] = g / (1.0f + expf(-g)) * up[i];
+}
+
+// y[i] += alpha * x[i] (a multiply, then an add: the CPU `axpy`'s arithmetic).
+extern "C" __global__ void axpy(float alpha, const float* __restrict__ x, int len, float* __restrict__ y) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    y[i] = __fadd_rn(y[i], __fmul_rn(alpha, x[i]));
+}
+
+// Streaming copy with the same access width as the matrix kernels' weight loads (16 bytes a
+// lane): the bandwidth ceiling the MXFP4 matvec is measured against (issue #16 target 4).
+extern "C" __global__ void copy16(const int4* __restrict__ src, int4* __restrict__ dst, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}

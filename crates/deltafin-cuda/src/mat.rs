@@ -1,0 +1,256 @@
+//! Device-resident weight matrices and their products.
+
+use crate::gpu::{GpuBuf, TOKEN_TILE, WARPS};
+use crate::{CudaError, DriverContext, Gpu};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use deltafin_kernels::{MatData, MatRef};
+
+/// A weight matrix `W: [rows, cols]` in device memory (rows = output features), in the layouts
+/// of `deltafin_kernels::MatData`.
+pub struct GpuMat {
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+    /// The stored weights.
+    pub data: GpuMatData,
+}
+
+/// Device storage of a [`GpuMat`].
+pub enum GpuMatData {
+    /// `[rows * cols]` f32 (bf16 and f16 sources are widened exactly to f32 on upload).
+    F32(CudaSlice<f32>),
+    /// Per-row symmetric int8: codes `[rows * cols]`, scales `[rows]`.
+    Int8 {
+        /// Codes.
+        q: CudaSlice<i8>,
+        /// One f32 scale per row.
+        scales: CudaSlice<f32>,
+    },
+    /// MXFP4, Hugging Face layout: `packed: [rows * 16 * ceil(cols/32)]`,
+    /// `scales: [rows * ceil(cols/32)]` E8M0 bytes.
+    Mxfp4 {
+        /// Two E2M1 codes per byte, element 2i in the low nibble.
+        packed: CudaSlice<u8>,
+        /// One E8M0 byte per 32-element block.
+        scales: CudaSlice<u8>,
+    },
+}
+
+/// How the MXFP4 kernels decode E2M1 codes (`ops.cu`, `Dec<N>`). Every decoder gives the same
+/// bits; they differ only in speed (`examples/gemv_bench.rs`, bench/NOTES.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decode {
+    /// The table in `__constant__` memory (the first version: lanes reading different entries
+    /// serialize). Matrix-vector with one row a warp only.
+    ConstTable,
+    /// The table in shared memory. Matrix-vector with one row a warp only.
+    SharedTable,
+    /// Codes built into f16 bit patterns and widened exactly (every shape and form).
+    F16Bits,
+}
+
+/// Which kernel runs a product: the E2M1 decoder (MXFP4 only) and how many consecutive rows
+/// one warp computes (1, 2 or 4: each x load then serves that many rows). The result's bits do
+/// not depend on the choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kernel {
+    /// E2M1 decoder (ignored for int8 and f32).
+    pub decode: Decode,
+    /// Rows per warp: 1, 2 or 4 (f32 always uses 1).
+    pub rows_per_warp: u32,
+}
+
+impl Kernel {
+    /// The fastest kernel measured on the H200 for this format and form (bench/NOTES.md, "CUDA
+    /// kernels"): MXFP4 f16-bits decode at 1 row a warp for matvec and 2 for matmul; int8 at 4.
+    pub fn best(data: &GpuMatData, matmul: bool) -> Self {
+        let rows_per_warp = match (data, matmul) {
+            (GpuMatData::Mxfp4 { .. }, false) => 1,
+            (GpuMatData::Mxfp4 { .. }, true) => 2,
+            (GpuMatData::Int8 { .. }, _) => 4,
+            (GpuMatData::F32(_), _) => 1,
+        };
+        Self {
+            decode: Decode::F16Bits,
+            rows_per_warp,
+        }
+    }
+
+    fn name(&self, data: &GpuMatData, matmul: bool) -> Result<&'static str, CudaError> {
+        let r = self.rows_per_warp;
+        let name = match (data, matmul, self.decode, r) {
+            (GpuMatData::F32(_), false, _, _) => "f32_matvec",
+            (GpuMatData::F32(_), true, _, _) => "f32_matmul",
+            (GpuMatData::Int8 { .. }, false, _, 1) => "int8_mv_r1",
+            (GpuMatData::Int8 { .. }, false, _, 2) => "int8_mv_r2",
+            (GpuMatData::Int8 { .. }, false, _, 4) => "int8_mv_r4",
+            (GpuMatData::Int8 { .. }, true, _, 1) => "int8_mm_r1",
+            (GpuMatData::Int8 { .. }, true, _, 2) => "int8_mm_r2",
+            (GpuMatData::Int8 { .. }, true, _, 4) => "int8_mm_r4",
+            (GpuMatData::Mxfp4 { .. }, false, Decode::ConstTable, 1) => "mxfp4_mv_const_r1",
+            (GpuMatData::Mxfp4 { .. }, false, Decode::SharedTable, 1) => "mxfp4_mv_lds_r1",
+            (GpuMatData::Mxfp4 { .. }, false, Decode::F16Bits, 1) => "mxfp4_mv_f16_r1",
+            (GpuMatData::Mxfp4 { .. }, false, Decode::F16Bits, 2) => "mxfp4_mv_f16_r2",
+            (GpuMatData::Mxfp4 { .. }, false, Decode::F16Bits, 4) => "mxfp4_mv_f16_r4",
+            (GpuMatData::Mxfp4 { .. }, true, Decode::F16Bits, 1) => "mxfp4_mm_f16_r1",
+            (GpuMatData::Mxfp4 { .. }, true, Decode::F16Bits, 2) => "mxfp4_mm_f16_r2",
+            (GpuMatData::Mxfp4 { .. }, true, Decode::F16Bits, 4) => "mxfp4_mm_f16_r4",
+            _ => {
+                return Err(CudaError::Shape(format!(
+                    "no {} kernel for {self:?}",
+                    if matmul { "matmul" } else { "matvec" }
+                )))
+            }
+        };
+        Ok(name)
+    }
+
+    fn rows_per_block(&self, data: &GpuMatData) -> u32 {
+        match data {
+            GpuMatData::F32(_) => WARPS,
+            _ => WARPS * self.rows_per_warp,
+        }
+    }
+}
+
+impl GpuMat {
+    /// Copies a host matrix to the device.
+    ///
+    /// # Errors
+    /// `Shape` when a dimension exceeds `i32::MAX` (the kernels index with 32-bit ints); a
+    /// driver error (out of memory, ...).
+    pub fn upload(gpu: &Gpu, m: &MatRef) -> Result<Self, CudaError> {
+        if m.rows > i32::MAX as usize || m.cols > i32::MAX as usize || m.rows == 0 || m.cols == 0 {
+            return Err(CudaError::Shape(format!(
+                "matrix [{}, {}] is empty or too large for the CUDA kernels",
+                m.rows, m.cols
+            )));
+        }
+        let data = match m.data {
+            MatData::F32(w) => GpuMatData::F32(gpu.upload(w)?),
+            MatData::Bf16(w) => GpuMatData::F32(gpu.upload(&w.iter().map(|v| v.to_f32()).collect::<Vec<_>>())?),
+            MatData::F16(w) => GpuMatData::F32(gpu.upload(&w.iter().map(|v| v.to_f32()).collect::<Vec<_>>())?),
+            MatData::Int8 { q, scales } => GpuMatData::Int8 {
+                q: gpu.upload(q)?,
+                scales: gpu.upload(scales)?,
+            },
+            MatData::Mxfp4 { packed, scales } => GpuMatData::Mxfp4 {
+                packed: gpu.upload(packed)?,
+                scales: gpu.upload(scales)?,
+            },
+        };
+        Ok(Self {
+            rows: m.rows,
+            cols: m.cols,
+            data,
+        })
+    }
+
+    /// Bytes of device memory the weights take.
+    pub fn nbytes(&self) -> usize {
+        match &self.data {
+            GpuMatData::F32(w) => w.num_bytes(),
+            GpuMatData::Int8 { q, scales } => q.num_bytes() + scales.num_bytes(),
+            GpuMatData::Mxfp4 { packed, scales } => packed.num_bytes() + scales.num_bytes(),
+        }
+    }
+
+    fn check(&self, what: &str, x: &GpuBuf, n: usize, y: &GpuBuf) -> Result<(), CudaError> {
+        let (xl, yl) = (n.checked_mul(self.cols), n.checked_mul(self.rows));
+        if n == 0 || xl != Some(x.len()) || yl != Some(y.len()) || n > i32::MAX as usize {
+            return Err(CudaError::Shape(format!(
+                "{what}: [{}, {}] matrix with {n} token(s) wants x of {} and y of {} elements, got {} and {}",
+                self.rows,
+                self.cols,
+                n.saturating_mul(self.cols),
+                n.saturating_mul(self.rows),
+                x.len(),
+                y.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// `y = W x` with `x: [cols]`, `y: [rows]` with [`Kernel::best`] (fixed reduction
+    /// order: see `ops.cu`).
+    ///
+    /// # Errors
+    /// `Shape` when lengths disagree; a driver error.
+    pub fn matvec(&self, gpu: &Gpu, x: &GpuBuf, y: &mut GpuBuf) -> Result<(), CudaError> {
+        self.launch(gpu, Kernel::best(&self.data, false), x, 1, false, y)
+    }
+
+    /// [`GpuMat::matvec`] with the kernel chosen.
+    ///
+    /// # Errors
+    /// As [`GpuMat::matvec`], and `Shape` for a combination with no kernel.
+    pub fn matvec_with(&self, gpu: &Gpu, kernel: Kernel, x: &GpuBuf, y: &mut GpuBuf) -> Result<(), CudaError> {
+        self.launch(gpu, kernel, x, 1, false, y)
+    }
+
+    /// `Y = X Wᵀ` for `n` tokens: `x: [n, cols]`, `y: [n, rows]`; the weights are decoded once
+    /// per tile of 8 tokens, and each token's row is bit-identical to [`GpuMat::matvec`] of that
+    /// token (the expert-major form used for prefill and speculative verification).
+    ///
+    /// # Errors
+    /// `Shape` when lengths disagree; a driver error.
+    pub fn matmul(&self, gpu: &Gpu, x: &GpuBuf, n: usize, y: &mut GpuBuf) -> Result<(), CudaError> {
+        self.launch(gpu, Kernel::best(&self.data, true), x, n, true, y)
+    }
+
+    /// [`GpuMat::matmul`] with the kernel chosen.
+    ///
+    /// # Errors
+    /// As [`GpuMat::matmul`], and `Shape` for a combination with no kernel.
+    pub fn matmul_with(
+        &self,
+        gpu: &Gpu,
+        kernel: Kernel,
+        x: &GpuBuf,
+        n: usize,
+        y: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        self.launch(gpu, kernel, x, n, true, y)
+    }
+
+    fn launch(
+        &self,
+        gpu: &Gpu,
+        kernel: Kernel,
+        x: &GpuBuf,
+        n: usize,
+        matmul: bool,
+        y: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        self.check(if matmul { "matmul" } else { "matvec" }, x, n, y)?;
+        let f = gpu.k.get(kernel.name(&self.data, matmul)?)?;
+        let tiles = if matmul { (n as u32).div_ceil(TOKEN_TILE) } else { 1 };
+        if tiles > 65_535 {
+            return Err(CudaError::Shape(format!(
+                "matmul: {n} tokens is more than one launch takes"
+            )));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: ((self.rows as u32).div_ceil(kernel.rows_per_block(&self.data)), tiles, 1),
+            block_dim: (32 * WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows, cols, n_i) = (self.rows as i32, self.cols as i32, n as i32);
+        let mut b = gpu.stream().launch_builder(f);
+        match &self.data {
+            GpuMatData::Mxfp4 { packed, scales } => b.arg(packed).arg(scales),
+            GpuMatData::Int8 { q, scales } => b.arg(q).arg(scales),
+            GpuMatData::F32(w) => b.arg(w),
+        };
+        b.arg(&rows).arg(&cols).arg(x);
+        if matmul || !matches!(self.data, GpuMatData::F32(_)) {
+            b.arg(&n_i);
+        }
+        b.arg(y);
+        // SAFETY: the arguments follow the kernel's signature in ops.cu (weights, rows, cols, x,
+        // n except for f32_matvec, y); lengths were checked against the shape above.
+        unsafe { b.launch(cfg) }.ctx("launch matrix kernel")?;
+        Ok(())
+    }
+}
