@@ -58,9 +58,11 @@ fn main() {
 
     let mut rng = StdRng::seed_from_u64(4);
     let mut row = |label: &str, m: &GpuMat, decode: Decode, r: u32, n: usize| {
+        // r = 0 stands for the x-stationary kernels.
         let kernel = Kernel {
             decode,
-            rows_per_warp: r,
+            rows_per_warp: r.max(1),
+            stationary_x: r == 0,
         };
         let x: Vec<f32> = (0..n * m.cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
         let dx = g.upload(&x).unwrap();
@@ -103,11 +105,11 @@ fn main() {
     drop((packed, scales));
     row("mxfp4 matvec, const table", &mx, Decode::ConstTable, 1, 1);
     row("mxfp4 matvec, shared table", &mx, Decode::SharedTable, 1, 1);
-    for r in [1, 2, 4] {
+    for r in [1, 2, 4, 0] {
         row("mxfp4 matvec, f16 bits", &mx, Decode::F16Bits, r, 1);
     }
     for n in [8usize, 64] {
-        for r in [1, 2, 4] {
+        for r in [1, 2, 4, 0] {
             row("mxfp4 matmul, f16 bits", &mx, Decode::F16Bits, r, n);
         }
     }

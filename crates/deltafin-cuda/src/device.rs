@@ -14,6 +14,8 @@ pub struct DeviceInfo {
     pub compute_capability: (i32, i32),
     /// Device memory in bytes.
     pub total_bytes: usize,
+    /// Streaming multiprocessors (sizes the grids of the persistent kernels).
+    pub multiprocessors: u32,
 }
 
 /// Lists the CUDA devices, or says in one line why there are none.
@@ -43,7 +45,7 @@ fn info(ordinal: usize) -> Result<DeviceInfo, CudaError> {
         |what: &str, e: result::DriverError| CudaError::Unavailable(format!("cuda:{ordinal}: {what} failed: {e}"));
     let dev = result::device::get(ordinal as i32).map_err(|e| unavailable("cuDeviceGet", e))?;
     // SAFETY: `dev` is a valid device handle from cuDeviceGet after cuInit.
-    let (name, total, major, minor) = unsafe {
+    let (name, total, major, minor, sms) = unsafe {
         let name = result::device::get_name(dev).map_err(|e| unavailable("cuDeviceGetName", e))?;
         let total = result::device::total_mem(dev).map_err(|e| unavailable("cuDeviceTotalMem", e))?;
         let major = result::device::get_attribute(
@@ -56,12 +58,15 @@ fn info(ordinal: usize) -> Result<DeviceInfo, CudaError> {
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
         )
         .map_err(|e| unavailable("cuDeviceGetAttribute", e))?;
-        (name, total, major, minor)
+        let sms = result::device::get_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| unavailable("cuDeviceGetAttribute", e))?;
+        (name, total, major, minor, sms)
     };
     Ok(DeviceInfo {
         ordinal,
         name,
         compute_capability: (major, minor),
         total_bytes: total,
+        multiprocessors: sms.max(1) as u32,
     })
 }

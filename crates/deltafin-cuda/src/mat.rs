@@ -1,6 +1,11 @@
 //! Device-resident weight matrices and their products.
 
 use crate::gpu::{GpuBuf, TOKEN_TILE, WARPS};
+
+/// Threads of an x-stationary block, rows per pass and tokens per tile (must match `ops.cu`).
+const XS_THREADS: u32 = 256;
+const XS_ROWS: u32 = 4;
+const XS_TOKENS: u32 = 2;
 use crate::{CudaError, DriverContext, Gpu};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use deltafin_kernels::{MatData, MatRef};
@@ -57,8 +62,13 @@ pub enum Decode {
 pub struct Kernel {
     /// E2M1 decoder (ignored for int8 and f32).
     pub decode: Decode,
-    /// Rows per warp: 1, 2 or 4 (f32 always uses 1).
+    /// Rows per warp: 1, 2 or 4 (f32 always uses 1; ignored with `stationary_x`).
     pub rows_per_warp: u32,
+    /// MXFP4 only: the x-stationary kernels (`mxfp4_xs_*`: a block of 256 threads keeps x in
+    /// registers and streams rows through with 16-byte loads; up to 16,384 columns). Their
+    /// reduction order differs from the one-warp-a-row kernels, so this choice changes bits;
+    /// matvec and matmul with the same choice still agree bit for bit.
+    pub stationary_x: bool,
 }
 
 impl Kernel {
@@ -74,11 +84,31 @@ impl Kernel {
         Self {
             decode: Decode::F16Bits,
             rows_per_warp,
+            stationary_x: false,
         }
     }
 
-    fn name(&self, data: &GpuMatData, matmul: bool) -> Result<&'static str, CudaError> {
+    /// MX blocks of x each of the 256 threads of an x-stationary kernel holds.
+    fn x_blocks_per_thread(&self, cols: usize) -> Option<usize> {
+        match cols.div_ceil(32).div_ceil(XS_THREADS as usize) {
+            n @ (1 | 2) => Some(n),
+            _ => None,
+        }
+    }
+
+    fn name(&self, data: &GpuMatData, matmul: bool, cols: usize) -> Result<&'static str, CudaError> {
         let r = self.rows_per_warp;
+        if self.stationary_x {
+            return match (data, matmul, self.x_blocks_per_thread(cols)) {
+                (GpuMatData::Mxfp4 { .. }, false, Some(1)) => Ok("mxfp4_xs_np1_t1"),
+                (GpuMatData::Mxfp4 { .. }, false, Some(2)) => Ok("mxfp4_xs_np2_t1"),
+                (GpuMatData::Mxfp4 { .. }, true, Some(1)) => Ok("mxfp4_xs_np1_t2"),
+                (GpuMatData::Mxfp4 { .. }, true, Some(2)) => Ok("mxfp4_xs_np2_t2"),
+                _ => Err(CudaError::Shape(format!(
+                    "no x-stationary kernel for {cols} columns of this format (MXFP4 up to 16,384)"
+                ))),
+            };
+        }
         let name = match (data, matmul, self.decode, r) {
             (GpuMatData::F32(_), false, _, _) => "f32_matvec",
             (GpuMatData::F32(_), true, _, _) => "f32_matmul",
@@ -224,17 +254,28 @@ impl GpuMat {
         y: &mut GpuBuf,
     ) -> Result<(), CudaError> {
         self.check(if matmul { "matmul" } else { "matvec" }, x, n, y)?;
-        let f = gpu.k.get(kernel.name(&self.data, matmul)?)?;
+        let f = gpu.k.get(kernel.name(&self.data, matmul, self.cols)?)?;
         let tiles = if matmul { (n as u32).div_ceil(TOKEN_TILE) } else { 1 };
         if tiles > 65_535 {
             return Err(CudaError::Shape(format!(
                 "matmul: {n} tokens is more than one launch takes"
             )));
         }
-        let cfg = LaunchConfig {
-            grid_dim: ((self.rows as u32).div_ceil(kernel.rows_per_block(&self.data)), tiles, 1),
-            block_dim: (32 * WARPS, 1, 1),
-            shared_mem_bytes: 0,
+        let cfg = if kernel.stationary_x {
+            // Persistent over rows: a few blocks per multiprocessor, each streaming row groups.
+            let groups = (self.rows as u32).div_ceil(XS_ROWS);
+            let tiles = if matmul { (n as u32).div_ceil(XS_TOKENS) } else { 1 };
+            LaunchConfig {
+                grid_dim: (groups.min(gpu.info().multiprocessors * 4), tiles, 1),
+                block_dim: (XS_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            }
+        } else {
+            LaunchConfig {
+                grid_dim: ((self.rows as u32).div_ceil(kernel.rows_per_block(&self.data)), tiles, 1),
+                block_dim: (32 * WARPS, 1, 1),
+                shared_mem_bytes: 0,
+            }
         };
         let (rows, cols, n_i) = (self.rows as i32, self.cols as i32, n as i32);
         let mut b = gpu.stream().launch_builder(f);

@@ -53,7 +53,11 @@ fn matmul_f64(m: &MatRef, x: &[f32], n: usize) -> Vec<f32> {
 
 /// Every kernel that can run a matrix-vector product of `m`'s format.
 fn matvec_kernels(m: &MatRef) -> Vec<Kernel> {
-    let k = |decode, rows_per_warp| Kernel { decode, rows_per_warp };
+    let k = |decode, rows_per_warp| Kernel {
+        decode,
+        rows_per_warp,
+        stationary_x: false,
+    };
     match m.data {
         MatData::Mxfp4 { .. } => vec![
             k(Decode::ConstTable, 1),
@@ -180,6 +184,7 @@ fn matmul_rows_equal_matvec_bit_for_bit() {
                 if !matches!(m.data, MatData::F32(_)) {
                     for r in [1, 2, 4] {
                         let k = Kernel {
+                            stationary_x: false,
                             decode: Decode::F16Bits,
                             rows_per_warp: r,
                         };
@@ -302,4 +307,58 @@ fn kernels_compile_with_nvrtc() {
             Err(e) => panic!("{e}"),
         }
     }
+}
+
+/// The x-stationary MXFP4 kernels: within the bound of a float64 reference, deterministic, and
+/// a matmul row equal to the matvec of that token (their own reduction order), on shapes that
+/// need one and two MX blocks per thread and partial blocks.
+#[test]
+fn x_stationary_mxfp4_matches_reference_and_its_matmul() {
+    let Some(g) = gpu("x_stationary_mxfp4_matches_reference_and_its_matmul") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(19);
+    let xs = Kernel {
+        decode: Decode::F16Bits,
+        rows_per_warp: 1,
+        stationary_x: true,
+    };
+    for (rows, cols) in [
+        (1usize, 32usize),
+        (5, 33),
+        (37, 1000),
+        (300, 7168),
+        (9, 8193),
+        (3, 16384),
+    ] {
+        let h = Host::new(&mut rng, rows, cols);
+        let m = h.mats()[2];
+        let dm = GpuMat::upload(&g, &m).unwrap();
+        for n in [1usize, 2, 5] {
+            let x = rand_vec(&mut rng, n * cols);
+            let dx = g.upload(&x).unwrap();
+            let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
+            dm.matmul_with(&g, xs, &dx, n, &mut dy).unwrap();
+            let got = g.download(&dy).unwrap();
+            let err = rel_l2(&got, &matmul_f64(&m, &x, n));
+            assert!(err < TOL, "[{rows}, {cols}] n={n}: relative L2 {err:e}");
+            for t in 0..n {
+                let dxt = g.upload(&x[t * cols..(t + 1) * cols]).unwrap();
+                let mut dyt = g.upload(&vec![f32::NAN; rows]).unwrap();
+                dm.matvec_with(&g, xs, &dxt, &mut dyt).unwrap();
+                let one = g.download(&dyt).unwrap();
+                assert_eq!(one, got[t * rows..(t + 1) * rows], "[{rows}, {cols}] n={n} token {t}");
+                dm.matvec_with(&g, xs, &dxt, &mut dyt).unwrap();
+                assert_eq!(g.download(&dyt).unwrap(), one, "[{rows}, {cols}]: not deterministic");
+            }
+        }
+    }
+    // Past 16,384 columns there is no x-stationary kernel: an error, not a wrong answer.
+    let h = Host::new(&mut rng, 2, 16_416);
+    let dm = GpuMat::upload(&g, &h.mats()[2]).unwrap();
+    let e = dm
+        .matvec_with(&g, xs, &g.zeros(16_416).unwrap(), &mut g.zeros(2).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("16,384"), "{e}");
 }

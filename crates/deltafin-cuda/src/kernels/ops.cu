@@ -199,6 +199,110 @@ MX_KERNEL(mxfp4_mm_f16_r1, 2, 1, 8)
 MX_KERNEL(mxfp4_mm_f16_r2, 2, 2, 8)
 MX_KERNEL(mxfp4_mm_f16_r4, 2, 4, 8)
 
+// ---- x-stationary MXFP4 products ------------------------------------------------------------
+// A block of 256 threads holds the activations in registers and streams rows through: thread i
+// owns MX blocks i, i + 256, ..., i + 256 (NP - 1) of every row (16-byte loads, consecutive
+// threads on consecutive blocks), so no x is re-read per row. Reduction order of one output
+// (row, token), fixed: thread i sums each owned block's 32 elements in index order, times the
+// block scale, over its blocks in increasing order; the 32 lanes of a warp combine by the
+// butterfly shfl_xor 16, 8, 4, 2, 1; the 8 warp sums are added in warp order. The matvec and the
+// matmul below follow it exactly, so a matmul row equals the matvec of that token bit for bit.
+// Needs cols <= 256 * 32 * NP.
+
+#define XS_THREADS 256
+#define XS_ROWS 4  // rows per pass of the block (each thread has XS_ROWS 16-byte loads in flight)
+
+// The owned blocks of x for T tokens into registers (zeros past cols: the padding weights are
+// zero codes, and 0 * 0 adds +0, which leaves every partial sum unchanged).
+template <int NP, int T>
+__device__ __forceinline__ void xs_load_x(const float* __restrict__ x, int cols, int nt, float xr[T][NP][32]) {
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {
+            const int base = (threadIdx.x + XS_THREADS * p) * 32;
+#pragma unroll
+            for (int j = 0; j < 32; ++j)
+                xr[t][p][j] = (t < nt && base + j < cols) ? x[(size_t)t * cols + base + j] : 0.0f;
+        }
+}
+
+// One owned block (4 words) against the 32 x values of one token, in index order.
+__device__ __forceinline__ float xs_dot32(const uint4 w, const float xv[32]) {
+    float v[8];
+    float s = 0.0f;
+    Dec<2>::run(w.x, nullptr, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s += v[j] * xv[j];
+    Dec<2>::run(w.y, nullptr, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s += v[j] * xv[8 + j];
+    Dec<2>::run(w.z, nullptr, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s += v[j] * xv[16 + j];
+    Dec<2>::run(w.w, nullptr, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s += v[j] * xv[24 + j];
+    return s;
+}
+
+template <int NP, int T>
+__device__ __forceinline__ void mxfp4_xs(const u8* __restrict__ packed, const u8* __restrict__ scales,
+                                         int rows, int cols, const float* __restrict__ x, int n,
+                                         float* __restrict__ y) {
+    __shared__ float part[XS_ROWS][T][XS_THREADS / 32];
+    const int nb = (cols + 31) >> 5;
+    const int t0 = blockIdx.y * T;
+    const int nt = min(T, n - t0);
+    float xr[T][NP][32];
+    xs_load_x<NP, T>(x + (size_t)t0 * cols, cols, nt, xr);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int r0 = blockIdx.x * XS_ROWS; r0 < rows; r0 += gridDim.x * XS_ROWS) {
+        uint4 w[XS_ROWS][NP];
+        float sc[XS_ROWS][NP];
+#pragma unroll
+        for (int r = 0; r < XS_ROWS; ++r)
+#pragma unroll
+            for (int p = 0; p < NP; ++p) {
+                const int b = threadIdx.x + XS_THREADS * p;
+                const bool ok = r0 + r < rows && b < nb;
+                w[r][p] = ok ? *reinterpret_cast<const uint4*>(packed + ((size_t)(r0 + r) * nb + b) * 16)
+                             : make_uint4(0u, 0u, 0u, 0u);
+                sc[r][p] = ok ? e8m0(scales[(size_t)(r0 + r) * nb + b]) * Dec<2>::SCALE : 0.0f;
+            }
+#pragma unroll
+        for (int r = 0; r < XS_ROWS; ++r)
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                float acc = 0.0f;
+#pragma unroll
+                for (int p = 0; p < NP; ++p) acc += xs_dot32(w[r][p], xr[t][p]) * sc[r][p];
+                acc = warp_sum(acc);
+                if (lane == 0) part[r][t][warp] = acc;
+            }
+        __syncthreads();
+        if (threadIdx.x < XS_ROWS * T) {
+            const int r = threadIdx.x / T, t = threadIdx.x % T;
+            float s = 0.0f;
+#pragma unroll
+            for (int k = 0; k < XS_THREADS / 32; ++k) s += part[r][t][k];
+            if (r0 + r < rows && t < nt) y[(size_t)(t0 + t) * rows + r0 + r] = s;
+        }
+        __syncthreads();
+    }
+}
+
+#define XS_KERNEL(NAME, NP, T)                                                                       \
+    extern "C" __global__ void __launch_bounds__(XS_THREADS)                                         \
+        NAME(const u8* __restrict__ packed, const u8* __restrict__ scales, int rows, int cols,      \
+             const float* __restrict__ x, int n, float* __restrict__ y) {                           \
+        mxfp4_xs<NP, T>(packed, scales, rows, cols, x, n, y);                                       \
+    }
+XS_KERNEL(mxfp4_xs_np1_t1, 1, 1)
+XS_KERNEL(mxfp4_xs_np2_t1, 2, 1)
+XS_KERNEL(mxfp4_xs_np1_t2, 1, 2)
+XS_KERNEL(mxfp4_xs_np2_t2, 2, 2)
+
 // Signed byte j of v (already XORed with 0x80: unsigned = signed + 128) as an exact f32: the
 // byte becomes the low mantissa byte of 2^23 (one byte permute), and 2^23 + 128 comes off (one
 // add, exact for every integer below 2^24): full-rate instead of the quarter-rate I2F.
