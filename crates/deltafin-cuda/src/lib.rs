@@ -15,10 +15,12 @@
 //! tensor cores, no TF32), so results are bit-identical run to run and agree with the CPU path to
 //! f32 rounding. The order is documented at the top of `ops.cu`.
 
+mod attention;
 mod device;
 mod gpu;
 mod mat;
 
+pub use attention::MlaShape;
 pub use device::{probe, DeviceInfo};
 pub use gpu::{compile_ptx, ptx_cache_dir, Gpu, GpuBuf, ENTRY_POINTS};
 pub use mat::{Decode, GpuMat, GpuMatData, Kernel};

@@ -15,6 +15,7 @@
 
 pub mod blocked_attention;
 pub mod blocks;
+pub mod device;
 pub mod experts;
 pub mod generate;
 pub mod gqa;
@@ -71,5 +72,6 @@ pub enum EngineError {
 }
 
 pub use blocked_attention::MlaForm;
+pub use device::{load_model_on, Device};
 pub use model::BatchForm;
 pub use model::{load_model, CausalLm, DecodeState, LayerRoutes, Numerics, Profile};

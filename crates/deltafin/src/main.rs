@@ -22,7 +22,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use deltafin_engine::experts::{CachePolicy, IoMode, StoreOptions};
 use deltafin_engine::generate::{generate, GenerateOptions, GenerateStats};
 use deltafin_engine::speculate::Drafter;
-use deltafin_engine::{load_model, BatchForm, CausalLm};
+use deltafin_engine::{load_model_on, BatchForm, CausalLm, Device};
 use deltafin_format::convert::{convert, ConvertOptions, Progress};
 use deltafin_format::{ModelDir, StoredDtype};
 use deltafin_tokenizer::Tokenizer;
@@ -157,10 +157,19 @@ struct RunArgs {
     /// no experts (the compute-only side of the overlap measurement). Output is not the model's.
     #[arg(long)]
     compute_only: bool,
+    /// Where to compute: `cpu` (the default), `cuda` or `cuda:N` (DeepSeek-V3 / Kimi K2 so far;
+    /// other families are refused), or `auto` (cuda:0 when a CUDA device is present and the
+    /// family runs there, else the CPU, with a note saying why).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: Device,
     #[command(flatten)]
     store: StoreArgs,
     #[command(flatten)]
     passes: PassArgs,
+}
+
+pub(crate) fn parse_device(s: &str) -> Result<Device, String> {
+    s.parse()
 }
 
 /// Multi-token pass settings shared by `run`, `chat` and `serve` (and `bench` through its
@@ -561,7 +570,10 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     let mut store_opts = a.store.options(budget, &dir)?;
     let network = pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     pull_cmd::warn_unfetched_records(&network, &dir, false)?;
-    let mut model = load_model(&dir, store_opts)?;
+    let (mut model, device) = load_model_on(&dir, store_opts, a.device)?;
+    if device != Device::Cpu {
+        eprintln!("computing on {device}");
+    }
     a.passes.warn_unsupported(model.as_ref());
     let ctx = model.context_length();
     if prompt_ids.len().saturating_add(a.max_new_tokens) > ctx {

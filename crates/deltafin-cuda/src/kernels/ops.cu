@@ -495,3 +495,124 @@ extern "C" __global__ void copy16(const int4* __restrict__ src, int4* __restrict
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         dst[i] = src[i];
 }
+
+// ---- attention ------------------------------------------------------------------------------
+
+// RoPE on n_vec vectors (stride `stride`, rotary part at `offset`, width 2 * half) with the
+// cos/sin of the position computed on the host exactly as the CPU path computes them
+// (deltafin-engine rope.rs: angle = pos * inv_freq[i], times the YaRN attention factor), so the
+// rotation is the CPU's arithmetic bit for bit: x[a] = xa c - xb s, x[b] = xb c + xa s, pairs
+// (2i, 2i + 1) when interleaved, else (i, i + half).
+extern "C" __global__ void rope_apply(float* __restrict__ x, int n_vec, int stride, int offset,
+                                      const float* __restrict__ cs, int half, int interleaved) {
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n_vec * half) return;
+    const int v = k / half, i = k % half;
+    float* xv = x + (size_t)v * stride + offset;
+    const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+    const float c = cs[i], s = cs[half + i];
+    const float xa = xv[a], xb = xv[b];
+    xv[a] = __fsub_rn(__fmul_rn(xa, c), __fmul_rn(xb, s));
+    xv[b] = __fadd_rn(__fmul_rn(xb, c), __fmul_rn(xa, s));
+}
+
+// kv_b_proj weight W[row, col] (int8 rows with f32 scales, or f32), `cols` = kv_lora_rank.
+template <bool I8>
+__device__ __forceinline__ float kvb(const void* w, const float* sc, int row, int col, int cols) {
+    if (I8) return (float)reinterpret_cast<const i8*>(w)[(size_t)row * cols + col] * sc[row];
+    return reinterpret_cast<const float*>(w)[(size_t)row * cols + col];
+}
+
+// MLA decode for one token, weight-absorbed (DeepSeek-V2 §2.1, arXiv:2405.04434; the CPU's
+// deepseek_v3.rs `attend_head`): one block of 256 threads per head h.
+//   q: [nh, nope + rope] (rope part already rotated), ckv: [T, kvl] normalised latents,
+//   kpe: [T, rope] rotated shared keys, W = kv_b_proj [nh * (nope + vd), kvl] (per head W_UK
+//   rows then W_UV rows), scores: [nh, T] scratch, out: [nh, vd].
+//   q_abs = W_UK_h^T q_nope (sum over the nope rows in order); s_t = (q_abs . c_t + q_pe . k_t) *
+//   scale (warp butterfly sums); p = softmax(s) (exp(s - max) / sum, sum in a fixed tree);
+//   ctx = sum_t p_t c_t (in t order); o_h = W_UV_h ctx (int8: scale * sum, warp butterfly).
+// Dynamic shared memory: 2 * kvl floats.
+template <bool I8>
+__device__ __forceinline__ void mla_decode_impl(const float* __restrict__ q, const float* __restrict__ ckv,
+                                                const float* __restrict__ kpe, const void* __restrict__ w,
+                                                const float* __restrict__ wsc, int nope, int rope, int vd,
+                                                int kvl, int T, float scale, float* __restrict__ scores,
+                                                float* __restrict__ out) {
+    extern __shared__ float sh[];
+    float* q_abs = sh;
+    float* ctx = sh + kvl;
+    __shared__ float red[256];
+    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int qk = nope + rope, base = h * (nope + vd);
+    const float* qh = q + (size_t)h * qk;
+    float* sc = scores + (size_t)h * T;
+    for (int c = tid; c < kvl; c += 256) {
+        float s = 0.0f;
+        for (int r = 0; r < nope; ++r) s += qh[r] * kvb<I8>(w, wsc, base + r, c, kvl);
+        q_abs[c] = s;
+    }
+    __syncthreads();
+    for (int t = warp; t < T; t += 8) {
+        float a = 0.0f, b = 0.0f;
+        for (int c = lane; c < kvl; c += 32) a += q_abs[c] * ckv[(size_t)t * kvl + c];
+        for (int c = lane; c < rope; c += 32) b += qh[nope + c] * kpe[(size_t)t * rope + c];
+        a = warp_sum(a);
+        b = warp_sum(b);
+        if (lane == 0) sc[t] = (a + b) * scale;
+    }
+    __syncthreads();
+    float m = __int_as_float(0xff800000u);  // -inf
+    for (int t = tid; t < T; t += 256) m = fmaxf(m, sc[t]);
+    red[tid] = m;
+    __syncthreads();
+    for (int k = 128; k > 0; k >>= 1) {
+        if (tid < k) red[tid] = fmaxf(red[tid], red[tid + k]);
+        __syncthreads();
+    }
+    m = red[0];
+    __syncthreads();
+    float s = 0.0f;
+    for (int t = tid; t < T; t += 256) {
+        const float e = expf(sc[t] - m);
+        sc[t] = e;
+        s += e;
+    }
+    red[tid] = s;
+    __syncthreads();
+    for (int k = 128; k > 0; k >>= 1) {
+        if (tid < k) red[tid] += red[tid + k];
+        __syncthreads();
+    }
+    const float total = red[0];
+    for (int c = tid; c < kvl; c += 256) {
+        float a = 0.0f;
+        for (int t = 0; t < T; ++t) a = __fadd_rn(a, __fmul_rn(sc[t] / total, ckv[(size_t)t * kvl + c]));
+        ctx[c] = a;
+    }
+    __syncthreads();
+    for (int j = warp; j < vd; j += 8) {
+        const int row = base + nope + j;
+        float a = 0.0f;
+        if (I8) {
+            const i8* wr = reinterpret_cast<const i8*>(w) + (size_t)row * kvl;
+            for (int c = lane; c < kvl; c += 32) a += (float)wr[c] * ctx[c];
+            a = warp_sum(a) * wsc[row];
+        } else {
+            const float* wr = reinterpret_cast<const float*>(w) + (size_t)row * kvl;
+            for (int c = lane; c < kvl; c += 32) a += wr[c] * ctx[c];
+            a = warp_sum(a);
+        }
+        if (lane == 0) out[(size_t)h * vd + j] = a;
+    }
+}
+
+extern "C" __global__ void mla_decode_i8(const float* q, const float* ckv, const float* kpe, const i8* w,
+                                         const float* wsc, int nope, int rope, int vd, int kvl, int T,
+                                         float scale, float* scores, float* out) {
+    mla_decode_impl<true>(q, ckv, kpe, w, wsc, nope, rope, vd, kvl, T, scale, scores, out);
+}
+extern "C" __global__ void mla_decode_f32(const float* q, const float* ckv, const float* kpe, const float* w,
+                                          int nope, int rope, int vd, int kvl, int T, float scale,
+                                          float* scores, float* out) {
+    mla_decode_impl<false>(q, ckv, kpe, w, nullptr, nope, rope, vd, kvl, T, scale, scores, out);
+}

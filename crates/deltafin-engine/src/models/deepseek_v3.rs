@@ -30,32 +30,32 @@ use deltafin_format::model_dir::Backbone;
 
 /// eps of `q_a_layernorm` and `kv_a_layernorm`: the reference constructs them with the
 /// `DeepseekV3RMSNorm` default (1e-6) whatever `rms_norm_eps` says. [LATENT_NORM_EPS]
-const LATENT_NORM_EPS: f32 = 1e-6;
+pub(crate) const LATENT_NORM_EPS: f32 = 1e-6;
 
 /// Tensor names of one decoder layer, as in the Hugging Face checkpoint.
-struct LayerNames {
-    input_layernorm: String,
-    post_attention_layernorm: String,
-    q_proj: String,
-    q_a_proj: String,
-    q_a_layernorm: String,
-    q_b_proj: String,
-    kv_a_proj_with_mqa: String,
-    kv_a_layernorm: String,
-    kv_b_proj: String,
-    o_proj: String,
-    gate_proj: String,
-    up_proj: String,
-    down_proj: String,
-    router: String,
-    router_bias: String,
-    shared_gate_proj: String,
-    shared_up_proj: String,
-    shared_down_proj: String,
+pub(crate) struct LayerNames {
+    pub(crate) input_layernorm: String,
+    pub(crate) post_attention_layernorm: String,
+    pub(crate) q_proj: String,
+    pub(crate) q_a_proj: String,
+    pub(crate) q_a_layernorm: String,
+    pub(crate) q_b_proj: String,
+    pub(crate) kv_a_proj_with_mqa: String,
+    pub(crate) kv_a_layernorm: String,
+    pub(crate) kv_b_proj: String,
+    pub(crate) o_proj: String,
+    pub(crate) gate_proj: String,
+    pub(crate) up_proj: String,
+    pub(crate) down_proj: String,
+    pub(crate) router: String,
+    pub(crate) router_bias: String,
+    pub(crate) shared_gate_proj: String,
+    pub(crate) shared_up_proj: String,
+    pub(crate) shared_down_proj: String,
 }
 
 impl LayerNames {
-    fn new(l: usize) -> Self {
+    pub(crate) fn new(l: usize) -> Self {
         let p = format!("model.layers.{l}");
         let a = format!("{p}.self_attn");
         let m = format!("{p}.mlp");
@@ -127,12 +127,12 @@ pub struct DeepseekV3 {
     config: ModelConfig,
     pub cfg: DeepseekV3Config,
     backbone: Backbone,
-    names: Vec<LayerNames>,
-    rope: RotaryEmbedding,
+    pub(crate) names: Vec<LayerNames>,
+    pub(crate) rope: RotaryEmbedding,
     /// Softmax scale `qk_head_dim^-0.5 · mscale²`. [YARN_MSCALE]
-    softmax_scale: f32,
+    pub(crate) softmax_scale: f32,
     router: RouterConfig,
-    routed: RoutedExperts,
+    pub(crate) routed: RoutedExperts,
 }
 
 impl DeepseekV3 {
@@ -220,11 +220,11 @@ impl DeepseekV3 {
         })
     }
 
-    fn m(&self, name: &str) -> Result<MatRef<'_>, EngineError> {
+    pub(crate) fn m(&self, name: &str) -> Result<MatRef<'_>, EngineError> {
         Ok(self.backbone.matrix(name)?)
     }
 
-    fn v(&self, name: &str) -> Result<&[f32], EngineError> {
+    pub(crate) fn v(&self, name: &str) -> Result<&[f32], EngineError> {
         Ok(self.backbone.vector(name)?)
     }
 
@@ -461,7 +461,7 @@ impl DeepseekV3 {
     }
 
     /// The router of MoE layer `l` with the current `--experts-per-token`.
-    fn router_cfg(&self) -> RouterConfig {
+    pub(crate) fn router_cfg(&self) -> RouterConfig {
         RouterConfig {
             top_k: self.routed.experts_per_token(),
             ..self.router

@@ -1,6 +1,7 @@
 //! Model families, one file each, all behind [`crate::model::CausalLm`].
 
 pub mod deepseek_v3;
+pub mod deepseek_v3_cuda;
 pub mod gpt_oss;
 pub mod kimi_linear;
 pub mod mixtral;
@@ -8,6 +9,7 @@ pub mod qwen3_moe;
 pub mod qwen3_next;
 
 pub use deepseek_v3::{DeepseekV3, KvCache};
+pub use deepseek_v3_cuda::DeepseekV3Cuda;
 pub use gpt_oss::GptOss;
 pub use kimi_linear::{KimiLinear, KimiLinearState};
 pub use mixtral::Mixtral;

@@ -1,0 +1,163 @@
+//! Attention operations: RoPE and MLA decode (weight-absorbed), and the KV-cache append.
+
+use crate::gpu::GpuBuf;
+use crate::mat::{GpuMat, GpuMatData};
+use crate::{CudaError, DriverContext, Gpu};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+/// Shapes of one MLA layer (DeepSeek-V3 config names).
+#[derive(Debug, Clone, Copy)]
+pub struct MlaShape {
+    /// Attention heads.
+    pub n_heads: usize,
+    /// `qk_nope_head_dim`.
+    pub nope: usize,
+    /// `qk_rope_head_dim`.
+    pub rope: usize,
+    /// `v_head_dim`.
+    pub v_head_dim: usize,
+    /// `kv_lora_rank`.
+    pub kv_lora_rank: usize,
+}
+
+impl Gpu {
+    /// RoPE in place on `n_vec` vectors of `x` (vector stride `stride`, rotary part at
+    /// `offset`), with `cs = [cos[half], sin[half]]` for the position computed on the host
+    /// (YaRN attention factor already applied); pairs `(2i, 2i+1)` when `interleaved`, else
+    /// `(i, i + half)`. The same arithmetic as the CPU's `RotaryEmbedding::apply`.
+    ///
+    /// # Errors
+    /// `Shape` when the vectors do not fit in `x`; a driver error.
+    pub fn rope(
+        &self,
+        x: &mut GpuBuf,
+        n_vec: usize,
+        stride: usize,
+        offset: usize,
+        cs: &GpuBuf,
+        interleaved: bool,
+    ) -> Result<(), CudaError> {
+        let half = cs.len() / 2;
+        if half == 0 || n_vec == 0 || offset + 2 * half > stride || n_vec * stride > x.len() {
+            return Err(CudaError::Shape(format!(
+                "rope: {n_vec} vectors of stride {stride} (rotary {} at {offset}) in {} elements",
+                2 * half,
+                x.len()
+            )));
+        }
+        let (n, st, off, hf, il) = (
+            n_vec as i32,
+            stride as i32,
+            offset as i32,
+            half as i32,
+            interleaved as i32,
+        );
+        let mut b = self.stream().launch_builder(self.k.get("rope_apply")?);
+        b.arg(x).arg(&n).arg(&st).arg(&off).arg(cs).arg(&hf).arg(&il);
+        // SAFETY: matches `rope_apply` in ops.cu; the extents were checked above.
+        unsafe { b.launch(LaunchConfig::for_num_elems((n_vec * half) as u32)) }.ctx("launch rope_apply")?;
+        Ok(())
+    }
+
+    /// MLA decode of one token over `t` cached positions (weight-absorbed form, DeepSeek-V2
+    /// §2.1): `q: [n_heads, nope + rope]` (rope part rotated), `ckv: [>= t, kv_lora_rank]`,
+    /// `kpe: [>= t, rope]`, `kv_b`: `kv_b_proj [n_heads * (nope + v_head_dim), kv_lora_rank]`
+    /// (int8 or f32), `scores: [>= n_heads * t]` scratch, `out: [n_heads * v_head_dim]`.
+    ///
+    /// # Errors
+    /// `Shape` for inconsistent lengths or an MXFP4 `kv_b`; a driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_decode(
+        &self,
+        s: MlaShape,
+        q: &GpuBuf,
+        ckv: &GpuBuf,
+        kpe: &GpuBuf,
+        kv_b: &GpuMat,
+        t: usize,
+        softmax_scale: f32,
+        scores: &mut GpuBuf,
+        out: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        let kvl = s.kv_lora_rank;
+        let ok = t > 0
+            && q.len() == s.n_heads * (s.nope + s.rope)
+            && ckv.len() >= t * kvl
+            && kpe.len() >= t * s.rope
+            && kv_b.rows == s.n_heads * (s.nope + s.v_head_dim)
+            && kv_b.cols == kvl
+            && scores.len() >= s.n_heads * t
+            && out.len() == s.n_heads * s.v_head_dim;
+        if !ok {
+            return Err(CudaError::Shape(format!(
+                "mla_decode: operands do not fit {s:?} at {t} positions"
+            )));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (s.n_heads as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (2 * kvl * 4) as u32,
+        };
+        let (nope, rope, vd, kvl_i, t_i) = (s.nope as i32, s.rope as i32, s.v_head_dim as i32, kvl as i32, t as i32);
+        match &kv_b.data {
+            GpuMatData::Int8 { q: w, scales } => {
+                let mut b = self.stream().launch_builder(self.k.get("mla_decode_i8")?);
+                b.arg(q).arg(ckv).arg(kpe).arg(w).arg(scales);
+                b.arg(&nope)
+                    .arg(&rope)
+                    .arg(&vd)
+                    .arg(&kvl_i)
+                    .arg(&t_i)
+                    .arg(&softmax_scale);
+                b.arg(scores).arg(out);
+                // SAFETY: matches `mla_decode_i8` in ops.cu; lengths checked above.
+                unsafe { b.launch(cfg) }.ctx("launch mla_decode_i8")?;
+            }
+            GpuMatData::F32(w) => {
+                let mut b = self.stream().launch_builder(self.k.get("mla_decode_f32")?);
+                b.arg(q).arg(ckv).arg(kpe).arg(w);
+                b.arg(&nope)
+                    .arg(&rope)
+                    .arg(&vd)
+                    .arg(&kvl_i)
+                    .arg(&t_i)
+                    .arg(&softmax_scale);
+                b.arg(scores).arg(out);
+                // SAFETY: matches `mla_decode_f32` in ops.cu; lengths checked above.
+                unsafe { b.launch(cfg) }.ctx("launch mla_decode_f32")?;
+            }
+            GpuMatData::Mxfp4 { .. } => {
+                return Err(CudaError::Shape(
+                    "mla_decode: an MXFP4 kv_b_proj is not supported".into(),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies `src` into `dst[offset .. offset + src.len()]` on the stream (KV-cache append).
+    ///
+    /// # Errors
+    /// `Shape` when it does not fit; a driver error.
+    pub fn copy_into(&self, src: &GpuBuf, dst: &mut GpuBuf, offset: usize) -> Result<(), CudaError> {
+        let end = offset + src.len();
+        if end > dst.len() {
+            return Err(CudaError::Shape(format!(
+                "copy_into: {} elements at {offset} past the end of {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        let mut view = dst.slice_mut(offset..end);
+        self.stream().memcpy_dtod(src, &mut view).ctx("cuMemcpyDtoD")
+    }
+
+    /// Makes this device's context current on the calling thread (for work submitted from a
+    /// thread pool).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn bind_to_thread(&self) -> Result<(), CudaError> {
+        self.stream().context().bind_to_thread().ctx("cuCtxSetCurrent")
+    }
+}

@@ -1,0 +1,150 @@
+//! The CUDA forward pass (`--device cuda`) against Hugging Face transformers' goldens and against
+//! the CPU path, on the DeepSeek-V3 reference fixtures (`tests/fixtures/deepseek_v3/`), and the
+//! one-line refusals. Tests that need a GPU skip with one line where there is none.
+
+use std::path::{Path, PathBuf};
+
+use deltafin_engine::experts::StoreOptions;
+use deltafin_engine::generate::{generate, GenerateOptions};
+use deltafin_engine::{load_model_on, Device};
+use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
+use deltafin_format::{ModelDir, StoredDtype};
+use serde_json::Value;
+
+fn cases(family: &str) -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(family);
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("expected.json").is_file())
+        .collect();
+    v.sort();
+    assert!(!v.is_empty(), "no cases under {}", root.display());
+    v
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den).sqrt()
+}
+
+fn gpu_or_skip(test: &str) -> bool {
+    match deltafin_cuda::probe() {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIPPED {test}: {e}");
+            false
+        }
+    }
+}
+
+fn convert_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, out: &Path) -> ModelDir {
+    let opts = ConvertOptions {
+        backbone,
+        experts,
+        force: false,
+    };
+    convert(case, out, &opts, &NoProgress).unwrap_or_else(|e| panic!("convert {}: {e}", case.display()));
+    ModelDir::open(out).unwrap()
+}
+
+/// Greedy ids and per-step logits of every prompt of `case` on `device`.
+fn run(dir: &ModelDir, device: Device, expected: &Value) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
+    let (model, _) = load_model_on(dir, StoreOptions::new(1 << 30), device).unwrap();
+    expected["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let opts = GenerateOptions {
+                max_new_tokens: ids(&p["generated_ids"]).len(),
+                ignore_eos: true,
+                record_logits: true,
+                ..Default::default()
+            };
+            let out = generate(model.as_ref(), &ids(&p["prompt_ids"]), &opts, |_| true).unwrap();
+            (out.generated_ids, out.step_logits)
+        })
+        .collect()
+}
+
+/// Lossless layout on the GPU: the reference's greedy ids at every step, logits within 1e-4
+/// (the CPU's bound); default layout (int8 backbone, MXFP4 experts): the CPU path's greedy ids,
+/// logits within 1e-5 of the CPU path's (issue #16). Prints the measured figures.
+#[test]
+fn deepseek_v3_on_cuda_matches_transformers_and_the_cpu_path() {
+    if !gpu_or_skip("deepseek_v3_on_cuda_matches_transformers_and_the_cpu_path") {
+        return;
+    }
+    for case in cases("deepseek_v3") {
+        let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = convert_case(&case, StoredDtype::F32, StoredDtype::F32, &tmp.path().join("f32"));
+        let mut worst = 0f64;
+        for ((got_ids, got_logits), p) in run(&dir, Device::Cuda(0), &expected)
+            .iter()
+            .zip(expected["prompts"].as_array().unwrap())
+        {
+            assert_eq!(
+                got_ids,
+                &ids(&p["generated_ids"]),
+                "{}: greedy ids differ from transformers",
+                case.display()
+            );
+            for (g, w) in got_logits.iter().zip(p["step_logits"].as_array().unwrap()) {
+                let w: Vec<f64> = w.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+                worst = worst.max(rel_l2(g, &w));
+            }
+        }
+        eprintln!(
+            "{}: cuda lossless vs transformers: max rel L2 {worst:.3e}",
+            case.display()
+        );
+        assert!(worst < 1e-4, "{}: rel L2 {worst:e}", case.display());
+
+        let dir = convert_case(&case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("q"));
+        let cpu = run(&dir, Device::Cpu, &expected);
+        let gpu = run(&dir, Device::Cuda(0), &expected);
+        let mut worst = 0f64;
+        for ((ci, cl), (gi, gl)) in cpu.iter().zip(&gpu) {
+            assert_eq!(ci, gi, "{}: CUDA greedy ids differ from the CPU path", case.display());
+            for (c, g) in cl.iter().zip(gl) {
+                let c64: Vec<f64> = c.iter().map(|v| *v as f64).collect();
+                worst = worst.max(rel_l2(g, &c64));
+            }
+        }
+        eprintln!("{}: cuda vs cpu (int8/mxfp4): max rel L2 {worst:.3e}", case.display());
+        assert!(
+            worst < 1e-5,
+            "{}: rel L2 {worst:e} against the CPU path",
+            case.display()
+        );
+    }
+}
+
+/// A family not on the GPU yet is refused with one line naming it, GPU or not.
+#[test]
+fn other_families_are_refused_on_cuda_with_one_line() {
+    let case = &cases("qwen3_moe")[0];
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = convert_case(case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("m"));
+    let e = load_model_on(&dir, StoreOptions::new(1 << 30), Device::Cuda(0))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        !e.contains('\n') && e.contains("--device cuda:0") && e.contains("does not run on CUDA yet"),
+        "{e}"
+    );
+}
