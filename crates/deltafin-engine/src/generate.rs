@@ -1,4 +1,4 @@
-//! Greedy generation with timing and expert-store statistics.
+//! Generation (greedy by default) with timing and expert-store statistics.
 //!
 //! Timing definitions (also in the README): time to first token (TTFT) runs from the start of the
 //! prompt's forward passes to the first generated token; prefill rate = prompt tokens ÷ that
@@ -35,6 +35,8 @@ pub struct GenerateOptions {
     pub prefill_chunk: usize,
     /// Speculative decoding (`--speculate`); greedy output is identical either way.
     pub speculate: SpeculateMode,
+    /// How to choose tokens (default: greedy, the exact argmax).
+    pub sampling: SamplingParams,
 }
 
 impl Default for GenerateOptions {
@@ -47,6 +49,7 @@ impl Default for GenerateOptions {
             trace_routes: None,
             prefill_chunk: 0,
             speculate: DEFAULT_SPECULATE,
+            sampling: SamplingParams::default(),
         }
     }
 }
@@ -157,11 +160,12 @@ fn diff(a: StoreCounters, b: StoreCounters) -> StoreCounters {
     a.since(&b)
 }
 
-/// Greedy generation from `prompt` (non-empty) on a fresh KV cache; `on_token` is called with
-/// each generated id as soon as it is chosen (for streaming output) and may stop the
-/// generation by returning false.
+/// Generation from `prompt` (non-empty) on a fresh KV cache, greedy unless `opts.sampling` says
+/// otherwise; `on_token` is called with each generated id as soon as it is chosen (for
+/// streaming output) and may stop the generation by returning false.
 ///
-/// Errors: empty prompt, token ids outside the vocabulary, expert read failures.
+/// Errors: empty prompt, token ids outside the vocabulary, sampling settings out of range
+/// ([`SamplingParams::check`]), expert read failures.
 pub fn generate(
     model: &dyn CausalLm,
     prompt: &[u32],
@@ -173,6 +177,7 @@ pub fn generate(
             "the prompt is empty: at least one token is needed".into(),
         ));
     }
+    opts.sampling.check(model.vocab_size()).map_err(EngineError::Invalid)?;
     let start_counters = model.store().counters();
     let mut cache = model.new_state();
     let mut out = GenerateOutput::default();
@@ -260,15 +265,12 @@ pub fn generate(
     let mut finish = "length";
     let mut steady_start: Option<Instant> = None;
     let mut steady_from = 0;
-    let mut chooser = Sampler::new(SamplingParams {
-        seed: Some(0),
-        ..SamplingParams::default()
-    });
+    let mut chooser = Sampler::with_prompt(opts.sampling.clone(), prompt);
     let mut spec = Speculator::new(opts.speculate);
     let mut context: Vec<u32> = prompt.to_vec();
     // Tokens chosen but not yet handed out, with the logits that chose them.
     let mut pending: std::collections::VecDeque<(u32, Vec<f32>)> = Default::default();
-    pending.push_back((deltafin_kernels::argmax(&logits) as u32, std::mem::take(&mut logits)));
+    pending.push_back((chooser.sample(&logits), std::mem::take(&mut logits)));
     out.stats.ttft = t0.elapsed();
     'gen: while out.generated_ids.len() < opts.max_new_tokens {
         if pending.is_empty() {

@@ -1,17 +1,34 @@
 //! Choosing the next token from logits: greedy (exact argmax) or seeded sampling with
-//! temperature, top-k and top-p (nucleus), plus log-probabilities for the API's `logprobs`.
+//! temperature, min-p, top-k and top-p (nucleus), after optional logit adjustments (logit bias,
+//! repetition, frequency and presence penalties), plus log-probabilities for the API's
+//! `logprobs`.
 //!
-//! Order of operations (as in Hugging Face `generate` and vLLM): logits ÷ temperature →
-//! keep the `top_k` largest → softmax → keep the smallest set of most likely tokens whose
-//! probability sums to at least `top_p` → draw one with the seeded generator.
+//! Order of operations, as vLLM's sampler (`vllm/v1/sample/sampler.py`) applies them:
+//! 1. logit adjustments, which also change greedy choices: `logit_bias` added to its tokens'
+//!    logits; the repetition penalty (transformers' `RepetitionPenaltyLogitsProcessor`, vLLM's
+//!    `repetition_penalty`): the logit of every token seen in the prompt or the output so far is
+//!    divided by the penalty when positive, multiplied by it otherwise; then OpenAI's frequency
+//!    and presence penalties over the tokens generated so far:
+//!    `logit[j] -= count[j] × frequency_penalty + (count[j] > 0) × presence_penalty`;
+//! 2. greedy: the argmax of the adjusted logits;
+//! 3. otherwise logits ÷ temperature → softmax → min-p (drop tokens whose probability is below
+//!    `min_p` × the most likely token's) → keep the `top_k` most likely → keep the smallest set
+//!    of most likely tokens whose probability sums to at least `top_p` → draw one with the
+//!    seeded generator.
+//!
+//! With no adjustment set the logits are used as given (no copy, no extra pass), so greedy
+//! output is the plain argmax.
 //! Reported log-probabilities are those of the model's own distribution (`log_softmax` of the
-//! raw logits, before temperature or truncation), as OpenAI and vLLM report them.
+//! raw logits, before adjustments, temperature or truncation), as OpenAI and vLLM report them.
+
+use std::collections::{HashMap, HashSet};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-/// How to choose tokens. `temperature == 0` means greedy (exact argmax, the default).
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// How to choose tokens. `temperature == 0` means greedy (exact argmax, the default). The
+/// default value of every other field turns it off.
+#[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     /// Softmax temperature; 0 = greedy.
     pub temperature: f32,
@@ -19,6 +36,22 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// Keep only the `top_k` most likely tokens; 0 = off.
     pub top_k: usize,
+    /// Drop tokens whose probability is below `min_p` × the most likely token's, in [0, 1];
+    /// 0 = off (vLLM's and transformers' `min_p`).
+    pub min_p: f32,
+    /// OpenAI `presence_penalty`, in [-2, 2]: subtracted once from the logit of every token
+    /// generated so far; 0 = off.
+    pub presence_penalty: f32,
+    /// OpenAI `frequency_penalty`, in [-2, 2]: subtracted from a token's logit once per time it
+    /// was generated so far; 0 = off.
+    pub frequency_penalty: f32,
+    /// Repetition penalty (> 0) over the prompt and output tokens, as transformers and vLLM:
+    /// positive logits divided by it, others multiplied; 1 = off.
+    pub repetition_penalty: f32,
+    /// `(token id, bias)` pairs added to those tokens' logits before anything else (OpenAI
+    /// `logit_bias`, bias in [-100, 100]); ids past the logits are ignored (callers check them
+    /// against the vocabulary). Empty = off.
+    pub logit_bias: Vec<(u32, f32)>,
     /// Seed of the generator; `None` draws one from the operating system.
     pub seed: Option<u64>,
 }
@@ -29,40 +62,123 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_p: 1.0,
             top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
             seed: None,
         }
     }
 }
 
 impl SamplingParams {
-    /// Whether these parameters choose the argmax.
+    /// Whether these parameters choose the argmax (of the adjusted logits).
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0 || self.top_k == 1
     }
+
+    /// Whether any logit adjustment (bias or penalty) is set.
+    pub fn adjusts_logits(&self) -> bool {
+        !self.logit_bias.is_empty() || self.penalises_output() || self.repetition_penalty != 1.0
+    }
+
+    /// Checks every field's range (as documented on the fields) and that `logit_bias` names
+    /// tokens below `vocab_size`.
+    ///
+    /// Errors: a one-line message naming the field (`logit_bias`, `min_p`, …) and the value.
+    pub fn check(&self, vocab_size: usize) -> Result<(), String> {
+        let t = self.temperature;
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(format!("temperature must be 0 or more, got {t}"));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be between 0 and 1, got {}", self.min_p));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} must be between -2 and 2, got {v}"));
+            }
+        }
+        let r = self.repetition_penalty;
+        if !(r.is_finite() && r > 0.0) {
+            return Err(format!("repetition_penalty must be greater than 0, got {r}"));
+        }
+        for &(id, bias) in &self.logit_bias {
+            if id as usize >= vocab_size {
+                return Err(format!(
+                    "logit_bias: token id {id} is out of range: the vocabulary has {vocab_size} tokens"
+                ));
+            }
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(format!(
+                    "logit_bias: the bias of token {id} must be between -100 and 100, got {bias}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn penalises_output(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+}
+
+/// What the penalties need to know about the tokens so far, and the adjusted logits.
+#[derive(Debug, Clone, Default)]
+struct Adjuster {
+    /// Distinct prompt and output tokens (kept only with a repetition penalty).
+    seen: HashSet<u32>,
+    /// Output tokens and how often each was chosen (kept only with presence or frequency
+    /// penalties).
+    counts: HashMap<u32, u32>,
+    /// The adjusted logits of the current step.
+    logits: Vec<f32>,
 }
 
 /// A token chooser holding its random generator (one per generation, so the same seed and
-/// prompt give the same output).
+/// prompt give the same output) and, with penalties, the tokens chosen so far.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
     /// Scratch: candidate (id, value) pairs, reused across steps.
     scratch: Vec<(u32, f32)>,
+    /// Present only when a logit adjustment is set.
+    adjuster: Option<Box<Adjuster>>,
 }
 
 impl Sampler {
-    /// A sampler for `params`.
+    /// A sampler for `params`, as if the prompt were empty (see [`Sampler::with_prompt`]).
     pub fn new(params: SamplingParams) -> Self {
         let rng = match params.seed {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_os_rng(),
         };
+        let adjuster = params.adjusts_logits().then(Box::default);
         Sampler {
             params,
             rng,
             scratch: Vec::new(),
+            adjuster,
         }
+    }
+
+    /// A sampler for `params` continuing `prompt` (whose tokens the repetition penalty counts).
+    pub fn with_prompt(params: SamplingParams, prompt: &[u32]) -> Self {
+        let mut s = Sampler::new(params);
+        if s.params.repetition_penalty != 1.0 {
+            if let Some(a) = s.adjuster.as_mut() {
+                a.seen.extend(prompt.iter().copied());
+            }
+        }
+        s
     }
 
     /// The parameters.
@@ -72,6 +188,79 @@ impl Sampler {
 
     /// Chooses the next token from `logits: [vocab]` (non-empty).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let Some(mut a) = self.adjuster.take() else {
+            return self.choose(logits);
+        };
+        self.adjust(&mut a, logits);
+        let id = self.choose(&a.logits);
+        self.adjuster = Some(a);
+        self.chosen(id);
+        id
+    }
+
+    /// Speculative decoding: accepts the drafted token `draft` (proposed by a deterministic
+    /// drafter) with probability `p(draft)` under this sampler's distribution for `logits`
+    /// (`Ok(())`), or rejects it and returns a token drawn from `p` with `draft` removed and
+    /// renormalised (`Err(token)`). For a drafter whose proposal is a point mass this is the
+    /// speculative-sampling rule `min(1, p/q)` with residual `norm(max(0, p − q))`, so the
+    /// token's distribution is exactly `p` (Leviathan et al. 2023, arXiv:2211.17192).
+    /// Greedy: accepted iff `draft` is the argmax, otherwise the argmax. [SPEC_VERIFY]
+    /// With penalties, the accepted draft or the replacement counts as chosen.
+    pub fn verify_draft(&mut self, logits: &[f32], draft: u32) -> Result<(), u32> {
+        let Some(mut a) = self.adjuster.take() else {
+            return self.verify(logits, draft);
+        };
+        self.adjust(&mut a, logits);
+        let r = self.verify(&a.logits, draft);
+        self.adjuster = Some(a);
+        self.chosen(match r {
+            Ok(()) => draft,
+            Err(t) => t,
+        });
+        r
+    }
+
+    /// Writes the adjusted `logits` into `a.logits` (see the module documentation for the order).
+    fn adjust(&self, a: &mut Adjuster, logits: &[f32]) {
+        let p = &self.params;
+        let l = &mut a.logits;
+        l.clear();
+        l.extend_from_slice(logits);
+        for &(id, bias) in &p.logit_bias {
+            if let Some(x) = l.get_mut(id as usize) {
+                *x += bias;
+            }
+        }
+        let r = p.repetition_penalty;
+        if r != 1.0 {
+            for &id in &a.seen {
+                if let Some(x) = l.get_mut(id as usize) {
+                    *x = if *x > 0.0 { *x / r } else { *x * r };
+                }
+            }
+        }
+        for (&id, &n) in &a.counts {
+            if let Some(x) = l.get_mut(id as usize) {
+                *x -= n as f32 * p.frequency_penalty + p.presence_penalty;
+            }
+        }
+    }
+
+    /// Records `id` as generated, for the penalties.
+    fn chosen(&mut self, id: u32) {
+        let penalise = self.params.penalises_output();
+        let repeat = self.params.repetition_penalty != 1.0;
+        if let Some(a) = self.adjuster.as_mut() {
+            if penalise {
+                *a.counts.entry(id).or_insert(0) += 1;
+            }
+            if repeat {
+                a.seen.insert(id);
+            }
+        }
+    }
+
+    fn choose(&mut self, logits: &[f32]) -> u32 {
         if self.params.is_greedy() || logits.len() <= 1 {
             return greedy(logits);
         }
@@ -90,14 +279,7 @@ impl Sampler {
         c[keep - 1].0
     }
 
-    /// Speculative decoding: accepts the drafted token `draft` (proposed by a deterministic
-    /// drafter) with probability `p(draft)` under this sampler's distribution for `logits`
-    /// (`Ok(())`), or rejects it and returns a token drawn from `p` with `draft` removed and
-    /// renormalised (`Err(token)`). For a drafter whose proposal is a point mass this is the
-    /// speculative-sampling rule `min(1, p/q)` with residual `norm(max(0, p − q))`, so the
-    /// token's distribution is exactly `p` (Leviathan et al. 2023, arXiv:2211.17192).
-    /// Greedy: accepted iff `draft` is the argmax, otherwise the argmax. [SPEC_VERIFY]
-    pub fn verify_draft(&mut self, logits: &[f32], draft: u32) -> Result<(), u32> {
+    fn verify(&mut self, logits: &[f32], draft: u32) -> Result<(), u32> {
         if self.params.is_greedy() || logits.len() <= 1 {
             let g = greedy(logits);
             return if g == draft { Ok(()) } else { Err(g) };
@@ -133,7 +315,7 @@ impl Sampler {
     }
 
     /// The sampling distribution of `logits` in `scratch`: (id, unnormalised probability)
-    /// descending, the first `keep` survive top-k/top-p, with total mass `mass`. None when every
+    /// descending, the first `keep` survive min-p/top-k/top-p, with total mass `mass`. None when every
     /// logit is NaN.
     fn distribution(&mut self, logits: &[f32]) -> Option<(usize, f64)> {
         let inv_t = 1.0 / self.params.temperature;
@@ -157,7 +339,7 @@ impl Sampler {
             c.truncate(k);
         }
         c.sort_unstable_by(by_value);
-        // softmax over the survivors
+        // softmax over the survivors (unnormalised: the most likely token has 1)
         let max = c[0].1;
         let mut sum = 0f64;
         for e in c.iter_mut() {
@@ -165,11 +347,18 @@ impl Sampler {
             e.1 = p as f32;
             sum += p;
         }
-        let top_p = self.params.top_p as f64;
+        // min-p: a probability below min_p × the largest is below min_p here; the survivors are
+        // a prefix of the descending order, so this commutes with top-k.
+        let min_p = self.params.min_p;
         let mut keep = c.len();
+        if min_p > 0.0 {
+            keep = c.partition_point(|e| e.1 >= min_p).max(1);
+            sum = c[..keep].iter().map(|e| e.1 as f64).sum();
+        }
+        let top_p = self.params.top_p as f64;
         if top_p < 1.0 {
             let mut acc = 0f64;
-            for (i, e) in c.iter().enumerate() {
+            for (i, e) in c[..keep].iter().enumerate() {
                 acc += e.1 as f64 / sum;
                 if acc >= top_p {
                     keep = i + 1;
@@ -249,9 +438,8 @@ mod tests {
         let l = logits();
         let p = |seed| SamplingParams {
             temperature: 1.5,
-            top_p: 1.0,
-            top_k: 0,
             seed: Some(seed),
+            ..Default::default()
         };
         let draw = |seed| {
             let mut s = Sampler::new(p(seed));
@@ -267,9 +455,9 @@ mod tests {
         let top3: Vec<u32> = top_logprobs(&l, 3).into_iter().map(|(i, _)| i).collect();
         let mut s = Sampler::new(SamplingParams {
             temperature: 5.0,
-            top_p: 1.0,
             top_k: 3,
             seed: Some(1),
+            ..Default::default()
         });
         for _ in 0..200 {
             assert!(top3.contains(&s.sample(&l)));
@@ -278,8 +466,8 @@ mod tests {
         let mut s = Sampler::new(SamplingParams {
             temperature: 1.0,
             top_p: 1e-6,
-            top_k: 0,
             seed: Some(1),
+            ..Default::default()
         });
         for _ in 0..50 {
             assert_eq!(s.sample(&l), greedy(&l));
@@ -306,9 +494,9 @@ mod tests {
         let logits = [2.0f32, 1.0, 0.5, -1.0, 0.0];
         let params = SamplingParams {
             temperature: 0.8,
-            top_p: 1.0,
             top_k: 4,
             seed: Some(7),
+            ..Default::default()
         };
         // Exact probabilities: softmax(logits / T) over the top 4 (id 3 excluded).
         let kept = [0usize, 1, 2, 4];
@@ -318,7 +506,7 @@ mod tests {
             p[i] = (logits[i] as f64 / 0.8).exp() / z;
         }
         for draft in [0u32, 2, 3] {
-            let mut s = Sampler::new(params);
+            let mut s = Sampler::new(params.clone());
             let n = 40_000;
             let mut counts = [0usize; 5];
             for _ in 0..n {
@@ -344,5 +532,188 @@ mod tests {
         let mut g = Sampler::new(SamplingParams::default());
         assert_eq!(g.verify_draft(&logits, 0), Ok(()));
         assert_eq!(g.verify_draft(&logits, 2), Err(0));
+    }
+    /// The logits the sampler chooses from at its next step (adjusted when an adjustment is set).
+    fn adjusted(s: &Sampler, logits: &[f32]) -> Vec<f32> {
+        match s.adjuster.as_deref() {
+            Some(a) => {
+                let mut a = a.clone();
+                s.adjust(&mut a, logits);
+                a.logits
+            }
+            None => logits.to_vec(),
+        }
+    }
+
+    #[test]
+    fn nothing_set_adjusts_nothing() {
+        let s = Sampler::new(SamplingParams::default());
+        assert!(s.adjuster.is_none(), "no adjustment state without a bias or penalty");
+        let s = Sampler::new(SamplingParams {
+            temperature: 0.7,
+            top_k: 5,
+            top_p: 0.9,
+            min_p: 0.1,
+            ..Default::default()
+        });
+        assert!(s.adjuster.is_none(), "temperature and truncation do not adjust logits");
+    }
+
+    /// OpenAI `logit_bias`: added to the logits, also under greedy decoding.
+    #[test]
+    fn logit_bias_moves_the_greedy_choice() {
+        let l = [1.0f32, 3.0, 2.0];
+        let with = |bias: Vec<(u32, f32)>| {
+            Sampler::new(SamplingParams {
+                logit_bias: bias,
+                ..Default::default()
+            })
+        };
+        // 2 + 1.5 = 3.5 > 3
+        let mut s = with(vec![(2, 1.5)]);
+        assert_eq!(adjusted(&s, &l), [1.0, 3.0, 3.5]);
+        assert_eq!(s.sample(&l), 2);
+        // 3 - 100 = -97: the next best, 2.0, wins
+        let mut s = with(vec![(1, -100.0)]);
+        assert_eq!(adjusted(&s, &l), [1.0, -97.0, 2.0]);
+        assert_eq!(s.sample(&l), 2);
+        // +100 forces a token, also when sampling at a high temperature
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 2.0,
+            logit_bias: vec![(0, 100.0)],
+            seed: Some(3),
+            ..Default::default()
+        });
+        assert!((0..100).all(|_| s.sample(&l) == 0));
+        // an id past the logits is ignored
+        let s = with(vec![(9, 5.0)]);
+        assert_eq!(adjusted(&s, &l), l);
+    }
+
+    /// Repetition penalty 2 over prompt tokens 0 and 3: 2.0 → 1.0 (divided), -0.5 → -1.0
+    /// (multiplied); unseen tokens unchanged.
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens() {
+        let l = [2.0f32, 1.5, -1.0, -0.5];
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        let mut s = Sampler::with_prompt(p.clone(), &[0, 3, 3]);
+        assert_eq!(adjusted(&s, &l), [1.0, 1.5, -1.0, -1.0]);
+        assert_eq!(s.sample(&l), 1);
+        // token 1 is now seen too: 1.5 / 2 = 0.75 < 1.0
+        assert_eq!(adjusted(&s, &l), [1.0, 0.75, -1.0, -1.0]);
+        assert_eq!(s.sample(&l), 0);
+        // without the prompt nothing is penalised at first
+        let s = Sampler::new(p);
+        assert_eq!(adjusted(&s, &l), l);
+    }
+
+    /// OpenAI's formula `logit[j] -= count[j] × frequency + (count[j] > 0) × presence` over the
+    /// generated tokens only (the prompt does not count).
+    #[test]
+    fn frequency_and_presence_penalties_follow_openai() {
+        let l = [1.0f32, 0.9, 0.0];
+        // Presence 0.2: after token 0, 1.0 - 0.2 = 0.8 < 0.9 → 1; then 0.9 - 0.2 = 0.7 < 0.8 →
+        // 0, and the penalty does not grow: 0 from then on.
+        let mut s = Sampler::with_prompt(
+            SamplingParams {
+                presence_penalty: 0.2,
+                ..Default::default()
+            },
+            &[1, 1, 1],
+        );
+        let got: Vec<u32> = (0..5).map(|_| s.sample(&l)).collect();
+        assert_eq!(got, [0, 1, 0, 0, 0]);
+        // Frequency 0.2 grows with each use: the two tokens alternate.
+        let mut s = Sampler::new(SamplingParams {
+            frequency_penalty: 0.2,
+            ..Default::default()
+        });
+        let got: Vec<u32> = (0..5).map(|_| s.sample(&l)).collect();
+        assert_eq!(got, [0, 1, 0, 1, 0]);
+        // counts 0: 3, 1: 2 → 1.0 - 3 × 0.2 = 0.4, 0.9 - 2 × 0.2 = 0.5
+        let a = adjusted(&s, &l);
+        assert!(
+            (a[0] - 0.4).abs() < 1e-6 && (a[1] - 0.5).abs() < 1e-6 && a[2] == 0.0,
+            "{a:?}"
+        );
+        // A negative penalty rewards repeats.
+        let mut s = Sampler::new(SamplingParams {
+            presence_penalty: -2.0,
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&[0.0, 1.0]), 1);
+        assert_eq!(adjusted(&s, &[0.0, 1.0]), [0.0, 3.0]);
+    }
+
+    /// vLLM's order: bias, then repetition, then frequency and presence:
+    /// (2 + 1) / 2 − 1 × 0.5 − 0.25 = 0.75.
+    #[test]
+    fn adjustments_apply_in_vllm_order() {
+        let mut s = Sampler::with_prompt(
+            SamplingParams {
+                logit_bias: vec![(0, 1.0)],
+                repetition_penalty: 2.0,
+                frequency_penalty: 0.5,
+                presence_penalty: 0.25,
+                ..Default::default()
+            },
+            &[0],
+        );
+        // first step: (2 + 1) / 2 = 1.5 beats 1.0
+        assert_eq!(adjusted(&s, &[2.0, 1.0]), [1.5, 1.0]);
+        assert_eq!(s.sample(&[2.0, 1.0]), 0);
+        assert_eq!(adjusted(&s, &[2.0, 1.0]), [0.75, 1.0]);
+        assert_eq!(s.sample(&[2.0, 1.0]), 1);
+    }
+
+    /// min-p 0.2 on relative probabilities 1, 0.5, 0.1, 0.05 keeps tokens 0 and 1; 0.08 also
+    /// keeps 2. Greedy ignores it (the most likely token always survives).
+    #[test]
+    fn min_p_drops_tokens_below_the_fraction_of_the_most_likely() {
+        let l: Vec<f32> = [1.0f32, 0.5, 0.1, 0.05].iter().map(|p| p.ln()).collect();
+        let support = |min_p: f32| {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 1.0,
+                min_p,
+                seed: Some(5),
+                ..Default::default()
+            });
+            let mut seen = [false; 4];
+            for _ in 0..2000 {
+                seen[s.sample(&l) as usize] = true;
+            }
+            seen
+        };
+        assert_eq!(support(0.2), [true, true, false, false]);
+        assert_eq!(support(0.08), [true, true, true, false]);
+        assert_eq!(support(0.0), [true, true, true, true]);
+        assert_eq!(support(1.0), [true, false, false, false]);
+        // Then top-p over the survivors (vLLM): p(0) = 1 / 1.5 ≈ 0.67 ≥ 0.6 keeps only token 0.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            min_p: 0.2,
+            top_p: 0.6,
+            seed: Some(5),
+            ..Default::default()
+        });
+        assert!((0..200).all(|_| s.sample(&l) == 0));
+    }
+
+    /// Under speculative verification the penalties see the accepted drafts and replacements.
+    #[test]
+    fn verified_drafts_count_for_the_penalties() {
+        let l = [1.0f32, 0.9];
+        let mut s = Sampler::new(SamplingParams {
+            presence_penalty: 0.5,
+            ..Default::default()
+        });
+        assert_eq!(s.verify_draft(&l, 0), Ok(()));
+        // token 0 was generated: 0.5 < 0.9, so a draft of 0 is now rejected for 1
+        assert_eq!(s.verify_draft(&l, 0), Err(1));
+        // both penalised: 0.5 vs 0.4
+        assert_eq!(s.sample(&l), 0);
     }
 }

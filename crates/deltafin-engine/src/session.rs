@@ -231,9 +231,9 @@ impl Session {
     /// cancellation takes effect within one step; `on_delta` receives each step's output and
     /// cancels by returning false.
     ///
-    /// Errors: empty prompt, `max_new_tokens == 0`, prompt ids outside the vocabulary, prompt
-    /// plus `max_new_tokens` beyond the context length, expert read failures (the cache is then
-    /// reset).
+    /// Errors: empty prompt, `max_new_tokens == 0`, prompt ids outside the vocabulary, sampling
+    /// settings out of range ([`SamplingParams::check`]), prompt plus `max_new_tokens` beyond the
+    /// context length, expert read failures (the cache is then reset).
     pub fn generate(
         &mut self,
         req: &GenerationRequest,
@@ -253,6 +253,7 @@ impl Session {
         if let Some(&id) = req.prompt.iter().find(|&&id| id as usize >= vocab) {
             return Err(EngineError::TokenOutOfRange { id, vocab_size: vocab });
         }
+        req.sampling.check(vocab).map_err(EngineError::Invalid)?;
         let ctx = self.context_length();
         if n_prompt + req.max_new_tokens > ctx {
             return Err(EngineError::Invalid(format!(
@@ -321,7 +322,7 @@ impl Session {
         let tokenizer = Arc::clone(&self.tokenizer);
         let mut decoder = tokenizer.stream_decoder(true);
         let mut stops = StopMatcher::new(&req.stop);
-        let mut sampler = Sampler::new(req.sampling);
+        let mut sampler = Sampler::with_prompt(req.sampling.clone(), &req.prompt);
         let mut steady_start: Option<Instant> = None;
         let mut steady_from = 0;
         let mut finished = false;

@@ -83,8 +83,8 @@ fn seeds_stops_and_cancellation() {
         r.sampling = SamplingParams {
             temperature: 1.0,
             top_p: 0.9,
-            top_k: 0,
             seed: Some(seed),
+            ..Default::default()
         };
         s.generate(&r, &never, |_| true).unwrap().generated_ids
     };

@@ -14,6 +14,7 @@ pub mod anthropic;
 pub mod error;
 pub mod metrics;
 pub mod openai;
+mod sampling_fields;
 pub mod worker;
 
 use std::future::Future;
@@ -484,6 +485,7 @@ pub(crate) fn sampling(
         top_p: top_p as f32,
         top_k,
         seed: seed.map(|s| s as u64),
+        ..Default::default()
     })
 }
 

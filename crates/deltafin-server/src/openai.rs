@@ -26,6 +26,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::error::{parse_body, ApiError, Flavor};
+use crate::sampling_fields::SamplingFields;
 use crate::worker::JobEvent;
 use crate::{chat_prompt, collect, new_id, off_runtime, sampling, stop_strings, unix_now, AppState};
 
@@ -64,6 +65,11 @@ struct CompletionRequest {
     top_p: Option<f64>,
     top_k: Option<i64>,
     seed: Option<i64>,
+    logit_bias: Option<Value>,
+    presence_penalty: Option<f64>,
+    frequency_penalty: Option<f64>,
+    repetition_penalty: Option<f64>,
+    min_p: Option<f64>,
     n: Option<i64>,
     stop: Option<Value>,
     stream: Option<bool>,
@@ -86,6 +92,11 @@ struct ChatRequest {
     top_p: Option<f64>,
     top_k: Option<i64>,
     seed: Option<i64>,
+    logit_bias: Option<Value>,
+    presence_penalty: Option<f64>,
+    frequency_penalty: Option<f64>,
+    repetition_penalty: Option<f64>,
+    min_p: Option<f64>,
     n: Option<i64>,
     stop: Option<Value>,
     stream: Option<bool>,
@@ -97,6 +108,38 @@ struct ChatRequest {
     best_of: Option<i64>,
     response_format: Option<Value>,
     ignore_eos: Option<bool>,
+}
+
+macro_rules! sampling_fields {
+    ($t:ty) => {
+        impl $t {
+            fn sampling_fields(&self) -> SamplingFields<'_> {
+                SamplingFields {
+                    logit_bias: self.logit_bias.as_ref(),
+                    presence_penalty: self.presence_penalty,
+                    frequency_penalty: self.frequency_penalty,
+                    repetition_penalty: self.repetition_penalty,
+                    min_p: self.min_p,
+                }
+            }
+        }
+    };
+}
+sampling_fields!(CompletionRequest);
+sampling_fields!(ChatRequest);
+
+/// Every sampling field of a request, checked (400 naming the field otherwise).
+fn sampling_of(
+    s: &AppState,
+    fields: &SamplingFields<'_>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    seed: Option<i64>,
+) -> Result<deltafin_engine::sampler::SamplingParams, ApiError> {
+    let mut p = sampling(temperature, top_p, top_k, seed, 2.0)?;
+    fields.apply(&mut p, s.vocab_size)?;
+    Ok(p)
 }
 
 fn check_n(n: Option<i64>) -> Result<(), ApiError> {
@@ -322,7 +365,7 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
             ))
         }
     };
-    let sampling = sampling(r.temperature, r.top_p, r.top_k, r.seed, 2.0)?;
+    let sampling = sampling_of(&s, &r.sampling_fields(), r.temperature, r.top_p, r.top_k, r.seed)?;
     let stop = stop_strings(r.stop.as_ref(), "stop")?;
     let prompt = {
         let (st, p) = (Arc::clone(&s), r.prompt.clone());
@@ -462,7 +505,7 @@ pub async fn chat_completions(
         (false, _) => None,
         (true, n) => Some(n.unwrap_or(0) as usize),
     };
-    let sampling = sampling(r.temperature, r.top_p, r.top_k, r.seed, 2.0)?;
+    let sampling = sampling_of(&s, &r.sampling_fields(), r.temperature, r.top_p, r.top_k, r.seed)?;
     let stop = stop_strings(r.stop.as_ref(), "stop")?;
     let tools = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
     let messages = normalize_messages(r.messages.as_deref().unwrap_or(&[]))?;

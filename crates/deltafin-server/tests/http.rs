@@ -935,3 +935,250 @@ fn completion_logprobs_keep_partial_character_tokens_distinct() {
         before.extend(completion_token_bytes(t));
     }
 }
+
+/// The bytes of every token of the fixture's vocabulary (index = id).
+fn vocab_bytes() -> Vec<Vec<u8>> {
+    let t = Tokenizer::from_dir(model_dir()).unwrap();
+    (0..t.vocab_size() as u32)
+        .map(|id| t.token_bytes(id).unwrap_or_default())
+        .collect()
+}
+
+/// Token ids absent from `prompt` whose bytes are plain text no other token has, so a
+/// generated token's bytes name its id.
+fn fresh_tokens(vocab: &[Vec<u8>], prompt: &[u32]) -> Vec<u32> {
+    (2..vocab.len() as u32)
+        .filter(|&id| {
+            let b = &vocab[id as usize];
+            !prompt.contains(&id)
+                && !b.is_empty()
+                && b.iter().all(u8::is_ascii_alphanumeric)
+                && vocab.iter().filter(|o| *o == b).count() == 1
+        })
+        .collect()
+}
+
+/// Two [`fresh_tokens`] of the prompt of [`hello`].
+fn two_fresh_tokens(vocab: &[Vec<u8>]) -> (u32, u32) {
+    let t = Tokenizer::from_dir(model_dir()).unwrap();
+    let rendered = t
+        .chat_template()
+        .unwrap()
+        .render(hello().as_array().unwrap(), true, &Value::Null)
+        .unwrap();
+    let fresh = fresh_tokens(vocab, &t.encode(&rendered, false).unwrap());
+    (fresh[0], fresh[1])
+}
+
+/// The bytes of each token a chat completion of [`hello`] generates (`max_tokens` of them:
+/// end-of-sequence ignored), greedy unless `extra` says otherwise.
+fn generated_bytes(a: SocketAddr, extra: Value, max_tokens: usize) -> Vec<Vec<u8>> {
+    let body = with(with(chat_body(max_tokens), json!({"logprobs": true})), extra);
+    let r = post(a, "/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| check_entry_bytes(e).0)
+        .collect()
+}
+
+/// Each sampling field changes what is generated exactly as its hand-worked rule says. The
+/// fixture's logits are at most 11.1 in magnitude (its `expected.json` `max_abs_logit`), so a
+/// bias lead above 22.2 decides a step whatever the model says; closer calls are calibrated on
+/// the model's raw log-probabilities.
+#[test]
+fn every_sampling_field_has_its_effect() {
+    let a = start(|_| {});
+    let vocab = vocab_bytes();
+    let (t, u) = two_fresh_tokens(&vocab);
+    let (tb, ub) = (vocab[t as usize].clone(), vocab[u as usize].clone());
+    let gen = |extra: Value| generated_bytes(a, extra, 6);
+    let bias = |pairs: &[(u32, f64)]| {
+        let m: serde_json::Map<String, Value> = pairs.iter().map(|(id, b)| (id.to_string(), json!(b))).collect();
+        json!({"logit_bias": m})
+    };
+
+    // logit_bias: +100 forces a token, greedy or sampled; -100 on the greedy token changes it.
+    let greedy = gen(json!({}));
+    assert_eq!(gen(bias(&[(t, 100.0)])), vec![tb.clone(); 6]);
+    assert_eq!(
+        gen(with(bias(&[(t, 100.0)]), json!({"temperature": 1.5, "seed": 4}))),
+        vec![tb.clone(); 6]
+    );
+    let banned: Vec<(u32, f64)> = (0..vocab.len() as u32)
+        .filter(|&id| vocab[id as usize] == greedy[0])
+        .map(|id| (id, -100.0))
+        .collect();
+    assert_ne!(gen(bias(&banned))[0], greedy[0]);
+    // Completions too.
+    let r = post(
+        a,
+        "/v1/completions",
+        &with(
+            json!({"model": MODEL, "prompt": [0, 5, 6], "max_tokens": 3, "ignore_eos": true}),
+            bias(&[(t, 100.0)]),
+        ),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let tt = String::from_utf8(tb.clone()).unwrap();
+    assert_eq!(r.json()["choices"][0]["text"], tt.repeat(3));
+
+    // repetition_penalty 4: T (+100) is seen after the first step, (100 + l) / 4 ≤ 27.8 < 38.9 ≤
+    // 50 + l: U (+50) comes next; without the penalty T always wins (lead 50 > 22.2).
+    let forced = bias(&[(t, 100.0), (u, 50.0)]);
+    assert_eq!(gen(forced.clone()), vec![tb.clone(); 6]);
+    let r = gen(with(forced, json!({"repetition_penalty": 4.0})));
+    assert_eq!(r[..2], [tb.clone(), ub.clone()]);
+
+    // frequency_penalty grows with each use. T +100, U +75: a lead of 25, more than any two
+    // logits of this fixture differ (|logit| ≤ 11.1), so without a penalty T always wins; at 2
+    // per use T's lead is gone after at most 24 uses and U appears. presence_penalty (once per
+    // token) never closes it.
+    let far = bias(&[(t, 100.0), (u, 75.0)]);
+    let n = 30;
+    assert_eq!(generated_bytes(a, far.clone(), n), vec![tb.clone(); n]);
+    assert_eq!(
+        generated_bytes(a, with(far.clone(), json!({"presence_penalty": 2})), n),
+        vec![tb.clone(); n]
+    );
+    let f = generated_bytes(a, with(far, json!({"frequency_penalty": 2})), n);
+    assert_eq!(
+        f[..2],
+        [tb.clone(), tb.clone()],
+        "T leads by 25 ± 22.2 for its first two uses"
+    );
+    assert!(f.contains(&ub) && f.iter().all(|b| *b == tb || *b == ub), "{f:?}");
+
+    // presence_penalty, calibrated on the model's raw logits (a forced token's reported
+    // log-probability is the raw model's): with d = logit(T) - logit(U) after the prompt and T,
+    // biases making bias(U) - bias(T) = d - 1 give T, T without the penalty (T leads by 1 at the
+    // second step) and T, U with presence 2 (T trails by 1), provided T also wins the first step.
+    let p = [0u32, 5, 6];
+    let raw_lp = |prompt: &[u32], id: u32| -> f64 {
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1, "logprobs": 0, "ignore_eos": true});
+        let r = post(a, "/v1/completions", &with(body, bias(&[(id, 100.0)])));
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["logprobs"]["token_logprobs"][0]
+            .as_f64()
+            .unwrap()
+    };
+    let fresh = fresh_tokens(&vocab, &p);
+    let (t2, u2, x) = fresh
+        .iter()
+        .take(6)
+        .flat_map(|&t| fresh.iter().take(6).map(move |&u| (t, u)))
+        .filter(|(t, u)| t != u)
+        .find_map(|(t, u)| {
+            let d1 = raw_lp(&p, t) - raw_lp(&p, u);
+            let pt = [&p[..], &[t]].concat();
+            let d = raw_lp(&pt, t) - raw_lp(&pt, u);
+            // First step: T leads U by d1 - (d - 1).
+            (d1 - d + 1.0 >= 0.5).then_some((t, u, d - 1.0))
+        })
+        .expect("a token pair whose first step T wins");
+    let (bt, bu) = if x <= 0.0 {
+        (100.0, 100.0 + x)
+    } else {
+        (100.0 - x, 100.0)
+    };
+    let two = |extra: Value| {
+        let body = json!({"model": MODEL, "prompt": p, "max_tokens": 2, "ignore_eos": true});
+        let r = post(
+            a,
+            "/v1/completions",
+            &with(with(body, bias(&[(t2, bt), (u2, bu)])), extra),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let word = |id: u32| String::from_utf8(vocab[id as usize].clone()).unwrap();
+    assert_eq!(two(json!({})), word(t2).repeat(2));
+    assert_eq!(two(json!({"presence_penalty": 2})), word(t2) + &word(u2));
+
+    // min_p 1 keeps only the most likely token: sampling gives the greedy output, while the same
+    // seed without it samples something else.
+    let sampled = json!({"temperature": 1.5, "seed": 3});
+    assert_ne!(gen(sampled.clone()), greedy);
+    assert_eq!(gen(with(sampled.clone(), json!({"min_p": 1.0}))), greedy);
+    assert_eq!(gen(with(sampled, json!({"top_k": 1}))), greedy);
+
+    // Anthropic `top_k` 1 at temperature 1 is the greedy answer.
+    let msg = |extra: Value| {
+        let r = post(
+            a,
+            "/v1/messages",
+            &with(json!({"model": MODEL, "max_tokens": 8, "messages": hello()}), extra),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["content"][0]["text"].clone()
+    };
+    assert_eq!(msg(json!({"temperature": 1.0, "top_k": 1})), msg(json!({})));
+}
+
+/// Out-of-range sampling fields are 400 naming the field (never accepted and ignored); the
+/// range limits themselves and nulls are accepted.
+#[test]
+fn sampling_fields_out_of_range_are_400_naming_the_field() {
+    let a = start(|_| {});
+    let chat = |extra: &Value| post(a, "/v1/chat/completions", &with(chat_body(1), extra.clone()));
+    let cmpl = |extra: &Value| {
+        post(
+            a,
+            "/v1/completions",
+            &with(json!({"model": MODEL, "prompt": "Hi", "max_tokens": 1}), extra.clone()),
+        )
+    };
+    for (extra, param, needle) in [
+        (json!({"logit_bias": {"7": 101}}), "logit_bias", "from -100 to 100"),
+        (json!({"logit_bias": {"7": -100.5}}), "logit_bias", "from -100 to 100"),
+        (json!({"logit_bias": {"7": "up"}}), "logit_bias", "from -100 to 100"),
+        (json!({"logit_bias": {"512": 1}}), "logit_bias", "out of range"),
+        (json!({"logit_bias": {"-1": 1}}), "logit_bias", "out of range"),
+        (json!({"logit_bias": {"x": 1}}), "logit_bias", "not a token id"),
+        (json!({"logit_bias": [7, 1]}), "logit_bias", "must be an object"),
+        (json!({"presence_penalty": 2.5}), "presence_penalty", "between -2 and 2"),
+        (
+            json!({"presence_penalty": -2.01}),
+            "presence_penalty",
+            "between -2 and 2",
+        ),
+        (json!({"frequency_penalty": 3}), "frequency_penalty", "between -2 and 2"),
+        (
+            json!({"frequency_penalty": "x"}),
+            "frequency_penalty",
+            "frequency_penalty",
+        ),
+        (json!({"repetition_penalty": 0}), "repetition_penalty", "greater than 0"),
+        (
+            json!({"repetition_penalty": -1.5}),
+            "repetition_penalty",
+            "greater than 0",
+        ),
+        (json!({"min_p": 1.5}), "min_p", "between 0 and 1"),
+        (json!({"min_p": -0.1}), "min_p", "between 0 and 1"),
+    ] {
+        for r in [chat(&extra), cmpl(&extra)] {
+            assert_openai_error(&r, 400);
+            let e = &r.json()["error"];
+            assert_eq!(e["param"], param, "{extra}: {}", r.body);
+            let m = e["message"].as_str().unwrap();
+            assert!(
+                m.contains(needle) && m.contains(param) && !m.contains('\n'),
+                "{extra}: {m}"
+            );
+        }
+    }
+    for extra in [
+        json!({"logit_bias": {"511": -100, "0": 100}, "presence_penalty": -2, "frequency_penalty": 2}),
+        json!({"logit_bias": {}, "presence_penalty": 2, "frequency_penalty": -2, "min_p": 1}),
+        json!({"logit_bias": null, "presence_penalty": null, "frequency_penalty": null,
+               "repetition_penalty": null, "min_p": null}),
+        json!({"repetition_penalty": 1.0, "min_p": 0}),
+    ] {
+        for r in [chat(&extra), cmpl(&extra)] {
+            assert_eq!(r.status, 200, "{extra}: {}", r.body);
+        }
+    }
+}

@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use deltafin_engine::sampler::SamplingParams;
 use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest, Session};
 use deltafin_engine::{load_model, CausalLm};
 use deltafin_format::ModelDir;
@@ -28,18 +27,8 @@ pub struct ChatArgs {
     /// Tokens to generate at most per answer (capped by the context left).
     #[arg(long, default_value_t = 512, allow_negative_numbers = true)]
     max_tokens: usize,
-    /// Sampling temperature (0 = greedy, exact).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    temperature: f32,
-    /// Nucleus sampling mass (1 = off).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    top_p: f32,
-    /// Keep only the k most likely tokens (0 or -1 = off, as the server's `top_k`).
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = parse_top_k)]
-    top_k: usize,
-    /// Seed for sampling.
-    #[arg(long, allow_negative_numbers = true)]
-    seed: Option<u64>,
+    #[command(flatten)]
+    sampling: crate::sampling_args::SamplingArgs,
     /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
     #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
     ram_budget: Option<u64>,
@@ -57,13 +46,8 @@ pub fn run(a: &ChatArgs) -> Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    if !(0.0..=2.0).contains(&a.temperature) {
-        bail!("--temperature {} must be between 0 and 2", a.temperature);
-    }
-    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
-        bail!("--top-p {} must be greater than 0 and at most 1", a.top_p);
-    }
     let dir = ModelDir::open(&a.model)?;
+    let sampling = a.sampling.params(dir.manifest.config.vocab_size())?;
     let budget = crate::ram_budget(a.ram_budget);
     let tokenizer = Arc::new(
         Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?,
@@ -199,12 +183,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
         let req = GenerationRequest {
             prompt,
             max_new_tokens: a.max_tokens.min(left).max(1),
-            sampling: SamplingParams {
-                temperature: a.temperature,
-                top_p: a.top_p,
-                top_k: a.top_k,
-                seed: a.seed,
-            },
+            sampling: sampling.clone(),
             stop: Vec::new(),
             ignore_eos: false,
             logprobs: None,
@@ -235,15 +214,5 @@ pub fn run(a: &ChatArgs) -> Result<()> {
         }
         messages.push(json!({"role": "assistant", "content": out.text}));
         last = Some(out);
-    }
-}
-
-/// `--top-k`: a count, or 0 / -1 for no top-k filter (the server's convention).
-fn parse_top_k(v: &str) -> std::result::Result<usize, String> {
-    match v.trim() {
-        "-1" => Ok(0),
-        t => t
-            .parse::<usize>()
-            .map_err(|_| format!("{v:?} is not a token count (0 or -1 = off)")),
     }
 }

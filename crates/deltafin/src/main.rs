@@ -8,6 +8,7 @@ mod demo;
 mod info_cmd;
 mod pull_cmd;
 mod replay;
+mod sampling_args;
 mod serve;
 mod size;
 mod synth_cmd;
@@ -75,7 +76,7 @@ enum Cmd {
         #[arg(long)]
         dry_run: bool,
     },
-    /// Generate text greedily from a converted model.
+    /// Generate text from a converted model (greedy unless sampling flags say otherwise).
     Run(RunArgs),
     /// Synthesize a small random model of the DeepSeek-V3 architecture, convert it, and generate
     /// from it with an expert pack larger than the RAM budget (no download).
@@ -162,6 +163,8 @@ struct RunArgs {
     /// family runs there, else the CPU, with a note saying why).
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     device: Device,
+    #[command(flatten)]
+    sampling: sampling_args::SamplingArgs,
     #[command(flatten)]
     store: StoreArgs,
     #[command(flatten)]
@@ -556,6 +559,7 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     if a.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }
+    let sampling = a.sampling.params(dir.manifest.config.vocab_size())?;
     // Claim the output files now so a bad path fails before a long generation, not after it.
     let logits_file = a
         .logits_out
@@ -620,6 +624,7 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         trace_routes: a.trace_routes.clone(),
         prefill_chunk: a.passes.prefill_chunk,
         speculate: a.passes.speculate,
+        sampling,
     };
     let mut dec = tokenizer.stream_decoder(true);
     let mut stdout = std::io::stdout().lock();

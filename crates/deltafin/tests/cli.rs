@@ -1468,3 +1468,142 @@ fn ram_budget_changes_io_but_not_results() {
     assert!(lm <= n_records && le == 0 && lh > 0, "{large_err}");
     assert!(zb > lb, "a zero budget reads more ({zb} vs {lb})");
 }
+
+/// `run` and `chat` honour every sampling flag as the server's fields (hand-worked below: the
+/// fixture's logits are at most 11.1 in magnitude, so a bias lead above 22.2 decides a step;
+/// closer calls are calibrated on the raw logits) and refuse values out of range, naming the
+/// flag.
+#[test]
+fn run_and_chat_sampling_flags() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    ok(convert(&fixture("dsv3_a"), &model, &[]));
+    let f = tmp.path().join("logits.json");
+    let gen = |n: usize, extra: &[&str]| {
+        ok(run_ids(&model, &[0, 5, 6], n, &f, extra));
+        ids(&read_json(&f)["generated_ids"])
+    };
+    let greedy = gen(4, &[]);
+    // +100 forces a token; -100 on the greedy first token changes it.
+    assert_eq!(gen(4, &["--logit-bias", "300=100"]), [300; 4]);
+    assert_eq!(
+        gen(4, &["--logit-bias=300=100", "--temperature", "1.5", "--seed", "2"]),
+        [300; 4]
+    );
+    let ban = format!("{}=-100", greedy[0]);
+    assert_ne!(gen(4, &["--logit-bias", &ban])[0], greedy[0]);
+    // frequency 2 per use: 300 +100 leads 301 +75 by 25, more than any two logits of the
+    // fixture differ (|logit| ≤ 11.1), so without a penalty 301 never comes; the lead is gone
+    // after at most 24 uses. presence (once per token) never closes it.
+    let far = ["--logit-bias", "300=100", "--logit-bias", "301=75"];
+    assert_eq!(gen(30, &far), [300; 30]);
+    assert_eq!(gen(30, &[&far[..], &["--presence-penalty", "2"]].concat()), [300; 30]);
+    let f2 = gen(30, &[&far[..], &["--frequency-penalty", "2"]].concat());
+    assert!(
+        f2[..2] == [300, 300] && f2.contains(&301) && f2.iter().all(|&i| i == 300 || i == 301),
+        "{f2:?}"
+    );
+    // presence 2, calibrated on the raw logits (--logits-out) of the steps after the prompt and
+    // after 300: with d = logit(300) - logit(U) at the second step, biases making
+    // bias(U) - bias(300) = d - 1 give 300, 300 without the penalty and 300, U with it.
+    assert_eq!(gen(2, &["--logit-bias", "300=100"]), [300, 300]);
+    let steps: Vec<Vec<f64>> = read_json(&f)["step_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(floats)
+        .collect();
+    let (u, x) = (2..512usize)
+        .filter(|u| ![0, 5, 6, 300].contains(u))
+        .find_map(|u| {
+            let d1 = steps[0][300] - steps[0][u];
+            let d = steps[1][300] - steps[1][u];
+            (d1 - d + 1.0 >= 0.5).then_some((u as u32, d - 1.0))
+        })
+        .expect("a token that 300 beats at the first step");
+    let (b300, bu) = if x <= 0.0 {
+        (100.0, 100.0 + x)
+    } else {
+        (100.0 - x, 100.0)
+    };
+    let pair = [format!("--logit-bias=300={b300}"), format!("--logit-bias={u}={bu}")];
+    let pair: Vec<&str> = pair.iter().map(String::as_str).collect();
+    assert_eq!(gen(2, &pair), [300, 300]);
+    assert_eq!(gen(2, &[&pair[..], &["--presence-penalty", "2"]].concat()), [300, u]);
+    // repetition 4: 300 (+100) once seen is (100 + l) / 4 ≤ 27.8, below 301's 50 + l ≥ 38.9.
+    assert_eq!(
+        gen(
+            2,
+            &[
+                "--logit-bias",
+                "300=100",
+                "--logit-bias",
+                "301=50",
+                "--repetition-penalty",
+                "4"
+            ]
+        ),
+        [300, 301]
+    );
+    // min-p 1 (or top-k 1) keeps only the most likely token: the greedy output.
+    let sampled = ["--temperature", "1.5", "--seed", "3"];
+    assert_ne!(gen(4, &sampled), greedy);
+    assert_eq!(gen(4, &[&sampled[..], &["--min-p", "1"]].concat()), greedy);
+
+    // chat: +100 on token 300 makes every answer token 300.
+    let out = ok(exec(
+        deltafin()
+            .args(["chat", "--model"])
+            .arg(&model)
+            .args(["--max-tokens", "3", "--logit-bias", "300=100"])
+            .write_stdin("hi\n"),
+    ));
+    let t = deltafin_tokenizer::Tokenizer::from_dir(&model).unwrap();
+    let want = t.decode(&[300, 300, 300], true).unwrap();
+    assert_eq!(text(&out.stdout), format!("{want}\n"));
+
+    let m = model.to_str().unwrap();
+    for (cmd, flag, value, needles) in [
+        (
+            "run",
+            "--presence-penalty",
+            "3",
+            vec!["--presence-penalty 3", "between -2 and 2"],
+        ),
+        (
+            "run",
+            "--frequency-penalty",
+            "-2.5",
+            vec!["--frequency-penalty -2.5", "between -2 and 2"],
+        ),
+        (
+            "run",
+            "--repetition-penalty",
+            "0",
+            vec!["--repetition-penalty 0", "greater than 0"],
+        ),
+        ("run", "--min-p", "1.5", vec!["--min-p 1.5", "between 0 and 1"]),
+        (
+            "run",
+            "--logit-bias",
+            "512=1",
+            vec!["--logit-bias 512=1", "outside the vocabulary"],
+        ),
+        ("run", "--logit-bias", "5", vec!["--logit-bias", "ID=BIAS"]),
+        ("run", "--logit-bias", "5=101", vec!["--logit-bias", "-100 to 100"]),
+        (
+            "chat",
+            "--frequency-penalty",
+            "3",
+            vec!["--frequency-penalty 3", "between -2 and 2"],
+        ),
+        ("chat", "--logit-bias", "x=1", vec!["--logit-bias", "not a token id"]),
+    ] {
+        let mut c = deltafin();
+        c.args([cmd, "--model", m, flag, value]);
+        if cmd == "run" {
+            c.args(["--prompt-ids", "0,5"]);
+        }
+        expect_error(&exec(c.write_stdin("")), &needles);
+    }
+}
