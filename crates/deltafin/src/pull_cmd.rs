@@ -73,6 +73,7 @@ pub(crate) struct TransferBar(pub(crate) indicatif::ProgressBar);
 
 impl Transfer for TransferBar {
     fn begin(&self, name: &str, total: u64, done: u64) {
+        crate::log::set_active_bar(&self.0);
         self.0.set_message(name.to_string());
         self.0.set_length(total);
         self.0.set_position(done);

@@ -189,3 +189,39 @@ fn chat_on_a_terminal_edits_lines_with_the_cursor_keys() {
         "the cursor keys reached the input: {err}"
     );
 }
+
+/// With stderr on a terminal, `pull` shows each retry on its progress line (and as a warning
+/// line above it), not only in the summary at the end.
+#[test]
+fn pull_shows_retries_on_the_progress_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (master, slave) = openpty();
+    let shown = collect(&master);
+    let mut child = Command::new(bin())
+        .args([
+            "pull",
+            &format!("http://127.0.0.1:{port}/org/m"),
+            s(&tmp.path().join("m")),
+            "--full",
+        ])
+        .env("DELTAFIN_HTTP_RETRIES", "2")
+        .env("DELTAFIN_HTTP_BACKOFF_MS", "300")
+        .env_remove("RUST_LOG")
+        .env("TERM", "xterm")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(slave))
+        .spawn()
+        .unwrap();
+    let st = wait(&mut child, Duration::from_secs(60)).expect("pull did not end");
+    assert!(!st.success());
+    std::thread::sleep(Duration::from_millis(300));
+    let screen = String::from_utf8_lossy(&shown.lock().unwrap()).into_owned();
+    assert!(screen.contains("manifest.json: retry 1/2 ("), "{screen:?}");
+    assert!(screen.contains("retrying in 0.3 s (1/2)"), "{screen:?}");
+}
