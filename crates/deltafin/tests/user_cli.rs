@@ -61,15 +61,20 @@ struct Recorder {
 
 impl Recorder {
     fn start(status: &'static str) -> Recorder {
+        Self::start_with(status, String::new())
+    }
+
+    /// Also sends the header line `extra` (e.g. `Location: …`) when not empty.
+    fn start_with(status: &'static str, extra: String) -> Recorder {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let log = seen.clone();
         std::thread::spawn(move || {
             for c in l.incoming().flatten() {
-                let log = log.clone();
+                let (log, extra) = (log.clone(), extra.clone());
                 std::thread::spawn(move || {
-                    let _ = answer(c, status, &log);
+                    let _ = answer(c, status, &extra, &log);
                 });
             }
         });
@@ -85,7 +90,7 @@ impl Recorder {
     }
 }
 
-fn answer(c: TcpStream, status: &str, log: &Mutex<Vec<Seen>>) -> std::io::Result<()> {
+fn answer(c: TcpStream, status: &str, extra: &str, log: &Mutex<Vec<Seen>>) -> std::io::Result<()> {
     let mut r = BufReader::new(c.try_clone()?);
     let mut line = String::new();
     r.read_line(&mut line)?;
@@ -104,7 +109,12 @@ fn answer(c: TcpStream, status: &str, log: &Mutex<Vec<Seen>>) -> std::io::Result
         headers,
     });
     let mut c = c;
-    c.write_all(format!("HTTP/1.1 {status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").as_bytes())?;
+    let extra = if extra.is_empty() {
+        String::new()
+    } else {
+        format!("{extra}\r\n")
+    };
+    c.write_all(format!("HTTP/1.1 {status}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n").as_bytes())?;
     let _ = c.read(&mut [0u8; 1]);
     Ok(())
 }
@@ -232,6 +242,24 @@ fn pull_resolves_repository_ids_against_the_endpoint() {
         other.seen().last().unwrap().header("authorization"),
         Some("Bearer tok2")
     );
+
+    // A redirect to another host (the hub's CDN): followed without the token.
+    let cdn = Recorder::start("404 Not Found");
+    let redirecting = Recorder::start_with("302 Found", format!("Location: {}/cdn/file", cdn.url()));
+    run(deltafin()
+        .env("HF_ENDPOINT", redirecting.url())
+        .env("HF_TOKEN", token)
+        .args(["pull", "org/name", s(&t.join("r")), "--full"]));
+    assert_eq!(
+        redirecting.seen()[0].header("authorization"),
+        Some(format!("Bearer {token}").as_str())
+    );
+    let at_cdn = cdn.seen();
+    assert!(
+        !at_cdn.is_empty() && at_cdn.iter().all(|r| r.line.starts_with("GET /cdn/file ")),
+        "{at_cdn:?}"
+    );
+    assert!(at_cdn.iter().all(|r| r.header("authorization").is_none()), "{at_cdn:?}");
 
     // A gated repository without a token: the error says how to give one.
     let gated = Recorder::start("401 Unauthorized");
