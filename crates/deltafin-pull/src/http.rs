@@ -13,6 +13,12 @@
 //!   `If-Range: <etag>`, so a changed file restarts from zero. The finished file is checked
 //!   against its size and, when the server gives one, its sha256 (a mismatch deletes the partial
 //!   and downloads again, up to the retry limit), fsynced, then renamed into place.
+//! - With [`HttpOptions::auth`] (a Hugging Face token for gated repositories), requests to the
+//!   token's origin carry `Authorization: Bearer <token>`; a redirect to another origin (the
+//!   hub's pre-signed CDN URLs) does not, as `huggingface_hub` does. The header is marked
+//!   sensitive and the token is never logged or written to disk.
+//! - Each retry is a `tracing` warning, and [`Http::with_retry_observer`] lets a progress
+//!   display show it.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
@@ -20,7 +26,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use reqwest::header::{HeaderMap, CONTENT_LENGTH, CONTENT_RANGE, ETAG, IF_RANGE, LOCATION, RANGE};
+use reqwest::header::{
+    HeaderMap, HeaderValue, AUTHORIZATION, CONTENT_LENGTH, CONTENT_RANGE, ETAG, IF_RANGE, LOCATION, RANGE,
+};
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
 
@@ -37,7 +45,69 @@ pub struct HttpOptions {
     pub backoff: Duration,
     /// Longest wait for a connection or for the next bytes of a body.
     pub timeout: Duration,
+    /// A bearer token and the origin it is sent to (none by default).
+    pub auth: Option<Auth>,
 }
+
+/// A bearer token (a Hugging Face access token for gated or private repositories) and the one
+/// origin (scheme, host, port) it is sent to. `Debug` shows the origin, never the token.
+#[derive(Clone)]
+pub struct Auth {
+    header: HeaderValue,
+    origin: reqwest::Url,
+}
+
+impl std::fmt::Debug for Auth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Auth {{ token: <redacted>, origin: {} }}",
+            self.origin.origin().ascii_serialization()
+        )
+    }
+}
+
+impl Auth {
+    /// `token` for requests to the origin of `endpoint` (e.g. `https://huggingface.co`).
+    ///
+    /// Errors: `endpoint` is not an http(s) URL; the token is empty or holds characters a header
+    /// cannot carry (the message never contains the token).
+    pub fn new(token: &str, endpoint: &str) -> Result<Self, PullError> {
+        let origin = reqwest::Url::parse(endpoint)
+            .ok()
+            .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
+            .ok_or_else(|| PullError::Invalid(format!("endpoint {endpoint:?} must be an http:// or https:// URL")))?;
+        let token = token.trim();
+        if token.is_empty() {
+            return Err(PullError::Invalid("the access token is empty".into()));
+        }
+        let mut header = HeaderValue::from_str(&format!("Bearer {token}"))
+            .map_err(|_| PullError::Invalid("the access token holds characters an HTTP header cannot carry".into()))?;
+        header.set_sensitive(true);
+        Ok(Auth { header, origin })
+    }
+
+    /// Whether requests to `url` carry the token: same scheme, host and port as the endpoint.
+    pub fn applies_to(&self, url: &str) -> bool {
+        reqwest::Url::parse(url).is_ok_and(|u| u.origin() == self.origin.origin())
+    }
+}
+
+/// One retry about to happen, as [`Http::with_retry_observer`] reports it.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryNote<'a> {
+    pub url: &'a str,
+    /// Why the attempt failed (`HTTP 503`, a connection error...).
+    pub reason: &'a str,
+    /// This retry's number, from 1.
+    pub retry: u32,
+    /// Retries allowed.
+    pub of: u32,
+    /// Wait before it.
+    pub wait: Duration,
+}
+
+type RetryObserver = Box<dyn Fn(&RetryNote<'_>) + Send + Sync>;
 
 impl Default for HttpOptions {
     fn default() -> Self {
@@ -46,6 +116,7 @@ impl Default for HttpOptions {
             retries: env("DELTAFIN_HTTP_RETRIES").unwrap_or(5) as u32,
             backoff: Duration::from_millis(env("DELTAFIN_HTTP_BACKOFF_MS").unwrap_or(500)),
             timeout: Duration::from_secs(env("DELTAFIN_HTTP_TIMEOUT_S").unwrap_or(30).max(1)),
+            auth: None,
         }
     }
 }
@@ -101,6 +172,7 @@ pub struct Http {
     received: AtomicU64,
     requests: AtomicU64,
     retries: AtomicU64,
+    on_retry: Option<RetryObserver>,
 }
 
 fn header(h: &HeaderMap, name: impl reqwest::header::AsHeaderName) -> Option<String> {
@@ -177,7 +249,15 @@ impl Http {
             received: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             retries: AtomicU64::new(0),
+            on_retry: None,
         })
+    }
+
+    /// Calls `f` before each retry's wait (after the `tracing` warning), e.g. to show it on a
+    /// progress line.
+    pub fn with_retry_observer(mut self, f: impl Fn(&RetryNote<'_>) + Send + Sync + 'static) -> Self {
+        self.on_retry = Some(Box::new(f));
+        self
     }
 
     /// Body bytes received so far (all requests, including failed attempts).
@@ -210,6 +290,9 @@ impl Http {
             }
             if let Some(t) = if_range {
                 rb = rb.header(IF_RANGE, t);
+            }
+            if let Some(a) = self.opts.auth.as_ref().filter(|a| a.applies_to(&u)) {
+                rb = rb.header(AUTHORIZATION, a.header.clone());
             }
             self.requests.fetch_add(1, Ordering::Relaxed);
             let resp = rb.send().map_err(|e| Fail::Retry(error_line(&e)))?;
@@ -262,6 +345,15 @@ impl Http {
                         wait.as_secs_f64(),
                         self.opts.retries
                     );
+                    if let Some(f) = &self.on_retry {
+                        f(&RetryNote {
+                            url,
+                            reason: &m,
+                            retry: n,
+                            of: self.opts.retries,
+                            wait,
+                        });
+                    }
                     std::thread::sleep(wait);
                 }
             }
@@ -295,7 +387,7 @@ impl Http {
             match got.status {
                 200 => {}
                 404 => return Ok(None),
-                s => return Err(status_fail(url, s)),
+                s => return Err(self.status_fail(url, s)),
             }
             let len = header(&got.headers, CONTENT_LENGTH).and_then(|v| v.parse::<u64>().ok());
             let body = self.body(got.resp, url)?;
@@ -330,7 +422,7 @@ impl Http {
                 200 => {
                     return Err(Fail::Fatal(PullError::RangeIgnored { url: url.to_string() }));
                 }
-                s => return Err(status_fail(url, s)),
+                s => return Err(self.status_fail(url, s)),
             }
             let cr = header(&got.headers, CONTENT_RANGE).unwrap_or_default();
             let Some((s, e, total)) = content_range(&cr) else {
@@ -484,7 +576,7 @@ impl Http {
                 let _ = std::fs::remove_file(part);
                 return Err(Fail::Retry("416 Range Not Satisfiable on resume: restarting".into()));
             }
-            s => return Err(status_fail(url, s)),
+            s => return Err(self.status_fail(url, s)),
         };
         let info = RemoteFile { size, etag, sha256 };
         if have == 0 {
@@ -536,12 +628,24 @@ fn http_err(url: &str, message: String) -> PullError {
     }
 }
 
-fn status_fail(url: &str, status: u16) -> Fail {
-    let m = format!("HTTP {status}");
-    match status {
-        408 | 429 | 500..=599 => Fail::Retry(m),
-        404 => Fail::Fatal(http_err(url, "not found (HTTP 404)".into())),
-        _ => Fail::Fatal(http_err(url, m)),
+impl Http {
+    /// What a failing status means: worth a retry (408, 429, 5xx) or fatal, with a hint for 401
+    /// and 403 (gated or private repositories need a token; a token that was sent was refused).
+    fn status_fail(&self, url: &str, status: u16) -> Fail {
+        let m = format!("HTTP {status}");
+        match status {
+            408 | 429 | 500..=599 => Fail::Retry(m),
+            404 => Fail::Fatal(http_err(url, "not found (HTTP 404)".into())),
+            401 | 403 if self.opts.auth.as_ref().is_some_and(|a| a.applies_to(url)) => Fail::Fatal(http_err(
+                url,
+                format!("{m}: the access token was refused (a gated repository whose terms this account has not accepted, or a token without access to it)"),
+            )),
+            401 | 403 => Fail::Fatal(http_err(
+                url,
+                format!("{m}: the repository is gated or private: give an access token with --token or HF_TOKEN"),
+            )),
+            _ => Fail::Fatal(http_err(url, m)),
+        }
     }
 }
 

@@ -27,8 +27,8 @@ pub mod warm;
 use std::path::PathBuf;
 
 pub use fetch::HttpRecordSource;
-pub use http::{Http, HttpOptions};
-pub use source::Source;
+pub use http::{Auth, Http, HttpOptions};
+pub use source::{hub_endpoint, Source, DEFAULT_ENDPOINT};
 
 /// Errors of installing, fetching and cache management; each names the URL or file at fault.
 #[derive(Debug, thiserror::Error)]

@@ -23,9 +23,8 @@ use crate::OutputFile;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Model directory.
-    #[arg(long)]
-    model: PathBuf,
+    #[command(flatten)]
+    model: crate::ModelPath,
     /// Runs per configuration (each a fresh process).
     #[arg(long, default_value_t = 6, allow_negative_numbers = true)]
     runs: usize,
@@ -48,7 +47,8 @@ pub struct BenchArgs {
     #[arg(long = "config", value_name = "NAME=ARGS")]
     configs: Vec<String>,
     /// Run every process in a fresh memory cgroup of this size (page cache included), through
-    /// bench/with-memory-limit.sh, and drop the page cache before each run (cold cache; root).
+    /// with-memory-limit.sh (shipped inside this executable), and drop the page cache before
+    /// each run (cold cache; root).
     #[arg(long, value_parser = size::parse_size, allow_negative_numbers = true)]
     memory_limit: Option<u64>,
     /// Expert cache budget passed to every run (unless a --config sets its own). Default with
@@ -60,12 +60,13 @@ pub struct BenchArgs {
     #[arg(long)]
     drop_caches: bool,
     /// Read bandwidth for the storage floor: GB/s (1e9 bytes/s), the JSON written by
-    /// bench/fio-floor.sh, or `fio` to run bench/fio-floor.sh on the model before and after the runs
-    /// and use the mean (~25 s each; FIO_RUNTIME sets fio's seconds).
+    /// bench/fio-floor.sh, or `fio` to run fio-floor.sh (shipped inside this executable; needs
+    /// `fio`) on the model before and after the runs and use the mean (~25 s each; FIO_RUNTIME
+    /// sets fio's seconds).
     #[arg(long, value_name = "GBPS|FILE", allow_negative_numbers = true)]
     floor_bandwidth: Option<String>,
-    /// Path of with-memory-limit.sh (default: bench/ of the source tree holding this executable,
-    /// then ./bench/).
+    /// A replacement for with-memory-limit.sh (default: the copy shipped inside this
+    /// executable, written to the work directory).
     #[arg(long)]
     limit_script: Option<PathBuf>,
     /// Write the full report (every run's statistics included) as JSON to this file.
@@ -248,7 +249,7 @@ fn run_args(
     budget: Option<u64>,
     c: &Config,
 ) -> Vec<std::ffi::OsString> {
-    let mut v: Vec<std::ffi::OsString> = vec!["run".into(), "--model".into(), a.model.clone().into_os_string()];
+    let mut v: Vec<std::ffi::OsString> = vec!["run".into(), "--model".into(), a.model.path().into()];
     v.extend(prompt_args.iter().map(Into::into));
     v.extend([
         "--max-new-tokens".into(),
@@ -326,36 +327,25 @@ fn floor_bandwidth(arg: &str) -> Result<(f64, String)> {
     Ok((bw, what))
 }
 
-/// A script of the source tree's bench/: `<repo>/bench/NAME` above the executable
-/// (target/{release,debug}/deltafin), then ./bench/NAME.
-fn find_bench_script(name: &str) -> Option<PathBuf> {
-    let mut candidates = Vec::new();
-    if let Ok(exe) = std::env::current_exe() {
-        for a in exe.ancestors().skip(1).take(4) {
-            candidates.push(a.join("bench").join(name));
-        }
-    }
-    candidates.push(Path::new("bench").join(name));
-    candidates.into_iter().find(|p| p.is_file())
+/// bench/with-memory-limit.sh, shipped inside the executable so that `bench --memory-limit`
+/// works for an installed binary without the source tree.
+const WITH_MEMORY_LIMIT_SH: &str = include_str!("../../../bench/with-memory-limit.sh");
+/// bench/fio-floor.sh, shipped for `--floor-bandwidth fio` likewise.
+const FIO_FLOOR_SH: &str = include_str!("../../../bench/fio-floor.sh");
+
+/// Writes the shipped script `text` as `work/name` and returns its path (run with `bash`).
+///
+/// Errors: the file cannot be written.
+fn shipped_script(work: &Path, name: &str, text: &str) -> Result<PathBuf> {
+    let p = work.join(name);
+    std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))?;
+    Ok(p)
 }
 
-/// with-memory-limit.sh: --limit-script, else [`find_bench_script`].
-fn find_limit_script(arg: Option<&Path>) -> Result<PathBuf> {
-    if let Some(p) = arg {
-        if p.is_file() {
-            return Ok(p.to_path_buf());
-        }
-        bail!("--limit-script {}: no such file", p.display());
-    }
-    find_bench_script("with-memory-limit.sh").context(
-        "--memory-limit: bench/with-memory-limit.sh not found next to the source tree; pass --limit-script PATH",
-    )
-}
-
-/// Runs bench/fio-floor.sh on the model's expert pack, writing its JSON to `out`.
-fn measure_floor(model: &Path, out: &Path) -> Result<PathBuf> {
-    let script = find_bench_script("fio-floor.sh")
-        .context("--floor-bandwidth fio: bench/fio-floor.sh not found next to the source tree")?;
+/// Runs fio-floor.sh (the shipped copy, written to `work`) on the model's expert pack, writing
+/// its JSON to `out`.
+fn measure_floor(model: &Path, work: &Path, out: &Path) -> Result<PathBuf> {
+    let script = shipped_script(work, "fio-floor.sh", FIO_FLOOR_SH)?;
     let out = out.to_path_buf();
     eprintln!("measuring the storage floor: {} {}", script.display(), model.display());
     let status = Command::new("bash")
@@ -462,10 +452,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             );
         }
     }
-    let limit_script = a
-        .memory_limit
-        .map(|_| find_limit_script(a.limit_script.as_deref()))
-        .transpose()?;
+    if let Some(p) = a.limit_script.as_deref().filter(|p| !p.is_file()) {
+        bail!("--limit-script {}: no such file", p.display());
+    }
     let cold = a.memory_limit.is_some() || a.drop_caches;
     let budget = match (a.ram_budget, a.memory_limit) {
         (Some(b), _) => Some(b),
@@ -507,13 +496,18 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             (d.clone(), Some(TempDir(d)))
         }
     };
+    let limit_script = match (a.memory_limit, &a.limit_script) {
+        (None, _) => None,
+        (Some(_), Some(p)) => Some(p.clone()),
+        (Some(_), None) => Some(shipped_script(&work, "with-memory-limit.sh", WITH_MEMORY_LIMIT_SH)?),
+    };
 
     // `fio`: measured before and after the runs (the disk's speed drifts; both are reported and
     // their mean is the floor).
     let fio_mode = a.floor_bandwidth.as_deref() == Some("fio");
     let mut floor = match a.floor_bandwidth.as_deref() {
         Some("fio") => {
-            let f = measure_floor(&a.model, &work.join("fio-before.json"))?;
+            let f = measure_floor(&a.model, &work, &work.join("fio-before.json"))?;
             Some(floor_bandwidth(&f.to_string_lossy())?)
         }
         Some(x) => Some(floor_bandwidth(x)?),
@@ -613,7 +607,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     }
 
     if let (true, Some((before, _))) = (fio_mode, floor.clone()) {
-        let f = measure_floor(&a.model, &work.join("fio-after.json"))?;
+        let f = measure_floor(&a.model, &work, &work.join("fio-after.json"))?;
         let (after, src) = floor_bandwidth(&f.to_string_lossy())?;
         floor = Some((
             (before + after) / 2.0,
@@ -758,7 +752,7 @@ fn build_report(
         })
         .collect();
     json!({
-        "model": a.model.canonicalize().unwrap_or_else(|_| a.model.clone()),
+        "model": a.model.canonicalize().unwrap_or_else(|_| a.model.to_path_buf()),
         "model_shape": {
             "layers": m.config.num_hidden_layers(),
             "routed_experts": m.config.n_routed_experts(),

@@ -18,17 +18,24 @@ pub(crate) struct CacheArgs {
 enum CacheCmd {
     /// Records present per MoE layer, bytes, and the coverage of router traces.
     Stats {
-        model_dir: PathBuf,
+        #[command(flatten)]
+        model_dir: crate::ModelPath,
         /// Router traces (from `run --trace-routes`): report the share of their expert choices
         /// whose record is present.
         #[arg(long, value_name = "FILE", num_args = 1..)]
         traces: Vec<PathBuf>,
     },
     /// Re-check the checksum of every present record (exit status 1 if any fails).
-    Verify { model_dir: PathBuf },
+    Verify {
+        #[command(flatten)]
+        model_dir: crate::ModelPath,
+    },
     /// Remove work files of interrupted pulls/converts, torn or failing journal entries, and the
     /// blocks of records that never completed. Run it while nothing else uses the directory.
-    Gc { model_dir: PathBuf },
+    Gc {
+        #[command(flatten)]
+        model_dir: crate::ModelPath,
+    },
 }
 
 pub(crate) fn run(a: &CacheArgs) -> Result<()> {

@@ -1,8 +1,11 @@
 //! `deltafin chat`: a multi-turn conversation in the terminal with the model's chat template,
 //! streamed output, the KV cache reused between turns, and Ctrl-C stopping the current answer.
+//!
+//! When stdin and stdout are terminals, lines are read with `rustyline` (cursor keys, editing,
+//! history of the session's lines); otherwise (piped input, as scripts and tests use) plain
+//! lines are read from stdin, with the prompt on stderr.
 
-use std::io::{BufRead, Write};
-use std::path::PathBuf;
+use std::io::{BufRead, IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -18,9 +21,8 @@ use crate::size;
 /// Flags of `deltafin chat`.
 #[derive(clap::Args)]
 pub struct ChatArgs {
-    /// Model directory written by `deltafin convert`.
-    #[arg(long)]
-    model: PathBuf,
+    #[command(flatten)]
+    model: crate::ModelPath,
     /// A system message opening the conversation.
     #[arg(long)]
     system: Option<String>,
@@ -29,6 +31,10 @@ pub struct ChatArgs {
     max_tokens: usize,
     #[command(flatten)]
     sampling: crate::sampling_args::SamplingArgs,
+    /// Write answers exactly, control characters included, also to a terminal (where they are
+    /// shown escaped by default, as `\u{1b}`).
+    #[arg(long)]
+    raw_output: bool,
     /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
     #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
     ram_budget: Option<u64>,
@@ -100,15 +106,20 @@ pub fn run(a: &ChatArgs) -> Result<()> {
     let mut messages = fresh();
     let mut last: Option<GenerationOutput> = None;
     eprintln!("deltafin chat: {} ({HELP})", a.model.display());
-    let stdin = std::io::stdin();
-    let mut line = String::new();
+    let text_out = crate::term::TextOut::for_stdout(a.raw_output);
+    let mut input_lines = Input::new();
     loop {
-        eprint!("> ");
-        line.clear();
-        if stdin.lock().read_line(&mut line)? == 0 {
-            eprintln!();
-            return Ok(());
-        }
+        let line = match input_lines.read()? {
+            Line::Text(l) => l,
+            Line::Eof => {
+                eprintln!();
+                return Ok(());
+            }
+            Line::Interrupted => {
+                eprintln!();
+                std::process::exit(130);
+            }
+        };
         let input = line.trim_end_matches(['\n', '\r']);
         match input.trim() {
             "" => continue,
@@ -193,7 +204,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
         let mut stdout = std::io::stdout();
         let stop = || cancel.load(Ordering::SeqCst);
         let out = session.generate(&req, &stop, |d| {
-            let _ = stdout.write_all(d.text.as_bytes());
+            let _ = stdout.write_all(text_out.render(&d.text).as_bytes());
             let _ = stdout.flush();
             true
         });
@@ -216,3 +227,61 @@ pub fn run(a: &ChatArgs) -> Result<()> {
         last = Some(out);
     }
 }
+
+/// Where the user's lines come from.
+enum Input {
+    /// A terminal: line editing and history.
+    Editor(Box<rustyline::DefaultEditor>),
+    /// Piped or redirected input: plain lines.
+    Plain(std::io::Stdin),
+}
+
+/// One read of [`Input`].
+enum Line {
+    Text(String),
+    /// End of input (Ctrl-D on a terminal).
+    Eof,
+    /// Ctrl-C at the prompt.
+    Interrupted,
+}
+
+impl Input {
+    /// The line editor when stdin and stdout are terminals (and it can start), else plain reads.
+    fn new() -> Self {
+        let stdin = std::io::stdin();
+        if stdin.is_terminal() && std::io::stdout().is_terminal() {
+            if let Ok(e) = rustyline::DefaultEditor::new() {
+                return Input::Editor(Box::new(e));
+            }
+        }
+        Input::Plain(stdin)
+    }
+
+    /// The next line (without its newline for the editor; with it for plain reads).
+    ///
+    /// Errors: reading the terminal or stdin fails.
+    fn read(&mut self) -> Result<Line> {
+        match self {
+            Input::Editor(e) => match e.readline("> ") {
+                Ok(l) => {
+                    if !l.trim().is_empty() {
+                        let _ = e.add_history_entry(l.as_str());
+                    }
+                    Ok(Line::Text(l))
+                }
+                Err(rustyline::error::ReadlineError::Eof) => Ok(Line::Eof),
+                Err(rustyline::error::ReadlineError::Interrupted) => Ok(Line::Interrupted),
+                Err(err) => Err(anyhow::Error::new(err).context("reading a line from the terminal")),
+            },
+            Input::Plain(stdin) => {
+                eprint!("> ");
+                let mut line = String::new();
+                if stdin.lock().read_line(&mut line)? == 0 {
+                    return Ok(Line::Eof);
+                }
+                Ok(Line::Text(line))
+            }
+        }
+    }
+}
+

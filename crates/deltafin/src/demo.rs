@@ -36,7 +36,11 @@ impl Drop for TempDir {
     }
 }
 
-pub fn run(dir: Option<PathBuf>, max_new_tokens: usize) -> Result<()> {
+/// Runs the demo in `dir` (a temporary directory when `None`); `raw_output` is passed to the
+/// child `deltafin run` as `--raw-output`.
+///
+/// Errors: `max_new_tokens` 0, files that cannot be written, a failing child run.
+pub fn run(dir: Option<PathBuf>, max_new_tokens: usize, raw_output: bool) -> Result<()> {
     if max_new_tokens == 0 {
         anyhow::bail!("--max-new-tokens must be at least 1");
     }
@@ -87,6 +91,7 @@ pub fn run(dir: Option<PathBuf>, max_new_tokens: usize) -> Result<()> {
         ])
         .args(["--max-new-tokens", &max_new_tokens.to_string(), "--ignore-eos"])
         .args(["--ram-budget", &budget.to_string()])
+        .args(raw_output.then_some("--raw-output"))
         .status()
         .context("starting `deltafin run`")?;
     if !status.success() {

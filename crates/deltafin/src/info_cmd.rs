@@ -3,8 +3,6 @@
 //! record and pack bytes, expert bytes per decode token, decode-state bytes, and the decode time
 //! per token the storage floor predicts at given read bandwidths.
 
-use std::path::PathBuf;
-
 use anyhow::Result;
 use deltafin_format::footprint::Footprint;
 use deltafin_format::{ModelConfig, ModelDir};
@@ -13,8 +11,9 @@ use crate::size;
 
 #[derive(clap::Args)]
 pub struct InfoArgs {
-    /// A deltafin model directory, a Hugging Face checkpoint directory, or a config.json file.
-    path: PathBuf,
+    // A deltafin model directory, a Hugging Face checkpoint directory, or a config.json file.
+    #[command(flatten)]
+    path: crate::ModelPath,
     /// Storage read bandwidths for the predicted seconds per token, GB/s (10^9 bytes/s).
     #[arg(long, value_delimiter = ',', default_values_t = vec![1.0, 3.0, 7.0, 14.0], allow_negative_numbers = true)]
     bandwidth: Vec<f64>,
@@ -30,7 +29,11 @@ pub fn run(a: &InfoArgs) -> Result<()> {
     let cfg: ModelConfig = if let Some(m) = &manifest {
         m.config.clone()
     } else {
-        let file = if p.is_dir() { p.join("config.json") } else { p.clone() };
+        let file = if p.is_dir() {
+            p.join("config.json")
+        } else {
+            p.to_path_buf()
+        };
         // The error names the file already.
         ModelConfig::from_file(&file)?.0
     };

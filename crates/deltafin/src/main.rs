@@ -6,12 +6,14 @@ mod chat;
 mod cuda_info;
 mod demo;
 mod info_cmd;
+mod log;
 mod pull_cmd;
 mod replay;
 mod sampling_args;
 mod serve;
 mod size;
 mod synth_cmd;
+mod term;
 mod warm_cmd;
 
 use std::io::Write;
@@ -35,6 +37,10 @@ use deltafin_tokenizer::Tokenizer;
     about = "Run Mixture-of-Experts models larger than memory, routed experts streamed from storage"
 )]
 struct Cli {
+    /// More diagnostics on stderr: -v info, -vv debug, -vvv trace (default: warnings, such as
+    /// HTTP retries). RUST_LOG, when set, replaces this (e.g. RUST_LOG=deltafin_pull=debug).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -59,8 +65,9 @@ enum Cmd {
     Convert {
         /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files).
         hf_dir: PathBuf,
-        /// Output model directory (created; must not exist or be empty unless --force).
-        model_dir: PathBuf,
+        // The output model directory (created; must not exist or be empty unless --force).
+        #[command(flatten)]
+        model_dir: ModelPath,
         /// Storage of 2-D backbone matrices (norms and routers always stay f32).
         #[arg(long, value_enum, default_value = "int8")]
         backbone: BackboneDtype,
@@ -87,6 +94,10 @@ enum Cmd {
         /// Tokens to generate.
         #[arg(long, default_value_t = 32, allow_negative_numbers = true)]
         max_new_tokens: usize,
+        /// Write the generated text exactly, control characters included, also to a terminal
+        /// (where they are shown escaped by default, as `\u{1b}`).
+        #[arg(long)]
+        raw_output: bool,
     },
     /// Serve the model over HTTP: OpenAI-compatible and Anthropic Messages APIs.
     Serve(serve::ServeArgs),
@@ -114,9 +125,8 @@ enum Cmd {
 #[derive(clap::Args)]
 #[command(group = clap::ArgGroup::new("prompt_input").required(true).multiple(false).args(["prompt", "prompt_ids"]))]
 struct RunArgs {
-    /// Model directory written by `deltafin convert`.
-    #[arg(long)]
-    model: PathBuf,
+    #[command(flatten)]
+    model: ModelPath,
     /// Prompt text.
     #[arg(long, group = "prompt_input")]
     prompt: Option<String>,
@@ -137,6 +147,11 @@ struct RunArgs {
     /// Keep generating after an end-of-sequence token.
     #[arg(long)]
     ignore_eos: bool,
+    /// Write the generated text exactly, control characters included, also to a terminal
+    /// (where they are shown escaped by default, as `\u{1b}`; a pipe or file always gets the
+    /// exact text).
+    #[arg(long)]
+    raw_output: bool,
     /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
     #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
     ram_budget: Option<u64>,
@@ -173,6 +188,42 @@ struct RunArgs {
 
 pub(crate) fn parse_device(s: &str) -> Result<Device, String> {
     s.parse()
+}
+
+/// A model directory, given positionally or with `--model` (either, not both), the same way
+/// for every command.
+#[derive(clap::Args, Clone, Debug)]
+#[group(required = true, multiple = false)]
+pub(crate) struct ModelPath {
+    /// Model directory (positionally, or with --model).
+    #[arg(value_name = "MODEL_DIR")]
+    model_dir: Option<PathBuf>,
+    /// Model directory (the same as the positional MODEL_DIR).
+    #[arg(long = "model", value_name = "MODEL_DIR")]
+    model: Option<PathBuf>,
+}
+
+impl ModelPath {
+    /// The directory, however it was given (clap requires one of the two).
+    pub(crate) fn path(&self) -> &Path {
+        self.model_dir
+            .as_deref()
+            .or(self.model.as_deref())
+            .unwrap_or(Path::new(""))
+    }
+}
+
+impl std::ops::Deref for ModelPath {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        self.path()
+    }
+}
+
+impl AsRef<Path> for ModelPath {
+    fn as_ref(&self) -> &Path {
+        self.path()
+    }
 }
 
 /// Multi-token pass settings shared by `run`, `chat` and `serve` (and `bench` through its
@@ -295,6 +346,7 @@ pub(crate) const BATCH_FORM_NOTE: &str = "long prompt chunks compute MLA in the 
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    log::init(cli.verbose);
     if !matches!(cli.cmd, Cmd::Serve(_) | Cmd::Chat(_)) {
         // Like other Unix command-line tools, end quietly when the reader of our output goes
         // away (`deltafin run … | head`) instead of failing on EPIPE. The server and chat keep
@@ -320,7 +372,11 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Run(args) => cmd_run(&args),
-        Cmd::Demo { dir, max_new_tokens } => demo::run(dir, max_new_tokens),
+        Cmd::Demo {
+            dir,
+            max_new_tokens,
+            raw_output,
+        } => demo::run(dir, max_new_tokens, raw_output),
         Cmd::Serve(args) => serve::run(&args),
         Cmd::Chat(args) => chat::run(&args),
         Cmd::Synth(args) => synth_cmd::run(&args),
@@ -363,6 +419,7 @@ pub(crate) struct Bar(pub(crate) indicatif::ProgressBar);
 
 impl Progress for Bar {
     fn start(&self, total: u64) {
+        log::set_active_bar(&self.0);
         self.0.set_length(total);
     }
     fn advance(&self, bytes: u64) {
@@ -381,6 +438,7 @@ pub(crate) fn progress_bar(message: &str) -> Bar {
             .progress_chars("=> "),
     );
     pb.set_message(message.to_string());
+    log::set_active_bar(&pb);
     Bar(pb)
 }
 
@@ -627,10 +685,12 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         sampling,
     };
     let mut dec = tokenizer.stream_decoder(true);
+    let text_out = term::TextOut::for_stdout(a.raw_output);
     let mut stdout = std::io::stdout().lock();
     let mut write_err: Option<anyhow::Error> = None;
     let out = generate(model.as_ref(), &prompt_ids, &opts, |id| match dec.push(id) {
         Ok(text) => {
+            let text = text_out.render(&text);
             if let Err(e) = stdout.write_all(text.as_bytes()).and_then(|_| stdout.flush()) {
                 write_err = Some(e.into());
                 return false;
@@ -646,7 +706,7 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         return Err(e);
     }
     let tail = dec.finish()?;
-    writeln!(stdout, "{tail}")?;
+    writeln!(stdout, "{}", text_out.render(&tail))?;
     drop(stdout);
     if let Some(file) = logits_file {
         let json = serde_json::json!({

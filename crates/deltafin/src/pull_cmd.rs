@@ -1,7 +1,7 @@
 //! `deltafin pull`: full and streaming installs from an HTTP source, and the on-demand expert
 //! source that `run`, `serve`, `chat` and `replay` attach to a streaming install.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
@@ -10,18 +10,21 @@ use deltafin_format::convert::ConvertOptions;
 use deltafin_format::{ModelDir, StoredDtype};
 use deltafin_pull::http::Transfer;
 use deltafin_pull::install::{pull_full, pull_stream, PullOptions};
-use deltafin_pull::{Http, HttpOptions, HttpRecordSource, Source};
+use deltafin_pull::{Auth, Http, HttpOptions, HttpRecordSource, Source};
 
 use crate::{progress_bar, size, BackboneDtype, ExpertDtype};
 
 #[derive(clap::Args)]
 #[command(group = clap::ArgGroup::new("mode").required(true).multiple(false).args(["full", "stream"]))]
 pub(crate) struct PullArgs {
-    /// Repository URL: files are read from <source>/resolve/<revision>/<file> (the Hugging Face
-    /// layout), or from <source>/<file> with --flat (any server that honours Range).
+    /// A Hugging Face repository id, org/name[@revision] (files at
+    /// <endpoint>/org/name/resolve/<revision>/<file>), or a repository URL: files are read from
+    /// <source>/resolve/<revision>/<file> (the Hugging Face layout), or from <source>/<file> with
+    /// --flat (any server that honours Range).
     source: String,
-    /// Model directory to create (or a streaming install to upgrade with --full).
-    model_dir: PathBuf,
+    // The model directory to create (or a streaming install to upgrade with --full).
+    #[command(flatten)]
+    model_dir: crate::ModelPath,
     /// Download every file (resumable, verified), then convert. On a streaming install: fetch
     /// only the experts not cached yet and make it a full install.
     #[arg(long)]
@@ -30,9 +33,17 @@ pub(crate) struct PullArgs {
     /// fetched by HTTP range the first time a run needs them (with --allow-network) or by `warm`.
     #[arg(long)]
     stream: bool,
-    /// Revision in the Hugging Face layout.
-    #[arg(long, default_value = "main")]
-    revision: String,
+    /// Revision (branch, tag or commit) in the Hugging Face layout [default: main].
+    #[arg(long)]
+    revision: Option<String>,
+    /// Hub endpoint of repository ids [default: $HF_ENDPOINT, else https://huggingface.co].
+    #[arg(long, value_name = "URL")]
+    endpoint: Option<String>,
+    /// Access token for gated or private repositories, sent as `Authorization: Bearer` to the
+    /// source's host only (never logged). Default: $HF_TOKEN, sent to the hub endpoint's host
+    /// only; prefer it, as a flag's value is visible to other users of the machine.
+    #[arg(long, value_name = "TOKEN", hide_default_value = true)]
+    token: Option<String>,
     /// Files are at <source>/<file>.
     #[arg(long)]
     flat: bool,
@@ -62,6 +73,7 @@ pub(crate) struct TransferBar(pub(crate) indicatif::ProgressBar);
 
 impl Transfer for TransferBar {
     fn begin(&self, name: &str, total: u64, done: u64) {
+        crate::log::set_active_bar(&self.0);
         self.0.set_message(name.to_string());
         self.0.set_length(total);
         self.0.set_position(done);
@@ -75,11 +87,31 @@ pub(crate) fn run(a: &PullArgs) -> Result<()> {
     if a.keep_download && !a.full {
         bail!("--keep-download applies to --full pulls (a streaming pull downloads no checkpoint)");
     }
-    if a.flat && a.revision != "main" {
+    if a.flat && a.revision.is_some() {
         bail!("--revision applies to the Hugging Face layout, not to --flat sources (files at <source>/<file>)");
     }
-    let source = Source::new(&a.source, Some(&a.revision), a.flat)?;
-    let http = Arc::new(Http::new(HttpOptions::default())?);
+    let is_url = a.source.starts_with("http://") || a.source.starts_with("https://");
+    if is_url && a.endpoint.is_some() {
+        bail!("--endpoint applies to repository ids (org/name), not to URL sources");
+    }
+    let endpoint = deltafin_pull::hub_endpoint(a.endpoint.as_deref());
+    let source = Source::parse(&a.source, &endpoint, a.revision.as_deref(), a.flat)?;
+    let auth = match &a.token {
+        Some(t) => Some(Auth::new(t, &source.url).context("--token")?),
+        None => hub_auth(&endpoint)?,
+    };
+    let model_dir = a.model_dir.path();
+    let dl = progress_bar("downloading");
+    let bar = dl.0.clone();
+    let http = Http::new(HttpOptions {
+        auth,
+        ..HttpOptions::default()
+    })?
+    .with_retry_observer(move |r| {
+        let file = r.url.rsplit('/').next().unwrap_or(r.url);
+        bar.set_message(format!("{file}: retry {}/{} ({})", r.retry, r.of, r.reason));
+    });
+    let http = Arc::new(http);
     let opts = PullOptions {
         convert: ConvertOptions {
             backbone: match a.backbone {
@@ -98,20 +130,19 @@ pub(crate) fn run(a: &PullArgs) -> Result<()> {
         keep_download: a.keep_download,
         concurrency: a.concurrency,
     };
-    let dl = progress_bar("downloading");
     let transfer = TransferBar(dl.0.clone());
     let conv = progress_bar("converting");
     let what = if a.full { "full" } else { "streaming" };
     let r = if a.full {
-        pull_full(&http, &source, &a.model_dir, &opts, &transfer, &conv)
+        pull_full(&http, &source, model_dir, &opts, &transfer, &conv)
     } else {
-        pull_stream(&http, &source, &a.model_dir, &opts, &transfer, &conv)
+        pull_stream(&http, &source, model_dir, &opts, &transfer, &conv)
     };
     dl.0.finish_and_clear();
     conv.0.finish_and_clear();
     let r = r.with_context(|| {
         let left = ["stream-src", "download"]
-            .map(|s| deltafin_pull::sibling(&a.model_dir, s))
+            .map(|s| deltafin_pull::sibling(model_dir, s))
             .into_iter()
             .find(|p| p.exists())
             .filter(|p| {
@@ -128,17 +159,17 @@ pub(crate) fn run(a: &PullArgs) -> Result<()> {
             format!(
                 " (the partial download in {} resumes on the next pull; `deltafin cache gc {}` removes it)",
                 p.display(),
-                a.model_dir.display()
+                model_dir.display()
             )
         });
-        format!("{what} pull of {} into {}{hint}", source.url, a.model_dir.display())
+        format!("{what} pull of {} into {}{hint}", source.url, model_dir.display())
     })?;
     let rate = r.bytes_fetched as f64 / r.seconds.max(1e-9);
     eprintln!(
         "pulled ({}) {} -> {} in {:.1} s: {} fetched ({}/s, {} requests, {} retries){}",
         r.mode,
         source.url,
-        a.model_dir.display(),
+        model_dir.display(),
         r.seconds,
         size::human(r.bytes_fetched),
         size::human(rate as u64),
@@ -156,12 +187,12 @@ pub(crate) fn run(a: &PullArgs) -> Result<()> {
     if r.mode == "stream" && a.allow_network {
         eprintln!(
             "routed experts are fetched on first use by `deltafin run --model {0} …` (this install allows network access), or ahead of time with `deltafin warm {0}`",
-            a.model_dir.display()
+            model_dir.display()
         );
     } else if r.mode == "stream" {
         eprintln!(
             "routed experts are fetched on first use: `deltafin run --model {0} --allow-network …`, or ahead of time with `deltafin warm {0} --allow-network`",
-            a.model_dir.display()
+            model_dir.display()
         );
     }
     Ok(())
@@ -192,6 +223,26 @@ impl Drop for NetworkUse {
 /// attached, and a missing expert is an error naming the command that fetches it.
 ///
 /// Errors: the stream index is missing or malformed.
+/// The token from `HF_TOKEN` for requests to `endpoint`'s host (the hub's), if the variable
+/// is set and not empty.
+///
+/// Errors: the token cannot be sent in a header; the endpoint is not an http(s) URL.
+pub(crate) fn hub_auth(endpoint: &str) -> Result<Option<Auth>> {
+    match std::env::var("HF_TOKEN") {
+        Ok(t) if !t.trim().is_empty() => Ok(Some(Auth::new(&t, endpoint).context("HF_TOKEN")?)),
+        _ => Ok(None),
+    }
+}
+
+/// HTTP settings of the expert fetches of a streaming install: the defaults, and `HF_TOKEN` for
+/// the hub endpoint (`HF_ENDPOINT`) so that an install of a gated repository keeps working.
+pub(crate) fn fetch_options() -> Result<HttpOptions> {
+    Ok(HttpOptions {
+        auth: hub_auth(&deltafin_pull::hub_endpoint(None))?,
+        ..HttpOptions::default()
+    })
+}
+
 pub(crate) fn attach_source(opts: &mut StoreOptions, dir: &ModelDir, allow_network: bool) -> Result<NetworkUse> {
     let Some(s) = &dir.manifest.stream else {
         return Ok(NetworkUse(None));
@@ -199,7 +250,7 @@ pub(crate) fn attach_source(opts: &mut StoreOptions, dir: &ModelDir, allow_netwo
     if !(allow_network || s.allow_network) {
         return Ok(NetworkUse(None));
     }
-    let http = Arc::new(Http::new(HttpOptions::default())?);
+    let http = Arc::new(Http::new(fetch_options()?)?);
     let src = Arc::new(
         HttpRecordSource::open(dir, http)
             .with_context(|| format!("opening the stream source of {}", show(&dir.path)))?,

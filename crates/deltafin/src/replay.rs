@@ -16,9 +16,8 @@ use crate::{size, StoreArgs};
 
 #[derive(clap::Args)]
 pub struct ReplayArgs {
-    /// Model directory.
-    #[arg(long)]
-    model: PathBuf,
+    #[command(flatten)]
+    model: crate::ModelPath,
     /// Router trace recorded on this model by `deltafin run --trace-routes`.
     #[arg(long)]
     trace: PathBuf,

@@ -1,7 +1,6 @@
 //! `deltafin serve`: the OpenAI-compatible and Anthropic Messages HTTP server.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,9 +16,8 @@ use crate::size;
 /// Flags of `deltafin serve`.
 #[derive(clap::Args)]
 pub struct ServeArgs {
-    /// Model directory written by `deltafin convert`.
-    #[arg(long)]
-    model: PathBuf,
+    #[command(flatten)]
+    model: crate::ModelPath,
     /// Address to listen on (loopback by default; use 0.0.0.0 to expose the server).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,

@@ -5,14 +5,15 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use deltafin_pull::warm::{warm, WarmOptions};
-use deltafin_pull::{Http, HttpOptions};
+use deltafin_pull::Http;
 
 use crate::{progress_bar, size};
 
 #[derive(clap::Args)]
 pub(crate) struct WarmArgs {
-    /// Model directory of a streaming install (`deltafin pull --stream`).
-    model_dir: PathBuf,
+    // The model directory of a streaming install (`deltafin pull --stream`).
+    #[command(flatten)]
+    model_dir: crate::ModelPath,
     /// Router traces (from `run --trace-routes`) ranking the experts: the most chosen first.
     #[arg(long, value_name = "FILE", num_args = 1..)]
     traces: Vec<PathBuf>,
@@ -29,7 +30,7 @@ pub(crate) struct WarmArgs {
 }
 
 pub(crate) fn run(a: &WarmArgs) -> Result<()> {
-    let http = Arc::new(Http::new(HttpOptions::default())?);
+    let http = Arc::new(Http::new(crate::pull_cmd::fetch_options()?)?);
     let opts = WarmOptions {
         traces: a.traces.clone(),
         budget: a.budget,

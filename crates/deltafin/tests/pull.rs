@@ -4,7 +4,9 @@
 //! Faults (500s, a flipped byte, a server ignoring Range, a slow link to kill a transfer in) come
 //! from a small proxy in front of nginx written here with `std::net`; nginx serves every byte.
 //!
-//! Without nginx the tests say so on stderr and return.
+//! Without nginx a test prints `SKIPPED <test>: <reason>` past the test harness's output
+//! capture (so it shows in `cargo test`'s output) and returns; with the environment variable
+//! `CI` set it fails instead, since CI (`.ci/run`) installs nginx.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -17,6 +19,16 @@ fn fixture(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/deepseek_v3")
         .join(case)
+}
+
+/// Says a test is skipped and why, on the real stderr (libtest captures only `eprintln!`), or
+/// fails it when `CI` is set and `required_in_ci`.
+fn skip(reason: &str, required_in_ci: bool) {
+    if required_in_ci && std::env::var_os("CI").is_some() {
+        panic!("{reason}, but CI is set: CI must run this test (.ci/run installs nginx)");
+    }
+    let name = std::thread::current().name().unwrap_or("?").to_string();
+    let _ = writeln!(std::io::stderr(), "SKIPPED {name}: {reason}");
 }
 
 fn nginx_binary() -> Option<PathBuf> {
@@ -58,10 +70,19 @@ impl Nginx {
 
     /// Also serves the files of each `(name, dir)` at `/<name>/<file>` (a flat source).
     fn start_with(cases: &[&str], flat: &[(&str, &Path)]) -> Option<Nginx> {
+        Self::start_conf(cases, flat, "", "")
+    }
+
+    /// As [`Nginx::start_with`], the cases at `/<prefix><case>/resolve/main/<file>`, with
+    /// `server_extra` added to the server block (e.g. an authorization check).
+    fn start_conf(cases: &[&str], flat: &[(&str, &Path)], prefix: &str, server_extra: &str) -> Option<Nginx> {
         let bin = match nginx_binary() {
             Some(b) => b,
             None => {
-                eprintln!("SKIPPED: nginx is not installed (.ci/run installs it: apt-get install nginx-light)");
+                skip(
+                    "nginx is not installed (.ci/run installs it: apt-get install nginx-light)",
+                    true,
+                );
                 return None;
             }
         };
@@ -69,14 +90,15 @@ impl Nginx {
         let srv = dir.path().join("srv");
         let mut map = String::new();
         for case in cases {
-            let to = srv.join(case).join("resolve/main");
+            let served = format!("{prefix}{case}");
+            let to = srv.join(&served).join("resolve/main");
             std::fs::create_dir_all(&to).unwrap();
             for e in std::fs::read_dir(fixture(case)).unwrap().flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
                 std::fs::copy(e.path(), to.join(&name)).unwrap();
                 if name.ends_with(".safetensors") {
                     map.push_str(&format!(
-                        "    /{case}/resolve/main/{name} \"\\\"{}\\\"\";\n",
+                        "    /{served}/resolve/main/{name} \"\\\"{}\\\"\";\n",
                         sha256_hex(&e.path())
                     ));
                 }
@@ -98,7 +120,7 @@ impl Nginx {
                    fastcgi_temp_path {d}/t_fcgi;\n  uwsgi_temp_path {d}/t_uwsgi;\n  scgi_temp_path {d}/t_scgi;\n\
                    default_type application/octet-stream;\n  keepalive_timeout 5;\n  map_hash_bucket_size 256;\n\
                    map $uri $linked_etag {{\n    default \"\";\n{map}  }}\n\
-                   server {{\n    listen 127.0.0.1:{port};\n    root {srv};\n    add_header X-Linked-Etag $linked_etag always;\n  }}\n}}\n",
+                   server {{\n    listen 127.0.0.1:{port};\n    root {srv};\n    add_header X-Linked-Etag $linked_etag always;\n{server_extra}\n  }}\n}}\n",
                 srv = srv.display()
             );
             std::fs::write(dir.path().join("nginx.conf"), conf).unwrap();
@@ -626,7 +648,7 @@ fn a_full_disk_during_warm_leaves_a_consistent_cache() {
         .map(|o| o.status.success())
         .unwrap_or(false);
     if !ok {
-        eprintln!("SKIPPED: cannot mount a tmpfs here (needs root)");
+        skip("cannot mount a tmpfs here (needs root)", false);
         return;
     }
     let _guard = Mount(mnt.clone());
@@ -798,4 +820,116 @@ fn a_k3_checkpoint_with_mxfp4_experts_streams_bit_for_bit() {
     assert!(v.contains("ok: "), "{v}");
     run_ok(&["pull", &ng.url("k3_a"), s(&t.join("st")), "--full", "--flat"]);
     assert_same_model(&t.join("ref"), &t.join("st"));
+}
+
+/// Every file under `dir` (recursively) that contains `needle`.
+fn files_containing(dir: &Path, needle: &[u8]) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            found.extend(files_containing(&p, needle));
+        } else if std::fs::read(&p).is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle)) {
+            found.push(p);
+        }
+    }
+    found
+}
+
+/// A gated repository by Hugging Face repository id against a loopback endpoint that refuses
+/// requests without the right `Authorization: Bearer` header: refused without a token, with the
+/// fix named; installed with `HF_TOKEN` (full) or `--token` (streaming) identically to a local
+/// convert; the streaming install's on-demand fetches use `HF_TOKEN` too; the token is never
+/// printed (even at trace level) nor written to any file.
+#[test]
+fn a_gated_repository_installs_by_repository_id_with_a_token() {
+    let token = "hf_gAt3dT0kenXYZ";
+    let check = format!("    if ($http_authorization != \"Bearer {token}\") {{ return 401; }}");
+    let Some(ng) = Nginx::start_conf(&["dsv3_b"], &[], "acme/", &check) else {
+        return;
+    };
+    let endpoint = format!("http://127.0.0.1:{}", ng.port);
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    local_convert("dsv3_b", &t.join("ref"));
+    let hub = |c: &mut Command| {
+        c.env_remove("HF_TOKEN").env("HF_ENDPOINT", &endpoint);
+    };
+
+    let mut c = deltafin();
+    hub(&mut c);
+    let out = c
+        .args(["pull", "acme/dsv3_b", s(&t.join("no")), "--full"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("HTTP 401") && err.contains("HF_TOKEN"),
+        "{err}"
+    );
+    assert!(!t.join("no").exists());
+
+    let mut c = deltafin();
+    hub(&mut c);
+    let out = c
+        .env("HF_TOKEN", token)
+        .env("RUST_LOG", "trace")
+        .args([
+            "pull",
+            "acme/dsv3_b@main",
+            s(&t.join("full")),
+            "--full",
+            "--keep-download",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains(token), "the token was logged");
+    assert_same_model(&t.join("ref"), &t.join("full"));
+
+    let mut c = deltafin();
+    hub(&mut c);
+    let out = c
+        .args(["pull", "acme/dsv3_b", s(&t.join("st")), "--stream", "--token", token])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let want = logits(&t.join("full"), &[], &t.join("full.json"));
+    let gen = |json: &Path| {
+        let mut c = deltafin();
+        hub(&mut c);
+        c.args([
+            "run",
+            "--model",
+            s(&t.join("st")),
+            "--prompt-ids",
+            "5,17,42,7,3",
+            "--max-new-tokens",
+            "6",
+        ])
+        .args([
+            "--ignore-eos",
+            "--ram-budget",
+            "0",
+            "--allow-network",
+            "--logits-out",
+            s(json),
+        ]);
+        c
+    };
+    let out = gen(&t.join("no.json")).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("HTTP 401"), "{err}");
+    let out = gen(&t.join("st.json")).env("HF_TOKEN", token).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        want == read(&t.join("st.json")),
+        "the streaming install differs from the full one"
+    );
+    assert!(
+        files_containing(t, token.as_bytes()).is_empty(),
+        "{:?}",
+        files_containing(t, token.as_bytes())
+    );
 }
