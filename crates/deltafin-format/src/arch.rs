@@ -650,6 +650,43 @@ mod tests {
         );
     }
 
+    /// Every family reads the expert-count spellings of its transformers config class's
+    /// `attribute_map` (transformers 5 saves Qwen3-MoE's as `num_local_experts`), also inside a
+    /// `text_config`; two spellings that disagree are an error naming both.
+    #[test]
+    fn transformers_attribute_map_spellings() {
+        let p = Path::new("config.json");
+        for (mt, alias) in [
+            ("qwen3_moe", "num_local_experts"),
+            ("qwen3_next", "num_local_experts"),
+            ("mixtral", "num_experts"),
+            ("gpt_oss", "num_experts"),
+            ("deepseek_v3", "num_local_experts"),
+            ("kimi_linear", "n_routed_experts"),
+            ("kimi_linear", "num_local_experts"),
+        ] {
+            let mut raw = json!({"model_type": mt, "num_hidden_layers": 2, "num_experts_per_tok": 2,
+                "num_experts_per_token": 2, "n_group": 1, "topk_group": 1, "num_expert_group": 1});
+            raw[alias] = json!(16);
+            let c = ModelConfig::from_value(&raw, p).unwrap_or_else(|e| panic!("{mt} {alias}: {e}"));
+            assert_eq!(c.n_routed_experts(), 16, "{mt} {alias}");
+            let canonical = match c {
+                ModelConfig::DeepseekV3(_) => "n_routed_experts",
+                ModelConfig::Mixtral(_) | ModelConfig::GptOss(_) => "num_local_experts",
+                _ => "num_experts",
+            };
+            raw[canonical] = json!(32);
+            let e = ModelConfig::from_value(&raw, p).unwrap_err().to_string();
+            assert!(
+                e.contains(alias) && e.contains(canonical) && e.contains("disagrees"),
+                "{e}"
+            );
+        }
+        let raw = json!({"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2",
+            "num_hidden_layers": 2, "num_local_experts": 16, "n_group": 1, "topk_group": 1}});
+        assert_eq!(ModelConfig::from_value(&raw, p).unwrap().n_routed_experts(), 16);
+    }
+
     #[test]
     fn a_wrapper_must_hold_its_own_text_model() {
         let p = Path::new("config.json");
