@@ -67,6 +67,10 @@ pub enum EngineError {
     },
     #[error("token id {id} is outside the vocabulary (size {vocab_size})")]
     TokenOutOfRange { id: u32, vocab_size: usize },
+    /// A forward pass produced a NaN or infinite logit: the weights or the config's values are
+    /// broken (a model directory edited after convert, or values no checkpoint should hold).
+    #[error("the model produced a non-finite logit (NaN or infinity) at token position {position}: its weights or config values are broken (check rms_norm_eps, rope_theta and rope_scaling, then re-run `deltafin convert`)")]
+    NonFiniteLogits { position: usize },
     #[error("{0}")]
     Invalid(String),
 }

@@ -201,14 +201,99 @@ pub trait CausalLm: Send + Sync {
 /// expert store opened with `opts`.
 ///
 /// Errors: a missing or malformed backbone tensor, unreadable files, O_DIRECT refused.
+///
+/// Every step's logits are checked ([`FiniteLogits`]): a NaN or infinite logit fails the step
+/// with [`EngineError::NonFiniteLogits`] instead of being sampled from silently.
 pub fn load_model(dir: &ModelDir, opts: StoreOptions) -> Result<Box<dyn CausalLm>, EngineError> {
-    match &dir.manifest.config {
-        ModelConfig::DeepseekV3(_) => Ok(Box::new(crate::models::DeepseekV3::load_with(dir, opts)?)),
-        ModelConfig::KimiLinear(_) => Ok(Box::new(crate::models::KimiLinear::load_with(dir, opts)?)),
-        ModelConfig::Qwen3Moe(_) => Ok(Box::new(crate::models::Qwen3Moe::load_with(dir, opts)?)),
-        ModelConfig::Mixtral(_) => Ok(Box::new(crate::models::Mixtral::load_with(dir, opts)?)),
-        ModelConfig::GptOss(_) => Ok(Box::new(crate::models::GptOss::load_with(dir, opts)?)),
-        ModelConfig::Qwen3Next(_) => Ok(Box::new(crate::models::Qwen3Next::load_with(dir, opts)?)),
+    let model: Box<dyn CausalLm> = match &dir.manifest.config {
+        ModelConfig::DeepseekV3(_) => Box::new(crate::models::DeepseekV3::load_with(dir, opts)?),
+        ModelConfig::KimiLinear(_) => Box::new(crate::models::KimiLinear::load_with(dir, opts)?),
+        ModelConfig::Qwen3Moe(_) => Box::new(crate::models::Qwen3Moe::load_with(dir, opts)?),
+        ModelConfig::Mixtral(_) => Box::new(crate::models::Mixtral::load_with(dir, opts)?),
+        ModelConfig::GptOss(_) => Box::new(crate::models::GptOss::load_with(dir, opts)?),
+        ModelConfig::Qwen3Next(_) => Box::new(crate::models::Qwen3Next::load_with(dir, opts)?),
+    };
+    Ok(Box::new(FiniteLogits(model)))
+}
+
+/// A model whose steps fail with [`EngineError::NonFiniteLogits`] when a logit is NaN or
+/// infinite (one pass over `vocab_size` floats per returned row, next to a forward pass that
+/// reads every weight). Draft passes are not checked: their tokens are verified by a checked
+/// pass before anything is emitted.
+pub struct FiniteLogits(pub Box<dyn CausalLm>);
+
+/// Fails when a row of `logits` (row `i` at position `first + i`) holds a non-finite value.
+fn check_finite<'a>(first: usize, logits: impl IntoIterator<Item = &'a Vec<f32>>) -> Result<(), EngineError> {
+    for (i, row) in logits.into_iter().enumerate() {
+        if row.iter().any(|x| !x.is_finite()) {
+            return Err(EngineError::NonFiniteLogits { position: first + i });
+        }
+    }
+    Ok(())
+}
+
+impl CausalLm for FiniteLogits {
+    fn config(&self) -> &ModelConfig {
+        self.0.config()
+    }
+    fn new_state(&self) -> Box<dyn DecodeState> {
+        self.0.new_state()
+    }
+    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        let position = state.len();
+        let (logits, routes) = self.0.forward(state, token)?;
+        check_finite(position, [&logits])?;
+        Ok((logits, routes))
+    }
+    fn rollback(&self, state: &mut dyn DecodeState, len: usize) -> bool {
+        self.0.rollback(state, len)
+    }
+    fn forward_batch(
+        &self,
+        state: &mut dyn DecodeState,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        let start = state.len();
+        let out = self.0.forward_batch(state, tokens, all_logits)?;
+        // Without all_logits the one row is the chunk's last position.
+        let first = if all_logits {
+            start
+        } else {
+            (start + tokens.len()).saturating_sub(1)
+        };
+        check_finite(first, &out.logits)?;
+        Ok(out)
+    }
+    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        self.0.forward_draft(state, token)
+    }
+    fn supports_draft(&self) -> bool {
+        self.0.supports_draft()
+    }
+    fn batch_bytes_per_token(&self) -> usize {
+        self.0.batch_bytes_per_token()
+    }
+    fn routed(&self) -> &RoutedExperts {
+        self.0.routed()
+    }
+    fn routed_mut(&mut self) -> &mut RoutedExperts {
+        self.0.routed_mut()
+    }
+    fn set_numerics(&mut self, numerics: Numerics) -> Result<(), EngineError> {
+        self.0.set_numerics(numerics)
+    }
+    fn backbone_bytes(&self) -> usize {
+        self.0.backbone_bytes()
+    }
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn context_length(&self) -> usize {
+        self.0.context_length()
+    }
+    fn store(&self) -> &Arc<ExpertStore> {
+        self.0.store()
     }
 }
 

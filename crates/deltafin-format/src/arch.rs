@@ -64,6 +64,16 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "qwen3_5_moe",
 ];
 
+/// Most elements of one resident tensor or one routed expert ([`ModelConfig::check_sizes`]):
+/// 2^40 (4 TiB as f32).
+pub const MAX_TENSOR_ELEMENTS: u128 = 1 << 40;
+/// Most bytes of all resident tensors as f32 ([`ModelConfig::check_sizes`]): 2^46 (64 TiB).
+pub const MAX_BACKBONE_BYTES: u128 = 1 << 46;
+/// Most bytes of the expert pack as f32 ([`ModelConfig::check_sizes`]): 2^52 (4 PiB).
+pub const MAX_PACK_BYTES: u128 = 1 << 52;
+const TENSOR_ALIGN_BYTES: u128 = crate::model_dir::TENSOR_ALIGN as u128;
+const RECORD_ALIGN_BYTES: u128 = crate::model_dir::RECORD_ALIGN as u128;
+
 /// How a backbone tensor is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TensorRole {
@@ -131,7 +141,7 @@ impl ModelConfig {
     /// Errors: unreadable file, malformed JSON, an unsupported `model_type`, or what the family's
     /// own validation rejects (named field).
     pub fn from_file(path: &Path) -> Result<(Self, Value), FormatError> {
-        let text = std::fs::read_to_string(path).map_err(|e| FormatError::Io {
+        let text = crate::regular_file::read_to_string(path).map_err(|e| FormatError::Io {
             path: path.to_path_buf(),
             error: e,
         })?;
@@ -166,25 +176,93 @@ impl ModelConfig {
                 });
             }
         }
-        match mt {
-            "deepseek_v3" | "kimi_k2" => Ok(ModelConfig::DeepseekV3(DeepseekV3Config::from_value(raw, path)?)),
-            "kimi_linear" => Ok(ModelConfig::KimiLinear(KimiLinearConfig::from_value(raw, path)?)),
-            "qwen3_moe" => Ok(ModelConfig::Qwen3Moe(Qwen3MoeConfig::from_value(raw, path)?)),
-            "mixtral" => Ok(ModelConfig::Mixtral(MixtralConfig::from_value(raw, path)?)),
-            "gpt_oss" => Ok(ModelConfig::GptOss(GptOssConfig::from_value(raw, path)?)),
-            "qwen3_next" | "qwen3_5_moe_text" => Ok(ModelConfig::Qwen3Next(Qwen3NextConfig::from_value(raw, path)?)),
+        let cfg = match mt {
+            "deepseek_v3" | "kimi_k2" => ModelConfig::DeepseekV3(DeepseekV3Config::from_value(raw, path)?),
+            "kimi_linear" => ModelConfig::KimiLinear(KimiLinearConfig::from_value(raw, path)?),
+            "qwen3_moe" => ModelConfig::Qwen3Moe(Qwen3MoeConfig::from_value(raw, path)?),
+            "mixtral" => ModelConfig::Mixtral(MixtralConfig::from_value(raw, path)?),
+            "gpt_oss" => ModelConfig::GptOss(GptOssConfig::from_value(raw, path)?),
+            "qwen3_next" | "qwen3_5_moe_text" => ModelConfig::Qwen3Next(Qwen3NextConfig::from_value(raw, path)?),
             _ => {
                 let shown = if mt.is_empty() { top } else { mt };
-                Err(FormatError::Config {
+                return Err(FormatError::Config {
                     path: path.to_path_buf(),
                     field: "model_type".into(),
                     message: format!(
                         "unsupported model_type {shown:?} (supported: {})",
                         SUPPORTED_MODEL_TYPES.join(", ")
                     ),
-                })
+                });
             }
+        };
+        cfg.check_sizes(path)?;
+        Ok(cfg)
+    }
+
+    /// What the family's own `validate` checks (field named), plus [`Self::check_sizes`]. For a
+    /// config that did not come through [`Self::from_value`] (a manifest's).
+    pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.validate(path)?,
+            ModelConfig::KimiLinear(c) => c.validate(path)?,
+            ModelConfig::Qwen3Moe(c) => c.validate(path)?,
+            ModelConfig::Mixtral(c) => c.validate(path)?,
+            ModelConfig::GptOss(c) => c.validate(path)?,
+            ModelConfig::Qwen3Next(c) => c.validate(path)?,
         }
+        self.check_sizes(path)
+    }
+
+    /// Checks, in 128-bit arithmetic, that the model this config describes has a size one
+    /// machine can hold: every resident tensor under [`MAX_TENSOR_ELEMENTS`] and all together
+    /// under [`MAX_BACKBONE_BYTES`] as f32, one routed expert under [`MAX_TENSOR_ELEMENTS`],
+    /// the expert pack under [`MAX_PACK_BYTES`] as f32, and one layer's recurrent state under
+    /// [`MAX_TENSOR_ELEMENTS`]. Callers may then size buffers
+    /// from the config with plain 64-bit arithmetic.
+    ///
+    /// Errors: the first bound exceeded, naming the tensor or the expert count.
+    pub fn check_sizes(&self, path: &Path) -> Result<(), FormatError> {
+        let too_big = |what: String| FormatError::Checkpoint {
+            path: path.to_path_buf(),
+            message: format!("{what}: the sizes in this config describe a model larger than deltafin can hold"),
+        };
+        let mut backbone: u128 = 0;
+        for t in self.backbone_tensors() {
+            let n: u128 = t.shape.iter().map(|&d| d as u128).product();
+            if n > MAX_TENSOR_ELEMENTS {
+                return Err(too_big(format!("tensor {} would have shape {:?}", t.name, t.shape)));
+            }
+            backbone += 4 * n + TENSOR_ALIGN_BYTES;
+        }
+        if backbone > MAX_BACKBONE_BYTES {
+            return Err(too_big(format!("the resident tensors would take {backbone} bytes")));
+        }
+        let expert: u128 = self
+            .expert_matrices()
+            .iter()
+            .map(|m| m.rows as u128 * m.cols as u128)
+            .sum();
+        if expert > MAX_TENSOR_ELEMENTS {
+            return Err(too_big(format!("one routed expert would have {expert} weights")));
+        }
+        // Recurrent state of one linear-attention layer ([heads, d_k, d_v] values).
+        let recurrent = match self {
+            ModelConfig::KimiLinear(c) => c.kda_num_heads as u128 * (c.kda_head_dim as u128).pow(2),
+            ModelConfig::Qwen3Next(c) => {
+                c.linear_num_value_heads as u128 * c.linear_key_head_dim as u128 * c.linear_value_head_dim as u128
+            }
+            _ => 0,
+        };
+        if recurrent > MAX_TENSOR_ELEMENTS {
+            return Err(too_big(format!(
+                "one layer's recurrent state would hold {recurrent} values"
+            )));
+        }
+        let records = self.moe_layers().count() as u128 * self.n_routed_experts() as u128;
+        if records * (4 * expert + RECORD_ALIGN_BYTES) > MAX_PACK_BYTES {
+            return Err(too_big(format!("{records} routed experts of {expert} weights each")));
+        }
+        Ok(())
     }
 
     /// Adapts the choices a config cannot tell to what the checkpoint holds (`has(name)`: the
@@ -570,6 +648,43 @@ mod tests {
             e.to_string().contains("model_type") && e.to_string().contains("llama"),
             "{e}"
         );
+    }
+
+    /// Every family reads the expert-count spellings of its transformers config class's
+    /// `attribute_map` (transformers 5 saves Qwen3-MoE's as `num_local_experts`), also inside a
+    /// `text_config`; two spellings that disagree are an error naming both.
+    #[test]
+    fn transformers_attribute_map_spellings() {
+        let p = Path::new("config.json");
+        for (mt, alias) in [
+            ("qwen3_moe", "num_local_experts"),
+            ("qwen3_next", "num_local_experts"),
+            ("mixtral", "num_experts"),
+            ("gpt_oss", "num_experts"),
+            ("deepseek_v3", "num_local_experts"),
+            ("kimi_linear", "n_routed_experts"),
+            ("kimi_linear", "num_local_experts"),
+        ] {
+            let mut raw = json!({"model_type": mt, "num_hidden_layers": 2, "num_experts_per_tok": 2,
+                "num_experts_per_token": 2, "n_group": 1, "topk_group": 1, "num_expert_group": 1});
+            raw[alias] = json!(16);
+            let c = ModelConfig::from_value(&raw, p).unwrap_or_else(|e| panic!("{mt} {alias}: {e}"));
+            assert_eq!(c.n_routed_experts(), 16, "{mt} {alias}");
+            let canonical = match c {
+                ModelConfig::DeepseekV3(_) => "n_routed_experts",
+                ModelConfig::Mixtral(_) | ModelConfig::GptOss(_) => "num_local_experts",
+                _ => "num_experts",
+            };
+            raw[canonical] = json!(32);
+            let e = ModelConfig::from_value(&raw, p).unwrap_err().to_string();
+            assert!(
+                e.contains(alias) && e.contains(canonical) && e.contains("disagrees"),
+                "{e}"
+            );
+        }
+        let raw = json!({"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2",
+            "num_hidden_layers": 2, "num_local_experts": 16, "n_group": 1, "topk_group": 1}});
+        assert_eq!(ModelConfig::from_value(&raw, p).unwrap().n_routed_experts(), 16);
     }
 
     #[test]

@@ -164,7 +164,7 @@ impl Checkpoint {
         let index_path = dir.join("model.safetensors.index.json");
         let mut weight_map: Option<HashMap<String, String>> = None;
         let files: Vec<String> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| io_err(&index_path, e))?;
+            let text = crate::regular_file::read_to_string(&index_path).map_err(|e| io_err(&index_path, e))?;
             let v: Value = serde_json::from_str(&text).map_err(|e| FormatError::Json {
                 path: index_path.clone(),
                 message: e.to_string(),
@@ -227,7 +227,7 @@ impl Checkpoint {
         let mut skipped = Vec::new();
         for (si, fname) in files.iter().enumerate() {
             let path = dir.join(fname);
-            let file = File::open(&path).map_err(|e| io_err(&path, e))?;
+            let file = crate::regular_file::open_regular(&path).map_err(|e| io_err(&path, e))?;
             let entries = read_header(&path, &file)?;
             for mut e in entries {
                 e.shard = si;
@@ -400,7 +400,7 @@ impl Checkpoint {
         let cols = e.shape.last().copied().unwrap_or(1);
         let rows = e.shape.iter().product::<usize>() / cols.max(1);
         let decoded = match &e.encoding {
-            Encoding::Plain => return Ok(floats(&read_bytes(&self.shards, e)?, e.dtype)),
+            Encoding::Plain => Ok(floats(&read_bytes(&self.shards, e)?, e.dtype)),
             Encoding::BlockFp8 { scale_inv, block } => {
                 let s = floats(&read_bytes(&self.shards, scale_inv)?, scale_inv.dtype);
                 source_dtypes::dequant_block_fp8(&read_bytes(&self.shards, e)?, rows, cols, &s, *block)
@@ -431,10 +431,21 @@ impl Checkpoint {
                 cols,
             ),
         };
-        decoded.map_err(|err| FormatError::Checkpoint {
+        let w = decoded.map_err(|err| FormatError::Checkpoint {
             path: path.clone(),
             message: format!("tensor {}: {err}", e.file_name),
-        })
+        })?;
+        // A NaN or infinity in a weight makes every output NaN downstream: refuse it here, named.
+        if let Some(i) = w.iter().position(|x| !x.is_finite()) {
+            return Err(FormatError::Checkpoint {
+                path: path.clone(),
+                message: format!(
+                    "tensor {}: value {} at flat index {i} is not finite (NaN or infinity): the checkpoint is damaged",
+                    e.file_name, w[i]
+                ),
+            });
+        }
+        Ok(w)
     }
 }
 
@@ -571,7 +582,7 @@ fn resolve_quantized(
     let cfg_path = dir.join("config.json");
     let mut quant_config = || -> Result<Option<SourceQuantization>, FormatError> {
         if quant.is_none() {
-            let q = match std::fs::read_to_string(&cfg_path) {
+            let q = match crate::regular_file::read_to_string(&cfg_path) {
                 Ok(text) => {
                     let raw: Value = serde_json::from_str(&text).map_err(|e| FormatError::Json {
                         path: cfg_path.clone(),

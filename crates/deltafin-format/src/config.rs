@@ -94,13 +94,52 @@ pub(crate) fn field_err(path: &Path, field: &str, msg: impl Into<String>) -> For
     }
 }
 
+/// Most decoder layers a config may name (the largest released MoE models have under 100).
+/// Tables of per-layer tensors are built from this count before any checkpoint is read, so it
+/// is bounded here: `num_hidden_layers` 10^7 would otherwise build gigabytes of tensor names.
+pub const MAX_LAYERS: u64 = 1 << 12;
+/// Most routed experts per layer (and experts per token) a config may name (released models
+/// have at most 512); record indices are `u32`.
+pub const MAX_EXPERTS: u64 = 1 << 16;
+/// Most tokens of context a config may name (`max_position_embeddings` and kin).
+pub const MAX_POSITIONS: u64 = 1 << 32;
+/// Bound of every other count or width in a config (vocabulary, hidden and intermediate sizes,
+/// heads, head widths, ranks): 2^20, far above any released model, and small enough that
+/// products of two or three of them cannot overflow 64-bit arithmetic.
+pub const MAX_DIM: u64 = 1 << 20;
+
+/// The bound [`usize_or`] applies to integer field `key` (see [`MAX_LAYERS`], [`MAX_EXPERTS`],
+/// [`MAX_POSITIONS`], [`MAX_DIM`]).
+pub(crate) fn int_bound(key: &str) -> u64 {
+    match key {
+        "num_hidden_layers" => MAX_LAYERS,
+        "max_position_embeddings" | "model_max_length" | "sliding_window" => MAX_POSITIONS,
+        k if k.contains("experts") => MAX_EXPERTS,
+        _ => MAX_DIM,
+    }
+}
+
+/// Integer field `key` of `obj` (absent or null: `default`), at most its bound ([`int_bound`]),
+/// so that nothing sized from a config can exhaust memory or overflow.
+///
+/// Errors: not a non-negative integer, or above the bound (field named).
 pub(crate) fn usize_or(obj: &Value, path: &Path, key: &str, default: usize) -> Result<usize, FormatError> {
     match get(obj, key) {
         None => Ok(default),
-        Some(v) => v
-            .as_u64()
-            .map(|x| x as usize)
-            .ok_or_else(|| field_err(path, key, format!("expected a non-negative integer, got {v}"))),
+        Some(v) => {
+            let x = v
+                .as_u64()
+                .ok_or_else(|| field_err(path, key, format!("expected a non-negative integer, got {v}")))?;
+            let bound = int_bound(key);
+            if x > bound {
+                return Err(field_err(
+                    path,
+                    key,
+                    format!("{x} is larger than this implementation supports (at most {bound})"),
+                ));
+            }
+            Ok(x as usize)
+        }
     }
 }
 
@@ -113,6 +152,52 @@ pub(crate) fn f64_or(obj: &Value, path: &Path, key: &str, default: f64) -> Resul
     }
 }
 
+/// Which values of a real-valued config field make sense.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Range {
+    /// Any finite value.
+    Finite,
+    /// Finite and > 0 (RoPE `theta`, `factor`, scaling factors).
+    Positive,
+    /// Finite and >= 0 (`rms_norm_eps`).
+    NonNegative,
+}
+
+/// Checks that `x` (field `key`) lies in `range` and stays finite as an `f32` (the engine
+/// computes in f32: 1e39 would become infinity, and JSON `null` in the manifest).
+///
+/// Errors: outside the range (field named, with the value).
+pub(crate) fn check_range(path: &Path, key: &str, x: f64, range: Range) -> Result<f64, FormatError> {
+    let ok = x.is_finite()
+        && (x as f32).is_finite()
+        && match range {
+            Range::Finite => true,
+            Range::Positive => x > 0.0,
+            Range::NonNegative => x >= 0.0,
+        };
+    if ok {
+        return Ok(x);
+    }
+    let want = match range {
+        Range::Finite => "a finite number",
+        Range::Positive => "a finite number greater than 0",
+        Range::NonNegative => "a finite number of at least 0",
+    };
+    Err(field_err(
+        path,
+        key,
+        format!("{x} is out of range: expected {want} (within f32 range)"),
+    ))
+}
+
+/// A real-valued field as `f32` (absent or null: `default`), checked against `range`.
+///
+/// Errors: not a number, or outside `range` ([`check_range`]); the field is named.
+pub(crate) fn f32_in(obj: &Value, path: &Path, key: &str, default: f64, range: Range) -> Result<f32, FormatError> {
+    let x = f64_or(obj, path, key, default)?;
+    Ok(check_range(path, key, x, range)? as f32)
+}
+
 pub(crate) fn opt_f64(obj: &Value, path: &Path, key: &str) -> Result<Option<f64>, FormatError> {
     match get(obj, key) {
         None => Ok(None),
@@ -121,6 +206,44 @@ pub(crate) fn opt_f64(obj: &Value, path: &Path, key: &str) -> Result<Option<f64>
             .map(Some)
             .ok_or_else(|| field_err(path, key, format!("expected a number, got {v}"))),
     }
+}
+
+/// Spellings transformers accepts for one field: `attribute_map` entries of a config class
+/// (`alias` read as `canonical`). [TRANSFORMERS_ATTRIBUTE_MAP]
+pub(crate) type Aliases = &'static [(&'static str, &'static str)];
+
+/// Returns `raw` with the text config's aliased fields ([`Aliases`]) stored under the name this
+/// crate reads, as transformers' `PreTrainedConfig` does when it reads an `attribute_map`
+/// key; `raw` itself when no alias is present.
+///
+/// Errors: both spellings present with different values (both named).
+pub(crate) fn resolve_aliases<'a>(
+    raw: &'a Value,
+    path: &Path,
+    aliases: Aliases,
+) -> Result<std::borrow::Cow<'a, Value>, FormatError> {
+    let tc = text_config(raw);
+    if !aliases.iter().any(|(a, _)| get(tc, a).is_some()) {
+        return Ok(std::borrow::Cow::Borrowed(raw));
+    }
+    let nested = !std::ptr::eq(tc, raw);
+    let mut out = raw.clone();
+    let obj = if nested { &mut out["text_config"] } else { &mut out };
+    for (alias, canonical) in aliases {
+        let Some(v) = get(tc, alias) else { continue };
+        match get(tc, canonical) {
+            Some(c) if c != v => {
+                return Err(field_err(
+                    path,
+                    alias,
+                    format!("{v} disagrees with {canonical} {c} (transformers reads both as {canonical})"),
+                ))
+            }
+            Some(_) => {}
+            None => obj[*canonical] = v.clone(),
+        }
+    }
+    Ok(std::borrow::Cow::Owned(out))
 }
 
 pub(crate) fn bool_or(obj: &Value, path: &Path, key: &str, default: bool) -> Result<bool, FormatError> {
@@ -140,6 +263,10 @@ pub fn token_ids(v: Option<&Value>) -> Vec<u32> {
         _ => Vec::new(),
     }
 }
+
+/// `DeepseekV3Config.attribute_map`: `num_local_experts` is read as `n_routed_experts`.
+/// [TRANSFORMERS_ATTRIBUTE_MAP]
+const DEEPSEEK_V3_ALIASES: Aliases = &[("num_local_experts", "n_routed_experts")];
 
 /// The text-model types of this family.
 pub const MODEL_TYPES: &[&str] = &["deepseek_v3", "kimi_k2"];
@@ -191,7 +318,7 @@ impl DeepseekV3Config {
     /// `topk_method` other than `noaux_tc`, `hidden_act` other than `silu`, a RoPE type other than
     /// `default`/`yarn`, inconsistent expert grouping).
     pub fn from_file(path: &Path) -> Result<(Self, Value), FormatError> {
-        let text = std::fs::read_to_string(path).map_err(|e| FormatError::Io {
+        let text = crate::regular_file::read_to_string(path).map_err(|e| FormatError::Io {
             path: path.to_path_buf(),
             error: e,
         })?;
@@ -205,6 +332,7 @@ impl DeepseekV3Config {
 
     /// Resolves a parsed `config.json` (`path` is only used in error messages).
     pub fn from_value(raw: &Value, path: &Path) -> Result<Self, FormatError> {
+        let raw = &*resolve_aliases(raw, path, DEEPSEEK_V3_ALIASES)?;
         let tc = text_config(raw);
         let model_type = get(tc, "model_type").and_then(|v| v.as_str()).unwrap_or("").to_string();
         if !MODEL_TYPES.contains(&model_type.as_str()) {
@@ -251,11 +379,7 @@ impl DeepseekV3Config {
         let q_lora_rank = match tc.get("q_lora_rank") {
             Some(Value::Null) => None,
             None => Some(1536),
-            Some(v) => Some(
-                v.as_u64()
-                    .ok_or_else(|| field_err(path, "q_lora_rank", format!("expected an integer or null, got {v}")))?
-                    as usize,
-            ),
+            Some(_) => Some(usize_or(tc, path, "q_lora_rank", 0)?),
         };
         let max_position_embeddings = usize_or(tc, path, "max_position_embeddings", 4096)?;
         let rope = resolve_rope(tc, path, max_position_embeddings, 10000.0)?;
@@ -281,7 +405,7 @@ impl DeepseekV3Config {
             num_attention_heads: usize_or(tc, path, "num_attention_heads", 128)?,
             n_shared_experts: usize_or(tc, path, "n_shared_experts", 1)?,
             n_routed_experts: usize_or(tc, path, "n_routed_experts", 256)?,
-            routed_scaling_factor: f64_or(tc, path, "routed_scaling_factor", 2.5)? as f32,
+            routed_scaling_factor: f32_in(tc, path, "routed_scaling_factor", 2.5, Range::Positive)?,
             kv_lora_rank: usize_or(tc, path, "kv_lora_rank", 512)?,
             q_lora_rank,
             qk_rope_head_dim: usize_or(tc, path, "qk_rope_head_dim", 64)?,
@@ -292,7 +416,7 @@ impl DeepseekV3Config {
             num_experts_per_tok: usize_or(tc, path, "num_experts_per_tok", 8)?,
             first_k_dense_replace: usize_or(tc, path, "first_k_dense_replace", 3)?,
             norm_topk_prob: bool_or(tc, path, "norm_topk_prob", true)?,
-            rms_norm_eps: f64_or(tc, path, "rms_norm_eps", 1e-6)? as f32,
+            rms_norm_eps: f32_in(tc, path, "rms_norm_eps", 1e-6, Range::NonNegative)?,
             max_position_embeddings,
             rope_interleave: bool_or(tc, path, "rope_interleave", true)?,
             rope,
@@ -514,10 +638,20 @@ impl DeepseekV3Config {
 pub(crate) fn resolve_rope(tc: &Value, path: &Path, max_pos: usize, default_theta: f64) -> Result<Rope, FormatError> {
     // transformers 5 writes `rope_parameters` (holding rope_theta); 4.x writes `rope_scaling`
     // plus a top-level `rope_theta`. Either may be absent.
-    let params = get(tc, "rope_parameters")
-        .filter(|v| v.is_object())
-        .or_else(|| get(tc, "rope_scaling").filter(|v| v.is_object()));
-    let top_theta = f64_or(tc, path, "rope_theta", default_theta)?;
+    // Either key holding something other than an object (`"rope_scaling": "x"`) is an error,
+    // not "no scaling": the model would silently run with another RoPE.
+    for key in ["rope_parameters", "rope_scaling"] {
+        if let Some(v) = get(tc, key).filter(|v| !v.is_object()) {
+            return Err(field_err(path, key, format!("expected an object or null, got {v}")));
+        }
+    }
+    let params = get(tc, "rope_parameters").or_else(|| get(tc, "rope_scaling"));
+    let top_theta = check_range(
+        path,
+        "rope_theta",
+        f64_or(tc, path, "rope_theta", default_theta)?,
+        Range::Positive,
+    )?;
     let Some(p) = params else {
         return Ok(Rope::Default { theta: top_theta });
     };
@@ -526,7 +660,9 @@ pub(crate) fn resolve_rope(tc: &Value, path: &Path, max_pos: usize, default_thet
     } else {
         "rope_scaling"
     };
-    let theta = f64_or(p, path, "rope_theta", top_theta)?;
+    // A sub-field's value checked against `range`, named `field.key` in errors.
+    let sub = |key: &str, x: f64, range: Range| check_range(path, &format!("{field}.{key}"), x, range);
+    let theta = sub("rope_theta", f64_or(p, path, "rope_theta", top_theta)?, Range::Positive)?;
     let kind = get(p, "rope_type")
         .or_else(|| get(p, "type"))
         .and_then(|v| v.as_str())
@@ -534,21 +670,29 @@ pub(crate) fn resolve_rope(tc: &Value, path: &Path, max_pos: usize, default_thet
     match kind {
         "default" => Ok(Rope::Default { theta }),
         "yarn" => {
-            let original = f64_or(p, path, "original_max_position_embeddings", max_pos as f64)?;
+            let original = sub(
+                "original_max_position_embeddings",
+                f64_or(p, path, "original_max_position_embeddings", max_pos as f64)?,
+                Range::Positive,
+            )?;
             let factor = match opt_f64(p, path, "factor")? {
                 Some(f) => f,
                 None => max_pos as f64 / original,
             };
+            let factor = sub("factor", factor, Range::Positive)?;
             let nonzero = |x: Option<f64>| x.filter(|v| *v != 0.0);
+            let opt = |key: &str, range: Range| -> Result<Option<f64>, FormatError> {
+                opt_f64(p, path, key)?.map(|x| sub(key, x, range)).transpose()
+            };
             Ok(Rope::Yarn {
                 theta,
                 factor,
                 original_max_position_embeddings: original,
-                beta_fast: nonzero(opt_f64(p, path, "beta_fast")?).unwrap_or(32.0),
-                beta_slow: nonzero(opt_f64(p, path, "beta_slow")?).unwrap_or(1.0),
-                mscale: nonzero(opt_f64(p, path, "mscale")?),
-                mscale_all_dim: nonzero(opt_f64(p, path, "mscale_all_dim")?),
-                attention_factor: opt_f64(p, path, "attention_factor")?,
+                beta_fast: nonzero(opt("beta_fast", Range::Finite)?).unwrap_or(32.0),
+                beta_slow: nonzero(opt("beta_slow", Range::Finite)?).unwrap_or(1.0),
+                mscale: nonzero(opt("mscale", Range::Finite)?),
+                mscale_all_dim: nonzero(opt("mscale_all_dim", Range::Finite)?),
+                attention_factor: opt("attention_factor", Range::Positive)?,
                 truncate: bool_or(p, path, "truncate", true)?,
             })
         }

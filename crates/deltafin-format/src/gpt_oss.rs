@@ -29,9 +29,14 @@ use serde_json::{json, Value};
 
 use crate::arch::{gqa_layer_tensors, BackboneTensor, ExpertMatrix, ExpertSource, Select, TensorRole};
 use crate::config::{
-    bool_or, eos_bos, f64_or, field_err, get, require_silu, resolve_rope, text_config, usize_or, Rope,
+    bool_or, eos_bos, f32_in, f64_or, field_err, get, require_silu, resolve_aliases, resolve_rope, text_config,
+    usize_or, Aliases, Range, Rope,
 };
 use crate::FormatError;
+
+/// `GptOssConfig.attribute_map`: `num_experts` is read as `num_local_experts`.
+/// [TRANSFORMERS_ATTRIBUTE_MAP]
+const ALIASES: Aliases = &[("num_experts", "num_local_experts")];
 
 /// Concrete hyperparameters of a gpt-oss model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -78,6 +83,7 @@ impl GptOssConfig {
     /// `quantization_config` other than `mxfp4`), or what [`Self::validate`] rejects; each
     /// names the field.
     pub fn from_value(raw: &Value, path: &Path) -> Result<Self, FormatError> {
+        let raw = &*resolve_aliases(raw, path, ALIASES)?;
         let tc = text_config(raw);
         require_silu(tc, path)?;
         if !bool_or(tc, path, "attention_bias", true)? {
@@ -158,7 +164,7 @@ impl GptOssConfig {
             head_dim,
             num_local_experts: usize_or(tc, path, "num_local_experts", 128)?,
             num_experts_per_tok: usize_or(tc, path, "num_experts_per_tok", 4)?,
-            rms_norm_eps: f64_or(tc, path, "rms_norm_eps", 1e-5)? as f32,
+            rms_norm_eps: f32_in(tc, path, "rms_norm_eps", 1e-5, Range::NonNegative)?,
             max_position_embeddings,
             rope,
             sliding_window: usize_or(tc, path, "sliding_window", 128)?,

@@ -15,7 +15,8 @@ use serde_json::Value;
 
 use crate::arch::{BackboneTensor, ExpertMatrix, TensorRole};
 use crate::config::{
-    bool_or as bool_of, eos_bos, f64_or as f64_of, field_err as err, get, text_config, usize_or as usize_of,
+    bool_or as bool_of, check_range, eos_bos, f32_in, field_err as err, get, resolve_aliases, text_config,
+    usize_or as usize_of, Aliases, Range,
 };
 use crate::FormatError;
 
@@ -97,6 +98,14 @@ pub struct KimiLinearConfig {
     pub bos_token_id: Option<u32>,
 }
 
+/// `KimiLinearConfig.attribute_map` (transformers 5) stores the routed-expert count as
+/// `n_routed_experts` and reads `num_local_experts` as it; the released configs write
+/// `num_experts`, which this crate reads. [TRANSFORMERS_ATTRIBUTE_MAP]
+const ALIASES: Aliases = &[
+    ("n_routed_experts", "num_experts"),
+    ("num_local_experts", "num_experts"),
+];
+
 /// One-based layer list `key` of `linear_attn_config`.
 fn layer_list(lac: &Value, path: &Path, key: &str) -> Result<Option<Vec<usize>>, FormatError> {
     let field = format!("linear_attn_config.{key}");
@@ -122,6 +131,7 @@ impl KimiLinearConfig {
     /// Errors: a field of the wrong type, inconsistent layer lists, or a setting this
     /// implementation does not run (named field).
     pub fn from_value(raw: &Value, path: &Path) -> Result<Self, FormatError> {
+        let raw = &*resolve_aliases(raw, path, ALIASES)?;
         let tc = text_config(raw);
         let top = raw.get("model_type").and_then(Value::as_str).unwrap_or("kimi_linear");
         let n_layers = usize_of(tc, path, "num_hidden_layers", 27)?;
@@ -187,16 +197,21 @@ impl KimiLinearConfig {
         let activation = match act {
             "silu" | "swiglu" => GluActivation::Silu,
             "situ" => GluActivation::Situ {
-                beta: f64_of(tc, path, "activation_situ_beta", 4.0)? as f32,
+                beta: f32_in(tc, path, "activation_situ_beta", 4.0, Range::Positive)?,
                 linear_beta: match get(tc, "activation_situ_linear_beta") {
                     None => None,
-                    Some(v) => Some(v.as_f64().ok_or_else(|| {
-                        err(
-                            path,
-                            "activation_situ_linear_beta",
-                            format!("expected a number or null, got {v}"),
-                        )
-                    })? as f32),
+                    Some(v) => Some(check_range(
+                        path,
+                        "activation_situ_linear_beta",
+                        v.as_f64().ok_or_else(|| {
+                            err(
+                                path,
+                                "activation_situ_linear_beta",
+                                format!("expected a number or null, got {v}"),
+                            )
+                        })?,
+                        Range::Positive,
+                    )? as f32),
                 },
             },
             other => {
@@ -222,11 +237,7 @@ impl KimiLinearConfig {
         }
         let q_lora_rank = match tc.get("q_lora_rank") {
             None | Some(Value::Null) => None,
-            Some(v) => Some(
-                v.as_u64()
-                    .ok_or_else(|| err(path, "q_lora_rank", format!("expected an integer or null, got {v}")))?
-                    as usize,
-            ),
+            Some(_) => Some(usize_of(tc, path, "q_lora_rank", 0)?),
         };
         let (eos, bos) = eos_bos(tc, raw);
         let num_attention_heads = usize_of(tc, path, "num_attention_heads", 32)?;
@@ -263,13 +274,11 @@ impl KimiLinearConfig {
             use_full_rank_gate: bool_of(lac, path, "use_full_rank_gate", false)?,
             gate_lower_bound: get(lac, "gate_lower_bound")
                 .map(|v| {
-                    v.as_f64().map(|x| x as f32).ok_or_else(|| {
-                        err(
-                            path,
-                            "linear_attn_config.gate_lower_bound",
-                            format!("expected a number, got {v}"),
-                        )
-                    })
+                    let field = "linear_attn_config.gate_lower_bound";
+                    let x = v
+                        .as_f64()
+                        .ok_or_else(|| err(path, field, format!("expected a number, got {v}")))?;
+                    Ok(check_range(path, field, x, Range::Finite)? as f32)
                 })
                 .transpose()?,
             mixers,
@@ -293,12 +302,12 @@ impl KimiLinearConfig {
             latent_moe_use_norm: bool_of(tc, path, "latent_moe_use_norm", false)?,
             first_k_dense_replace: usize_of(tc, path, "first_k_dense_replace", 1)?,
             renormalize: bool_of(tc, path, "moe_renormalize", bool_of(tc, path, "norm_topk_prob", true)?)?,
-            routed_scaling_factor: f64_of(tc, path, "routed_scaling_factor", 2.446)? as f32,
+            routed_scaling_factor: f32_in(tc, path, "routed_scaling_factor", 2.446, Range::Positive)?,
             n_group: usize_of(tc, path, "num_expert_group", usize_of(tc, path, "n_group", 1)?)?,
             topk_group: usize_of(tc, path, "topk_group", 1)?,
             activation,
             attn_res_block_size,
-            rms_norm_eps: f64_of(tc, path, "rms_norm_eps", 1e-5)? as f32,
+            rms_norm_eps: f32_in(tc, path, "rms_norm_eps", 1e-5, Range::NonNegative)?,
             max_position_embeddings: usize_of(
                 tc,
                 path,
@@ -327,6 +336,25 @@ impl KimiLinearConfig {
             if v == 0 {
                 return Err(err(path, k, "must be greater than 0"));
             }
+        }
+        for (k, v) in [
+            ("attn_res_block_size", self.attn_res_block_size),
+            ("routed_expert_hidden_size", self.routed_expert_hidden_size),
+        ] {
+            if v == Some(0) {
+                return Err(err(path, k, "must be greater than 0 when set"));
+            }
+        }
+        if self.mixers.len() != self.num_hidden_layers {
+            return Err(err(
+                path,
+                "linear_attn_config",
+                format!(
+                    "{} layer kinds for num_hidden_layers {}",
+                    self.mixers.len(),
+                    self.num_hidden_layers
+                ),
+            ));
         }
         if self.mixers.contains(&MixerKind::Mla) && (self.num_attention_heads == 0 || self.kv_lora_rank == 0) {
             return Err(err(

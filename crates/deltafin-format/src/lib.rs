@@ -8,9 +8,11 @@
 //!   source weights presented and decoded under their plain names.
 //! - [`quantization`] and [`source_dtypes`]: `quantization_config` and the exact decoders of
 //!   quantized sources (DeepSeek block FP8, compressed-tensors int4/int8 and MXFP4, gpt-oss MXFP4).
+//! - [`manifest_check`]: value checks of an untrusted `manifest.json` at load.
 //! - [`model_dir`]: the deltafin model directory: `manifest.json`, `backbone.bin` (resident
 //!   weights), `experts.pack` (one 4 KiB-aligned record per (layer, routed expert)).
 //! - [`convert`]: Hugging Face checkpoint → deltafin model directory, crash-safe.
+//! - [`regular_file`]: input files are opened only when regular (a FIFO would block forever).
 //! - [`presence`]: the presence journal of a streaming install's sparse expert pack.
 
 pub mod aligned;
@@ -21,12 +23,14 @@ pub mod convert;
 pub mod footprint;
 pub mod gpt_oss;
 pub mod kimi_linear;
+pub mod manifest_check;
 pub mod mixtral;
 pub mod model_dir;
 pub mod presence;
 pub mod quantization;
 pub mod qwen3_moe;
 pub mod qwen3_next;
+pub mod regular_file;
 pub mod source_dtypes;
 pub mod staging;
 pub mod synth;

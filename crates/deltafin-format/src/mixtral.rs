@@ -14,9 +14,14 @@ use serde_json::Value;
 
 use crate::arch::{gqa_layer_tensors, BackboneTensor, ExpertMatrix, TensorRole};
 use crate::config::{
-    bool_or, eos_bos, f64_or, field_err, get, require_silu, resolve_rope, text_config, usize_or, Rope,
+    bool_or, eos_bos, f32_in, field_err, get, require_silu, resolve_aliases, resolve_rope, text_config, usize_or,
+    Aliases, Range, Rope,
 };
 use crate::FormatError;
+
+/// `MixtralConfig.attribute_map`: `num_experts` is read as `num_local_experts`.
+/// [TRANSFORMERS_ATTRIBUTE_MAP]
+const ALIASES: Aliases = &[("num_experts", "num_local_experts")];
 
 /// Concrete hyperparameters of a Mixtral text model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -52,6 +57,7 @@ impl MixtralConfig {
     /// (`hidden_act` other than `silu`, tied embeddings, a RoPE type other than
     /// `default`/`yarn`), or what [`Self::validate`] rejects; each names the field.
     pub fn from_value(raw: &Value, path: &Path) -> Result<Self, FormatError> {
+        let raw = &*resolve_aliases(raw, path, ALIASES)?;
         let tc = text_config(raw);
         require_silu(tc, path)?;
         if bool_or(tc, path, "tie_word_embeddings", false)? {
@@ -88,7 +94,7 @@ impl MixtralConfig {
             head_dim,
             num_local_experts: usize_or(tc, path, "num_local_experts", 8)?,
             num_experts_per_tok: usize_or(tc, path, "num_experts_per_tok", 2)?,
-            rms_norm_eps: f64_or(tc, path, "rms_norm_eps", 1e-5)? as f32,
+            rms_norm_eps: f32_in(tc, path, "rms_norm_eps", 1e-5, Range::NonNegative)?,
             max_position_embeddings,
             rope: resolve_rope(tc, path, max_position_embeddings, 1e6)?,
             sliding_window,

@@ -232,7 +232,7 @@ impl ModelDir {
             }
             return Err(bad("manifest.json not found (was it written by `deltafin convert`? an interrupted convert leaves no model)".into()));
         }
-        let text = std::fs::read_to_string(&mpath).map_err(|e| FormatError::Io {
+        let text = crate::regular_file::read_to_string(&mpath).map_err(|e| FormatError::Io {
             path: mpath.clone(),
             error: e,
         })?;
@@ -252,10 +252,11 @@ impl ModelDir {
                 manifest.format_version
             )));
         }
+        crate::manifest_check::check_manifest_values(&manifest, &mpath)?;
         // The copied config.json is read again for its end-of-sequence ids: a damaged copy is
         // named here, by every command, not only by those that read it later.
         let cpath = path.join("config.json");
-        if let Ok(text) = std::fs::read_to_string(&cpath) {
+        if let Ok(text) = crate::regular_file::read_to_string(&cpath) {
             serde_json::from_str::<Value>(&text).map_err(|e| FormatError::Json {
                 path: cpath.clone(),
                 message: e.to_string(),
@@ -344,7 +345,7 @@ impl ModelDir {
     /// Reads `backbone.bin` into memory (resident for the life of the process).
     pub fn load_backbone(&self) -> Result<Backbone, FormatError> {
         let p = self.path.join(&self.manifest.backbone.file);
-        let f = File::open(&p).map_err(|e| FormatError::Io {
+        let f = crate::regular_file::open_regular(&p).map_err(|e| FormatError::Io {
             path: p.clone(),
             error: e,
         })?;

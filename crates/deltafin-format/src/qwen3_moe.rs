@@ -14,9 +14,15 @@ use serde_json::Value;
 
 use crate::arch::{gqa_layer_tensors, BackboneTensor, ExpertMatrix, TensorRole};
 use crate::config::{
-    bool_or, eos_bos, f64_or, field_err, get, require_silu, resolve_rope, text_config, usize_or, Rope,
+    bool_or, eos_bos, f32_in, field_err, get, require_silu, resolve_aliases, resolve_rope, text_config, usize_or,
+    Aliases, Range, Rope,
 };
 use crate::FormatError;
+
+/// `Qwen3MoeConfig.attribute_map` (transformers 5): `num_experts` is stored as
+/// `num_local_experts`; this crate reads `num_experts`, so the map is applied in reverse.
+/// [TRANSFORMERS_ATTRIBUTE_MAP]
+const ALIASES: Aliases = &[("num_local_experts", "num_experts")];
 
 /// Concrete hyperparameters of a Qwen3-MoE text model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -62,6 +68,7 @@ impl Qwen3MoeConfig {
     /// (`hidden_act` other than `silu`, `attention_bias`, tied embeddings, a RoPE type other than
     /// `default`/`yarn`), or what [`Self::validate`] rejects; each names the field.
     pub fn from_value(raw: &Value, path: &Path) -> Result<Self, FormatError> {
+        let raw = &*resolve_aliases(raw, path, ALIASES)?;
         let tc = text_config(raw);
         require_silu(tc, path)?;
         if bool_or(tc, path, "attention_bias", false)? {
@@ -122,7 +129,7 @@ impl Qwen3MoeConfig {
             decoder_sparse_step: usize_or(tc, path, "decoder_sparse_step", 1)?,
             mlp_only_layers,
             norm_topk_prob: bool_or(tc, path, "norm_topk_prob", false)?,
-            rms_norm_eps: f64_or(tc, path, "rms_norm_eps", 1e-6)? as f32,
+            rms_norm_eps: f32_in(tc, path, "rms_norm_eps", 1e-6, Range::NonNegative)?,
             max_position_embeddings,
             rope: resolve_rope(tc, path, max_position_embeddings, 10000.0)?,
             sliding_window,

@@ -29,9 +29,14 @@ use serde_json::Value;
 
 use crate::arch::{BackboneTensor, ExpertMatrix, ExpertSource, Select, TensorRole};
 use crate::config::{
-    bool_or, eos_bos, f64_or, field_err, get, require_silu, resolve_rope, text_config, usize_or, Rope,
+    bool_or, eos_bos, f32_in, f64_or, field_err, get, require_silu, resolve_aliases, resolve_rope, text_config,
+    usize_or, Aliases, Range, Rope,
 };
 use crate::FormatError;
+
+/// `num_local_experts` is read as `num_experts`, as `Qwen3MoeConfig.attribute_map` maps the
+/// two for the MoE block Qwen3-Next shares with it. [TRANSFORMERS_ATTRIBUTE_MAP]
+const ALIASES: Aliases = &[("num_local_experts", "num_experts")];
 
 /// Token mixer of one decoder layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -101,6 +106,7 @@ impl Qwen3NextConfig {
     /// RoPE type other than default/yarn), or what [`Self::validate`] rejects; each names the
     /// field.
     pub fn from_value(raw: &Value, path: &Path) -> Result<Self, FormatError> {
+        let raw = &*resolve_aliases(raw, path, ALIASES)?;
         let tc = text_config(raw);
         let tmt = tc.get("model_type").and_then(Value::as_str).unwrap_or("");
         let qwen35 = tmt == "qwen3_5_moe_text";
@@ -231,7 +237,7 @@ impl Qwen3NextConfig {
                 usize_or(tc, path, "decoder_sparse_step", 1)?
             },
             mlp_only_layers,
-            rms_norm_eps: f64_or(tc, path, "rms_norm_eps", 1e-6)? as f32,
+            rms_norm_eps: f32_in(tc, path, "rms_norm_eps", 1e-6, Range::NonNegative)?,
             max_position_embeddings,
             eos_token_id,
             bos_token_id,
@@ -261,11 +267,25 @@ impl Qwen3NextConfig {
                 return Err(field_err(path, k, "must be greater than 0"));
             }
         }
-        if self.rotary_dim == 0 || !self.rotary_dim.is_multiple_of(2) {
+        if self.mixers.len() != self.num_hidden_layers {
+            return Err(field_err(
+                path,
+                "layer_types",
+                format!(
+                    "{} entries for num_hidden_layers {}",
+                    self.mixers.len(),
+                    self.num_hidden_layers
+                ),
+            ));
+        }
+        if self.rotary_dim == 0 || !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
             return Err(field_err(
                 path,
                 "partial_rotary_factor",
-                format!("rotary width {} must be even and positive", self.rotary_dim),
+                format!(
+                    "rotary width {} must be even, positive and at most head_dim {}",
+                    self.rotary_dim, self.head_dim
+                ),
             ));
         }
         if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {

@@ -18,6 +18,21 @@ use crate::{Tokenizer, TokenizerError};
 /// Sources: transformers `GenerationConfig` (`eos_token_id: int | list[int]`); vLLM merges the
 /// generation config's eos into its stop ids the same way.
 pub fn eos_token_ids_union(model_dir: &Path, tokenizer: &Tokenizer) -> Result<Vec<u32>, TokenizerError> {
+    let mut out = eos_token_ids_of_configs(model_dir)?;
+    for id in tokenizer.eos_token_ids() {
+        if !out.contains(&id) {
+            out.push(id);
+        }
+    }
+    Ok(out)
+}
+
+/// The part of [`eos_token_ids_union`] that needs no tokenizer: the ids `config.json` and
+/// `generation_config.json` name, in that order without duplicates (for a model directory
+/// that has no tokenizer and runs on token ids alone).
+///
+/// Errors: as [`eos_token_ids_union`].
+pub fn eos_token_ids_of_configs(model_dir: &Path) -> Result<Vec<u32>, TokenizerError> {
     let mut out: Vec<u32> = Vec::new();
     let mut add = |ids: Vec<u32>| {
         for id in ids {
@@ -42,7 +57,6 @@ pub fn eos_token_ids_union(model_dir: &Path, tokenizer: &Tokenizer) -> Result<Ve
     if let Some(gen) = read_json_if_exists(&gen_path)? {
         add(eos_field(&gen_path, "eos_token_id", gen.get("eos_token_id"))?);
     }
-    add(tokenizer.eos_token_ids());
     Ok(out)
 }
 

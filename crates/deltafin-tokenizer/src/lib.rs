@@ -23,7 +23,7 @@ mod tiktoken;
 
 use std::path::Path;
 
-pub use eos::eos_token_ids_union;
+pub use eos::{eos_token_ids_of_configs, eos_token_ids_union};
 pub use error::TokenizerError;
 pub use stream::StreamDecoder;
 pub use template::ChatTemplate;

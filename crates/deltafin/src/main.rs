@@ -513,7 +513,7 @@ pub(crate) fn cmd_convert(
         .any(|f| f == "tokenizer.json" || f == "tiktoken.model")
     {
         eprintln!(
-            "warning: {} has no tokenizer.json or tiktoken.model: the model runs only with --prompt-ids",
+            "warning: {} has no tokenizer.json or tiktoken.model: the model runs only with `deltafin run --prompt-ids`, which prints token ids (chat and serve need a tokenizer)",
             hf_dir.display()
         );
     }
@@ -574,8 +574,16 @@ pub(crate) fn ram_budget(requested: Option<u64>) -> u64 {
 fn cmd_run(a: &RunArgs) -> Result<()> {
     let dir = ModelDir::open(&a.model)?;
     let budget = ram_budget(a.ram_budget);
-    let tokenizer =
-        Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?;
+    // A model directory without a tokenizer runs on token ids alone: --prompt-ids in, generated
+    // ids out (what `convert` promises when the checkpoint has no tokenizer).
+    let tokenizer = match Tokenizer::from_dir(&a.model) {
+        Ok(t) => Some(t),
+        Err(deltafin_tokenizer::TokenizerError::NoTokenizerFile { .. }) if a.prompt_ids.is_some() => None,
+        Err(e @ deltafin_tokenizer::TokenizerError::NoTokenizerFile { .. }) => {
+            bail!("{e}: --prompt needs a tokenizer (--prompt-ids runs without one and prints token ids)")
+        }
+        Err(e) => return Err(anyhow::Error::new(e).context(format!("loading the tokenizer of {}", a.model.display()))),
+    };
     let prompt_ids: Vec<u32> = match (&a.prompt, &a.prompt_ids) {
         (_, Some(ids)) => {
             if a.chat {
@@ -592,6 +600,7 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
             ids.clone()
         }
         (Some(text), None) => {
+            let tokenizer = tokenizer.as_ref().context("--prompt needs a tokenizer")?;
             if a.chat {
                 if let Some(e) = tokenizer.chat_template_error() {
                     bail!("--chat: {e}");
@@ -673,7 +682,16 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
             );
         }
     }
-    let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
+    let eos = match &tokenizer {
+        Some(t) => deltafin_tokenizer::eos_token_ids_union(&a.model, t)?,
+        None => {
+            eprintln!(
+                "note: {} has no tokenizer: printing the generated token ids",
+                a.model.display()
+            );
+            deltafin_tokenizer::eos_token_ids_of_configs(&a.model)?
+        }
+    };
     let opts = GenerateOptions {
         max_new_tokens: a.max_new_tokens,
         eos_token_ids: eos,
@@ -684,11 +702,19 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         speculate: a.passes.speculate,
         sampling,
     };
-    let mut dec = tokenizer.stream_decoder(true);
+    let mut dec = tokenizer.as_ref().map(|t| t.stream_decoder(true));
     let text_out = term::TextOut::for_stdout(a.raw_output);
     let mut stdout = std::io::stdout().lock();
     let mut write_err: Option<anyhow::Error> = None;
-    let out = generate(model.as_ref(), &prompt_ids, &opts, |id| match dec.push(id) {
+    let mut first = true;
+    // Without a tokenizer each id is written as it comes, comma-separated as --prompt-ids takes.
+    let mut piece = |id: u32| -> Result<String> {
+        match dec.as_mut() {
+            Some(d) => Ok(d.push(id)?),
+            None => Ok(format!("{}{id}", if std::mem::take(&mut first) { "" } else { "," })),
+        }
+    };
+    let out = generate(model.as_ref(), &prompt_ids, &opts, |id| match piece(id) {
         Ok(text) => {
             let text = text_out.render(&text);
             if let Err(e) = stdout.write_all(text.as_bytes()).and_then(|_| stdout.flush()) {
@@ -698,14 +724,17 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
             true
         }
         Err(e) => {
-            write_err = Some(e.into());
+            write_err = Some(e);
             false
         }
     })?;
     if let Some(e) = write_err {
         return Err(e);
     }
-    let tail = dec.finish()?;
+    let tail = match dec {
+        Some(d) => d.finish()?,
+        None => String::new(),
+    };
     writeln!(stdout, "{}", text_out.render(&tail))?;
     drop(stdout);
     if let Some(file) = logits_file {
