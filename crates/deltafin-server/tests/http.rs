@@ -1185,6 +1185,8 @@ fn idle_and_stalled_connections_are_closed() {
     let r = read_response(s);
     assert_eq!(r.status, 413, "{}", r.body);
     assert_eq!(r.json()["error"]["type"], "request_too_large", "{}", r.body);
+    // Counted like any other answered request.
+    assert_eq!(requests(a, "/v1/messages", 413), 1.0);
     assert_eq!(get(a, "/health").status, 200);
 }
 
