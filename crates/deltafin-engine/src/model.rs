@@ -574,14 +574,14 @@ impl RoutedExperts {
                 self.store.prefetch(next, &predicted);
             }
         }
-        let outs: Vec<OnceLock<Vec<f32>>> = routing.experts.iter().map(|_| OnceLock::new()).collect();
-        let shared_out: OnceLock<Vec<f32>> = OnceLock::new();
+        let outs: Vec<OnceLock<Result<Vec<f32>, String>>> = routing.experts.iter().map(|_| OnceLock::new()).collect();
+        let shared_out: OnceLock<Result<Vec<f32>, String>> = OnceLock::new();
         let expert = &expert;
         rayon::in_place_scope(|s| -> Result<(), EngineError> {
             if let Some(f) = shared {
                 let slot = &shared_out;
                 s.spawn(move |_| {
-                    let _ = slot.set(f());
+                    let _ = slot.set(caught(f));
                 });
             }
             match fetch {
@@ -590,7 +590,7 @@ impl RoutedExperts {
                         let (i, e) = r?;
                         let slot = &outs[i];
                         s.spawn(move |_| {
-                            let _ = slot.set(expert(&e));
+                            let _ = slot.set(caught(|| expert(&e)));
                         });
                     }
                 }
@@ -607,7 +607,7 @@ impl RoutedExperts {
                     for slot in &outs {
                         let e = stand_in.clone();
                         s.spawn(move |_| {
-                            let _ = slot.set(expert(&e));
+                            let _ = slot.set(caught(|| expert(&e)));
                         });
                     }
                 }
@@ -618,10 +618,13 @@ impl RoutedExperts {
         for (o, w) in outs.iter().zip(&routing.weights) {
             let o = o
                 .get()
-                .ok_or_else(|| EngineError::Invalid(format!("layer {layer}: an expert output is missing")))?;
+                .ok_or_else(|| EngineError::Invalid(format!("layer {layer}: an expert output is missing")))?
+                .as_ref()
+                .map_err(|m| panicked(layer, m))?;
             deltafin_kernels::axpy(*w, o, &mut out);
         }
-        Ok((out, shared_out.into_inner()))
+        let shared_out = shared_out.into_inner().transpose().map_err(|m| panicked(layer, &m))?;
+        Ok((out, shared_out))
     }
     /// The routed part of a MoE block for a chunk of `n = routings.len()` tokens of layer
     /// `layer`, expert-major: every expert chosen by any token of the chunk is read ONCE
@@ -676,15 +679,17 @@ impl RoutedExperts {
             None => None,
         };
         let mut acc = vec![0f32; n * out_dim];
-        let shared_out: OnceLock<Vec<f32>> = OnceLock::new();
-        let (tx, rx) = std::sync::mpsc::channel::<(usize, Vec<f32>)>();
+        let shared_out: OnceLock<Result<Vec<f32>, String>> = OnceLock::new();
+        // Each task sends its result, or its panic's message: a task that unwound without
+        // sending would leave the loop below waiting forever.
+        let (tx, rx) = std::sync::mpsc::channel::<(usize, Result<Vec<f32>, String>)>();
         let expert = &expert;
         let tokens = &tokens;
         rayon::in_place_scope(|s| -> Result<(), EngineError> {
             if let Some(f) = shared {
                 let slot = &shared_out;
                 s.spawn(move |_| {
-                    let _ = slot.set(f());
+                    let _ = slot.set(caught(f));
                 });
             }
             let mut fetches: std::collections::VecDeque<(usize, crate::experts::Fetch<'_>)> = Default::default();
@@ -716,7 +721,7 @@ impl RoutedExperts {
                         let (tx, u) = (tx.clone(), next_issue);
                         computing += 1;
                         s.spawn(move |_| {
-                            let o = expert(&e, &tokens[u]);
+                            let o = caught(|| expert(&e, &tokens[u]));
                             let _ = tx.send((u, o));
                         });
                     }
@@ -730,19 +735,19 @@ impl RoutedExperts {
                     let tx = tx.clone();
                     computing += 1;
                     s.spawn(move |_| {
-                        let o = expert(&e, &tokens[u]);
+                        let o = caught(|| expert(&e, &tokens[u]));
                         drop(e); // the record is released before the slot is counted free
                         let _ = tx.send((u, o));
                     });
                     while let Ok((u, o)) = rx.try_recv() {
                         computing -= 1;
-                        combine(u, o, &mut outs, &mut next_combine);
+                        combine(u, o.map_err(|m| panicked(layer, &m))?, &mut outs, &mut next_combine);
                     }
                 } else if computing > 0 {
                     let (u, o) = wait_for(&rx)
                         .map_err(|_| EngineError::Invalid(format!("layer {layer}: an expert computation failed")))?;
                     computing -= 1;
-                    combine(u, o, &mut outs, &mut next_combine);
+                    combine(u, o.map_err(|m| panicked(layer, &m))?, &mut outs, &mut next_combine);
                 } else {
                     break;
                 }
@@ -754,7 +759,8 @@ impl RoutedExperts {
             }
             Ok(())
         })?;
-        Ok((acc, shared_out.into_inner()))
+        let shared_out = shared_out.into_inner().transpose().map_err(|m| panicked(layer, &m))?;
+        Ok((acc, shared_out))
     }
 
     /// The routed part of a self-drafting MoE block for one token ([`CausalLm::forward_draft`]):
@@ -841,6 +847,26 @@ impl RoutedExperts {
         }
         (out, shared_out.into_inner())
     }
+}
+
+/// Runs `f` on a compute task, turning a panic into its message: a task must not unwind into
+/// the pool, where its waiter would block or the panic would resurface far from its cause.
+/// (The panic hook has already reported the panic by the time this returns.)
+fn caught<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
+        if let Some(s) = p.downcast_ref::<&str>() {
+            (*s).to_string()
+        } else if let Some(s) = p.downcast_ref::<String>() {
+            s.clone()
+        } else {
+            "a panic without a message".to_string()
+        }
+    })
+}
+
+/// The error of a compute task of MoE layer `layer` that panicked with `message`.
+fn panicked(layer: usize, message: &str) -> EngineError {
+    EngineError::Invalid(format!("layer {layer}: an expert computation panicked: {message}"))
 }
 
 /// Waits for the next result of a task spawned on the rayon pool. On a thread of the pool itself

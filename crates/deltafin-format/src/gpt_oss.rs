@@ -232,6 +232,18 @@ impl GptOssConfig {
                 ),
             ));
         }
+        // The clamped SwiGLU clamps `up` to [-limit, limit]: a limit ≤ 0 makes the bounds cross
+        // (`f32::clamp` panics in every expert computation).
+        if !(self.swiglu_limit.is_finite() && self.swiglu_limit > 0.0) {
+            return Err(field_err(
+                path,
+                "swiglu_limit",
+                format!(
+                    "must be a finite number greater than 0 (the SwiGLU clamp), got {}",
+                    self.swiglu_limit
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -440,6 +452,18 @@ mod tests {
         raw["quantization_config"] = json!({"quant_method": "fp8"});
         let e = GptOssConfig::from_value(&raw, p()).unwrap_err().to_string();
         assert!(e.contains("quant_method"), "{e}");
+    }
+
+    #[test]
+    fn swiglu_limit_must_be_positive_and_finite() {
+        for v in [json!(-1.0), json!(0.0), json!(-0.0), json!(1e39)] {
+            let e = GptOssConfig::from_value(&json!({"model_type": "gpt_oss", "swiglu_limit": v}), p())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("swiglu_limit") && !e.contains('\n'), "{e}");
+        }
+        let c = GptOssConfig::from_value(&json!({"model_type": "gpt_oss", "swiglu_limit": 0.5}), p()).unwrap();
+        assert_eq!(c.swiglu_limit, 0.5);
     }
 
     #[test]

@@ -176,7 +176,7 @@ async fn run(s: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response,
     let sampling = sampling(r.temperature, r.top_p, r.top_k, None, 1.0)?;
     let stops = stop_strings(r.stop_sequences.as_ref(), "stop_sequences")?;
     let messages = to_chat_messages(&r)?;
-    let prompt = chat_prompt(&s, messages, Value::Null).await?;
+    let (ticket, prompt) = chat_prompt(&s, messages, Value::Null).await?;
     let max_new_tokens = s.max_new_tokens(Some(r.max_tokens), "max_tokens", "messages", prompt.len())?;
     let prompt_tokens = prompt.len();
     let req = GenerationRequest {
@@ -187,7 +187,7 @@ async fn run(s: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response,
         ignore_eos: false,
         logprobs: None,
     };
-    let rx = s.start(req).await?;
+    let rx = s.start(ticket, req).await?;
     let id = new_id("msg_");
     let model = s.config.model_id.clone();
     if r.stream.unwrap_or(false) {

@@ -37,7 +37,8 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+    /// An error with `status` and `message` (OpenAI shape; no param, no code).
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
         ApiError {
             status,
             message: message.into(),
@@ -86,11 +87,11 @@ impl ApiError {
         e
     }
 
-    /// 429 while another generation runs.
-    pub fn busy() -> Self {
+    /// 429 while a generation runs and `max_queue` requests already wait (`--max-queue`).
+    pub fn busy(max_queue: usize) -> Self {
         let mut e = Self::new(
             StatusCode::TOO_MANY_REQUESTS,
-            "another generation is running; this server runs one at a time. Retry shortly.",
+            format!("the server is busy: one generation runs and {max_queue} more wait (--max-queue {max_queue}). Retry shortly."),
         );
         e.code = Some("server_busy");
         e.retry_after = Some(1);
@@ -172,6 +173,19 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Whether reading the body failed because it stalled past the body timeout
+/// (`tower_http::timeout::RequestBodyTimeoutLayer`).
+fn timed_out(r: &BytesRejection) -> bool {
+    let mut e: Option<&(dyn std::error::Error + 'static)> = Some(r);
+    while let Some(x) = e {
+        if x.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        e = x.source();
+    }
+    false
+}
+
 /// Parses a request body as JSON into `T`: a body over the limit is 413, anything else
 /// unreadable (malformed JSON, wrong types, missing required fields) is 400 with serde's
 /// explanation. Unknown fields are ignored.
@@ -182,7 +196,15 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>, flav
     };
     let bytes = body.map_err(|r| {
         let status = r.status();
-        if status == StatusCode::PAYLOAD_TOO_LARGE {
+        if timed_out(&r) {
+            with_flavor(
+                ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "the request body stalled: no data arrived within the body timeout (--body-timeout); was it shorter than its Content-Length?",
+                )
+                .code("request_timeout"),
+            )
+        } else if status == StatusCode::PAYLOAD_TOO_LARGE {
             with_flavor(
                 ApiError::new(
                     status,

@@ -3,15 +3,19 @@
 //! events, `/health` and Prometheus `/metrics`.
 //!
 //! Threads: the caller's (small) tokio runtime serves HTTP; one dedicated compute thread owns
-//! the engine [`Session`] ([`worker`]). Exactly one generation runs at a time: a second
-//! generation request gets 429 with `Retry-After` while models, health and metrics keep
-//! answering. This crate never touches tensors: it validates requests, renders prompts with
+//! the engine [`Session`] ([`worker`]). Exactly one generation runs at a time; up to
+//! `max_queue` more wait in arrival order, and a request beyond those gets 429 with
+//! `Retry-After`, while models, health and metrics keep answering. Connections are bounded
+//! in number and time ([`conn`]); prompts are bounded in bytes before they are tokenized
+//! ([`limits`]). This crate never touches tensors: it validates requests, renders prompts with
 //! the chat template, and turns the session's deltas into JSON and SSE.
 
 #![deny(missing_docs)]
 
 pub mod anthropic;
+pub mod conn;
 pub mod error;
+pub mod limits;
 pub mod metrics;
 pub mod openai;
 mod sampling_fields;
@@ -32,10 +36,12 @@ use deltafin_engine::session::{Delta, GenerationOutput, GenerationRequest, Sessi
 use deltafin_tokenizer::{Tokenizer, TokenizerError};
 use serde_json::json;
 use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::Semaphore;
 
+pub use conn::ConnLimits;
 pub use error::{ApiError, Flavor};
 use metrics::Metrics;
-use worker::{JobEvent, Worker};
+use worker::{JobEvent, Ticket, Worker};
 
 /// Server settings (the `deltafin serve` flags).
 #[derive(Debug, Clone)]
@@ -51,10 +57,17 @@ pub struct ServerConfig {
     pub max_request_bytes: usize,
     /// Sleep after each decode step: a testing aid (0 in normal use).
     pub step_delay: Duration,
+    /// Generation requests that may wait behind the running one (`--max-queue`); one more
+    /// gets 429. 0: a request while one generates gets 429.
+    pub max_queue: usize,
+    /// Connection limits and timeouts ([`serve`] applies them; the body timeout is applied by
+    /// the router).
+    pub conn: ConnLimits,
 }
 
 impl ServerConfig {
-    /// Defaults: no API key, no max_tokens cap, 16 MiB bodies.
+    /// Defaults: no API key, no max_tokens cap, 16 MiB bodies, a queue of
+    /// [`worker::DEFAULT_MAX_QUEUE`], [`ConnLimits::default`].
     pub fn new(model_id: impl Into<String>) -> Self {
         ServerConfig {
             model_id: model_id.into(),
@@ -62,6 +75,8 @@ impl ServerConfig {
             max_tokens: None,
             max_request_bytes: 16 << 20,
             step_delay: Duration::ZERO,
+            max_queue: worker::DEFAULT_MAX_QUEUE,
+            conn: ConnLimits::default(),
         }
     }
 }
@@ -75,6 +90,8 @@ pub struct AppState {
     pub(crate) worker: Worker,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) created: u64,
+    /// One prompt is tokenized at a time (bounds the memory of concurrent large prompts).
+    pub(crate) prepare: Semaphore,
 }
 
 type Shared = Arc<AppState>;
@@ -88,7 +105,8 @@ pub fn router(config: ServerConfig, session: Session) -> std::io::Result<Router>
     let context_length = session.context_length();
     let vocab_size = session.vocab_size();
     let body_limit = config.max_request_bytes;
-    let worker = Worker::start(session, Arc::clone(&metrics), config.step_delay)?;
+    let body_timeout = config.conn.body_timeout;
+    let worker = Worker::start(session, Arc::clone(&metrics), config.step_delay, config.max_queue)?;
     let state: Shared = Arc::new(AppState {
         config,
         tokenizer,
@@ -97,6 +115,7 @@ pub fn router(config: ServerConfig, session: Session) -> std::io::Result<Router>
         worker,
         metrics,
         created: unix_now(),
+        prepare: Semaphore::new(1),
     });
     Ok(Router::new()
         .route("/health", get(health))
@@ -109,24 +128,64 @@ pub fn router(config: ServerConfig, session: Session) -> std::io::Result<Router>
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
+        .layer(middleware::from_fn_with_state(body_limit, declared_length))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), count_requests))
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(body_timeout))
         .with_state(state))
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves.
+/// Serves `router` on `listener` until `shutdown` resolves, with the connection cap and
+/// timeouts of `limits` ([`conn::serve`]).
 ///
 /// Errors: accepting connections failed.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
+    limits: &ConnLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
+    conn::serve(listener, router, limits, shutdown).await
 }
 
-async fn health() -> Json<serde_json::Value> {
-    Json(json!({"status": "ok"}))
+/// `{"status": "ok"}`, or 503 with `{"status": "error", "error": ...}` once the compute thread
+/// has died (generation requests then fail at once).
+async fn health(State(s): State<Shared>) -> Response {
+    if s.worker.alive() {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "error", "error": "the compute thread has stopped; restart the server"})),
+        )
+            .into_response()
+    }
+}
+
+/// 413 at once for a request whose `Content-Length` exceeds `--max-request-bytes`, before any
+/// of its body is read (a client declaring 10 GB is not waited for).
+async fn declared_length(State(limit): State<usize>, req: Request, next: Next) -> Response {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(n) = declared {
+        if n > limit as u64 {
+            let e = ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "request body is larger than the server's limit (--max-request-bytes): Content-Length {n} > {limit}"
+                ),
+            )
+            .code("request_too_large");
+            return match flavor_of(req.uri().path()) {
+                Flavor::Anthropic => e.anthropic().into_response(),
+                Flavor::OpenAi => e.into_response(),
+            };
+        }
+    }
+    next.run(req).await
 }
 
 async fn metrics_text(State(s): State<Shared>) -> Response {
@@ -165,7 +224,7 @@ fn flavor_of(path: &str) -> Flavor {
 }
 
 /// With `--api-key`, everything but `/health` needs `Authorization: Bearer KEY` or
-/// `x-api-key: KEY`.
+/// `x-api-key: KEY`. The scheme name is case-insensitive (RFC 9110 §11.1: `bearer KEY` works).
 async fn auth(State(s): State<Shared>, req: Request, next: Next) -> Response {
     let Some(key) = s.config.api_key.as_deref() else {
         return next.run(req).await;
@@ -177,8 +236,9 @@ async fn auth(State(s): State<Shared>, req: Request, next: Next) -> Response {
     let bearer = h
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+        .and_then(|v| v.trim_start().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim());
     let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
     if bearer == Some(key) || x_api_key == Some(key) {
         return next.run(req).await;
@@ -364,10 +424,50 @@ impl AppState {
         Ok(n)
     }
 
-    /// Takes the generation slot (429 when busy) and queues `req`.
-    pub(crate) async fn start(&self, req: GenerationRequest) -> Result<UnboundedReceiver<JobEvent>, ApiError> {
-        let permit = self.worker.try_acquire().await.ok_or_else(ApiError::busy)?;
-        self.worker.submit(req, permit).map_err(ApiError::internal)
+    /// Takes a place among the running and queued generations: 429 when `--max-queue`
+    /// requests already wait, 503 when the compute thread has died. Taken before the prompt is
+    /// tokenized, so that a request that will not be served costs no tokenization.
+    pub(crate) async fn admit(&self) -> Result<Ticket, ApiError> {
+        if !self.worker.alive() {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the compute thread has stopped; restart the server",
+            ));
+        }
+        self.worker
+            .admit()
+            .await
+            .ok_or_else(|| ApiError::busy(self.config.max_queue))
+    }
+
+    /// Runs `f` (tokenization, template rendering: CPU and memory proportional to the prompt)
+    /// with the request's place held, one preparation at a time, off the HTTP runtime.
+    pub(crate) async fn prepare<T: Send + 'static>(
+        self: &Arc<Self>,
+        ticket: Ticket,
+        f: impl FnOnce(&AppState) -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<(Ticket, T), ApiError> {
+        let _one = self
+            .prepare
+            .acquire()
+            .await
+            .map_err(|_| ApiError::internal("the server is shutting down"))?;
+        let s = Arc::clone(self);
+        let v = off_runtime(move || f(&s)).await?;
+        Ok((ticket, v))
+    }
+
+    /// Waits in the queue with `ticket` (FIFO; dropping the future leaves the queue) and runs
+    /// `req`.
+    pub(crate) async fn start(
+        &self,
+        ticket: Ticket,
+        req: GenerationRequest,
+    ) -> Result<UnboundedReceiver<JobEvent>, ApiError> {
+        self.worker
+            .submit(ticket, req)
+            .await
+            .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e))
     }
 }
 
@@ -395,15 +495,22 @@ pub(crate) async fn off_runtime<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("preparing the prompt failed: {e}")))?
 }
 
-/// Renders `messages` with the chat template (generation prompt appended; `extra`: template
-/// variables such as `tools`) and tokenizes the result.
+/// Checks the conversation's size in bytes ([`limits::check_prompt_bytes`]), takes a place in
+/// the queue ([`AppState::admit`]: 429 when full), then renders `messages` with the chat
+/// template (generation prompt appended; `extra`: template variables such as `tools`) and
+/// tokenizes the result.
 pub(crate) async fn chat_prompt(
     s: &Arc<AppState>,
     messages: Vec<serde_json::Value>,
     extra: serde_json::Value,
-) -> Result<Vec<u32>, ApiError> {
-    let s = Arc::clone(s);
-    off_runtime(move || {
+) -> Result<(Ticket, Vec<u32>), ApiError> {
+    limits::check_prompt_bytes(
+        s.context_length,
+        messages.iter().map(limits::text_bytes).sum::<usize>() + limits::text_bytes(&extra),
+        "messages",
+    )?;
+    let ticket = s.admit().await?;
+    s.prepare(ticket, move |s| {
         if let Some(e) = s.tokenizer.chat_template_error() {
             return Err(ApiError::internal(format!(
                 "the model's chat template is unusable: {e}"

@@ -1,19 +1,68 @@
 //! Counters served at `GET /metrics` in the Prometheus text exposition format (version 0.0.4).
+//!
+//! The counters and gauges kept since the first release are written here by hand (their names
+//! are unchanged); the queue depth and the latency histograms are `prometheus-client` metrics
+//! appended to the same text.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use deltafin_engine::experts::StoreCounters;
 use deltafin_engine::session::{FinishReason, GenerationOutput};
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
 
 /// Reads the expert store's cumulative counters (live, also during a generation).
 pub type StoreProbe = Box<dyn Fn() -> StoreCounters + Send + Sync>;
 
+/// The `prometheus-client` part: queue depth and latency histograms.
+struct Prom {
+    registry: Registry,
+    queue_depth: Gauge,
+    ttft: Histogram,
+    token_latency: Histogram,
+}
+
+impl Default for Prom {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let queue_depth = Gauge::default();
+        // 5 ms to ~164 s (first tokens wait for the queue and the prompt's prefill).
+        let ttft = Histogram::new(exponential_buckets(0.005, 2.0, 16));
+        // 1 ms to ~33 s per decode step (streamed experts can make a step slow).
+        let token_latency = Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        registry.register(
+            "deltafin_queue_depth",
+            "Generation requests admitted and waiting for the running one (at most --max-queue).",
+            queue_depth.clone(),
+        );
+        registry.register(
+            "deltafin_time_to_first_token_seconds",
+            "Seconds from a generation request's admission (queueing and prompt preparation included) to its first generated token.",
+            ttft.clone(),
+        );
+        registry.register(
+            "deltafin_inter_token_latency_seconds",
+            "Seconds between consecutive generated tokens of a generation.",
+            token_latency.clone(),
+        );
+        Prom {
+            registry,
+            queue_depth,
+            ttft,
+            token_latency,
+        }
+    }
+}
+
 /// Server-wide counters.
 #[derive(Default)]
 pub struct Metrics {
+    prom: Prom,
     requests: Mutex<BTreeMap<(String, u16), u64>>,
     prompt_tokens: AtomicU64,
     reused_prompt_tokens: AtomicU64,
@@ -35,6 +84,26 @@ impl Metrics {
         if let Ok(mut m) = self.requests.lock() {
             *m.entry((endpoint.to_string(), status)).or_default() += 1;
         }
+    }
+
+    /// A generation request took a place in the queue.
+    pub(crate) fn queue_entered(&self) {
+        self.prom.queue_depth.inc();
+    }
+
+    /// A queued request started running or left (cancelled, failed before running).
+    pub(crate) fn queue_left(&self) {
+        self.prom.queue_depth.dec();
+    }
+
+    /// Time from admission to the first generated token.
+    pub(crate) fn observe_ttft(&self, d: Duration) {
+        self.prom.ttft.observe(d.as_secs_f64());
+    }
+
+    /// Time between two consecutive generated tokens.
+    pub(crate) fn observe_token_latency(&self, d: Duration) {
+        self.prom.token_latency.observe(d.as_secs_f64());
     }
 
     pub(crate) fn generation_started(&self) {
@@ -196,6 +265,8 @@ impl Metrics {
             "hits / (hits + misses) since start.",
             &one(format!("{:.6}", s.hit_rate())),
         );
+        // Without the OpenMetrics `# EOF` terminator: this text is version 0.0.4.
+        let _ = prometheus_client::encoding::text::encode_registry(&mut o, &self.prom.registry);
         o
     }
 }

@@ -27,8 +27,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::sampling_fields::SamplingFields;
-use crate::worker::JobEvent;
-use crate::{chat_prompt, collect, new_id, off_runtime, sampling, stop_strings, unix_now, AppState};
+use crate::worker::{JobEvent, Ticket};
+use crate::{chat_prompt, collect, new_id, sampling, stop_strings, unix_now, AppState};
 
 type Shared = Arc<AppState>;
 
@@ -367,9 +367,13 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
     };
     let sampling = sampling_of(&s, &r.sampling_fields(), r.temperature, r.top_p, r.top_k, r.seed)?;
     let stop = stop_strings(r.stop.as_ref(), "stop")?;
-    let prompt = {
-        let (st, p) = (Arc::clone(&s), r.prompt.clone());
-        off_runtime(move || prompt_ids(&st, p.as_ref())).await?
+    if let Some(p) = &r.prompt {
+        crate::limits::check_prompt_bytes(s.context_length, crate::limits::text_bytes(p), "prompt")?;
+    }
+    let ticket = s.admit().await?;
+    let (ticket, prompt) = {
+        let p = r.prompt.clone();
+        s.prepare(ticket, move |st| prompt_ids(st, p.as_ref())).await?
     };
     let max_new_tokens = s.max_new_tokens(r.max_tokens, "max_tokens", "prompt", prompt.len())?;
     let req = GenerationRequest {
@@ -381,7 +385,7 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
         logprobs,
     };
     let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-    let (rx, meta) = launch(&s, req, Kind::Completion, "cmpl-", include_usage).await?;
+    let (rx, meta) = launch(&s, ticket, req, Kind::Completion, "cmpl-", include_usage).await?;
     if r.stream.unwrap_or(false) {
         return Ok(sse(rx, meta).into_response());
     }
@@ -513,7 +517,7 @@ pub async fn chat_completions(
         Some(t) => json!({"tools": t}),
         None => Value::Null,
     };
-    let prompt = chat_prompt(&s, messages, extra).await?;
+    let (ticket, prompt) = chat_prompt(&s, messages, extra).await?;
     let (requested, param) = match (r.max_completion_tokens, r.max_tokens) {
         (Some(v), _) => (Some(v), "max_completion_tokens"),
         (None, v) => (v, "max_tokens"),
@@ -528,7 +532,7 @@ pub async fn chat_completions(
         logprobs,
     };
     let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-    let (rx, meta) = launch(&s, req, Kind::Chat, "chatcmpl-", include_usage).await?;
+    let (rx, meta) = launch(&s, ticket, req, Kind::Chat, "chatcmpl-", include_usage).await?;
     if r.stream.unwrap_or(false) {
         return Ok(sse(rx, meta).into_response());
     }
@@ -673,13 +677,14 @@ enum Kind {
 /// Takes the generation slot, queues `req`, and returns its events with the response metadata.
 async fn launch(
     s: &Shared,
+    ticket: Ticket,
     req: GenerationRequest,
     kind: Kind,
     id_prefix: &str,
     include_usage: bool,
 ) -> Result<(UnboundedReceiver<JobEvent>, Meta), ApiError> {
     let logprobs = req.logprobs.is_some();
-    let rx = s.start(req).await?;
+    let rx = s.start(ticket, req).await?;
     let meta = Meta {
         kind,
         id: new_id(id_prefix),

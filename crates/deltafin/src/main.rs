@@ -347,6 +347,26 @@ pub(crate) const BATCH_FORM_NOTE: &str = "long prompt chunks compute MLA in the 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     log::init(cli.verbose);
+    // A panic is a bug: report it on one line (where and why), not Rust's multi-line default.
+    // Panics on compute-pool threads become errors of their command (or 500s of the server's
+    // request); the process never waits on a dead thread.
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".into());
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        // "panicked" stays in the line: tests and scripts look for it.
+        eprintln!(
+            "error: internal error: panicked{at}: {} (a bug, please report it)",
+            msg.replace('\n', " ")
+        );
+    }));
     if !matches!(cli.cmd, Cmd::Serve(_) | Cmd::Chat(_)) {
         // Like other Unix command-line tools, end quietly when the reader of our output goes
         // away (`deltafin run … | head`) instead of failing on EPIPE. The server and chat keep

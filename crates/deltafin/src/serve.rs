@@ -44,6 +44,24 @@ pub struct ServeArgs {
     /// Model id clients send in `model` (default: the model directory's name).
     #[arg(long)]
     model_id: Option<String>,
+    /// Generation requests that may wait (FIFO) behind the running one; one more gets 429.
+    /// 0: a request while one generates gets 429.
+    #[arg(long, default_value_t = deltafin_server::worker::DEFAULT_MAX_QUEUE, allow_negative_numbers = true)]
+    max_queue: usize,
+    /// Most connections open at once; further clients wait to be accepted.
+    #[arg(long, default_value_t = 256, allow_negative_numbers = true)]
+    max_connections: usize,
+    /// Seconds a connection may take to send a request's headers, and may stay idle between
+    /// requests (keep-alive), before it is closed.
+    #[arg(long, default_value_t = 30, allow_negative_numbers = true)]
+    idle_timeout: u64,
+    /// Seconds a request body may stall before the request fails with 408.
+    #[arg(long, default_value_t = 30, allow_negative_numbers = true)]
+    body_timeout: u64,
+    /// Answer clients that shut down their sending side after the request (then a client that
+    /// goes away during a non-streaming request is noticed only when its answer is written).
+    #[arg(long)]
+    half_close: bool,
     /// Testing aid: sleep this many milliseconds after each decode step.
     #[arg(long, hide = true, default_value_t = 0, allow_negative_numbers = true)]
     debug_step_delay_ms: u64,
@@ -64,6 +82,15 @@ fn check_flags(a: &ServeArgs) -> Result<()> {
         if key.trim() != key {
             bail!("--api-key must not start or end with whitespace");
         }
+    }
+    if a.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
+    if a.idle_timeout == 0 {
+        bail!("--idle-timeout must be at least 1 second");
+    }
+    if a.body_timeout == 0 {
+        bail!("--body-timeout must be at least 1 second");
     }
     if a.model_id.as_deref().is_some_and(|id| id.trim().is_empty()) {
         bail!("--model-id is empty; give an id, or leave the flag out to use the model directory's name");
@@ -117,6 +144,14 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     config.max_tokens = a.max_tokens;
     config.max_request_bytes = usize::try_from(a.max_request_bytes).unwrap_or(usize::MAX);
     config.step_delay = Duration::from_millis(a.debug_step_delay_ms);
+    config.max_queue = a.max_queue;
+    config.conn = deltafin_server::ConnLimits {
+        max_connections: a.max_connections,
+        idle_timeout: Duration::from_secs(a.idle_timeout),
+        body_timeout: Duration::from_secs(a.body_timeout),
+        half_close: a.half_close,
+    };
+    let conn = config.conn.clone();
 
     // HTTP is light; compute runs on its own thread inside the server.
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -159,7 +194,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
             }
         };
         tokio::select! {
-            r = deltafin_server::serve(listener, router, shutdown) => r?,
+            r = deltafin_server::serve(listener, router, &conn, shutdown) => r?,
             _ = grace => eprintln!("deltafin serve: requests still running after 5 s; stopping anyway"),
         }
         eprintln!("deltafin serve: stopped");

@@ -131,8 +131,11 @@ fn serve_answers_on_loopback_and_reports_bad_flags() {
 fn serve_refuses_unusable_flags_at_startup() {
     let tmp = tempfile::tempdir().unwrap();
     let model = converted(tmp.path());
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 7] = [
         (&["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (&["--max-connections", "0"], "--max-connections must be at least 1"),
+        (&["--idle-timeout", "0"], "--idle-timeout must be at least 1 second"),
+        (&["--body-timeout", "0"], "--body-timeout must be at least 1 second"),
         (&["--api-key", ""], "--api-key is empty"),
         (
             &["--api-key", " key "],

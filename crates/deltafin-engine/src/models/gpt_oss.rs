@@ -148,6 +148,9 @@ impl GptOss {
             .as_gpt_oss()
             .ok_or_else(|| EngineError::Invalid(format!("{}: not a gpt_oss model", dir.path.display())))?
             .clone();
+        // The manifest is input too: its config gets convert's checks again (an edited
+        // `swiglu_limit` ≤ 0 would otherwise panic in every expert computation).
+        cfg.validate(&dir.path.join("manifest.json"))?;
         let backbone = dir.load_backbone()?;
         let names: Vec<LayerNames> = (0..cfg.num_hidden_layers)
             .map(|l| LayerNames::new(l, cfg.layer_window(l)))
