@@ -10,10 +10,12 @@
 
 #![deny(missing_docs)]
 
+mod agent;
 pub mod anthropic;
 pub mod error;
 pub mod metrics;
 pub mod openai;
+pub mod tools;
 pub mod worker;
 
 use std::future::Future;
@@ -74,6 +76,10 @@ pub struct AppState {
     pub(crate) worker: Worker,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) created: u64,
+    /// The markup family of tool calls and reasoning, from the tokenizer's tokens.
+    pub(crate) family: Option<tools::Family>,
+    /// Whether generations must spell special tokens out for the family's parser.
+    pub(crate) keep_special_tokens: bool,
 }
 
 type Shared = Arc<AppState>;
@@ -88,6 +94,8 @@ pub fn router(config: ServerConfig, session: Session) -> std::io::Result<Router>
     let vocab_size = session.vocab_size();
     let body_limit = config.max_request_bytes;
     let worker = Worker::start(session, Arc::clone(&metrics), config.step_delay)?;
+    let family = tools::Family::detect(&tokenizer);
+    let keep_special_tokens = family.is_some_and(|f| f.needs_special_tokens(&tokenizer));
     let state: Shared = Arc::new(AppState {
         config,
         tokenizer,
@@ -96,6 +104,8 @@ pub fn router(config: ServerConfig, session: Session) -> std::io::Result<Router>
         worker,
         metrics,
         created: unix_now(),
+        family,
+        keep_special_tokens,
     });
     Ok(Router::new()
         .route("/health", get(health))
@@ -105,6 +115,7 @@ pub fn router(config: ServerConfig, session: Session) -> std::io::Result<Router>
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
@@ -394,13 +405,21 @@ pub(crate) async fn off_runtime<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("preparing the prompt failed: {e}")))?
 }
 
+/// A rendered and tokenized chat prompt.
+pub(crate) struct ChatPrompt {
+    pub ids: Vec<u32>,
+    /// The last characters of the rendered text (where the generation prompt may have opened
+    /// a think block).
+    pub tail: String,
+}
+
 /// Renders `messages` with the chat template (generation prompt appended; `extra`: template
 /// variables such as `tools`) and tokenizes the result.
 pub(crate) async fn chat_prompt(
     s: &Arc<AppState>,
     messages: Vec<serde_json::Value>,
     extra: serde_json::Value,
-) -> Result<Vec<u32>, ApiError> {
+) -> Result<ChatPrompt, ApiError> {
     let s = Arc::clone(s);
     off_runtime(move || {
         if let Some(e) = s.tokenizer.chat_template_error() {
@@ -422,7 +441,14 @@ pub(crate) async fn chat_prompt(
                 "the conversation renders to zero tokens",
             ));
         }
-        Ok(prompt)
+        let mut start = rendered.len().saturating_sub(256);
+        while !rendered.is_char_boundary(start) {
+            start += 1;
+        }
+        Ok(ChatPrompt {
+            ids: prompt,
+            tail: rendered[start..].to_string(),
+        })
     })
     .await
 }
