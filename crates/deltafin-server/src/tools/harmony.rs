@@ -58,13 +58,26 @@ fn word_after<'a>(head: &'a str, key: &str) -> Option<&'a str> {
 
 impl Harmony {
     pub(crate) fn new(options: Options) -> Harmony {
-        Harmony {
+        let mut h = Harmony {
             options,
             body: None,
             head: String::new(),
             buf: String::new(),
             calls: 0,
+        };
+        // A generation prompt that already wrote a header (e.g. `…<|channel|>final<|message|>`)
+        // means the output starts in that message's body.
+        let tail = h.options.prompt_tail.trim_end();
+        if tail.ends_with(MESSAGE) {
+            let from = tail.rfind(START).unwrap_or(0);
+            h.head = tail[from..].to_string();
+            h.body = Some(h.classify());
+            if h.body == Some(Body::Raw) {
+                h.body = None;
+            }
+            h.head.clear();
         }
+        h
     }
 
     pub(crate) fn push(&mut self, text: &str, out: &mut Vec<Event>) {
@@ -186,6 +199,25 @@ mod tests {
         want.extend(call(0, "call_0", "get_weather", "{\"city\":\"Oslo\"}"));
         want.extend(call(1, "call_1", "get_time", "{}"));
         assert_eq!(ev, want);
+    }
+
+    #[test]
+    fn output_starts_in_the_body_the_prompt_opened() {
+        let o = Options {
+            prompt_tail: "<|start|>assistant<|channel|>final<|message|>".into(),
+            ..opts()
+        };
+        assert_eq!(parse_every_split(Family::Harmony, &o, "Hi é"), vec![content("Hi é")]);
+        let o = Options {
+            prompt_tail: "<|start|>assistant<|channel|>analysis<|message|>".into(),
+            ..opts()
+        };
+        let ev = parse_every_split(
+            Family::Harmony,
+            &o,
+            "hmm<|end|><|start|>assistant<|channel|>final<|message|>ok",
+        );
+        assert_eq!(ev, vec![reasoning("hmm"), content("ok")]);
     }
 
     #[test]

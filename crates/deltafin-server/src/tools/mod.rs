@@ -111,12 +111,31 @@ impl Family {
     /// Whether decoding must keep special tokens for the parser to see its markers (some of
     /// them are special tokens of `tokenizer`, which a plain decode drops).
     pub fn needs_special_tokens(self, tokenizer: &Tokenizer) -> bool {
-        self.markers().iter().any(|m| {
-            tokenizer.token_to_id(m).is_some_and(|id| {
+        let special = |t: &str| {
+            tokenizer.token_to_id(t).is_some_and(|id| {
                 let plain = tokenizer.decode(&[id], true).unwrap_or_default();
                 let spelled = tokenizer.decode(&[id], false).unwrap_or_default();
                 plain.is_empty() && !spelled.is_empty()
             })
+        };
+        // A marker is one token (`<think>`) or several (K3's `<|open|>think<|sep|>`): check it
+        // whole and each `<|…|>` / `<｜…｜>` token in it.
+        self.markers().iter().any(|m| {
+            special(m)
+                || [("<|", "|>"), ("<｜", "｜>")].iter().any(|(open, close)| {
+                    let mut rest = *m;
+                    while let Some(a) = rest.find(open) {
+                        let Some(b) = rest[a + open.len()..].find(close) else {
+                            break;
+                        };
+                        let end = a + open.len() + b + close.len();
+                        if special(&rest[a..end]) {
+                            return true;
+                        }
+                        rest = &rest[end..];
+                    }
+                    false
+                })
         })
     }
 
@@ -403,5 +422,121 @@ pub(crate) mod test_util {
 
     pub fn reasoning(s: &str) -> Event {
         Event::Reasoning(s.into())
+    }
+}
+
+#[cfg(test)]
+mod fuzz {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    use super::test_util::*;
+    use super::*;
+
+    /// Real markup of every family, to be garbled.
+    const SAMPLES: [(Family, &str); 6] = [
+        (Family::KimiK2, "<think>r</think>Hi.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": \"é\"}<|tool_call_end|><|tool_calls_section_end|>"),
+        (Family::DeepSeek, "<think>r</think>x<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>g<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+        (Family::Qwen, "<think>\nr\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n<function=g>\n<parameter=p>\nv\n</parameter>\n</function>\n</tool_call>"),
+        (Family::KimiK3, "r<|close|>think<|sep|><|open|>response<|sep|>Hi<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"k\" type=\"number\"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>"),
+        (Family::Harmony, "<|channel|>analysis<|message|>r<|end|><|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\":1}<|call|><|start|>assistant<|channel|>final<|message|>ok"),
+        (Family::Think, "<think>a</think>b<think>c"),
+    ];
+
+    fn boundary(s: &str, rng: &mut StdRng) -> usize {
+        let mut i = rng.random_range(0..=s.len());
+        while !s.is_char_boundary(i) {
+            i -= 1;
+        }
+        i
+    }
+
+    /// A random edit: delete, duplicate, or insert a marker or a stray character.
+    fn mutate(s: &str, markers: &[&str], rng: &mut StdRng) -> String {
+        let (a, b) = {
+            let x = boundary(s, rng);
+            let y = boundary(s, rng);
+            (x.min(y), x.max(y))
+        };
+        match rng.random_range(0..4) {
+            0 => format!("{}{}", &s[..a], &s[b..]),
+            1 => format!("{}{}", &s[..b], &s[a..]),
+            2 => format!("{}{}{}", &s[..a], markers[rng.random_range(0..markers.len())], &s[a..]),
+            _ => {
+                let c = ['{', '}', '"', '<', '|', '>', ':', '\n', ' ', 'é', '｜', '='][rng.random_range(0..12)];
+                format!("{}{c}{}", &s[..a], &s[a..])
+            }
+        }
+    }
+
+    /// Seeded and bounded: thousands of garbled outputs never panic, and random ways of
+    /// splitting each into pieces all give the events of the whole (as the markup is held back
+    /// and never half-emitted).
+    #[test]
+    fn garbled_markup_never_panics_and_splits_agree() {
+        let mut rng = StdRng::seed_from_u64(17);
+        for round in 0..3000 {
+            let (family, sample) = SAMPLES[round % SAMPLES.len()];
+            let markers = family.markers();
+            let mut text = sample.to_string();
+            for _ in 0..rng.random_range(1..4) {
+                text = mutate(&text, &markers, &mut rng);
+            }
+            let mut o = opts();
+            o.tools_enabled = rng.random_bool(0.8);
+            if rng.random_bool(0.3) {
+                o.prompt_tail = "<think>".into();
+            }
+            let whole = merged(Parser::parse_all(family, o.clone(), &text));
+            for _ in 0..3 {
+                let mut p = Parser::new(family, o.clone());
+                let mut ev = Vec::new();
+                let mut rest = text.as_str();
+                while !rest.is_empty() {
+                    let cut = boundary(rest, &mut rng).max(rest.chars().next().map_or(0, char::len_utf8));
+                    ev.extend(p.push(&rest[..cut]));
+                    rest = &rest[cut..];
+                }
+                ev.extend(p.finish());
+                assert_eq!(merged(ev), whole, "{family:?} {text:?}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod detect_tests {
+    use std::path::Path;
+
+    use deltafin_tokenizer::Tokenizer;
+
+    use super::Family;
+
+    fn load(dir: &str) -> Tokenizer {
+        Tokenizer::from_dir(
+            &Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/fixtures")
+                .join(dir),
+        )
+        .unwrap()
+    }
+
+    /// The family comes from the tokenizer's tokens, and special tokens are kept in the decoded
+    /// text exactly when the family's markers are special (Kimi's tiktoken tool tokens and
+    /// K3's `<|open|>` are; DeepSeek's and Qwen's `<think>` are not).
+    #[test]
+    fn family_and_special_tokens_from_real_tokenizers() {
+        for (dir, family, special) in [
+            ("deepseek_v3/kimi_tiktoken", Some(Family::KimiK2), true),
+            ("kimi_k3/k3_a", Some(Family::KimiK3), true),
+            ("deepseek_v3/dsv3_a", Some(Family::Think), false),
+            ("qwen3_moe/qwen3_moe_a", Some(Family::Think), false),
+            ("tokenizer/hf_bpe", Some(Family::Think), false),
+        ] {
+            let tok = load(dir);
+            let got = Family::detect(&tok);
+            assert_eq!(got, family, "{dir}");
+            assert_eq!(got.is_some_and(|f| f.needs_special_tokens(&tok)), special, "{dir}");
+        }
     }
 }

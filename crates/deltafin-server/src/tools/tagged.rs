@@ -172,7 +172,9 @@ impl Tagged {
                     self.on_marker(marker);
                 }
                 None => {
-                    if matches!(self.mode, Mode::Call { .. }) {
+                    // A call waits for its end; text between calls is judged whole (only
+                    // whitespace is dropped), so both wait for the next marker.
+                    if matches!(self.mode, Mode::Call { .. }) || (self.mode == Mode::Section && !at_end) {
                         return;
                     }
                     let keep = if at_end { 0 } else { held_suffix(&self.buf, &markers) };
