@@ -402,6 +402,30 @@ def test_anthropic_errors(an):
     assert status == 400 and data["type"] == "error" and "max_tokens" in data["error"]["message"]
 
 
+def test_anthropic_tools_thinking_and_count_tokens(an):
+    tools = [{"name": "get_weather", "description": "Wetter für eine Stadt",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    kw = dict(model=MODEL, messages=HELLO, tools=tools)
+    m = an.messages.create(max_tokens=6, tool_choice={"type": "auto"},
+                           thinking={"type": "enabled", "budget_tokens": 1024}, **kw)
+    assert m.type == "message" and m.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    n = an.messages.count_tokens(**kw)
+    assert n.input_tokens == m.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(max_tokens=6, tool_choice={"type": "any"}, **kw)
+    assert "tool_choice" in e.value.body["error"]["message"]
+
+
+def test_openai_reasoning_effort_and_template_kwargs(oa):
+    r = oa.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, reasoning_effort="high",
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3,
+                                   extra_body={"chat_template_kwargs": "x"})
+    assert e.value.body["param"] == "chat_template_kwargs"
+
+
 # ---------------------------------------------------------------- scheduling, cancellation, reuse
 
 

@@ -39,6 +39,11 @@ pub struct GenerationRequest {
     /// `Some(n)`: report each chosen token's log-probability and the `n` most likely
     /// alternatives.
     pub logprobs: Option<usize>,
+    /// Spell special tokens out in the text (as `skip_special_tokens=False` in vLLM): a tool-call
+    /// parser needs markers that are special tokens (e.g. Kimi K2's
+    /// `<|tool_calls_section_begin|>`, gpt-oss's `<|channel|>`). End-of-sequence tokens never
+    /// appear either way.
+    pub keep_special_tokens: bool,
 }
 
 /// A chosen token's log-probability with the most likely alternatives.
@@ -82,7 +87,8 @@ pub enum FinishReason {
 /// What a generation produced.
 #[derive(Debug, Clone)]
 pub struct GenerationOutput {
-    /// The generated text (stop strings and special tokens excluded); equals the concatenation
+    /// The generated text (stop strings excluded, and special tokens unless
+    /// [`GenerationRequest::keep_special_tokens`]); equals the concatenation
     /// of every delta's text.
     pub text: String,
     /// Every generated id, including an end-of-sequence id and the token that completed a stop
@@ -320,7 +326,7 @@ impl Session {
         out.stats.prefill_unique_experts = unique.len();
 
         let tokenizer = Arc::clone(&self.tokenizer);
-        let mut decoder = tokenizer.stream_decoder(true);
+        let mut decoder = tokenizer.stream_decoder(!req.keep_special_tokens);
         let mut stops = StopMatcher::new(&req.stop);
         let mut sampler = Sampler::with_prompt(req.sampling.clone(), &req.prompt);
         let mut steady_start: Option<Instant> = None;

@@ -216,3 +216,36 @@ fn chunked_prefill_and_speculation_match_the_plain_session() {
         assert_eq!(c.generated_ids, fresh.generated_ids, "{mode}: cancelled prefix");
     }
 }
+
+/// `keep_special_tokens` spells special tokens out in the text (a tool-call parser needs
+/// markers such as `<|tool_calls_section_begin|>`); by default they are dropped.
+#[test]
+fn special_tokens_are_kept_only_when_asked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut s = session(tmp.path());
+    let tok = Arc::clone(s.tokenizer());
+    let never = || false;
+    let is_special =
+        |id: u32| tok.decode(&[id], true).unwrap().is_empty() && !tok.decode(&[id], false).unwrap().is_empty();
+    let run = |s: &mut Session, seed: u64, keep: bool| {
+        let mut r = req(vec![0, 5, 6, 7], 64);
+        r.sampling = SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: Some(seed),
+        };
+        r.keep_special_tokens = keep;
+        s.generate(&r, &never, |_| true).unwrap()
+    };
+    // A seed whose sample holds a special token (the fixture's random weights pick them).
+    let seed = (0..200u64)
+        .find(|&seed| run(&mut s, seed, false).generated_ids.iter().any(|&id| is_special(id)))
+        .expect("some seed samples a special token");
+    let plain = run(&mut s, seed, false);
+    let kept = run(&mut s, seed, true);
+    assert_eq!(plain.generated_ids, kept.generated_ids);
+    assert_eq!(plain.text, tok.decode(&plain.generated_ids, true).unwrap());
+    assert_eq!(kept.text, tok.decode(&kept.generated_ids, false).unwrap());
+    assert_ne!(plain.text, kept.text);
+}

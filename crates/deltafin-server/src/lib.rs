@@ -12,6 +12,7 @@
 
 #![deny(missing_docs)]
 
+mod agent;
 pub mod anthropic;
 pub mod conn;
 pub mod error;
@@ -19,6 +20,7 @@ pub mod limits;
 pub mod metrics;
 pub mod openai;
 mod sampling_fields;
+pub mod tools;
 pub mod worker;
 
 use std::future::Future;
@@ -92,6 +94,10 @@ pub struct AppState {
     pub(crate) created: u64,
     /// One prompt is tokenized at a time (bounds the memory of concurrent large prompts).
     pub(crate) prepare: Semaphore,
+    /// The markup family of tool calls and reasoning, from the tokenizer's tokens.
+    pub(crate) family: Option<tools::Family>,
+    /// Whether generations must spell special tokens out for the family's parser.
+    pub(crate) keep_special_tokens: bool,
 }
 
 type Shared = Arc<AppState>;
@@ -107,6 +113,8 @@ pub fn router(config: ServerConfig, session: Session) -> std::io::Result<Router>
     let body_limit = config.max_request_bytes;
     let body_timeout = config.conn.body_timeout;
     let worker = Worker::start(session, Arc::clone(&metrics), config.step_delay, config.max_queue)?;
+    let family = tools::Family::detect(&tokenizer);
+    let keep_special_tokens = family.is_some_and(|f| f.needs_special_tokens(&tokenizer));
     let state: Shared = Arc::new(AppState {
         config,
         tokenizer,
@@ -116,6 +124,8 @@ pub fn router(config: ServerConfig, session: Session) -> std::io::Result<Router>
         metrics,
         created: unix_now(),
         prepare: Semaphore::new(1),
+        family,
+        keep_special_tokens,
     });
     Ok(Router::new()
         .route("/health", get(health))
@@ -125,6 +135,7 @@ pub fn router(config: ServerConfig, session: Session) -> std::io::Result<Router>
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
@@ -495,6 +506,14 @@ pub(crate) async fn off_runtime<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("preparing the prompt failed: {e}")))?
 }
 
+/// A rendered and tokenized chat prompt.
+pub(crate) struct ChatPrompt {
+    pub ids: Vec<u32>,
+    /// The last characters of the rendered text (where the generation prompt may have opened
+    /// a think block).
+    pub tail: String,
+}
+
 /// Checks the conversation's size in bytes ([`limits::check_prompt_bytes`]), takes a place in
 /// the queue ([`AppState::admit`]: 429 when full), then renders `messages` with the chat
 /// template (generation prompt appended; `extra`: template variables such as `tools`) and
@@ -503,7 +522,7 @@ pub(crate) async fn chat_prompt(
     s: &Arc<AppState>,
     messages: Vec<serde_json::Value>,
     extra: serde_json::Value,
-) -> Result<(Ticket, Vec<u32>), ApiError> {
+) -> Result<(Ticket, ChatPrompt), ApiError> {
     limits::check_prompt_bytes(
         s.context_length,
         messages.iter().map(limits::text_bytes).sum::<usize>() + limits::text_bytes(&extra),
@@ -530,7 +549,14 @@ pub(crate) async fn chat_prompt(
                 "the conversation renders to zero tokens",
             ));
         }
-        Ok(prompt)
+        let mut start = rendered.len().saturating_sub(256);
+        while !rendered.is_char_boundary(start) {
+            start += 1;
+        }
+        Ok(ChatPrompt {
+            ids: prompt,
+            tail: rendered[start..].to_string(),
+        })
     })
     .await
 }

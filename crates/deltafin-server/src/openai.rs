@@ -25,8 +25,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::agent::{template_extra, Reply, ReplyParser};
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::sampling_fields::SamplingFields;
+use crate::tools::Event as ParsedEvent;
 use crate::worker::{JobEvent, Ticket};
 use crate::{chat_prompt, collect, new_id, sampling, stop_strings, unix_now, AppState};
 
@@ -108,6 +110,8 @@ struct ChatRequest {
     best_of: Option<i64>,
     response_format: Option<Value>,
     ignore_eos: Option<bool>,
+    reasoning_effort: Option<Value>,
+    chat_template_kwargs: Option<Value>,
 }
 
 macro_rules! sampling_fields {
@@ -189,9 +193,9 @@ const FORCED_TOOL: &str = "`tool_choice` \"required\" or a named function is not
 /// "parameters"?: <object>}}`; `tool_choice` `"none"` or `"auto"`; `"required"` and a named
 /// function (`{"type": "function", "function": {"name": <one of the tools>}}`) are checked,
 /// then refused: nothing constrains the decoding, so a tool call cannot be forced. Returns the
-/// tools to pass to the chat template (None for absent, null or an empty list); tool calls
-/// come back as the model writes them, as text.
-fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<Option<Value>, ApiError> {
+/// tools to pass to the chat template (None for absent, null or an empty list) and whether
+/// the model's tool calls are parsed (tools given and `tool_choice` not `"none"`).
+fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<(Option<Value>, bool), ApiError> {
     const SHAPE: &str = r#"{"type": "function", "function": {"name": ...}}"#;
     let mut names = Vec::new();
     let tools = match tools {
@@ -253,10 +257,12 @@ fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<Opt
         }
     };
     let bad_choice = |param: &str, m: String| Err(ApiError::invalid_param(param, m));
+    let mut calls = tools.is_some();
     match tool_choice {
         None | Some(Value::Null) => {}
         Some(Value::String(c)) => match c.as_str() {
-            "none" | "auto" => {}
+            "none" => calls = false,
+            "auto" => {}
             "required" => return bad_choice("tool_choice", FORCED_TOOL.into()),
             other => {
                 return bad_choice(
@@ -290,7 +296,7 @@ fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<Opt
             )
         }
     }
-    Ok(tools)
+    Ok((tools, calls))
 }
 
 /// Prompt as token ids: a string (tokenized with the tokenizer's special tokens, e.g. BOS), a
@@ -383,11 +389,12 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
         stop,
         ignore_eos: r.ignore_eos.unwrap_or(false),
         logprobs,
+        keep_special_tokens: false,
     };
     let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
     let (rx, meta) = launch(&s, ticket, req, Kind::Completion, "cmpl-", include_usage).await?;
     if r.stream.unwrap_or(false) {
-        return Ok(sse(rx, meta).into_response());
+        return Ok(sse_with(rx, meta, None).into_response());
     }
     let c = collect(rx).await?;
     let lp = meta
@@ -511,13 +518,20 @@ pub async fn chat_completions(
     };
     let sampling = sampling_of(&s, &r.sampling_fields(), r.temperature, r.top_p, r.top_k, r.seed)?;
     let stop = stop_strings(r.stop.as_ref(), "stop")?;
-    let tools = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
+    let (tools, calls_enabled) = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
     let messages = normalize_messages(r.messages.as_deref().unwrap_or(&[]))?;
-    let extra = match tools {
-        Some(t) => json!({"tools": t}),
-        None => Value::Null,
-    };
-    let (ticket, prompt) = chat_prompt(&s, messages, extra).await?;
+    let extra = template_extra(
+        &s,
+        r.chat_template_kwargs.as_ref(),
+        "chat_template_kwargs",
+        tools.clone(),
+        None,
+        r.reasoning_effort.as_ref(),
+        "reasoning_effort",
+    )?;
+    let (ticket, rendered) = chat_prompt(&s, messages, extra).await?;
+    let parser = ReplyParser::new(s.family, calls_enabled, tools, rendered.tail);
+    let prompt = rendered.ids;
     let (requested, param) = match (r.max_completion_tokens, r.max_tokens) {
         (Some(v), _) => (Some(v), "max_completion_tokens"),
         (None, v) => (v, "max_tokens"),
@@ -530,16 +544,18 @@ pub async fn chat_completions(
         stop,
         ignore_eos: r.ignore_eos.unwrap_or(false),
         logprobs,
+        keep_special_tokens: parser.active() && s.keep_special_tokens,
     };
     let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
     let (rx, meta) = launch(&s, ticket, req, Kind::Chat, "chatcmpl-", include_usage).await?;
     if r.stream.unwrap_or(false) {
-        return Ok(sse(rx, meta).into_response());
+        return Ok(sse_with(rx, meta, Some(parser)).into_response());
     }
     let c = collect(rx).await?;
     let lp = meta
         .logprobs
         .then(|| json!({"content": chat_logprobs(&s.tokenizer, &c.logprobs), "refusal": null}));
+    let reply = Reply::parse(parser, &c.output.text);
     Ok(Json(json!({
         "id": meta.id,
         "object": "chat.completion",
@@ -547,13 +563,45 @@ pub async fn chat_completions(
         "model": meta.model,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": c.output.text, "refusal": null},
+            "message": chat_message(&reply),
             "logprobs": lp,
-            "finish_reason": finish_reason(&c.output.finish),
+            "finish_reason": chat_finish_reason(&c.output.finish, !reply.calls.is_empty()),
         }],
         "usage": usage(&c.output),
     }))
     .into_response())
+}
+
+/// The assistant message of a chat completion: `content` (null when the reply is only tool
+/// calls), `reasoning_content` when the model reasoned (the field vLLM and DeepSeek's API use),
+/// `tool_calls` when it called tools.
+fn chat_message(r: &Reply) -> Value {
+    let content = if r.content.is_empty() && !r.calls.is_empty() {
+        Value::Null
+    } else {
+        Value::String(r.content.clone())
+    };
+    let mut m = json!({"role": "assistant", "content": content, "refusal": null});
+    if !r.reasoning.is_empty() {
+        m["reasoning_content"] = json!(r.reasoning);
+    }
+    if !r.calls.is_empty() {
+        m["tool_calls"] = r
+            .calls
+            .iter()
+            .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+            .collect();
+    }
+    m
+}
+
+/// `finish_reason` of a chat completion: `"tool_calls"` when the model called tools and
+/// stopped by itself (a length cut stays `"length"`), as OpenAI.
+fn chat_finish_reason(f: &FinishReason, called: bool) -> &'static str {
+    match f {
+        FinishReason::Eos | FinishReason::StopString(_) if called => "tool_calls",
+        f => finish_reason(f),
+    }
 }
 
 pub(crate) fn finish_reason(f: &FinishReason) -> &'static str {
@@ -717,9 +765,75 @@ struct StreamState {
     held_text: String,
     held_logprobs: Vec<TokenLogprob>,
     done: bool,
+    /// Chat with a family parser: its deltas replace the plain `content` deltas.
+    parser: Option<ReplyParser>,
+    /// The parsed delta held back so that the last one can carry `finish_reason`.
+    held_delta: Option<Value>,
+    /// Whether a tool call was streamed.
+    called: bool,
 }
 
 impl StreamState {
+    /// A chat chunk with a given `delta` object.
+    fn chat_chunk(&self, delta: Value, logprobs: &[TokenLogprob], finish: Option<&str>) -> Value {
+        let m = &self.meta;
+        let lp = if m.logprobs && !logprobs.is_empty() {
+            json!({"content": chat_logprobs(&m.tokenizer, logprobs), "refusal": null})
+        } else {
+            Value::Null
+        };
+        let mut c = json!({
+            "id": m.id,
+            "object": "chat.completion.chunk",
+            "created": m.created,
+            "model": m.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+        });
+        if m.include_usage {
+            c["usage"] = Value::Null;
+        }
+        c
+    }
+
+    /// Parsed events become chat deltas, as OpenAI streams them: `content`, `reasoning_content`,
+    /// and for a call first its index, id, type and name (empty arguments), then its arguments
+    /// in pieces under the same index.
+    fn on_parsed(&mut self, events: Vec<ParsedEvent>) {
+        for e in events {
+            let delta = match e {
+                ParsedEvent::Content(t) => json!({"content": t}),
+                ParsedEvent::Reasoning(t) => json!({"reasoning_content": t}),
+                ParsedEvent::ToolCallStart { index, id, name } => {
+                    self.called = true;
+                    json!({"tool_calls": [{"index": index, "id": id, "type": "function",
+                                           "function": {"name": name, "arguments": ""}}]})
+                }
+                ParsedEvent::ToolCallArgs { index, args } => {
+                    json!({"tool_calls": [{"index": index, "function": {"arguments": args}}]})
+                }
+                ParsedEvent::ToolCallEnd { .. } => continue,
+            };
+            if let Some(held) = self.held_delta.take() {
+                let lps = std::mem::take(&mut self.held_logprobs);
+                let c = self.chat_chunk(held, &lps, None);
+                self.push_json(&c);
+            }
+            self.held_delta = Some(delta);
+        }
+    }
+
+    /// Sends the held parsed delta (an empty one when only `finish` is left to say).
+    fn flush_held_delta(&mut self, finish: Option<&str>) {
+        let lps = std::mem::take(&mut self.held_logprobs);
+        let delta = match self.held_delta.take() {
+            Some(d) => d,
+            None if finish.is_none() && lps.is_empty() => return,
+            None => json!({}),
+        };
+        let c = self.chat_chunk(delta, &lps, finish);
+        self.push_json(&c);
+    }
+
     fn chunk(&self, text: &str, logprobs: &[TokenLogprob], finish: Option<&str>, role: bool) -> Value {
         let m = &self.meta;
         let lp = if m.logprobs && !logprobs.is_empty() {
@@ -761,6 +875,9 @@ impl StreamState {
     }
 
     fn flush_held(&mut self, finish: Option<&str>) {
+        if self.parser.is_some() {
+            return self.flush_held_delta(finish);
+        }
         let text = std::mem::take(&mut self.held_text);
         let lps = std::mem::take(&mut self.held_logprobs);
         if finish.is_none() && text.is_empty() && lps.is_empty() {
@@ -772,6 +889,11 @@ impl StreamState {
 
     fn on_event(&mut self, ev: Option<JobEvent>) {
         match ev {
+            Some(JobEvent::Delta(d)) if self.parser.is_some() => {
+                self.held_logprobs.extend(d.logprob);
+                let events = self.parser.as_mut().map(|p| p.push(&d.text)).unwrap_or_default();
+                self.on_parsed(events);
+            }
             Some(JobEvent::Delta(d)) => {
                 if !d.text.is_empty() && !self.held_text.is_empty() {
                     self.flush_held(None);
@@ -780,7 +902,13 @@ impl StreamState {
                 self.held_logprobs.extend(d.logprob);
             }
             Some(JobEvent::Done(Ok(out))) => {
-                self.flush_held(Some(finish_reason(&out.finish)));
+                let events = self.parser.as_mut().map(ReplyParser::finish).unwrap_or_default();
+                self.on_parsed(events);
+                let reason = match self.parser {
+                    Some(_) => chat_finish_reason(&out.finish, self.called),
+                    None => finish_reason(&out.finish),
+                };
+                self.flush_held(Some(reason));
                 if self.meta.include_usage {
                     let m = &self.meta;
                     let u = json!({
@@ -813,7 +941,13 @@ impl StreamState {
     }
 }
 
-fn sse(rx: UnboundedReceiver<JobEvent>, meta: Meta) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+/// The SSE response of a generation; `parser` (chat only) turns the text into content,
+/// reasoning and tool-call deltas.
+fn sse_with(
+    rx: UnboundedReceiver<JobEvent>,
+    meta: Meta,
+    parser: Option<ReplyParser>,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let mut st = StreamState {
         rx,
         meta,
@@ -821,6 +955,9 @@ fn sse(rx: UnboundedReceiver<JobEvent>, meta: Meta) -> Sse<impl Stream<Item = Re
         held_text: String::new(),
         held_logprobs: Vec::new(),
         done: false,
+        parser: parser.filter(ReplyParser::active),
+        held_delta: None,
+        called: false,
     };
     if st.meta.kind == Kind::Chat {
         let c = st.chunk("", &[], None, true);
@@ -839,6 +976,190 @@ fn sse(rx: UnboundedReceiver<JobEvent>, meta: Meta) -> Sse<impl Stream<Item = Re
         }
     });
     Sse::new(events).keep_alive(KeepAlive::new().interval(Duration::from_secs(5)))
+}
+
+#[cfg(test)]
+pub(crate) mod stream_tests {
+    //! The chat SSE machinery (the layer right below the HTTP handler) fed a fixed text stream
+    //! in place of a model, with each family's real markup.
+    use deltafin_engine::session::Delta;
+    use tokio::sync::mpsc::unbounded_channel;
+
+    use super::*;
+    use crate::tools::Family;
+
+    pub(crate) fn tokenizer() -> Arc<Tokenizer> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepseek_v3/dsv3_a");
+        Arc::new(Tokenizer::from_dir(&dir).unwrap())
+    }
+
+    pub(crate) fn output(text: &str, finish: FinishReason) -> GenerationOutput {
+        GenerationOutput {
+            text: text.into(),
+            generated_ids: vec![1; 4],
+            finish,
+            prompt_tokens: 3,
+            reused_tokens: 0,
+            stats: Default::default(),
+        }
+    }
+
+    /// `text` sent to a receiver in pieces of `piece` chars, then the end.
+    pub(crate) fn events(text: &str, piece: usize, finish: FinishReason) -> UnboundedReceiver<JobEvent> {
+        let (tx, rx) = unbounded_channel();
+        let chars: Vec<char> = text.chars().collect();
+        for c in chars.chunks(piece) {
+            let d = Delta {
+                token: Some(1),
+                text: c.iter().collect(),
+                logprob: None,
+            };
+            tx.send(JobEvent::Delta(d)).unwrap();
+        }
+        tx.send(JobEvent::Done(Ok(output(text, finish)))).unwrap();
+        rx
+    }
+
+    /// The SSE body of the response `make` builds, as (event name, data) pairs.
+    pub(crate) fn sse_events(make: impl FnOnce() -> Response) -> Vec<(String, String)> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        // The keep-alive timer needs the runtime when the response is built.
+        let response = {
+            let _in_runtime = rt.enter();
+            make()
+        };
+        let bytes = rt
+            .block_on(axum::body::to_bytes(response.into_body(), usize::MAX))
+            .unwrap();
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        text.split("\n\n")
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| {
+                let mut name = String::new();
+                let mut data = String::new();
+                for line in e.lines() {
+                    if let Some(n) = line.strip_prefix("event: ") {
+                        name = n.to_string();
+                    } else if let Some(d) = line.strip_prefix("data: ") {
+                        data = d.to_string();
+                    }
+                }
+                (name, data)
+            })
+            .collect()
+    }
+
+    fn stream_chat(family: Family, tail: &str, text: &str, piece: usize) -> Vec<Value> {
+        let meta = Meta {
+            kind: Kind::Chat,
+            id: "chatcmpl-t".into(),
+            created: 0,
+            model: "m".into(),
+            include_usage: false,
+            logprobs: false,
+            tokenizer: tokenizer(),
+        };
+        let parser = ReplyParser::new(Some(family), true, None, tail.into());
+        let rx = events(text, piece, FinishReason::Eos);
+        let data = sse_events(|| sse_with(rx, meta, Some(parser)).into_response());
+        assert_eq!(data.last().map(|d| d.1.as_str()), Some("[DONE]"));
+        data[..data.len() - 1]
+            .iter()
+            .map(|(_, d)| serde_json::from_str(d).unwrap())
+            .collect()
+    }
+
+    const K2: &str = "<think>The user wants the weather.</think>Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Zürich\"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>";
+
+    /// Streamed as OpenAI streams them: role first; `reasoning_content` and `content` deltas;
+    /// each call's first delta carries index, id, type and name, the next its arguments; the
+    /// last chunk `finish_reason: "tool_calls"`. Non-streaming gives the same reply.
+    #[test]
+    fn chat_stream_carries_reasoning_content_and_tool_calls() {
+        for piece in [1, 3, 7, 1000] {
+            let chunks = stream_chat(Family::KimiK2, "", K2, piece);
+            assert_eq!(
+                chunks[0]["choices"][0]["delta"],
+                json!({"role": "assistant", "content": ""})
+            );
+            let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+            let join = |key: &str| -> String { deltas.iter().filter_map(|d| d[key].as_str()).collect() };
+            assert_eq!(join("reasoning_content"), "The user wants the weather.");
+            assert_eq!(join("content"), "Let me check.");
+            let calls: Vec<&Value> = deltas
+                .iter()
+                .filter_map(|d| d["tool_calls"].as_array())
+                .flatten()
+                .collect();
+            assert_eq!(calls[0]["index"], 0);
+            assert_eq!(calls[0]["id"], "functions.get_weather:0");
+            assert_eq!(calls[0]["type"], "function");
+            assert_eq!(calls[0]["function"]["name"], "get_weather");
+            let args = |i: i64| -> String {
+                calls
+                    .iter()
+                    .filter(|c| c["index"] == i)
+                    .filter_map(|c| c["function"]["arguments"].as_str())
+                    .collect()
+            };
+            assert_eq!(args(0), "{\"city\": \"Zürich\"}");
+            assert_eq!(
+                calls.iter().filter(|c| c.get("id").is_some()).count(),
+                2,
+                "one header per call"
+            );
+            assert_eq!(args(1), "{}");
+            let last = chunks.last().unwrap();
+            assert_eq!(last["choices"][0]["finish_reason"], "tool_calls", "{piece}");
+            assert!(chunks[..chunks.len() - 1]
+                .iter()
+                .all(|c| c["choices"][0]["finish_reason"].is_null()));
+        }
+        let reply = Reply::parse(ReplyParser::new(Some(Family::KimiK2), true, None, String::new()), K2);
+        let m = chat_message(&reply);
+        assert_eq!(m["content"], "Let me check.");
+        assert_eq!(m["reasoning_content"], "The user wants the weather.");
+        assert_eq!(
+            m["tool_calls"][1],
+            json!({"id": "functions.get_time:1", "type": "function",
+            "function": {"name": "get_time", "arguments": "{}"}})
+        );
+        assert_eq!(chat_finish_reason(&FinishReason::Eos, true), "tool_calls");
+        assert_eq!(chat_finish_reason(&FinishReason::Length, true), "length");
+    }
+
+    /// The generation prompt opened the think block (Qwen3 with thinking): the output starts
+    /// inside it, and a call follows without `</think>`. A reply of only calls has null content.
+    #[test]
+    fn reasoning_from_the_prompt_and_call_without_think_end() {
+        let text = "planning…\n<tool_call>\n{\"name\": \"ls\", \"arguments\": {\"dir\": \"/\"}}\n</tool_call>";
+        let tail = "<|im_start|>assistant\n<think>\n";
+        let chunks = stream_chat(Family::Qwen, tail, text, 2);
+        let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+        let reasoning: String = deltas.iter().filter_map(|d| d["reasoning_content"].as_str()).collect();
+        assert_eq!(reasoning, "planning…\n");
+        assert!(deltas.iter().all(|d| d["content"].as_str().unwrap_or("").is_empty()));
+        let reply = Reply::parse(ReplyParser::new(Some(Family::Qwen), true, None, tail.into()), text);
+        let m = chat_message(&reply);
+        assert_eq!(m["content"], Value::Null);
+        assert_eq!(m["tool_calls"][0]["function"]["arguments"], "{\"dir\":\"/\"}");
+    }
+
+    /// Malformed markup is text with the usual `finish_reason`.
+    #[test]
+    fn malformed_call_streams_as_content() {
+        let text = "<tool_call>\n{\"name\": \"ls\", \"arguments\": {\"dir\": }\n</tool_call>";
+        let chunks = stream_chat(Family::Qwen, "", text, 4);
+        let content: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(content, text);
+        assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+    }
 }
 
 #[cfg(test)]

@@ -839,10 +839,11 @@ fn chat_tools_and_tool_choice_are_type_checked() {
     }
 }
 
-/// `/v1/messages` does not support tools: a non-empty `tools` (or a `tool_choice` that needs
-/// one) is an Anthropic-shaped 400 naming `tools`, never silently dropped; a malformed one too.
+/// `/v1/messages` takes custom tools (rendered to the template in OpenAI's shape): a malformed
+/// tool, a server tool, or a `tool_choice` that would force a call (`any`, `tool`) is an
+/// Anthropic-shaped 400 naming the field, never silently dropped; `auto` and `none` work.
 #[test]
-fn anthropic_tools_are_refused_not_dropped() {
+fn anthropic_tools_are_checked_and_accepted() {
     let a = start(|_| {});
     let msg = |extra: Value| {
         post(
@@ -851,15 +852,24 @@ fn anthropic_tools_are_refused_not_dropped() {
             &with(json!({"model": MODEL, "max_tokens": 2, "messages": hello()}), extra),
         )
     };
-    let tool = json!({"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}});
+    let tool = json!({"name": "get_weather", "description": "Wetter in München", "input_schema": {"type": "object"}});
     for (extra, names) in [
         (json!({"tools": "x"}), "tools"),
         (json!({"tools": {"name": "f"}}), "tools"),
         (json!({"tools": [1]}), "tools[0]"),
-        (json!({"tools": [tool]}), "tools"),
-        (json!({"tool_choice": {"type": "any"}}), "tool_choice"),
+        (json!({"tools": [{"input_schema": {}}]}), "tools[0].name"),
+        (json!({"tools": [{"name": "f"}]}), "tools[0].input_schema"),
         (
-            json!({"tool_choice": {"type": "tool", "name": "get_weather"}}),
+            json!({"tools": [tool, {"name": "g", "input_schema": 1}]}),
+            "tools[1].input_schema",
+        ),
+        (
+            json!({"tools": [{"type": "bash_20250124", "name": "bash"}]}),
+            "tools[0]",
+        ),
+        (json!({"tools": [tool], "tool_choice": {"type": "any"}}), "tool_choice"),
+        (
+            json!({"tools": [tool], "tool_choice": {"type": "tool", "name": "get_weather"}}),
             "tool_choice",
         ),
         (json!({"tool_choice": "auto"}), "tool_choice"),
@@ -873,9 +883,10 @@ fn anthropic_tools_are_refused_not_dropped() {
         assert!(m.starts_with(&format!("{names}:")), "{extra}: {m}");
         assert_eq!(m.lines().count(), 1, "{m}");
     }
-    let r = msg(json!({"tools": [tool]}));
-    assert!(r.body.contains("not supported"), "{}", r.body);
     for extra in [
+        json!({"tools": [tool]}),
+        json!({"tools": [tool], "tool_choice": {"type": "auto"}}),
+        json!({"tools": [tool], "tool_choice": {"type": "none"}}),
         json!({"tools": []}),
         json!({"tools": null}),
         json!({"tool_choice": {"type": "auto"}}),
@@ -884,6 +895,86 @@ fn anthropic_tools_are_refused_not_dropped() {
         let r = msg(extra.clone());
         assert_eq!(r.status, 200, "{extra}: {}", r.body);
     }
+}
+
+/// Anthropic `thinking` is accepted (enabled with a budget, or disabled) and checked; a bad one
+/// is a 400 naming `thinking`. OpenAI `reasoning_effort` and `chat_template_kwargs` reach the
+/// template (a kwarg the template reads changes the prompt) and are type-checked.
+#[test]
+fn thinking_reasoning_effort_and_template_kwargs() {
+    let a = start(|_| {});
+    let msg = |extra: Value| {
+        post(
+            a,
+            "/v1/messages",
+            &with(json!({"model": MODEL, "max_tokens": 2, "messages": hello()}), extra),
+        )
+    };
+    for ok in [
+        json!({"thinking": {"type": "enabled", "budget_tokens": 1024}}),
+        json!({"thinking": {"type": "disabled"}}),
+    ] {
+        let r = msg(ok.clone());
+        assert_eq!(r.status, 200, "{ok}: {}", r.body);
+    }
+    for bad in [
+        json!({"thinking": {"type": "enabled"}}),
+        json!({"thinking": {"type": "enabled", "budget_tokens": 100}}),
+        json!({"thinking": {"type": "sometimes"}}),
+        json!({"thinking": "on"}),
+    ] {
+        let r = msg(bad.clone());
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+        let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+        assert!(m.starts_with("thinking:"), "{bad}: {m}");
+    }
+    let chat = |extra: Value| post(a, "/v1/chat/completions", &with(chat_body(2), extra));
+    assert_eq!(chat(json!({"reasoning_effort": "high"})).status, 200);
+    assert_eq!(
+        chat(json!({"chat_template_kwargs": {"enable_thinking": false}})).status,
+        200
+    );
+    for (bad, param) in [
+        (json!({"reasoning_effort": 3}), "reasoning_effort"),
+        (json!({"chat_template_kwargs": "x"}), "chat_template_kwargs"),
+    ] {
+        let r = chat(bad.clone());
+        assert_openai_error(&r, 400);
+        assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
+    }
+    // The fixture's template reads `bos_token`: a kwarg overriding it changes the prompt.
+    let usage = |extra: Value| chat(extra).json()["usage"]["prompt_tokens"].as_i64().unwrap();
+    let plain = usage(json!({}));
+    let more = usage(json!({"chat_template_kwargs": {"bos_token": "<｜begin▁of▁sentence｜> one two three"}}));
+    assert!(more > plain, "{more} vs {plain}");
+}
+
+/// `/v1/messages/count_tokens` counts the prompt `/v1/messages` would run (same rendering, so
+/// the same `input_tokens`), tools included; errors are Anthropic-shaped.
+#[test]
+fn anthropic_count_tokens() {
+    let a = start(|_| {});
+    let body = json!({"model": MODEL, "system": "Be brief.", "messages": hello()});
+    let n = post(a, "/v1/messages/count_tokens", &body).json()["input_tokens"]
+        .as_u64()
+        .unwrap();
+    let mut run = body.clone();
+    run["max_tokens"] = json!(1);
+    let m = post(a, "/v1/messages", &run).json();
+    assert_eq!(m["usage"]["input_tokens"].as_u64(), Some(n));
+    let tool = json!({"name": "get_weather", "input_schema": {"type": "object"}});
+    let r = post(
+        a,
+        "/v1/messages/count_tokens",
+        &with(body.clone(), json!({"tools": [tool]})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let bad = post(a, "/v1/messages/count_tokens", &json!({"model": MODEL}));
+    assert_eq!(bad.status, 400);
+    assert_eq!(bad.json()["error"]["type"], "invalid_request_error");
+    let bad = post(a, "/v1/messages/count_tokens", &with(body, json!({"model": "other"})));
+    assert_eq!(bad.status, 404);
+    assert_eq!(bad.json()["type"], "error");
 }
 
 /// Bytes of a legacy completions token: `bytes:\xNN...` decoded, else the text's UTF-8.

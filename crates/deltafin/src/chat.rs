@@ -205,6 +205,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
             stop: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            keep_special_tokens: false,
         };
         cancel.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);
