@@ -90,6 +90,82 @@ pub struct TensorRecord {
     /// Byte offset of the scales (int8/mxfp4 only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scales_offset: Option<u64>,
+    /// XXH3-64 of the tensor's `bytes` bytes at `offset`, lowercase hex ([`tensor_xxh3`]),
+    /// checked when the backbone is loaded and by `cache verify`. Empty in directories written
+    /// before deltafin checksummed the backbone: those load, reported as unverified.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub xxh3: String,
+}
+
+/// The checksum of a stored tensor or record: XXH3-64 of its bytes, 16 lowercase hex digits.
+pub fn tensor_xxh3(bytes: &[u8]) -> String {
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
+}
+
+/// What checking `backbone.bin` against the manifest's tensor checksums found.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BackboneCheck {
+    /// Tensors whose checksum matched.
+    pub verified: usize,
+    /// Tensors without a checksum in the manifest (an older directory): not checked.
+    pub unverified: usize,
+    /// (tensor, what is wrong) of each tensor whose bytes do not match its checksum.
+    pub failures: Vec<(String, String)>,
+}
+
+impl BackboneCheck {
+    /// Checks each tensor of `index` with a checksum against its bytes in `buf` (the whole
+    /// `backbone.bin`), in parallel: XXH3 runs at memory speed on every core, so this adds a
+    /// fraction of the time reading the file takes.
+    pub fn of(index: &BTreeMap<String, TensorRecord>, buf: &[u8]) -> BackboneCheck {
+        use rayon::prelude::*;
+        let results: Vec<Option<Option<(String, String)>>> = index
+            .par_iter()
+            .map(|(name, t)| {
+                if t.xxh3.is_empty() {
+                    return None;
+                }
+                let bytes = usize::try_from(t.offset)
+                    .ok()
+                    .zip(usize::try_from(t.offset.saturating_add(t.bytes)).ok())
+                    .and_then(|(a, b)| buf.get(a..b));
+                let Some(bytes) = bytes else {
+                    return Some(Some((name.clone(), "out of the file's range".into())));
+                };
+                let found = tensor_xxh3(bytes);
+                Some((found != t.xxh3).then(|| {
+                    (
+                        name.clone(),
+                        format!("checksum mismatch: expected xxh3 {}, found {found}", t.xxh3),
+                    )
+                }))
+            })
+            .collect();
+        let mut c = BackboneCheck::default();
+        for r in results {
+            match r {
+                None => c.unverified += 1,
+                Some(None) => c.verified += 1,
+                Some(Some(f)) => c.failures.push(f),
+            }
+        }
+        c
+    }
+
+    /// The load error for a failed check (None when every checked tensor matched).
+    fn error(&self, path: &Path) -> Option<FormatError> {
+        let (name, why) = self.failures.first()?;
+        let more = match self.failures.len() {
+            1 => String::new(),
+            n => format!(" (and {} more tensors)", n - 1),
+        };
+        Some(FormatError::Checksum {
+            path: path.to_path_buf(),
+            message: format!(
+                "backbone tensor {name}: {why}{more}: the file is damaged; convert or install the model again"
+            ),
+        })
+    }
 }
 
 /// One matrix inside every expert record (all records share this layout).
@@ -261,6 +337,7 @@ impl ModelDir {
                 message: e.to_string(),
             })?;
         }
+        check_manifest_paths(path, &manifest).map_err(&bad)?;
         for (file, bytes) in [
             (&manifest.backbone.file, manifest.backbone.bytes),
             (&manifest.experts.file, manifest.experts.bytes),
@@ -341,8 +418,26 @@ impl ModelDir {
         self.path.join(&self.manifest.experts.file)
     }
 
-    /// Reads `backbone.bin` into memory (resident for the life of the process).
+    /// Reads `backbone.bin` into memory (resident for the life of the process) and checks every
+    /// tensor against its checksum ([`BackboneCheck`]; tensors of an older directory without
+    /// checksums load unchecked).
+    ///
+    /// Errors: the file cannot be read; a tensor fails its checksum (named, with how many more).
     pub fn load_backbone(&self) -> Result<Backbone, FormatError> {
+        let (p, buf) = self.read_backbone()?;
+        if let Some(e) = BackboneCheck::of(&self.manifest.backbone.tensors, buf.as_slice()).error(&p) {
+            return Err(e);
+        }
+        Ok(Backbone {
+            path: p,
+            buf,
+            index: self.manifest.backbone.tensors.clone(),
+        })
+    }
+}
+
+impl ModelDir {
+    fn read_backbone(&self) -> Result<(PathBuf, AlignedBuf), FormatError> {
         let p = self.path.join(&self.manifest.backbone.file);
         let f = File::open(&p).map_err(|e| FormatError::Io {
             path: p.clone(),
@@ -353,12 +448,76 @@ impl ModelDir {
             path: p.clone(),
             error: e,
         })?;
-        Ok(Backbone {
-            path: p,
-            buf,
-            index: self.manifest.backbone.tensors.clone(),
-        })
+        Ok((p, buf))
     }
+
+    /// Reads `backbone.bin` and checks it against the manifest's tensor checksums (`cache
+    /// verify`): a failing tensor is a [`BackboneCheck::failures`] entry, not an error.
+    ///
+    /// Errors: the file cannot be read.
+    pub fn verify_backbone(&self) -> Result<BackboneCheck, FormatError> {
+        let (_, buf) = self.read_backbone()?;
+        Ok(BackboneCheck::of(&self.manifest.backbone.tensors, buf.as_slice()))
+    }
+
+    /// Whether every backbone tensor has a checksum in the manifest (false for directories
+    /// written before deltafin checksummed the backbone).
+    pub fn backbone_checksummed(&self) -> bool {
+        self.manifest.backbone.tensors.values().all(|t| !t.xxh3.is_empty())
+    }
+}
+
+/// Checks that every file a manifest names (backbone, expert pack, tokenizer files, stream
+/// index) and the presence journal resolve inside the model directory `dir`: a relative path of
+/// plain components (no absolute path, no `..` or `.`), and, where the file exists, no symbolic
+/// link anywhere on the way leading out of `dir`. A manifest is untrusted input: without this,
+/// `cache gc` and `warm` would write into a file elsewhere and loading would read any file
+/// (issue #19, item 9). Pulls from a mirror already refuse names that are not plain file names.
+///
+/// Errors: a message naming the manifest field and the offending path.
+pub fn check_manifest_paths(dir: &Path, manifest: &Manifest) -> Result<(), String> {
+    let mut named: Vec<(String, &str)> = vec![
+        ("backbone.file".into(), manifest.backbone.file.as_str()),
+        ("experts.file".into(), manifest.experts.file.as_str()),
+    ];
+    for (i, f) in manifest.tokenizer_files.iter().enumerate() {
+        named.push((format!("tokenizer_files[{i}]"), f.as_str()));
+    }
+    if let Some(s) = &manifest.stream {
+        named.push(("stream.index".into(), s.index.as_str()));
+    }
+    named.push(("(presence journal)".into(), crate::presence::JOURNAL_FILE));
+    let root = dir.canonicalize().ok();
+    for (field, file) in named {
+        check_inside(dir, root.as_deref(), file).map_err(|why| format!("manifest {field} {file:?} {why}"))?;
+    }
+    Ok(())
+}
+
+/// One path of [`check_manifest_paths`]; `root` is `dir` canonicalized (None when that failed:
+/// then only the lexical rule is checked).
+fn check_inside(dir: &Path, root: Option<&Path>, file: &str) -> Result<(), &'static str> {
+    use std::path::Component;
+    let rel = Path::new(file);
+    if file.is_empty() || !rel.components().all(|c| matches!(c, Component::Normal(_))) {
+        return Err("is not a relative path inside the model directory (no absolute path, `..` or `.`)");
+    }
+    let Some(root) = root else { return Ok(()) };
+    // Each existing prefix, so that a symbolic link to a missing file or a linked parent
+    // directory cannot lead out either.
+    let mut p = dir.to_path_buf();
+    for c in rel.components() {
+        p.push(c);
+        if std::fs::symlink_metadata(&p).is_err() {
+            break;
+        }
+        match p.canonicalize() {
+            Ok(real) if real.starts_with(root) => {}
+            Ok(_) => return Err("is a symbolic link leading out of the model directory"),
+            Err(_) => return Err("is a symbolic link that cannot be resolved"),
+        }
+    }
+    Ok(())
 }
 
 /// Writes `manifest.json` into `dir` and makes it and the directory durable (fsync). Writers call
