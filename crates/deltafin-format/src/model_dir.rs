@@ -102,6 +102,94 @@ pub fn tensor_xxh3(bytes: &[u8]) -> String {
     format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
 }
 
+/// One tensor of [`BackboneCheck`]: `None` without a checksum, `Some(None)` when its bytes
+/// (in `seg`, which starts at file offset `base`) match, `Some(Some((name, why)))` otherwise.
+fn check_tensor(name: &str, t: &TensorRecord, seg: &[u8], base: usize) -> Option<Option<(String, String)>> {
+    if t.xxh3.is_empty() {
+        return None;
+    }
+    let bytes = usize::try_from(t.offset)
+        .ok()
+        .zip(usize::try_from(t.offset.saturating_add(t.bytes)).ok())
+        .and_then(|(a, b)| seg.get(a.checked_sub(base)?..b.checked_sub(base)?));
+    let Some(bytes) = bytes else {
+        return Some(Some((name.to_string(), "out of the file's range".into())));
+    };
+    let found = tensor_xxh3(bytes);
+    Some((found != t.xxh3).then(|| {
+        (
+            name.to_string(),
+            format!("checksum mismatch: expected xxh3 {}, found {found}", t.xxh3),
+        )
+    }))
+}
+
+/// Bytes of `backbone.bin` read before the tensors they hold are handed to the hashing pool.
+const SEGMENT: usize = 64 << 20;
+
+/// Reads `len` bytes of `f` into a new buffer and checks the tensors of `index` while it reads:
+/// the file is read in segments of about `segment` bytes ([`SEGMENT`] at load) cut at tensor starts, in order, and
+/// the tensors of each segment are hashed by the rayon pool as soon as it is in memory while the
+/// next one is read. So the check hides behind the read (I/O, or a copy from the page cache),
+/// and only the last segment's hashing adds to the load time. A tensor not inside one segment
+/// (overlapping others in a hostile manifest) is checked after the read.
+fn read_checked(
+    f: &File,
+    len: usize,
+    index: &BTreeMap<String, TensorRecord>,
+    segment: usize,
+) -> std::io::Result<(AlignedBuf, BackboneCheck)> {
+    let mut buf = AlignedBuf::zeroed(len, 4096);
+    let mut starts: Vec<usize> = index
+        .values()
+        .filter_map(|t| usize::try_from(t.offset).ok())
+        .filter(|&o| o < len)
+        .collect();
+    starts.sort_unstable();
+    let mut bounds = vec![0usize];
+    for o in starts {
+        if o >= bounds[bounds.len() - 1] + segment {
+            bounds.push(o);
+        }
+    }
+    bounds.push(len);
+    let mut per_seg: Vec<Vec<(&String, &TensorRecord)>> = vec![Vec::new(); bounds.len() - 1];
+    let mut after = Vec::new();
+    for (n, t) in index {
+        let (a, b) = (t.offset, t.offset.saturating_add(t.bytes));
+        let i = bounds.partition_point(|&x| x as u64 <= a).saturating_sub(1);
+        match per_seg.get_mut(i) {
+            Some(v) if b <= bounds[i + 1] as u64 => v.push((n, t)),
+            _ => after.push((n, t)),
+        }
+    }
+    let results = std::sync::Mutex::new(Vec::with_capacity(index.len()));
+    let mut read = Ok(());
+    rayon::scope(|s| {
+        let mut rest: &mut [u8] = buf.as_mut_slice();
+        for (i, list) in per_seg.iter().enumerate() {
+            let (seg, tail) = std::mem::take(&mut rest).split_at_mut(bounds[i + 1] - bounds[i]);
+            rest = tail;
+            if let Err(e) = read_full_at(f, seg, bounds[i] as u64) {
+                read = Err(e);
+                return;
+            }
+            let seg: &[u8] = seg;
+            let (base, results) = (bounds[i], &results);
+            s.spawn(move |_| {
+                let r: Vec<_> = list.iter().map(|(n, t)| check_tensor(n, t, seg, base)).collect();
+                if let Ok(mut g) = results.lock() {
+                    g.extend(r);
+                }
+            });
+        }
+    });
+    read?;
+    let mut results = results.into_inner().unwrap_or_default();
+    results.extend(after.iter().map(|(n, t)| check_tensor(n, t, buf.as_slice(), 0)));
+    Ok((buf, BackboneCheck::from_results(results)))
+}
+
 /// What checking `backbone.bin` against the manifest's tensor checksums found.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct BackboneCheck {
@@ -115,32 +203,17 @@ pub struct BackboneCheck {
 
 impl BackboneCheck {
     /// Checks each tensor of `index` with a checksum against its bytes in `buf` (the whole
-    /// `backbone.bin`), in parallel: XXH3 runs at memory speed on every core, so this adds a
-    /// fraction of the time reading the file takes.
+    /// `backbone.bin`), in parallel: XXH3 runs at memory speed on every core.
     pub fn of(index: &BTreeMap<String, TensorRecord>, buf: &[u8]) -> BackboneCheck {
         use rayon::prelude::*;
         let results: Vec<Option<Option<(String, String)>>> = index
             .par_iter()
-            .map(|(name, t)| {
-                if t.xxh3.is_empty() {
-                    return None;
-                }
-                let bytes = usize::try_from(t.offset)
-                    .ok()
-                    .zip(usize::try_from(t.offset.saturating_add(t.bytes)).ok())
-                    .and_then(|(a, b)| buf.get(a..b));
-                let Some(bytes) = bytes else {
-                    return Some(Some((name.clone(), "out of the file's range".into())));
-                };
-                let found = tensor_xxh3(bytes);
-                Some((found != t.xxh3).then(|| {
-                    (
-                        name.clone(),
-                        format!("checksum mismatch: expected xxh3 {}, found {found}", t.xxh3),
-                    )
-                }))
-            })
+            .map(|(name, t)| check_tensor(name, t, buf, 0))
             .collect();
+        BackboneCheck::from_results(results)
+    }
+
+    fn from_results(results: impl IntoIterator<Item = Option<Option<(String, String)>>>) -> BackboneCheck {
         let mut c = BackboneCheck::default();
         for r in results {
             match r {
@@ -149,6 +222,7 @@ impl BackboneCheck {
                 Some(Some(f)) => c.failures.push(f),
             }
         }
+        c.failures.sort();
         c
     }
 
@@ -424,8 +498,8 @@ impl ModelDir {
     ///
     /// Errors: the file cannot be read; a tensor fails its checksum (named, with how many more).
     pub fn load_backbone(&self) -> Result<Backbone, FormatError> {
-        let (p, buf) = self.read_backbone()?;
-        if let Some(e) = BackboneCheck::of(&self.manifest.backbone.tensors, buf.as_slice()).error(&p) {
+        let (p, buf, check) = self.read_backbone()?;
+        if let Some(e) = check.error(&p) {
             return Err(e);
         }
         Ok(Backbone {
@@ -437,18 +511,22 @@ impl ModelDir {
 }
 
 impl ModelDir {
-    fn read_backbone(&self) -> Result<(PathBuf, AlignedBuf), FormatError> {
+    /// `backbone.bin` read into memory and checked as it is read ([`read_checked`]).
+    fn read_backbone(&self) -> Result<(PathBuf, AlignedBuf, BackboneCheck), FormatError> {
         let p = self.path.join(&self.manifest.backbone.file);
-        let f = File::open(&p).map_err(|e| FormatError::Io {
+        let io = |e| FormatError::Io {
             path: p.clone(),
             error: e,
-        })?;
-        let mut buf = AlignedBuf::zeroed(self.manifest.backbone.bytes as usize, 4096);
-        read_full_at(&f, buf.as_mut_slice(), 0).map_err(|e| FormatError::Io {
-            path: p.clone(),
-            error: e,
-        })?;
-        Ok((p, buf))
+        };
+        let f = File::open(&p).map_err(io)?;
+        let (buf, check) = read_checked(
+            &f,
+            self.manifest.backbone.bytes as usize,
+            &self.manifest.backbone.tensors,
+            SEGMENT,
+        )
+        .map_err(io)?;
+        Ok((p, buf, check))
     }
 
     /// Reads `backbone.bin` and checks it against the manifest's tensor checksums (`cache
@@ -456,8 +534,7 @@ impl ModelDir {
     ///
     /// Errors: the file cannot be read.
     pub fn verify_backbone(&self) -> Result<BackboneCheck, FormatError> {
-        let (_, buf) = self.read_backbone()?;
-        Ok(BackboneCheck::of(&self.manifest.backbone.tensors, buf.as_slice()))
+        Ok(self.read_backbone()?.2)
     }
 
     /// Whether every backbone tensor has a checksum in the manifest (false for directories
@@ -672,4 +749,55 @@ pub fn matrix_from_bytes(
         StoredDtype::Mxfp4 => MatData::Mxfp4 { packed: vals, scales },
     };
     MatRef::new(rows, cols, data)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Many segments (a segment size of a few tensors), one damaged tensor, one without a
+    /// checksum and one overlapping another (checked after the read): the check finds exactly
+    /// the damaged one whatever the segmenting.
+    #[test]
+    fn read_checked_checks_every_tensor_across_segments() {
+        let mut file = Vec::new();
+        let mut index = BTreeMap::new();
+        for i in 0..40u64 {
+            let bytes: Vec<u8> = (0..100 + i).map(|k| (k * 7 + i) as u8).collect();
+            let offset = file.len() as u64;
+            file.extend_from_slice(&bytes);
+            file.resize(file.len().div_ceil(64) * 64, 0);
+            let rec = |xxh3: String| TensorRecord {
+                dtype: StoredDtype::F32,
+                shape: vec![bytes.len()],
+                offset,
+                bytes: bytes.len() as u64,
+                scales_offset: None,
+                xxh3,
+            };
+            index.insert(
+                format!("t{i:02}"),
+                rec(if i == 7 { String::new() } else { tensor_xxh3(&bytes) }),
+            );
+        }
+        let mut wide = index["t10"].clone();
+        wide.bytes += 500; // over t11..: straddles the segment bounds
+        wide.xxh3 = tensor_xxh3(&file[wide.offset as usize..(wide.offset + wide.bytes) as usize]);
+        index.insert("wide".into(), wide);
+        let at = index["t23"].offset as usize + 50;
+        file[at] ^= 1;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("backbone.bin");
+        std::fs::write(&p, &file).unwrap();
+        let f = File::open(&p).unwrap();
+        for segment in [1, 300, 1000, 1 << 20] {
+            let (buf, c) = read_checked(&f, file.len(), &index, segment).unwrap();
+            assert!(buf.as_slice() == file.as_slice(), "segment {segment}");
+            assert_eq!(c.unverified, 1, "segment {segment}");
+            assert_eq!(c.verified, 39, "segment {segment}");
+            let names: Vec<&str> = c.failures.iter().map(|(n, _)| n.as_str()).collect();
+            assert_eq!(names, ["t23"], "segment {segment}");
+            assert_eq!(c, BackboneCheck::of(&index, &file), "segment {segment}");
+        }
+    }
 }
