@@ -2,9 +2,11 @@
 //!
 //! - stats: records present per MoE layer, bytes, and (with traces) the share of the traces'
 //!   expert choices whose record is present.
-//! - verify: re-reads every present record and checks its XXH3-64 (manifest or journal), checks
-//!   the journal and the pack's size. A cache left by any interruption passes: records without a
-//!   journal entry are absent, not corrupt.
+//! - verify: re-reads `backbone.bin` and every present record and checks their XXH3-64
+//!   (manifest or journal), checks the journal and the pack's size. A cache left by any
+//!   interruption passes: records without a journal entry are absent, not corrupt. With
+//!   `--source` ([`verify_source`]) a streaming install's records are also compared with the
+//!   source, the only check for records converted from a Hugging Face layout's byte ranges.
 //! - gc: removes the work directories of interrupted pulls and converts (`.<name>.partial`,
 //!   `.<name>.download`, `.<name>.stream-src`; also when the pull failed before `<name>`
 //!   existed), temp files, and for a streaming install rewrites
@@ -212,6 +214,8 @@ impl SourceReport {
 /// each source file whose sha256 was published at install (Hugging Face layout) is also
 /// streamed whole through sha256 (the full checkpoint's bytes are read, none stored), which
 /// tells whether the source still is the checkpoint that was installed (issue #19, item 7).
+/// A replacement interrupted between the write and its journal entry leaves a record failing
+/// its (old) checksum: `cache verify` names it and `cache gc` drops it, so it is fetched again.
 ///
 /// Errors: not a streaming install (no source recorded); HTTP errors after retries
 /// ([`PullError::SourceChanged`] when a file's size, ETag or sha256 changed); I/O.
