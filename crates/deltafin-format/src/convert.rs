@@ -424,6 +424,7 @@ fn write_all(
                 offset: off,
                 bytes: bytes.len() as u64,
                 scales_offset,
+                xxh3: crate::model_dir::tensor_xxh3(&bytes),
             },
         );
         progress.advance(ck.entry(n).map(|e| e.len).unwrap_or(0));

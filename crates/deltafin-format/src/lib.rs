@@ -52,6 +52,9 @@ use std::path::PathBuf;
 pub enum FormatError {
     #[error("{path}: {error}")]
     Io { path: PathBuf, error: std::io::Error },
+    /// Stored bytes that fail their checksum (a damaged `backbone.bin`).
+    #[error("{path}: {message}")]
+    Checksum { path: PathBuf, message: String },
     #[error("{path}: malformed JSON: {message}")]
     Json { path: PathBuf, message: String },
     #[error("{path}: field `{field}`: {message}")]

@@ -90,6 +90,156 @@ pub struct TensorRecord {
     /// Byte offset of the scales (int8/mxfp4 only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scales_offset: Option<u64>,
+    /// XXH3-64 of the tensor's `bytes` bytes at `offset`, lowercase hex ([`tensor_xxh3`]),
+    /// checked when the backbone is loaded and by `cache verify`. Empty in directories written
+    /// before deltafin checksummed the backbone: those load, reported as unverified.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub xxh3: String,
+}
+
+/// The checksum of a stored tensor or record: XXH3-64 of its bytes, 16 lowercase hex digits.
+pub fn tensor_xxh3(bytes: &[u8]) -> String {
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
+}
+
+/// One tensor of [`BackboneCheck`]: `None` without a checksum, `Some(None)` when its bytes
+/// (in `seg`, which starts at file offset `base`) match, `Some(Some((name, why)))` otherwise.
+fn check_tensor(name: &str, t: &TensorRecord, seg: &[u8], base: usize) -> Option<Option<(String, String)>> {
+    if t.xxh3.is_empty() {
+        return None;
+    }
+    let bytes = usize::try_from(t.offset)
+        .ok()
+        .zip(usize::try_from(t.offset.saturating_add(t.bytes)).ok())
+        .and_then(|(a, b)| seg.get(a.checked_sub(base)?..b.checked_sub(base)?));
+    let Some(bytes) = bytes else {
+        return Some(Some((name.to_string(), "out of the file's range".into())));
+    };
+    let found = tensor_xxh3(bytes);
+    Some((found != t.xxh3).then(|| {
+        (
+            name.to_string(),
+            format!("checksum mismatch: expected xxh3 {}, found {found}", t.xxh3),
+        )
+    }))
+}
+
+/// Bytes of `backbone.bin` read before the tensors they hold are handed to the hashing pool.
+const SEGMENT: usize = 64 << 20;
+
+/// Reads `len` bytes of `f` into a new buffer and checks the tensors of `index` while it reads:
+/// the file is read in segments of about `segment` bytes ([`SEGMENT`] at load) cut at tensor starts, in order, and
+/// the tensors of each segment are hashed by the rayon pool as soon as it is in memory while the
+/// next one is read. So the check hides behind the read (I/O, or a copy from the page cache),
+/// and only the last segment's hashing adds to the load time. A tensor not inside one segment
+/// (overlapping others in a hostile manifest) is checked after the read.
+fn read_checked(
+    f: &File,
+    len: usize,
+    index: &BTreeMap<String, TensorRecord>,
+    segment: usize,
+) -> std::io::Result<(AlignedBuf, BackboneCheck)> {
+    let mut buf = AlignedBuf::zeroed(len, 4096);
+    let mut starts: Vec<usize> = index
+        .values()
+        .filter_map(|t| usize::try_from(t.offset).ok())
+        .filter(|&o| o < len)
+        .collect();
+    starts.sort_unstable();
+    let mut bounds = vec![0usize];
+    for o in starts {
+        if o >= bounds[bounds.len() - 1] + segment {
+            bounds.push(o);
+        }
+    }
+    bounds.push(len);
+    let mut per_seg: Vec<Vec<(&String, &TensorRecord)>> = vec![Vec::new(); bounds.len() - 1];
+    let mut after = Vec::new();
+    for (n, t) in index {
+        let (a, b) = (t.offset, t.offset.saturating_add(t.bytes));
+        let i = bounds.partition_point(|&x| x as u64 <= a).saturating_sub(1);
+        match per_seg.get_mut(i) {
+            Some(v) if b <= bounds[i + 1] as u64 => v.push((n, t)),
+            _ => after.push((n, t)),
+        }
+    }
+    let results = std::sync::Mutex::new(Vec::with_capacity(index.len()));
+    let mut read = Ok(());
+    rayon::scope(|s| {
+        let mut rest: &mut [u8] = buf.as_mut_slice();
+        for (i, list) in per_seg.iter().enumerate() {
+            let (seg, tail) = std::mem::take(&mut rest).split_at_mut(bounds[i + 1] - bounds[i]);
+            rest = tail;
+            if let Err(e) = read_full_at(f, seg, bounds[i] as u64) {
+                read = Err(e);
+                return;
+            }
+            let seg: &[u8] = seg;
+            let (base, results) = (bounds[i], &results);
+            s.spawn(move |_| {
+                let r: Vec<_> = list.iter().map(|(n, t)| check_tensor(n, t, seg, base)).collect();
+                if let Ok(mut g) = results.lock() {
+                    g.extend(r);
+                }
+            });
+        }
+    });
+    read?;
+    let mut results = results.into_inner().unwrap_or_default();
+    results.extend(after.iter().map(|(n, t)| check_tensor(n, t, buf.as_slice(), 0)));
+    Ok((buf, BackboneCheck::from_results(results)))
+}
+
+/// What checking `backbone.bin` against the manifest's tensor checksums found.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BackboneCheck {
+    /// Tensors whose checksum matched.
+    pub verified: usize,
+    /// Tensors without a checksum in the manifest (an older directory): not checked.
+    pub unverified: usize,
+    /// (tensor, what is wrong) of each tensor whose bytes do not match its checksum.
+    pub failures: Vec<(String, String)>,
+}
+
+impl BackboneCheck {
+    /// Checks each tensor of `index` with a checksum against its bytes in `buf` (the whole
+    /// `backbone.bin`), in parallel: XXH3 runs at memory speed on every core.
+    pub fn of(index: &BTreeMap<String, TensorRecord>, buf: &[u8]) -> BackboneCheck {
+        use rayon::prelude::*;
+        let results: Vec<Option<Option<(String, String)>>> = index
+            .par_iter()
+            .map(|(name, t)| check_tensor(name, t, buf, 0))
+            .collect();
+        BackboneCheck::from_results(results)
+    }
+
+    fn from_results(results: impl IntoIterator<Item = Option<Option<(String, String)>>>) -> BackboneCheck {
+        let mut c = BackboneCheck::default();
+        for r in results {
+            match r {
+                None => c.unverified += 1,
+                Some(None) => c.verified += 1,
+                Some(Some(f)) => c.failures.push(f),
+            }
+        }
+        c.failures.sort();
+        c
+    }
+
+    /// The load error for a failed check (None when every checked tensor matched).
+    fn error(&self, path: &Path) -> Option<FormatError> {
+        let (name, why) = self.failures.first()?;
+        let more = match self.failures.len() {
+            1 => String::new(),
+            n => format!(" (and {} more tensors)", n - 1),
+        };
+        Some(FormatError::Checksum {
+            path: path.to_path_buf(),
+            message: format!(
+                "backbone tensor {name}: {why}{more}: the file is damaged; convert or install the model again"
+            ),
+        })
+    }
 }
 
 /// One matrix inside every expert record (all records share this layout).
@@ -262,6 +412,7 @@ impl ModelDir {
                 message: e.to_string(),
             })?;
         }
+        check_manifest_paths(path, &manifest).map_err(&bad)?;
         for (file, bytes) in [
             (&manifest.backbone.file, manifest.backbone.bytes),
             (&manifest.experts.file, manifest.experts.bytes),
@@ -342,24 +493,109 @@ impl ModelDir {
         self.path.join(&self.manifest.experts.file)
     }
 
-    /// Reads `backbone.bin` into memory (resident for the life of the process).
+    /// Reads `backbone.bin` into memory (resident for the life of the process) and checks every
+    /// tensor against its checksum ([`BackboneCheck`]; tensors of an older directory without
+    /// checksums load unchecked).
+    ///
+    /// Errors: the file cannot be read; a tensor fails its checksum (named, with how many more).
     pub fn load_backbone(&self) -> Result<Backbone, FormatError> {
-        let p = self.path.join(&self.manifest.backbone.file);
-        let f = crate::regular_file::open_regular(&p).map_err(|e| FormatError::Io {
-            path: p.clone(),
-            error: e,
-        })?;
-        let mut buf = AlignedBuf::zeroed(self.manifest.backbone.bytes as usize, 4096);
-        read_full_at(&f, buf.as_mut_slice(), 0).map_err(|e| FormatError::Io {
-            path: p.clone(),
-            error: e,
-        })?;
+        let (p, buf, check) = self.read_backbone()?;
+        if let Some(e) = check.error(&p) {
+            return Err(e);
+        }
         Ok(Backbone {
             path: p,
             buf,
             index: self.manifest.backbone.tensors.clone(),
         })
     }
+}
+
+impl ModelDir {
+    /// `backbone.bin` read into memory and checked as it is read ([`read_checked`]).
+    fn read_backbone(&self) -> Result<(PathBuf, AlignedBuf, BackboneCheck), FormatError> {
+        let p = self.path.join(&self.manifest.backbone.file);
+        let io = |e| FormatError::Io {
+            path: p.clone(),
+            error: e,
+        };
+        let f = crate::regular_file::open_regular(&p).map_err(io)?;
+        let (buf, check) = read_checked(
+            &f,
+            self.manifest.backbone.bytes as usize,
+            &self.manifest.backbone.tensors,
+            SEGMENT,
+        )
+        .map_err(io)?;
+        Ok((p, buf, check))
+    }
+
+    /// Reads `backbone.bin` and checks it against the manifest's tensor checksums (`cache
+    /// verify`): a failing tensor is a [`BackboneCheck::failures`] entry, not an error.
+    ///
+    /// Errors: the file cannot be read.
+    pub fn verify_backbone(&self) -> Result<BackboneCheck, FormatError> {
+        Ok(self.read_backbone()?.2)
+    }
+
+    /// Whether every backbone tensor has a checksum in the manifest (false for directories
+    /// written before deltafin checksummed the backbone).
+    pub fn backbone_checksummed(&self) -> bool {
+        self.manifest.backbone.tensors.values().all(|t| !t.xxh3.is_empty())
+    }
+}
+
+/// Checks that every file a manifest names (backbone, expert pack, tokenizer files, stream
+/// index) and the presence journal resolve inside the model directory `dir`: a relative path of
+/// plain components (no absolute path, no `..` or `.`), and, where the file exists, no symbolic
+/// link anywhere on the way leading out of `dir`. A manifest is untrusted input: without this,
+/// `cache gc` and `warm` would write into a file elsewhere and loading would read any file
+/// (issue #19, item 9). Pulls from a mirror already refuse names that are not plain file names.
+///
+/// Errors: a message naming the manifest field and the offending path.
+pub fn check_manifest_paths(dir: &Path, manifest: &Manifest) -> Result<(), String> {
+    let mut named: Vec<(String, &str)> = vec![
+        ("backbone.file".into(), manifest.backbone.file.as_str()),
+        ("experts.file".into(), manifest.experts.file.as_str()),
+    ];
+    for (i, f) in manifest.tokenizer_files.iter().enumerate() {
+        named.push((format!("tokenizer_files[{i}]"), f.as_str()));
+    }
+    if let Some(s) = &manifest.stream {
+        named.push(("stream.index".into(), s.index.as_str()));
+    }
+    named.push(("(presence journal)".into(), crate::presence::JOURNAL_FILE));
+    let root = dir.canonicalize().ok();
+    for (field, file) in named {
+        check_inside(dir, root.as_deref(), file).map_err(|why| format!("manifest {field} {file:?} {why}"))?;
+    }
+    Ok(())
+}
+
+/// One path of [`check_manifest_paths`]; `root` is `dir` canonicalized (None when that failed:
+/// then only the lexical rule is checked).
+fn check_inside(dir: &Path, root: Option<&Path>, file: &str) -> Result<(), &'static str> {
+    use std::path::Component;
+    let rel = Path::new(file);
+    if file.is_empty() || !rel.components().all(|c| matches!(c, Component::Normal(_))) {
+        return Err("is not a relative path inside the model directory (no absolute path, `..` or `.`)");
+    }
+    let Some(root) = root else { return Ok(()) };
+    // Each existing prefix, so that a symbolic link to a missing file or a linked parent
+    // directory cannot lead out either.
+    let mut p = dir.to_path_buf();
+    for c in rel.components() {
+        p.push(c);
+        if std::fs::symlink_metadata(&p).is_err() {
+            break;
+        }
+        match p.canonicalize() {
+            Ok(real) if real.starts_with(root) => {}
+            Ok(_) => return Err("is a symbolic link leading out of the model directory"),
+            Err(_) => return Err("is a symbolic link that cannot be resolved"),
+        }
+    }
+    Ok(())
 }
 
 /// Writes `manifest.json` into `dir` and makes it and the directory durable (fsync). Writers call
@@ -514,4 +750,55 @@ pub fn matrix_from_bytes(
         StoredDtype::Mxfp4 => MatData::Mxfp4 { packed: vals, scales },
     };
     MatRef::new(rows, cols, data)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Many segments (a segment size of a few tensors), one damaged tensor, one without a
+    /// checksum and one overlapping another (checked after the read): the check finds exactly
+    /// the damaged one whatever the segmenting.
+    #[test]
+    fn read_checked_checks_every_tensor_across_segments() {
+        let mut file = Vec::new();
+        let mut index = BTreeMap::new();
+        for i in 0..40u64 {
+            let bytes: Vec<u8> = (0..100 + i).map(|k| (k * 7 + i) as u8).collect();
+            let offset = file.len() as u64;
+            file.extend_from_slice(&bytes);
+            file.resize(file.len().div_ceil(64) * 64, 0);
+            let rec = |xxh3: String| TensorRecord {
+                dtype: StoredDtype::F32,
+                shape: vec![bytes.len()],
+                offset,
+                bytes: bytes.len() as u64,
+                scales_offset: None,
+                xxh3,
+            };
+            index.insert(
+                format!("t{i:02}"),
+                rec(if i == 7 { String::new() } else { tensor_xxh3(&bytes) }),
+            );
+        }
+        let mut wide = index["t10"].clone();
+        wide.bytes += 500; // over t11..: straddles the segment bounds
+        wide.xxh3 = tensor_xxh3(&file[wide.offset as usize..(wide.offset + wide.bytes) as usize]);
+        index.insert("wide".into(), wide);
+        let at = index["t23"].offset as usize + 50;
+        file[at] ^= 1;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("backbone.bin");
+        std::fs::write(&p, &file).unwrap();
+        let f = File::open(&p).unwrap();
+        for segment in [1, 300, 1000, 1 << 20] {
+            let (buf, c) = read_checked(&f, file.len(), &index, segment).unwrap();
+            assert!(buf.as_slice() == file.as_slice(), "segment {segment}");
+            assert_eq!(c.unverified, 1, "segment {segment}");
+            assert_eq!(c.verified, 39, "segment {segment}");
+            let names: Vec<&str> = c.failures.iter().map(|(n, _)| n.as_str()).collect();
+            assert_eq!(names, ["t23"], "segment {segment}");
+            assert_eq!(c, BackboneCheck::of(&index, &file), "segment {segment}");
+        }
+    }
 }

@@ -20,8 +20,8 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> FormatError + '_ {
 /// moving it into place. `source` (the checkpoint being read, if any) must not be `out_dir` or
 /// inside it.
 ///
-/// Errors: `out_dir` exists and is not empty without `force`; with `force`, `out_dir` is not a
-/// deltafin model directory (no `manifest.json`: `--force` only ever replaces a model); `out_dir`
+/// Errors: `out_dir` cannot be replaced ([`check_replaceable`]: not empty without `force`; with
+/// `force`, not a deltafin model or holding files deltafin did not write); `out_dir`
 /// is or contains `source`; `out_dir` has no directory name; any error of `write` (the staging
 /// directory is then removed); or an I/O error.
 pub fn write_dir_atomically<T>(
@@ -44,19 +44,7 @@ pub fn write_dir_atomically<T>(
             }
         }
     }
-    if out_dir.exists() {
-        let nonempty = std::fs::read_dir(out_dir).map_err(io(out_dir))?.next().is_some();
-        if nonempty && !force {
-            return Err(refuse(
-                "output directory exists and is not empty (pass --force to replace it)".into(),
-            ));
-        }
-        if nonempty && !out_dir.join("manifest.json").is_file() {
-            return Err(refuse(
-                "output directory is not empty and is not a deltafin model (no manifest.json): --force only replaces a model directory; remove it yourself or choose another output".into(),
-            ));
-        }
-    }
+    check_replaceable(out_dir, force)?;
     let name = out_dir
         .file_name()
         .ok_or_else(|| FormatError::Output {
@@ -85,6 +73,94 @@ pub fn write_dir_atomically<T>(
             Err(e)
         }
     }
+}
+
+/// Checks that `out_dir` may become a new model directory: it does not exist, is empty, or (with
+/// `force`) is a deltafin model directory holding only files deltafin writes there — those its
+/// `manifest.json` lists, the usual model files ([`deltafin_files`]) and `*.tmp` leftovers. A
+/// replace swaps the whole directory out and deletes it, so anything else (a user's `src/` next
+/// to a model) would be lost: such a directory is refused, naming what it holds (issue #19,
+/// item 8). Writers call this before any slow work (a pull checks it before downloading).
+///
+/// Errors: the directory is not empty without `force`; it has no `manifest.json`; it holds
+/// entries deltafin did not write; it cannot be read.
+pub fn check_replaceable(out_dir: &Path, force: bool) -> Result<(), FormatError> {
+    let refuse = |message: String| FormatError::Output {
+        path: out_dir.into(),
+        message,
+    };
+    if !out_dir.exists() {
+        return Ok(());
+    }
+    let entries: Vec<std::ffi::OsString> = std::fs::read_dir(out_dir)
+        .map_err(io(out_dir))?
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<Result<_, _>>()
+        .map_err(io(out_dir))?;
+    if entries.is_empty() {
+        return Ok(());
+    }
+    if !force {
+        return Err(refuse(
+            "output directory exists and is not empty (pass --force to replace it)".into(),
+        ));
+    }
+    if !out_dir.join("manifest.json").is_file() {
+        return Err(refuse(
+            "output directory is not empty and is not a deltafin model (no manifest.json): --force only replaces a model directory; remove it yourself or choose another output".into(),
+        ));
+    }
+    let ours = deltafin_files(&out_dir.join("manifest.json"));
+    let mut foreign: Vec<String> = entries
+        .iter()
+        .map(|n| n.to_string_lossy().into_owned())
+        .filter(|n| {
+            // deltafin writes only regular files there: a directory is never its own.
+            let dir = std::fs::symlink_metadata(out_dir.join(n)).is_ok_and(|m| m.is_dir());
+            dir || (!ours.iter().any(|o| o == n) && !n.ends_with(".tmp"))
+        })
+        .collect();
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    foreign.sort();
+    let shown = foreign.len().min(5);
+    let more = if foreign.len() > shown {
+        format!(" and {} more", foreign.len() - shown)
+    } else {
+        String::new()
+    };
+    Err(refuse(format!(
+        "--force replaces a model directory as a whole, and this one also holds files deltafin did not write ({}{more}): move them out or choose another output",
+        foreign[..shown].join(", ")
+    )))
+}
+
+/// File names deltafin writes into a model directory: those named by the manifest at `manifest`
+/// (read leniently as JSON, so a damaged or older manifest still counts), plus the fixed ones
+/// (`manifest.json`, `backbone.bin`, `experts.pack`, the presence journal, `stream-index.json`
+/// and the copied tokenizer and config files).
+pub fn deltafin_files(manifest: &Path) -> Vec<String> {
+    let mut names: Vec<String> = ["manifest.json", "backbone.bin", "experts.pack", "stream-index.json"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    names.push(crate::presence::JOURNAL_FILE.into());
+    names.extend(crate::convert::COPIED_FILES.iter().map(|s| s.to_string()));
+    let v: serde_json::Value = std::fs::read(manifest)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let s = |p: &str| v.pointer(p).and_then(|x| x.as_str()).map(str::to_string);
+    names.extend(
+        ["/backbone/file", "/experts/file", "/stream/index"]
+            .into_iter()
+            .filter_map(s),
+    );
+    if let Some(a) = v.get("tokenizer_files").and_then(|x| x.as_array()) {
+        names.extend(a.iter().filter_map(|x| x.as_str().map(str::to_string)));
+    }
+    names
 }
 
 fn finalize(tmp: &Path, out_dir: &Path, parent: &Path) -> Result<(), FormatError> {

@@ -703,6 +703,7 @@ fn write_files(
                 offset: off,
                 bytes: bytes.len() as u64,
                 scales_offset,
+                xxh3: crate::model_dir::tensor_xxh3(bytes),
             },
         );
     }

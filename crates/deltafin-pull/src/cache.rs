@@ -2,9 +2,11 @@
 //!
 //! - stats: records present per MoE layer, bytes, and (with traces) the share of the traces'
 //!   expert choices whose record is present.
-//! - verify: re-reads every present record and checks its XXH3-64 (manifest or journal), checks
-//!   the journal and the pack's size. A cache left by any interruption passes: records without a
-//!   journal entry are absent, not corrupt.
+//! - verify: re-reads `backbone.bin` and every present record and checks their XXH3-64
+//!   (manifest or journal), checks the journal and the pack's size. A cache left by any
+//!   interruption passes: records without a journal entry are absent, not corrupt. With
+//!   `--source` ([`verify_source`]) a streaming install's records are also compared with the
+//!   source, the only check for records converted from a Hugging Face layout's byte ranges.
 //! - gc: removes the work directories of interrupted pulls and converts (`.<name>.partial`,
 //!   `.<name>.download`, `.<name>.stream-src`; also when the pull failed before `<name>`
 //!   existed), temp files, and for a streaming install rewrites
@@ -18,6 +20,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
+use deltafin_format::model_dir::BackboneCheck;
 use deltafin_format::presence::{self, present_checksums};
 use deltafin_format::ModelDir;
 
@@ -116,21 +119,29 @@ pub struct VerifyReport {
     pub bad_journal_entries: usize,
     /// Bytes of a torn final journal entry (ignored; normal after an interruption).
     pub torn_journal_bytes: u64,
+    /// `backbone.bin` against the manifest's tensor checksums.
+    pub backbone: BackboneCheck,
+    /// Present records that were converted from byte ranges of a source publishing no checksum
+    /// for them (a streaming install from a Hugging Face layout): their xxh3 was computed on
+    /// arrival, so this check shows them intact since, not equal to the source
+    /// ([`verify_source`] compares them with it).
+    pub unverifiable: usize,
 }
 
 impl VerifyReport {
-    /// No record failed.
+    /// No record and no backbone tensor failed.
     pub fn ok(&self) -> bool {
-        self.failures.is_empty()
+        self.failures.is_empty() && self.backbone.failures.is_empty()
     }
 }
 
-/// Re-checks every present record of `model_dir`.
+/// Re-checks `backbone.bin` and every present record of `model_dir`.
 ///
-/// Errors: not a model directory, an unreadable pack or journal (a record that fails is a
-/// [`VerifyReport::failures`] entry, not an error).
+/// Errors: not a model directory, an unreadable backbone, pack or journal (a tensor or record
+/// that fails is a [`VerifyReport`] entry, not an error).
 pub fn verify(model_dir: &Path) -> Result<VerifyReport, PullError> {
     let dir = ModelDir::open(model_dir)?;
+    let backbone = dir.verify_backbone()?;
     let present = present_checksums(&dir)?;
     let scan = presence::scan(&dir.path)?;
     let pack_path = dir.expert_pack_path();
@@ -139,8 +150,12 @@ pub fn verify(model_dir: &Path) -> Result<VerifyReport, PullError> {
         total: dir.manifest.experts.records.len(),
         bad_journal_entries: scan.bad_entries,
         torn_journal_bytes: scan.torn_bytes,
+        backbone,
         ..VerifyReport::default()
     };
+    if crate::fetch::source_checks_records(&dir)? == Some(false) {
+        rep.unverifiable = present.len();
+    }
     let mut buf = Vec::new();
     for r in &dir.manifest.experts.records {
         let Some(&want) = present.get(&(r.layer, r.expert)) else {
@@ -159,6 +174,144 @@ pub fn verify(model_dir: &Path) -> Result<VerifyReport, PullError> {
                 r.expert,
                 format!("checksum mismatch: expected xxh3 {want:016x}, found {found:016x}"),
             ));
+        }
+    }
+    Ok(rep)
+}
+
+/// `cache verify --source`.
+#[derive(Debug, Clone, Default)]
+pub struct SourceReport {
+    /// Present records read again from the source.
+    pub checked: usize,
+    /// (layer, expert, what differed) of records whose local bytes differ from two agreeing
+    /// reads of the source: the local copy was wrong, and was replaced by the source's bytes.
+    pub replaced: Vec<(u32, u32, String)>,
+    /// (layer, expert, what differed) of records for which two reads of the source disagreed
+    /// with each other and with the local copy (a connection corrupting bytes): left as they are.
+    pub unstable: Vec<(u32, u32, String)>,
+    /// Source files streamed whole through sha256 (`whole_files`) that matched the install's.
+    pub files_hashed: Vec<String>,
+    /// (file, what differs) of source files whose sha256 is no longer the one published at
+    /// install: records fetched from them since may not belong to the installed model.
+    pub files_changed: Vec<(String, String)>,
+    /// Source files without a published sha256 (not checked whole).
+    pub files_without_sha256: Vec<String>,
+}
+
+impl SourceReport {
+    /// Every record matched the source and every file hashed matched.
+    pub fn ok(&self) -> bool {
+        self.replaced.is_empty() && self.unstable.is_empty() && self.files_changed.is_empty()
+    }
+}
+
+/// `cache verify --source`: re-reads every present record of streaming install `model_dir` from
+/// its source (converted again, as on the first fetch) and compares it with the local copy. A
+/// record that differs is read a second time: when both reads agree, the local copy is replaced
+/// by them (written, fsynced and journaled like any fetch, so the next `cache verify` passes);
+/// when they disagree the record is reported as unstable and left alone. With `whole_files`,
+/// each source file whose sha256 was published at install (Hugging Face layout) is also
+/// streamed whole through sha256 (the full checkpoint's bytes are read, none stored), which
+/// tells whether the source still is the checkpoint that was installed (issue #19, item 7).
+/// A replacement interrupted between the write and its journal entry leaves a record failing
+/// its (old) checksum: `cache verify` names it and `cache gc` drops it, so it is fetched again.
+///
+/// Errors: not a streaming install (no source recorded); HTTP errors after retries
+/// ([`PullError::SourceChanged`] when a file's size, ETag or sha256 changed); I/O.
+pub fn verify_source(
+    model_dir: &Path,
+    http: std::sync::Arc<crate::Http>,
+    whole_files: bool,
+    concurrency: usize,
+) -> Result<SourceReport, PullError> {
+    let dir = ModelDir::open(model_dir)?;
+    if dir.manifest.stream.is_none() {
+        return Err(PullError::Invalid(format!(
+            "{}: not a streaming install, so no source is recorded to compare with (every record has the checksum written by convert or pull; `deltafin cache verify` checks them)",
+            model_dir.display()
+        )));
+    }
+    let src = crate::HttpRecordSource::open(&dir, http.clone())?;
+    let mut rep = SourceReport::default();
+    if whole_files && !src.checks_records() {
+        for (name, info) in src.files() {
+            let Some(want) = &info.sha256 else {
+                rep.files_without_sha256.push(name.clone());
+                continue;
+            };
+            let (found, _) = http.sha256_of(&src.file_url(name))?;
+            if &found == want {
+                rep.files_hashed.push(name.clone());
+            } else {
+                rep.files_changed
+                    .push((name.clone(), format!("sha256 {found}, {want} at install")));
+            }
+        }
+    }
+    let present = present_checksums(&dir)?;
+    let mut keys: Vec<((u32, u32), u64)> = present.into_iter().collect();
+    keys.sort();
+    let pack_path = dir.expert_pack_path();
+    let pack = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&pack_path)
+        .map_err(io_err(&pack_path))?;
+    let journal = presence::Journal::open(&dir.path)?;
+    enum Seen {
+        Same,
+        Replace(Vec<u8>, String),
+        Unstable(String),
+    }
+    let h = |b: &[u8]| xxhash_rust::xxh3::xxh3_64(b);
+    for batch in keys.chunks(crate::install::concurrency_or_default(concurrency)) {
+        let seen: Vec<Result<Seen, PullError>> = std::thread::scope(|s| {
+            let hs: Vec<_> = batch
+                .iter()
+                .map(|&((l, e), local)| {
+                    let src = &src;
+                    s.spawn(move || -> Result<Seen, PullError> {
+                        let a = src.fetch(l as usize, e as usize)?;
+                        if h(&a) == local {
+                            return Ok(Seen::Same);
+                        }
+                        let b = src.fetch(l as usize, e as usize)?;
+                        let (ha, hb) = (h(&a), h(&b));
+                        if hb == local {
+                            return Ok(Seen::Same); // the first read was corrupted in transit
+                        }
+                        Ok(if ha == hb {
+                            Seen::Replace(a, format!("local xxh3 {local:016x}, the source's {ha:016x}"))
+                        } else {
+                            Seen::Unstable(format!(
+                                "local xxh3 {local:016x}; two reads of the source gave {ha:016x} and {hb:016x}"
+                            ))
+                        })
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|t| {
+                    t.join()
+                        .unwrap_or_else(|_| Err(PullError::Invalid("verify thread panicked".into())))
+                })
+                .collect()
+        });
+        let mut fix = Vec::new();
+        for (&((l, e), _), r) in batch.iter().zip(seen) {
+            rep.checked += 1;
+            match r? {
+                Seen::Same => {}
+                Seen::Replace(bytes, why) => {
+                    rep.replaced.push((l, e, why));
+                    fix.push((dir.record(l as usize, e as usize), bytes));
+                }
+                Seen::Unstable(why) => rep.unstable.push((l, e, why)),
+            }
+        }
+        if !fix.is_empty() {
+            let items: Vec<_> = fix.iter().map(|(r, b)| (*r, b.as_slice())).collect();
+            presence::commit_records(&pack, &pack_path, &journal, &items)?;
         }
     }
     Ok(rep)

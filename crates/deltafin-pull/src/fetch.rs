@@ -108,6 +108,19 @@ impl Default for StreamIndex {
     }
 }
 
+/// For a streaming install, whether its source checks each record it sends (a deltafin mirror:
+/// `Some(true)`) or not (a Hugging Face layout: `Some(false)`, see
+/// [`HttpRecordSource::checks_records`]); `None` for a full install, whose records all carry the
+/// checksums written by convert or pull.
+///
+/// Errors: the stream index is missing or malformed.
+pub fn source_checks_records(dir: &ModelDir) -> Result<Option<bool>, PullError> {
+    match &dir.manifest.stream {
+        None => Ok(None),
+        Some(s) => Ok(Some(StreamIndex::read(&dir.path, &s.index)?.mirror)),
+    }
+}
+
 /// The [`RecordSource`] of a streaming install: HTTP range reads of the source checkpoint.
 pub struct HttpRecordSource {
     http: Arc<Http>,
@@ -154,6 +167,24 @@ impl HttpRecordSource {
             fetched: AtomicU64::new(0),
             refetched: AtomicU64::new(0),
         })
+    }
+
+    /// Whether each record fetched is checked against a checksum published by the source: true
+    /// for a deltafin mirror (per-record xxh3); false for a Hugging Face layout, which publishes
+    /// a sha256 per file, not per byte range, so a record converted from ranges cannot be
+    /// checked as it arrives (`cache verify --source` compares it with the source later).
+    pub fn checks_records(&self) -> bool {
+        self.index.mirror
+    }
+
+    /// Source files as the server described them at install (size, ETag, sha256), by name.
+    pub fn files(&self) -> &BTreeMap<String, RemoteFile> {
+        &self.index.files
+    }
+
+    /// URL of `file` in the source.
+    pub fn file_url(&self, file: &str) -> String {
+        self.source.file_url(file)
     }
 
     /// Mirror sources: records fetched again after a corrupted body.

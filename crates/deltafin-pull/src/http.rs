@@ -458,6 +458,15 @@ impl Http {
                         }));
                     }
                 }
+                // The published sha256 is a validator too (a file replaced under the same ETag).
+                if let (Some(a), Some(b)) = (&x.sha256, &info.sha256) {
+                    if a != b {
+                        return Err(Fail::Fatal(PullError::SourceChanged {
+                            url: url.to_string(),
+                            message: format!("sha256 {a} at install, {b} now"),
+                        }));
+                    }
+                }
             }
             let body = self.body(got.resp, url)?;
             if body.len() as u64 != len {
@@ -467,6 +476,40 @@ impl Http {
                 )));
             }
             Ok((body, info))
+        })
+    }
+
+    /// Streams the whole body of `url` through sha256 without storing it (`cache verify --source
+    /// --whole-files`). Returns the sha256 (lowercase hex) and the bytes read.
+    ///
+    /// Errors: failing statuses, a body shorter than its `Content-Length`, the retries used up.
+    pub fn sha256_of(&self, url: &str) -> Result<(String, u64), PullError> {
+        self.retry(url, || {
+            let got = self.send(url, None, None)?;
+            if got.status != 200 {
+                return Err(self.status_fail(url, got.status));
+            }
+            let len = header(&got.headers, CONTENT_LENGTH).and_then(|v| v.parse::<u64>().ok());
+            let mut resp = got.resp;
+            let mut h = sha2::Sha256::new();
+            let mut buf = vec![0u8; 1 << 20];
+            let mut n = 0u64;
+            loop {
+                match resp.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(k) => {
+                        self.received.fetch_add(k as u64, Ordering::Relaxed);
+                        h.update(&buf[..k]);
+                        n += k as u64;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(Fail::Retry(format!("reading the body of {url}: {e}"))),
+                }
+            }
+            if len.is_some_and(|l| l != n) {
+                return Err(Fail::Retry(format!("body ended after {n} of {len:?} bytes")));
+            }
+            Ok((h.finalize().iter().map(|b| format!("{b:02x}")).collect(), n))
         })
     }
 

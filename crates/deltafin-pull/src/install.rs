@@ -66,6 +66,10 @@ pub struct PullReport {
     pub records_kept: usize,
     pub seconds: f64,
     pub retries: u64,
+    /// Expert records come (stream) or came (upgrade) by byte range from a Hugging Face
+    /// layout, which publishes a sha256 per file, not per record: they cannot be checked
+    /// against the source as they arrive (issue #19, item 7).
+    pub records_unchecked: bool,
 }
 
 const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -80,6 +84,8 @@ fn refuse_existing(model_dir: &Path, force: bool) -> Result<(), PullError> {
             model_dir.display()
         )));
     }
+    // With --force: before any download, that the directory is a model holding nothing else.
+    deltafin_format::staging::check_replaceable(model_dir, force)?;
     Ok(())
 }
 
@@ -225,6 +231,7 @@ fn upgrade(
             .map(|&(l, e)| dir.record(l as usize, e as usize).length)
             .sum(),
     );
+    let records_unchecked = !src.checks_records();
     let fetched = crate::warm::fetch_records(&dir, &src, &missing, opts.concurrency, &|b| progress.advance(b))?;
     progress.finish();
     let present = deltafin_format::presence::present_checksums(&dir)?;
@@ -254,6 +261,7 @@ fn upgrade(
         records_kept: kept,
         seconds: t0.elapsed().as_secs_f64(),
         retries: http.retries(),
+        records_unchecked,
     })
 }
 
@@ -356,6 +364,7 @@ pub fn pull_stream(
         bytes_fetched: http.bytes_received(),
         seconds: t0.elapsed().as_secs_f64(),
         retries: http.retries(),
+        records_unchecked: true,
         ..PullReport::default()
     })
 }
@@ -613,6 +622,39 @@ fn refuse_convert_options_for_mirror(opts: &PullOptions, m: &Manifest) -> Result
     Ok(())
 }
 
+/// Checks a mirror's downloaded `backbone.bin` at `path` against the tensor checksums of its
+/// manifest; a file that fails is downloaded again, up to the HTTP retry limit. A mirror whose
+/// manifest predates backbone checksums is accepted as is (its size was checked).
+///
+/// Errors: every download fails its checksums (naming the tensor), HTTP errors, I/O.
+fn mirror_backbone(
+    http: &Http,
+    source: &Source,
+    m: &Manifest,
+    path: &Path,
+    transfer: &dyn Transfer,
+) -> Result<(), PullError> {
+    let url = source.file_url(&m.backbone.file);
+    let mut attempt = 1;
+    loop {
+        let bytes = std::fs::read(path).map_err(io_err(path))?;
+        let check = deltafin_format::model_dir::BackboneCheck::of(&m.backbone.tensors, &bytes);
+        let Some((name, why)) = check.failures.first() else {
+            return Ok(());
+        };
+        if attempt >= http.max_attempts() {
+            return Err(PullError::Http {
+                url,
+                message: format!("backbone tensor {name} keeps failing its checksum ({why}; {attempt} downloads)"),
+            });
+        }
+        tracing::warn!("{url}: backbone tensor {name} failed its checksum: downloading the file again");
+        std::fs::remove_file(path).map_err(io_err(path))?;
+        http.download(&url, path, transfer)?;
+        attempt += 1;
+    }
+}
+
 fn mirror_full(
     http: &Arc<Http>,
     source: &Source,
@@ -638,6 +680,7 @@ fn mirror_full(
             http.download(&source.file_url(f), &dest, transfer)?;
         }
     }
+    mirror_backbone(http, source, &m, &dl.join(&m.backbone.file), transfer)?;
     // Every record against the mirror's checksum; a corrupted one is fetched again by range.
     let pack_path = dl.join(&m.experts.file);
     let pack = OpenOptions::new()
@@ -714,6 +757,7 @@ fn mirror_stream(
     if !bb.is_file() {
         http.download(&source.file_url(&m.backbone.file), &bb, transfer)?;
     }
+    mirror_backbone(http, source, &m, &bb, transfer)?;
     let (_, pack_info) = http.get_range(&source.file_url(&m.experts.file), 0, 1, None)?;
     if pack_info.size < m.experts.bytes {
         return Err(PullError::Http {

@@ -25,10 +25,26 @@ enum CacheCmd {
         #[arg(long, value_name = "FILE", num_args = 1..)]
         traces: Vec<PathBuf>,
     },
-    /// Re-check the checksum of every present record (exit status 1 if any fails).
+    /// Re-check the backbone's tensor checksums and the checksum of every present record (exit
+    /// status 1 if any fails).
     Verify {
         #[command(flatten)]
         model_dir: crate::ModelPath,
+        /// Streaming installs: also read every present record again from the install's source
+        /// and compare; a local copy that differs from two agreeing reads is replaced by them.
+        /// Records of a Hugging Face layout have no per-record checksum: this is how they are
+        /// checked against the source.
+        #[arg(long)]
+        source: bool,
+        /// With --source: also stream each source file with a published sha256 whole through
+        /// sha256 (reads the whole checkpoint, stores nothing), to tell whether the source is
+        /// still the checkpoint that was installed.
+        #[arg(long, requires = "source")]
+        whole_files: bool,
+        /// With --source: records read at once.
+        #[arg(long, default_value_t = 4, allow_negative_numbers = true,
+              value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
+        concurrency: usize,
     },
     /// Remove work files of interrupted pulls/converts, torn or failing journal entries, and the
     /// blocks of records that never completed. Run it while nothing else uses the directory.
@@ -69,8 +85,16 @@ pub(crate) fn run(a: &CacheArgs) -> Result<()> {
                 );
             }
         }
-        CacheCmd::Verify { model_dir } => {
+        CacheCmd::Verify {
+            model_dir,
+            source,
+            whole_files,
+            concurrency,
+        } => {
             let r = cache::verify(model_dir)?;
+            for (name, why) in &r.backbone.failures {
+                println!("FAILED backbone tensor {name}: {why}");
+            }
             for (l, e, why) in &r.failures {
                 println!("FAILED layer {l} expert {e}: {why}");
             }
@@ -84,6 +108,18 @@ pub(crate) fn run(a: &CacheArgs) -> Result<()> {
                 println!(
                     "note: a torn final journal entry ({} bytes, from an interruption) is ignored",
                     r.torn_journal_bytes
+                );
+            }
+            if !r.backbone.failures.is_empty() {
+                bail!(
+                    "{}: {} of {} tensors of backbone.bin failed verification{}: the file is damaged; re-run `deltafin convert` (or `deltafin pull`) to write it again",
+                    model_dir.display(),
+                    r.backbone.failures.len(),
+                    r.backbone.failures.len() + r.backbone.verified + r.backbone.unverified,
+                    match r.failures.len() {
+                        0 => String::new(),
+                        n => format!(", and {n} expert records"),
+                    }
                 );
             }
             if !r.ok() {
@@ -106,6 +142,24 @@ pub(crate) fn run(a: &CacheArgs) -> Result<()> {
                     r.checked,
                 );
             }
+            if r.backbone.unverified > 0 {
+                println!(
+                    "backbone: unverified: {} tensors have no checksum (written by a deltafin before backbone checksums; re-run `deltafin convert` or `deltafin pull` to add them)",
+                    r.backbone.unverified
+                );
+            } else {
+                println!("backbone: {} tensors verified", r.backbone.verified);
+            }
+            if r.unverifiable > 0 && !source {
+                println!(
+                    "note: unverifiable: {} present records were converted from byte ranges of a Hugging Face layout, which publishes no checksum for them: their xxh3 was computed on arrival, so this shows them intact since, not equal to the source; `deltafin cache verify --source {}` compares them with it",
+                    r.unverifiable,
+                    model_dir.display()
+                );
+            }
+            if *source {
+                verify_source(model_dir, *whole_files, *concurrency)?;
+            }
             println!("ok: {} present records of {} verified", r.checked, r.total);
         }
         CacheCmd::Gc { model_dir } => {
@@ -122,5 +176,45 @@ pub(crate) fn run(a: &CacheArgs) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// `cache verify --source`: see [`cache::verify_source`].
+fn verify_source(model_dir: &std::path::Path, whole_files: bool, concurrency: usize) -> Result<()> {
+    let http = std::sync::Arc::new(deltafin_pull::Http::new(deltafin_pull::HttpOptions::default())?);
+    let r = cache::verify_source(model_dir, http, whole_files, concurrency)?;
+    for f in &r.files_hashed {
+        println!("source file {f}: sha256 as published at install");
+    }
+    for f in &r.files_without_sha256 {
+        println!("source file {f}: no published sha256, not checked whole");
+    }
+    for (f, why) in &r.files_changed {
+        println!("FAILED source file {f}: {why}");
+    }
+    for (l, e, why) in &r.replaced {
+        println!("FAILED layer {l} expert {e}: differs from the source ({why}); replaced by the source's bytes");
+    }
+    for (l, e, why) in &r.unstable {
+        println!("FAILED layer {l} expert {e}: the source sent different bytes on two reads ({why}); left as it is");
+    }
+    if !r.files_changed.is_empty() {
+        bail!(
+            "{}: {} source files changed since the install: records fetched from them may not belong to this model; install it again (`deltafin pull --force`)",
+            model_dir.display(),
+            r.files_changed.len()
+        );
+    }
+    if !r.ok() {
+        bail!(
+            "{}: {} of {} present records differed from the source ({} replaced by its bytes, {} unstable reads left as they are); run `deltafin cache verify --source` again to confirm",
+            model_dir.display(),
+            r.replaced.len() + r.unstable.len(),
+            r.checked,
+            r.replaced.len(),
+            r.unstable.len()
+        );
+    }
+    println!("source: {} present records equal the source's", r.checked);
     Ok(())
 }

@@ -21,11 +21,12 @@ pub struct InfoArgs {
 
 pub fn run(a: &InfoArgs) -> Result<()> {
     let p = &a.path;
-    let manifest = if p.join("manifest.json").is_file() {
-        Some(ModelDir::open(p)?.manifest)
+    let dir = if p.join("manifest.json").is_file() {
+        Some(ModelDir::open(p)?)
     } else {
         None
     };
+    let manifest = dir.as_ref().map(|d| d.manifest.clone());
     let cfg: ModelConfig = if let Some(m) = &manifest {
         m.config.clone()
     } else {
@@ -72,6 +73,10 @@ pub fn run(a: &InfoArgs) -> Result<()> {
                 "resident backbone          {} ({backbone_dtype} matrices, as stored in this directory)",
                 h(backbone_bytes)
             );
+            if let Some(d) = &dir {
+                println!("backbone checksums         {}", backbone_checksums(d));
+                println!("expert record checksums    {}", record_checksums(d)?);
+            }
             expert_dtype
         }
         None => {
@@ -117,4 +122,26 @@ pub fn run(a: &InfoArgs) -> Result<()> {
     }
     crate::cuda_info::print(resident, f.expert_record);
     Ok(())
+}
+
+/// The `backbone checksums` line of `info` for a model directory (issue #19, item 6).
+fn backbone_checksums(d: &ModelDir) -> String {
+    let n = d.manifest.backbone.tensors.len();
+    if d.backbone_checksummed() {
+        format!("xxh3 per tensor ({n} tensors), verified at load and by `deltafin cache verify`")
+    } else {
+        "none: unverified (written by a deltafin before backbone checksums; re-run `deltafin convert` or `deltafin pull` to add them)".into()
+    }
+}
+
+/// The `expert record checksums` line of `info` for a model directory (issue #19, item 7).
+fn record_checksums(d: &ModelDir) -> Result<String> {
+    Ok(match deltafin_pull::fetch::source_checks_records(d)? {
+        None => "xxh3 per record, written by convert or pull".into(),
+        Some(true) => "xxh3 per record, from the mirror's manifest: each fetched record is checked against it".into(),
+        Some(false) => format!(
+            "unverifiable: records are converted from byte ranges of a Hugging Face layout, which publishes a sha256 per file, not per record; `deltafin cache verify --source {}` compares them with the source",
+            d.path.display()
+        ),
+    })
 }

@@ -184,6 +184,9 @@ pub(crate) fn run(a: &PullArgs) -> Result<()> {
             String::new()
         }
     );
+    if r.records_unchecked {
+        eprintln!("{}", unchecked_note(r.mode, &a.model_dir));
+    }
     if r.mode == "stream" && a.allow_network {
         eprintln!(
             "routed experts are fetched on first use by `deltafin run --model {0} …` (this install allows network access), or ahead of time with `deltafin warm {0}`",
@@ -196,6 +199,18 @@ pub(crate) fn run(a: &PullArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// What `pull` says when expert records come by byte range from a Hugging Face layout, which
+/// publishes a sha256 per file only (issue #19, item 7).
+fn unchecked_note(mode: &str, dir: &Path) -> String {
+    if mode == "upgrade" {
+        return "note: these expert records came by byte range from a Hugging Face layout, which publishes a sha256 per file, not per record: they were not checked against the source (a full pull into a new directory downloads whole, sha256-checked files; a deltafin mirror checks every record)".into();
+    }
+    format!(
+        "note: unverifiable expert records: this source is a Hugging Face layout, which publishes a sha256 per file, not per record, so records fetched by byte range are not checked against it as they arrive; `deltafin cache verify --source {}` compares them with the source later, and a deltafin mirror (see the README) checks every record",
+        dir.display()
+    )
 }
 
 /// The on-demand expert source of a streaming install, kept to report what it fetched.

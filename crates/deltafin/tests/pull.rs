@@ -933,3 +933,164 @@ fn a_gated_repository_installs_by_repository_id_with_a_token() {
         files_containing(t, token.as_bytes())
     );
 }
+fn stdout_of(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr_of(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Issue #19, item 7: a record corrupted in transit from a Hugging Face layout (no per-record
+/// checksum) is stored as received; `pull`, `info` and `cache verify` say such records are
+/// unverifiable, and `cache verify --source` finds the bad one and replaces it from the source.
+#[test]
+fn records_streamed_from_a_hugging_face_layout_are_compared_with_the_source_on_request() {
+    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
+    let px = Proxy::start(ng.port);
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    // bf16 records hold the bf16 source values exactly: any flipped source byte shows.
+    run_ok(&["convert", s(&fixture("dsv3_b")), s(&t.join("ref")), "--experts", "bf16"]);
+    let m = t.join("m");
+    let out = run_ok(&["pull", &px.url("dsv3_b"), s(&m), "--stream", "--experts", "bf16"]);
+    let err = stderr_of(&out);
+    assert!(
+        err.contains("unverifiable") && err.contains("cache verify --source"),
+        "{err}"
+    );
+    let info = stdout_of(&run_ok(&["info", s(&m)]));
+    assert!(info.contains("expert record checksums    unverifiable"), "{info}");
+
+    px.with(|f| f.flip_next_over = Some(10_000));
+    run_ok(&["warm", s(&m), "--allow-network"]);
+    assert!(px.with(|f| f.flip_next_over.is_none()), "no body was corrupted");
+    assert!(
+        read(&t.join("ref/experts.pack")) != read(&m.join("experts.pack")),
+        "the corrupted record was stored"
+    );
+    let v = stdout_of(&run_ok(&["cache", "verify", s(&m)]));
+    assert!(v.contains("unverifiable: 48 present records"), "{v}");
+
+    let out = deltafin()
+        .args(["cache", "verify", s(&m), "--source"])
+        .output()
+        .unwrap();
+    let (so, se) = (stdout_of(&out), stderr_of(&out));
+    assert!(!out.status.success(), "{so}{se}");
+    assert_eq!(so.matches("replaced by the source's bytes").count(), 1, "{so}");
+    assert!(se.contains("1 of 48 present records differed"), "{se}");
+    assert!(!se.contains("panicked"), "{se}");
+    assert!(
+        read(&t.join("ref/experts.pack")) == read(&m.join("experts.pack")),
+        "repaired"
+    );
+    let v = stdout_of(&run_ok(&["cache", "verify", s(&m), "--source", "--whole-files"]));
+    assert!(
+        v.contains("source: 48 present records equal the source's") && v.contains("sha256 as published at install"),
+        "{v}"
+    );
+}
+
+/// Issue #19, item 7: a source file replaced on the server under the same size and ETag gives
+/// records of another checkpoint; `cache verify --source --whole-files` hashes the source files
+/// and says which one changed.
+#[test]
+fn a_source_file_replaced_under_the_same_etag_is_found_by_whole_file_verification() {
+    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("m");
+    run_ok(&["pull", &ng.url("dsv3_b"), s(&m), "--stream"]);
+    let shard = "model-00001-of-00002.safetensors";
+    let served = ng._dir.path().join("srv/dsv3_b/resolve/main").join(shard);
+    let mtime = std::fs::metadata(&served).unwrap().modified().unwrap();
+    let mut b = read(&served);
+    let n = b.len();
+    for x in &mut b[n / 2..n / 2 + 4096] {
+        *x ^= 0x10;
+    }
+    std::fs::write(&served, &b).unwrap();
+    // Same size and modification time: nginx sends the same ETag.
+    std::fs::File::options()
+        .write(true)
+        .open(&served)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    run_ok(&["warm", s(&m), "--allow-network"]);
+    let out = deltafin()
+        .args(["cache", "verify", s(&m), "--source", "--whole-files"])
+        .output()
+        .unwrap();
+    let (so, se) = (stdout_of(&out), stderr_of(&out));
+    assert!(!out.status.success(), "{so}{se}");
+    assert!(so.contains(&format!("FAILED source file {shard}")), "{so}");
+    assert!(
+        se.contains("changed since the install") && !se.contains("panicked"),
+        "{se}"
+    );
+}
+
+/// Issue #19, item 8: `pull --full --force` onto a model directory that also holds other files
+/// is refused before anything is downloaded, and nothing is lost.
+#[test]
+fn pull_force_refuses_a_model_directory_holding_other_files() {
+    let Some(ng) = Nginx::start(&["dsv3_a"]) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let m = t.join("m");
+    local_convert("dsv3_c", &m);
+    std::fs::create_dir(m.join("src")).unwrap();
+    std::fs::write(m.join("src/lib.rs"), "// mine").unwrap();
+    for mode in ["--full", "--stream"] {
+        let out = deltafin()
+            .args(["pull", &ng.url("dsv3_a"), s(&m), mode, "--force"])
+            .output()
+            .unwrap();
+        let err = stderr_of(&out);
+        assert!(
+            !out.status.success() && err.contains("did not write") && err.contains("src"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read_to_string(m.join("src/lib.rs")).unwrap(), "// mine");
+        assert!(!t.join(".m.download").exists() && !t.join(".m.stream-src").exists());
+    }
+    std::fs::remove_dir_all(m.join("src")).unwrap();
+    run_ok(&["pull", &ng.url("dsv3_a"), s(&m), "--full", "--force"]);
+}
+
+/// Issue #19, item 6: a mirror's `backbone.bin` corrupted in transit is caught by the backbone
+/// checksums of the mirror's manifest and downloaded again.
+#[test]
+fn a_mirror_backbone_corrupted_in_transit_is_downloaded_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    run_ok(&["synth", "--preset", "tiny", "--out", s(&t.join("src"))]);
+    let Some(ng) = Nginx::start_with(&[], &[("mirror", &t.join("src"))]) else {
+        return;
+    };
+    let px = Proxy::start(ng.port);
+    let bb = std::fs::metadata(t.join("src/backbone.bin")).unwrap().len() as usize;
+    let biggest_before = [
+        "manifest.json",
+        "tokenizer.json",
+        "config.json",
+        "tokenizer_config.json",
+    ]
+    .iter()
+    .filter_map(|f| std::fs::metadata(t.join("src").join(f)).ok())
+    .map(|m| m.len() as usize)
+    .max()
+    .unwrap_or(0);
+    assert!(biggest_before < bb, "the flip must land in backbone.bin");
+    for (mode, dir) in [("--stream", "st"), ("--full", "full")] {
+        px.with(|f| {
+            f.flip_next_over = Some(bb);
+            f.log.clear();
+        });
+        run_ok(&["pull", &px.url("mirror"), s(&t.join(dir)), mode, "--flat"]);
+        assert!(read(&t.join("src/backbone.bin")) == read(&t.join(dir).join("backbone.bin")));
+        let gets = px.with(|f| f.log.iter().filter(|l| l.contains("backbone.bin")).count());
+        assert_eq!(gets, 2, "{:?}", px.with(|f| f.log.clone()));
+    }
+}
