@@ -234,6 +234,7 @@ fn special_tokens_are_kept_only_when_asked() {
             top_p: 1.0,
             top_k: 0,
             seed: Some(seed),
+            ..Default::default()
         };
         r.keep_special_tokens = keep;
         s.generate(&r, &never, |_| true).unwrap()
