@@ -52,7 +52,7 @@ trap cleanup EXIT INT TERM
 PORT="$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 KEY="test-key-$$"
 "$BIN" serve --model "$WORK/dsv3-a" --host 127.0.0.1 --port "$PORT" --api-key "$KEY" \
-    --max-request-bytes 1MiB --debug-step-delay-ms 20 > "$WORK/server.log" 2>&1 &
+    --max-request-bytes 1MiB --max-queue 2 --debug-step-delay-ms 20 > "$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 for i in $(seq 300); do
     if "$VENV/bin/python" -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=1)" 2>/dev/null; then

@@ -11,6 +11,7 @@ import http.client
 import json
 import os
 import re
+import socket
 import threading
 import time
 import urllib.parse
@@ -336,10 +337,28 @@ def test_malformed_json_unknown_fields_and_sdk_errors(oa):
 
 
 def test_body_over_limit_is_413():
-    big = json.dumps({"model": MODEL, "prompt": "x" * (3 << 20)})
-    status, _, data = raw("POST", "/v1/completions", big)
-    assert status == 413
-    assert_openai_error(data)
+    # The server answers from the declared Content-Length, before the body arrives, and closes
+    # the connection (a client still sending then gets a broken pipe): send the headers and a
+    # few bytes only, then read the answer.
+    s = socket.create_connection((HOST.hostname, HOST.port), timeout=10)
+    s.sendall(
+        (
+            "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {3 << 20}\r\n\r\n"
+        ).encode()
+        + b'{"model": "'
+    )
+    data = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"413", head
+    assert b'"error"' in body, body
 
 
 def test_unknown_route_is_404_json():
@@ -429,30 +448,40 @@ def test_openai_reasoning_effort_and_template_kwargs(oa):
 # ---------------------------------------------------------------- scheduling, cancellation, reuse
 
 
-def test_twenty_concurrent_requests_one_runs():
-    body = {"model": MODEL, "messages": HELLO, "max_tokens": 80, **NO_EOS}
+def test_twenty_concurrent_requests_one_runs_two_queue():
+    # run.sh starts the server with --max-queue 2: one generation runs, two wait their turn in
+    # arrival order, the other 17 get 429 at once, OpenAI- or Anthropic-shaped by endpoint.
+    chat = {"model": MODEL, "messages": HELLO, "max_tokens": 80, **NO_EOS}
+    msgs = {"model": MODEL, "messages": HELLO, "max_tokens": 80}
     barrier = threading.Barrier(20)
     results = [None] * 20
 
     def go(k):
         barrier.wait()
-        results[k] = raw("POST", "/v1/chat/completions", body)
+        if k % 2:
+            results[k] = ("anthropic", raw("POST", "/v1/messages", msgs,
+                                           headers={"x-api-key": KEY, "Authorization": ""}))
+        else:
+            results[k] = ("openai", raw("POST", "/v1/chat/completions", chat))
 
     threads = [threading.Thread(target=go, args=(k,)) for k in range(20)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    statuses = sorted(r[0] for r in results)
-    assert statuses.count(200) == 1, statuses
-    assert statuses.count(429) == 19, statuses
-    for status, headers, data in results:
+    statuses = sorted(r[1][0] for r in results)
+    assert statuses.count(200) == 3, statuses
+    assert statuses.count(429) == 17, statuses
+    for kind, (status, headers, data) in results:
         if status == 429:
             assert "retry-after" in headers
-            assert_openai_error(data)
-            assert data["error"]["type"] == "rate_limit_error"
+            if kind == "openai":
+                assert_openai_error(data)
+                assert data["error"]["type"] == "rate_limit_error"
+            else:
+                assert data["type"] == "error" and data["error"]["type"] == "rate_limit_error"
     assert raw("GET", "/health")[0] == 200
-    assert raw("POST", "/v1/chat/completions", {**body, "max_tokens": 2})[0] == 200
+    assert raw("POST", "/v1/chat/completions", {**chat, "max_tokens": 2})[0] == 200
 
 
 def test_models_health_metrics_answer_during_generation(oa):
@@ -464,13 +493,11 @@ def test_models_health_metrics_answer_during_generation(oa):
     assert raw("GET", "/v1/models")[0] == 200
     assert raw("GET", "/metrics")[0] == 200
     assert metric("deltafin_generation_active") == 1
-    status, headers, _ = raw("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
-    assert status == 429 and headers["retry-after"]
-    status, headers, data = raw("POST", "/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": HELLO},
-                                headers={"x-api-key": KEY, "Authorization": ""})
-    assert status == 429 and headers["retry-after"]
-    assert data["type"] == "error" and data["error"]["type"] == "rate_limit_error"
+    assert metric("deltafin_queue_depth") == 0
     assert time.time() - t0 < 2
+    # A second request waits its turn (the queue) and is answered after the running one.
+    status, _, data = raw("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert status == 200 and data["choices"][0]["finish_reason"] in ("stop", "length")
     rest = "".join(c.choices[0].delta.content or "" for c in it if c.choices)
     assert isinstance(rest, str)
 
