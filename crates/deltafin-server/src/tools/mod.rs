@@ -29,6 +29,19 @@ mod tagged;
 use deltafin_tokenizer::Tokenizer;
 use serde_json::Value;
 
+/// The spec of a marker-based family (Harmony has its own parser). Kept here, beside the
+/// family modules, so that `tagged` (the shared parser) does not import the families that
+/// import it.
+fn spec(family: Family) -> &'static tagged::Spec {
+    match family {
+        Family::KimiK2 => &kimi_k2::SPEC,
+        Family::KimiK3 => &kimi_k3::SPEC,
+        Family::DeepSeek => &deepseek::SPEC,
+        Family::Qwen => &qwen::SPEC,
+        Family::Think | Family::Harmony => &tagged::THINK_ONLY,
+    }
+}
+
 /// What the parser found in the generated text, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
@@ -104,7 +117,7 @@ impl Family {
     fn markers(self) -> Vec<&'static str> {
         match self {
             Family::Harmony => harmony::MARKERS.to_vec(),
-            f => tagged::spec(f).all_markers(),
+            f => spec(f).all_markers(),
         }
     }
 
@@ -189,7 +202,7 @@ impl Parser {
     pub fn new(family: Family, options: Options) -> Parser {
         let inner = match family {
             Family::Harmony => Inner::Harmony(harmony::Harmony::new(options)),
-            f => Inner::Tagged(tagged::Tagged::new(tagged::spec(f), options)),
+            f => Inner::Tagged(tagged::Tagged::new(spec(f), options)),
         };
         Parser { inner }
     }

@@ -2,7 +2,7 @@
 //! an optional section around the calls, and calls between a begin and an end marker. Each
 //! family supplies its markers and how to read one call's inside ([`Spec`]).
 
-use super::{find_first, held_suffix, Call, Event, Family, Options};
+use super::{find_first, held_suffix, Call, Event, Options};
 
 pub(crate) const THINK_OPEN: &str = "<think>";
 pub(crate) const THINK_CLOSE: &str = "</think>";
@@ -43,7 +43,8 @@ fn no_calls(_: &str, _: &str, _: &Options) -> Option<Call> {
     None
 }
 
-static THINK_ONLY: Spec = Spec {
+/// Reasoning markers only (tokenizers with `<think>` and no known call markup).
+pub(crate) static THINK_ONLY: Spec = Spec {
     think: Some((THINK_OPEN, THINK_CLOSE)),
     section_begin: &[],
     section_end: &[],
@@ -52,17 +53,6 @@ static THINK_ONLY: Spec = Spec {
     drop: &[],
     parse_call: no_calls,
 };
-
-/// The spec of a marker-based family (Harmony has its own parser).
-pub(crate) fn spec(family: Family) -> &'static Spec {
-    match family {
-        Family::KimiK2 => &super::kimi_k2::SPEC,
-        Family::KimiK3 => &super::kimi_k3::SPEC,
-        Family::DeepSeek => &super::deepseek::SPEC,
-        Family::Qwen => &super::qwen::SPEC,
-        Family::Think | Family::Harmony => &THINK_ONLY,
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
