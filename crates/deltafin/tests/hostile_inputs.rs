@@ -4,68 +4,23 @@
 //! tokenizer. Each bad input must give exactly one error line naming what is wrong, promptly,
 //! with no panic and nothing written; each unusual but valid one must work.
 
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Output;
-use std::time::Duration;
 
 use assert_cmd::Command;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
+mod common;
+use common::{deltafin_within, exec, expect_error, ok, text};
 use serde_json::{json, Value};
 
 fn deltafin() -> Command {
-    let mut c = Command::new(assert_cmd::cargo::cargo_bin!("deltafin"));
     // Every case here must answer at once; a hang (the FIFO cases before the fix) is a failure.
-    c.timeout(Duration::from_secs(60));
-    c
+    deltafin_within(60)
 }
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn exec(cmd: &mut Command) -> Output {
-    cmd.output().expect("running deltafin")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn ok(out: Output) -> Output {
-    assert!(
-        out.status.success(),
-        "deltafin failed ({}):\nstdout: {}\nstderr: {}",
-        out.status,
-        text(&out.stdout),
-        text(&out.stderr)
-    );
-    out
-}
-
-/// Asserts a clean failure: a non-zero exit (not a signal: a timeout kills), no panic, exactly
-/// one error line containing every needle.
-fn expect_error(out: &Output, needles: &[&str]) -> String {
-    let stderr = text(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "expected a failure, got success\nstderr: {stderr}"
-    );
-    assert!(
-        out.status.code().is_some(),
-        "deltafin died from signal {:?} (killed by the timeout?)\nstderr: {stderr}",
-        out.status.signal()
-    );
-    assert!(!stderr.contains("panicked"), "deltafin panicked:\n{stderr}");
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "expected one error line, got:\n{stderr}");
-    let line = lines[0];
-    assert!(line.starts_with("error: "), "not an error line: {line}");
-    for n in needles {
-        assert!(line.contains(n), "error line lacks {n:?}: {line}");
-    }
-    line.to_string()
 }
 
 /// A writable copy of fixture `case` (e.g. `deepseek_v3/dsv3_a`) in `tmp/hf`.

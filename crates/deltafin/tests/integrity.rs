@@ -3,67 +3,22 @@
 //! backbone checksums still load and are reported as unverified; `--force` never deletes files
 //! deltafin did not write; a manifest cannot make deltafin read or write outside its directory.
 
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Output;
-use std::time::Duration;
 
 use assert_cmd::Command;
+mod common;
+use common::{deltafin_within, exec, expect_error, ok, text};
 use serde_json::Value;
 
 fn deltafin() -> Command {
-    let mut c = Command::new(assert_cmd::cargo::cargo_bin!("deltafin"));
-    c.timeout(Duration::from_secs(120));
-    c
+    deltafin_within(120)
 }
 
 fn fixture(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/deepseek_v3")
         .join(case)
-}
-
-fn exec(cmd: &mut Command) -> Output {
-    cmd.output().expect("running deltafin")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn ok(out: Output) -> Output {
-    assert!(
-        out.status.success(),
-        "deltafin failed ({}):\nstdout: {}\nstderr: {}",
-        out.status,
-        text(&out.stdout),
-        text(&out.stderr)
-    );
-    out
-}
-
-/// A clean failure: non-zero exit, no signal, no panic, one `error:` line holding every needle.
-fn expect_error(out: &Output, needles: &[&str]) -> String {
-    let stderr = text(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "expected a failure\nstdout: {}\nstderr: {stderr}",
-        text(&out.stdout)
-    );
-    assert!(
-        out.status.code().is_some(),
-        "signal {:?}: {stderr}",
-        out.status.signal()
-    );
-    assert!(!stderr.contains("panicked"), "panicked:\n{stderr}");
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "expected one error line, got:\n{stderr}");
-    let line = lines[0];
-    assert!(line.starts_with("error: "), "not an error line: {line}");
-    for n in needles {
-        assert!(line.contains(n), "error line lacks {n:?}: {line}");
-    }
-    line.to_string()
 }
 
 fn convert(hf: &Path, out: &Path, extra: &[&str]) -> Output {

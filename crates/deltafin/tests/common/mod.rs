@@ -1,0 +1,64 @@
+//! Helpers shared by the CLI test files that drive the real `deltafin` binary and demand clean
+//! one-line failures (`hostile_inputs.rs`, `integrity.rs`).
+
+#![allow(dead_code)]
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::Output;
+use std::time::Duration;
+
+use assert_cmd::Command;
+
+/// The `deltafin` binary with a wall-clock limit of `secs` (a hang fails the test).
+pub fn deltafin_within(secs: u64) -> Command {
+    let mut c = Command::new(assert_cmd::cargo::cargo_bin!("deltafin"));
+    c.timeout(Duration::from_secs(secs));
+    c
+}
+
+/// Runs `cmd` and returns its output.
+pub fn exec(cmd: &mut Command) -> Output {
+    cmd.output().expect("running deltafin")
+}
+
+/// Bytes as text, lossily.
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Asserts the command succeeded, showing its output otherwise.
+pub fn ok(out: Output) -> Output {
+    assert!(
+        out.status.success(),
+        "deltafin failed ({}):\nstdout: {}\nstderr: {}",
+        out.status,
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    out
+}
+
+/// Asserts a clean failure: a non-zero exit (not a signal: a timeout kills), no panic, exactly
+/// one `error:` line on stderr containing every needle. Returns that line.
+pub fn expect_error(out: &Output, needles: &[&str]) -> String {
+    let stderr = text(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "expected a failure, got success\nstdout: {}\nstderr: {stderr}",
+        text(&out.stdout)
+    );
+    assert!(
+        out.status.code().is_some(),
+        "deltafin died from signal {:?} (killed by the timeout?)\nstderr: {stderr}",
+        out.status.signal()
+    );
+    assert!(!stderr.contains("panicked"), "deltafin panicked:\n{stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "expected one error line, got:\n{stderr}");
+    let line = lines[0];
+    assert!(line.starts_with("error: "), "not an error line: {line}");
+    for n in needles {
+        assert!(line.contains(n), "error line lacks {n:?}: {line}");
+    }
+    line.to_string()
+}
