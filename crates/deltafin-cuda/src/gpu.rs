@@ -48,6 +48,9 @@ pub const ENTRY_POINTS: &[&str] = &[
     "swiglu",
     "axpy",
     "copy16",
+    "moe_gate_up_mxfp4",
+    "moe_down_mxfp4",
+    "moe_combine",
 ];
 
 pub(crate) struct Kernels(std::collections::HashMap<&'static str, CudaFunction>);
@@ -65,7 +68,6 @@ impl Kernels {
 /// in submission order.
 pub struct Gpu {
     info: DeviceInfo,
-    #[allow(dead_code)]
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
@@ -215,6 +217,55 @@ impl Gpu {
     /// A driver error, including one raised by an earlier kernel on the stream.
     pub fn download<T: cudarc::driver::DeviceRepr>(&self, buf: &CudaSlice<T>) -> Result<Vec<T>, CudaError> {
         self.stream.clone_dtoh(buf).ctx("cuMemcpyDtoH")
+    }
+
+    /// Copies `data` into the existing buffer `dst` (same length). The host slice is pageable
+    /// memory, so this returns after the copy (and everything queued before it) is done.
+    ///
+    /// # Errors
+    /// `Shape` when the lengths differ; a driver error.
+    pub fn upload_into(&self, data: &[f32], dst: &mut GpuBuf) -> Result<(), CudaError> {
+        if data.len() != dst.len() {
+            return Err(CudaError::Shape(format!(
+                "upload_into: {} host elements into a buffer of {}",
+                data.len(),
+                dst.len()
+            )));
+        }
+        self.stream.memcpy_htod(data, dst).ctx("cuMemcpyHtoD")
+    }
+
+    /// Copies the device buffer `src` into `dst` (same length); waits for the stream.
+    ///
+    /// # Errors
+    /// `Shape` when the lengths differ; a driver error, including one raised by an earlier kernel.
+    pub fn download_into(&self, src: &GpuBuf, dst: &mut [f32]) -> Result<(), CudaError> {
+        if src.len() != dst.len() {
+            return Err(CudaError::Shape(format!(
+                "download_into: a buffer of {} into {} host elements",
+                src.len(),
+                dst.len()
+            )));
+        }
+        self.stream.memcpy_dtoh(src, dst).ctx("cuMemcpyDtoH")?;
+        self.synchronize()
+    }
+
+    /// Sets every element of `buf` to 0.0 (on the stream).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn fill_zero(&self, buf: &mut GpuBuf) -> Result<(), CudaError> {
+        self.stream.memset_zeros(buf).ctx("cuMemsetD8")
+    }
+
+    /// Free device memory now, bytes (`cuMemGetInfo`).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn free_bytes(&self) -> Result<u64, CudaError> {
+        let (free, _total) = self.ctx.mem_get_info().ctx("cuMemGetInfo")?;
+        Ok(free as u64)
     }
 
     /// Waits until everything queued so far has finished.

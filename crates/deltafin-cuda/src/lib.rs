@@ -19,11 +19,13 @@ mod attention;
 mod device;
 mod gpu;
 mod mat;
+mod moe;
 
 pub use attention::MlaShape;
 pub use device::{probe, DeviceInfo};
 pub use gpu::{compile_ptx, ptx_cache_dir, Gpu, GpuBuf, ENTRY_POINTS};
 pub use mat::{Decode, GpuMat, GpuMatData, Kernel};
+pub use moe::MOE_MAX_K;
 
 /// Everything that can go wrong on the CUDA side, each with the context a user needs.
 #[derive(Debug, thiserror::Error)]

@@ -6,7 +6,7 @@ use std::str::FromStr;
 use deltafin_format::{ModelConfig, ModelDir};
 
 use crate::experts::StoreOptions;
-use crate::model::{load_model, CausalLm};
+use crate::model::{load_model, CausalLm, FiniteLogits};
 use crate::EngineError;
 
 /// A compute device as the user names it.
@@ -47,6 +47,18 @@ impl fmt::Display for Device {
     }
 }
 
+/// GPU placement options (`--gpu-budget`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GpuOptions {
+    /// Bytes of device memory for routed experts (the GPU expert cache); `None`: what the
+    /// device has free after the backbone, less a margin for the KV cache and work buffers.
+    pub budget: Option<u64>,
+    /// Read every routed expert into the GPU expert cache at load, in file order, until the
+    /// budget is full (`--gpu-preload`): decode then starts with the experts on the device, as
+    /// an all-on-GPU engine does, at the cost of reading the pack once at start.
+    pub preload: bool,
+}
+
 /// Why `config`'s family cannot run on CUDA yet, or `None` when it can (DeepSeek-V3 / Kimi K2).
 pub fn cuda_unsupported(config: &ModelConfig) -> Option<String> {
     match config {
@@ -67,6 +79,7 @@ pub fn load_model_on(
     dir: &ModelDir,
     opts: StoreOptions,
     device: Device,
+    gpu: GpuOptions,
 ) -> Result<(Box<dyn CausalLm>, Device), EngineError> {
     let config = &dir.manifest.config;
     let device = match device {
@@ -88,10 +101,22 @@ pub fn load_model_on(
             if let Some(why) = cuda_unsupported(config) {
                 return Err(EngineError::Invalid(format!("--device {device}: {why}")));
             }
-            let m = crate::models::DeepseekV3Cuda::load_with(dir, opts, n)
+            let m = crate::models::DeepseekV3Cuda::load_with(dir, opts, n, gpu)
                 .map_err(|e| EngineError::Invalid(format!("--device {device}: {e}")))?;
-            Ok((Box::new(m), device))
+            Ok((Box::new(FiniteLogits(Box::new(m))), device))
         }
-        _ => Ok((load_model(dir, opts)?, Device::Cpu)),
+        _ => {
+            if let Some(b) = gpu.budget {
+                return Err(EngineError::Invalid(format!(
+                    "--gpu-budget {b}: the model computes on the CPU (give --device cuda)"
+                )));
+            }
+            if gpu.preload {
+                return Err(EngineError::Invalid(
+                    "--gpu-preload: the model computes on the CPU (give --device cuda)".into(),
+                ));
+            }
+            Ok((load_model(dir, opts)?, Device::Cpu))
+        }
     }
 }

@@ -18,6 +18,7 @@ pub mod blocks;
 pub mod device;
 pub mod experts;
 pub mod generate;
+pub mod gpu_experts;
 pub mod gqa;
 pub mod mem;
 pub mod model;
@@ -76,6 +77,7 @@ pub enum EngineError {
 }
 
 pub use blocked_attention::MlaForm;
-pub use device::{load_model_on, Device};
+pub use device::{load_model_on, Device, GpuOptions};
+pub use gpu_experts::GpuCacheStats;
 pub use model::BatchForm;
 pub use model::{load_model, CausalLm, DecodeState, LayerRoutes, Numerics, Profile};

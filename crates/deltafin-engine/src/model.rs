@@ -195,6 +195,11 @@ pub trait CausalLm: Send + Sync {
     fn store(&self) -> &Arc<ExpertStore> {
         &self.routed().store
     }
+
+    /// Counters of the GPU expert cache when the model computes on a GPU (`None` on the CPU).
+    fn gpu_cache_stats(&self) -> Option<crate::gpu_experts::GpuCacheStats> {
+        None
+    }
 }
 
 /// Loads the model in `dir` with the family its manifest names, the backbone resident and the
@@ -294,6 +299,9 @@ impl CausalLm for FiniteLogits {
     }
     fn store(&self) -> &Arc<ExpertStore> {
         self.0.store()
+    }
+    fn gpu_cache_stats(&self) -> Option<crate::gpu_experts::GpuCacheStats> {
+        self.0.gpu_cache_stats()
     }
 }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest, Session};
-use deltafin_engine::{load_model_on, CausalLm};
+use deltafin_engine::CausalLm;
 use deltafin_format::ModelDir;
 use deltafin_tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -38,10 +38,8 @@ pub struct ChatArgs {
     /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
     #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
     ram_budget: Option<u64>,
-    /// Where to compute: `cpu` (the default), `cuda` / `cuda:N` (DeepSeek-V3 / Kimi K2 so far;
-    /// other families are refused) or `auto`, as for `run`.
-    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
-    device: deltafin_engine::Device,
+    #[command(flatten)]
+    device: crate::device_args::DeviceArgs,
     #[command(flatten)]
     store: crate::StoreArgs,
     #[command(flatten)]
@@ -75,10 +73,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
     let mut store_opts = a.store.options(budget, &dir)?;
     let network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     crate::pull_cmd::warn_unfetched_records(&network, &dir, false)?;
-    let (model, device) = load_model_on(&dir, store_opts, a.device)?;
-    if device != deltafin_engine::Device::Cpu {
-        eprintln!("computing on {device}");
-    }
+    let model = a.device.load(&dir, store_opts)?;
     if a.store.cache_policy == deltafin_engine::experts::CachePolicy::Pinned {
         model.store().warm_pinned();
     }

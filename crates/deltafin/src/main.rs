@@ -5,6 +5,7 @@ mod cache_cmd;
 mod chat;
 mod cuda_info;
 mod demo;
+mod device_args;
 mod info_cmd;
 mod log;
 mod pull_cmd;
@@ -25,7 +26,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use deltafin_engine::experts::{CachePolicy, IoMode, StoreOptions};
 use deltafin_engine::generate::{generate, GenerateOptions, GenerateStats};
 use deltafin_engine::speculate::Drafter;
-use deltafin_engine::{load_model_on, BatchForm, CausalLm, Device};
+use deltafin_engine::{BatchForm, CausalLm};
 use deltafin_format::convert::{convert, ConvertOptions, Progress};
 use deltafin_format::{ModelDir, StoredDtype};
 use deltafin_tokenizer::Tokenizer;
@@ -173,21 +174,14 @@ struct RunArgs {
     /// no experts (the compute-only side of the overlap measurement). Output is not the model's.
     #[arg(long)]
     compute_only: bool,
-    /// Where to compute: `cpu` (the default), `cuda` or `cuda:N` (DeepSeek-V3 / Kimi K2 so far;
-    /// other families are refused), or `auto` (cuda:0 when a CUDA device is present and the
-    /// family runs there, else the CPU, with a note saying why).
-    #[arg(long, default_value = "cpu", value_parser = parse_device)]
-    device: Device,
+    #[command(flatten)]
+    device: device_args::DeviceArgs,
     #[command(flatten)]
     sampling: sampling_args::SamplingArgs,
     #[command(flatten)]
     store: StoreArgs,
     #[command(flatten)]
     passes: PassArgs,
-}
-
-pub(crate) fn parse_device(s: &str) -> Result<Device, String> {
-    s.parse()
 }
 
 /// A model directory, given positionally or with `--model` (either, not both), the same way
@@ -661,10 +655,7 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     let mut store_opts = a.store.options(budget, &dir)?;
     let network = pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     pull_cmd::warn_unfetched_records(&network, &dir, false)?;
-    let (mut model, device) = load_model_on(&dir, store_opts, a.device)?;
-    if device != Device::Cpu {
-        eprintln!("computing on {device}");
-    }
+    let mut model = a.device.load(&dir, store_opts)?;
     a.passes.warn_unsupported(model.as_ref());
     let ctx = model.context_length();
     if prompt_ids.len().saturating_add(a.max_new_tokens) > ctx {
@@ -865,6 +856,21 @@ fn stats_json(out: &deltafin_engine::generate::GenerateOutput, model: &dyn Causa
             "bytes_per_pass_token": s.speculation.bytes_per_pass_token(),
         },
         "steps": s.steps,
+        "gpu_expert_cache": model.gpu_cache_stats().map(gpu_cache_json),
+    })
+}
+
+/// The GPU expert cache's counters in `--stats-json`.
+fn gpu_cache_json(g: deltafin_engine::GpuCacheStats) -> serde_json::Value {
+    serde_json::json!({
+        "budget_bytes": g.budget_bytes,
+        "resident_bytes": g.resident_bytes,
+        "hits": g.hits,
+        "misses": g.misses,
+        "hit_rate": g.hit_rate(),
+        "evictions": g.evictions,
+        "bytes_uploaded": g.bytes_uploaded,
+        "upload_s": g.upload_ns as f64 * 1e-9,
     })
 }
 
@@ -940,6 +946,18 @@ pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &dyn CausalLm, 
         );
     }
     eprintln!("steady decode        {decode}");
+    if let Some(g) = model.gpu_cache_stats() {
+        eprintln!(
+            "GPU expert cache     {} of {} resident, {} hits, {} misses ({} copied to the device in {:.3} s), {} evictions",
+            size::human(g.resident_bytes),
+            size::human(g.budget_bytes),
+            g.hits,
+            g.misses,
+            size::human(g.bytes_uploaded),
+            g.upload_ns as f64 * 1e-9,
+            g.evictions
+        );
+    }
     eprintln!(
         "routed-expert bytes  {} read from storage ({} misses, {} hits, {} evictions)",
         size::human(s.experts.bytes_read_demand),

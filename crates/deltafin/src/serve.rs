@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use deltafin_engine::session::Session;
-use deltafin_engine::{load_model, CausalLm};
+use deltafin_engine::CausalLm;
 use deltafin_format::ModelDir;
 use deltafin_server::ServerConfig;
 use deltafin_tokenizer::Tokenizer;
@@ -37,6 +37,8 @@ pub struct ServeArgs {
     /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
     #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
     ram_budget: Option<u64>,
+    #[command(flatten)]
+    device: crate::device_args::DeviceArgs,
     #[command(flatten)]
     store: crate::StoreArgs,
     #[command(flatten)]
@@ -113,7 +115,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     let mut store_opts = a.store.options(budget, &dir)?;
     let network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     crate::pull_cmd::warn_unfetched_records(&network, &dir, true)?;
-    let model = load_model(&dir, store_opts)?;
+    let model = a.device.load(&dir, store_opts)?;
     if a.store.cache_policy == deltafin_engine::experts::CachePolicy::Pinned {
         model.store().warm_pinned();
     }

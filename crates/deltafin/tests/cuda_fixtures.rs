@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use deltafin_engine::experts::StoreOptions;
 use deltafin_engine::generate::{generate, GenerateOptions};
-use deltafin_engine::{load_model_on, Device};
+use deltafin_engine::{load_model_on, Device, GpuOptions};
 use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
 use deltafin_format::{ModelDir, StoredDtype};
 use serde_json::Value;
@@ -61,7 +61,7 @@ fn convert_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, out: &
 
 /// Greedy ids and per-step logits of every prompt of `case` on `device`.
 fn run(dir: &ModelDir, device: Device, expected: &Value) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
-    let (model, _) = load_model_on(dir, StoreOptions::new(1 << 30), device).unwrap();
+    let (model, _) = load_model_on(dir, StoreOptions::new(1 << 30), device, GpuOptions::default()).unwrap();
     expected["prompts"]
         .as_array()
         .unwrap()
@@ -139,7 +139,7 @@ fn other_families_are_refused_on_cuda_with_one_line() {
     let case = &cases("qwen3_moe")[0];
     let tmp = tempfile::tempdir().unwrap();
     let dir = convert_case(case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("m"));
-    let e = load_model_on(&dir, StoreOptions::new(1 << 30), Device::Cuda(0))
+    let e = load_model_on(&dir, StoreOptions::new(1 << 30), Device::Cuda(0), GpuOptions::default())
         .err()
         .unwrap()
         .to_string();

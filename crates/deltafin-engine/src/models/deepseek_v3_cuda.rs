@@ -17,16 +17,21 @@
 //! deterministic run to run and agrees with the CPU path to f32 rounding; greedy ids are checked
 //! against the CPU path (`deltafin run --device cuda` vs `--device cpu`, bench/NOTES.md).
 //!
-//! Not yet on the GPU (refused by `load`'s caller or done per token): self-drafting, the batched
-//! prefill (a prompt runs token by token), a GPU expert cache (each chosen expert's record is
-//! copied to the device when used).
+//! Routed experts: a GPU expert cache ([`crate::gpu_experts`]) holds the experts used most
+//! recently within `--gpu-budget`; a miss is read through the expert store (the host cache is
+//! the second tier) and copied to the device once.
+//!
+//! Not yet on the GPU (done per token): self-drafting, the batched prefill (a prompt runs token
+//! by token).
 
 use std::sync::{Arc, Mutex};
 
-use deltafin_cuda::{CudaError, Gpu, GpuBuf, GpuMat, MlaShape};
+use deltafin_cuda::{CudaError, Gpu, GpuBuf, GpuMat, MlaShape, MOE_MAX_K};
 use deltafin_format::{ModelConfig, ModelDir};
 
+use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
+use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{state_as, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
 use crate::models::DeepseekV3;
@@ -137,6 +142,43 @@ impl DecodeState for GpuKvCache {
     }
 }
 
+/// Device buffers of one token's forward pass, allocated once at load (no allocation on the
+/// decode path except the attention scores, which grow with the context).
+struct Work {
+    /// The residual stream `[hidden]`.
+    x: GpuBuf,
+    /// A normalized copy of `x` `[hidden]`.
+    xn: GpuBuf,
+    /// RoPE `[cos[half], sin[half]]` of the position.
+    cs: GpuBuf,
+    // Attention.
+    q: GpuBuf,
+    qa: GpuBuf,
+    qan: GpuBuf,
+    ckv: GpuBuf,
+    latent: GpuBuf,
+    k_pe: GpuBuf,
+    heads: GpuBuf,
+    scores: GpuBuf,
+    /// A block's output `[hidden]` (attention, dense MLP, one expert).
+    out: GpuBuf,
+    /// The MoE block's weighted sum `[hidden]`.
+    acc: GpuBuf,
+    // SwiGLU intermediates, `[intermediate_size]` (dense) and `[moe_intermediate_size]`.
+    dense: [GpuBuf; 3],
+    expert: [GpuBuf; 3],
+    /// The shared experts' intermediates `[n_shared * moe_intermediate_size]` and output.
+    shared_t: [GpuBuf; 3],
+    shared_out: GpuBuf,
+    /// The fused routed experts' scratch: `[MOE_MAX_K, moe_intermediate_size]`,
+    /// `[MOE_MAX_K, hidden]`.
+    moe_h: GpuBuf,
+    moe_y: GpuBuf,
+    router_logits: GpuBuf,
+    router_host: Vec<f32>,
+    logits: GpuBuf,
+}
+
 /// DeepSeek-V3 with its forward pass on a CUDA device (see the module docs).
 pub struct DeepseekV3Cuda {
     cpu: DeepseekV3,
@@ -144,17 +186,29 @@ pub struct DeepseekV3Cuda {
     layers: Vec<GpuLayer>,
     norm: GpuBuf,
     lm_head: GpuMat,
-    /// Serializes GPU work submitted from the expert store's compute pool.
-    expert_lock: Mutex<()>,
+    work: Mutex<Work>,
+    /// Routed experts resident on the device (the tier above the host cache).
+    experts: Mutex<GpuExpertCache>,
 }
 
+/// Device memory left out of the default GPU expert budget: the KV cache, the work buffers,
+/// the driver's own needs and other processes' headroom.
+pub const GPU_MARGIN_BYTES: u64 = 2 << 30;
+
 impl DeepseekV3Cuda {
-    /// Loads the model as [`DeepseekV3::load_with`] does, then opens `cuda:ordinal` and uploads
-    /// the backbone.
+    /// Loads the model as [`DeepseekV3::load_with`] does, then opens `cuda:ordinal`, uploads
+    /// the backbone and sizes the GPU expert cache: `gpu_budget` bytes, or by default what the
+    /// device has free after the backbone less [`GPU_MARGIN_BYTES`].
     ///
     /// Errors: everything `DeepseekV3::load_with` refuses; no such device; a backbone larger than
-    /// the device memory (named with both sizes); a driver or NVRTC failure.
-    pub fn load_with(dir: &ModelDir, opts: StoreOptions, ordinal: usize) -> Result<Self, EngineError> {
+    /// the device memory (named with both sizes); a `gpu_budget` larger than the free memory
+    /// after the backbone (both named); a driver or NVRTC failure.
+    pub fn load_with(
+        dir: &ModelDir,
+        opts: StoreOptions,
+        ordinal: usize,
+        gpu_opts: GpuOptions,
+    ) -> Result<Self, EngineError> {
         let cpu = DeepseekV3::load_with(dir, opts)?;
         let gpu = Arc::new(Gpu::open(ordinal).map_err(cuda)?);
         let backbone = cpu.backbone_bytes() as u64;
@@ -215,28 +269,114 @@ impl DeepseekV3Cuda {
         }
         let norm = vec("model.norm.weight")?;
         let lm_head = up("lm_head.weight")?;
-        Ok(Self {
+        let z = |n: usize| gpu.zeros(n.max(1)).map_err(cuda);
+        let h = c.hidden_size;
+        let half = cpu.rope.inv_freq.len();
+        let shared_inter = c.n_shared_experts * c.moe_intermediate_size;
+        let work = Work {
+            x: z(h)?,
+            xn: z(h)?,
+            cs: z(2 * half)?,
+            q: z(c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim))?,
+            qa: z(c.q_lora_rank.unwrap_or(1))?,
+            qan: z(c.q_lora_rank.unwrap_or(1))?,
+            ckv: z(c.kv_lora_rank)?,
+            latent: z(c.kv_lora_rank)?,
+            k_pe: z(c.qk_rope_head_dim)?,
+            heads: z(c.num_attention_heads * c.v_head_dim)?,
+            scores: z(c.num_attention_heads * 64)?,
+            out: z(h)?,
+            acc: z(h)?,
+            dense: [
+                z(c.intermediate_size)?,
+                z(c.intermediate_size)?,
+                z(c.intermediate_size)?,
+            ],
+            expert: [
+                z(c.moe_intermediate_size)?,
+                z(c.moe_intermediate_size)?,
+                z(c.moe_intermediate_size)?,
+            ],
+            shared_t: [z(shared_inter)?, z(shared_inter)?, z(shared_inter)?],
+            shared_out: z(h)?,
+            moe_h: z(MOE_MAX_K * c.moe_intermediate_size)?,
+            moe_y: z(MOE_MAX_K * h)?,
+            router_logits: z(c.n_routed_experts)?,
+            router_host: vec![0.0; c.n_routed_experts],
+            logits: z(lm_head.rows)?,
+        };
+        let free = gpu.free_bytes().map_err(cuda)?;
+        let budget = match gpu_opts.budget {
+            Some(b) if b > free => {
+                return Err(EngineError::Invalid(format!(
+                    "--gpu-budget {b} bytes: cuda:{ordinal} has {free} bytes free after the backbone ({backbone} bytes)"
+                )))
+            }
+            Some(b) => b,
+            None => free.saturating_sub(GPU_MARGIN_BYTES),
+        };
+        let model = Self {
             cpu,
             gpu,
             layers,
             norm,
             lm_head,
-            expert_lock: Mutex::new(()),
-        })
+            work: Mutex::new(work),
+            experts: Mutex::new(GpuExpertCache::new(budget)),
+        };
+        if gpu_opts.preload {
+            model.preload()?;
+            if let Ok(mut c) = model.experts.lock() {
+                c.clear_counters();
+            }
+        }
+        Ok(model)
     }
 
-    /// `down(silu(gate x) * up x)` on the GPU. x: `[cols of gate]` → `[rows of down]`.
-    fn swiglu(&self, gate: &GpuMat, up: &GpuMat, down: &GpuMat, x: &GpuBuf) -> Result<GpuBuf, CudaError> {
+    /// Reads routed experts into the GPU expert cache in file order (layer by layer, ascending
+    /// id), 32 records per store fetch, until the next one would not fit in the budget.
+    /// Returns the number of experts made resident.
+    ///
+    /// Errors: expert read or checksum failures; a driver error.
+    pub fn preload(&self) -> Result<usize, EngineError> {
+        let c = &self.cpu.cfg;
+        let record = self.cpu.routed.store.record_bytes();
+        let mut n = 0;
+        for l in (0..c.num_hidden_layers).filter(|&l| c.is_moe_layer(l)) {
+            for first in (0..c.n_routed_experts).step_by(32) {
+                let s = self.gpu_cache_stats_now()?;
+                let room = (s.budget_bytes.saturating_sub(s.resident_bytes) / record.max(1)) as usize;
+                let ids: Vec<usize> = (first..(first + 32).min(c.n_routed_experts)).take(room).collect();
+                if ids.is_empty() {
+                    return Ok(n);
+                }
+                n += self.experts_of(l, &ids)?.len();
+            }
+        }
+        Ok(n)
+    }
+
+    fn gpu_cache_stats_now(&self) -> Result<GpuCacheStats, EngineError> {
+        self.experts
+            .lock()
+            .map(|c| c.stats())
+            .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))
+    }
+
+    /// `down(silu(gate x) * up x)` on the GPU into `out`, with `t: [3][rows of gate]` scratch.
+    fn swiglu(
+        &self,
+        [gate, up, down]: [&GpuMat; 3],
+        x: &GpuBuf,
+        t: &mut [GpuBuf; 3],
+        out: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
         let g = &self.gpu;
-        let mut a = g.zeros(gate.rows)?;
-        let mut b = g.zeros(up.rows)?;
-        gate.matvec(g, x, &mut a)?;
-        up.matvec(g, x, &mut b)?;
-        let mut h = g.zeros(gate.rows)?;
-        g.swiglu(&a, &b, &mut h)?;
-        let mut out = g.zeros(down.rows)?;
-        down.matvec(g, &h, &mut out)?;
-        Ok(out)
+        let [a, b, h] = t;
+        gate.matvec(g, x, a)?;
+        up.matvec(g, x, b)?;
+        g.swiglu(a, b, h)?;
+        down.matvec(g, h, out)
     }
 
     /// RoPE cos/sin of `pos` for the rope head width, `[cos[half], sin[half]]`, with the CPU's
@@ -254,7 +394,9 @@ impl DeepseekV3Cuda {
         cs
     }
 
-    fn attention(&self, l: usize, xn: &GpuBuf, cs: &GpuBuf, cache: &mut GpuKvCache) -> Result<GpuBuf, CudaError> {
+    /// MLA of layer `l` for the token whose normalized hidden state is `w.xn`, appending its
+    /// latent and rope key to `cache`; the output goes to `w.out`.
+    fn attention(&self, l: usize, w: &mut Work, cache: &mut GpuKvCache) -> Result<(), CudaError> {
         let c = &self.cpu.cfg;
         let g = &self.gpu;
         let lw = &self.layers[l];
@@ -267,32 +409,26 @@ impl DeepseekV3Cuda {
         let qk = nope + rope;
         let pos = cache.len;
         // q: [n_heads, qk_head_dim]
-        let mut q = g.zeros(nh * qk)?;
         match &lw.q {
             QProj::Lora {
                 q_a_proj,
                 q_a_layernorm,
                 q_b_proj,
             } => {
-                let mut qa = g.zeros(q_a_proj.rows)?;
-                q_a_proj.matvec(g, xn, &mut qa)?;
-                let mut qan = g.zeros(q_a_proj.rows)?;
-                g.rms_norm(&qa, q_a_layernorm, 1, LATENT_NORM_EPS, false, &mut qan)?;
-                q_b_proj.matvec(g, &qan, &mut q)?;
+                q_a_proj.matvec(g, &w.xn, &mut w.qa)?;
+                g.rms_norm(&w.qa, q_a_layernorm, 1, LATENT_NORM_EPS, false, &mut w.qan)?;
+                q_b_proj.matvec(g, &w.qan, &mut w.q)?;
             }
-            QProj::Full { q_proj } => q_proj.matvec(g, xn, &mut q)?,
+            QProj::Full { q_proj } => q_proj.matvec(g, &w.xn, &mut w.q)?,
         }
-        g.rope(&mut q, nh, qk, nope, cs, self.cpu.rope.interleaved)?;
+        g.rope(&mut w.q, nh, qk, nope, &w.cs, self.cpu.rope.interleaved)?;
         // latent = kv_a_layernorm(kv_a_proj(x)[..kvl]); k_pe = rope(kv_a_proj(x)[kvl..])
-        let mut ckv = g.zeros(kvl)?;
-        lw.kv_a_latent.matvec(g, xn, &mut ckv)?;
-        let mut latent = g.zeros(kvl)?;
-        g.rms_norm(&ckv, &lw.kv_a_layernorm, 1, LATENT_NORM_EPS, false, &mut latent)?;
-        let mut k_pe = g.zeros(rope)?;
-        lw.kv_a_rope.matvec(g, xn, &mut k_pe)?;
-        g.rope(&mut k_pe, 1, rope, 0, cs, self.cpu.rope.interleaved)?;
-        g.copy_into(&latent, &mut cache.c_kv[l], pos * kvl)?;
-        g.copy_into(&k_pe, &mut cache.k_pe[l], pos * rope)?;
+        lw.kv_a_latent.matvec(g, &w.xn, &mut w.ckv)?;
+        g.rms_norm(&w.ckv, &lw.kv_a_layernorm, 1, LATENT_NORM_EPS, false, &mut w.latent)?;
+        lw.kv_a_rope.matvec(g, &w.xn, &mut w.k_pe)?;
+        g.rope(&mut w.k_pe, 1, rope, 0, &w.cs, self.cpu.rope.interleaved)?;
+        g.copy_into(&w.latent, &mut cache.c_kv[l], pos * kvl)?;
+        g.copy_into(&w.k_pe, &mut cache.k_pe[l], pos * rope)?;
         let shape = MlaShape {
             n_heads: nh,
             nope,
@@ -300,94 +436,117 @@ impl DeepseekV3Cuda {
             v_head_dim: c.v_head_dim,
             kv_lora_rank: kvl,
         };
-        let mut scores = g.zeros(nh * (pos + 1))?;
-        let mut heads = g.zeros(nh * c.v_head_dim)?;
+        if w.scores.len() < nh * (pos + 1) {
+            w.scores = g.zeros(nh * cache.capacity.max(pos + 1))?;
+        }
         g.mla_decode(
             shape,
-            &q,
+            &w.q,
             &cache.c_kv[l],
             &cache.k_pe[l],
             &lw.kv_b_proj,
             pos + 1,
             self.cpu.softmax_scale,
-            &mut scores,
-            &mut heads,
+            &mut w.scores,
+            &mut w.heads,
         )?;
-        let mut out = g.zeros(c.hidden_size)?;
-        lw.o_proj.matvec(g, &heads, &mut out)?;
-        Ok(out)
+        lw.o_proj.matvec(g, &w.heads, &mut w.out)
     }
 
-    /// The MoE block: router logits on the GPU, the choice on the host, each chosen expert's
-    /// record (through the expert store) copied to the GPU and applied there, the weighted sum
-    /// in router order on the host (as the CPU path), plus the shared experts.
-    fn moe(&self, l: usize, xn: &GpuBuf) -> Result<(Vec<f32>, crate::moe::Routing), EngineError> {
-        let c = &self.cpu.cfg;
+    /// The MoE block of layer `l` on `w.xn`, added to the residual stream `w.x`: the shared
+    /// experts first (queued while the host routes), router logits on the GPU, the choice on the
+    /// host (`moe::route`, the CPU's code), then each chosen expert from the GPU expert cache or,
+    /// on a miss, through the expert store (host cache or disk) copied to the device. The
+    /// weighted sum runs on the device in router order (`Σ w_i · expert_i`, the CPU's order),
+    /// then the shared output is added, then the residual: MXFP4 experts in three fused
+    /// launches ([`Gpu::moe_fused`]), other layouts expert by expert, with the same bits.
+    fn moe(&self, l: usize, w: &mut Work) -> Result<crate::moe::Routing, EngineError> {
         let g = &self.gpu;
         let n = &self.cpu.names[l];
         let Mlp::Moe { router, shared } = &self.layers[l].mlp else {
             return Err(EngineError::Invalid(format!("layer {l} is not a MoE layer")));
         };
-        let mut logits_d = g.zeros(router.rows).map_err(cuda)?;
-        router.matvec(g, xn, &mut logits_d).map_err(cuda)?;
-        let logits = g.download(&logits_d).map_err(cuda)?;
-        let routing = route(&self.cpu.router_cfg(), &logits, self.cpu.v(&n.router_bias)?);
-        let failure: Mutex<Option<CudaError>> = Mutex::new(None);
-        let record = |e: CudaError| {
-            if let Ok(mut f) = failure.lock() {
-                f.get_or_insert(e);
-            }
-        };
-        let expert = |e: &crate::experts::Expert| -> Vec<f32> {
-            let run = || -> Result<Vec<f32>, CudaError> {
-                let _guard = self
-                    .expert_lock
-                    .lock()
-                    .map_err(|_| CudaError::Shape("expert lock poisoned".into()))?;
-                g.bind_to_thread()?;
-                let mats = [
-                    GpuMat::upload(g, &e.matrix(0))?,
-                    GpuMat::upload(g, &e.matrix(1))?,
-                    GpuMat::upload(g, &e.matrix(2))?,
-                ];
-                let out = self.swiglu(&mats[0], &mats[1], &mats[2], xn)?;
-                g.download(&out)
-            };
-            run().unwrap_or_else(|e| {
-                record(e);
-                vec![0.0; c.hidden_size]
-            })
-        };
-        let shared_fn = shared.as_ref().map(|[gt, u, d]| {
-            let record = &record;
-            move || -> Vec<f32> {
-                let run = || -> Result<Vec<f32>, CudaError> {
-                    let _guard = self
-                        .expert_lock
-                        .lock()
-                        .map_err(|_| CudaError::Shape("expert lock poisoned".into()))?;
-                    g.bind_to_thread()?;
-                    g.download(&self.swiglu(gt, u, d, xn)?)
-                };
-                run().unwrap_or_else(|e| {
-                    record(e);
-                    vec![0.0; c.hidden_size]
-                })
-            }
-        });
-        let (mut out, shared_out) = self
-            .cpu
-            .routed
-            .run(l, &routing, c.hidden_size, expert, shared_fn, || Ok(None))?;
-        if let Some(e) = failure.into_inner().ok().flatten() {
-            return Err(cuda(e));
+        if let Some([gt, u, d]) = shared {
+            self.swiglu([gt, u, d], &w.xn, &mut w.shared_t, &mut w.shared_out)
+                .map_err(cuda)?;
+        }
+        router.matvec(g, &w.xn, &mut w.router_logits).map_err(cuda)?;
+        g.download_into(&w.router_logits, &mut w.router_host).map_err(cuda)?;
+        let routing = route(&self.cpu.router_cfg(), &w.router_host, self.cpu.v(&n.router_bias)?);
+        let experts = self.experts_of(l, &routing.experts)?;
+        let refs: Vec<&[GpuMat; 3]> = experts.iter().map(|e| &**e).collect();
+        let shared_out = shared.as_ref().map(|_| &w.shared_out);
+        if Gpu::moe_fusable(&refs) {
+            g.moe_fused(
+                &refs,
+                &routing.weights,
+                &w.xn,
+                &mut w.moe_h,
+                &mut w.moe_y,
+                shared_out,
+                &mut w.x,
+            )
+            .map_err(cuda)?;
+            return Ok(routing);
+        }
+        g.fill_zero(&mut w.acc).map_err(cuda)?;
+        for (e, &weight) in refs.iter().zip(&routing.weights) {
+            self.swiglu([&e[0], &e[1], &e[2]], &w.xn, &mut w.expert, &mut w.out)
+                .map_err(cuda)?;
+            g.axpy(weight, &w.out, &mut w.acc).map_err(cuda)?;
         }
         if let Some(sh) = shared_out {
-            for (a, b) in out.iter_mut().zip(&sh) {
-                *a += b;
+            g.axpy(1.0, sh, &mut w.acc).map_err(cuda)?;
+        }
+        g.axpy(1.0, &w.acc, &mut w.x).map_err(cuda)?;
+        Ok(routing)
+    }
+
+    /// The device copies of `ids` (layer `l`), in that order: hits from the GPU expert cache,
+    /// misses fetched through the expert store at once (one fetch, reads in file order) and
+    /// copied to the device as each record arrives. In compute-only measurement mode every id
+    /// stands for the layer's expert 0 (the CPU path's stand-in record).
+    fn experts_of(&self, l: usize, ids: &[usize]) -> Result<Vec<GpuExpert>, EngineError> {
+        let stand_in = self.cpu.routed.compute_only();
+        let mut cache = self
+            .experts
+            .lock()
+            .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
+        let mut out: Vec<Option<GpuExpert>> = Vec::with_capacity(ids.len());
+        let mut missing: Vec<usize> = Vec::new();
+        for &e in ids {
+            let e = if stand_in { 0 } else { e };
+            let hit = cache.get(l, e);
+            if hit.is_none() && !missing.contains(&e) {
+                missing.push(e);
+            }
+            out.push(hit);
+        }
+        if !missing.is_empty() {
+            for r in self.cpu.routed.store.fetch(l, &missing)? {
+                let (i, record) = r?;
+                let t0 = std::time::Instant::now();
+                let mats = [
+                    GpuMat::upload(&self.gpu, &record.matrix(0)).map_err(cuda)?,
+                    GpuMat::upload(&self.gpu, &record.matrix(1)).map_err(cuda)?,
+                    GpuMat::upload(&self.gpu, &record.matrix(2)).map_err(cuda)?,
+                ];
+                let bytes: u64 = mats.iter().map(|m| m.nbytes() as u64).sum();
+                cache.count_upload(bytes, t0.elapsed().as_nanos() as u64);
+                let dev: GpuExpert = Arc::new(mats);
+                let id = missing[i];
+                cache.insert(l, id, dev.clone(), bytes);
+                for (slot, &e) in out.iter_mut().zip(ids) {
+                    let e = if stand_in { 0 } else { e };
+                    if e == id && slot.is_none() {
+                        *slot = Some(dev.clone());
+                    }
+                }
             }
         }
-        Ok((out, routing))
+        out.into_iter()
+            .map(|e| e.ok_or_else(|| EngineError::Invalid(format!("layer {l}: an expert fetch ended early"))))
+            .collect()
     }
 
     fn forward_token(&self, cache: &mut GpuKvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
@@ -401,47 +560,50 @@ impl DeepseekV3Cuda {
         let g = &self.gpu;
         g.bind_to_thread().map_err(cuda)?;
         cache.reserve(cache.len + 1).map_err(cuda)?;
-        let h = c.hidden_size;
-        let mut x_host = vec![0f32; h];
+        let mut guard = self
+            .work
+            .lock()
+            .map_err(|_| EngineError::Invalid("CUDA work buffers lock poisoned".into()))?;
+        let w = &mut *guard;
+        let mut x_host = vec![0f32; c.hidden_size];
         self.cpu
             .m("model.embed_tokens.weight")?
             .row_into(token as usize, &mut x_host);
-        let mut x = g.upload(&x_host).map_err(cuda)?;
-        let cs = g.upload(&self.rope_table(cache.len)).map_err(cuda)?;
-        let mut xn = g.zeros(h).map_err(cuda)?;
+        g.upload_into(&x_host, &mut w.x).map_err(cuda)?;
+        g.upload_into(&self.rope_table(cache.len), &mut w.cs).map_err(cuda)?;
         let mut routes = Vec::new();
         for l in 0..c.num_hidden_layers {
             let lw = &self.layers[l];
-            g.rms_norm(&x, &lw.input_layernorm, 1, c.rms_norm_eps, false, &mut xn)
+            g.rms_norm(&w.x, &lw.input_layernorm, 1, c.rms_norm_eps, false, &mut w.xn)
                 .map_err(cuda)?;
-            let attn = self
-                .cpu
+            self.cpu
                 .routed
-                .time_attention(|| self.attention(l, &xn, &cs, cache))
+                .time_attention(|| self.attention(l, w, cache))
                 .map_err(cuda)?;
-            g.axpy(1.0, &attn, &mut x).map_err(cuda)?;
-            g.rms_norm(&x, &lw.post_attention_layernorm, 1, c.rms_norm_eps, false, &mut xn)
+            g.axpy(1.0, &w.out, &mut w.x).map_err(cuda)?;
+            g.rms_norm(&w.x, &lw.post_attention_layernorm, 1, c.rms_norm_eps, false, &mut w.xn)
                 .map_err(cuda)?;
-            let mlp = self.cpu.routed.time_mlp(|| -> Result<GpuBuf, EngineError> {
+            self.cpu.routed.time_mlp(|| -> Result<(), EngineError> {
                 match &lw.mlp {
                     Mlp::Moe { .. } => {
-                        let (out, r) = self.moe(l, &xn)?;
+                        let r = self.moe(l, w)?;
                         routes.push((l, r));
-                        g.upload(&out).map_err(cuda)
+                        Ok(())
                     }
-                    Mlp::Dense { gate, up, down } => self.swiglu(gate, up, down, &xn).map_err(cuda),
+                    Mlp::Dense { gate, up, down } => {
+                        self.swiglu([gate, up, down], &w.xn, &mut w.dense, &mut w.out)
+                            .map_err(cuda)?;
+                        g.axpy(1.0, &w.out, &mut w.x).map_err(cuda)
+                    }
                 }
             })?;
-            g.axpy(1.0, &mlp, &mut x).map_err(cuda)?;
         }
         cache.len += 1;
         self.cpu.routed.count_forward();
-        let mut xf = g.zeros(h).map_err(cuda)?;
-        g.rms_norm(&x, &self.norm, 1, c.rms_norm_eps, false, &mut xf)
+        g.rms_norm(&w.x, &self.norm, 1, c.rms_norm_eps, false, &mut w.xn)
             .map_err(cuda)?;
-        let mut logits = g.zeros(self.lm_head.rows).map_err(cuda)?;
-        self.lm_head.matvec(g, &xf, &mut logits).map_err(cuda)?;
-        Ok((g.download(&logits).map_err(cuda)?, routes))
+        self.lm_head.matvec(g, &w.xn, &mut w.logits).map_err(cuda)?;
+        Ok((g.download(&w.logits).map_err(cuda)?, routes))
     }
 }
 
@@ -479,5 +641,9 @@ impl CausalLm for DeepseekV3Cuda {
 
     fn backbone_bytes(&self) -> usize {
         self.cpu.backbone_bytes()
+    }
+
+    fn gpu_cache_stats(&self) -> Option<GpuCacheStats> {
+        self.experts.lock().ok().map(|c| c.stats())
     }
 }
