@@ -146,6 +146,11 @@ impl Gpu {
             ))
         })?;
         let ctx = CudaContext::new(ordinal).ctx("cuCtxCreate")?;
+        // SAFETY: every buffer deltafin allocates is used on the context's default stream only
+        // (all work is queued there, in order), so the per-argument cross-stream events cudarc
+        // records otherwise (an event record per kernel argument, measurable at decode's
+        // hundreds of launches a token) guard nothing here.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let (major, minor) = info.compute_capability;
         let ptx = compile_ptx(&format!("compute_{major}{minor}"))?;
