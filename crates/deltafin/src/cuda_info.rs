@@ -31,11 +31,13 @@ pub fn print(backbone: u64, record: u64) {
                     );
                 } else {
                     let left = total - backbone;
+                    let experts = left.saturating_sub(deltafin_engine::models::deepseek_v3_cuda::GPU_MARGIN_BYTES);
                     println!(
-                        "CUDA memory plan (cuda:0)  backbone {}, {} left for KV cache, workspace and expert cache (~{} records); computing stays on the CPU until the CUDA forward pass lands",
+                        "CUDA memory plan (cuda:0)  backbone {}, {} reserved for KV cache and workspace, GPU expert cache {} (~{} records; --gpu-budget sets it; the free memory at start decides)",
                         size::human(backbone),
-                        size::human(left),
-                        left.checked_div(record.max(1)).unwrap_or(0)
+                        size::human(left - experts),
+                        size::human(experts),
+                        experts.checked_div(record.max(1)).unwrap_or(0)
                     );
                 }
             }

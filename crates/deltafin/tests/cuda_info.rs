@@ -33,3 +33,51 @@ fn info_reports_cuda_devices_or_why_none() {
         }
     }
 }
+
+/// `--gpu-budget` and `--gpu-preload` without a GPU device are refused in one line naming the
+/// flag (never ignored), and `--device cuda` on a machine without CUDA says why, for `run` and
+/// `serve`; with a device, a budget larger than its free memory is refused naming both sizes.
+#[test]
+fn gpu_flags_are_refused_clearly_where_they_cannot_apply() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    Command::cargo_bin("deltafin")
+        .unwrap()
+        .args(["synth", "--preset", "tiny", "--out"])
+        .arg(&model)
+        .assert()
+        .success();
+    let fails = |args: &[&str], want: &str| {
+        let out = Command::cargo_bin("deltafin")
+            .unwrap()
+            .args(args)
+            .arg("--model")
+            .arg(&model)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let line = err.lines().rfind(|l| l.starts_with("error:")).unwrap_or_default();
+        assert!(line.contains(want), "{args:?}: {err}");
+    };
+    let run = ["run", "--prompt-ids", "1,2", "--max-new-tokens", "2"];
+    fails(
+        &[&run[..], &["--gpu-budget", "1GiB"]].concat(),
+        "--gpu-budget 1073741824: the model computes on the CPU",
+    );
+    fails(
+        &[&run[..], &["--gpu-preload"]].concat(),
+        "--gpu-preload: the model computes on the CPU",
+    );
+    fails(
+        &["serve", "--port", "0", "--gpu-budget", "1GiB"],
+        "--gpu-budget 1073741824: the model computes on the CPU",
+    );
+    match deltafin_cuda::probe() {
+        Err(e) => fails(&[&run[..], &["--device", "cuda"]].concat(), &e.to_string()),
+        Ok(_) => fails(
+            &[&run[..], &["--device", "cuda", "--gpu-budget", "100000GiB"]].concat(),
+            "bytes free after the backbone",
+        ),
+    }
+}
