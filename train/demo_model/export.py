@@ -14,7 +14,8 @@ parameters copied out of the memory map, greedy with transformers' KV cache.
 
 The golden file holds, per prompt: `prompt_ids`, `generated_ids` (N_NEW greedy tokens),
 `step_logits` (the float32 logits that chose each of them) and the routed experts of every
-MoE layer at every position (`routing`), plus the smallest top-1/top-2 logit gap.
+MoE layer at every position (`routing`), plus the smallest top-1/top-2 logit gap and routing margins (k-th vs (k+1)-th expert score,
+kept vs first dropped group score); candidates closer to a tie than 1e-2 / 1e-4 are skipped.
 """
 
 from __future__ import annotations
@@ -33,12 +34,24 @@ from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 N_NEW = 8
 
-# (kind, text): "chat" prompts go through the chat template with add_generation_prompt.
-PROMPTS = [
+# (kind, text): "chat" prompts go through the chat template with add_generation_prompt. The
+# goldens take the first N_PROMPTS candidates whose greedy steps and routing are far from ties
+# (an f32 summation order elsewhere must not be able to flip a token, an expert or a group).
+CANDIDATES = [
     ("chat", "What does json.dumps do?"),
     ("text", "def read_config(path):\n    "),
     ("chat", "Explain ownership in Rust."),
+    ("chat", "What is the heapq module?"),
+    ("text", "fn main() {\n    let v: Vec<u32> = Vec::new();"),
+    ("chat", "What does shutil.copyfile do?"),
+    ("text", "The borrow checker compares the scopes of references"),
+    ("chat", "Explain closures in Rust."),
+    ("text", "import os\nimport sys\n\n\ndef main(argv):\n    "),
+    ("chat", "What does os.path.join do?"),
 ]
+N_PROMPTS = 3
+TOP2_GAP_MIN = 1e-2
+ROUTE_MARGIN_MIN = 1e-4
 
 
 def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -108,11 +121,28 @@ def goldens(hf: Path) -> dict:
 
         return f
 
+    margins: list[tuple[float, float]] = []
+
+    def margin_hook(mod, args, output):
+        # k-th vs (k+1)-th biased score among the kept groups; topk_group-th vs next group score
+        b = torch.sigmoid(args[0].view(-1, mod.hidden_dim).float() @ mod.weight.float().t()) + mod.e_score_correction_bias
+        gs = b.view(-1, mod.num_group, mod.num_experts // mod.num_group).topk(2, -1)[0].sum(-1)
+        gsort = gs.sort(-1, descending=True).values
+        keep = torch.zeros_like(gs).scatter_(1, gs.topk(mod.topk_group, -1)[1], 1).bool()
+        keep = keep.unsqueeze(-1).expand(-1, mod.num_group, mod.num_experts // mod.num_group).reshape(-1, mod.num_experts)
+        bs = b.masked_fill(~keep, float("-inf")).sort(-1, descending=True).values
+        margins.append((float((bs[:, mod.top_k - 1] - bs[:, mod.top_k]).min()),
+                        float((gsort[:, mod.topk_group - 1] - gsort[:, mod.topk_group]).min())))
+
     for i in moe_layers:
         model.model.layers[i].mlp.gate.register_forward_hook(hook(i))
+        model.model.layers[i].mlp.gate.register_forward_hook(margin_hook)
     out = {"prompts": [], "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
     min_gap = float("inf")
-    for kind, text in PROMPTS:
+    min_route = (float("inf"), float("inf"))
+    for kind, text in CANDIDATES:
+        if len(out["prompts"]) == N_PROMPTS:
+            break
         if kind == "chat":
             rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
             ids = tok(rendered, add_special_tokens=False)["input_ids"]
@@ -126,9 +156,21 @@ def goldens(hf: Path) -> dict:
             )
         gen = o.sequences[0, len(ids):].tolist()
         logits = [l[0].float() for l in o.logits]
-        for l in logits:
-            top = l.topk(2).values
-            min_gap = min(min_gap, float(top[0] - top[1]))
+        gap = min(float(l.topk(2).values[0] - l.topk(2).values[1]) for l in logits)
+        # routing margins over the whole sequence in one no-cache pass (the generate pass's
+        # hooks above recorded the expert ids)
+        routed = {i: list(captured[i]) for i in moe_layers}
+        margins.clear()
+        with torch.no_grad():
+            model(torch.tensor([ids + gen[:-1]]))
+        e_m, g_m = min(m[0] for m in margins), min(m[1] for m in margins)
+        if gap < TOP2_GAP_MIN or e_m < ROUTE_MARGIN_MIN or g_m < ROUTE_MARGIN_MIN:
+            print(f"skipped {text!r}: top-2 gap {gap:.3g}, expert margin {e_m:.3g}, group margin {g_m:.3g}")
+            continue
+        min_gap = min(min_gap, gap)
+        min_route = (min(min_route[0], e_m), min(min_route[1], g_m))
+        captured.clear()
+        captured.update(routed)
         # routing: prefill gives all prompt positions, then one position per step
         routing = {}
         for i in moe_layers:
@@ -142,7 +184,10 @@ def goldens(hf: Path) -> dict:
             "routing": routing,
         })
         print(f"{kind}: {text!r} -> {tok.decode(gen)!r}")
+    assert len(out["prompts"]) == N_PROMPTS, "too few candidates far from ties"
     out["min_top2_logit_gap"] = min_gap
+    out["min_expert_score_margin"] = min_route[0]
+    out["min_group_score_margin"] = min_route[1]
     out["note"] = ("transformers DeepseekV3ForCausalLM, eager attention and experts, float32, CPU, greedy with KV cache; "
                    "step_logits[k] chose generated_ids[k]; routing[layer][p] = ascending expert ids at position p of "
                    "prompt_ids + generated_ids[:-1]. Made by train/demo_model/export.py.")
