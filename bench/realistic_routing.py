@@ -10,14 +10,16 @@ section of bench/NOTES.md. Standard library only.
    workloads: prose, code, chat (four questions through the chat template, one request each)
    and a switch (the prose, code and chat requests one after another into one trace).
 2. Replays each trace through a simulated expert cache of 1/16 ... 1/1 of the expert pack's
-   records, token by token, each token's MoE layers in order: LRU, LFU (frequency kept across
-   evictions, ties LRU) and pinned (half the budget holds the hottest (layer, expert) records of
+   records, token by token, each token's MoE layers in order: LRU, LFU (with dynamic aging, as
+   the engine's `lfu`) and pinned (half the budget holds the hottest (layer, expert) records of
    *another* workload's trace, the rest LRU). A hit is a request found cached; hit rate = hits /
    requests.
 3. Runs `deltafin run` itself at a budget of 1/3 of the pack for: prefetch (recall, wasted
    bytes), speculation (`lookup`, `self`, `auto`: tokens per pass, acceptance, decode rate vs
    `off`), and the fast batched MLA form (`DELTAFIN_BATCH_FORM=fast` vs `exact`: does any greedy
    token change).
+   The same traces also go through the engine's own cache with `deltafin replay` at 1/3 of the
+   pack (hit rate = 1 - bytes read / bytes requested), a check of the simulation.
 4. Expert reuse across consecutive requests: the share of the (layer, expert) set used by one
    chat request that the previous request also used.
 """
@@ -87,9 +89,10 @@ def heat(trace) -> list:
 
 
 def simulate(trace, capacity: int, policy: str, pinned: list | None = None) -> float:
+    if policy == "lfu":
+        return simulate_lfu_da(trace, capacity)
     hits = total = 0
     lru: OrderedDict = OrderedDict()
-    freq: dict = {}
     pin = set()
     cap = capacity
     if policy == "pinned":
@@ -97,7 +100,6 @@ def simulate(trace, capacity: int, policy: str, pinned: list | None = None) -> f
         cap = capacity - len(pin)
     for r in requests(trace):
         total += 1
-        freq[r] = freq.get(r, 0) + 1
         if r in pin:
             hits += 1
             continue
@@ -108,12 +110,32 @@ def simulate(trace, capacity: int, policy: str, pinned: list | None = None) -> f
         if cap <= 0:
             continue
         if len(lru) >= cap:
-            if policy == "lfu":
-                victim = min(lru, key=lambda x: freq[x])  # OrderedDict order breaks ties: LRU first
-                del lru[victim]
-            else:
-                lru.popitem(last=False)
+            lru.popitem(last=False)
         lru[r] = True
+    return hits / max(1, total)
+
+
+def simulate_lfu_da(trace, capacity: int) -> float:
+    """LFU with dynamic aging as the engine's `lfu` (crates/deltafin-engine/src/experts/cache.rs):
+    priority = age + uses since insertion, evict the lowest (priority, last use), then
+    age = max(age, victim's priority)."""
+    hits = total = tick = age = 0
+    uses: dict = {}
+    rank: dict = {}
+    for r in requests(trace):
+        total += 1
+        tick += 1
+        if r in rank:
+            hits += 1
+            uses[r] += 1
+            rank[r] = (age + uses[r], tick)
+            continue
+        if len(rank) >= capacity:
+            victim = min(rank, key=rank.get)
+            age = max(age, rank[victim][0])
+            del rank[victim], uses[victim]
+        uses[r] = 1
+        rank[r] = (age + 1, tick)
     return hits / max(1, total)
 
 
@@ -201,6 +223,24 @@ def main() -> None:
         distinct = len(set(requests(tr)))
         res["workloads"][w] = {"tokens": len(tr["tokens"]), "distinct_layer_experts": distinct,
                                "pinned_from": other[w], "hit_rate": pts}
+    # the engine's own cache on the same traces (`deltafin replay`, reads without computing)
+    record = pack // n_records  # records are equal-sized and aligned
+    res["engine_replay_one_third"] = {}
+    for w in ("prose", "code", "chat", "switch"):
+        row = {}
+        for pol in ("lru", "lfu", "pinned"):
+            sj = a.work / f"replay-{w}-{pol}.json"
+            extra = ["--pin-from", str(t[other[w]])] if pol == "pinned" else []
+            cap = round(n_records / 3)
+            r = subprocess.run([exe, "replay", "--model", model, "--trace", str(t[w]), "--ram-budget",
+                                str(cap * record), "--cache-policy", pol, *extra, "--stats-json", str(sj)],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise SystemExit(f"deltafin replay failed: {r.stderr}")
+            d = json.loads(sj.read_text())
+            need = d["tokens"] * traces[w]["n_moe"] * traces[w]["top_k"] * record
+            row[pol] = 1 - d["expert_bytes_read_demand"] / need
+        res["engine_replay_one_third"][w] = row
     reuse = []
     for i in range(1, len(chat_sets)):
         reuse.append(len(chat_sets[i] & chat_sets[i - 1]) / len(chat_sets[i]))
@@ -239,6 +279,7 @@ def main() -> None:
     svg_chart(curves, a.svg)
     print(json.dumps({w: {p: [round(x["hit_rate"], 3) for x in v] for p, v in c.items()} for w, c in curves.items()}, indent=1))
     print(json.dumps(res["chat_consecutive_reuse"]))
+    print(json.dumps(res["engine_replay_one_third"], indent=1))
     print(json.dumps(eng, indent=1))
 
 
