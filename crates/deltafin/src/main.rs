@@ -86,19 +86,25 @@ enum Cmd {
     },
     /// Generate text from a converted model (greedy unless sampling flags say otherwise).
     Run(RunArgs),
-    /// Synthesize a small random model of the DeepSeek-V3 architecture, convert it, and generate
-    /// from it with an expert pack larger than the RAM budget (no download).
+    /// Ask the embedded trained model (a small DeepSeek-V3-architecture MoE) a question with an
+    /// expert pack four times the expert cache budget, so experts stream from disk (no download).
     Demo {
         /// Where to keep the demo files (default: a temporary directory, removed afterwards).
         #[arg(long)]
         dir: Option<PathBuf>,
         /// Tokens to generate.
-        #[arg(long, default_value_t = 32, allow_negative_numbers = true)]
+        #[arg(long, default_value_t = 64, allow_negative_numbers = true)]
         max_new_tokens: usize,
         /// Write the generated text exactly, control characters included, also to a terminal
         /// (where they are shown escaped by default, as `\u{1b}`).
         #[arg(long)]
         raw_output: bool,
+        /// Synthesize and run a random-weight model of the same family instead (meaningless text).
+        #[arg(long)]
+        random: bool,
+        /// The question for the trained model (default: "What does json.dumps do?").
+        #[arg(long)]
+        prompt: Option<String>,
     },
     /// Serve the model over HTTP: OpenAI-compatible and Anthropic Messages APIs.
     Serve(serve::ServeArgs),
@@ -390,7 +396,15 @@ fn main() -> ExitCode {
             dir,
             max_new_tokens,
             raw_output,
-        } => demo::run(dir, max_new_tokens, raw_output),
+            random,
+            prompt,
+        } => demo::run(demo::DemoOptions {
+            dir,
+            max_new_tokens,
+            raw_output,
+            random,
+            prompt,
+        }),
         Cmd::Serve(args) => serve::run(&args),
         Cmd::Chat(args) => chat::run(&args),
         Cmd::Synth(args) => synth_cmd::run(&args),
