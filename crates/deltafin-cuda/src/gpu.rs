@@ -51,6 +51,12 @@ pub const ENTRY_POINTS: &[&str] = &[
     "moe_gate_up_mxfp4",
     "moe_down_mxfp4",
     "moe_combine",
+    "rope_apply_tokens",
+    "mla_prefill_i8",
+    "mla_prefill_f32",
+    "gather_rows",
+    "scatter_rows",
+    "moe_combine_tokens",
 ];
 
 pub(crate) struct Kernels(std::collections::HashMap<&'static str, CudaFunction>);

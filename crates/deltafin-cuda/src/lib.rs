@@ -16,6 +16,7 @@
 //! f32 rounding. The order is documented at the top of `ops.cu`.
 
 mod attention;
+mod batch;
 mod device;
 mod gpu;
 mod mat;

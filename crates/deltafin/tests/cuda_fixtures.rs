@@ -148,3 +148,62 @@ fn other_families_are_refused_on_cuda_with_one_line() {
         "{e}"
     );
 }
+
+/// The GPU's batched prefill (a prompt chunk in one pass: matrix-matrix projections, MLA for the
+/// whole chunk, expert-major MoE) gives every position the bits of token-at-a-time decoding on
+/// the GPU (logits and routing), in both layouts, and a GPU expert cache far smaller than the
+/// experts (misses and evictions every layer) changes no bit.
+#[test]
+fn cuda_chunked_prefill_equals_token_at_a_time_bit_for_bit() {
+    if !gpu_or_skip("cuda_chunked_prefill_equals_token_at_a_time_bit_for_bit") {
+        return;
+    }
+    for case in cases("deepseek_v3") {
+        let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        for (name, b, e) in [
+            ("f32", StoredDtype::F32, StoredDtype::F32),
+            ("q", StoredDtype::Int8, StoredDtype::Mxfp4),
+        ] {
+            let dir = convert_case(&case, b, e, &tmp.path().join(name));
+            let record = dir.manifest.experts.records[0].length;
+            for budget in [None, Some(2 * record)] {
+                let gpu = GpuOptions { budget, preload: false };
+                let (model, _) = load_model_on(&dir, StoreOptions::new(1 << 30), Device::Cuda(0), gpu).unwrap();
+                for p in expected["prompts"].as_array().unwrap() {
+                    let prompt = ids(&p["prompt_ids"]);
+                    let mut a = model.new_state();
+                    let chunk = model.forward_batch(a.as_mut(), &prompt, true).unwrap();
+                    let mut b = model.new_state();
+                    for (i, &t) in prompt.iter().enumerate() {
+                        let (logits, routes) = model.forward(b.as_mut(), t).unwrap();
+                        assert_eq!(
+                            chunk.logits[i],
+                            logits,
+                            "{} {name} budget {budget:?}: position {i} of {} differs",
+                            case.display(),
+                            prompt.len()
+                        );
+                        let ids_of = |r: &deltafin_engine::LayerRoutes| {
+                            r.iter().map(|(l, x)| (*l, x.experts.clone())).collect::<Vec<_>>()
+                        };
+                        assert_eq!(
+                            ids_of(&chunk.routes[i]),
+                            ids_of(&routes),
+                            "{} position {i}",
+                            case.display()
+                        );
+                    }
+                    // The chunk's last-position logits alone, then the next token, agree too.
+                    let mut c = model.new_state();
+                    let last = model.forward_batch(c.as_mut(), &prompt, false).unwrap();
+                    assert_eq!(last.logits.len(), 1);
+                    assert_eq!(&last.logits[0], chunk.logits.last().unwrap());
+                    let (n1, _) = model.forward(c.as_mut(), 1).unwrap();
+                    let (n2, _) = model.forward(b.as_mut(), 1).unwrap();
+                    assert_eq!(n1, n2, "{}: decoding after a chunk differs", case.display());
+                }
+            }
+        }
+    }
+}

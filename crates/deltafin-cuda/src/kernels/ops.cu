@@ -679,3 +679,83 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, MoeWeights w
     if (shared != nullptr) acc = __fadd_rn(acc, __fmul_rn(1.0f, shared[i]));
     x[i] = __fadd_rn(x[i], __fmul_rn(1.0f, acc));
 }
+
+// ---- Batched (prefill) forms -------------------------------------------------------------------
+// Each computes, for every token of a chunk, exactly what the one-token kernel above computes
+// for that token (same device code, same order), so a prompt processed in chunks gives the bits
+// of token-at-a-time decoding.
+
+// RoPE on the vectors of n_tok tokens (vec_per_tok vectors a token, stride `stride`, rotary part
+// at `offset`), token j with its own cos/sin row cs[j] = [cos[half], sin[half]].
+extern "C" __global__ void rope_apply_tokens(float* __restrict__ x, int n_tok, int vec_per_tok, int stride,
+                                             int offset, const float* __restrict__ cs, int half,
+                                             int interleaved) {
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n_tok * vec_per_tok * half) return;
+    const int v = k / half, i = k % half, tok = v / vec_per_tok;
+    float* xv = x + (size_t)v * stride + offset;
+    const float* ct = cs + (size_t)tok * 2 * half;
+    const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+    const float c = ct[i], s = ct[half + i];
+    const float xa = xv[a], xb = xv[b];
+    xv[a] = __fsub_rn(__fmul_rn(xa, c), __fmul_rn(xb, s));
+    xv[b] = __fadd_rn(__fmul_rn(xb, c), __fmul_rn(xa, s));
+}
+
+// MLA for tokens j = 0 .. gridDim.y - 1 of a chunk whose first token is at position t0 (its
+// latents already appended): token j attends to positions 0 ..= t0 + j, exactly as
+// mla_decode_impl for that token. q: [n, nh, qk], scores: [n, nh, score_stride] scratch,
+// out: [n, nh, vd].
+template <bool I8>
+__device__ __forceinline__ void mla_prefill_impl(const float* q, const float* ckv, const float* kpe, const void* w,
+                                                 const float* wsc, int nh, int nope, int rope, int vd, int kvl,
+                                                 int t0, int score_stride, float scale, float* scores,
+                                                 float* out) {
+    const int j = blockIdx.y;
+    mla_decode_impl<I8>(q + (size_t)j * nh * (nope + rope), ckv, kpe, w, wsc, nope, rope, vd, kvl, t0 + j + 1,
+                        scale, scores + (size_t)j * nh * score_stride, out + (size_t)j * nh * vd);
+}
+extern "C" __global__ void mla_prefill_i8(const float* q, const float* ckv, const float* kpe, const i8* w,
+                                          const float* wsc, int nh, int nope, int rope, int vd, int kvl, int t0,
+                                          int score_stride, float scale, float* scores, float* out) {
+    mla_prefill_impl<true>(q, ckv, kpe, w, wsc, nh, nope, rope, vd, kvl, t0, score_stride, scale, scores, out);
+}
+extern "C" __global__ void mla_prefill_f32(const float* q, const float* ckv, const float* kpe, const float* w,
+                                           int nh, int nope, int rope, int vd, int kvl, int t0, int score_stride,
+                                           float scale, float* scores, float* out) {
+    mla_prefill_impl<false>(q, ckv, kpe, w, nullptr, nh, nope, rope, vd, kvl, t0, score_stride, scale, scores,
+                            out);
+}
+
+// dst[i, :] = src[idx[off + i], :] for i < m (rows of width dim).
+extern "C" __global__ void gather_rows(const float* __restrict__ src, const int* __restrict__ idx, int off, int m,
+                                       int dim, float* __restrict__ dst) {
+    const size_t k = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (k >= (size_t)m * dim) return;
+    const int i = (int)(k / dim), c = (int)(k % dim);
+    dst[k] = src[(size_t)idx[off + i] * dim + c];
+}
+
+// dst[idx[off + i], :] = src[i, :] for i < m (rows of width dim; every destination row distinct).
+extern "C" __global__ void scatter_rows(const float* __restrict__ src, const int* __restrict__ idx, int off, int m,
+                                        int dim, float* __restrict__ dst) {
+    const size_t k = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (k >= (size_t)m * dim) return;
+    const int i = (int)(k / dim), c = (int)(k % dim);
+    dst[(size_t)idx[off + i] * dim + c] = src[k];
+}
+
+// moe_combine for n tokens: x[t, i] += (sum_j w[t, j] y[t, j, i]) + shared[t, i], each token with
+// moe_combine's arithmetic. y: [n, k, hidden], w: [n, k], shared: [n, hidden] or null.
+extern "C" __global__ void moe_combine_tokens(const float* __restrict__ y, const float* __restrict__ w, int k,
+                                              int hidden, int n, const float* __restrict__ shared,
+                                              float* __restrict__ x) {
+    const size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (e >= (size_t)n * hidden) return;
+    const int t = (int)(e / hidden), i = (int)(e % hidden);
+    float acc = 0.0f;
+    for (int j = 0; j < k; ++j)
+        acc = __fadd_rn(acc, __fmul_rn(w[(size_t)t * k + j], y[((size_t)t * k + j) * hidden + i]));
+    if (shared != nullptr) acc = __fadd_rn(acc, __fmul_rn(1.0f, shared[e]));
+    x[e] = __fadd_rn(x[e], __fmul_rn(1.0f, acc));
+}

@@ -32,7 +32,7 @@ use deltafin_format::{ModelConfig, ModelDir};
 use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
-use crate::model::{state_as, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
 use crate::models::DeepseekV3;
 use crate::moe::route;
@@ -607,6 +607,274 @@ impl DeepseekV3Cuda {
     }
 }
 
+/// Most bytes of attention scores one MLA launch of a chunk may use (the chunk's tokens are
+/// split into groups that stay within it).
+const PREFILL_SCORE_BYTES: usize = 256 << 20;
+
+impl DeepseekV3Cuda {
+    /// A chunk of `tokens` at the next positions of `cache`, every position computed with the
+    /// bits of [`Self::forward_token`] (the same kernels' arithmetic per token), but each weight
+    /// read once per chunk: projections as matrix-matrix products, MLA for every token in one
+    /// launch, and the MoE expert-major: every expert chosen by some token of the chunk runs once
+    /// on the rows of the tokens that chose it (gathered), its outputs scattered to their
+    /// (token, slot), then each token's weighted sum in router order.
+    fn forward_chunk(
+        &self,
+        cache: &mut GpuKvCache,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        let c = &self.cpu.cfg;
+        let n = tokens.len();
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(EngineError::TokenOutOfRange {
+                id: bad,
+                vocab_size: c.vocab_size,
+            });
+        }
+        let g = &self.gpu;
+        g.bind_to_thread().map_err(cuda)?;
+        let t0 = cache.len;
+        cache.reserve(t0 + n).map_err(cuda)?;
+        let h = c.hidden_size;
+        let emb = self.cpu.m("model.embed_tokens.weight")?;
+        let mut x_host = vec![0f32; n * h];
+        for (t, &tok) in tokens.iter().enumerate() {
+            emb.row_into(tok as usize, &mut x_host[t * h..(t + 1) * h]);
+        }
+        let mut cs_host = Vec::new();
+        for t in 0..n {
+            cs_host.extend(self.rope_table(t0 + t));
+        }
+        let mut x = g.upload(&x_host).map_err(cuda)?;
+        let cs = g.upload(&cs_host).map_err(cuda)?;
+        let z = |len: usize| g.zeros(len.max(1)).map_err(cuda);
+        let mut xn = z(n * h)?;
+        let mut routes: Vec<LayerRoutes> = vec![Vec::new(); n];
+        for l in 0..c.num_hidden_layers {
+            let lw = &self.layers[l];
+            g.rms_norm(&x, &lw.input_layernorm, n, c.rms_norm_eps, false, &mut xn)
+                .map_err(cuda)?;
+            let attn = self
+                .cpu
+                .routed
+                .time_attention(|| self.attention_chunk(l, &xn, &cs, n, cache))
+                .map_err(cuda)?;
+            g.axpy(1.0, &attn, &mut x).map_err(cuda)?;
+            g.rms_norm(&x, &lw.post_attention_layernorm, n, c.rms_norm_eps, false, &mut xn)
+                .map_err(cuda)?;
+            self.cpu.routed.time_mlp(|| -> Result<(), EngineError> {
+                match &lw.mlp {
+                    Mlp::Moe { .. } => {
+                        let rs = self.moe_chunk(l, &xn, n, &mut x)?;
+                        for (t, r) in rs.into_iter().enumerate() {
+                            routes[t].push((l, r));
+                        }
+                        Ok(())
+                    }
+                    Mlp::Dense { gate, up, down } => {
+                        let out = self.swiglu_rows([gate, up, down], &xn, n).map_err(cuda)?;
+                        g.axpy(1.0, &out, &mut x).map_err(cuda)
+                    }
+                }
+            })?;
+        }
+        cache.len += n;
+        for _ in 0..n {
+            self.cpu.routed.count_forward();
+        }
+        let (first, rows) = if all_logits { (0, n) } else { (n - 1, 1) };
+        let xl = g.copy_range(&x, first * h, rows * h).map_err(cuda)?;
+        let mut xf = z(rows * h)?;
+        g.rms_norm(&xl, &self.norm, rows, c.rms_norm_eps, false, &mut xf)
+            .map_err(cuda)?;
+        let vocab = self.lm_head.rows;
+        let mut logits = z(rows * vocab)?;
+        self.lm_head.matmul(g, &xf, rows, &mut logits).map_err(cuda)?;
+        let flat = g.download(&logits).map_err(cuda)?;
+        Ok(BatchOutput {
+            logits: flat.chunks(vocab).map(<[f32]>::to_vec).collect(),
+            routes,
+        })
+    }
+
+    /// `down(silu(gate X) * up X)` for `n` rows `x: [n, cols]` → `[n, rows of down]`.
+    fn swiglu_rows(&self, [gate, up, down]: [&GpuMat; 3], x: &GpuBuf, n: usize) -> Result<GpuBuf, CudaError> {
+        let g = &self.gpu;
+        let mut a = g.zeros(n * gate.rows)?;
+        let mut b = g.zeros(n * up.rows)?;
+        gate.matmul(g, x, n, &mut a)?;
+        up.matmul(g, x, n, &mut b)?;
+        let mut hh = g.zeros(n * gate.rows)?;
+        g.swiglu(&a, &b, &mut hh)?;
+        let mut out = g.zeros(n * down.rows)?;
+        down.matmul(g, &hh, n, &mut out)?;
+        Ok(out)
+    }
+
+    /// MLA of layer `l` for the `n` tokens of a chunk (`xn: [n, hidden]` normalized, `cs` their
+    /// RoPE rows), appending their latents and rope keys to `cache` at positions
+    /// `cache.len ..`; returns `[n, hidden]`.
+    fn attention_chunk(
+        &self,
+        l: usize,
+        xn: &GpuBuf,
+        cs: &GpuBuf,
+        n: usize,
+        cache: &mut GpuKvCache,
+    ) -> Result<GpuBuf, CudaError> {
+        let c = &self.cpu.cfg;
+        let g = &self.gpu;
+        let lw = &self.layers[l];
+        let (nh, nope, rope, kvl) = (
+            c.num_attention_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.kv_lora_rank,
+        );
+        let qk = nope + rope;
+        let half = cs.len() / (2 * n);
+        let t0 = cache.len;
+        let mut q = g.zeros(n * nh * qk)?;
+        match &lw.q {
+            QProj::Lora {
+                q_a_proj,
+                q_a_layernorm,
+                q_b_proj,
+            } => {
+                let mut qa = g.zeros(n * q_a_proj.rows)?;
+                q_a_proj.matmul(g, xn, n, &mut qa)?;
+                let mut qan = g.zeros(n * q_a_proj.rows)?;
+                g.rms_norm(&qa, q_a_layernorm, n, LATENT_NORM_EPS, false, &mut qan)?;
+                q_b_proj.matmul(g, &qan, n, &mut q)?;
+            }
+            QProj::Full { q_proj } => q_proj.matmul(g, xn, n, &mut q)?,
+        }
+        g.rope_tokens(&mut q, n, nh, qk, nope, cs, half, self.cpu.rope.interleaved)?;
+        let mut ckv = g.zeros(n * kvl)?;
+        lw.kv_a_latent.matmul(g, xn, n, &mut ckv)?;
+        let mut latent = g.zeros(n * kvl)?;
+        g.rms_norm(&ckv, &lw.kv_a_layernorm, n, LATENT_NORM_EPS, false, &mut latent)?;
+        let mut k_pe = g.zeros(n * rope)?;
+        lw.kv_a_rope.matmul(g, xn, n, &mut k_pe)?;
+        g.rope_tokens(&mut k_pe, n, 1, rope, 0, cs, half, self.cpu.rope.interleaved)?;
+        g.copy_into(&latent, &mut cache.c_kv[l], t0 * kvl)?;
+        g.copy_into(&k_pe, &mut cache.k_pe[l], t0 * rope)?;
+        let shape = MlaShape {
+            n_heads: nh,
+            nope,
+            rope,
+            v_head_dim: c.v_head_dim,
+            kv_lora_rank: kvl,
+        };
+        // Token groups whose scores fit PREFILL_SCORE_BYTES; each group a launch.
+        let per_token = nh * (t0 + n) * 4;
+        let group = (PREFILL_SCORE_BYTES / per_token.max(1)).clamp(1, 65_535).min(n);
+        let mut heads = g.zeros(n * nh * c.v_head_dim)?;
+        let mut scores = g.zeros(group * nh * (t0 + n))?;
+        let mut j0 = 0;
+        while j0 < n {
+            let m = group.min(n - j0);
+            let qg = g.copy_range(&q, j0 * nh * qk, m * nh * qk)?;
+            let mut og = g.zeros(m * nh * c.v_head_dim)?;
+            g.mla_prefill(
+                shape,
+                &qg,
+                &cache.c_kv[l],
+                &cache.k_pe[l],
+                &lw.kv_b_proj,
+                t0 + j0,
+                m,
+                self.cpu.softmax_scale,
+                &mut scores,
+                &mut og,
+            )?;
+            g.copy_into(&og, &mut heads, j0 * nh * c.v_head_dim)?;
+            j0 += m;
+        }
+        let mut out = g.zeros(n * c.hidden_size)?;
+        lw.o_proj.matmul(g, &heads, n, &mut out)?;
+        Ok(out)
+    }
+
+    /// The MoE block of layer `l` for the `n` tokens of a chunk (`xn: [n, hidden]`), added to
+    /// `x: [n, hidden]`; returns each token's routing. Router logits for the chunk in one
+    /// product and one download; the union of chosen experts from the GPU expert cache (misses
+    /// through the store); per expert: gather its tokens' rows, the three products, scatter the
+    /// outputs to `y[token, slot]`; then each token's combine in router order
+    /// ([`Gpu::moe_combine_tokens`], the one-token arithmetic).
+    fn moe_chunk(
+        &self,
+        l: usize,
+        xn: &GpuBuf,
+        n: usize,
+        x: &mut GpuBuf,
+    ) -> Result<Vec<crate::moe::Routing>, EngineError> {
+        let c = &self.cpu.cfg;
+        let g = &self.gpu;
+        let h = c.hidden_size;
+        let names = &self.cpu.names[l];
+        let Mlp::Moe { router, shared } = &self.layers[l].mlp else {
+            return Err(EngineError::Invalid(format!("layer {l} is not a MoE layer")));
+        };
+        let shared_out = match shared {
+            Some([gt, u, d]) => Some(self.swiglu_rows([gt, u, d], xn, n).map_err(cuda)?),
+            None => None,
+        };
+        let e_n = router.rows;
+        let mut logits = g.zeros(n * e_n).map_err(cuda)?;
+        router.matmul(g, xn, n, &mut logits).map_err(cuda)?;
+        let logits = g.download(&logits).map_err(cuda)?;
+        let rcfg = self.cpu.router_cfg();
+        let bias = self.cpu.v(&names.router_bias)?;
+        let routings: Vec<crate::moe::Routing> = logits.chunks(e_n).map(|lg| route(&rcfg, lg, bias)).collect();
+        let k = routings.first().map_or(0, |r| r.experts.len());
+        if routings.iter().any(|r| r.experts.len() != k || r.weights.len() != k) || k == 0 {
+            return Err(EngineError::Invalid(format!(
+                "layer {l}: routing gave different expert counts within a chunk"
+            )));
+        }
+        // The union of chosen experts (ascending id) and, per expert, its (token, slot)s.
+        let mut union: Vec<usize> = routings.iter().flat_map(|r| r.experts.iter().copied()).collect();
+        union.sort_unstable();
+        union.dedup();
+        let mut members: Vec<Vec<(usize, usize)>> = vec![Vec::new(); union.len()];
+        for (t, r) in routings.iter().enumerate() {
+            for (slot, e) in r.experts.iter().enumerate() {
+                if let Ok(u) = union.binary_search(e) {
+                    members[u].push((t, slot));
+                }
+            }
+        }
+        let mut src_idx: Vec<i32> = Vec::with_capacity(n * k);
+        let mut dst_idx: Vec<i32> = Vec::with_capacity(n * k);
+        for m in &members {
+            for &(t, slot) in m {
+                src_idx.push(t as i32);
+                dst_idx.push((t * k + slot) as i32);
+            }
+        }
+        let src_d = g.upload(&src_idx).map_err(cuda)?;
+        let dst_d = g.upload(&dst_idx).map_err(cuda)?;
+        let weights: Vec<f32> = routings.iter().flat_map(|r| r.weights.iter().copied()).collect();
+        let w_d = g.upload(&weights).map_err(cuda)?;
+        let experts = self.experts_of(l, &union)?;
+        let mut y = g.zeros(n * k * h).map_err(cuda)?;
+        let mut off = 0;
+        for (e, m) in experts.iter().zip(&members) {
+            let rows = m.len();
+            let mut xe = g.zeros(rows * h).map_err(cuda)?;
+            g.gather_rows(xn, &src_d, off, rows, h, &mut xe).map_err(cuda)?;
+            let ye = self.swiglu_rows([&e[0], &e[1], &e[2]], &xe, rows).map_err(cuda)?;
+            g.scatter_rows(&ye, &dst_d, off, rows, h, &mut y).map_err(cuda)?;
+            off += rows;
+        }
+        g.moe_combine_tokens(&y, &w_d, k, h, n, shared_out.as_ref(), x)
+            .map_err(cuda)?;
+        Ok(routings)
+    }
+}
+
 impl CausalLm for DeepseekV3Cuda {
     fn config(&self) -> &ModelConfig {
         self.cpu.config()
@@ -629,6 +897,26 @@ impl CausalLm for DeepseekV3Cuda {
     fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         let cache = state_as::<GpuKvCache>(state)?;
         self.forward_token(cache, token)
+    }
+
+    fn forward_batch(
+        &self,
+        state: &mut dyn DecodeState,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        let cache = state_as::<GpuKvCache>(state)?;
+        match tokens {
+            [] => Ok(BatchOutput::default()),
+            [t] => {
+                let (logits, routes) = self.forward_token(cache, *t)?;
+                Ok(BatchOutput {
+                    logits: vec![logits],
+                    routes: vec![routes],
+                })
+            }
+            _ => self.forward_chunk(cache, tokens, all_logits),
+        }
     }
 
     fn routed(&self) -> &RoutedExperts {

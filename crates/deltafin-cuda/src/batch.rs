@@ -1,0 +1,280 @@
+//! Batched (prefill) operations: RoPE with a position per token, MLA for the tokens of a chunk,
+//! row gather/scatter for expert-major MoE, and the per-token MoE combine. Each gives, for every
+//! token, the bits of the one-token operation (`ops.cu`, "Batched (prefill) forms").
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+
+use crate::attention::MlaShape;
+use crate::gpu::GpuBuf;
+use crate::mat::{GpuMat, GpuMatData};
+use crate::{CudaError, DriverContext, Gpu};
+
+fn i32_of(what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::Shape(format!("{what} = {v} is too large for the CUDA kernels")))
+}
+
+fn elems(n: usize) -> Result<LaunchConfig, CudaError> {
+    let n = u32::try_from(n).map_err(|_| CudaError::Shape(format!("{n} elements is more than one launch takes")))?;
+    Ok(LaunchConfig::for_num_elems(n.max(1)))
+}
+
+impl Gpu {
+    /// RoPE in place on the vectors of `n_tok` tokens, `vec_per_tok` vectors a token (stride
+    /// `stride`, rotary part at `offset`); token `j` rotates with its own row of
+    /// `cs: [n_tok, 2 * half]` (`[cos, sin]` as for [`Gpu::rope`]).
+    ///
+    /// # Errors
+    /// `Shape` when the vectors or the table do not fit; a driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_tokens(
+        &self,
+        x: &mut GpuBuf,
+        n_tok: usize,
+        vec_per_tok: usize,
+        stride: usize,
+        offset: usize,
+        cs: &GpuBuf,
+        half: usize,
+        interleaved: bool,
+    ) -> Result<(), CudaError> {
+        let n_vec = n_tok * vec_per_tok;
+        if half == 0
+            || n_vec == 0
+            || offset + 2 * half > stride
+            || n_vec * stride > x.len()
+            || cs.len() != n_tok * 2 * half
+        {
+            return Err(CudaError::Shape(format!(
+                "rope_tokens: {n_tok} tokens of {vec_per_tok} vectors (stride {stride}, rotary {} at {offset}) in {} elements, table {}",
+                2 * half,
+                x.len(),
+                cs.len()
+            )));
+        }
+        let (a, b, c, d, e, f) = (
+            i32_of("tokens", n_tok)?,
+            i32_of("vectors", vec_per_tok)?,
+            i32_of("stride", stride)?,
+            i32_of("offset", offset)?,
+            i32_of("half", half)?,
+            interleaved as i32,
+        );
+        let mut l = self.stream().launch_builder(self.k.get("rope_apply_tokens")?);
+        l.arg(x).arg(&a).arg(&b).arg(&c).arg(&d).arg(cs).arg(&e).arg(&f);
+        // SAFETY: matches `rope_apply_tokens` in ops.cu; extents checked above.
+        unsafe { l.launch(elems(n_vec * half)?) }.ctx("launch rope_apply_tokens")?;
+        Ok(())
+    }
+
+    /// MLA for the `n` tokens of a chunk whose first token sits at position `t0` (their latents
+    /// and rope keys already in `ckv`/`kpe`): token `j` attends to positions `0..=t0 + j`,
+    /// exactly as [`Gpu::mla_decode`] of that token. `q: [n, n_heads, nope + rope]`,
+    /// `scores: [>= n * n_heads * (t0 + n)]` scratch, `out: [n, n_heads * v_head_dim]`.
+    ///
+    /// # Errors
+    /// `Shape` for inconsistent lengths or an MXFP4 `kv_b`; a driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_prefill(
+        &self,
+        s: MlaShape,
+        q: &GpuBuf,
+        ckv: &GpuBuf,
+        kpe: &GpuBuf,
+        kv_b: &GpuMat,
+        t0: usize,
+        n: usize,
+        softmax_scale: f32,
+        scores: &mut GpuBuf,
+        out: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        let (kvl, t) = (s.kv_lora_rank, t0 + n);
+        let ok = n > 0
+            && n <= 65_535
+            && q.len() == n * s.n_heads * (s.nope + s.rope)
+            && ckv.len() >= t * kvl
+            && kpe.len() >= t * s.rope
+            && kv_b.rows == s.n_heads * (s.nope + s.v_head_dim)
+            && kv_b.cols == kvl
+            && scores.len() >= n * s.n_heads * t
+            && out.len() == n * s.n_heads * s.v_head_dim;
+        if !ok {
+            return Err(CudaError::Shape(format!(
+                "mla_prefill: operands do not fit {s:?} for {n} tokens from position {t0}"
+            )));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (s.n_heads as u32, n as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (2 * kvl * 4) as u32,
+        };
+        let nh = i32_of("heads", s.n_heads)?;
+        let (nope, rope, vd, kvl_i) = (s.nope as i32, s.rope as i32, s.v_head_dim as i32, kvl as i32);
+        let (t0_i, stride) = (i32_of("position", t0)?, i32_of("positions", t)?);
+        match &kv_b.data {
+            GpuMatData::Int8 { q: w, scales } => {
+                let mut b = self.stream().launch_builder(self.k.get("mla_prefill_i8")?);
+                b.arg(q).arg(ckv).arg(kpe).arg(w).arg(scales);
+                b.arg(&nh)
+                    .arg(&nope)
+                    .arg(&rope)
+                    .arg(&vd)
+                    .arg(&kvl_i)
+                    .arg(&t0_i)
+                    .arg(&stride);
+                b.arg(&softmax_scale).arg(scores).arg(out);
+                // SAFETY: matches `mla_prefill_i8` in ops.cu; lengths checked above.
+                unsafe { b.launch(cfg) }.ctx("launch mla_prefill_i8")?;
+            }
+            GpuMatData::F32(w) => {
+                let mut b = self.stream().launch_builder(self.k.get("mla_prefill_f32")?);
+                b.arg(q).arg(ckv).arg(kpe).arg(w);
+                b.arg(&nh)
+                    .arg(&nope)
+                    .arg(&rope)
+                    .arg(&vd)
+                    .arg(&kvl_i)
+                    .arg(&t0_i)
+                    .arg(&stride);
+                b.arg(&softmax_scale).arg(scores).arg(out);
+                // SAFETY: matches `mla_prefill_f32` in ops.cu; lengths checked above.
+                unsafe { b.launch(cfg) }.ctx("launch mla_prefill_f32")?;
+            }
+            GpuMatData::Mxfp4 { .. } => {
+                return Err(CudaError::Shape(
+                    "mla_prefill: an MXFP4 kv_b_proj is not supported".into(),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rows_op(
+        &self,
+        name: &'static str,
+        src: &GpuBuf,
+        idx: &CudaSlice<i32>,
+        off: usize,
+        m: usize,
+        dim: usize,
+        dst: &mut GpuBuf,
+        gather: bool,
+    ) -> Result<(), CudaError> {
+        let (small, big) = if gather {
+            (dst.len(), src.len())
+        } else {
+            (src.len(), dst.len())
+        };
+        if m == 0 || dim == 0 || off + m > idx.len() || small != m * dim || big % dim != 0 {
+            return Err(CudaError::Shape(format!(
+                "{name}: {m} rows of {dim} at index {off} of {} (buffers {} and {})",
+                idx.len(),
+                src.len(),
+                dst.len()
+            )));
+        }
+        let (off_i, m_i, dim_i) = (i32_of("offset", off)?, i32_of("rows", m)?, i32_of("width", dim)?);
+        let mut b = self.stream().launch_builder(self.k.get(name)?);
+        b.arg(src).arg(idx).arg(&off_i).arg(&m_i).arg(&dim_i).arg(dst);
+        // SAFETY: matches `gather_rows`/`scatter_rows` in ops.cu; the small side holds m rows;
+        // the indices are checked by the caller to lie within the large side (see below).
+        unsafe { b.launch(elems(m * dim)?) }.ctx("launch gather/scatter")?;
+        Ok(())
+    }
+
+    /// `dst[i] = src[idx[off + i]]` for `m` rows of width `dim` (`dst: [m, dim]`). The caller
+    /// guarantees every index is a row of `src` (the engine builds them from routing it owns).
+    ///
+    /// # Errors
+    /// `Shape` when the extents disagree; a driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_rows(
+        &self,
+        src: &GpuBuf,
+        idx: &CudaSlice<i32>,
+        off: usize,
+        m: usize,
+        dim: usize,
+        dst: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        self.rows_op("gather_rows", src, idx, off, m, dim, dst, true)
+    }
+
+    /// `dst[idx[off + i]] = src[i]` for `m` rows of width `dim` (`src: [m, dim]`), destination
+    /// rows distinct and inside `dst` (caller's guarantee, as for [`Gpu::gather_rows`]).
+    ///
+    /// # Errors
+    /// `Shape` when the extents disagree; a driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scatter_rows(
+        &self,
+        src: &GpuBuf,
+        idx: &CudaSlice<i32>,
+        off: usize,
+        m: usize,
+        dim: usize,
+        dst: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        self.rows_op("scatter_rows", src, idx, off, m, dim, dst, false)
+    }
+
+    /// [`Gpu::moe_fused`]'s combine for `n` tokens: `x[t] += Σ_j w[t, j] · y[t, j] + shared[t]`
+    /// with `y: [n, k, hidden]`, `w: [n, k]`, `shared: [n, hidden]`, `x: [n, hidden]`, each
+    /// token with the one-token arithmetic.
+    ///
+    /// # Errors
+    /// `Shape` when lengths disagree; a driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine_tokens(
+        &self,
+        y: &GpuBuf,
+        w: &GpuBuf,
+        k: usize,
+        hidden: usize,
+        n: usize,
+        shared: Option<&GpuBuf>,
+        x: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        if n == 0
+            || y.len() != n * k * hidden
+            || w.len() != n * k
+            || x.len() != n * hidden
+            || shared.is_some_and(|s| s.len() != n * hidden)
+        {
+            return Err(CudaError::Shape(format!(
+                "moe_combine_tokens: buffers do not fit {n} tokens of {k} experts and width {hidden}"
+            )));
+        }
+        let (k_i, h_i, n_i) = (i32_of("k", k)?, i32_of("hidden", hidden)?, i32_of("tokens", n)?);
+        let s = self.stream();
+        let null: u64 = 0;
+        let shared_ptr = shared.map(|sh| sh.device_ptr(s));
+        let mut b = s.launch_builder(self.k.get("moe_combine_tokens")?);
+        b.arg(y).arg(w).arg(&k_i).arg(&h_i).arg(&n_i);
+        match &shared_ptr {
+            Some((p, _)) => b.arg(p),
+            None => b.arg(&null),
+        };
+        b.arg(x);
+        // SAFETY: matches `moe_combine_tokens` in ops.cu; lengths checked above.
+        unsafe { b.launch(elems(n * hidden)?) }.ctx("launch moe_combine_tokens")?;
+        Ok(())
+    }
+
+    /// A new buffer holding `src[start .. start + len]`.
+    ///
+    /// # Errors
+    /// `Shape` when the range is outside `src`; a driver error.
+    pub fn copy_range(&self, src: &GpuBuf, start: usize, len: usize) -> Result<GpuBuf, CudaError> {
+        if len == 0 || start + len > src.len() {
+            return Err(CudaError::Shape(format!(
+                "copy_range: {len} elements at {start} of {}",
+                src.len()
+            )));
+        }
+        let mut dst = self.zeros(len)?;
+        let view = src.slice(start..start + len);
+        self.stream().memcpy_dtod(&view, &mut dst).ctx("cuMemcpyDtoD")?;
+        Ok(dst)
+    }
+}
