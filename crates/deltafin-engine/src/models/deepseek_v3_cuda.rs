@@ -21,8 +21,9 @@
 //! recently within `--gpu-budget`; a miss is read through the expert store (the host cache is
 //! the second tier) and copied to the device once.
 //!
-//! Not yet on the GPU (done per token): self-drafting, the batched prefill (a prompt runs token
-//! by token).
+//! A prompt chunk runs in one batched pass ([`DeepseekV3Cuda::forward_batch`]: matrix-matrix
+//! projections, MLA for the chunk, expert-major MoE) with every position's bits equal to
+//! token-at-a-time decoding. Not on the GPU yet: self-drafting.
 
 use std::sync::{Arc, Mutex};
 
