@@ -180,7 +180,10 @@ impl Structured {
         let info = TokRxInfo::new(self.vocab_size as u32, eos);
         let trie = TokTrie::from(&info, &words);
         let env: TokEnv = Arc::new(Vocab { trie });
-        let mut factory = ParserFactory::new(&env, InferenceCapabilities::default(), &[])
+        // The JSON slices (token subsets precomputed for whitespace and string contents) are
+        // what makes a mask inside a JSON string cheap.
+        let slices = llguidance::earley::SlicedBiasComputer::general_slices();
+        let mut factory = ParserFactory::new(&env, InferenceCapabilities::default(), &slices)
             .map_err(|e| format!("building the grammar engine over the vocabulary: {e}"))?;
         factory.quiet();
         Ok(Arc::new(factory))
@@ -705,6 +708,104 @@ mod tests {
                 }
                 check_weather(&serde_json::from_str(&content).unwrap_or_else(|e| panic!("{e}: {text:?}")));
             }
+        }
+    }
+
+    /// The mask's cost per token at a real vocabulary size: `DELTAFIN_MASK_TOKENIZER` names a
+    /// directory with a `tokenizer.json` (bench/NOTES.md says how the 128k one was made).
+    /// Prints the one-time vocabulary preparation, the grammar compile, and per generated token
+    /// the mask (llguidance's `compute_mask` plus setting the logits) and the commit.
+    #[test]
+    #[ignore = "a measurement: needs DELTAFIN_MASK_TOKENIZER"]
+    fn mask_cost() {
+        use std::time::{Duration, Instant};
+        let Ok(dir) = std::env::var("DELTAFIN_MASK_TOKENIZER") else {
+            panic!("set DELTAFIN_MASK_TOKENIZER to a tokenizer directory");
+        };
+        let tok = Arc::new(Tokenizer::from_dir(std::path::Path::new(&dir)).unwrap());
+        let eos = tok.eos_token_ids().first().copied().unwrap_or(0);
+        let vocab = tok.vocab_size();
+        let s = Structured::new(Arc::clone(&tok), vocab, vec![eos]);
+        let t = Instant::now();
+        s.factory().unwrap();
+        eprintln!(
+            "vocabulary {vocab}: trie and parser factory built in {:.0} ms",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 200},
+                "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "tags": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 8},
+            },
+            "required": ["city", "days", "unit", "tags"],
+            "additionalProperties": false,
+        }}}]);
+        let family = Family::detect(&tok);
+        let plain = json!({
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "tags": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["city", "days", "unit", "tags"],
+        });
+        let cases = [
+            ("json_object", Constraint::Json(json!({"type": "object"}))),
+            ("json_schema, unbounded strings", Constraint::Json(plain)),
+            (
+                "json_schema, maxLength strings",
+                Constraint::Json(forced_tools(&tools, &Forced::Any)[0].1.clone()),
+            ),
+            (
+                "tool call",
+                Constraint::ToolCalls {
+                    tools: forced_tools(&tools, &Forced::Any),
+                    parallel: false,
+                },
+            ),
+        ];
+        for (what, c) in cases {
+            let t = Instant::now();
+            let g = s.compile(&c, family, "").unwrap();
+            let compile = t.elapsed();
+            let mut rng = StdRng::seed_from_u64(1);
+            let (mut mask, mut commit, mut n, mut worst) = (Duration::ZERO, Duration::ZERO, 0u32, Duration::ZERO);
+            let mut logits = vec![0f32; vocab];
+            for _ in 0..20 {
+                let mut state = g.start().unwrap();
+                for _ in 0..400 {
+                    logits.iter_mut().for_each(|l| *l = rng.random::<f32>());
+                    let t = Instant::now();
+                    state.mask(&mut logits).unwrap();
+                    let m = t.elapsed();
+                    let id = deltafin_engine::sampler::greedy(&logits);
+                    if id == eos {
+                        break;
+                    }
+                    let t = Instant::now();
+                    state.commit(id).unwrap();
+                    commit += t.elapsed();
+                    mask += m;
+                    worst = worst.max(m);
+                    n += 1;
+                    if state.is_finished() {
+                        break;
+                    }
+                }
+            }
+            let us = |d: Duration| d.as_secs_f64() * 1e6 / n as f64;
+            eprintln!(
+                "{what}: compile {:.1} ms; {n} tokens: mask {:.0} µs/token (worst {:.0} µs), commit {:.0} µs/token",
+                compile.as_secs_f64() * 1e3,
+                us(mask),
+                worst.as_secs_f64() * 1e6,
+                us(commit)
+            );
         }
     }
 
