@@ -15,9 +15,12 @@ import socket
 import threading
 import time
 import urllib.parse
+from typing import Annotated, Literal
 
 import anthropic
+import jsonschema
 import openai
+import pydantic
 import pytest
 
 BASE = os.environ["DELTAFIN_BASE_URL"].rstrip("/")
@@ -431,8 +434,83 @@ def test_anthropic_tools_thinking_and_count_tokens(an):
     n = an.messages.count_tokens(**kw)
     assert n.input_tokens == m.usage.input_tokens
     with pytest.raises(anthropic.BadRequestError) as e:
-        an.messages.create(max_tokens=6, tool_choice={"type": "any"}, **kw)
+        an.messages.create(max_tokens=6, tool_choice={"type": "tool", "name": "nope"}, **kw)
     assert "tool_choice" in e.value.body["error"]["message"]
+
+
+# ---------------------------------------------------------------- structured output
+# The fixture model has random weights and a context of 128 tokens: the schemas bound every
+# value so that the grammar's end comes within a short reply.
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 4},
+        "unit": {"enum": ["c", "f"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+
+
+class City(pydantic.BaseModel):
+    city: Annotated[str, pydantic.StringConstraints(min_length=1, max_length=4)]
+    unit: Literal["c", "f"]
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": CITY}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def test_response_format_json_schema_and_object(oa):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "strict": True, "schema": CITY}}
+    for kw in ({}, {"temperature": 1.0, "seed": 11}):
+        r = oa.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=80, response_format=fmt, **kw)
+        assert r.choices[0].finish_reason == "stop", r
+        jsonschema.validate(json.loads(r.choices[0].message.content), CITY)
+    # The SDK's typed helper: a pydantic model's schema in, an instance of it out.
+    parsed = oa.chat.completions.parse(model=MODEL, messages=HELLO, max_tokens=80, response_format=City)
+    city = parsed.choices[0].message.parsed
+    assert isinstance(city, City) and 1 <= len(city.city) <= 4 and city.unit in ("c", "f")
+    r = oa.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=80,
+                                   response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "https://example.com/x.json"}}})
+    assert e.value.body["param"] == "response_format"
+
+
+@pytest.mark.parametrize("choice,name", [
+    ("required", None),
+    ({"type": "function", "function": {"name": "get_weather"}}, "get_weather"),
+])
+def test_openai_forced_tool_call(oa, choice, name):
+    r = oa.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=100, tools=TOOLS,
+                                   tool_choice=choice, parallel_tool_calls=False)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", r
+    (call,) = c.message.tool_calls
+    assert name is None or call.function.name == name
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), params)
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_anthropic_forced_tool_use(an, choice):
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    m = an.messages.create(model=MODEL, messages=HELLO, max_tokens=100, tools=tools,
+                           tool_choice={**choice, "disable_parallel_tool_use": True})
+    assert m.stop_reason == "tool_use", m
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert choice["type"] == "any" or use.name == "get_weather"
+    schema = {t["name"]: t["input_schema"] for t in tools}[use.name]
+    jsonschema.validate(use.input, schema)
 
 
 def test_openai_reasoning_effort_and_template_kwargs(oa):

@@ -16,8 +16,13 @@
 //!    of most likely tokens whose probability sums to at least `top_p` → draw one with the
 //!    seeded generator.
 //!
-//! With no adjustment set the logits are used as given (no copy, no extra pass), so greedy
-//! output is the plain argmax.
+//! With a grammar ([`crate::constraint`]), every token it does not allow next gets logit −∞
+//! after the adjustments and before step 2, and the chosen token is committed to it; greedy,
+//! sampled and speculative decoding (whose draft is verified against the masked distribution)
+//! all respect it.
+//!
+//! With no adjustment and no grammar the logits are used as given (no copy, no extra pass), so
+//! greedy output is the plain argmax.
 //! Reported log-probabilities are those of the model's own distribution (`log_softmax` of the
 //! raw logits, before adjustments, temperature or truncation), as OpenAI and vLLM report them.
 
@@ -25,6 +30,8 @@ use std::collections::{HashMap, HashSet};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+use crate::constraint::GrammarState;
 
 /// How to choose tokens. `temperature == 0` means greedy (exact argmax, the default). The
 /// default value of every other field turns it off.
@@ -130,7 +137,7 @@ impl SamplingParams {
     }
 }
 
-/// What the penalties need to know about the tokens so far, and the adjusted logits.
+/// What the penalties need to know about the tokens so far.
 #[derive(Debug, Clone, Default)]
 struct Adjuster {
     /// Distinct prompt and output tokens (kept only with a repetition penalty).
@@ -138,13 +145,24 @@ struct Adjuster {
     /// Output tokens and how often each was chosen (kept only with presence or frequency
     /// penalties).
     counts: HashMap<u32, u32>,
-    /// The adjusted logits of the current step.
-    logits: Vec<f32>,
+}
+
+/// A generation's grammar and how it went.
+#[derive(Debug)]
+struct Constrained {
+    state: Box<dyn GrammarState>,
+    /// Tokens committed so far.
+    committed: usize,
+    /// How many tokens had been committed when the grammar ended.
+    finished_after: Option<usize>,
+    /// The first failure of the grammar engine (the step's token was then chosen unmasked).
+    error: Option<String>,
 }
 
 /// A token chooser holding its random generator (one per generation, so the same seed and
-/// prompt give the same output) and, with penalties, the tokens chosen so far.
-#[derive(Debug, Clone)]
+/// prompt give the same output), with penalties the tokens chosen so far, and optionally a
+/// grammar ([`Sampler::constrain`]).
+#[derive(Debug)]
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
@@ -152,6 +170,11 @@ pub struct Sampler {
     scratch: Vec<(u32, f32)>,
     /// Present only when a logit adjustment is set.
     adjuster: Option<Box<Adjuster>>,
+    /// Present only with a grammar.
+    constrained: Option<Box<Constrained>>,
+    /// Scratch: the adjusted and masked logits of the current step (used only with an
+    /// adjustment or a grammar).
+    work: Vec<f32>,
 }
 
 impl Sampler {
@@ -167,7 +190,31 @@ impl Sampler {
             rng,
             scratch: Vec::new(),
             adjuster,
+            constrained: None,
+            work: Vec::new(),
         }
+    }
+
+    /// Limits every following choice to the tokens `state` allows (see [`crate::constraint`]).
+    pub fn constrain(&mut self, state: Box<dyn GrammarState>) {
+        self.constrained = Some(Box::new(Constrained {
+            state,
+            committed: 0,
+            finished_after: None,
+            error: None,
+        }));
+    }
+
+    /// With a grammar: how many chosen tokens complete it, once they have been chosen (the
+    /// generation ends after that many tokens).
+    pub fn grammar_finished_after(&self) -> Option<usize> {
+        self.constrained.as_ref().and_then(|c| c.finished_after)
+    }
+
+    /// With a grammar: its engine's first failure, taken (the generation must fail: the tokens
+    /// from that step on were not checked).
+    pub fn take_grammar_error(&mut self) -> Option<String> {
+        self.constrained.as_mut().and_then(|c| c.error.take())
     }
 
     /// A sampler for `params` continuing `prompt` (whose tokens the repetition penalty counts).
@@ -188,12 +235,13 @@ impl Sampler {
 
     /// Chooses the next token from `logits: [vocab]` (non-empty).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let Some(mut a) = self.adjuster.take() else {
+        if self.adjuster.is_none() && self.constrained.is_none() {
             return self.choose(logits);
-        };
-        self.adjust(&mut a, logits);
-        let id = self.choose(&a.logits);
-        self.adjuster = Some(a);
+        }
+        let mut work = std::mem::take(&mut self.work);
+        self.prepare(&mut work, logits);
+        let id = self.choose(&work);
+        self.work = work;
         self.chosen(id);
         id
     }
@@ -207,12 +255,13 @@ impl Sampler {
     /// Greedy: accepted iff `draft` is the argmax, otherwise the argmax. [SPEC_VERIFY]
     /// With penalties, the accepted draft or the replacement counts as chosen.
     pub fn verify_draft(&mut self, logits: &[f32], draft: u32) -> Result<(), u32> {
-        let Some(mut a) = self.adjuster.take() else {
+        if self.adjuster.is_none() && self.constrained.is_none() {
             return self.verify(logits, draft);
-        };
-        self.adjust(&mut a, logits);
-        let r = self.verify(&a.logits, draft);
-        self.adjuster = Some(a);
+        }
+        let mut work = std::mem::take(&mut self.work);
+        self.prepare(&mut work, logits);
+        let r = self.verify(&work, draft);
+        self.work = work;
         self.chosen(match r {
             Ok(()) => draft,
             Err(t) => t,
@@ -220,12 +269,28 @@ impl Sampler {
         r
     }
 
-    /// Writes the adjusted `logits` into `a.logits` (see the module documentation for the order).
-    fn adjust(&self, a: &mut Adjuster, logits: &[f32]) {
-        let p = &self.params;
-        let l = &mut a.logits;
+    /// Writes `logits` adjusted (see the module documentation for the order) and masked by the
+    /// grammar into `l`. A grammar failure is recorded and leaves the logits unmasked.
+    fn prepare(&mut self, l: &mut Vec<f32>, logits: &[f32]) {
         l.clear();
         l.extend_from_slice(logits);
+        if let Some(a) = self.adjuster.as_deref() {
+            self.adjust(a, l);
+        }
+        if let Some(c) = self.constrained.as_deref_mut() {
+            if c.error.is_none() {
+                if let Err(e) = c.state.mask(l) {
+                    c.error = Some(e);
+                    l.clear();
+                    l.extend_from_slice(logits);
+                }
+            }
+        }
+    }
+
+    /// Applies the logit adjustments to `l` in place.
+    fn adjust(&self, a: &Adjuster, l: &mut [f32]) {
+        let p = &self.params;
         for &(id, bias) in &p.logit_bias {
             if let Some(x) = l.get_mut(id as usize) {
                 *x += bias;
@@ -246,8 +311,21 @@ impl Sampler {
         }
     }
 
-    /// Records `id` as generated, for the penalties.
+    /// Records `id` as generated, for the penalties and the grammar.
     fn chosen(&mut self, id: u32) {
+        if let Some(c) = self.constrained.as_deref_mut() {
+            if c.error.is_none() && c.finished_after.is_none() {
+                match c.state.commit(id) {
+                    Ok(()) => {
+                        c.committed += 1;
+                        if c.state.is_finished() {
+                            c.finished_after = Some(c.committed);
+                        }
+                    }
+                    Err(e) => c.error = Some(e),
+                }
+            }
+        }
         let penalise = self.params.penalises_output();
         let repeat = self.params.repetition_penalty != 1.0;
         if let Some(a) = self.adjuster.as_mut() {
@@ -325,7 +403,8 @@ impl Sampler {
             logits
                 .iter()
                 .enumerate()
-                .filter(|(_, l)| !l.is_nan())
+                // −∞ is a masked or banned token: never a candidate.
+                .filter(|(_, l)| !l.is_nan() && **l != f32::NEG_INFINITY)
                 .map(|(i, &l)| (i as u32, l * inv_t)),
         );
         if c.is_empty() {
@@ -537,9 +616,9 @@ mod tests {
     fn adjusted(s: &Sampler, logits: &[f32]) -> Vec<f32> {
         match s.adjuster.as_deref() {
             Some(a) => {
-                let mut a = a.clone();
-                s.adjust(&mut a, logits);
-                a.logits
+                let mut l = logits.to_vec();
+                s.adjust(a, &mut l);
+                l
             }
             None => logits.to_vec(),
         }
@@ -715,5 +794,128 @@ mod tests {
         assert_eq!(s.verify_draft(&l, 0), Err(1));
         // both penalised: 0.5 vs 0.4
         assert_eq!(s.sample(&l), 0);
+    }
+}
+
+#[cfg(test)]
+mod constrained {
+    use super::*;
+
+    /// Allows the tokens of `allowed[step]`, then ends after `allowed.len()` tokens; fails at
+    /// the step `fail_at` when set.
+    #[derive(Debug)]
+    struct Script {
+        allowed: Vec<Vec<u32>>,
+        step: usize,
+        fail_at: Option<usize>,
+    }
+
+    impl GrammarState for Script {
+        fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+            if self.fail_at == Some(self.step) {
+                return Err("scripted failure".into());
+            }
+            let ok = self.allowed.get(self.step).cloned().unwrap_or_default();
+            for (i, l) in logits.iter_mut().enumerate() {
+                if !ok.contains(&(i as u32)) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            Ok(())
+        }
+        fn commit(&mut self, token: u32) -> Result<(), String> {
+            match self.allowed.get(self.step) {
+                Some(ok) if ok.contains(&token) => {
+                    self.step += 1;
+                    Ok(())
+                }
+                _ => Err(format!("token {token} not allowed at step {}", self.step)),
+            }
+        }
+        fn is_finished(&self) -> bool {
+            self.step >= self.allowed.len()
+        }
+    }
+
+    fn script(allowed: &[&[u32]]) -> Box<Script> {
+        Box::new(Script {
+            allowed: allowed.iter().map(|a| a.to_vec()).collect(),
+            step: 0,
+            fail_at: None,
+        })
+    }
+
+    /// Token 0 is by far the most likely: a grammar that forbids it must still be obeyed.
+    fn peaked() -> Vec<f32> {
+        let mut l = vec![0.0f32; 16];
+        l[0] = 50.0;
+        l[7] = 1.0;
+        l
+    }
+
+    #[test]
+    fn greedy_and_sampled_choices_stay_inside_the_grammar() {
+        let mut g = Sampler::new(SamplingParams::default());
+        g.constrain(script(&[&[3, 7], &[5]]));
+        assert_eq!(g.sample(&peaked()), 7, "the best allowed token, not the argmax");
+        assert_eq!(g.grammar_finished_after(), None);
+        assert_eq!(g.sample(&peaked()), 5);
+        assert_eq!(g.grammar_finished_after(), Some(2));
+        assert_eq!(g.take_grammar_error(), None);
+
+        let allowed: Vec<u32> = vec![2, 9, 11];
+        let mut steps: Vec<&[u32]> = Vec::new();
+        for _ in 0..500 {
+            steps.push(&allowed);
+        }
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.5,
+            top_k: 8,
+            seed: Some(3),
+            ..Default::default()
+        });
+        s.constrain(script(&steps));
+        let mut seen = HashSet::new();
+        for _ in 0..500 {
+            let id = s.sample(&peaked());
+            assert!(allowed.contains(&id), "sampled {id} outside the grammar");
+            seen.insert(id);
+        }
+        assert_eq!(seen.len(), 3, "every allowed token is drawn at equal logits");
+        assert_eq!(s.take_grammar_error(), None);
+    }
+
+    #[test]
+    fn a_draft_outside_the_grammar_is_rejected() {
+        for params in [
+            SamplingParams::default(),
+            SamplingParams {
+                temperature: 1.0,
+                seed: Some(1),
+                ..Default::default()
+            },
+        ] {
+            let mut s = Sampler::new(params);
+            s.constrain(script(&[&[7], &[4]]));
+            // 0 is the model's favourite but not allowed: replaced by the only allowed token.
+            assert_eq!(s.verify_draft(&peaked(), 0), Err(7));
+            assert_eq!(s.verify_draft(&peaked(), 4), Ok(()));
+            assert_eq!(s.grammar_finished_after(), Some(2));
+        }
+    }
+
+    #[test]
+    fn a_failing_grammar_is_reported_once() {
+        let mut s = Sampler::new(SamplingParams::default());
+        s.constrain(Box::new(Script {
+            allowed: vec![vec![7], vec![7]],
+            step: 0,
+            fail_at: Some(1),
+        }));
+        assert_eq!(s.sample(&peaked()), 7);
+        assert_eq!(s.take_grammar_error(), None);
+        s.sample(&peaked());
+        assert_eq!(s.take_grammar_error().as_deref(), Some("scripted failure"));
+        assert_eq!(s.take_grammar_error(), None);
     }
 }

@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use deltafin_tokenizer::{Tokenizer, TokenizerError};
 
+use crate::constraint::Grammar;
 use crate::experts::StoreCounters;
 use crate::generate::{prefill_chunk_tokens, GenerateStats, DEFAULT_SPECULATE};
 use crate::model::{CausalLm, DecodeState};
@@ -44,6 +45,11 @@ pub struct GenerationRequest {
     /// `<|tool_calls_section_begin|>`, gpt-oss's `<|channel|>`). End-of-sequence tokens never
     /// appear either way.
     pub keep_special_tokens: bool,
+    /// A grammar the output must follow (structured output, forced tool calls): each step
+    /// chooses only among the tokens it allows, and the generation ends as soon as it is
+    /// complete ([`FinishReason::Eos`], no end-of-sequence token is generated). `None` (the
+    /// default) costs nothing.
+    pub constraint: Option<Arc<dyn Grammar>>,
 }
 
 /// A chosen token's log-probability with the most likely alternatives.
@@ -74,7 +80,7 @@ pub struct Delta {
 /// Why a generation ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An end-of-sequence token was produced.
+    /// An end-of-sequence token was produced, or the request's grammar is complete.
     Eos,
     /// The text reached a stop string (its index in the request).
     StopString(usize),
@@ -170,6 +176,11 @@ impl Session {
     /// Size of the model's vocabulary (prompt ids must be below it).
     pub fn vocab_size(&self) -> usize {
         self.model.vocab_size()
+    }
+
+    /// The ids that end a generation.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_token_ids
     }
 
     /// Cumulative expert-store counters.
@@ -329,6 +340,12 @@ impl Session {
         let mut decoder = tokenizer.stream_decoder(!req.keep_special_tokens);
         let mut stops = StopMatcher::new(&req.stop);
         let mut sampler = Sampler::with_prompt(req.sampling.clone(), &req.prompt);
+        if let Some(g) = &req.constraint {
+            sampler.constrain(
+                g.start()
+                    .map_err(|e| EngineError::Invalid(format!("the output grammar: {e}")))?,
+            );
+        }
         let mut steady_start: Option<Instant> = None;
         let mut steady_from = 0;
         let mut finished = false;
@@ -371,6 +388,9 @@ impl Session {
             let Some((id, logits)) = pending.pop_front() else {
                 break;
             };
+            if let Some(e) = sampler.take_grammar_error() {
+                return Err(EngineError::Invalid(format!("constrained decoding failed: {e}")));
+            }
             out.generated_ids.push(id);
             let logprob = req.logprobs.map(|n| self.token_logprob(&logits, id, n));
             if !req.ignore_eos && self.eos_token_ids.contains(&id) {
@@ -406,6 +426,11 @@ impl Session {
             if !keep_going {
                 out.finish = FinishReason::Cancelled;
                 finished = true;
+                break;
+            }
+            if sampler.grammar_finished_after() == Some(out.generated_ids.len()) {
+                // The grammar is complete: flush below, as after an end-of-sequence token.
+                out.finish = FinishReason::Eos;
                 break;
             }
         }

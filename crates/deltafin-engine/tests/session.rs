@@ -250,3 +250,82 @@ fn special_tokens_are_kept_only_when_asked() {
     assert_eq!(kept.text, tok.decode(&kept.generated_ids, false).unwrap());
     assert_ne!(plain.text, kept.text);
 }
+
+/// A grammar that allows exactly `script`, one token after the other.
+#[derive(Debug)]
+struct Script(Vec<u32>);
+
+#[derive(Debug)]
+struct ScriptState {
+    script: Vec<u32>,
+    at: usize,
+}
+
+impl deltafin_engine::constraint::Grammar for Script {
+    fn start(&self) -> Result<Box<dyn deltafin_engine::constraint::GrammarState>, String> {
+        Ok(Box::new(ScriptState {
+            script: self.0.clone(),
+            at: 0,
+        }))
+    }
+}
+
+impl deltafin_engine::constraint::GrammarState for ScriptState {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        let next = self.script.get(self.at).copied();
+        for (i, l) in logits.iter_mut().enumerate() {
+            if Some(i as u32) != next {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        next.map(|_| ()).ok_or_else(|| "past the end".into())
+    }
+    fn commit(&mut self, token: u32) -> Result<(), String> {
+        if self.script.get(self.at) != Some(&token) {
+            return Err(format!("{token} is not next"));
+        }
+        self.at += 1;
+        Ok(())
+    }
+    fn is_finished(&self) -> bool {
+        self.at == self.script.len()
+    }
+}
+
+/// A grammar decides every token, greedy or sampled, with every speculation mode (a repeating
+/// script invites the lookup drafter), and the generation ends where it does, before
+/// `max_new_tokens`, as an end of sequence.
+#[test]
+fn a_grammar_decides_the_tokens_and_where_they_end() {
+    use deltafin_engine::speculate::SpeculateMode;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut s = session(tmp.path());
+    let never = || false;
+    let script: Vec<u32> = [40, 41, 42].iter().cycle().take(12).copied().collect();
+    let grammar: Arc<dyn deltafin_engine::constraint::Grammar> = Arc::new(Script(script.clone()));
+    for mode in [
+        SpeculateMode::Off,
+        SpeculateMode::Lookup,
+        SpeculateMode::SelfDraft,
+        SpeculateMode::Auto,
+    ] {
+        s.set_speculate(mode);
+        for sampling in [
+            SamplingParams::default(),
+            SamplingParams {
+                temperature: 1.0,
+                seed: Some(4),
+                ..Default::default()
+            },
+        ] {
+            let r = GenerationRequest {
+                sampling,
+                constraint: Some(Arc::clone(&grammar)),
+                ..req(vec![0, 10, 20, 40, 41, 42, 40, 41, 42], 30)
+            };
+            let out = s.generate(&r, &never, |_| true).unwrap();
+            assert_eq!(out.generated_ids, script, "{mode:?}");
+            assert_eq!(out.finish, FinishReason::Eos, "{mode:?}");
+        }
+    }
+}

@@ -30,6 +30,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::agent::{template_extra, Reply, ReplyParser};
 use crate::error::{parse_body, ApiError, Flavor};
+use crate::structured::{call_family, forced_tools, Constraint, Forced};
 use crate::tools::Event as ParsedEvent;
 use crate::worker::JobEvent;
 use crate::{chat_prompt, collect, new_id, sampling, stop_strings, AppState};
@@ -62,13 +63,19 @@ struct CountTokensRequest {
     thinking: Option<Value>,
 }
 
+/// Checked tools (OpenAI-shaped), whether calls are parsed, and the forced call with whether
+/// several calls may follow each other.
+type CheckedTools = (Option<Value>, bool, Option<(Forced, bool)>);
+
 /// `tools` (custom tools `{"name", "description"?, "input_schema"}`) checked and converted to
 /// OpenAI's shape for the chat template (`{"type": "function", "function": {"name",
 /// "description", "parameters"}}`); server tools (a `type` other than `custom`, e.g.
-/// `web_search_20250305`) are refused. `tool_choice`: `auto` or `none` (calls are then not
-/// parsed); `any` and `tool` are refused, as nothing constrains the decoding to force a call.
-/// Returns the converted tools (None for absent, null or empty) and whether calls are parsed.
-fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<(Option<Value>, bool), ApiError> {
+/// `web_search_20250305`) are refused. `tool_choice`: `auto`, `none` (calls are then not
+/// parsed), `any` (a call is forced: needs tools) or `{"type": "tool", "name": <one of the
+/// tools>}` (a call of it is forced); `disable_parallel_tool_use: true` allows one call only.
+/// Returns the converted tools (None for absent, null or empty), whether calls are parsed, and
+/// the forced call with whether several calls may follow each other.
+fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<CheckedTools, ApiError> {
     const SHAPE: &str = r#"{"name": ..., "input_schema": {"type": "object", ...}}"#;
     let converted = match tools {
         None | Some(Value::Null) => None,
@@ -116,16 +123,47 @@ fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<(Op
         }
     };
     let mut calls = converted.is_some();
+    let mut forced = None;
     match tool_choice {
         None | Some(Value::Null) => {}
         Some(c) => match c.get("type").and_then(Value::as_str) {
             Some("auto") if c.is_object() => {}
             Some("none") if c.is_object() => calls = false,
-            Some("any" | "tool") => {
-                return Err(ApiError::invalid_param(
-                    "tool_choice",
-                    "tool_choice: `any` and `tool` are not supported: this server returns tool calls as the model writes them and cannot force one; use `auto` (or `none`)",
-                ))
+            Some(kind @ ("any" | "tool")) => {
+                let parallel = match c.get("disable_parallel_tool_use") {
+                    None | Some(Value::Null) => true,
+                    Some(Value::Bool(b)) => !b,
+                    Some(_) => {
+                        return Err(ApiError::invalid_param(
+                            "tool_choice.disable_parallel_tool_use",
+                            "tool_choice.disable_parallel_tool_use: must be a boolean",
+                        ))
+                    }
+                };
+                let Some(list) = &converted else {
+                    return Err(ApiError::invalid_param(
+                        "tool_choice",
+                        format!("tool_choice: `{kind}` needs a non-empty `tools` list"),
+                    ));
+                };
+                let f = if kind == "any" {
+                    Forced::Any
+                } else {
+                    let Some(name) = c.get("name").and_then(Value::as_str) else {
+                        return Err(ApiError::invalid_param(
+                            "tool_choice.name",
+                            "tool_choice.name: required with type `tool`, a string",
+                        ));
+                    };
+                    if forced_tools(list, &Forced::Named(name.to_string())).is_empty() {
+                        return Err(ApiError::invalid_param(
+                            "tool_choice.name",
+                            format!("tool_choice.name: \"{name}\" is not one of the `tools`"),
+                        ));
+                    }
+                    Forced::Named(name.to_string())
+                };
+                forced = Some((f, parallel));
             }
             _ => {
                 return Err(ApiError::invalid_param(
@@ -135,7 +173,7 @@ fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<(Op
             }
         },
     }
-    Ok((converted, calls))
+    Ok((converted, calls, forced))
 }
 
 /// `thinking`: `{"type": "enabled", "budget_tokens": N}` turns the template's thinking on,
@@ -252,7 +290,7 @@ pub async fn count_tokens(State(s): State<Shared>, body: Result<Bytes, BytesReje
     let counted = async {
         let r: CountTokensRequest = parse_body(body, Flavor::Anthropic)?;
         s.check_model(&r.model)?;
-        let (tools, _) = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
+        let (tools, _, _) = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
         let thinking = check_thinking(r.thinking.as_ref())?;
         let messages = to_chat_messages(&r.messages, r.system.as_ref())?;
         let extra = template_extra(&s, None, "", tools, thinking, None, "")?;
@@ -269,14 +307,25 @@ pub async fn count_tokens(State(s): State<Shared>, body: Result<Bytes, BytesReje
 async fn run(s: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let r: MessagesRequest = parse_body(body, Flavor::Anthropic)?;
     s.check_model(&r.model)?;
-    let (tools, calls_enabled) = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
+    let (tools, calls_enabled, forced) = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
     let thinking = check_thinking(r.thinking.as_ref())?;
     let sampling = sampling(r.temperature, r.top_p, r.top_k, None, 1.0)?;
     let stops = stop_strings(r.stop_sequences.as_ref(), "stop_sequences")?;
     let messages = to_chat_messages(&r.messages, r.system.as_ref())?;
     let extra = template_extra(&s, None, "", tools.clone(), thinking, None, "")?;
     let (ticket, rendered) = chat_prompt(&s, messages, extra).await?;
-    let parser = ReplyParser::new(s.family, calls_enabled, tools, rendered.tail);
+    let (constraint, family) = match (forced, &tools) {
+        (Some((f, parallel)), Some(t)) => {
+            let c = Constraint::ToolCalls {
+                tools: forced_tools(t, &f),
+                parallel,
+            };
+            let g = s.constrain(c, rendered.tail.clone(), "tool_choice").await?;
+            (Some(g), Some(call_family(s.family)))
+        }
+        _ => (None, s.family),
+    };
+    let parser = ReplyParser::new(family, calls_enabled, tools, rendered.tail);
     let prompt = rendered.ids;
     let max_new_tokens = s.max_new_tokens(Some(r.max_tokens), "max_tokens", "messages", prompt.len())?;
     let prompt_tokens = prompt.len();
@@ -287,7 +336,8 @@ async fn run(s: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response,
         stop: stops.clone(),
         ignore_eos: false,
         logprobs: None,
-        keep_special_tokens: parser.active() && s.keep_special_tokens,
+        keep_special_tokens: parser.active() && s.keeps_special_tokens(family),
+        constraint,
     };
     let rx = s.start(ticket, req).await?;
     let id = new_id("msg_");
@@ -562,13 +612,15 @@ mod tests {
         assert_eq!(blocks[2]["input"], json!({"city": "Kyōto"}));
     }
 
-    /// Anthropic tools become OpenAI-shaped tools for the template; server tools, `any` /
-    /// `tool` choices and bad `thinking` configs are 400 naming the field.
+    /// Anthropic tools become OpenAI-shaped tools for the template; `any` / `tool` choices force
+    /// a call; server tools, a `tool` choice naming no tool and bad `thinking` configs are 400
+    /// naming the field.
     #[test]
     fn tools_and_thinking_are_checked_and_converted() {
         let tools = json!([{"name": "get_weather", "description": "Wetter für eine Stadt", "input_schema": {"type": "object"}}]);
-        let (t, on) = check_tools(Some(&tools), Some(&json!({"type": "auto"}))).unwrap();
+        let (t, on, forced) = check_tools(Some(&tools), Some(&json!({"type": "auto"}))).unwrap();
         assert!(on);
+        assert_eq!(forced, None);
         assert_eq!(
             t.unwrap(),
             json!([{"type": "function", "function": {"name": "get_weather", "description": "Wetter für eine Stadt", "parameters": {"type": "object"}}}])
@@ -580,11 +632,22 @@ mod tests {
                 Value::Null,
             ),
             (json!([{"name": "x"}]), Value::Null),
-            (tools.clone(), json!({"type": "any"})),
-            (tools.clone(), json!({"type": "tool", "name": "get_weather"})),
+            (tools.clone(), json!({"type": "tool", "name": "get_time"})),
+            (tools.clone(), json!({"type": "tool"})),
+            (
+                tools.clone(),
+                json!({"type": "any", "disable_parallel_tool_use": "yes"}),
+            ),
+            (Value::Null, json!({"type": "any"})),
         ] {
             assert!(check_tools(Some(&tools), Some(&choice)).is_err(), "{tools} {choice}");
         }
+        let (_, on, forced) = check_tools(Some(&tools), Some(&json!({"type": "any"}))).unwrap();
+        assert!(on);
+        assert_eq!(forced, Some((Forced::Any, true)));
+        let choice = json!({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": true});
+        let (_, _, forced) = check_tools(Some(&tools), Some(&choice)).unwrap();
+        assert_eq!(forced, Some((Forced::Named("get_weather".into()), false)));
         assert_eq!(
             check_thinking(Some(&json!({"type": "enabled", "budget_tokens": 2048}))).unwrap(),
             Some(true)

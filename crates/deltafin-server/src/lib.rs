@@ -20,6 +20,7 @@ pub mod limits;
 pub mod metrics;
 pub mod openai;
 mod sampling_fields;
+pub mod structured;
 pub mod tools;
 pub mod worker;
 
@@ -98,6 +99,8 @@ pub struct AppState {
     pub(crate) family: Option<tools::Family>,
     /// Whether generations must spell special tokens out for the family's parser.
     pub(crate) keep_special_tokens: bool,
+    /// Compiles structured-output and forced-tool-call constraints (built on first use).
+    pub(crate) structured: structured::Structured,
 }
 
 type Shared = Arc<AppState>;
@@ -110,6 +113,7 @@ pub fn router(config: ServerConfig, session: Session) -> std::io::Result<Router>
     let tokenizer = Arc::clone(session.tokenizer());
     let context_length = session.context_length();
     let vocab_size = session.vocab_size();
+    let structured = structured::Structured::new(Arc::clone(&tokenizer), vocab_size, session.eos_token_ids().to_vec());
     let body_limit = config.max_request_bytes;
     let body_timeout = config.conn.body_timeout;
     let worker = Worker::start(session, Arc::clone(&metrics), config.step_delay, config.max_queue)?;
@@ -126,6 +130,7 @@ pub fn router(config: ServerConfig, session: Session) -> std::io::Result<Router>
         prepare: Semaphore::new(1),
         family,
         keep_special_tokens,
+        structured,
     });
     Ok(Router::new()
         .route("/health", get(health))
@@ -466,6 +471,34 @@ impl AppState {
         let s = Arc::clone(self);
         let v = off_runtime(move || f(&s)).await?;
         Ok((ticket, v))
+    }
+
+    /// Compiles `constraint` for a prompt ending in `prompt_tail` (off the HTTP runtime).
+    ///
+    /// Errors: 400 naming `param` when llguidance rejects the grammar (e.g. an unsupported
+    /// schema feature).
+    pub(crate) async fn constrain(
+        self: &Arc<Self>,
+        constraint: structured::Constraint,
+        prompt_tail: String,
+        param: &'static str,
+    ) -> Result<Arc<dyn deltafin_engine::constraint::Grammar>, ApiError> {
+        let s = Arc::clone(self);
+        off_runtime(move || {
+            s.structured
+                .compile(&constraint, s.family, &prompt_tail)
+                .map_err(|e| ApiError::invalid_param(param, format!("`{param}` cannot be enforced: {e}")))
+        })
+        .await
+    }
+
+    /// Whether a generation parsed by `family`'s parser must spell special tokens out.
+    pub(crate) fn keeps_special_tokens(&self, family: Option<tools::Family>) -> bool {
+        if family == self.family {
+            self.keep_special_tokens
+        } else {
+            family.is_some_and(|f| f.needs_special_tokens(&self.tokenizer))
+        }
     }
 
     /// Waits in the queue with `ticket` (FIFO; dropping the future leaves the queue) and runs

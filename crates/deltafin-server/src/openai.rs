@@ -28,6 +28,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::agent::{template_extra, Reply, ReplyParser};
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::sampling_fields::SamplingFields;
+use crate::structured::{call_family, forced_tools, Constraint, Forced};
 use crate::tools::Event as ParsedEvent;
 use crate::worker::{JobEvent, Ticket};
 use crate::{chat_prompt, collect, new_id, sampling, stop_strings, unix_now, AppState};
@@ -107,6 +108,7 @@ struct ChatRequest {
     top_logprobs: Option<i64>,
     tools: Option<Value>,
     tool_choice: Option<Value>,
+    parallel_tool_calls: Option<Value>,
     best_of: Option<i64>,
     response_format: Option<Value>,
     ignore_eos: Option<bool>,
@@ -167,35 +169,74 @@ fn check_best_of(best_of: Option<i64>) -> Result<(), ApiError> {
     }
 }
 
-/// `response_format`: absent, null or `{"type": "text"}`; structured output (`json_object`,
-/// `json_schema`) is not supported and is refused rather than ignored.
-fn check_response_format(v: Option<&Value>) -> Result<(), ApiError> {
-    let bad = |m: String| Err(ApiError::invalid_param("response_format", m));
+/// `response_format`: absent, null or `{"type": "text"}` (no constraint); `{"type":
+/// "json_object"}` (any JSON object); `{"type": "json_schema", "json_schema": {"name": ...,
+/// "schema"?: {...}, "strict"?: bool}}` (a JSON value following `schema`, any JSON value
+/// without one). The schema is enforced whether or not `strict` is set.
+fn check_response_format(v: Option<&Value>) -> Result<Option<Constraint>, ApiError> {
+    let bad = |param: &str, m: String| Err(ApiError::invalid_param(param, m));
+    const TYPES: &str = "\"text\", \"json_object\" or \"json_schema\"";
     match v {
-        None | Some(Value::Null) => Ok(()),
+        None | Some(Value::Null) => Ok(None),
         Some(Value::Object(o)) => match o.get("type").and_then(Value::as_str) {
-            Some("text") => Ok(()),
-            Some(t) => bad(format!(
-                "only `response_format` {{\"type\": \"text\"}} is supported, got type `{t}`"
-            )),
-            None => bad("`response_format.type` is required and must be a string".into()),
+            Some("text") => Ok(None),
+            Some("json_object") => Ok(Some(Constraint::Json(json!({"type": "object"})))),
+            Some("json_schema") => {
+                let Some(js) = o.get("json_schema").and_then(Value::as_object) else {
+                    return bad(
+                        "response_format.json_schema",
+                        "`response_format.json_schema` is required and must be an object with a `name` and a `schema`"
+                            .into(),
+                    );
+                };
+                if !matches!(js.get("name"), Some(Value::String(n)) if !n.is_empty()) {
+                    return bad(
+                        "response_format.json_schema.name",
+                        "`response_format.json_schema.name` is required and must be a non-empty string".into(),
+                    );
+                }
+                if !matches!(js.get("strict"), None | Some(Value::Null) | Some(Value::Bool(_))) {
+                    return bad(
+                        "response_format.json_schema.strict",
+                        "`response_format.json_schema.strict` must be a boolean".into(),
+                    );
+                }
+                match js.get("schema") {
+                    None | Some(Value::Null) => Ok(Some(Constraint::Json(json!({})))),
+                    Some(schema @ (Value::Object(_) | Value::Bool(true))) => Ok(Some(Constraint::Json(schema.clone()))),
+                    Some(_) => bad(
+                        "response_format.json_schema.schema",
+                        "`response_format.json_schema.schema` must be a JSON Schema object".into(),
+                    ),
+                }
+            }
+            Some(t) => bad(
+                "response_format",
+                format!("`response_format`: `type` must be {TYPES}, got `{t}`"),
+            ),
+            None => bad(
+                "response_format",
+                format!("`response_format`: `type` is required: {TYPES}"),
+            ),
         },
-        Some(_) => bad("`response_format` must be an object such as {\"type\": \"text\"}".into()),
+        Some(_) => bad(
+            "response_format",
+            "`response_format` must be an object such as {\"type\": \"json_object\"}".into(),
+        ),
     }
 }
 
-/// Why `tool_choice` `"required"` or a named function is refused: this server cannot force a
-/// tool call (the model writes calls as text; nothing constrains the decoding).
-const FORCED_TOOL: &str = "`tool_choice` \"required\" or a named function is not supported: this server returns tool calls as the model writes them and cannot force one; use \"auto\" (or \"none\")";
-
 /// `tools` and `tool_choice` checked against OpenAI's schema: `tools` a list of
 /// `{"type": "function", "function": {"name": <non-empty string>, "description"?: <string>,
-/// "parameters"?: <object>}}`; `tool_choice` `"none"` or `"auto"`; `"required"` and a named
-/// function (`{"type": "function", "function": {"name": <one of the tools>}}`) are checked,
-/// then refused: nothing constrains the decoding, so a tool call cannot be forced. Returns the
-/// tools to pass to the chat template (None for absent, null or an empty list) and whether
-/// the model's tool calls are parsed (tools given and `tool_choice` not `"none"`).
-fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<(Option<Value>, bool), ApiError> {
+/// "parameters"?: <object>}}`; `tool_choice` `"none"`, `"auto"`, `"required"` (a call is
+/// forced: needs tools) or a named function (`{"type": "function", "function": {"name": <one of
+/// the tools>}}`: a call of it is forced). Returns the tools to pass to the chat template (None
+/// for absent, null or an empty list), whether the model's tool calls are parsed (tools given
+/// and `tool_choice` not `"none"`), and the forced call if any.
+fn check_tools(
+    tools: Option<&Value>,
+    tool_choice: Option<&Value>,
+) -> Result<(Option<Value>, bool, Option<Forced>), ApiError> {
     const SHAPE: &str = r#"{"type": "function", "function": {"name": ...}}"#;
     let mut names = Vec::new();
     let tools = match tools {
@@ -263,7 +304,13 @@ fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<(Op
         Some(Value::String(c)) => match c.as_str() {
             "none" => calls = false,
             "auto" => {}
-            "required" => return bad_choice("tool_choice", FORCED_TOOL.into()),
+            "required" if tools.is_some() => return Ok((tools, true, Some(Forced::Any))),
+            "required" => {
+                return bad_choice(
+                    "tool_choice",
+                    "`tool_choice` \"required\" needs a non-empty `tools` list".into(),
+                )
+            }
             other => {
                 return bad_choice(
                     "tool_choice",
@@ -287,7 +334,7 @@ fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<(Op
                     format!("`tool_choice.function.name` \"{name}\" is not one of the functions in `tools`"),
                 );
             }
-            return bad_choice("tool_choice", FORCED_TOOL.into());
+            return Ok((tools, true, Some(Forced::Named(name.to_string()))));
         }
         Some(_) => {
             return bad_choice(
@@ -296,7 +343,7 @@ fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<(Op
             )
         }
     }
-    Ok((tools, calls))
+    Ok((tools, calls, None))
 }
 
 /// Prompt as token ids: a string (tokenized with the tokenizer's special tokens, e.g. BOS), a
@@ -354,7 +401,7 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
     s.check_model(&r.model)?;
     check_n(r.n)?;
     check_best_of(r.best_of)?;
-    check_response_format(r.response_format.as_ref())?;
+    let json_format = check_response_format(r.response_format.as_ref())?;
     if r.echo == Some(true) {
         return Err(ApiError::invalid_param("echo", "`echo` is not supported"));
     }
@@ -382,6 +429,11 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
         s.prepare(ticket, move |st| prompt_ids(st, p.as_ref())).await?
     };
     let max_new_tokens = s.max_new_tokens(r.max_tokens, "max_tokens", "prompt", prompt.len())?;
+    // A raw prompt: no chat markup, so no think block to close.
+    let constraint = match json_format {
+        Some(c) => Some(s.constrain(c, String::new(), "response_format").await?),
+        None => None,
+    };
     let req = GenerationRequest {
         prompt,
         max_new_tokens,
@@ -390,6 +442,7 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
         ignore_eos: r.ignore_eos.unwrap_or(false),
         logprobs,
         keep_special_tokens: false,
+        constraint,
     };
     let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
     let (rx, meta) = launch(&s, ticket, req, Kind::Completion, "cmpl-", include_usage).await?;
@@ -498,7 +551,7 @@ pub async fn chat_completions(
     s.check_model(&r.model)?;
     check_n(r.n)?;
     check_best_of(r.best_of)?;
-    check_response_format(r.response_format.as_ref())?;
+    let json_format = check_response_format(r.response_format.as_ref())?;
     let want_logprobs = r.logprobs.unwrap_or(false);
     let logprobs = match (want_logprobs, r.top_logprobs) {
         (_, Some(n)) if !(0..=MAX_TOP_LOGPROBS).contains(&n) => {
@@ -518,7 +571,20 @@ pub async fn chat_completions(
     };
     let sampling = sampling_of(&s, &r.sampling_fields(), r.temperature, r.top_p, r.top_k, r.seed)?;
     let stop = stop_strings(r.stop.as_ref(), "stop")?;
-    let (tools, calls_enabled) = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
+    let (tools, calls_enabled, forced) = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
+    if forced.is_some() && json_format.is_some() {
+        return Err(ApiError::invalid_param(
+            "response_format",
+            "`response_format` JSON and a forced `tool_choice` cannot both shape the reply: the reply is the tool call",
+        ));
+    }
+    if !matches!(r.parallel_tool_calls, None | Some(Value::Null) | Some(Value::Bool(_))) {
+        return Err(ApiError::invalid_param(
+            "parallel_tool_calls",
+            "`parallel_tool_calls` must be a boolean",
+        ));
+    }
+    let parallel = r.parallel_tool_calls.as_ref().and_then(Value::as_bool).unwrap_or(true);
     let messages = normalize_messages(r.messages.as_deref().unwrap_or(&[]))?;
     let extra = template_extra(
         &s,
@@ -530,7 +596,22 @@ pub async fn chat_completions(
         "reasoning_effort",
     )?;
     let (ticket, rendered) = chat_prompt(&s, messages, extra).await?;
-    let parser = ReplyParser::new(s.family, calls_enabled, tools, rendered.tail);
+    let (constraint, family) = match (forced, json_format, &tools) {
+        (Some(f), _, Some(t)) => {
+            let c = Constraint::ToolCalls {
+                tools: forced_tools(t, &f),
+                parallel,
+            };
+            let g = s.constrain(c, rendered.tail.clone(), "tool_choice").await?;
+            (Some(g), Some(call_family(s.family)))
+        }
+        (None, Some(c), _) => (
+            Some(s.constrain(c, rendered.tail.clone(), "response_format").await?),
+            s.family,
+        ),
+        _ => (None, s.family),
+    };
+    let parser = ReplyParser::new(family, calls_enabled, tools, rendered.tail);
     let prompt = rendered.ids;
     let (requested, param) = match (r.max_completion_tokens, r.max_tokens) {
         (Some(v), _) => (Some(v), "max_completion_tokens"),
@@ -544,7 +625,8 @@ pub async fn chat_completions(
         stop,
         ignore_eos: r.ignore_eos.unwrap_or(false),
         logprobs,
-        keep_special_tokens: parser.active() && s.keep_special_tokens,
+        keep_special_tokens: parser.active() && s.keeps_special_tokens(family),
+        constraint,
     };
     let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
     let (rx, meta) = launch(&s, ticket, req, Kind::Chat, "chatcmpl-", include_usage).await?;

@@ -43,7 +43,11 @@ fn load_model() -> DeepseekV3 {
 
 /// [`start`] serving `model`.
 fn start_with(model: Arc<dyn CausalLm>, configure: impl FnOnce(&mut ServerConfig)) -> SocketAddr {
-    let dir = model_dir();
+    serve_dir(model_dir(), model, configure)
+}
+
+/// Starts a server for `model` with the tokenizer of the model directory `dir`.
+fn serve_dir(dir: &Path, model: Arc<dyn CausalLm>, configure: impl FnOnce(&mut ServerConfig)) -> SocketAddr {
     let tokenizer = Arc::new(Tokenizer::from_dir(dir).unwrap());
     let eos = deltafin_tokenizer::eos_token_ids_union(dir, &tokenizer).unwrap();
     let session = Session::new(model, tokenizer, eos);
@@ -701,20 +705,33 @@ fn unsupported_options_are_refused_not_ignored() {
         )
     };
     let refused = [
+        (chat(json!({"response_format": {"type": "xml"}})), "response_format"),
         (
-            chat(json!({"response_format": {"type": "json_object"}})),
-            "response_format",
+            chat(json!({"response_format": {"type": "json_schema"}})),
+            "response_format.json_schema",
         ),
         (
-            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})),
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}})),
+            "response_format.json_schema.name",
+        ),
+        (
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}})),
+            "response_format.json_schema.schema",
+        ),
+        (
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}})),
+            "response_format.json_schema.strict",
+        ),
+        // A schema llguidance cannot enforce (a remote reference).
+        (
+            chat(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "https://example.com/s.json"}}}}),
+            ),
             "response_format",
         ),
         (chat(json!({"response_format": "json"})), "response_format"),
         (chat(json!({"best_of": 2})), "best_of"),
-        (
-            cmpl(json!({"response_format": {"type": "json_object"}})),
-            "response_format",
-        ),
+        (cmpl(json!({"response_format": {"type": "json"}})), "response_format"),
         (cmpl(json!({"best_of": 3})), "best_of"),
         (cmpl(json!({"suffix": "tail"})), "suffix"),
         (cmpl(json!({"echo": true})), "echo"),
@@ -727,6 +744,9 @@ fn unsupported_options_are_refused_not_ignored() {
     for r in [
         chat(json!({"response_format": {"type": "text"}, "best_of": 1})),
         chat(json!({"response_format": null})),
+        chat(json!({"response_format": {"type": "json_object"}})),
+        chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})),
+        cmpl(json!({"response_format": {"type": "json_object"}})),
         cmpl(json!({"response_format": {"type": "text"}, "best_of": 1, "suffix": "", "echo": false})),
         cmpl(json!({"suffix": null})),
     ] {
@@ -802,11 +822,13 @@ fn chat_tools_and_tool_choice_are_type_checked() {
         (json!({"tool_choice": 5}), "tool_choice"),
         (json!({"tool_choice": "sometimes"}), "tool_choice"),
         (json!({"tool_choice": "required"}), "tool_choice"),
-        // Checked, then refused: a tool call cannot be forced.
-        (json!({"tools": [tool], "tool_choice": "required"}), "tool_choice"),
         (
-            json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
-            "tool_choice",
+            json!({"tools": [tool], "tool_choice": "required", "parallel_tool_calls": "no"}),
+            "parallel_tool_calls",
+        ),
+        (
+            json!({"tools": [tool], "tool_choice": "required", "response_format": {"type": "json_object"}}),
+            "response_format",
         ),
         (
             json!({"tools": [tool], "tool_choice": {"type": "other"}}),
@@ -829,6 +851,8 @@ fn chat_tools_and_tool_choice_are_type_checked() {
     }
     for extra in [
         json!({"tools": [tool]}),
+        json!({"tools": [tool], "tool_choice": "required"}),
+        json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
         json!({"tools": [tool], "tool_choice": "auto"}),
         json!({"tools": [tool], "tool_choice": "none"}),
         json!({"tools": [], "tool_choice": "auto"}),
@@ -840,8 +864,8 @@ fn chat_tools_and_tool_choice_are_type_checked() {
 }
 
 /// `/v1/messages` takes custom tools (rendered to the template in OpenAI's shape): a malformed
-/// tool, a server tool, or a `tool_choice` that would force a call (`any`, `tool`) is an
-/// Anthropic-shaped 400 naming the field, never silently dropped; `auto` and `none` work.
+/// tool, a server tool, or a `tool_choice` naming no tool is an Anthropic-shaped 400 naming the
+/// field, never silently dropped; `auto`, `none`, `any` and `tool` work.
 #[test]
 fn anthropic_tools_are_checked_and_accepted() {
     let a = start(|_| {});
@@ -867,10 +891,10 @@ fn anthropic_tools_are_checked_and_accepted() {
             json!({"tools": [{"type": "bash_20250124", "name": "bash"}]}),
             "tools[0]",
         ),
-        (json!({"tools": [tool], "tool_choice": {"type": "any"}}), "tool_choice"),
+        (json!({"tool_choice": {"type": "any"}}), "tool_choice"),
         (
-            json!({"tools": [tool], "tool_choice": {"type": "tool", "name": "get_weather"}}),
-            "tool_choice",
+            json!({"tools": [tool], "tool_choice": {"type": "tool", "name": "get_time"}}),
+            "tool_choice.name",
         ),
         (json!({"tool_choice": "auto"}), "tool_choice"),
     ] {
@@ -887,6 +911,8 @@ fn anthropic_tools_are_checked_and_accepted() {
         json!({"tools": [tool]}),
         json!({"tools": [tool], "tool_choice": {"type": "auto"}}),
         json!({"tools": [tool], "tool_choice": {"type": "none"}}),
+        json!({"tools": [tool], "tool_choice": {"type": "any"}}),
+        json!({"tools": [tool], "tool_choice": {"type": "tool", "name": "get_weather"}}),
         json!({"tools": []}),
         json!({"tools": null}),
         json!({"tool_choice": {"type": "auto"}}),
@@ -1855,4 +1881,269 @@ fn fuzzed_request_bodies_never_get_a_5xx_or_hang() {
     assert!(statuses.get(&400).copied().unwrap_or(0) > 300, "{statuses:?}");
     assert_eq!(get(a, "/health").json()["status"], "ok");
     assert_eq!(post(a, "/v1/chat/completions", &chat_body(2)).status, 200);
+}
+
+/// Kimi K2's tool-call and turn tokens (special tokens, as in its tokenizer).
+const K2_SPECIALS: &[&str] = &[
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_middle|>",
+    "<|im_end|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+];
+
+/// A `tiny`-preset model (random weights, context 1024) with a byte-level tokenizer: with
+/// Kimi K2's tool-call tokens (`k2`) or with no tool markup at all (`plain`: forced calls then
+/// use the Hermes `<tool_call>` text).
+fn tiny_model_dir(k2: bool) -> &'static Path {
+    static K2: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    static PLAIN: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    let make = || {
+        let tmp = tempfile::tempdir().unwrap();
+        let tok_dir = tmp.path().join("tokenizer");
+        let (bos, eos) = ("<|bos|>", "<|eos|>");
+        let mut specials = vec![bos, eos];
+        if k2 {
+            specials.extend_from_slice(K2_SPECIALS);
+        }
+        let template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}";
+        let corpus = "{\"city\": \"Paris\", \"days\": 3, \"unit\": \"celsius\", \"hourly\": false} get_weather";
+        deltafin_tokenizer::synth::write_byte_level_tokenizer(&tok_dir, corpus, 64, &specials, bos, eos, template)
+            .unwrap();
+        let tok = Tokenizer::from_dir(&tok_dir).unwrap();
+        let files = deltafin_format::synth::TokenizerFiles {
+            bos: tok.token_to_id(bos).unwrap(),
+            eos: tok.token_to_id(eos).unwrap(),
+            dir: tok_dir,
+        };
+        let preset = deltafin_format::synth::Preset::by_name("tiny", tok.vocab_size()).unwrap();
+        let out = tmp.path().join("model");
+        deltafin_format::synth::write_model_dir(&out, &preset, &files, false, &NoProgress).unwrap();
+        (tmp, out)
+    };
+    &if k2 {
+        K2.get_or_init(make)
+    } else {
+        PLAIN.get_or_init(make)
+    }
+    .1
+}
+
+fn start_tiny(k2: bool) -> SocketAddr {
+    let dir = tiny_model_dir(k2);
+    let model = DeepseekV3::load(&ModelDir::open(dir).unwrap(), 1 << 20).unwrap();
+    serve_dir(dir, Arc::new(model), |_| {})
+}
+
+/// The schema of the structured-output tests: every value bounded, so that even a
+/// random-weight model reaches the end of the grammar.
+fn weather_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "minLength": 1, "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+            "hourly": {"type": "boolean"},
+        },
+        "required": ["city", "days", "unit", "hourly"],
+        "additionalProperties": false,
+    })
+}
+
+/// Checks `v` against [`weather_schema`] (by hand: the schema is fixed).
+fn check_weather(v: &Value) {
+    let o = v.as_object().unwrap_or_else(|| panic!("not an object: {v}"));
+    assert_eq!(o.len(), 4, "{v}");
+    let city = o["city"].as_str().unwrap_or_else(|| panic!("city: {v}"));
+    assert!((1..=12).contains(&city.chars().count()), "{v}");
+    let days = o["days"].as_i64().unwrap_or_else(|| panic!("days: {v}"));
+    assert!((1..=14).contains(&days), "{v}");
+    assert!(matches!(o["unit"].as_str(), Some("celsius" | "fahrenheit")), "{v}");
+    assert!(o["hourly"].is_boolean(), "{v}");
+}
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": weather_schema()}},
+        {"type": "function", "function": {"name": "get_time", "description": "Time", "parameters": {"type": "object", "properties": {}, "additionalProperties": false}}},
+    ])
+}
+
+/// `response_format` json_schema and json_object: the random-weight model's reply is JSON that
+/// follows the schema, greedy and sampled, streamed or not, and ends with `finish_reason`
+/// `"stop"` where the grammar ends.
+#[test]
+fn response_format_json_follows_the_schema() {
+    let a = start_tiny(false);
+    let schema_format =
+        json!({"type": "json_schema", "json_schema": {"name": "weather", "strict": true, "schema": weather_schema()}});
+    for sampling in [
+        json!({}),
+        json!({"temperature": 1.0, "seed": 7}),
+        json!({"temperature": 0.8, "top_p": 0.9, "seed": 1}),
+    ] {
+        let body = with(
+            with(chat_body(300), json!({"response_format": schema_format})),
+            sampling.clone(),
+        );
+        let r = post(a, "/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "stop", "{sampling}: {v}");
+        let content = choice["message"]["content"].as_str().unwrap();
+        check_weather(&serde_json::from_str(content).unwrap_or_else(|e| panic!("{e}: {content:?}")));
+        // Streamed: the same reply in pieces.
+        let r = post(a, "/v1/chat/completions", &with(body, json!({"stream": true})));
+        let mut text = String::new();
+        let mut finish = Value::Null;
+        for d in r.sse_data() {
+            if d == "[DONE]" {
+                continue;
+            }
+            let c: Value = serde_json::from_str(&d).unwrap();
+            if let Some(t) = c["choices"][0]["delta"]["content"].as_str() {
+                text.push_str(t);
+            }
+            if !c["choices"][0]["finish_reason"].is_null() {
+                finish = c["choices"][0]["finish_reason"].clone();
+            }
+        }
+        assert_eq!(text, content, "{sampling}");
+        assert_eq!(finish, "stop");
+    }
+    // json_object: any JSON object.
+    let r = post(
+        a,
+        "/v1/chat/completions",
+        &with(chat_body(400), json!({"response_format": {"type": "json_object"}})),
+    );
+    let v = r.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(
+        serde_json::from_str::<Value>(content).unwrap().is_object(),
+        "{content:?}"
+    );
+    // /v1/completions too.
+    let r = post(
+        a,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "Weather:", "max_tokens": 300, "response_format": schema_format}),
+    );
+    let v = r.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    check_weather(&serde_json::from_str(v["choices"][0]["text"].as_str().unwrap()).unwrap());
+}
+
+/// OpenAI `tool_choice` "required" and a named function, Anthropic `any` and `tool`: the
+/// random-weight model's reply is a call, in the markup the server's parser reads (Kimi K2's
+/// special tokens, or Hermes `<tool_call>` text for a tokenizer without tool markup), with
+/// arguments that follow the tool's schema.
+#[test]
+fn forced_tool_calls_are_valid_calls() {
+    for k2 in [true, false] {
+        forced_calls(start_tiny(k2));
+    }
+}
+
+fn forced_calls(a: SocketAddr) {
+    let tools = weather_tools();
+    for (choice, sampling, want) in [
+        (json!("required"), json!({}), None),
+        (json!("required"), json!({"temperature": 1.0, "seed": 3}), None),
+        (
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+            json!({}),
+            Some("get_weather"),
+        ),
+        (
+            json!({"type": "function", "function": {"name": "get_time"}}),
+            json!({"temperature": 1.0, "seed": 5}),
+            Some("get_time"),
+        ),
+    ] {
+        let body = with(
+            with(
+                chat_body(300),
+                json!({"tools": tools, "tool_choice": choice, "parallel_tool_calls": false}),
+            ),
+            sampling.clone(),
+        );
+        let v = post(a, "/v1/chat/completions", &body).json();
+        let choice0 = &v["choices"][0];
+        assert_eq!(choice0["finish_reason"], "tool_calls", "{choice} {sampling}: {v}");
+        let calls = choice0["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{v}");
+        let name = calls[0]["function"]["name"].as_str().unwrap();
+        if let Some(w) = want {
+            assert_eq!(name, w, "{v}");
+        }
+        let args: Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        match name {
+            "get_weather" => check_weather(&args),
+            "get_time" => assert_eq!(args, json!({})),
+            other => panic!("unknown tool {other}: {v}"),
+        }
+        assert!(calls[0]["id"].as_str().is_some_and(|s| !s.is_empty()), "{v}");
+        // Streamed: the call's name in its first delta, the arguments in pieces.
+        let r = post(a, "/v1/chat/completions", &with(body, json!({"stream": true})));
+        let mut streamed_name = String::new();
+        let mut streamed_args = String::new();
+        let mut finish = Value::Null;
+        for d in r.sse_data().iter().filter(|d| *d != "[DONE]") {
+            let c: Value = serde_json::from_str(d).unwrap();
+            for tc in c["choices"][0]["delta"]["tool_calls"].as_array().into_iter().flatten() {
+                if let Some(n) = tc["function"]["name"].as_str() {
+                    streamed_name.push_str(n);
+                }
+                if let Some(x) = tc["function"]["arguments"].as_str() {
+                    streamed_args.push_str(x);
+                }
+            }
+            if !c["choices"][0]["finish_reason"].is_null() {
+                finish = c["choices"][0]["finish_reason"].clone();
+            }
+        }
+        assert_eq!(streamed_name, name);
+        assert_eq!(serde_json::from_str::<Value>(&streamed_args).unwrap(), args);
+        assert_eq!(finish, "tool_calls");
+    }
+
+    let anthropic_tools = json!([
+        {"name": "get_weather", "description": "Weather", "input_schema": weather_schema()},
+        {"name": "get_time", "input_schema": {"type": "object", "properties": {}, "additionalProperties": false}},
+    ]);
+    for (choice, want) in [
+        (json!({"type": "any", "disable_parallel_tool_use": true}), None),
+        (
+            json!({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": true}),
+            Some("get_weather"),
+        ),
+    ] {
+        let body = json!({"model": MODEL, "max_tokens": 300, "messages": hello(), "tools": anthropic_tools, "tool_choice": choice});
+        let v = post(a, "/v1/messages", &body).json();
+        assert_eq!(v["stop_reason"], "tool_use", "{v}");
+        let uses: Vec<&Value> = v["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["type"] == "tool_use")
+            .collect();
+        assert_eq!(uses.len(), 1, "{v}");
+        let name = uses[0]["name"].as_str().unwrap();
+        if let Some(w) = want {
+            assert_eq!(name, w);
+        }
+        match name {
+            "get_weather" => check_weather(&uses[0]["input"]),
+            "get_time" => assert_eq!(uses[0]["input"], json!({})),
+            other => panic!("unknown tool {other}: {v}"),
+        }
+    }
 }

@@ -201,6 +201,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
             ignore_eos: false,
             logprobs: None,
             keep_special_tokens: false,
+            constraint: None,
         };
         cancel.store(false, Ordering::SeqCst);
         generating.store(true, Ordering::SeqCst);
