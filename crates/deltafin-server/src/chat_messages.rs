@@ -393,6 +393,96 @@ mod tests {
         }
     }
 
+    /// Malformed turns are 400s naming the field; nothing malformed reaches the template.
+    #[test]
+    fn malformed_turns_name_the_field() {
+        use serde_json::json;
+        let param = |e: crate::ApiError| {
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST, "{}", e.message);
+            e.param.unwrap_or_default()
+        };
+        let call = |args: Value| {
+            json!([{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": null,
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}]}])
+        };
+        for (msgs, field) in [
+            (call(json!("{\"a\": ")), "messages[1].tool_calls[0].function.arguments"),
+            (call(json!(5)), "messages[1].tool_calls[0].function.arguments"),
+            (
+                json!([{"role": "assistant", "tool_calls": [{"function": {}}]}]),
+                "messages[0].tool_calls[0].function.name",
+            ),
+            (
+                json!([{"role": "assistant", "tool_calls": "x"}]),
+                "messages[0].tool_calls",
+            ),
+            (
+                json!([{"role": "assistant", "content": "", "reasoning_content": 3}]),
+                "messages[0].reasoning_content",
+            ),
+            (json!([{"role": "tool", "content": null}]), "messages[0].content"),
+            (
+                json!([{"role": "user", "content": [{"type": "image_url"}]}]),
+                "messages[0].content",
+            ),
+            (json!([{"role": "critic", "content": "x"}]), "messages[0].role"),
+        ] {
+            let e = super::openai_messages(msgs.as_array().unwrap()).unwrap_err();
+            assert_eq!(param(e), field, "{msgs}");
+        }
+        let ok = super::openai_messages(call(json!("")).as_array().unwrap()).unwrap();
+        assert_eq!(ok[1]["tool_calls"][0]["function"]["arguments"], json!({}));
+        assert_eq!(ok[1]["content"], "");
+
+        for (msgs, field) in [
+            (
+                json!([{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]),
+                "messages[0].content[0]",
+            ),
+            (
+                json!([{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f"}]}]),
+                "messages[0].content[0]",
+            ),
+            (
+                json!([{"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]}]),
+                "messages[0].content[0]",
+            ),
+            (
+                json!([{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": [1]}]}]),
+                "messages[0].content[0]",
+            ),
+            (
+                json!([{"role": "user", "content": [{"type": "tool_result"}]}]),
+                "messages[0].content[0]",
+            ),
+            (
+                json!([{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+                "messages[0].content[0]",
+            ),
+            (json!([{"role": "user"}]), "messages[0].content"),
+        ] {
+            let e = super::anthropic_messages(msgs.as_array().unwrap(), None).unwrap_err();
+            assert_eq!(param(e), field, "{msgs}");
+        }
+        // A user turn of only tool results adds no user message; results keep their order.
+        let m = super::anthropic_messages(
+            json!([{"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "a", "content": "1"},
+                {"type": "tool_result", "tool_use_id": "b", "content": [{"type": "text", "text": "2"}, {"type": "text", "text": "3"}]}]}])
+            .as_array()
+            .unwrap(),
+            Some(&json!("sys")),
+        )
+        .unwrap();
+        assert_eq!(
+            Value::Array(m),
+            json!([{"role": "system", "content": "sys"},
+                   {"role": "tool", "content": "1", "tool_call_id": "a"},
+                   {"role": "tool", "content": "2\n3", "tool_call_id": "b"}])
+        );
+    }
+
     #[test]
     fn renders_match_transformers_byte_for_byte() {
         let conversations = read_json("conversations.json");
