@@ -133,11 +133,15 @@ def test_chat_basic_and_content_parts(oa):
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 10
-    parts = [{"type": "text", "text": "Hello, who "}, {"type": "text", "text": "are you?"}]
+    # Text parts are joined with "\n", as vLLM joins them for a string-content template.
+    parts = [{"type": "text", "text": "Hello,"}, {"type": "text", "text": "who are you?"}]
     r2 = oa.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=10, extra_body=NO_EOS
     )
-    assert r2.choices[0].message.content == r.choices[0].message.content
+    joined = [{"role": "user", "content": "Hello,\nwho are you?"}]
+    r1 = oa.chat.completions.create(model=MODEL, messages=joined, max_tokens=10, extra_body=NO_EOS)
+    assert r2.choices[0].message.content == r1.choices[0].message.content
+    assert r2.usage.prompt_tokens == r1.usage.prompt_tokens
     # max_completion_tokens is honoured like max_tokens
     r3 = oa.chat.completions.create(model=MODEL, messages=HELLO, max_completion_tokens=3, extra_body=NO_EOS)
     assert r3.usage.completion_tokens == 3
@@ -511,6 +515,28 @@ def test_anthropic_forced_tool_use(an, choice):
     assert choice["type"] == "any" or use.name == "get_weather"
     schema = {t["name"]: t["input_schema"] for t in tools}[use.name]
     jsonschema.validate(use.input, schema)
+
+
+def test_anthropic_multi_turn_tool_use_and_tool_result(an):
+    """A conversation that echoes the model's thinking and tool_use back with a tool_result
+    (the SDK's agent loop) is accepted and its turns reach the template (more prompt tokens than
+    the first turn alone; count_tokens agrees). Byte-identity with transformers on real
+    templates: crates/deltafin-server/src/chat_messages.rs."""
+    tools = [{"name": "get_weather", "description": "Wetter für eine Stadt — 天気",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    first = [{"role": "user", "content": "Weather in Zürich?"}]
+    turns = first + [
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Use the tool.", "signature": ""},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Zürich"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "21 °C"}]}]},
+    ]
+    m = an.messages.create(model=MODEL, max_tokens=4, tools=tools, messages=turns)
+    assert m.type == "message"
+    short = an.messages.count_tokens(model=MODEL, tools=tools, messages=first).input_tokens
+    assert m.usage.input_tokens > short
+    assert an.messages.count_tokens(model=MODEL, tools=tools, messages=turns).input_tokens == m.usage.input_tokens
 
 
 def test_openai_reasoning_effort_and_template_kwargs(oa):

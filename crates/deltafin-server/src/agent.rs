@@ -116,6 +116,19 @@ pub(crate) fn template_extra(
     effort: Option<&Value>,
     effort_param: &str,
 ) -> Result<Value, ApiError> {
+    template_vars(s.family, kwargs, kwargs_param, tools, thinking, effort, effort_param)
+}
+
+/// [`template_extra`] for a model of markup `family`.
+pub(crate) fn template_vars(
+    family: Option<Family>,
+    kwargs: Option<&Value>,
+    kwargs_param: &str,
+    tools: Option<Value>,
+    thinking: Option<bool>,
+    effort: Option<&Value>,
+    effort_param: &str,
+) -> Result<Value, ApiError> {
     let mut extra = match kwargs {
         None | Some(Value::Null) => Map::new(),
         Some(Value::Object(o)) => o.clone(),
@@ -126,7 +139,7 @@ pub(crate) fn template_extra(
             ))
         }
     };
-    let family = s.family.unwrap_or(Family::Think);
+    let family = family.unwrap_or(Family::Think);
     if let Some(t) = tools {
         extra.insert("tools".into(), t);
     }

@@ -29,6 +29,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::agent::{template_extra, Reply, ReplyParser};
+use crate::chat_messages;
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::structured::{call_family, forced_tools, Constraint, Forced};
 use crate::tools::Event as ParsedEvent;
@@ -75,7 +76,7 @@ type CheckedTools = (Option<Value>, bool, Option<(Forced, bool)>);
 /// tools>}` (a call of it is forced); `disable_parallel_tool_use: true` allows one call only.
 /// Returns the converted tools (None for absent, null or empty), whether calls are parsed, and
 /// the forced call with whether several calls may follow each other.
-fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<CheckedTools, ApiError> {
+pub(crate) fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<CheckedTools, ApiError> {
     const SHAPE: &str = r#"{"name": ..., "input_schema": {"type": "object", ...}}"#;
     let converted = match tools {
         None | Some(Value::Null) => None,
@@ -107,10 +108,13 @@ fn check_tools(tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<Che
                     Some(Value::Object(o)) => Value::Object(o.clone()),
                     _ => return bad(format!("{at}.input_schema: required, a JSON Schema object")),
                 };
-                let mut f = json!({"name": name, "parameters": schema});
+                // vLLM's order (`FunctionDefinition`: name, description, parameters): templates
+                // print the tools with `tojson`.
+                let mut f = json!({"name": name});
                 if let Some(d) = t.get("description").filter(|d| d.is_string()) {
                     f["description"] = d.clone();
                 }
+                f["parameters"] = schema;
                 out.push(json!({"type": "function", "function": f}));
             }
             (!out.is_empty()).then_some(Value::Array(out))
@@ -200,71 +204,6 @@ fn check_thinking(v: Option<&Value>) -> Result<Option<bool>, ApiError> {
     }
 }
 
-/// Text of a `content`: a string or a list of `{"type":"text","text":..}` blocks (joined).
-fn block_text(v: &Value, field: &str) -> Result<String, ApiError> {
-    match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(blocks) => {
-            let mut text = String::new();
-            for (j, b) in blocks.iter().enumerate() {
-                match (
-                    b.get("type").and_then(Value::as_str),
-                    b.get("text").and_then(Value::as_str),
-                ) {
-                    (Some("text"), Some(t)) => text.push_str(t),
-                    (t, _) => {
-                        return Err(ApiError::invalid_param(
-                            field,
-                            format!(
-                                "{field}[{j}]: only text blocks are supported, got type {}",
-                                t.unwrap_or("(none)")
-                            ),
-                        ))
-                    }
-                }
-            }
-            Ok(text)
-        }
-        _ => Err(ApiError::invalid_param(
-            field,
-            format!("`{field}` must be a string or a list of text blocks"),
-        )),
-    }
-}
-
-fn to_chat_messages(messages: &[Value], system: Option<&Value>) -> Result<Vec<Value>, ApiError> {
-    if messages.is_empty() {
-        return Err(ApiError::invalid_param(
-            "messages",
-            "`messages` must contain at least one message",
-        ));
-    }
-    let mut out = Vec::with_capacity(messages.len() + 1);
-    if let Some(sys) = system {
-        if !sys.is_null() {
-            out.push(json!({"role": "system", "content": block_text(sys, "system")?}));
-        }
-    }
-    for (i, m) in messages.iter().enumerate() {
-        let field = format!("messages[{i}]");
-        let role = match m.get("role").and_then(Value::as_str) {
-            Some(r @ ("user" | "assistant")) => r,
-            Some(r) => {
-                return Err(ApiError::invalid_param(
-                    &field,
-                    format!("{field}.role `{r}` must be `user` or `assistant`"),
-                ))
-            }
-            None => return Err(ApiError::invalid_param(&field, format!("{field}.role is required"))),
-        };
-        let content = m
-            .get("content")
-            .ok_or_else(|| ApiError::invalid_param(&field, format!("{field}.content is required")))?;
-        out.push(json!({"role": role, "content": block_text(content, &format!("{field}.content"))?}));
-    }
-    Ok(out)
-}
-
 /// `stop_reason` and `stop_sequence`: `tool_use` when the model called a tool and stopped by
 /// itself.
 fn stop_reason(out: &GenerationOutput, stops: &[String], called: bool) -> (&'static str, Value) {
@@ -292,7 +231,7 @@ pub async fn count_tokens(State(s): State<Shared>, body: Result<Bytes, BytesReje
         s.check_model(&r.model)?;
         let (tools, _, _) = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
         let thinking = check_thinking(r.thinking.as_ref())?;
-        let messages = to_chat_messages(&r.messages, r.system.as_ref())?;
+        let messages = chat_messages::anthropic_messages(&r.messages, r.system.as_ref())?;
         let extra = template_extra(&s, None, "", tools, thinking, None, "")?;
         // The queue place taken for rendering is given back at once (nothing is generated).
         let (_ticket, prompt) = chat_prompt(&s, messages, extra).await?;
@@ -311,7 +250,7 @@ async fn run(s: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response,
     let thinking = check_thinking(r.thinking.as_ref())?;
     let sampling = sampling(r.temperature, r.top_p, r.top_k, None, 1.0)?;
     let stops = stop_strings(r.stop_sequences.as_ref(), "stop_sequences")?;
-    let messages = to_chat_messages(&r.messages, r.system.as_ref())?;
+    let messages = chat_messages::anthropic_messages(&r.messages, r.system.as_ref())?;
     let extra = template_extra(&s, None, "", tools.clone(), thinking, None, "")?;
     let (ticket, rendered) = chat_prompt(&s, messages, extra).await?;
     let (constraint, family) = match (forced, &tools) {

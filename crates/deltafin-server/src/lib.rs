@@ -14,6 +14,7 @@
 
 mod agent;
 pub mod anthropic;
+mod chat_messages;
 pub mod conn;
 pub mod error;
 pub mod limits;

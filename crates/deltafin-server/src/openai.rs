@@ -26,6 +26,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::agent::{template_extra, Reply, ReplyParser};
+use crate::chat_messages;
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::sampling_fields::SamplingFields;
 use crate::structured::{call_family, forced_tools, Constraint, Forced};
@@ -233,7 +234,7 @@ fn check_response_format(v: Option<&Value>) -> Result<Option<Constraint>, ApiErr
 /// the tools>}}`: a call of it is forced). Returns the tools to pass to the chat template (None
 /// for absent, null or an empty list), whether the model's tool calls are parsed (tools given
 /// and `tool_choice` not `"none"`), and the forced call if any.
-fn check_tools(
+pub(crate) fn check_tools(
     tools: Option<&Value>,
     tool_choice: Option<&Value>,
 ) -> Result<(Option<Value>, bool, Option<Forced>), ApiError> {
@@ -469,79 +470,6 @@ pub async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejec
     .into_response())
 }
 
-/// Messages checked and made template-ready: `developer` becomes `system`; `content` a string,
-/// a list of text parts (joined in order), or null on an assistant turn with `tool_calls`.
-fn normalize_messages(msgs: &[Value]) -> Result<Vec<Value>, ApiError> {
-    if msgs.is_empty() {
-        return Err(ApiError::invalid_param(
-            "messages",
-            "`messages` must contain at least one message",
-        ));
-    }
-    let mut out = Vec::with_capacity(msgs.len());
-    for (i, m) in msgs.iter().enumerate() {
-        let bad = |msg: String| ApiError::invalid_param(&format!("messages[{i}]"), msg);
-        let Some(obj) = m.as_object() else {
-            return Err(bad(format!("messages[{i}] must be an object")));
-        };
-        let mut obj = obj.clone();
-        let role = match obj.get("role").and_then(Value::as_str) {
-            Some("developer") => "system",
-            Some(r @ ("system" | "user" | "assistant" | "tool")) => r,
-            Some(r) => {
-                return Err(bad(format!(
-                    "messages[{i}].role `{r}` is not one of system, developer, user, assistant, tool"
-                )))
-            }
-            None => return Err(bad(format!("messages[{i}].role is required and must be a string"))),
-        }
-        .to_string();
-        obj.insert("role".into(), Value::String(role.clone()));
-        let has_tool_calls = obj
-            .get("tool_calls")
-            .and_then(Value::as_array)
-            .is_some_and(|a| !a.is_empty());
-        let content = match obj.get("content") {
-            Some(Value::String(s)) => Value::String(s.clone()),
-            Some(Value::Array(parts)) => {
-                let mut text = String::new();
-                for (j, p) in parts.iter().enumerate() {
-                    match (
-                        p.get("type").and_then(Value::as_str),
-                        p.get("text").and_then(Value::as_str),
-                    ) {
-                        (Some("text"), Some(t)) => text.push_str(t),
-                        (Some("text"), None) => {
-                            return Err(bad(format!("messages[{i}].content[{j}].text must be a string")))
-                        }
-                        (t, _) => {
-                            return Err(bad(format!(
-                                "messages[{i}].content[{j}]: only text parts are supported, got type {}",
-                                t.unwrap_or("(none)")
-                            )))
-                        }
-                    }
-                }
-                Value::String(text)
-            }
-            None | Some(Value::Null) if role == "assistant" && has_tool_calls => Value::Null,
-            None | Some(Value::Null) => {
-                return Err(bad(format!(
-                    "messages[{i}].content is required (null only on an assistant message with tool_calls)"
-                )))
-            }
-            Some(_) => {
-                return Err(bad(format!(
-                    "messages[{i}].content must be a string or a list of text parts"
-                )))
-            }
-        };
-        obj.insert("content".into(), content);
-        out.push(Value::Object(obj));
-    }
-    Ok(out)
-}
-
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     State(s): State<Shared>,
@@ -585,7 +513,7 @@ pub async fn chat_completions(
         ));
     }
     let parallel = r.parallel_tool_calls.as_ref().and_then(Value::as_bool).unwrap_or(true);
-    let messages = normalize_messages(r.messages.as_deref().unwrap_or(&[]))?;
+    let messages = chat_messages::openai_messages(r.messages.as_deref().unwrap_or(&[]))?;
     let extra = template_extra(
         &s,
         r.chat_template_kwargs.as_ref(),

@@ -378,7 +378,7 @@ fn client_errors_are_openai_shaped_4xx() {
         &json!({"model": MODEL, "messages": [{"role": 7, "content": "x"}]}),
     );
     assert_openai_error(&r, 400);
-    assert_eq!(r.json()["error"]["param"], "messages[0]", "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "messages[0].role", "{}", r.body);
     let too_long = post(a, "/v1/chat/completions", &chat_body(1000));
     assert_openai_error(&too_long, 400);
     assert!(too_long.body.contains("128"), "{}", too_long.body);
@@ -2146,4 +2146,134 @@ fn forced_calls(a: SocketAddr) {
             other => panic!("unknown tool {other}: {v}"),
         }
     }
+}
+
+/// The fixture model with `chat_template.jinja` set to Qwen3's real template
+/// (`tests/fixtures/chat_templates/templates/qwen3.jinja`); every other file is the converted
+/// model's (linked).
+fn qwen3_template_dir() -> &'static Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let tmp = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(model_dir()).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_name() != "chat_template.jinja" {
+                std::os::unix::fs::symlink(entry.path(), tmp.path().join(entry.file_name())).unwrap();
+            }
+        }
+        std::fs::copy(
+            chat_fixtures().join("templates/qwen3.jinja"),
+            tmp.path().join("chat_template.jinja"),
+        )
+        .unwrap();
+        tmp
+    })
+    .path()
+}
+
+fn chat_fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/chat_templates")
+}
+
+/// The fixture model with 4,096 positions instead of its 128: a real template's tool prompt is
+/// ~1,400 tokens of the fixture's 507-token vocabulary. RoPE is computed per position and the
+/// cache grows as needed, so a longer context is only slower.
+struct LongContext(DeepseekV3);
+
+impl CausalLm for LongContext {
+    fn config(&self) -> &deltafin_format::ModelConfig {
+        self.0.config()
+    }
+    fn context_length(&self) -> usize {
+        4096
+    }
+    fn new_state(&self) -> Box<dyn deltafin_engine::DecodeState> {
+        self.0.new_state()
+    }
+    fn forward(
+        &self,
+        state: &mut dyn deltafin_engine::DecodeState,
+        token: u32,
+    ) -> Result<(Vec<f32>, deltafin_engine::LayerRoutes), deltafin_engine::EngineError> {
+        self.0.forward(state, token)
+    }
+    fn forward_batch(
+        &self,
+        state: &mut dyn deltafin_engine::DecodeState,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<deltafin_engine::model::BatchOutput, deltafin_engine::EngineError> {
+        self.0.forward_batch(state, tokens, all_logits)
+    }
+    fn routed(&self) -> &deltafin_engine::model::RoutedExperts {
+        self.0.routed()
+    }
+    fn routed_mut(&mut self) -> &mut deltafin_engine::model::RoutedExperts {
+        self.0.routed_mut()
+    }
+    fn backbone_bytes(&self) -> usize {
+        self.0.backbone_bytes()
+    }
+}
+
+/// A fixture conversation's request body (`conversations.json`) and transformers' render of it
+/// through Qwen3's template (`expected.json`).
+fn chat_fixture(name: &str) -> (Value, String) {
+    let read = |f: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(chat_fixtures().join(f)).unwrap()).unwrap()
+    };
+    let cases = read("conversations.json");
+    let case = cases
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == name)
+        .unwrap()
+        .clone();
+    let want = read("expected.json")["renders"]["qwen3"][name]["prompt"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    (case["request"].clone(), want)
+}
+
+/// Multi-turn tool conversations over HTTP: an OpenAI one (assistant `tool_calls` with null
+/// content, two `tool` results) and an Anthropic one (`tool_use` and `tool_result` blocks) are
+/// accepted, and the prompt the server runs has exactly as many tokens as transformers' render
+/// of the same conversation through the model's real template (Qwen3's); arguments that are not
+/// JSON are a 400 naming the field.
+#[test]
+fn multi_turn_tool_conversations_reach_the_template_as_transformers_renders_them() {
+    let dir = qwen3_template_dir();
+    let a = serve_dir(dir, Arc::new(LongContext(load_model())), |_| {});
+    let tokenizer = Tokenizer::from_dir(dir).unwrap();
+    let tokens = |text: &str| tokenizer.encode(text, false).unwrap().len() as u64;
+
+    let (mut body, want) = chat_fixture("openai_tool_round_trip");
+    body["model"] = json!(MODEL);
+    body["max_tokens"] = json!(1);
+    let r = post(a, "/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["prompt_tokens"].as_u64(), Some(tokens(&want)));
+
+    let (mut body, want) = chat_fixture("anthropic_tool_round_trip");
+    body["model"] = json!(MODEL);
+    let n = post(a, "/v1/messages/count_tokens", &body).json()["input_tokens"].as_u64();
+    assert_eq!(n, Some(tokens(&want)));
+    body["max_tokens"] = json!(1);
+    let r = post(a, "/v1/messages", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["input_tokens"].as_u64(), Some(tokens(&want)));
+
+    let (mut body, _) = chat_fixture("openai_tool_round_trip");
+    body["model"] = json!(MODEL);
+    body["messages"][2]["tool_calls"][0]["function"]["arguments"] = json!("{\"city\": ");
+    let r = post(a, "/v1/chat/completions", &body);
+    assert_openai_error(&r, 400);
+    assert_eq!(
+        r.json()["error"]["param"],
+        "messages[2].tool_calls[0].function.arguments",
+        "{}",
+        r.body
+    );
 }

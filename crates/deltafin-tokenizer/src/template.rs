@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use minijinja::value::{Kwargs, Value};
+use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, ErrorKind};
 use serde_json::{Map, Value as Json};
 
@@ -80,14 +80,22 @@ impl ChatTemplate {
         // transformers overrides jinja2's HTML-escaping `tojson` with plain `json.dumps`.
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
-        // Python prints floats with repr (1e+16, 1e-05); minijinja would print 10000000000000000.0.
+        env.add_function("strftime_now", strftime_now);
+        // jinja2 prints (and `|string` converts) values with Python's `str`: `True`, `None`,
+        // `1e-05`, `['a', 1]`; minijinja would write `true`, `none`, `0.00001`, `["a", 1]`.
+        env.add_filter("string", |v: &Value| Value::from(python_str(v)));
+        // jinja2's `iterable`/`sequence` tests: `none`, booleans and numbers are neither (minijinja
+        // iterates `none` as empty), undefined is both; a dict is a sequence (it has `len` and
+        // `[]`). Templates guard `tools | length` with `tools is iterable`.
+        env.add_test("iterable", |v: &Value| python_iterable(v));
+        env.add_test("sequence", |v: &Value| {
+            v.is_undefined() || matches!(v.kind(), ValueKind::String | ValueKind::Seq | ValueKind::Map)
+        });
         env.set_formatter(|out, state, value| {
-            if value.is_number() && !value.is_integer() {
-                if let Ok(f) = f64::try_from(value.clone()) {
-                    return out.write_str(&python_float_repr(f)).map_err(minijinja::Error::from);
-                }
+            if value.is_undefined() || value.kind() == ValueKind::String {
+                return minijinja::escape_formatter(out, state, value);
             }
-            minijinja::escape_formatter(out, state, value)
+            out.write_str(&python_str(value)).map_err(minijinja::Error::from)
         });
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| TokenizerError::TemplateSyntax {
@@ -213,6 +221,189 @@ fn alias_reasoning_fields(message: &Map<String, Json>) -> Map<String, Json> {
 /// `raise_exception(message)`: aborts rendering with the template's message.
 fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
     Err(minijinja::Error::new(ErrorKind::InvalidOperation, message.clone()).with_source(RaisedByTemplate(message)))
+}
+
+/// jinja2's `value is iterable` (`iter(value)` succeeds).
+fn python_iterable(v: &Value) -> bool {
+    match v.kind() {
+        ValueKind::Undefined => true,
+        ValueKind::None | ValueKind::Bool | ValueKind::Number => false,
+        _ => v.try_iter().is_ok(),
+    }
+}
+
+/// Python `str(value)` for the values a template can hold: strings as they are, `None`,
+/// `True`/`False`, integers, floats as `repr`, lists and dicts as their `repr` (items with
+/// `repr`, `', '` and `': '` separators). Other objects (macros, namespaces) keep minijinja's
+/// text.
+fn python_str(value: &Value) -> String {
+    match value.kind() {
+        ValueKind::String => value.as_str().unwrap_or_default().to_string(),
+        _ => python_repr(value),
+    }
+}
+
+/// Python `repr(value)`; see [`python_str`].
+fn python_repr(value: &Value) -> String {
+    match value.kind() {
+        ValueKind::None | ValueKind::Undefined => "None".into(),
+        ValueKind::Bool => if value.is_true() { "True" } else { "False" }.into(),
+        ValueKind::Number if !value.is_integer() => match f64::try_from(value.clone()) {
+            Ok(f) => python_float_repr(f),
+            Err(_) => value.to_string(),
+        },
+        ValueKind::String => python_str_repr(value.as_str().unwrap_or_default()),
+        ValueKind::Seq | ValueKind::Iterable => match value.try_iter() {
+            Ok(items) => format!("[{}]", items.map(|v| python_repr(&v)).collect::<Vec<_>>().join(", ")),
+            Err(_) => value.to_string(),
+        },
+        ValueKind::Map => match value.try_iter() {
+            Ok(keys) => {
+                let items: Vec<String> = keys
+                    .map(|k| {
+                        let v = value.get_item(&k).unwrap_or_default();
+                        format!("{}: {}", python_repr(&k), python_repr(&v))
+                    })
+                    .collect();
+                format!("{{{}}}", items.join(", "))
+            }
+            Err(_) => value.to_string(),
+        },
+        _ => value.to_string(),
+    }
+}
+
+/// Python `repr(str)`: single quotes unless the text holds `'` and no `"`; backslash,
+/// the chosen quote, `\n` `\r` `\t` and other non-printable characters escaped
+/// (`\xNN`, `\uNNNN`, `\UNNNNNNNN`); printable non-ASCII kept.
+fn python_str_repr(s: &str) -> String {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || (0x7f..0xa0).contains(&(c as u32)) => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c if c.is_control() || matches!(c as u32, 0xad | 0x2028 | 0x2029 | 0xfeff) => {
+                let n = c as u32;
+                let _ = if n <= 0xffff {
+                    write!(out, "\\u{n:04x}")
+                } else {
+                    write!(out, "\\U{n:08x}")
+                };
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+    out
+}
+
+/// transformers' `strftime_now(format)` (`datetime.now().strftime(format)`), in UTC: the
+/// directives `%Y %y %m %d %e %H %I %M %S %p %j %A %a %B %b %%`.
+///
+/// Errors: `InvalidOperation` naming any other directive.
+fn strftime_now(format: String) -> Result<Value, minijinja::Error> {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    strftime_utc(&format, secs).map(Value::from)
+}
+
+/// `format` applied to the UTC time `secs` seconds after the Unix epoch (see
+/// [`strftime_now`]). Civil date from days: H. Hinnant, "chrono-Compatible Low-Level Date
+/// Algorithms" (`civil_from_days`).
+fn strftime_utc(format: &str, secs: u64) -> Result<String, minijinja::Error> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+    ];
+    let days = (secs / 86_400) as i64;
+    let tod = secs % 86_400;
+    let (hour, minute, second) = (tod / 3600, tod % 3600 / 60, tod % 60);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    const CUM: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = CUM[(month - 1) as usize] + day + i64::from(leap && month > 2);
+    let weekday = (days + 4).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
+    let month_name = MONTHS[(month - 1) as usize];
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let _ = match chars.next() {
+            Some('Y') => write!(out, "{year}"),
+            Some('y') => write!(out, "{:02}", year.rem_euclid(100)),
+            Some('m') => write!(out, "{month:02}"),
+            Some('d') => write!(out, "{day:02}"),
+            Some('e') => write!(out, "{day:2}"),
+            Some('H') => write!(out, "{hour:02}"),
+            Some('I') => write!(out, "{:02}", (hour + 11) % 12 + 1),
+            Some('M') => write!(out, "{minute:02}"),
+            Some('S') => write!(out, "{second:02}"),
+            Some('p') => out.write_str(if hour < 12 { "AM" } else { "PM" }),
+            Some('j') => write!(out, "{yday:03}"),
+            Some('A') => out.write_str(DAYS[weekday]),
+            Some('a') => out.write_str(&DAYS[weekday][..3]),
+            Some('B') => out.write_str(month_name),
+            Some('b') => out.write_str(&month_name[..3]),
+            Some('%') => out.write_str("%"),
+            other => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!(
+                        "strftime_now: unsupported directive %{} in {format:?}",
+                        other.map(String::from).unwrap_or_default()
+                    ),
+                ))
+            }
+        };
+    }
+    Ok(out)
 }
 
 /// transformers' `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`,
@@ -422,7 +613,60 @@ pub(crate) fn python_float_repr(f: f64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::python_float_repr;
+    use serde_json::json;
+
+    use super::{python_float_repr, python_str_repr, strftime_utc, ChatTemplate};
+
+    #[test]
+    fn strftime_matches_python() {
+        // 2026-12-01 23:59:07 UTC, a Tuesday; 2024-02-29 12:00:00, a Thursday.
+        let t = 1_796_169_547;
+        assert_eq!(strftime_utc("%Y-%m-%d %H:%M:%S", t).unwrap(), "2026-12-01 23:59:07");
+        assert_eq!(
+            strftime_utc("%d %b %Y, %A %j %I%p %%", t).unwrap(),
+            "01 Dec 2026, Tuesday 335 11PM %"
+        );
+        assert_eq!(
+            strftime_utc("%e %B %y %a", 1_709_208_000).unwrap(),
+            "29 February 24 Thu"
+        );
+        assert!(strftime_utc("%Q", t).is_err());
+    }
+
+    /// `{{ x }}`, `x|string`, `x is iterable`, `x is sequence` as jinja2 evaluates them.
+    #[test]
+    fn printing_and_type_tests_follow_jinja2() {
+        let t = ChatTemplate::new(
+            "{{ x }}|{{ x|string }}|{{ x is iterable }}|{{ x is sequence }}|{{ y is iterable }}{{ y is sequence }}",
+            None,
+            None,
+        )
+        .unwrap();
+        let cases = [
+            (json!(true), "True|True|False|False"),
+            (json!(null), "None|None|False|False"),
+            (json!(1.0), "1.0|1.0|False|False"),
+            (json!(7), "7|7|False|False"),
+            (json!("s"), "s|s|True|True"),
+            (
+                json!([1, "a'b", null]),
+                "[1, \"a'b\", None]|[1, \"a'b\", None]|True|True",
+            ),
+            (json!({"k": false}), "{'k': False}|{'k': False}|True|True"),
+        ];
+        for (x, want) in cases {
+            let got = t.render(&[], false, &json!({ "x": x })).unwrap();
+            assert_eq!(got, format!("{want}|TrueTrue"), "{x}");
+        }
+    }
+
+    #[test]
+    fn str_repr_matches_python() {
+        assert_eq!(python_str_repr("a"), "'a'");
+        assert_eq!(python_str_repr("it's"), "\"it's\"");
+        assert_eq!(python_str_repr("'\""), "'\\'\"'");
+        assert_eq!(python_str_repr("a\\b\n\t\u{1}é"), "'a\\\\b\\n\\t\\x01é'");
+    }
 
     #[test]
     fn float_repr_matches_python() {
