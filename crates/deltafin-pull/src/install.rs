@@ -553,6 +553,12 @@ fn probe_mirror(http: &Http, source: &Source) -> Result<Option<Manifest>, PullEr
             "the source is a streaming install: serve a full install instead".into()
         ));
     }
+    // The checks a manifest on disk gets at load (issue #19, item 4), before anything is
+    // fetched or written: a hostile mirror's counts, sizes and ranges are one error line here,
+    // not a huge allocation, a sparse file of any size or a panic later.
+    deltafin_format::manifest_check::check_manifest_values(&m, Path::new(&url))?;
+    deltafin_format::model_dir::check_manifest_names(&m).map_err(bad)?;
+    deltafin_format::model_dir::check_manifest_layout(&m).map_err(bad)?;
     Ok(Some(m))
 }
 
