@@ -76,7 +76,7 @@ pub fn run(a: &InfoArgs) -> Result<()> {
                 h(backbone_bytes)
             );
             if let Some(d) = &dir {
-                println!("backbone checksums         {}", backbone_checksums(d));
+                println!("backbone checksums         {}", backbone_checksums(d)?);
                 println!("expert record checksums    {}", record_checksums(d)?);
             }
             expert_dtype
@@ -127,13 +127,16 @@ pub fn run(a: &InfoArgs) -> Result<()> {
 }
 
 /// The `backbone checksums` line of `info` for a model directory (issue #19, item 6).
-fn backbone_checksums(d: &ModelDir) -> String {
+fn backbone_checksums(d: &ModelDir) -> Result<String> {
     let n = d.manifest.backbone.tensors.len();
-    if d.backbone_checksummed() {
-        format!("xxh3 per tensor ({n} tensors), verified at load and by `deltafin cache verify`")
-    } else {
+    Ok(if !d.backbone_checksummed() {
         "none: unverified (written by a deltafin before backbone checksums; re-run `deltafin convert` or `deltafin pull` to add them)".into()
-    }
+    } else if deltafin_pull::fetch::source_checks_records(d)? == Some(false) {
+        // Issue #19, item 7: the tensors came by byte range from a Hugging Face layout.
+        format!("xxh3 per tensor ({n} tensors), verified at load and by `deltafin cache verify`; unverifiable against the source: converted from byte ranges of a Hugging Face layout (no published checksum per range), so the checksums show the tensors intact since the install, not equal to the source (`deltafin pull --full` downloads sha256-checked files)")
+    } else {
+        format!("xxh3 per tensor ({n} tensors), verified at load and by `deltafin cache verify`")
+    })
 }
 
 /// The `expert record checksums` line of `info` for a model directory (issue #19, item 7).

@@ -962,6 +962,8 @@ fn records_streamed_from_a_hugging_face_layout_are_compared_with_the_source_on_r
     );
     let info = stdout_of(&run_ok(&["info", s(&m)]));
     assert!(info.contains("expert record checksums    unverifiable"), "{info}");
+    // The backbone tensors came by range too: their checksums were computed on arrival.
+    assert!(info.contains("unverifiable against the source"), "{info}");
 
     px.with(|f| f.flip_next_over = Some(10_000));
     // On-demand fetches by range (a `warm` completing a file would check its sha256).
