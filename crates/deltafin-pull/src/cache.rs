@@ -215,6 +215,17 @@ pub fn verify_counts(dir: &ModelDir) -> Result<(usize, usize), PullError> {
     Ok((present.len() - verified, verified))
 }
 
+/// For a streaming install from a Hugging Face layout: whether `backbone.bin` was verified
+/// against the source ([`crate::fetch::StreamIndex::backbone_verified`]); false otherwise.
+///
+/// Errors: an unreadable stream index.
+pub fn backbone_verified(dir: &ModelDir) -> Result<bool, PullError> {
+    let Some(s) = &dir.manifest.stream else {
+        return Ok(false);
+    };
+    Ok(crate::fetch::StreamIndex::read(&dir.path, &s.index)?.backbone_verified())
+}
+
 /// `cache verify --source`.
 #[derive(Debug, Clone, Default)]
 pub struct SourceReport {

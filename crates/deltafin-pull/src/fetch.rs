@@ -45,6 +45,26 @@ pub struct StreamIndex {
     /// with this checksum is verified against the source; one with another is corrupt.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub verified_xxh3: BTreeMap<String, String>,
+    /// Hugging Face layout only: the byte ranges fetched at install that `backbone.bin` was
+    /// converted from (each shard's safetensors header and the backbone tensors), with the
+    /// XXH3-64 of the bytes received. A `warm` that streams a file whole compares them with the
+    /// sha256-checked body, so a range corrupted at install is found.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub source_ranges: Vec<SourceRange>,
+    /// Hugging Face layout only: source files a `warm` streamed whole with the published sha256
+    /// and whose [`StreamIndex::source_ranges`] matched.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub verified_files: Vec<String>,
+}
+
+/// A byte range of a source file as received at install.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SourceRange {
+    pub file: String,
+    pub offset: u64,
+    pub len: u64,
+    /// XXH3-64 (hex) of the bytes received.
+    pub xxh3: String,
 }
 
 /// One source tensor's bytes.
@@ -86,7 +106,15 @@ impl StreamIndex {
             mirror: false,
             record_xxh3: BTreeMap::new(),
             verified_xxh3: BTreeMap::new(),
+            source_ranges: Vec::new(),
+            verified_files: Vec::new(),
         }
+    }
+
+    /// Whether `backbone.bin` is known equal to what the source's sha256-checked files give: every
+    /// file it was converted from ([`StreamIndex::source_ranges`]) was verified by a `warm`.
+    pub fn backbone_verified(&self) -> bool {
+        !self.source_ranges.is_empty() && self.source_ranges.iter().all(|r| self.verified_files.contains(&r.file))
     }
 
     /// Writes the index as `dir/file`, durably (temp file, fsync, rename).

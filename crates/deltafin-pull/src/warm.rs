@@ -220,12 +220,23 @@ pub fn warm(
         )?
     };
     if !whole.verified.is_empty() {
+        for f in &whole.verified {
+            if !whole.backbone_mismatch.iter().any(|(b, _)| b == f) && !index.verified_files.contains(f) {
+                index.verified_files.push(f.clone());
+            }
+        }
         index.write(&dir.path, &stream.index)?;
     }
     let by_range: Vec<Key> = chosen.iter().filter(|k| !handled.contains(k)).copied().collect();
     let fetched = fetch_records(&dir, &src, &by_range, opts.concurrency, &|b| progress.advance(b))?;
     progress.finish();
     let fetched = fetched + whole.records_fetched;
+    if let Some((file, why)) = whole.backbone_mismatch.first() {
+        return Err(PullError::Invalid(format!(
+            "{}: {file}: {why}: backbone.bin of this install was converted from corrupted bytes; install it again (`deltafin pull` into a new directory, or `--full`)",
+            src.file_url(file)
+        )));
+    }
     if let Some((file, why)) = whole.failed.first() {
         return Err(PullError::Invalid(format!(
             "{why}: {file} is not the file published at install (or the connection corrupts it), so the {} expert records converted from it were not stored; {} other records were fetched",

@@ -53,6 +53,10 @@ pub struct WholeFiles {
     pub failed: Vec<(String, String)>,
     /// Records left out because their file failed.
     pub records_refused: usize,
+    /// (file, what differs) of verified files whose bytes received by range at install (the
+    /// safetensors header, backbone tensors: what `backbone.bin` was converted from, see
+    /// [`crate::fetch::StreamIndex::source_ranges`]) differ from the verified body.
+    pub backbone_mismatch: Vec<(String, String)>,
 }
 
 /// One source tensor to cut out of a file's body: `[offset, offset + len)` is part `part` of
@@ -180,8 +184,23 @@ pub fn warm_whole_files(
         let mut parts_across: Vec<(Key, usize, u64, Vec<u8>)> = Vec::new();
         let mut cursor = 0usize;
         let mut failure: Option<PullError> = None;
+        // The ranges received at install from this file: (offset, len, xxh3), hashed on the way.
+        let mut checks: Vec<(u64, u64, u64)> = src
+            .index()
+            .source_ranges
+            .iter()
+            .filter(|r| &r.file == file)
+            .filter_map(|r| Some((r.offset, r.len, u64::from_str_radix(&r.xxh3, 16).ok()?)))
+            .collect();
+        checks.sort_unstable();
+        let mut check_at = 0usize;
+        let mut check_hash = xxhash_rust::xxh3::Xxh3::new();
+        let mut bad_ranges: Vec<(u64, u64)> = Vec::new();
         let mut sink = |at: u64, chunk: &[u8]| {
             if at == 0 {
+                check_at = 0;
+                check_hash.reset();
+                bad_ranges.clear();
                 // A new attempt: everything is cut out again.
                 entries.clear();
                 differ.clear();
@@ -191,10 +210,24 @@ pub fn warm_whole_files(
                 cursor = 0;
                 failure = None;
             }
+            let end = at + chunk.len() as u64;
+            while let Some(&(o, l, want)) = checks.get(check_at).filter(|c| c.0 < end) {
+                let (lo, hi) = (o.max(at), (o + l).min(end));
+                if lo < hi {
+                    check_hash.update(&chunk[(lo - at) as usize..(hi - at) as usize]);
+                }
+                if o + l > end {
+                    break;
+                }
+                if check_hash.digest() != want {
+                    bad_ranges.push((o, l));
+                }
+                check_hash.reset();
+                check_at += 1;
+            }
             if failure.is_some() {
                 return;
             }
-            let end = at + chunk.len() as u64;
             let mut i = cursor;
             while let Some(s) = spans.get(i).filter(|s| s.offset < end) {
                 let (lo, hi) = (s.offset.max(at), (s.offset + s.len).min(end));
@@ -301,6 +334,15 @@ pub fn warm_whole_files(
                 rep.replaced.extend(differ.iter().map(|(k, _)| *k));
                 advance(entries.iter().map(|e| e.length).sum());
                 rep.verified.push(file.clone());
+                if let Some((o, l)) = bad_ranges.first() {
+                    rep.backbone_mismatch.push((
+                        file.clone(),
+                        format!(
+                            "{} byte ranges received at install (the safetensors header or backbone tensors; the first at offset {o}, {l} bytes) differ from the body whose sha256 is the published one",
+                            bad_ranges.len()
+                        ),
+                    ));
+                }
             }
             Err(e @ PullError::Checksum { .. }) => {
                 // Records spanning this file and another cannot complete either.

@@ -133,7 +133,11 @@ fn backbone_checksums(d: &ModelDir) -> Result<String> {
         "none: unverified (written by a deltafin before backbone checksums; re-run `deltafin convert` or `deltafin pull` to add them)".into()
     } else if deltafin_pull::fetch::source_checks_records(d)? == Some(false) {
         // Issue #19, item 7: the tensors came by byte range from a Hugging Face layout.
-        format!("xxh3 per tensor ({n} tensors), verified at load and by `deltafin cache verify`; unverifiable against the source: converted from byte ranges of a Hugging Face layout (no published checksum per range), so the checksums show the tensors intact since the install, not equal to the source (`deltafin pull --full` downloads sha256-checked files)")
+        if deltafin_pull::cache::backbone_verified(d)? {
+            format!("xxh3 per tensor ({n} tensors), verified at load and by `deltafin cache verify`; the bytes they were converted from matched the source files' published sha256 (checked by `deltafin warm`)")
+        } else {
+            format!("xxh3 per tensor ({n} tensors), verified at load and by `deltafin cache verify`; unverifiable against the source: converted from byte ranges of a Hugging Face layout (no published checksum per range), so the checksums show the tensors intact since the install, not equal to the source (a `deltafin warm` that completes the source files checks them; `deltafin pull --full` downloads sha256-checked files)")
+        }
     } else {
         format!("xxh3 per tensor ({n} tensors), verified at load and by `deltafin cache verify`")
     })

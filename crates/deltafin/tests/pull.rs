@@ -1237,6 +1237,27 @@ fn a_warm_that_completes_a_source_file_checks_its_published_sha256() {
         info.contains("unverifiable: 0 present records") && info.contains("48 verified"),
         "{info}"
     );
+    assert!(info.contains("matched the source files' published sha256"), "{info}");
+
+    // A backbone range corrupted at install: backbone.bin's checksums are computed on arrival,
+    // so `cache verify` cannot tell; the warm that verifies the file names it.
+    let m3 = t.join("m3");
+    px.with(|f| f.flip_next_over = Some(30_000));
+    run_ok(&["pull", &px.url("dsv3_b"), s(&m3), "--stream", "--experts", "bf16"]);
+    assert!(px.with(|f| f.flip_next_over.is_none()), "no body was corrupted");
+    run_ok(&["cache", "verify", s(&m3)]);
+    let out = deltafin().args(["warm", s(&m3), "--allow-network"]).output().unwrap();
+    let se = stderr_of(&out);
+    assert!(
+        out.status.code().is_some_and(|c| c != 0) && !se.contains("panicked"),
+        "{se}"
+    );
+    let lines: Vec<&str> = se.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{se}");
+    assert!(
+        lines[0].contains("backbone.bin") && lines[0].contains("corrupted") && lines[0].contains("install it again"),
+        "{se}"
+    );
 
     // A second install, then the server's shard is replaced under the same size and ETag.
     let m2 = t.join("m2");
