@@ -233,7 +233,7 @@ pub fn warm(
     let fetched = fetched + whole.records_fetched;
     if let Some((file, why)) = whole.backbone_mismatch.first() {
         return Err(PullError::Invalid(format!(
-            "{}: {file}: {why}: backbone.bin of this install was converted from corrupted bytes; install it again (`deltafin pull` into a new directory, or `--full`)",
+            "{}: {why}: backbone.bin of this install was converted from corrupted bytes; install it again (`deltafin pull` into a new directory, or `--full`)",
             src.file_url(file)
         )));
     }
