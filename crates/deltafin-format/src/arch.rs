@@ -141,7 +141,7 @@ impl ModelConfig {
     /// Errors: unreadable file, malformed JSON, an unsupported `model_type`, or what the family's
     /// own validation rejects (named field).
     pub fn from_file(path: &Path) -> Result<(Self, Value), FormatError> {
-        let text = crate::regular_file::read_to_string(path).map_err(|e| FormatError::Io {
+        let text = deltafin_fs::read_to_string(path).map_err(|e| FormatError::Io {
             path: path.to_path_buf(),
             error: e,
         })?;

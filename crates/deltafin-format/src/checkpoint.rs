@@ -164,7 +164,7 @@ impl Checkpoint {
         let index_path = dir.join("model.safetensors.index.json");
         let mut weight_map: Option<HashMap<String, String>> = None;
         let files: Vec<String> = if index_path.exists() {
-            let text = crate::regular_file::read_to_string(&index_path).map_err(|e| io_err(&index_path, e))?;
+            let text = deltafin_fs::read_to_string(&index_path).map_err(|e| io_err(&index_path, e))?;
             let v: Value = serde_json::from_str(&text).map_err(|e| FormatError::Json {
                 path: index_path.clone(),
                 message: e.to_string(),
@@ -227,7 +227,7 @@ impl Checkpoint {
         let mut skipped = Vec::new();
         for (si, fname) in files.iter().enumerate() {
             let path = dir.join(fname);
-            let file = crate::regular_file::open_regular(&path).map_err(|e| io_err(&path, e))?;
+            let file = deltafin_fs::open_regular(&path).map_err(|e| io_err(&path, e))?;
             let entries = read_header(&path, &file)?;
             for mut e in entries {
                 e.shard = si;
@@ -582,7 +582,7 @@ fn resolve_quantized(
     let cfg_path = dir.join("config.json");
     let mut quant_config = || -> Result<Option<SourceQuantization>, FormatError> {
         if quant.is_none() {
-            let q = match crate::regular_file::read_to_string(&cfg_path) {
+            let q = match deltafin_fs::read_to_string(&cfg_path) {
                 Ok(text) => {
                     let raw: Value = serde_json::from_str(&text).map_err(|e| FormatError::Json {
                         path: cfg_path.clone(),

@@ -318,7 +318,7 @@ impl DeepseekV3Config {
     /// `topk_method` other than `noaux_tc`, `hidden_act` other than `silu`, a RoPE type other than
     /// `default`/`yarn`, inconsistent expert grouping).
     pub fn from_file(path: &Path) -> Result<(Self, Value), FormatError> {
-        let text = crate::regular_file::read_to_string(path).map_err(|e| FormatError::Io {
+        let text = deltafin_fs::read_to_string(path).map_err(|e| FormatError::Io {
             path: path.to_path_buf(),
             error: e,
         })?;

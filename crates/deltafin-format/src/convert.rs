@@ -535,12 +535,18 @@ fn write_all(
     let mut copied = Vec::new();
     for f in COPIED_FILES {
         let src = hf_dir.join(f);
-        if src.is_file() {
-            let dst = out.join(f);
-            std::fs::copy(&src, &dst).map_err(io(&dst))?;
-            File::open(&dst).and_then(|x| x.sync_all()).map_err(io(&dst))?;
-            copied.push(f.to_string());
-        }
+        // A FIFO or device in place of a tokenizer file is an error naming it, not a file
+        // silently left out (nor a hang).
+        let mut from = match deltafin_fs::open_regular(&src) {
+            Ok(from) => from,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(io(&src)(e)),
+        };
+        let dst = out.join(f);
+        let mut to = File::create(&dst).map_err(io(&dst))?;
+        std::io::copy(&mut from, &mut to).map_err(io(&dst))?;
+        to.sync_all().map_err(io(&dst))?;
+        copied.push(f.to_string());
     }
 
     let manifest = Manifest {

@@ -12,7 +12,6 @@
 //! - [`model_dir`]: the deltafin model directory: `manifest.json`, `backbone.bin` (resident
 //!   weights), `experts.pack` (one 4 KiB-aligned record per (layer, routed expert)).
 //! - [`convert`]: Hugging Face checkpoint → deltafin model directory, crash-safe.
-//! - [`regular_file`]: input files are opened only when regular (a FIFO would block forever).
 //! - [`presence`]: the presence journal of a streaming install's sparse expert pack.
 
 pub mod aligned;
@@ -30,7 +29,6 @@ pub mod presence;
 pub mod quantization;
 pub mod qwen3_moe;
 pub mod qwen3_next;
-pub mod regular_file;
 pub mod source_dtypes;
 pub mod staging;
 pub mod synth;

@@ -382,7 +382,7 @@ impl ModelDir {
             }
             return Err(bad("manifest.json not found (was it written by `deltafin convert`? an interrupted convert leaves no model)".into()));
         }
-        let text = crate::regular_file::read_to_string(&mpath).map_err(|e| FormatError::Io {
+        let text = deltafin_fs::read_to_string(&mpath).map_err(|e| FormatError::Io {
             path: mpath.clone(),
             error: e,
         })?;
@@ -406,11 +406,15 @@ impl ModelDir {
         // The copied config.json is read again for its end-of-sequence ids: a damaged copy is
         // named here, by every command, not only by those that read it later.
         let cpath = path.join("config.json");
-        if let Ok(text) = crate::regular_file::read_to_string(&cpath) {
-            serde_json::from_str::<Value>(&text).map_err(|e| FormatError::Json {
-                path: cpath.clone(),
-                message: e.to_string(),
-            })?;
+        match deltafin_fs::read_to_string(&cpath) {
+            Ok(text) => {
+                serde_json::from_str::<Value>(&text).map_err(|e| FormatError::Json {
+                    path: cpath.clone(),
+                    message: e.to_string(),
+                })?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(FormatError::Io { path: cpath, error: e }),
         }
         check_manifest_paths(path, &manifest).map_err(&bad)?;
         for (file, bytes) in [
@@ -418,7 +422,7 @@ impl ModelDir {
             (&manifest.experts.file, manifest.experts.bytes),
         ] {
             let p = path.join(file);
-            let len = std::fs::metadata(&p)
+            let len = deltafin_fs::check_regular(&p)
                 .map_err(|e| FormatError::Io {
                     path: p.clone(),
                     error: e,
@@ -436,45 +440,7 @@ impl ModelDir {
                 )));
             }
         }
-        for (name, t) in &manifest.backbone.tensors {
-            if t.offset % TENSOR_ALIGN != 0 || t.offset + t.bytes > manifest.backbone.bytes {
-                return Err(bad(format!("backbone tensor {name} is out of range or misaligned")));
-            }
-        }
-        let cfg = &manifest.config;
-        let mut record_index = vec![Vec::new(); cfg.num_hidden_layers()];
-        let layout_end = manifest
-            .experts
-            .layout
-            .iter()
-            .map(|l| l.offset + l.bytes)
-            .max()
-            .unwrap_or(0);
-        for (i, r) in manifest.experts.records.iter().enumerate() {
-            let (l, e) = (r.layer as usize, r.expert as usize);
-            if l >= cfg.num_hidden_layers() || !cfg.is_moe_layer(l) || e >= cfg.n_routed_experts() {
-                return Err(bad(format!(
-                    "expert record (layer {l}, expert {e}) does not exist in this model"
-                )));
-            }
-            if r.offset % manifest.experts.record_align != 0
-                || r.offset + r.length > manifest.experts.bytes
-                || r.length < layout_end
-            {
-                return Err(bad(format!(
-                    "expert record (layer {l}, expert {e}) is out of range, misaligned or short"
-                )));
-            }
-            if record_index[l].is_empty() {
-                record_index[l] = vec![usize::MAX; cfg.n_routed_experts()];
-            }
-            record_index[l][e] = i;
-        }
-        for (l, idx) in record_index.iter().enumerate() {
-            if cfg.is_moe_layer(l) && (idx.is_empty() || idx.contains(&usize::MAX)) {
-                return Err(bad(format!("MoE layer {l} is missing expert records")));
-            }
-        }
+        let record_index = check_manifest_layout(&manifest).map_err(bad)?;
         Ok(ModelDir {
             path: path.to_path_buf(),
             manifest,
@@ -519,7 +485,7 @@ impl ModelDir {
             path: p.clone(),
             error: e,
         };
-        let f = crate::regular_file::open_regular(&p).map_err(io)?;
+        let f = deltafin_fs::open_regular(&p).map_err(io)?;
         let (buf, check) = read_checked(
             &f,
             self.manifest.backbone.bytes as usize,
@@ -545,6 +511,58 @@ impl ModelDir {
     }
 }
 
+/// Checks the byte layout manifest `manifest` describes, without its files: every backbone
+/// tensor lies inside `backbone.bytes` at a [`TENSOR_ALIGN`]-aligned offset; every expert record
+/// names a routed expert of a MoE layer of this model, lies inside `experts.bytes` at an
+/// `experts.record_align`-aligned offset and holds the whole record layout; every MoE layer has
+/// all its records. Returns the record index: `[layer][expert]` → position in
+/// `experts.records` (empty for dense layers). [`ModelDir::open`] runs it, and so does a pull
+/// before it trusts a mirror's manifest.
+///
+/// Call after [`crate::manifest_check::check_manifest_values`] (which bounds the counts and
+/// `record_align`). Errors: a message naming the first tensor or record that is wrong.
+pub fn check_manifest_layout(manifest: &Manifest) -> Result<Vec<Vec<usize>>, String> {
+    let end = |offset: u64, bytes: u64| offset.saturating_add(bytes);
+    for (name, t) in &manifest.backbone.tensors {
+        if t.offset % TENSOR_ALIGN != 0 || end(t.offset, t.bytes) > manifest.backbone.bytes {
+            return Err(format!("backbone tensor {name} is out of range or misaligned"));
+        }
+    }
+    let cfg = &manifest.config;
+    let mut record_index = vec![Vec::new(); cfg.num_hidden_layers()];
+    let layout_end = manifest
+        .experts
+        .layout
+        .iter()
+        .map(|l| end(l.offset, l.bytes))
+        .max()
+        .unwrap_or(0);
+    let align = manifest.experts.record_align.max(1);
+    for (i, r) in manifest.experts.records.iter().enumerate() {
+        let (l, e) = (r.layer as usize, r.expert as usize);
+        if l >= cfg.num_hidden_layers() || !cfg.is_moe_layer(l) || e >= cfg.n_routed_experts() {
+            return Err(format!(
+                "expert record (layer {l}, expert {e}) does not exist in this model"
+            ));
+        }
+        if r.offset % align != 0 || end(r.offset, r.length) > manifest.experts.bytes || r.length < layout_end {
+            return Err(format!(
+                "expert record (layer {l}, expert {e}) is out of range, misaligned or short"
+            ));
+        }
+        if record_index[l].is_empty() {
+            record_index[l] = vec![usize::MAX; cfg.n_routed_experts()];
+        }
+        record_index[l][e] = i;
+    }
+    for (l, idx) in record_index.iter().enumerate() {
+        if cfg.is_moe_layer(l) && (idx.is_empty() || idx.contains(&usize::MAX)) {
+            return Err(format!("MoE layer {l} is missing expert records"));
+        }
+    }
+    Ok(record_index)
+}
+
 /// Checks that every file a manifest names (backbone, expert pack, tokenizer files, stream
 /// index) and the presence journal resolve inside the model directory `dir`: a relative path of
 /// plain components (no absolute path, no `..` or `.`), and, where the file exists, no symbolic
@@ -554,6 +572,18 @@ impl ModelDir {
 ///
 /// Errors: a message naming the manifest field and the offending path.
 pub fn check_manifest_paths(dir: &Path, manifest: &Manifest) -> Result<(), String> {
+    check_paths(dir, dir.canonicalize().ok().as_deref(), manifest)
+}
+
+/// The lexical part of [`check_manifest_paths`], for a manifest not yet on disk (one fetched
+/// from a mirror): every file it names is a relative path of plain components.
+///
+/// Errors: a message naming the manifest field and the offending path.
+pub fn check_manifest_names(manifest: &Manifest) -> Result<(), String> {
+    check_paths(Path::new(""), None, manifest)
+}
+
+fn check_paths(dir: &Path, root: Option<&Path>, manifest: &Manifest) -> Result<(), String> {
     let mut named: Vec<(String, &str)> = vec![
         ("backbone.file".into(), manifest.backbone.file.as_str()),
         ("experts.file".into(), manifest.experts.file.as_str()),
@@ -565,9 +595,8 @@ pub fn check_manifest_paths(dir: &Path, manifest: &Manifest) -> Result<(), Strin
         named.push(("stream.index".into(), s.index.as_str()));
     }
     named.push(("(presence journal)".into(), crate::presence::JOURNAL_FILE));
-    let root = dir.canonicalize().ok();
     for (field, file) in named {
-        check_inside(dir, root.as_deref(), file).map_err(|why| format!("manifest {field} {file:?} {why}"))?;
+        check_inside(dir, root, file).map_err(|why| format!("manifest {field} {file:?} {why}"))?;
     }
     Ok(())
 }

@@ -101,7 +101,7 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> FormatError + '_ {
 /// Errors: the file cannot be read, or it starts with another magic (not a presence journal).
 pub fn scan(dir: &Path) -> Result<Scan, FormatError> {
     let path = dir.join(JOURNAL_FILE);
-    let bytes = match std::fs::read(&path) {
+    let bytes = match deltafin_fs::read(&path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             return Ok(Scan {
@@ -197,13 +197,12 @@ impl Journal {
     /// Errors: the file cannot be opened or created.
     pub fn open(dir: &Path) -> Result<Self, FormatError> {
         let path = dir.join(JOURNAL_FILE);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(io(&path))?;
+        let file = deltafin_fs::open_regular_with(
+            OpenOptions::new().read(true).write(true).create(true).truncate(false),
+            0,
+            &path,
+        )
+        .map_err(io(&path))?;
         Ok(Journal { file, path })
     }
 

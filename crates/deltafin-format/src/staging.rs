@@ -147,7 +147,7 @@ pub fn deltafin_files(manifest: &Path) -> Vec<String> {
         .collect();
     names.push(crate::presence::JOURNAL_FILE.into());
     names.extend(crate::convert::COPIED_FILES.iter().map(|s| s.to_string()));
-    let v: serde_json::Value = std::fs::read(manifest)
+    let v: serde_json::Value = deltafin_fs::read(manifest)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default();

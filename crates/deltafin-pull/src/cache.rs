@@ -124,8 +124,11 @@ pub struct VerifyReport {
     /// Present records that were converted from byte ranges of a source publishing no checksum
     /// for them (a streaming install from a Hugging Face layout): their xxh3 was computed on
     /// arrival, so this check shows them intact since, not equal to the source
-    /// ([`verify_source`] compares them with it).
+    /// ([`verify_source`] compares them with it). Records a `warm` converted from source files
+    /// whose sha256 it checked ([`crate::whole`]) are not counted here but in `verified`.
     pub unverifiable: usize,
+    /// Present records equal to the copy converted from sha256-checked source files.
+    pub verified: usize,
 }
 
 impl VerifyReport {
@@ -145,7 +148,7 @@ pub fn verify(model_dir: &Path) -> Result<VerifyReport, PullError> {
     let present = present_checksums(&dir)?;
     let scan = presence::scan(&dir.path)?;
     let pack_path = dir.expert_pack_path();
-    let pack = File::open(&pack_path).map_err(io_err(&pack_path))?;
+    let pack = deltafin_fs::open_regular(&pack_path).map_err(io_err(&pack_path))?;
     let mut rep = VerifyReport {
         total: dir.manifest.experts.records.len(),
         bad_journal_entries: scan.bad_entries,
@@ -153,15 +156,27 @@ pub fn verify(model_dir: &Path) -> Result<VerifyReport, PullError> {
         backbone,
         ..VerifyReport::default()
     };
-    if crate::fetch::source_checks_records(&dir)? == Some(false) {
-        rep.unverifiable = present.len();
-    }
+    // Hugging Face layout: which records were converted from sha256-checked source files.
+    let index = match &dir.manifest.stream {
+        Some(s) => Some(crate::fetch::StreamIndex::read(&dir.path, &s.index)?).filter(|ix| !ix.mirror),
+        None => None,
+    };
     let mut buf = Vec::new();
     for r in &dir.manifest.experts.records {
         let Some(&want) = present.get(&(r.layer, r.expert)) else {
             continue;
         };
         rep.checked += 1;
+        match index.as_ref().map(|ix| ix.verified(r.layer, r.expert, want)) {
+            None => {}
+            Some(None) => rep.unverifiable += 1,
+            Some(Some(true)) => rep.verified += 1,
+            Some(Some(false)) => rep.failures.push((
+                r.layer,
+                r.expert,
+                "its journaled checksum is not the one of the copy converted from the sha256-checked source (replaced since by bytes not from the source)".into(),
+            )),
+        }
         buf.resize(r.length as usize, 0);
         if let Err(e) = pack.read_exact_at(&mut buf, r.offset) {
             rep.failures.push((r.layer, r.expert, format!("read failed: {e}")));
@@ -177,6 +192,38 @@ pub fn verify(model_dir: &Path) -> Result<VerifyReport, PullError> {
         }
     }
     Ok(rep)
+}
+
+/// For a streaming install from a Hugging Face layout: (present records never verified against
+/// a source file's sha256, present records verified); (0, 0) for other model directories. Reads
+/// the presence journal and the stream index, not the records.
+///
+/// Errors: an unreadable journal or stream index.
+pub fn verify_counts(dir: &ModelDir) -> Result<(usize, usize), PullError> {
+    let Some(s) = &dir.manifest.stream else {
+        return Ok((0, 0));
+    };
+    let index = crate::fetch::StreamIndex::read(&dir.path, &s.index)?;
+    if index.mirror {
+        return Ok((0, 0));
+    }
+    let present = present_checksums(dir)?;
+    let verified = present
+        .iter()
+        .filter(|((l, e), h)| index.verified(*l, *e, **h) == Some(true))
+        .count();
+    Ok((present.len() - verified, verified))
+}
+
+/// For a streaming install from a Hugging Face layout: whether `backbone.bin` was verified
+/// against the source ([`crate::fetch::StreamIndex::backbone_verified`]); false otherwise.
+///
+/// Errors: an unreadable stream index.
+pub fn backbone_verified(dir: &ModelDir) -> Result<bool, PullError> {
+    let Some(s) = &dir.manifest.stream else {
+        return Ok(false);
+    };
+    Ok(crate::fetch::StreamIndex::read(&dir.path, &s.index)?.backbone_verified())
 }
 
 /// `cache verify --source`.
@@ -253,9 +300,7 @@ pub fn verify_source(
     let mut keys: Vec<((u32, u32), u64)> = present.into_iter().collect();
     keys.sort();
     let pack_path = dir.expert_pack_path();
-    let pack = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&pack_path)
+    let pack = deltafin_fs::open_regular_with(std::fs::OpenOptions::new().write(true), 0, &pack_path)
         .map_err(io_err(&pack_path))?;
     let journal = presence::Journal::open(&dir.path)?;
     enum Seen {
@@ -368,10 +413,7 @@ pub fn gc(model_dir: &Path) -> Result<GcReport, PullError> {
     let _ = stream;
     let scan = presence::scan(&dir.path)?;
     let pack_path = dir.expert_pack_path();
-    let pack = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&pack_path)
+    let pack = deltafin_fs::open_regular_with(std::fs::OpenOptions::new().read(true).write(true), 0, &pack_path)
         .map_err(io_err(&pack_path))?;
     let before = pack.metadata().map_err(io_err(&pack_path))?.blocks() * 512;
     // The last valid entry per record that matches the manifest and whose bytes verify.
@@ -397,9 +439,8 @@ pub fn gc(model_dir: &Path) -> Result<GcReport, PullError> {
         present.insert((r.layer, r.expert));
     }
     rep.journal_entries_dropped = scan.entries.len() + scan.bad_entries + usize::from(scan.torn_bytes > 0) - keep.len();
-    if rep.journal_entries_dropped > 0 || scan.no_header {
-        presence::rewrite(&dir.path, &keep)?;
-    }
+    // Blocks of absent records are freed first: on a full disk the journal rewrite below needs
+    // the room (an interrupted `warm` can leave written but unjournaled records behind).
     let stride = |r: &deltafin_format::ExpertRecord| r.length.div_ceil(4096) * 4096;
     for r in &dir.manifest.experts.records {
         if present.contains(&(r.layer, r.expert)) {
@@ -411,6 +452,9 @@ pub fn gc(model_dir: &Path) -> Result<GcReport, PullError> {
         }
     }
     pack.sync_all().map_err(io_err(&pack_path))?;
+    if rep.journal_entries_dropped > 0 || scan.no_header {
+        presence::rewrite(&dir.path, &keep)?;
+    }
     let after = pack.metadata().map_err(io_err(&pack_path))?.blocks() * 512;
     rep.pack_bytes_freed = before.saturating_sub(after);
     Ok(rep)
@@ -427,7 +471,7 @@ fn has_data(f: &File, offset: u64, len: u64) -> bool {
     (r as u64) < offset + len
 }
 
-fn punch_hole(f: &File, offset: u64, len: u64) -> std::io::Result<()> {
+pub(crate) fn punch_hole(f: &File, offset: u64, len: u64) -> std::io::Result<()> {
     // SAFETY: plain syscall on a valid, open descriptor.
     let r = unsafe {
         libc::fallocate(

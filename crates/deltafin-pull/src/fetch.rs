@@ -39,6 +39,32 @@ pub struct StreamIndex {
     /// Mirror only: expected XXH3-64 (hex) of each record, keyed `"<layer>.<expert>"`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub record_xxh3: BTreeMap<String, String>,
+    /// Hugging Face layout only: XXH3-64 (hex), keyed `"<layer>.<expert>"`, of each record that
+    /// was converted from source files whose whole bytes matched their published sha256 (a
+    /// `warm` that completes a file streams it whole; see [`crate::warm`]). A present record
+    /// with this checksum is verified against the source; one with another is corrupt.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub verified_xxh3: BTreeMap<String, String>,
+    /// Hugging Face layout only: the byte ranges fetched at install that `backbone.bin` was
+    /// converted from (each shard's safetensors header and the backbone tensors), with the
+    /// XXH3-64 of the bytes received. A `warm` that streams a file whole compares them with the
+    /// sha256-checked body, so a range corrupted at install is found.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub source_ranges: Vec<SourceRange>,
+    /// Hugging Face layout only: source files a `warm` streamed whole with the published sha256
+    /// and whose [`StreamIndex::source_ranges`] matched.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub verified_files: Vec<String>,
+}
+
+/// A byte range of a source file as received at install.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SourceRange {
+    pub file: String,
+    pub offset: u64,
+    pub len: u64,
+    /// XXH3-64 (hex) of the bytes received.
+    pub xxh3: String,
 }
 
 /// One source tensor's bytes.
@@ -79,7 +105,33 @@ impl StreamIndex {
             tensors: BTreeMap::new(),
             mirror: false,
             record_xxh3: BTreeMap::new(),
+            verified_xxh3: BTreeMap::new(),
+            source_ranges: Vec::new(),
+            verified_files: Vec::new(),
         }
+    }
+
+    /// Whether `backbone.bin` is known equal to what the source's sha256-checked files give: every
+    /// file it was converted from ([`StreamIndex::source_ranges`]) was verified by a `warm`.
+    pub fn backbone_verified(&self) -> bool {
+        !self.source_ranges.is_empty() && self.source_ranges.iter().all(|r| self.verified_files.contains(&r.file))
+    }
+
+    /// Writes the index as `dir/file`, durably (temp file, fsync, rename).
+    ///
+    /// Errors: I/O.
+    pub fn write(&self, dir: &Path, file: &str) -> Result<(), PullError> {
+        let json = serde_json::to_vec(self).map_err(|e| PullError::Invalid(format!("stream index: {e}")))?;
+        crate::http::write_atomic(&dir.join(file), &json)
+    }
+
+    /// The checksum a present record with `xxh3` has against the source: `Some(true)` when it
+    /// was verified through its source files' sha256, `Some(false)` when a verified copy had
+    /// another checksum (the local bytes changed since), `None` when never verified.
+    pub fn verified(&self, layer: u32, expert: u32, xxh3: u64) -> Option<bool> {
+        self.verified_xxh3
+            .get(&format!("{layer}.{expert}"))
+            .map(|h| u64::from_str_radix(h, 16).ok() == Some(xxh3))
     }
 
     /// Reads `stream-index.json` of a model directory.
@@ -87,7 +139,7 @@ impl StreamIndex {
     /// Errors: missing or malformed file.
     pub fn read(dir: &Path, file: &str) -> Result<Self, PullError> {
         let p = dir.join(file);
-        let bytes = std::fs::read(&p).map_err(crate::io_err(&p))?;
+        let bytes = deltafin_fs::read(&p).map_err(crate::io_err(&p))?;
         let ix: StreamIndex = serde_json::from_slice(&bytes).map_err(|e| FormatError::Json {
             path: p.clone(),
             message: e.to_string(),
@@ -254,6 +306,38 @@ impl HttpRecordSource {
         if self.index.mirror {
             return self.fetch_mirror(layer, expert);
         }
+        let locs = self.locs(layer, expert)?;
+        let same_file = locs.iter().all(|l| l.file == locs[0].file);
+        let lo = locs.iter().map(|l| l.offset).min().unwrap_or(0);
+        let hi = locs.iter().map(|l| l.offset + l.len).max().unwrap_or(0);
+        let sum: u64 = locs.iter().map(|l| l.len).sum();
+        let mut bytes: Vec<Vec<u8>> = Vec::with_capacity(locs.len());
+        if same_file && hi - lo <= sum + (1 << 20) {
+            let (span, _) = self.read(&locs[0].file, lo, hi - lo)?;
+            for l in &locs {
+                let at = (l.offset - lo) as usize;
+                bytes.push(span[at..at + l.len as usize].to_vec());
+            }
+        } else {
+            for l in &locs {
+                bytes.push(self.read(&l.file, l.offset, l.len)?.0);
+            }
+        }
+        let rec = self.encode(&locs, &bytes)?;
+        self.fetched.fetch_add(1, Ordering::Relaxed);
+        Ok(rec)
+    }
+
+    /// The stream index of the install.
+    pub fn index(&self) -> &StreamIndex {
+        &self.index
+    }
+
+    /// Where the source tensors of routed expert `expert` in layer `layer` lie, one per matrix
+    /// of the record layout, checked against it (shape, dtype).
+    ///
+    /// Errors: a tensor missing from the index, a wrong shape, an unsupported dtype.
+    pub fn locs(&self, layer: usize, expert: usize) -> Result<Vec<&TensorLoc>, PullError> {
         let mut locs = Vec::with_capacity(self.layout.len());
         for lay in &self.layout {
             let key = format!("{layer}.{expert}.{}", lay.name);
@@ -285,34 +369,23 @@ impl HttpRecordSource {
             }
             locs.push(loc);
         }
-        let same_file = locs.iter().all(|l| l.file == locs[0].file);
-        let lo = locs.iter().map(|l| l.offset).min().unwrap_or(0);
-        let hi = locs.iter().map(|l| l.offset + l.len).max().unwrap_or(0);
-        let sum: u64 = locs.iter().map(|l| l.len).sum();
-        let mut bytes: Vec<Vec<u8>> = Vec::with_capacity(locs.len());
-        if same_file && hi - lo <= sum + (1 << 20) {
-            let (span, _) = self.read(&locs[0].file, lo, hi - lo)?;
-            for l in &locs {
-                let at = (l.offset - lo) as usize;
-                bytes.push(span[at..at + l.len as usize].to_vec());
-            }
-        } else {
-            for l in &locs {
-                bytes.push(self.read(&l.file, l.offset, l.len)?.0);
-            }
+        Ok(locs)
+    }
+
+    /// The record converted from the source bytes of its tensors (`bytes[i]` of `locs[i]`, as
+    /// [`HttpRecordSource::locs`] gives them); MXFP4 sources read their scales by range here.
+    ///
+    /// Errors: an unsupported combination of sources, a bad MXFP4 tensor.
+    pub fn encode(&self, locs: &[&TensorLoc], bytes: &[Vec<u8>]) -> Result<Vec<u8>, PullError> {
+        if locs.iter().any(|l| l.mxfp4_scales.is_some()) {
+            return self.mxfp4_record(locs, bytes);
         }
-        let rec = if locs.iter().any(|l| l.mxfp4_scales.is_some()) {
-            self.mxfp4_record(&locs, &bytes)?
-        } else {
-            let mut i = 0;
-            encode_expert_record(&self.layout, self.length as usize, |_, _, _| {
-                let v = deltafin_format::checkpoint::decode_f32(locs[i].dtype, &bytes[i]);
-                i += 1;
-                Ok(v)
-            })?
-        };
-        self.fetched.fetch_add(1, Ordering::Relaxed);
-        Ok(rec)
+        let mut i = 0;
+        Ok(encode_expert_record(&self.layout, self.length as usize, |_, _, _| {
+            let v = deltafin_format::checkpoint::decode_f32(locs[i].dtype, &bytes[i]);
+            i += 1;
+            Ok(v)
+        })?)
     }
 
     /// A record from compressed-tensors MXFP4 sources: each matrix's codes (`packed`) and

@@ -484,7 +484,28 @@ impl Http {
     ///
     /// Errors: failing statuses, a body shorter than its `Content-Length`, the retries used up.
     pub fn sha256_of(&self, url: &str) -> Result<(String, u64), PullError> {
-        self.retry(url, || {
+        self.stream_whole(url, None, &mut |_, _| {})
+    }
+
+    /// Streams the whole body of `url` through sha256, handing each piece to `sink` with its
+    /// offset in the file; a retried attempt starts again at offset 0 (so `sink` must accept
+    /// the same bytes again). With `want` (lowercase hex), a body whose sha256 differs is
+    /// retried like a broken transfer (a byte corrupted on the way), and still differing after
+    /// the retries is [`PullError::Checksum`]. Returns the sha256 and the bytes read.
+    ///
+    /// Errors: failing statuses, a body shorter than its `Content-Length`, the retries used up,
+    /// [`PullError::Checksum`].
+    pub fn stream_whole(
+        &self,
+        url: &str,
+        want: Option<&str>,
+        sink: &mut dyn FnMut(u64, &[u8]),
+    ) -> Result<(String, u64), PullError> {
+        let mut attempts = 0u32;
+        let mut last_found = String::new();
+        let r = self.retry(url, || {
+            attempts += 1;
+            last_found.clear();
             let got = self.send(url, None, None)?;
             if got.status != 200 {
                 return Err(self.status_fail(url, got.status));
@@ -500,6 +521,7 @@ impl Http {
                     Ok(k) => {
                         self.received.fetch_add(k as u64, Ordering::Relaxed);
                         h.update(&buf[..k]);
+                        sink(n, &buf[..k]);
                         n += k as u64;
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -509,8 +531,25 @@ impl Http {
             if len.is_some_and(|l| l != n) {
                 return Err(Fail::Retry(format!("body ended after {n} of {len:?} bytes")));
             }
-            Ok((h.finalize().iter().map(|b| format!("{b:02x}")).collect(), n))
-        })
+            let found: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+            if want.is_some_and(|w| w != found) {
+                last_found = found.clone();
+                return Err(Fail::Retry(format!(
+                    "sha256 {found} differs from the published {}",
+                    want.unwrap_or_default()
+                )));
+            }
+            Ok((found, n))
+        });
+        match (r, want) {
+            (Err(_), Some(w)) if !last_found.is_empty() => Err(PullError::Checksum {
+                url: url.to_string(),
+                expected: w.to_string(),
+                found: last_found,
+                attempts,
+            }),
+            (r, _) => r,
+        }
     }
 
     /// Downloads `url` to `dest` (resuming a partial left by an earlier attempt or run), verifies

@@ -299,9 +299,24 @@ pub fn pull_stream(
             ranges.extend(byte_ranges(&ck, e));
         }
     }
-    fetch_ranges(http, source, &sd, &files, merge(ranges), opts.concurrency, transfer)?;
+    let ranges = merge(ranges);
+    fetch_ranges(http, source, &sd, &files, ranges.clone(), opts.concurrency, transfer)?;
 
     let mut index = StreamIndex::new();
+    // What backbone.bin is converted from, as received: checked when a warm verifies the file.
+    for s in &shards {
+        let mut n = [0u8; 8];
+        let p = sd.join(s);
+        deltafin_fs::open_regular(&p)
+            .and_then(|f| f.read_exact_at(&mut n, 0))
+            .map_err(io_err(&p))?;
+        index
+            .source_ranges
+            .push(received_range(&sd, s, 0, 8 + u64::from_le_bytes(n))?);
+    }
+    for (f, offset, len) in &ranges {
+        index.source_ranges.push(received_range(&sd, f, *offset, *len)?);
+    }
     index.files = files;
     for l in cfg.moe_layers() {
         for e in 0..cfg.n_routed_experts() {
@@ -366,6 +381,27 @@ pub fn pull_stream(
         retries: http.retries(),
         records_unchecked: true,
         ..PullReport::default()
+    })
+}
+
+/// The XXH3-64 of `len` bytes at `offset` of the local copy of source file `file` in `sd`.
+fn received_range(sd: &Path, file: &str, offset: u64, len: u64) -> Result<crate::fetch::SourceRange, PullError> {
+    let p = sd.join(file);
+    let f = deltafin_fs::open_regular(&p).map_err(io_err(&p))?;
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut buf = vec![0u8; (len.min(16 << 20)) as usize];
+    let mut at = 0;
+    while at < len {
+        let k = (len - at).min(buf.len() as u64) as usize;
+        f.read_exact_at(&mut buf[..k], offset + at).map_err(io_err(&p))?;
+        h.update(&buf[..k]);
+        at += k as u64;
+    }
+    Ok(crate::fetch::SourceRange {
+        file: file.to_string(),
+        offset,
+        len,
+        xxh3: format!("{:016x}", h.digest()),
     })
 }
 
@@ -553,6 +589,12 @@ fn probe_mirror(http: &Http, source: &Source) -> Result<Option<Manifest>, PullEr
             "the source is a streaming install: serve a full install instead".into()
         ));
     }
+    // The checks a manifest on disk gets at load (issue #19, item 4), before anything is
+    // fetched or written: a hostile mirror's counts, sizes and ranges are one error line here,
+    // not a huge allocation, a sparse file of any size or a panic later.
+    deltafin_format::manifest_check::check_manifest_values(&m, Path::new(&url))?;
+    deltafin_format::model_dir::check_manifest_names(&m).map_err(bad)?;
+    deltafin_format::model_dir::check_manifest_layout(&m).map_err(bad)?;
     Ok(Some(m))
 }
 

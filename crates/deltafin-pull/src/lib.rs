@@ -11,6 +11,8 @@
 //! - [`fetch`]: [`fetch::HttpRecordSource`], the engine's [`deltafin_engine::experts::RecordSource`]
 //!   for a streaming install: one expert's tensors by range, converted to its record.
 //! - [`warm`]: fetching the most valuable missing experts within a byte budget.
+//! - [`whole`]: a `warm` that completes a Hugging Face source file streams it whole and checks
+//!   its published sha256 before its records count as present.
 //! - [`cache`]: `cache stats`, `verify` and `gc`.
 //!
 //! Crash safety everywhere: downloads go to `<file>.part` and are renamed when verified; expert
@@ -23,6 +25,7 @@ pub mod http;
 pub mod install;
 pub mod source;
 pub mod warm;
+pub mod whole;
 
 use std::path::PathBuf;
 

@@ -51,6 +51,11 @@ pub struct WarmReport {
     pub total: usize,
     /// Missing records the budget left out.
     pub left_out: usize,
+    /// Source files this warm completed, streamed whole and checked against their sha256.
+    pub whole: crate::whole::WholeFiles,
+    /// Hugging Face layout: present records afterwards not verified against a source file's
+    /// sha256 (0 for a mirror or a full install).
+    pub unverifiable: usize,
 }
 
 /// (layer, expert).
@@ -90,10 +95,8 @@ pub fn fetch_records(
         return Ok(0);
     }
     let pack_path = dir.expert_pack_path();
-    let pack = OpenOptions::new()
-        .write(true)
-        .open(&pack_path)
-        .map_err(io_err(&pack_path))?;
+    let pack =
+        deltafin_fs::open_regular_with(OpenOptions::new().write(true), 0, &pack_path).map_err(io_err(&pack_path))?;
     let journal = Journal::open(&dir.path)?;
     let mut n = 0;
     for batch in keys.chunks(concurrency_or_default(concurrency)) {
@@ -197,8 +200,57 @@ pub fn warm(
         .map(|&(l, e)| dir.record(l as usize, e as usize).length)
         .sum();
     progress.start(bytes);
-    let fetched = fetch_records(&dir, &src, &chosen, opts.concurrency, &|b| progress.advance(b))?;
+    // Files this warm completes are streamed whole and checked (crate::whole); the rest by range.
+    let mut index = src.index().clone();
+    let (whole, handled) = if chosen.is_empty() {
+        Default::default()
+    } else {
+        let pack_path = dir.expert_pack_path();
+        let pack = deltafin_fs::open_regular_with(OpenOptions::new().write(true), 0, &pack_path)
+            .map_err(io_err(&pack_path))?;
+        let journal = Journal::open(&dir.path)?;
+        crate::whole::warm_whole_files(
+            &dir,
+            &src,
+            &present,
+            &chosen,
+            (&pack, &journal),
+            &mut index.verified_xxh3,
+            &|b| progress.advance(b),
+        )?
+    };
+    if !whole.verified.is_empty() {
+        for f in &whole.verified {
+            if !whole.backbone_mismatch.iter().any(|(b, _)| b == f) && !index.verified_files.contains(f) {
+                index.verified_files.push(f.clone());
+            }
+        }
+        index.write(&dir.path, &stream.index)?;
+    }
+    let by_range: Vec<Key> = chosen.iter().filter(|k| !handled.contains(k)).copied().collect();
+    let fetched = fetch_records(&dir, &src, &by_range, opts.concurrency, &|b| progress.advance(b))?;
     progress.finish();
+    let fetched = fetched + whole.records_fetched;
+    if let Some((file, why)) = whole.backbone_mismatch.first() {
+        return Err(PullError::Invalid(format!(
+            "{}: {why}: backbone.bin of this install was converted from corrupted bytes; install it again (`deltafin pull` into a new directory, or `--full`)",
+            src.file_url(file)
+        )));
+    }
+    if let Some((file, why)) = whole.failed.first() {
+        return Err(PullError::Invalid(format!(
+            "{why}: {file} is not the file published at install (or the connection corrupts it), so the {} expert records converted from it were not stored; {} other records were fetched",
+            whole.records_refused, fetched
+        )));
+    }
+    let unverifiable = if src.checks_records() {
+        0
+    } else {
+        present_checksums(&dir)?
+            .iter()
+            .filter(|((l, e), h)| index.verified(*l, *e, **h) != Some(true))
+            .count()
+    };
     Ok(WarmReport {
         records_fetched: fetched,
         record_bytes: bytes,
@@ -207,5 +259,7 @@ pub fn warm(
         present: total - missing.len() + fetched,
         total,
         left_out,
+        whole,
+        unverifiable,
     })
 }

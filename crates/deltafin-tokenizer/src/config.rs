@@ -9,10 +9,11 @@ use crate::TokenizerError;
 
 /// Reads and parses a JSON file; `Ok(None)` when the file does not exist.
 ///
-/// Errors: [`TokenizerError::Io`] for read failures other than "not found",
+/// Errors: [`TokenizerError::Io`] for read failures other than "not found" (a FIFO, device or
+/// directory in its place is one: it is refused at once, never read),
 /// [`TokenizerError::Json`] for malformed JSON.
 pub(crate) fn read_json_if_exists(path: &Path) -> Result<Option<Value>, TokenizerError> {
-    match std::fs::read(path) {
+    match deltafin_fs::read(path) {
         Ok(bytes) => serde_json::from_slice(&bytes)
             .map(Some)
             .map_err(|source| TokenizerError::Json {
@@ -92,7 +93,7 @@ impl TokenizerConfig {
             }
         }
         let jinja = dir.join("chat_template.jinja");
-        match std::fs::read_to_string(&jinja) {
+        match deltafin_fs::read_to_string(&jinja) {
             Ok(source) => {
                 config.chat_template = Some(TemplateSource {
                     origin: "chat_template.jinja".to_string(),

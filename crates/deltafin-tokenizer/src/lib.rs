@@ -92,13 +92,19 @@ impl Tokenizer {
         let config = TokenizerConfig::load(dir)?;
         let json_path = dir.join("tokenizer.json");
         let tiktoken_path = dir.join("tiktoken.model");
-        let backend = if json_path.is_file() {
-            let tok = tokenizers::Tokenizer::from_file(&json_path).map_err(|e| TokenizerError::TokenizerJson {
+        // `exists` (not `is_file`): a FIFO or directory in place of a vocabulary file is an
+        // error naming it (from `deltafin_fs`), not a missing tokenizer.
+        let backend = if json_path.exists() {
+            let bytes = deltafin_fs::read(&json_path).map_err(|source| TokenizerError::Io {
+                path: json_path.clone(),
+                source,
+            })?;
+            let tok = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::TokenizerJson {
                 path: json_path.clone(),
                 message: e.to_string(),
             })?;
             Backend::Hf(Box::new(tok))
-        } else if tiktoken_path.is_file() {
+        } else if tiktoken_path.exists() {
             let pattern = config.pat_str.as_deref().unwrap_or(KIMI_K2_PAT_STR);
             let tk = TiktokenBackend::load(&tiktoken_path, &config.added_tokens, &config.path, pattern)?;
             Backend::Tiktoken(Box::new(tk))

@@ -54,7 +54,7 @@ impl TiktokenBackend {
         config_path: &Path,
         pattern: &str,
     ) -> Result<Self, TokenizerError> {
-        let data = std::fs::read(path).map_err(|source| TokenizerError::Io {
+        let data = deltafin_fs::read(path).map_err(|source| TokenizerError::Io {
             path: path.to_path_buf(),
             source,
         })?;

@@ -313,7 +313,8 @@ fn floor_bandwidth(arg: &str) -> Result<(f64, String)> {
         }
         return Ok((gbps * 1e9, format!("--floor-bandwidth {arg} GB/s")));
     }
-    let text = std::fs::read_to_string(arg).with_context(|| format!("--floor-bandwidth: reading {arg}"))?;
+    let text =
+        deltafin_fs::read_to_string(Path::new(arg)).with_context(|| format!("--floor-bandwidth: reading {arg}"))?;
     let v: Value = serde_json::from_str(&text).with_context(|| format!("--floor-bandwidth: {arg} is not JSON"))?;
     let bw = v["bandwidth_bytes_per_s"].as_f64().with_context(|| {
         format!("--floor-bandwidth: {arg} has no bandwidth_bytes_per_s (write it with bench/fio-floor.sh)")

@@ -150,9 +150,15 @@ pub(crate) fn run(a: &CacheArgs) -> Result<()> {
             } else {
                 println!("backbone: {} tensors verified", r.backbone.verified);
             }
+            if r.verified > 0 {
+                println!(
+                    "source: {} present records are the ones converted from source files whose sha256 matched the published one (by `deltafin warm`)",
+                    r.verified
+                );
+            }
             if r.unverifiable > 0 && !source {
                 println!(
-                    "note: unverifiable: {} present records were converted from byte ranges of a Hugging Face layout, which publishes no checksum for them: their xxh3 was computed on arrival, so this shows them intact since, not equal to the source; `deltafin cache verify --source {}` compares them with it",
+                    "note: unverifiable: {} present records were converted from byte ranges of a Hugging Face layout, which publishes no checksum for them: their xxh3 was computed on arrival, so this shows them intact since, not equal to the source; `deltafin cache verify --source {}` compares them with it (and a `deltafin warm` that completes a source file checks its sha256)",
                     r.unverifiable,
                     model_dir.display()
                 );

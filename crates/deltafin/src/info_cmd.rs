@@ -21,7 +21,9 @@ pub struct InfoArgs {
 
 pub fn run(a: &InfoArgs) -> Result<()> {
     let p = &a.path;
-    let dir = if p.join("manifest.json").is_file() {
+    // `exists`: a FIFO in place of `manifest.json` is refused by the model directory's reader
+    // (naming it), not mistaken for a Hugging Face directory.
+    let dir = if p.join("manifest.json").exists() {
         Some(ModelDir::open(p)?)
     } else {
         None
@@ -74,7 +76,7 @@ pub fn run(a: &InfoArgs) -> Result<()> {
                 h(backbone_bytes)
             );
             if let Some(d) = &dir {
-                println!("backbone checksums         {}", backbone_checksums(d));
+                println!("backbone checksums         {}", backbone_checksums(d)?);
                 println!("expert record checksums    {}", record_checksums(d)?);
             }
             expert_dtype
@@ -125,13 +127,20 @@ pub fn run(a: &InfoArgs) -> Result<()> {
 }
 
 /// The `backbone checksums` line of `info` for a model directory (issue #19, item 6).
-fn backbone_checksums(d: &ModelDir) -> String {
+fn backbone_checksums(d: &ModelDir) -> Result<String> {
     let n = d.manifest.backbone.tensors.len();
-    if d.backbone_checksummed() {
-        format!("xxh3 per tensor ({n} tensors), verified at load and by `deltafin cache verify`")
-    } else {
+    Ok(if !d.backbone_checksummed() {
         "none: unverified (written by a deltafin before backbone checksums; re-run `deltafin convert` or `deltafin pull` to add them)".into()
-    }
+    } else if deltafin_pull::fetch::source_checks_records(d)? == Some(false) {
+        // Issue #19, item 7: the tensors came by byte range from a Hugging Face layout.
+        if deltafin_pull::cache::backbone_verified(d)? {
+            format!("xxh3 per tensor ({n} tensors), verified at load and by `deltafin cache verify`; the bytes they were converted from matched the source files' published sha256 (checked by `deltafin warm`)")
+        } else {
+            format!("xxh3 per tensor ({n} tensors), verified at load and by `deltafin cache verify`; unverifiable against the source: converted from byte ranges of a Hugging Face layout (no published checksum per range), so the checksums show the tensors intact since the install, not equal to the source (a `deltafin warm` that completes the source files checks them; `deltafin pull --full` downloads sha256-checked files)")
+        }
+    } else {
+        format!("xxh3 per tensor ({n} tensors), verified at load and by `deltafin cache verify`")
+    })
 }
 
 /// The `expert record checksums` line of `info` for a model directory (issue #19, item 7).
@@ -139,9 +148,14 @@ fn record_checksums(d: &ModelDir) -> Result<String> {
     Ok(match deltafin_pull::fetch::source_checks_records(d)? {
         None => "xxh3 per record, written by convert or pull".into(),
         Some(true) => "xxh3 per record, from the mirror's manifest: each fetched record is checked against it".into(),
-        Some(false) => format!(
-            "unverifiable: records are converted from byte ranges of a Hugging Face layout, which publishes a sha256 per file, not per record; `deltafin cache verify --source {}` compares them with the source",
-            d.path.display()
-        ),
+        Some(false) => {
+            let r = deltafin_pull::cache::verify_counts(d)?;
+            format!(
+                "unverifiable: {} present records were converted from byte ranges of a Hugging Face layout, which publishes a sha256 per file, not per record ({} verified: converted from whole source files whose sha256 matched, by a `deltafin warm` that completed them); `deltafin cache verify --source {}` compares them with the source",
+                r.0,
+                r.1,
+                d.path.display()
+            )
+        }
     })
 }

@@ -208,7 +208,7 @@ fn unchecked_note(mode: &str, dir: &Path) -> String {
         return "note: these expert records came by byte range from a Hugging Face layout, which publishes a sha256 per file, not per record: they were not checked against the source (a full pull into a new directory downloads whole, sha256-checked files; a deltafin mirror checks every record)".into();
     }
     format!(
-        "note: unverifiable expert records: this source is a Hugging Face layout, which publishes a sha256 per file, not per record, so records fetched by byte range are not checked against it as they arrive; `deltafin cache verify --source {}` compares them with the source later, and a deltafin mirror (see the README) checks every record",
+        "note: unverifiable expert records and backbone tensors: this source is a Hugging Face layout, which publishes a sha256 per file, not per byte range, so the backbone tensors fetched by range now and the records fetched by range later are not checked against it as they arrive; a `deltafin warm` that completes a source file streams it whole and checks its sha256, `deltafin cache verify --source {}` compares them with the source, and a deltafin mirror (see the README) checks every record",
         dir.display()
     )
 }

@@ -58,5 +58,25 @@ pub(crate) fn run(a: &WarmArgs) -> Result<()> {
             String::new()
         }
     );
+    let w = &r.whole;
+    if !w.verified.is_empty() {
+        eprintln!(
+            "warm: {} source files streamed whole, sha256 as published: {} records converted from them are verified",
+            w.verified.len(),
+            w.records_verified
+        );
+    }
+    for (l, e) in &w.replaced {
+        eprintln!(
+            "warm: layer {l} expert {e}: the present copy differed from the one converted from the sha256-checked source file; replaced"
+        );
+    }
+    if r.unverifiable > 0 {
+        eprintln!(
+            "note: unverifiable: {} present records came by byte range from a Hugging Face layout (no published checksum per record); `deltafin cache verify --source {}` compares them with the source",
+            r.unverifiable,
+            a.model_dir.display()
+        );
+    }
     Ok(())
 }

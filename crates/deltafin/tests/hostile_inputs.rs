@@ -310,6 +310,57 @@ fn a_fifo_in_place_of_an_input_file_is_an_error_not_a_hang() {
     std::fs::remove_file(m.join("manifest.json")).unwrap();
     mkfifo(&m.join("manifest.json"));
     expect_error(&run_ids(&m, "1", &[]), &["manifest.json", "not a regular file"]);
+    expect_error(
+        &exec(deltafin().arg("info").arg(&m)),
+        &["manifest.json", "not a regular file"],
+    );
+}
+
+/// A FIFO in place of a tokenizer or generation file: `convert` left it out silently, and `run`,
+/// `chat` and `serve` blocked forever reading it. Each command now names the file at once.
+#[test]
+fn a_fifo_in_place_of_a_tokenizer_file_is_an_error_not_a_hang() {
+    let tmp = tempfile::tempdir().unwrap();
+    let good = tmp.path().join("good");
+    ok(convert(&fixtures().join("deepseek_v3/dsv3_a"), &good, &[]));
+    for file in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "chat_template.jinja",
+        "tiktoken.model",
+    ] {
+        let needles = [file, "not a regular file"];
+        let case = tempfile::tempdir().unwrap();
+        let hf = copy_case("deepseek_v3/dsv3_a", case.path());
+        let _ = std::fs::remove_file(hf.join(file));
+        mkfifo(&hf.join(file));
+        let m = case.path().join("m");
+        expect_error(&convert(&hf, &m, &[]), &needles);
+        assert_no_output(&m);
+        // The same FIFO inside a converted model directory, for every command that reads it.
+        let m = case.path().join("m2");
+        std::fs::create_dir(&m).unwrap();
+        for e in std::fs::read_dir(&good).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), m.join(e.file_name())).unwrap();
+        }
+        let _ = std::fs::remove_file(m.join(file));
+        if file == "tiktoken.model" {
+            // (read only when there is no tokenizer.json)
+            std::fs::remove_file(m.join("tokenizer.json")).unwrap();
+        }
+        mkfifo(&m.join(file));
+        let chat = exec(
+            deltafin()
+                .args(["run", "--model"])
+                .arg(&m)
+                .args(["--prompt", "hi", "--max-new-tokens", "1"]),
+        );
+        expect_error(&chat, &needles);
+        let serve = exec(deltafin().arg("serve").arg(&m).args(["--port", "0"]));
+        expect_error(&serve, &needles);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -942,8 +942,9 @@ fn stderr_of(o: &Output) -> String {
 }
 
 /// Issue #19, item 7: a record corrupted in transit from a Hugging Face layout (no per-record
-/// checksum) is stored as received; `pull`, `info` and `cache verify` say such records are
-/// unverifiable, and `cache verify --source` finds the bad one and replaces it from the source.
+/// checksum) and fetched on demand is stored as received; `pull`, `info` and `cache verify` say
+/// such records are unverifiable, and `cache verify --source` finds the bad one and replaces it
+/// from the source.
 #[test]
 fn records_streamed_from_a_hugging_face_layout_are_compared_with_the_source_on_request() {
     let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
@@ -961,16 +962,25 @@ fn records_streamed_from_a_hugging_face_layout_are_compared_with_the_source_on_r
     );
     let info = stdout_of(&run_ok(&["info", s(&m)]));
     assert!(info.contains("expert record checksums    unverifiable"), "{info}");
+    // The backbone tensors came by range too: their checksums were computed on arrival.
+    assert!(info.contains("unverifiable against the source"), "{info}");
 
     px.with(|f| f.flip_next_over = Some(10_000));
-    run_ok(&["warm", s(&m), "--allow-network"]);
+    // On-demand fetches by range (a `warm` completing a file would check its sha256).
+    logits(&m, &["--allow-network"], &t.join("l.json"));
     assert!(px.with(|f| f.flip_next_over.is_none()), "no body was corrupted");
     assert!(
         read(&t.join("ref/experts.pack")) != read(&m.join("experts.pack")),
         "the corrupted record was stored"
     );
     let v = stdout_of(&run_ok(&["cache", "verify", s(&m)]));
-    assert!(v.contains("unverifiable: 48 present records"), "{v}");
+    let n: usize = v
+        .split("unverifiable: ")
+        .nth(1)
+        .and_then(|x| x.split_whitespace().next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("{v}"));
+    assert!(n > 1, "{v}");
 
     let out = deltafin()
         .args(["cache", "verify", s(&m), "--source"])
@@ -979,15 +989,16 @@ fn records_streamed_from_a_hugging_face_layout_are_compared_with_the_source_on_r
     let (so, se) = (stdout_of(&out), stderr_of(&out));
     assert!(!out.status.success(), "{so}{se}");
     assert_eq!(so.matches("replaced by the source's bytes").count(), 1, "{so}");
-    assert!(se.contains("1 of 48 present records differed"), "{se}");
+    assert!(se.contains(&format!("1 of {n} present records differed")), "{se}");
     assert!(!se.contains("panicked"), "{se}");
     assert!(
-        read(&t.join("ref/experts.pack")) == read(&m.join("experts.pack")),
+        logits(&m, &[], &t.join("l2.json")) == logits(&t.join("ref"), &[], &t.join("l3.json")),
         "repaired"
     );
     let v = stdout_of(&run_ok(&["cache", "verify", s(&m), "--source", "--whole-files"]));
     assert!(
-        v.contains("source: 48 present records equal the source's") && v.contains("sha256 as published at install"),
+        v.contains(&format!("source: {n} present records equal the source's"))
+            && v.contains("sha256 as published at install"),
         "{v}"
     );
 }
@@ -1017,7 +1028,7 @@ fn a_source_file_replaced_under_the_same_etag_is_found_by_whole_file_verificatio
         .unwrap()
         .set_modified(mtime)
         .unwrap();
-    run_ok(&["warm", s(&m), "--allow-network"]);
+    logits(&m, &["--allow-network"], &tmp.path().join("l.json"));
     let out = deltafin()
         .args(["cache", "verify", s(&m), "--source", "--whole-files"])
         .output()
@@ -1093,4 +1104,197 @@ fn a_mirror_backbone_corrupted_in_transit_is_downloaded_again() {
         let gets = px.with(|f| f.log.iter().filter(|l| l.contains("backbone.bin")).count());
         assert_eq!(gets, 2, "{:?}", px.with(|f| f.log.clone()));
     }
+}
+
+/// Issue #19, items 3, 4 and 9 for a mirror: a `manifest.json` served by a mirror is as
+/// untrusted as one on disk. Values no model has, records out of range, a zero record
+/// alignment or a path out of the model directory are one error line naming the manifest,
+/// before anything is fetched or written, for `--full` and `--stream` alike.
+#[test]
+fn a_hostile_mirror_manifest_is_refused_before_anything_is_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    run_ok(&["synth", "--preset", "tiny", "--out", s(&t.join("src"))]);
+    let good: serde_json::Value = serde_json::from_slice(&read(&t.join("src/manifest.json"))).unwrap();
+    type Edit = fn(&mut serde_json::Value);
+    // The manifest's config is `{"<family>": {...}}`.
+    fn cfg(m: &mut serde_json::Value) -> &mut serde_json::Value {
+        m["config"].as_object_mut().unwrap().values_mut().next().unwrap()
+    }
+    let cases: [(&str, Edit, &str); 6] = [
+        ("align0", |m| m["experts"]["record_align"] = 0.into(), "record_align"),
+        (
+            "layers",
+            |m| cfg(m)["num_hidden_layers"] = 10_000_000.into(),
+            "num_hidden_layers",
+        ),
+        ("eps", |m| cfg(m)["rms_norm_eps"] = (-1.0).into(), "rms_norm_eps"),
+        (
+            "range",
+            |m| m["experts"]["records"][0]["offset"] = (u64::MAX - 4095).into(),
+            "experts.records",
+        ),
+        (
+            "missing",
+            |m| {
+                m["experts"]["records"].as_array_mut().unwrap().pop();
+            },
+            "missing expert records",
+        ),
+        (
+            "escape",
+            |m| m["experts"]["file"] = "../../victim".into(),
+            "experts.file",
+        ),
+    ];
+    let mut dirs = Vec::new();
+    for (name, edit, _) in &cases {
+        let d = t.join(format!("mirror-{name}"));
+        std::fs::create_dir(&d).unwrap();
+        for e in std::fs::read_dir(t.join("src")).unwrap().flatten() {
+            std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
+        }
+        let mut m = good.clone();
+        edit(&mut m);
+        std::fs::write(d.join("manifest.json"), serde_json::to_vec(&m).unwrap()).unwrap();
+        dirs.push((format!("mirror-{name}"), d));
+    }
+    let flat: Vec<(&str, &Path)> = dirs.iter().map(|(n, d)| (n.as_str(), d.as_path())).collect();
+    let Some(ng) = Nginx::start_with(&[], &flat) else {
+        return;
+    };
+    for ((name, _, needle), (served, _)) in cases.iter().zip(&dirs) {
+        for mode in ["--full", "--stream"] {
+            let m = t.join(format!("m-{name}"));
+            let out = deltafin()
+                .args(["pull", &ng.url(served), s(&m), mode, "--flat"])
+                .output()
+                .unwrap();
+            let err = stderr_of(&out);
+            let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+            assert!(
+                out.status.code().is_some_and(|c| c != 0) && !err.contains("panicked"),
+                "{name} {mode}: {err}"
+            );
+            assert_eq!(lines.len(), 1, "{name} {mode}: {err}");
+            assert!(
+                lines[0].contains("manifest.json") && lines[0].contains(needle),
+                "{name} {mode}: {err}"
+            );
+            assert!(!m.exists(), "{name} {mode}: {} was written", m.display());
+            for side in ["download", "stream-src"] {
+                let w = t.join(format!(".m-{name}.{side}"));
+                assert!(!w.exists(), "{name} {mode}: {} was written", w.display());
+            }
+        }
+    }
+}
+
+/// Issue #19, item 7: a `warm` that completes a source file of a Hugging Face layout streams it
+/// whole and checks the published sha256 before its records count as present. A body with a
+/// flipped byte is fetched again; a record fetched earlier by range with a flipped byte is
+/// found and replaced; a file the server replaced under the same size and ETag fails loudly
+/// and none of its records is stored.
+#[test]
+fn a_warm_that_completes_a_source_file_checks_its_published_sha256() {
+    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
+    let px = Proxy::start(ng.port);
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    run_ok(&["convert", s(&fixture("dsv3_b")), s(&t.join("ref")), "--experts", "bf16"]);
+    let m = t.join("m");
+    run_ok(&["pull", &px.url("dsv3_b"), s(&m), "--stream", "--experts", "bf16"]);
+    // A record fetched on demand by range, corrupted on the way: stored as received.
+    px.with(|f| f.flip_next_over = Some(10_000));
+    logits(&m, &["--allow-network"], &t.join("l.json"));
+    assert!(px.with(|f| f.flip_next_over.is_none()), "no body was corrupted");
+
+    // The full warm: every source file completes. Its first body is corrupted too.
+    px.with(|f| {
+        f.flip_next_over = Some(10_000);
+        f.log.clear();
+    });
+    let out = run_ok(&["warm", s(&m), "--allow-network"]);
+    let err = stderr_of(&out);
+    assert!(px.with(|f| f.flip_next_over.is_none()), "no body was corrupted");
+    assert!(
+        err.contains("2 source files streamed whole, sha256 as published: 48 records"),
+        "{err}"
+    );
+    assert_eq!(err.matches("; replaced").count(), 1, "{err}");
+    assert!(!err.contains("unverifiable"), "{err}");
+    assert!(
+        read(&t.join("ref/experts.pack")) == read(&m.join("experts.pack")),
+        "the warm stored other bytes than a local convert"
+    );
+    let v = stdout_of(&run_ok(&["cache", "verify", s(&m)]));
+    assert!(
+        v.contains("source: 48 present records") && !v.contains("unverifiable"),
+        "{v}"
+    );
+    let info = stdout_of(&run_ok(&["info", s(&m)]));
+    assert!(
+        info.contains("unverifiable: 0 present records") && info.contains("48 verified"),
+        "{info}"
+    );
+    assert!(info.contains("matched the source files' published sha256"), "{info}");
+
+    // A backbone range corrupted at install: backbone.bin's checksums are computed on arrival,
+    // so `cache verify` cannot tell; the warm that verifies the file names it.
+    let m3 = t.join("m3");
+    px.with(|f| f.flip_next_over = Some(30_000));
+    run_ok(&["pull", &px.url("dsv3_b"), s(&m3), "--stream", "--experts", "bf16"]);
+    assert!(px.with(|f| f.flip_next_over.is_none()), "no body was corrupted");
+    run_ok(&["cache", "verify", s(&m3)]);
+    let out = deltafin().args(["warm", s(&m3), "--allow-network"]).output().unwrap();
+    let se = stderr_of(&out);
+    assert!(
+        out.status.code().is_some_and(|c| c != 0) && !se.contains("panicked"),
+        "{se}"
+    );
+    let lines: Vec<&str> = se.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{se}");
+    assert!(
+        lines[0].contains("backbone.bin") && lines[0].contains("corrupted") && lines[0].contains("install it again"),
+        "{se}"
+    );
+
+    // A second install, then the server's shard is replaced under the same size and ETag.
+    let m2 = t.join("m2");
+    run_ok(&["pull", &ng.url("dsv3_b"), s(&m2), "--stream", "--experts", "bf16"]);
+    let shard = "model-00001-of-00002.safetensors";
+    let served = ng._dir.path().join("srv/dsv3_b/resolve/main").join(shard);
+    let mtime = std::fs::metadata(&served).unwrap().modified().unwrap();
+    let mut b = read(&served);
+    let n = b.len();
+    for x in &mut b[n / 2..n / 2 + 4096] {
+        *x ^= 0x10;
+    }
+    std::fs::write(&served, &b).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&served)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    let out = deltafin().args(["warm", s(&m2), "--allow-network"]).output().unwrap();
+    let (so, se) = (stdout_of(&out), stderr_of(&out));
+    assert!(out.status.code().is_some_and(|c| c != 0), "{so}{se}");
+    let lines: Vec<&str> = se.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{se}");
+    assert!(
+        lines[0].contains(shard) && lines[0].contains("sha256") && lines[0].contains("were not stored"),
+        "{se}"
+    );
+    assert!(!se.contains("panicked"), "{se}");
+    // What was stored is intact and equal to the local convert; the refused records are absent.
+    let v = stdout_of(&run_ok(&["cache", "verify", s(&m2)]));
+    assert!(!v.contains("FAILED"), "{v}");
+    let verified: usize = v
+        .split("source: ")
+        .nth(1)
+        .and_then(|x| x.split_whitespace().next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or(0);
+    assert!(verified < 48, "{v}");
 }

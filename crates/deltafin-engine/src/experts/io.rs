@@ -9,7 +9,7 @@
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use deltafin_format::AlignedBuf;
@@ -87,17 +87,15 @@ impl PackFile {
         };
         let file = match mode {
             IoMode::Direct => {
-                let f = OpenOptions::new()
-                    .read(true)
-                    .custom_flags(libc::O_DIRECT)
-                    .open(path)
-                    .map_err(|e| {
+                let f = deltafin_fs::open_regular_with(OpenOptions::new().read(true), libc::O_DIRECT, path).map_err(
+                    |e| {
                         if e.raw_os_error() == Some(libc::EINVAL) {
                             refused(e)
                         } else {
                             io_err(e)
                         }
-                    })?;
+                    },
+                )?;
                 let mut probe = AlignedBuf::zeroed(DIRECT_ALIGN, DIRECT_ALIGN);
                 if let Err(e) = f.read_at(probe.as_mut_slice(), 0) {
                     return Err(if e.raw_os_error() == Some(libc::EINVAL) {
@@ -109,7 +107,7 @@ impl PackFile {
                 f
             }
             IoMode::Buffered => {
-                let f = File::open(path).map_err(io_err)?;
+                let f = deltafin_fs::open_regular(path).map_err(io_err)?;
                 // Records are read whole and at random: kernel readahead past a record only
                 // evicts page cache that may hold other records.
                 // SAFETY: plain syscall on a valid, open descriptor.

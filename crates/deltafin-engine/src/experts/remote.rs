@@ -125,9 +125,7 @@ impl Streaming {
         };
         if writer.is_none() {
             let pack_path = self.dir.join("experts.pack");
-            let pack = OpenOptions::new()
-                .write(true)
-                .open(&pack_path)
+            let pack = deltafin_fs::open_regular_with(OpenOptions::new().write(true), 0, &pack_path)
                 .map_err(|e| fail(absent[0], format!("{}: {e}", pack_path.display())))?;
             let journal = Journal::open(&self.dir).map_err(|e| fail(absent[0], e.to_string()))?;
             *writer = Some((pack, journal));
