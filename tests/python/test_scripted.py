@@ -149,4 +149,9 @@ def test_langchain_bind_tools_gets_a_tool_call():
     assert msg.tool_calls, msg
     assert msg.tool_calls[0]["name"] == "get_weather"
     assert msg.tool_calls[0]["args"] == ARGS
-    assert get_weather.invoke(msg.tool_calls[0]["args"]) == "sunny in Paris"
+    # The agent loop's second turn: the call and its result go back through the chat template
+    # (assistant `tool_calls`, a `tool` message); the scripted model answers with the call again.
+    result = get_weather.invoke(msg.tool_calls[0])
+    assert result.content == "sunny in Paris" and result.tool_call_id == msg.tool_calls[0]["id"]
+    again = llm.bind_tools([get_weather]).invoke(["What is the weather in Paris?", msg, result])
+    assert again.tool_calls[0]["name"] == "get_weather" and again.tool_calls[0]["args"] == ARGS
