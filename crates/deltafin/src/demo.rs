@@ -71,6 +71,8 @@ pub struct DemoOptions {
     pub random: bool,
     /// The question for the trained model (sent as one user message with its chat template).
     pub prompt: Option<String>,
+    /// Where the child `deltafin run` computes (`--device`).
+    pub device: deltafin_engine::Device,
 }
 
 /// Runs the demo.
@@ -128,6 +130,7 @@ pub fn run(o: DemoOptions) -> Result<()> {
         .args(["--max-new-tokens", &o.max_new_tokens.to_string()])
         .args(["--ram-budget", &budget.to_string()])
         .args(o.raw_output.then_some("--raw-output"))
+        .args(["--device", &o.device.to_string()])
         .status()
         .context("starting `deltafin run`")?;
     if !status.success() {

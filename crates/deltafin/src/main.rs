@@ -105,6 +105,9 @@ enum Cmd {
         /// The question for the trained model (default: "What does json.dumps do?").
         #[arg(long)]
         prompt: Option<String>,
+        /// Where to compute, as for `run`: `cpu` (the default), `cuda`, `cuda:N` or `auto`.
+        #[arg(long, default_value = "cpu")]
+        device: deltafin_engine::Device,
     },
     /// Serve the model over HTTP: OpenAI-compatible and Anthropic Messages APIs.
     Serve(serve::ServeArgs),
@@ -398,12 +401,14 @@ fn main() -> ExitCode {
             raw_output,
             random,
             prompt,
+            device,
         } => demo::run(demo::DemoOptions {
             dir,
             max_new_tokens,
             raw_output,
             random,
             prompt,
+            device,
         }),
         Cmd::Serve(args) => serve::run(&args),
         Cmd::Chat(args) => chat::run(&args),

@@ -74,7 +74,17 @@ fn gpu_flags_are_refused_clearly_where_they_cannot_apply() {
         "--gpu-budget 1073741824: the model computes on the CPU",
     );
     match deltafin_cuda::probe() {
-        Err(e) => fails(&[&run[..], &["--device", "cuda"]].concat(), &e.to_string()),
+        Err(e) => {
+            fails(&[&run[..], &["--device", "cuda"]].concat(), &e.to_string());
+            // The demo passes --device to its run, which refuses in the same words.
+            let out = Command::cargo_bin("deltafin")
+                .unwrap()
+                .args(["demo", "--device", "cuda", "--max-new-tokens", "2"])
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success() && err.contains(&e.to_string()), "{err}");
+        }
         Ok(_) => fails(
             &[&run[..], &["--device", "cuda", "--gpu-budget", "100000GiB"]].concat(),
             "bytes free after the backbone",
