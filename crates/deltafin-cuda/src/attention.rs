@@ -3,7 +3,7 @@
 use crate::gpu::GpuBuf;
 use crate::mat::{GpuMat, GpuMatData};
 use crate::{CudaError, DriverContext, Gpu};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 
 /// Shapes of one MLA layer (DeepSeek-V3 config names).
 #[derive(Debug, Clone, Copy)]
@@ -60,7 +60,9 @@ impl Gpu {
     }
 
     /// MLA decode of one token over `t` cached positions (weight-absorbed form, DeepSeek-V2
-    /// §2.1): `q: [n_heads, nope + rope]` (rope part rotated), `ckv: [>= t, kv_lora_rank]`,
+    /// §2.1): `q: [n_heads, nope + rope]` (rope part rotated, or rotated by the kernel with
+    /// `rope_cs = Some(([cos[rope/2], sin[rope/2]], interleaved))`: [`Gpu::rope`]'s arithmetic),
+    /// `ckv: [>= t, kv_lora_rank]`,
     /// `kpe: [>= t, rope]`, `kv_b`: `kv_b_proj [n_heads * (nope + v_head_dim), kv_lora_rank]`
     /// (int8 or f32), `scores: [>= n_heads * t]` scratch, `out: [n_heads * v_head_dim]`.
     ///
@@ -76,11 +78,13 @@ impl Gpu {
         kv_b: &GpuMat,
         t: usize,
         softmax_scale: f32,
+        rope_cs: Option<(&GpuBuf, bool)>,
         scores: &mut GpuBuf,
         out: &mut GpuBuf,
     ) -> Result<(), CudaError> {
         let kvl = s.kv_lora_rank;
         let ok = t > 0
+            && rope_cs.is_none_or(|(cs, _)| cs.len() == s.rope && s.rope.is_multiple_of(2))
             && q.len() == s.n_heads * (s.nope + s.rope)
             && ckv.len() >= t * kvl
             && kpe.len() >= t * s.rope
@@ -96,9 +100,12 @@ impl Gpu {
         let cfg = LaunchConfig {
             grid_dim: (s.n_heads as u32, 1, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: (2 * kvl * 4) as u32,
+            shared_mem_bytes: ((2 * kvl + s.rope) * 4) as u32,
         };
         let (nope, rope, vd, kvl_i, t_i) = (s.nope as i32, s.rope as i32, s.v_head_dim as i32, kvl as i32, t as i32);
+        let null: u64 = 0;
+        let cs_ptr = rope_cs.map(|(cs, _)| cs.device_ptr(self.stream()).0).unwrap_or(null);
+        let il = rope_cs.is_some_and(|(_, i)| i) as i32;
         match &kv_b.data {
             GpuMatData::Int8 { q: w, scales } => {
                 let mut b = self.stream().launch_builder(self.k.get("mla_decode_i8")?);
@@ -109,7 +116,7 @@ impl Gpu {
                     .arg(&kvl_i)
                     .arg(&t_i)
                     .arg(&softmax_scale);
-                b.arg(scores).arg(out);
+                b.arg(&cs_ptr).arg(&il).arg(scores).arg(out);
                 // SAFETY: matches `mla_decode_i8` in ops.cu; lengths checked above.
                 unsafe { b.launch(cfg) }.ctx("launch mla_decode_i8")?;
             }
@@ -122,7 +129,7 @@ impl Gpu {
                     .arg(&kvl_i)
                     .arg(&t_i)
                     .arg(&softmax_scale);
-                b.arg(scores).arg(out);
+                b.arg(&cs_ptr).arg(&il).arg(scores).arg(out);
                 // SAFETY: matches `mla_decode_f32` in ops.cu; lengths checked above.
                 unsafe { b.launch(cfg) }.ctx("launch mla_decode_f32")?;
             }

@@ -105,7 +105,7 @@ impl Gpu {
         let cfg = LaunchConfig {
             grid_dim: (s.n_heads as u32, n as u32, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: (2 * kvl * 4) as u32,
+            shared_mem_bytes: ((2 * kvl + s.rope) * 4) as u32,
         };
         let nh = i32_of("heads", s.n_heads)?;
         let (nope, rope, vd, kvl_i) = (s.nope as i32, s.rope as i32, s.v_head_dim as i32, kvl as i32);

@@ -7,8 +7,9 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// The kernels' CUDA C source (compiled at run time by NVRTC).
-const SOURCE: &str = include_str!("kernels/ops.cu");
+/// The kernels' CUDA C source (compiled at run time by NVRTC): the one-operation kernels, then
+/// the fused launches and the device router built on their helpers.
+const SOURCE: &str = concat!(include_str!("kernels/ops.cu"), "\n", include_str!("kernels/fused.cu"));
 
 /// Warps per thread block of the matrix kernels (one warp per output row).
 pub(crate) const WARPS: u32 = 8;
@@ -57,6 +58,11 @@ pub const ENTRY_POINTS: &[&str] = &[
     "gather_rows",
     "scatter_rows",
     "moe_combine_tokens",
+    "mv_jobs",
+    "mla_prep",
+    "moe_gate_up_tab",
+    "moe_down_combine_tab",
+    "route_noaux",
 ];
 
 pub(crate) struct Kernels(std::collections::HashMap<&'static str, CudaFunction>);

@@ -7,7 +7,7 @@
 //! toolkit. [`probe`] never panics: where `libcuda` or a device is missing it says why in one
 //! line, and GPU tests skip with that line.
 //!
-//! Kernels are CUDA C (`src/kernels/ops.cu`), compiled by NVRTC for the device's compute
+//! Kernels are CUDA C (`src/kernels/ops.cu`, then `fused.cu`), compiled by NVRTC for the device's compute
 //! capability the first time a [`Gpu`] opens and cached on disk as PTX (see [`ptx_cache_dir`]).
 //!
 //! Numerics (issue #16, "the product's promise"): f32 activations and accumulation, weights
@@ -18,12 +18,16 @@
 mod attention;
 mod batch;
 mod device;
+mod fused;
 mod gpu;
 mod mat;
 mod moe;
 
 pub use attention::MlaShape;
+/// Device buffers and views of any element type (re-exported from `cudarc`).
+pub use cudarc::driver::{CudaSlice, CudaView};
 pub use device::{probe, DeviceInfo};
+pub use fused::{ExpertDesc, ExpertTable, MatDesc, MvJob, MvKind, PreNorm, RouterShape, MAX_JOBS};
 pub use gpu::{compile_ptx, ptx_cache_dir, Gpu, GpuBuf, ENTRY_POINTS};
 pub use mat::{Decode, GpuMat, GpuMatData, Kernel};
 pub use moe::MOE_MAX_K;

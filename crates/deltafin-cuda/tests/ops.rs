@@ -363,6 +363,351 @@ fn x_stationary_mxfp4_matches_reference_and_its_matmul() {
     assert!(e.contains("16,384"), "{e}");
 }
 
+/// `Gpu::mv_jobs` gives each job the bits of the unfused launches (rms_norm, then matvec; plus
+/// axpy for `Add`; plus swiglu for `Glu`), with several jobs of mixed layouts in one launch, with
+/// and without the pre-norm, and for an input too long for shared memory (the separate-norm
+/// path).
+#[test]
+fn mv_jobs_equal_the_unfused_launches_bit_for_bit() {
+    use deltafin_cuda::{MvJob, MvKind, PreNorm};
+    let Some(g) = gpu("mv_jobs_equal_the_unfused_launches_bit_for_bit") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(41);
+    for (cols, rows) in [(33usize, [7usize, 1, 40]), (2048, [512, 256, 33]), (12_300, [5, 9, 3])] {
+        let x = rand_vec(&mut rng, cols);
+        let nw = rand_vec(&mut rng, cols);
+        let (dx, dnw) = (g.upload(&x).unwrap(), g.upload(&nw).unwrap());
+        let mut dxn = g.zeros(cols).unwrap();
+        g.rms_norm(&dx, &dnw, 1, 1e-6, false, &mut dxn).unwrap();
+        // Three matrices of three layouts, and a gate/up pair (int8) for Glu.
+        let hosts: Vec<Host> = rows.iter().map(|&r| Host::new(&mut rng, r, cols)).collect();
+        let mats: Vec<GpuMat> = hosts
+            .iter()
+            .enumerate()
+            .map(|(i, h)| GpuMat::upload(&g, &h.mats()[i % 3]).unwrap())
+            .collect();
+        let up_h = Host::new(&mut rng, rows[1], cols);
+        let up = GpuMat::upload(&g, &up_h.mats()[1]).unwrap();
+        let base = rand_vec(&mut rng, rows[2]);
+        for normed in [false, true] {
+            let input = if normed { &dxn } else { &dx };
+            // Unfused.
+            let mut want = Vec::new();
+            let mut y0 = g.zeros(rows[0]).unwrap();
+            mats[0].matvec(&g, input, &mut y0).unwrap();
+            want.push(g.download(&y0).unwrap());
+            let (mut a, mut b, mut hh) = (
+                g.zeros(rows[1]).unwrap(),
+                g.zeros(rows[1]).unwrap(),
+                g.zeros(rows[1]).unwrap(),
+            );
+            mats[1].matvec(&g, input, &mut a).unwrap();
+            up.matvec(&g, input, &mut b).unwrap();
+            g.swiglu(&a, &b, &mut hh).unwrap();
+            want.push(g.download(&hh).unwrap());
+            let mut o = g.zeros(rows[2]).unwrap();
+            mats[2].matvec(&g, input, &mut o).unwrap();
+            let mut acc = g.upload(&base).unwrap();
+            g.axpy(1.0, &o, &mut acc).unwrap();
+            want.push(g.download(&acc).unwrap());
+            // Fused.
+            let mut y0 = g.upload(&vec![f32::NAN; rows[0]]).unwrap();
+            let mut y1 = g.upload(&vec![f32::NAN; rows[1]]).unwrap();
+            let mut y2 = g.upload(&base).unwrap();
+            let mut out = g.upload(&vec![f32::NAN; cols]).unwrap();
+            let norm = normed.then_some(PreNorm {
+                weight: &dnw,
+                eps: 1e-6,
+                one_plus: false,
+                out: Some(&mut out),
+            });
+            let mut jobs = [
+                MvJob {
+                    a: &mats[0],
+                    b: None,
+                    kind: MvKind::Set,
+                    y: &mut y0,
+                },
+                MvJob {
+                    a: &mats[1],
+                    b: Some(&up),
+                    kind: MvKind::Glu,
+                    y: &mut y1,
+                },
+                MvJob {
+                    a: &mats[2],
+                    b: None,
+                    kind: MvKind::Add,
+                    y: &mut y2,
+                },
+            ];
+            g.mv_jobs(&dx, norm, &mut jobs).unwrap();
+            let got = [&y0, &y1, &y2].map(|d| g.download(d).unwrap());
+            for (j, (gv, wv)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(gv, wv, "cols={cols} normed={normed} job {j}: fused differs");
+            }
+            if normed {
+                assert_eq!(
+                    g.download(&out).unwrap(),
+                    g.download(&dxn).unwrap(),
+                    "cols={cols}: norm output"
+                );
+            }
+        }
+    }
+    // Refusals: a job whose input length disagrees, a Glu without its pair.
+    let h = Host::new(&mut rng, 4, 32);
+    let m = GpuMat::upload(&g, &h.mats()[2]).unwrap();
+    let mut y = g.zeros(4).unwrap();
+    let e = g
+        .mv_jobs(
+            &g.zeros(31).unwrap(),
+            None,
+            &mut [MvJob {
+                a: &m,
+                b: None,
+                kind: MvKind::Set,
+                y: &mut y,
+            }],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("mv_jobs"), "{e}");
+    let e = g
+        .mv_jobs(
+            &g.zeros(32).unwrap(),
+            None,
+            &mut [MvJob {
+                a: &m,
+                b: None,
+                kind: MvKind::Glu,
+                y: &mut y,
+            }],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("Glu"), "{e}");
+}
+
+/// `Gpu::mla_prep` writes the bits of rms_norm + copy and RoPE + copy into the cache rows, and
+/// `Gpu::mla_decode` with the RoPE of q inside gives the bits of RoPE first, then decode.
+#[test]
+fn mla_prep_and_rope_inside_decode_equal_the_separate_launches() {
+    use deltafin_cuda::MlaShape;
+    let Some(g) = gpu("mla_prep_and_rope_inside_decode_equal_the_separate_launches") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(42);
+    let s = MlaShape {
+        n_heads: 3,
+        nope: 24,
+        rope: 10,
+        v_head_dim: 20,
+        kv_lora_rank: 40,
+    };
+    let (kvl, rope, t) = (s.kv_lora_rank, s.rope, 37usize);
+    let kvb_h = Host::new(&mut rng, s.n_heads * (s.nope + s.v_head_dim), kvl);
+    for interleaved in [false, true] {
+        let ckv_raw = g.upload(&rand_vec(&mut rng, kvl)).unwrap();
+        let kpe_raw = rand_vec(&mut rng, rope);
+        let nw = g.upload(&rand_vec(&mut rng, kvl)).unwrap();
+        let cs = g.upload(&rand_vec(&mut rng, rope)).unwrap();
+        let cache_c = rand_vec(&mut rng, t * kvl);
+        let cache_k = rand_vec(&mut rng, t * rope);
+        let pos = t - 1;
+        // Separate launches.
+        let mut lat = g.zeros(kvl).unwrap();
+        g.rms_norm(&ckv_raw, &nw, 1, 1e-6, false, &mut lat).unwrap();
+        let mut kp = g.upload(&kpe_raw).unwrap();
+        g.rope(&mut kp, 1, rope, 0, &cs, interleaved).unwrap();
+        let (mut c1, mut k1) = (g.upload(&cache_c).unwrap(), g.upload(&cache_k).unwrap());
+        g.copy_into(&lat, &mut c1, pos * kvl).unwrap();
+        g.copy_into(&kp, &mut k1, pos * rope).unwrap();
+        // Fused.
+        let (mut c2, mut k2) = (g.upload(&cache_c).unwrap(), g.upload(&cache_k).unwrap());
+        g.mla_prep(
+            &ckv_raw,
+            &nw,
+            1e-6,
+            &g.upload(&kpe_raw).unwrap(),
+            &cs,
+            interleaved,
+            pos,
+            &mut c2,
+            &mut k2,
+        )
+        .unwrap();
+        assert_eq!(g.download(&c2).unwrap(), g.download(&c1).unwrap(), "latent row");
+        assert_eq!(g.download(&k2).unwrap(), g.download(&k1).unwrap(), "rope key row");
+        // Decode with q's RoPE inside vs RoPE then decode, for both kv_b layouts.
+        let q = rand_vec(&mut rng, s.n_heads * (s.nope + rope));
+        for m in [kvb_h.mats()[0], kvb_h.mats()[1]] {
+            let kvb = GpuMat::upload(&g, &m).unwrap();
+            let mut qr = g.upload(&q).unwrap();
+            g.rope(&mut qr, s.n_heads, s.nope + rope, s.nope, &cs, interleaved)
+                .unwrap();
+            let mut sc = g.zeros(s.n_heads * t).unwrap();
+            let mut o1 = g.upload(&vec![f32::NAN; s.n_heads * s.v_head_dim]).unwrap();
+            g.mla_decode(s, &qr, &c1, &k1, &kvb, t, 0.3, None, &mut sc, &mut o1)
+                .unwrap();
+            let mut o2 = g.upload(&vec![f32::NAN; s.n_heads * s.v_head_dim]).unwrap();
+            g.mla_decode(
+                s,
+                &g.upload(&q).unwrap(),
+                &c1,
+                &k1,
+                &kvb,
+                t,
+                0.3,
+                Some((&cs, interleaved)),
+                &mut sc,
+                &mut o2,
+            )
+            .unwrap();
+            assert_eq!(
+                g.download(&o2).unwrap(),
+                g.download(&o1).unwrap(),
+                "interleaved={interleaved}"
+            );
+        }
+    }
+}
+
+/// `Gpu::moe_table` (experts through a device table, by id or by slot) gives the bits of
+/// `Gpu::moe_fused` for MXFP4 experts and of the unfused path for int8 and f32 experts, with an
+/// int8 shared expert's down projection inside the combine.
+#[test]
+fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
+    use deltafin_cuda::{MvJob, MvKind};
+    let Some(g) = gpu("moe_table_equals_the_fused_and_unfused_paths_bit_for_bit") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(43);
+    for (k, n_exp, inter, hidden, fmt) in [
+        (1usize, 3usize, 33usize, 64usize, 2usize),
+        (6, 9, 96, 200, 2),
+        (4, 5, 70, 257, 1),
+        (3, 4, 40, 48, 0),
+    ] {
+        let hosts: Vec<[Host; 3]> = (0..n_exp)
+            .map(|_| {
+                [
+                    Host::new(&mut rng, inter, hidden),
+                    Host::new(&mut rng, inter, hidden),
+                    Host::new(&mut rng, hidden, inter),
+                ]
+            })
+            .collect();
+        let experts: Vec<[GpuMat; 3]> = hosts
+            .iter()
+            .map(|h| [0, 1, 2].map(|i| GpuMat::upload(&g, &h[i].mats()[fmt]).unwrap()))
+            .collect();
+        let mut table = g.expert_table(n_exp, inter, hidden).unwrap();
+        let all: Vec<&[GpuMat; 3]> = experts.iter().collect();
+        table.set(&g, 0, &all).unwrap();
+        // Chosen: k distinct ids in descending order (router order need not be ascending here).
+        let ids: Vec<i32> = (0..k as i32).map(|i| n_exp as i32 - 1 - i).collect();
+        let weights: Vec<f32> = (0..k).map(|_| rng.random_range(0.0f32..1.0)).collect();
+        let xn = rand_vec(&mut rng, hidden);
+        let x0 = rand_vec(&mut rng, hidden);
+        let dxn = g.upload(&xn).unwrap();
+        // An int8 shared expert: gate/up pair then down.
+        let sh = [
+            Host::new(&mut rng, 50, hidden),
+            Host::new(&mut rng, 50, hidden),
+            Host::new(&mut rng, hidden, 50),
+        ];
+        let sm: [GpuMat; 3] = [0, 1, 2].map(|i| GpuMat::upload(&g, &sh[i].mats()[1]).unwrap());
+        let mut sh_h = g.zeros(50).unwrap();
+        g.mv_jobs(
+            &dxn,
+            None,
+            &mut [MvJob {
+                a: &sm[0],
+                b: Some(&sm[1]),
+                kind: MvKind::Glu,
+                y: &mut sh_h,
+            }],
+        )
+        .unwrap();
+        let mut sh_out = g.zeros(hidden).unwrap();
+        sm[2].matvec(&g, &sh_h, &mut sh_out).unwrap();
+        // Unfused reference.
+        let mut acc = g.zeros(hidden).unwrap();
+        for (&e, &w) in ids.iter().zip(&weights) {
+            let e = &experts[e as usize];
+            let (mut a, mut b, mut hh, mut o) = (
+                g.zeros(inter).unwrap(),
+                g.zeros(inter).unwrap(),
+                g.zeros(inter).unwrap(),
+                g.zeros(hidden).unwrap(),
+            );
+            e[0].matvec(&g, &dxn, &mut a).unwrap();
+            e[1].matvec(&g, &dxn, &mut b).unwrap();
+            g.swiglu(&a, &b, &mut hh).unwrap();
+            e[2].matvec(&g, &hh, &mut o).unwrap();
+            g.axpy(w, &o, &mut acc).unwrap();
+        }
+        g.axpy(1.0, &sh_out, &mut acc).unwrap();
+        let mut xr = g.upload(&x0).unwrap();
+        g.axpy(1.0, &acc, &mut xr).unwrap();
+        let want = g.download(&xr).unwrap();
+        // By id through the table.
+        let (did, dw) = (g.upload(&ids).unwrap(), g.upload(&weights).unwrap());
+        let mut h = g.upload(&vec![f32::NAN; k * inter]).unwrap();
+        let mut x = g.upload(&x0).unwrap();
+        g.moe_table(
+            &table,
+            &did.slice(..),
+            &dw.slice(..),
+            k,
+            &dxn,
+            &mut h,
+            Some((&sm[2], &sh_h)),
+            &mut x,
+        )
+        .unwrap();
+        assert_eq!(g.download(&x).unwrap(), want, "k={k} fmt={fmt}: by id");
+        // By slot.
+        let chosen: Vec<&[GpuMat; 3]> = ids.iter().map(|&e| &experts[e as usize]).collect();
+        let mut slots = g.expert_table(16, inter, hidden).unwrap();
+        slots.set(&g, 0, &chosen).unwrap();
+        let iota = g.upload(&(0..16).collect::<Vec<i32>>()).unwrap();
+        let mut x = g.upload(&x0).unwrap();
+        g.moe_table(
+            &slots,
+            &iota.slice(..),
+            &dw.slice(..),
+            k,
+            &dxn,
+            &mut h,
+            Some((&sm[2], &sh_h)),
+            &mut x,
+        )
+        .unwrap();
+        assert_eq!(g.download(&x).unwrap(), want, "k={k} fmt={fmt}: by slot");
+        if fmt == 2 {
+            let mut y = g.zeros(16 * hidden).unwrap();
+            let mut h2 = g.zeros(16 * inter).unwrap();
+            let mut x = g.upload(&x0).unwrap();
+            g.moe_fused(&chosen, &weights, &dxn, &mut h2, &mut y, Some(&sh_out), &mut x)
+                .unwrap();
+            assert_eq!(g.download(&x).unwrap(), want, "k={k}: moe_fused");
+        }
+    }
+    // A table refuses experts of another shape.
+    let m = |r, c| GpuMat::upload(&g, &Host::new(&mut StdRng::seed_from_u64(1), r, c).mats()[2]).unwrap();
+    let bad = [m(8, 32), m(8, 32), m(32, 9)];
+    let e = g
+        .expert_table(2, 8, 32)
+        .unwrap()
+        .set(&g, 0, &[&bad])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("expert table"), "{e}");
+}
+
 /// The fused routed experts of one token (`Gpu::moe_fused`) give exactly the bits of the
 /// unfused sequence (matvec, swiglu, down matvec per expert; axpy in router order; the shared
 /// output; the residual add), on awkward shapes and for 1, 6 and 16 experts, and stay within

@@ -63,6 +63,8 @@ struct Entry<T> {
 /// the tests).
 pub struct GpuExpertCache<T = GpuExpert> {
     map: HashMap<(u32, u32), Entry<T>>,
+    /// Resident experts per layer.
+    per_layer: HashMap<u32, usize>,
     tick: u64,
     stats: GpuCacheStats,
 }
@@ -72,6 +74,7 @@ impl<T: Clone> GpuExpertCache<T> {
     pub fn new(budget_bytes: u64) -> Self {
         Self {
             map: HashMap::new(),
+            per_layer: HashMap::new(),
             tick: 0,
             stats: GpuCacheStats {
                 budget_bytes,
@@ -103,14 +106,26 @@ impl<T: Clone> GpuExpertCache<T> {
         self.stats.upload_ns += ns;
     }
 
+    /// Whether `(layer, expert)` is resident (not counted as a use).
+    pub fn contains(&self, layer: usize, expert: usize) -> bool {
+        self.map.contains_key(&(layer as u32, expert as u32))
+    }
+
+    /// How many experts of `layer` are resident.
+    pub fn resident_in_layer(&self, layer: usize) -> usize {
+        self.per_layer.get(&(layer as u32)).copied().unwrap_or(0)
+    }
+
     /// Keeps `expert` (`bytes` of device memory) for later uses, evicting the least recently used
     /// entries until it fits; an expert larger than the whole budget is not kept (the caller's
     /// handle still computes with it). Evicted weights are freed once no step holds them (the
-    /// device frees them in stream order, after the kernels already queued).
-    pub fn insert(&mut self, layer: usize, expert: usize, gpu: T, bytes: u64) {
+    /// device frees them in stream order, after the kernels already queued). Returns the
+    /// `(layer, expert)` keys evicted (for device tables that name them).
+    pub fn insert(&mut self, layer: usize, expert: usize, gpu: T, bytes: u64) -> Vec<(usize, usize)> {
         let budget = self.stats.budget_bytes;
+        let mut evicted = Vec::new();
         if bytes > budget {
-            return;
+            return evicted;
         }
         while self.stats.resident_bytes + bytes > budget {
             let Some((&key, _)) = self.map.iter().min_by_key(|(_, e)| e.last_use) else {
@@ -119,6 +134,10 @@ impl<T: Clone> GpuExpertCache<T> {
             if let Some(old) = self.map.remove(&key) {
                 self.stats.resident_bytes -= old.bytes;
                 self.stats.evictions += 1;
+                if let Some(n) = self.per_layer.get_mut(&key.0) {
+                    *n = n.saturating_sub(1);
+                }
+                evicted.push((key.0 as usize, key.1 as usize));
             }
         }
         self.tick += 1;
@@ -128,10 +147,12 @@ impl<T: Clone> GpuExpertCache<T> {
             bytes,
             last_use: self.tick,
         };
-        if let Some(old) = self.map.insert(key, entry) {
-            self.stats.resident_bytes -= old.bytes;
+        match self.map.insert(key, entry) {
+            Some(old) => self.stats.resident_bytes -= old.bytes,
+            None => *self.per_layer.entry(key.0).or_insert(0) += 1,
         }
         self.stats.resident_bytes += bytes;
+        evicted
     }
 
     /// Zeroes the hit, miss, eviction and upload counters (after a preload, so that they count
@@ -162,7 +183,9 @@ mod tests {
         c.insert(1, 6, 16, 100);
         c.insert(2, 5, 25, 100);
         assert_eq!(c.get(1, 5), Some(15)); // (1,6) is now the least recently used
-        c.insert(3, 0, 30, 100);
+        assert_eq!(c.resident_in_layer(1), 2);
+        assert_eq!(c.insert(3, 0, 30, 100), vec![(1, 6)]);
+        assert_eq!((c.resident_in_layer(1), c.resident_in_layer(3)), (1, 1));
         assert_eq!(c.get(1, 6), None);
         assert_eq!(c.get(1, 5), Some(15));
         assert_eq!(c.get(2, 5), Some(25));

@@ -452,11 +452,12 @@ extern "C" __global__ void f32_matmul(const float* __restrict__ w, int rows, int
 // y = x * rsqrt(mean(x^2) + eps) * weight. One block of 256 threads per row; thread i sums
 // x[i], x[i + 256], ... in order, then a fixed shared-memory tree (128, 64, ..., 1).
 // `one_plus` = 1 applies (1 + weight) (Qwen3-Next's zero-centred norm).
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
-                                    int dim, float eps, int one_plus, float* __restrict__ y) {
-    __shared__ float part[256];
-    const float* xr = x + (size_t)blockIdx.x * dim;
-    float* yr = y + (size_t)blockIdx.x * dim;
+// One row by a block of 256 threads; `part` is 256 floats of shared memory. Every kernel that
+// normalizes (this one, and the fused launches' pre-norm in fused.cu) runs this code, so they
+// agree bit for bit. Ends with the block synchronized (yr written by this thread only).
+__device__ __forceinline__ void block_rms_norm(const float* __restrict__ xr, const float* __restrict__ weight,
+                                               int dim, float eps, int one_plus, float* __restrict__ yr,
+                                               float* part) {
     float s = 0.0f;
     for (int i = threadIdx.x; i < dim; i += 256) s += xr[i] * xr[i];
     part[threadIdx.x] = s;
@@ -470,6 +471,13 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
         const float w = one_plus ? 1.0f + weight[i] : weight[i];
         yr[i] = xr[i] * inv * w;
     }
+    __syncthreads();
+}
+
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
+                                    int dim, float eps, int one_plus, float* __restrict__ y) {
+    __shared__ float part[256];
+    block_rms_norm(x + (size_t)blockIdx.x * dim, weight, dim, eps, one_plus, y + (size_t)blockIdx.x * dim, part);
 }
 
 // SwiGLU on concatenated projections: out[t, i] = silu(gate[t, i]) * up[t, i] with
@@ -523,42 +531,72 @@ __device__ __forceinline__ float kvb(const void* w, const float* sc, int row, in
     return reinterpret_cast<const float*>(w)[(size_t)row * cols + col];
 }
 
+// RoPE of one pair (rope_apply's arithmetic): (xa, xb) -> (xa c - xb s, xb c + xa s).
+__device__ __forceinline__ void rope_pair(float xa, float xb, float c, float s, float* ya, float* yb) {
+    *ya = __fsub_rn(__fmul_rn(xa, c), __fmul_rn(xb, s));
+    *yb = __fadd_rn(__fmul_rn(xb, c), __fmul_rn(xa, s));
+}
+
 // MLA decode for one token, weight-absorbed (DeepSeek-V2 §2.1, arXiv:2405.04434; the CPU's
 // deepseek_v3.rs `attend_head`): one block of 256 threads per head h.
-//   q: [nh, nope + rope] (rope part already rotated), ckv: [T, kvl] normalised latents,
+//   q: [nh, nope + rope] (rope part already rotated, or rotated here with `cs` = [cos[half],
+//   sin[half]] when cs is not null: rope_apply's arithmetic), ckv: [T, kvl] normalised latents,
 //   kpe: [T, rope] rotated shared keys, W = kv_b_proj [nh * (nope + vd), kvl] (per head W_UK
 //   rows then W_UV rows), scores: [nh, T] scratch, out: [nh, vd].
 //   q_abs = W_UK_h^T q_nope (sum over the nope rows in order); s_t = (q_abs . c_t + q_pe . k_t) *
-//   scale (warp butterfly sums); p = softmax(s) (exp(s - max) / sum, sum in a fixed tree);
+//   scale (warp butterfly sums; a warp takes positions 4 at a time, each with its own sums);
+//   p = softmax(s) (exp(s - max) / sum, sum in a fixed tree; p_t = e_t / sum stored once);
 //   ctx = sum_t p_t c_t (in t order); o_h = W_UV_h ctx (int8: scale * sum, warp butterfly).
-// Dynamic shared memory: 2 * kvl floats.
+// Dynamic shared memory: 2 * kvl + rope floats.
 template <bool I8>
 __device__ __forceinline__ void mla_decode_impl(const float* __restrict__ q, const float* __restrict__ ckv,
                                                 const float* __restrict__ kpe, const void* __restrict__ w,
                                                 const float* __restrict__ wsc, int nope, int rope, int vd,
-                                                int kvl, int T, float scale, float* __restrict__ scores,
+                                                int kvl, int T, float scale, const float* __restrict__ cs,
+                                                int interleaved, float* __restrict__ scores,
                                                 float* __restrict__ out) {
     extern __shared__ float sh[];
     float* q_abs = sh;
     float* ctx = sh + kvl;
+    float* qpe = sh + 2 * kvl;
     __shared__ float red[256];
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int qk = nope + rope, base = h * (nope + vd);
     const float* qh = q + (size_t)h * qk;
     float* sc = scores + (size_t)h * T;
+    if (cs != nullptr) {
+        const int half = rope / 2;
+        for (int i = tid; i < half; i += 256) {
+            const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+            rope_pair(qh[nope + a], qh[nope + b], cs[i], cs[half + i], &qpe[a], &qpe[b]);
+        }
+    } else {
+        for (int i = tid; i < rope; i += 256) qpe[i] = qh[nope + i];
+    }
     for (int c = tid; c < kvl; c += 256) {
         float s = 0.0f;
         for (int r = 0; r < nope; ++r) s += qh[r] * kvb<I8>(w, wsc, base + r, c, kvl);
         q_abs[c] = s;
     }
     __syncthreads();
-    for (int t = warp; t < T; t += 8) {
-        float a = 0.0f, b = 0.0f;
-        for (int c = lane; c < kvl; c += 32) a += q_abs[c] * ckv[(size_t)t * kvl + c];
-        for (int c = lane; c < rope; c += 32) b += qh[nope + c] * kpe[(size_t)t * rope + c];
-        a = warp_sum(a);
-        b = warp_sum(b);
-        if (lane == 0) sc[t] = (a + b) * scale;
+    for (int t0 = warp; t0 < T; t0 += 32) {
+        float a[4], b[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int t = t0 + 8 * u;
+            a[u] = 0.0f;
+            b[u] = 0.0f;
+            if (t < T) {
+                for (int c = lane; c < kvl; c += 32) a[u] += q_abs[c] * ckv[(size_t)t * kvl + c];
+                for (int c = lane; c < rope; c += 32) b[u] += qpe[c] * kpe[(size_t)t * rope + c];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            a[u] = warp_sum(a[u]);
+            b[u] = warp_sum(b[u]);
+            if (lane == 0 && t0 + 8 * u < T) sc[t0 + 8 * u] = (a[u] + b[u]) * scale;
+        }
     }
     __syncthreads();
     float m = __int_as_float(0xff800000u);  // -inf
@@ -584,9 +622,12 @@ __device__ __forceinline__ void mla_decode_impl(const float* __restrict__ q, con
         __syncthreads();
     }
     const float total = red[0];
+    for (int t = tid; t < T; t += 256) sc[t] = sc[t] / total;
+    __syncthreads();
     for (int c = tid; c < kvl; c += 256) {
         float a = 0.0f;
-        for (int t = 0; t < T; ++t) a = __fadd_rn(a, __fmul_rn(sc[t] / total, ckv[(size_t)t * kvl + c]));
+#pragma unroll 8
+        for (int t = 0; t < T; ++t) a = __fadd_rn(a, __fmul_rn(sc[t], ckv[(size_t)t * kvl + c]));
         ctx[c] = a;
     }
     __syncthreads();
@@ -608,13 +649,13 @@ __device__ __forceinline__ void mla_decode_impl(const float* __restrict__ q, con
 
 extern "C" __global__ void mla_decode_i8(const float* q, const float* ckv, const float* kpe, const i8* w,
                                          const float* wsc, int nope, int rope, int vd, int kvl, int T,
-                                         float scale, float* scores, float* out) {
-    mla_decode_impl<true>(q, ckv, kpe, w, wsc, nope, rope, vd, kvl, T, scale, scores, out);
+                                         float scale, const float* cs, int interleaved, float* scores, float* out) {
+    mla_decode_impl<true>(q, ckv, kpe, w, wsc, nope, rope, vd, kvl, T, scale, cs, interleaved, scores, out);
 }
 extern "C" __global__ void mla_decode_f32(const float* q, const float* ckv, const float* kpe, const float* w,
                                           int nope, int rope, int vd, int kvl, int T, float scale,
-                                          float* scores, float* out) {
-    mla_decode_impl<false>(q, ckv, kpe, w, nullptr, nope, rope, vd, kvl, T, scale, scores, out);
+                                          const float* cs, int interleaved, float* scores, float* out) {
+    mla_decode_impl<false>(q, ckv, kpe, w, nullptr, nope, rope, vd, kvl, T, scale, cs, interleaved, scores, out);
 }
 
 // ---- Routed experts of one token, fused (decode) ----------------------------------------------
@@ -713,7 +754,7 @@ __device__ __forceinline__ void mla_prefill_impl(const float* q, const float* ck
                                                  float* out) {
     const int j = blockIdx.y;
     mla_decode_impl<I8>(q + (size_t)j * nh * (nope + rope), ckv, kpe, w, wsc, nope, rope, vd, kvl, t0 + j + 1,
-                        scale, scores + (size_t)j * nh * score_stride, out + (size_t)j * nh * vd);
+                        scale, nullptr, 0, scores + (size_t)j * nh * score_stride, out + (size_t)j * nh * vd);
 }
 extern "C" __global__ void mla_prefill_i8(const float* q, const float* ckv, const float* kpe, const i8* w,
                                           const float* wsc, int nh, int nope, int rope, int vd, int kvl, int t0,

@@ -27,7 +27,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use deltafin_cuda::{CudaError, Gpu, GpuBuf, GpuMat, MlaShape, MOE_MAX_K};
+use deltafin_cuda::{
+    CudaError, ExpertTable, Gpu, GpuBuf, GpuMat, MlaShape, MvJob, MvKind, PreNorm, RouterShape, MOE_MAX_K,
+};
 use deltafin_format::{ModelConfig, ModelDir};
 
 use crate::device::GpuOptions;
@@ -36,8 +38,18 @@ use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
 use crate::models::DeepseekV3;
-use crate::moe::route;
+use crate::moe::RouterConfig;
 use crate::EngineError;
+
+/// `y = a · x` as one job of a fused launch.
+fn set<'a>(a: &'a GpuMat, y: &'a mut GpuBuf) -> MvJob<'a> {
+    MvJob {
+        a,
+        b: None,
+        kind: MvKind::Set,
+        y,
+    }
+}
 
 fn cuda(e: CudaError) -> EngineError {
     EngineError::Invalid(format!("CUDA: {e}"))
@@ -78,8 +90,19 @@ enum Mlp {
     },
     Moe {
         router: GpuMat,
+        /// `e_score_correction_bias` `[n_routed_experts]`.
+        bias: GpuBuf,
         shared: Option<[GpuMat; 3]>,
     },
+}
+
+/// The GPU expert cache and, per MoE layer, a device table of its resident experts by id (what
+/// lets a decode step whose chosen experts are all resident run without asking the host).
+struct GpuExperts {
+    cache: GpuExpertCache,
+    /// `[num_hidden_layers]`, `Some` for MoE layers: entry `e` points at expert `e` while it is
+    /// resident (cleared when it is evicted).
+    tables: Vec<Option<ExpertTable>>,
 }
 
 /// The MLA latent KV cache of every layer in GPU memory; grows by doubling.
@@ -148,35 +171,34 @@ impl DecodeState for GpuKvCache {
 struct Work {
     /// The residual stream `[hidden]`.
     x: GpuBuf,
-    /// A normalized copy of `x` `[hidden]`.
+    /// The MoE block's normalized input `[hidden]` (read by the routed experts).
     xn: GpuBuf,
     /// RoPE `[cos[half], sin[half]]` of the position.
     cs: GpuBuf,
-    // Attention.
+    // Attention: q `[n_heads * qk_head_dim]`, q_a_proj's output `[q_lora_rank]`, the raw latent
+    // `[kv_lora_rank]` and rope key `[qk_rope_head_dim]`, the heads' outputs, the scores.
     q: GpuBuf,
     qa: GpuBuf,
-    qan: GpuBuf,
     ckv: GpuBuf,
-    latent: GpuBuf,
     k_pe: GpuBuf,
     heads: GpuBuf,
     scores: GpuBuf,
-    /// A block's output `[hidden]` (attention, dense MLP, one expert).
-    out: GpuBuf,
-    /// The MoE block's weighted sum `[hidden]`.
-    acc: GpuBuf,
-    // SwiGLU intermediates, `[intermediate_size]` (dense) and `[moe_intermediate_size]`.
-    dense: [GpuBuf; 3],
-    expert: [GpuBuf; 3],
-    /// The shared experts' intermediates `[n_shared * moe_intermediate_size]` and output.
-    shared_t: [GpuBuf; 3],
-    shared_out: GpuBuf,
-    /// The fused routed experts' scratch: `[MOE_MAX_K, moe_intermediate_size]`,
-    /// `[MOE_MAX_K, hidden]`.
+    /// The dense MLP's gated intermediate `[intermediate_size]`.
+    dense_h: GpuBuf,
+    /// The shared experts' gated intermediate `[n_shared * moe_intermediate_size]`.
+    shared_h: GpuBuf,
+    /// The routed experts' gated intermediates `[MOE_MAX_K, moe_intermediate_size]`.
     moe_h: GpuBuf,
-    moe_y: GpuBuf,
     router_logits: GpuBuf,
-    router_host: Vec<f32>,
+    /// Every MoE layer's choice for the token: ids and weights `[num_hidden_layers, MOE_MAX_K]`
+    /// (router order), written by the device router, read back once at the end of the token.
+    ids: deltafin_cuda::CudaSlice<i32>,
+    weights: GpuBuf,
+    ids_host: Vec<i32>,
+    weights_host: Vec<f32>,
+    /// The chosen experts of a layer that is not wholly resident, by slot, and `0..MOE_MAX_K`.
+    slots: ExpertTable,
+    slot_ids: deltafin_cuda::CudaSlice<i32>,
     logits: GpuBuf,
 }
 
@@ -189,7 +211,7 @@ pub struct DeepseekV3Cuda {
     lm_head: GpuMat,
     work: Mutex<Work>,
     /// Routed experts resident on the device (the tier above the host cache).
-    experts: Mutex<GpuExpertCache>,
+    experts: Mutex<GpuExperts>,
 }
 
 /// Device memory left out of the default GPU expert budget: the KV cache, the work buffers,
@@ -247,6 +269,7 @@ impl DeepseekV3Cuda {
                 };
                 Mlp::Moe {
                     router: up(&n.router)?,
+                    bias: vec(&n.router_bias)?,
                     shared,
                 }
             } else {
@@ -273,39 +296,47 @@ impl DeepseekV3Cuda {
         let z = |n: usize| gpu.zeros(n.max(1)).map_err(cuda);
         let h = c.hidden_size;
         let half = cpu.rope.inv_freq.len();
-        let shared_inter = c.n_shared_experts * c.moe_intermediate_size;
+        let r = cpu.router_cfg();
+        if r.top_k > MOE_MAX_K || r.n_group > 64 {
+            return Err(EngineError::Invalid(format!(
+                "the CUDA path routes at most {MOE_MAX_K} experts a token in at most 64 groups (this model: {} in {})",
+                r.top_k, r.n_group
+            )));
+        }
+        let slots = MOE_MAX_K * c.num_hidden_layers;
         let work = Work {
             x: z(h)?,
             xn: z(h)?,
             cs: z(2 * half)?,
             q: z(c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim))?,
             qa: z(c.q_lora_rank.unwrap_or(1))?,
-            qan: z(c.q_lora_rank.unwrap_or(1))?,
             ckv: z(c.kv_lora_rank)?,
-            latent: z(c.kv_lora_rank)?,
             k_pe: z(c.qk_rope_head_dim)?,
             heads: z(c.num_attention_heads * c.v_head_dim)?,
             scores: z(c.num_attention_heads * 64)?,
-            out: z(h)?,
-            acc: z(h)?,
-            dense: [
-                z(c.intermediate_size)?,
-                z(c.intermediate_size)?,
-                z(c.intermediate_size)?,
-            ],
-            expert: [
-                z(c.moe_intermediate_size)?,
-                z(c.moe_intermediate_size)?,
-                z(c.moe_intermediate_size)?,
-            ],
-            shared_t: [z(shared_inter)?, z(shared_inter)?, z(shared_inter)?],
-            shared_out: z(h)?,
+            dense_h: z(c.intermediate_size)?,
+            shared_h: z(c.n_shared_experts * c.moe_intermediate_size)?,
             moe_h: z(MOE_MAX_K * c.moe_intermediate_size)?,
-            moe_y: z(MOE_MAX_K * h)?,
             router_logits: z(c.n_routed_experts)?,
-            router_host: vec![0.0; c.n_routed_experts],
+            ids: gpu.upload(&vec![0i32; slots]).map_err(cuda)?,
+            weights: z(slots)?,
+            ids_host: vec![0; slots],
+            weights_host: vec![0.0; slots],
+            slots: gpu.expert_table(MOE_MAX_K, c.moe_intermediate_size, h).map_err(cuda)?,
+            slot_ids: gpu.upload(&(0..MOE_MAX_K as i32).collect::<Vec<_>>()).map_err(cuda)?,
             logits: z(lm_head.rows)?,
         };
+        let mut tables = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            tables.push(if c.is_moe_layer(l) {
+                Some(
+                    gpu.expert_table(c.n_routed_experts, c.moe_intermediate_size, h)
+                        .map_err(cuda)?,
+                )
+            } else {
+                None
+            });
+        }
         let free = gpu.free_bytes().map_err(cuda)?;
         let budget = match gpu_opts.budget {
             Some(b) if b > free => {
@@ -323,12 +354,15 @@ impl DeepseekV3Cuda {
             norm,
             lm_head,
             work: Mutex::new(work),
-            experts: Mutex::new(GpuExpertCache::new(budget)),
+            experts: Mutex::new(GpuExperts {
+                cache: GpuExpertCache::new(budget),
+                tables,
+            }),
         };
         if gpu_opts.preload {
             model.preload()?;
             if let Ok(mut c) = model.experts.lock() {
-                c.clear_counters();
+                c.cache.clear_counters();
             }
         }
         Ok(model)
@@ -360,24 +394,8 @@ impl DeepseekV3Cuda {
     fn gpu_cache_stats_now(&self) -> Result<GpuCacheStats, EngineError> {
         self.experts
             .lock()
-            .map(|c| c.stats())
+            .map(|c| c.cache.stats())
             .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))
-    }
-
-    /// `down(silu(gate x) * up x)` on the GPU into `out`, with `t: [3][rows of gate]` scratch.
-    fn swiglu(
-        &self,
-        [gate, up, down]: [&GpuMat; 3],
-        x: &GpuBuf,
-        t: &mut [GpuBuf; 3],
-        out: &mut GpuBuf,
-    ) -> Result<(), CudaError> {
-        let g = &self.gpu;
-        let [a, b, h] = t;
-        gate.matvec(g, x, a)?;
-        up.matvec(g, x, b)?;
-        g.swiglu(a, b, h)?;
-        down.matvec(g, h, out)
     }
 
     /// RoPE cos/sin of `pos` for the rope head width, `[cos[half], sin[half]]`, with the CPU's
@@ -395,8 +413,23 @@ impl DeepseekV3Cuda {
         cs
     }
 
-    /// MLA of layer `l` for the token whose normalized hidden state is `w.xn`, appending its
-    /// latent and rope key to `cache`; the output goes to `w.out`.
+    /// The device router's shape for the current top-k.
+    fn router_shape(&self) -> RouterShape {
+        let r: RouterConfig = self.cpu.router_cfg();
+        RouterShape {
+            n_experts: r.n_routed_experts,
+            top_k: r.top_k,
+            n_group: r.n_group,
+            topk_group: r.topk_group,
+            norm_topk_prob: r.norm_topk_prob,
+            routed_scaling_factor: r.routed_scaling_factor,
+        }
+    }
+
+    /// MLA of layer `l` for the token in the residual stream `w.x`, added to it: the input norm
+    /// and the three input projections (q or q_a, the latent, the rope key) in one launch, q_b
+    /// after q_a's norm in one, the latent's norm and the key's RoPE into the cache rows of the
+    /// position in one, the attention (q's RoPE inside), o_proj with the residual add in one.
     fn attention(&self, l: usize, w: &mut Work, cache: &mut GpuKvCache) -> Result<(), CudaError> {
         let c = &self.cpu.cfg;
         let g = &self.gpu;
@@ -407,29 +440,58 @@ impl DeepseekV3Cuda {
             c.qk_rope_head_dim,
             c.kv_lora_rank,
         );
-        let qk = nope + rope;
         let pos = cache.len;
-        // q: [n_heads, qk_head_dim]
+        let interleaved = self.cpu.rope.interleaved;
+        let norm = |weight| PreNorm {
+            weight,
+            eps: c.rms_norm_eps,
+            one_plus: false,
+            out: None,
+        };
         match &lw.q {
             QProj::Lora {
                 q_a_proj,
                 q_a_layernorm,
                 q_b_proj,
             } => {
-                q_a_proj.matvec(g, &w.xn, &mut w.qa)?;
-                g.rms_norm(&w.qa, q_a_layernorm, 1, LATENT_NORM_EPS, false, &mut w.qan)?;
-                q_b_proj.matvec(g, &w.qan, &mut w.q)?;
+                g.mv_jobs(
+                    &w.x,
+                    Some(norm(&lw.input_layernorm)),
+                    &mut [
+                        set(q_a_proj, &mut w.qa),
+                        set(&lw.kv_a_latent, &mut w.ckv),
+                        set(&lw.kv_a_rope, &mut w.k_pe),
+                    ],
+                )?;
+                let qn = PreNorm {
+                    weight: q_a_layernorm,
+                    eps: LATENT_NORM_EPS,
+                    one_plus: false,
+                    out: None,
+                };
+                g.mv_jobs(&w.qa, Some(qn), &mut [set(q_b_proj, &mut w.q)])?;
             }
-            QProj::Full { q_proj } => q_proj.matvec(g, &w.xn, &mut w.q)?,
+            QProj::Full { q_proj } => g.mv_jobs(
+                &w.x,
+                Some(norm(&lw.input_layernorm)),
+                &mut [
+                    set(q_proj, &mut w.q),
+                    set(&lw.kv_a_latent, &mut w.ckv),
+                    set(&lw.kv_a_rope, &mut w.k_pe),
+                ],
+            )?,
         }
-        g.rope(&mut w.q, nh, qk, nope, &w.cs, self.cpu.rope.interleaved)?;
-        // latent = kv_a_layernorm(kv_a_proj(x)[..kvl]); k_pe = rope(kv_a_proj(x)[kvl..])
-        lw.kv_a_latent.matvec(g, &w.xn, &mut w.ckv)?;
-        g.rms_norm(&w.ckv, &lw.kv_a_layernorm, 1, LATENT_NORM_EPS, false, &mut w.latent)?;
-        lw.kv_a_rope.matvec(g, &w.xn, &mut w.k_pe)?;
-        g.rope(&mut w.k_pe, 1, rope, 0, &w.cs, self.cpu.rope.interleaved)?;
-        g.copy_into(&w.latent, &mut cache.c_kv[l], pos * kvl)?;
-        g.copy_into(&w.k_pe, &mut cache.k_pe[l], pos * rope)?;
+        g.mla_prep(
+            &w.ckv,
+            &lw.kv_a_layernorm,
+            LATENT_NORM_EPS,
+            &w.k_pe,
+            &w.cs,
+            interleaved,
+            pos,
+            &mut cache.c_kv[l],
+            &mut cache.k_pe[l],
+        )?;
         let shape = MlaShape {
             n_heads: nh,
             nope,
@@ -448,76 +510,139 @@ impl DeepseekV3Cuda {
             &lw.kv_b_proj,
             pos + 1,
             self.cpu.softmax_scale,
+            Some((&w.cs, interleaved)),
             &mut w.scores,
             &mut w.heads,
         )?;
-        lw.o_proj.matvec(g, &w.heads, &mut w.out)
+        g.mv_jobs(
+            &w.heads,
+            None,
+            &mut [MvJob {
+                a: &lw.o_proj,
+                b: None,
+                kind: MvKind::Add,
+                y: &mut w.x,
+            }],
+        )
     }
 
-    /// The MoE block of layer `l` on `w.xn`, added to the residual stream `w.x`: the shared
-    /// experts first (queued while the host routes), router logits on the GPU, the choice on the
-    /// host (`moe::route`, the CPU's code), then each chosen expert from the GPU expert cache or,
-    /// on a miss, through the expert store (host cache or disk) copied to the device. The
-    /// weighted sum runs on the device in router order (`Σ w_i · expert_i`, the CPU's order),
-    /// then the shared output is added, then the residual: MXFP4 experts in three fused
-    /// launches ([`Gpu::moe_fused`]), other layouts expert by expert, with the same bits.
-    fn moe(&self, l: usize, w: &mut Work) -> Result<crate::moe::Routing, EngineError> {
+    /// The MoE block of layer `l`, added to the residual stream `w.x`: the post-attention norm,
+    /// the shared experts' gate/up and the router logits in one launch, the router on the device
+    /// (ids and weights into `w.ids`/`w.weights` at the layer's slots), then the chosen experts,
+    /// their weighted sum (router order), the shared output and the residual add in two launches
+    /// ([`Gpu::moe_table`]). When every expert of the layer is resident the experts are found
+    /// through the layer's device table and the host does not wait; otherwise the ids are read
+    /// back, misses are fetched through the expert store (host cache, disk) and copied to the
+    /// device, and the chosen experts are named slot by slot. Both give the same bits.
+    /// Returns whether the layer ran from its table (its cache uses are counted at the end of
+    /// the token).
+    fn moe(&self, l: usize, w: &mut Work) -> Result<bool, EngineError> {
+        let c = &self.cpu.cfg;
         let g = &self.gpu;
-        let n = &self.cpu.names[l];
-        let Mlp::Moe { router, shared } = &self.layers[l].mlp else {
+        let lw = &self.layers[l];
+        let Mlp::Moe { router, bias, shared } = &lw.mlp else {
             return Err(EngineError::Invalid(format!("layer {l} is not a MoE layer")));
         };
-        if let Some([gt, u, d]) = shared {
-            self.swiglu([gt, u, d], &w.xn, &mut w.shared_t, &mut w.shared_out)
-                .map_err(cuda)?;
+        let rs = self.router_shape();
+        let k = rs.top_k;
+        let off = l * MOE_MAX_K;
+        {
+            let pn = PreNorm {
+                weight: &lw.post_attention_layernorm,
+                eps: c.rms_norm_eps,
+                one_plus: false,
+                out: Some(&mut w.xn),
+            };
+            let mut jobs = vec![MvJob {
+                a: router,
+                b: None,
+                kind: MvKind::Set,
+                y: &mut w.router_logits,
+            }];
+            if let Some([gate, up, _]) = shared {
+                jobs.push(MvJob {
+                    a: gate,
+                    b: Some(up),
+                    kind: MvKind::Glu,
+                    y: &mut w.shared_h,
+                });
+            }
+            g.mv_jobs(&w.x, Some(pn), &mut jobs).map_err(cuda)?;
         }
-        router.matvec(g, &w.xn, &mut w.router_logits).map_err(cuda)?;
-        g.download_into(&w.router_logits, &mut w.router_host).map_err(cuda)?;
-        let routing = route(&self.cpu.router_cfg(), &w.router_host, self.cpu.v(&n.router_bias)?);
-        let experts = self.experts_of(l, &routing.experts)?;
-        let refs: Vec<&[GpuMat; 3]> = experts.iter().map(|e| &**e).collect();
-        let shared_out = shared.as_ref().map(|_| &w.shared_out);
-        if Gpu::moe_fusable(&refs) {
-            g.moe_fused(
-                &refs,
-                &routing.weights,
-                &w.xn,
-                &mut w.moe_h,
-                &mut w.moe_y,
-                shared_out,
-                &mut w.x,
-            )
+        g.route_noaux(rs, &w.router_logits, 1, bias, &mut w.ids, &mut w.weights, off)
             .map_err(cuda)?;
-            return Ok(routing);
+        let shared_pair = shared.as_ref().map(|[_, _, down]| (down, &w.shared_h));
+        let stand_in = self.cpu.routed.compute_only();
+        {
+            let ex = self
+                .experts
+                .lock()
+                .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
+            if let (false, Some(table)) = (stand_in, &ex.tables[l]) {
+                if ex.cache.resident_in_layer(l) == c.n_routed_experts {
+                    g.moe_table(
+                        table,
+                        &w.ids.slice(off..off + k),
+                        &w.weights.slice(off..off + k),
+                        k,
+                        &w.xn,
+                        &mut w.moe_h,
+                        shared_pair,
+                        &mut w.x,
+                    )
+                    .map_err(cuda)?;
+                    return Ok(true);
+                }
+            }
         }
-        g.fill_zero(&mut w.acc).map_err(cuda)?;
-        for (e, &weight) in refs.iter().zip(&routing.weights) {
-            self.swiglu([&e[0], &e[1], &e[2]], &w.xn, &mut w.expert, &mut w.out)
-                .map_err(cuda)?;
-            g.axpy(weight, &w.out, &mut w.acc).map_err(cuda)?;
+        let mut ids = vec![0i32; k];
+        g.stream()
+            .memcpy_dtoh(&w.ids.slice(off..off + k), &mut ids)
+            .map_err(|e| cuda(CudaError::Shape(format!("reading the router's choice back: {e}"))))?;
+        g.synchronize().map_err(cuda)?;
+        let ids: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+        if let Some(&bad) = ids.iter().find(|&&e| e >= c.n_routed_experts) {
+            return Err(EngineError::Invalid(format!(
+                "layer {l}: the device router chose expert {bad}"
+            )));
         }
-        if let Some(sh) = shared_out {
-            g.axpy(1.0, sh, &mut w.acc).map_err(cuda)?;
-        }
-        g.axpy(1.0, &w.acc, &mut w.x).map_err(cuda)?;
-        Ok(routing)
+        let experts = self.experts_of(l, &ids)?;
+        let refs: Vec<&[GpuMat; 3]> = experts.iter().map(|e| &**e).collect();
+        w.slots.set(g, 0, &refs).map_err(cuda)?;
+        g.moe_table(
+            &w.slots,
+            &w.slot_ids.slice(..k),
+            &w.weights.slice(off..off + k),
+            k,
+            &w.xn,
+            &mut w.moe_h,
+            shared_pair,
+            &mut w.x,
+        )
+        .map_err(cuda)?;
+        // `experts` (and the device memory of any evicted among them) is released after the
+        // launches above in stream order.
+        drop(experts);
+        Ok(false)
     }
 
     /// The device copies of `ids` (layer `l`), in that order: hits from the GPU expert cache,
     /// misses fetched through the expert store at once (one fetch, reads in file order) and
-    /// copied to the device as each record arrives. In compute-only measurement mode every id
-    /// stands for the layer's expert 0 (the CPU path's stand-in record).
+    /// copied to the device as each record arrives, each entered in the layer's device table
+    /// (evictions cleared from theirs). In compute-only measurement mode every id stands for the
+    /// layer's expert 0 (the CPU path's stand-in record).
     fn experts_of(&self, l: usize, ids: &[usize]) -> Result<Vec<GpuExpert>, EngineError> {
         let stand_in = self.cpu.routed.compute_only();
-        let mut cache = self
+        let mut guard = self
             .experts
             .lock()
             .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
+        let ex = &mut *guard;
         let mut out: Vec<Option<GpuExpert>> = Vec::with_capacity(ids.len());
         let mut missing: Vec<usize> = Vec::new();
         for &e in ids {
             let e = if stand_in { 0 } else { e };
-            let hit = cache.get(l, e);
+            let hit = ex.cache.get(l, e);
             if hit.is_none() && !missing.contains(&e) {
                 missing.push(e);
             }
@@ -533,10 +658,19 @@ impl DeepseekV3Cuda {
                     GpuMat::upload(&self.gpu, &record.matrix(2)).map_err(cuda)?,
                 ];
                 let bytes: u64 = mats.iter().map(|m| m.nbytes() as u64).sum();
-                cache.count_upload(bytes, t0.elapsed().as_nanos() as u64);
+                ex.cache.count_upload(bytes, t0.elapsed().as_nanos() as u64);
                 let dev: GpuExpert = Arc::new(mats);
                 let id = missing[i];
-                cache.insert(l, id, dev.clone(), bytes);
+                for (el, ee) in ex.cache.insert(l, id, dev.clone(), bytes) {
+                    if let Some(t) = ex.tables.get_mut(el).and_then(Option::as_mut) {
+                        t.clear(&self.gpu, ee).map_err(cuda)?;
+                    }
+                }
+                if ex.cache.contains(l, id) {
+                    if let Some(t) = ex.tables.get_mut(l).and_then(Option::as_mut) {
+                        t.set(&self.gpu, id, &[&*dev]).map_err(cuda)?;
+                    }
+                }
                 for (slot, &e) in out.iter_mut().zip(ids) {
                     let e = if stand_in { 0 } else { e };
                     if e == id && slot.is_none() {
@@ -572,39 +706,93 @@ impl DeepseekV3Cuda {
             .row_into(token as usize, &mut x_host);
         g.upload_into(&x_host, &mut w.x).map_err(cuda)?;
         g.upload_into(&self.rope_table(cache.len), &mut w.cs).map_err(cuda)?;
-        let mut routes = Vec::new();
+        let mut from_table = Vec::new();
         for l in 0..c.num_hidden_layers {
             let lw = &self.layers[l];
-            g.rms_norm(&w.x, &lw.input_layernorm, 1, c.rms_norm_eps, false, &mut w.xn)
-                .map_err(cuda)?;
             self.cpu
                 .routed
                 .time_attention(|| self.attention(l, w, cache))
                 .map_err(cuda)?;
-            g.axpy(1.0, &w.out, &mut w.x).map_err(cuda)?;
-            g.rms_norm(&w.x, &lw.post_attention_layernorm, 1, c.rms_norm_eps, false, &mut w.xn)
-                .map_err(cuda)?;
             self.cpu.routed.time_mlp(|| -> Result<(), EngineError> {
                 match &lw.mlp {
                     Mlp::Moe { .. } => {
-                        let r = self.moe(l, w)?;
-                        routes.push((l, r));
+                        if self.moe(l, w)? {
+                            from_table.push(l);
+                        }
                         Ok(())
                     }
                     Mlp::Dense { gate, up, down } => {
-                        self.swiglu([gate, up, down], &w.xn, &mut w.dense, &mut w.out)
-                            .map_err(cuda)?;
-                        g.axpy(1.0, &w.out, &mut w.x).map_err(cuda)
+                        let pn = PreNorm {
+                            weight: &lw.post_attention_layernorm,
+                            eps: c.rms_norm_eps,
+                            one_plus: false,
+                            out: None,
+                        };
+                        let glu = MvJob {
+                            a: gate,
+                            b: Some(up),
+                            kind: MvKind::Glu,
+                            y: &mut w.dense_h,
+                        };
+                        g.mv_jobs(&w.x, Some(pn), &mut [glu]).map_err(cuda)?;
+                        let add = MvJob {
+                            a: down,
+                            b: None,
+                            kind: MvKind::Add,
+                            y: &mut w.x,
+                        };
+                        g.mv_jobs(&w.dense_h, None, &mut [add]).map_err(cuda)
                     }
                 }
             })?;
         }
         cache.len += 1;
         self.cpu.routed.count_forward();
-        g.rms_norm(&w.x, &self.norm, 1, c.rms_norm_eps, false, &mut w.xn)
-            .map_err(cuda)?;
-        self.lm_head.matvec(g, &w.xn, &mut w.logits).map_err(cuda)?;
-        Ok((g.download(&w.logits).map_err(cuda)?, routes))
+        let pn = PreNorm {
+            weight: &self.norm,
+            eps: c.rms_norm_eps,
+            one_plus: false,
+            out: None,
+        };
+        let head = MvJob {
+            a: &self.lm_head,
+            b: None,
+            kind: MvKind::Set,
+            y: &mut w.logits,
+        };
+        g.mv_jobs(&w.x, Some(pn), &mut [head]).map_err(cuda)?;
+        let logits = g.download(&w.logits).map_err(cuda)?;
+        // Every layer's choice, read back once.
+        g.stream()
+            .memcpy_dtoh(&w.ids, &mut w.ids_host)
+            .map_err(|e| cuda(CudaError::Shape(format!("reading the router's choices back: {e}"))))?;
+        g.download_into(&w.weights, &mut w.weights_host).map_err(cuda)?;
+        let k = self.cpu.router_cfg().top_k;
+        let mut routes = Vec::new();
+        for l in (0..c.num_hidden_layers).filter(|&l| c.is_moe_layer(l)) {
+            let off = l * MOE_MAX_K;
+            let experts: Vec<usize> = w.ids_host[off..off + k].iter().map(|&e| e as usize).collect();
+            routes.push((
+                l,
+                crate::moe::Routing {
+                    experts,
+                    weights: w.weights_host[off..off + k].to_vec(),
+                },
+            ));
+        }
+        if !from_table.is_empty() {
+            // The uses of experts found through a table count as hits and keep them recent.
+            let mut ex = self
+                .experts
+                .lock()
+                .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
+            for (l, r) in routes.iter().filter(|(l, _)| from_table.contains(l)) {
+                for &e in &r.experts {
+                    ex.cache.get(*l, e);
+                }
+            }
+        }
+        Ok((logits, routes))
     }
 }
 
@@ -814,8 +1002,7 @@ impl DeepseekV3Cuda {
         let c = &self.cpu.cfg;
         let g = &self.gpu;
         let h = c.hidden_size;
-        let names = &self.cpu.names[l];
-        let Mlp::Moe { router, shared } = &self.layers[l].mlp else {
+        let Mlp::Moe { router, bias, shared } = &self.layers[l].mlp else {
             return Err(EngineError::Invalid(format!("layer {l} is not a MoE layer")));
         };
         let shared_out = match shared {
@@ -825,16 +1012,28 @@ impl DeepseekV3Cuda {
         let e_n = router.rows;
         let mut logits = g.zeros(n * e_n).map_err(cuda)?;
         router.matmul(g, xn, n, &mut logits).map_err(cuda)?;
-        let logits = g.download(&logits).map_err(cuda)?;
-        let rcfg = self.cpu.router_cfg();
-        let bias = self.cpu.v(&names.router_bias)?;
-        let routings: Vec<crate::moe::Routing> = logits.chunks(e_n).map(|lg| route(&rcfg, lg, bias)).collect();
-        let k = routings.first().map_or(0, |r| r.experts.len());
-        if routings.iter().any(|r| r.experts.len() != k || r.weights.len() != k) || k == 0 {
+        // The device router, as in decoding (the same kernel, so the same choice and weights).
+        let rs = self.router_shape();
+        let k = rs.top_k;
+        let mut ids_d = g.upload(&vec![0i32; n * k]).map_err(cuda)?;
+        let mut w_d = g.zeros(n * k).map_err(cuda)?;
+        g.route_noaux(rs, &logits, n, bias, &mut ids_d, &mut w_d, 0)
+            .map_err(cuda)?;
+        let ids = g.download(&ids_d).map_err(cuda)?;
+        let weights = g.download(&w_d).map_err(cuda)?;
+        if let Some(&bad) = ids.iter().find(|&&e| e < 0 || e as usize >= e_n) {
             return Err(EngineError::Invalid(format!(
-                "layer {l}: routing gave different expert counts within a chunk"
+                "layer {l}: the device router chose expert {bad}"
             )));
         }
+        let routings: Vec<crate::moe::Routing> = ids
+            .chunks(k)
+            .zip(weights.chunks(k))
+            .map(|(i, w)| crate::moe::Routing {
+                experts: i.iter().map(|&e| e as usize).collect(),
+                weights: w.to_vec(),
+            })
+            .collect();
         // The union of chosen experts (ascending id) and, per expert, its (token, slot)s.
         let mut union: Vec<usize> = routings.iter().flat_map(|r| r.experts.iter().copied()).collect();
         union.sort_unstable();
@@ -857,8 +1056,6 @@ impl DeepseekV3Cuda {
         }
         let src_d = g.upload(&src_idx).map_err(cuda)?;
         let dst_d = g.upload(&dst_idx).map_err(cuda)?;
-        let weights: Vec<f32> = routings.iter().flat_map(|r| r.weights.iter().copied()).collect();
-        let w_d = g.upload(&weights).map_err(cuda)?;
         let experts = self.experts_of(l, &union)?;
         let mut y = g.zeros(n * k * h).map_err(cuda)?;
         let mut off = 0;
@@ -933,6 +1130,6 @@ impl CausalLm for DeepseekV3Cuda {
     }
 
     fn gpu_cache_stats(&self) -> Option<GpuCacheStats> {
-        self.experts.lock().ok().map(|c| c.stats())
+        self.experts.lock().ok().map(|c| c.cache.stats())
     }
 }

@@ -1,0 +1,564 @@
+//! The fused launches of a decode step and the router on the device (`kernels/fused.cu`).
+//!
+//! A decode step of a small MoE is bound by launches and host round trips, not by bytes
+//! (bench/NOTES.md, "`--device cuda`"). These operations cut both while keeping every value's
+//! arithmetic that of the one-operation kernels (the tests in `tests/ops.rs` compare bits):
+//!
+//! - [`Gpu::mv_jobs`]: up to [`MAX_JOBS`] matrix-vector products of one input in one launch, in
+//!   any weight layout, optionally after an RMSNorm of the input, each writing, adding to (the
+//!   residual stream) or gating (SwiGLU pairs) its output;
+//! - [`Gpu::mla_prep`]: the latent's RMSNorm and the rope key's RoPE written straight into the KV
+//!   cache rows of the position;
+//! - [`Gpu::route_noaux`]: DeepSeek-V3's `noaux_tc` router for a batch of tokens, so that a decode
+//!   step whose experts are all on the device never waits for the host;
+//! - [`ExpertTable`] and [`Gpu::moe_table`]: the chosen experts' SwiGLU, down projections, weighted
+//!   sum, shared experts and residual add in two launches, the experts found through a device
+//!   table indexed by the router's ids.
+
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+
+use crate::gpu::{GpuBuf, WARPS};
+use crate::mat::{GpuMat, GpuMatData};
+use crate::moe::MOE_MAX_K;
+use crate::{CudaError, DriverContext, Gpu};
+
+/// Most products one [`Gpu::mv_jobs`] launch takes (`MAX_JOBS` in `fused.cu`).
+pub const MAX_JOBS: usize = 4;
+
+/// Largest input one pre-normalizing launch keeps in shared memory, elements (48 KiB of f32);
+/// a longer input is normalized by a separate `rms_norm` launch first (same bits).
+const PRE_NORM_MAX: usize = 12 * 1024;
+
+/// A matrix as the kernels see it (`Mat` in `fused.cu`): device pointers, shape, layout.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MatDesc {
+    w: u64,
+    s: u64,
+    rows: i32,
+    cols: i32,
+    fmt: i32,
+    pad: i32,
+}
+
+// SAFETY: `#[repr(C)]` plain data matching `Mat` in fused.cu (pointers as u64).
+unsafe impl DeviceRepr for MatDesc {}
+// SAFETY: all-zero bits are a valid (empty) descriptor.
+unsafe impl ValidAsZeroBits for MatDesc {}
+
+impl GpuMat {
+    /// This matrix's descriptor for the fused kernels (pointers stay valid while `self` lives).
+    pub fn desc(&self, gpu: &Gpu) -> MatDesc {
+        let s = gpu.stream();
+        // The guards only record events when event tracking is on; `Gpu::open` turns it off
+        // (one stream), so dropping them at once is sound.
+        let (w, sc, fmt) = match &self.data {
+            GpuMatData::F32(w) => (w.device_ptr(s).0, 0, 0),
+            GpuMatData::Int8 { q, scales } => (q.device_ptr(s).0, scales.device_ptr(s).0, 1),
+            GpuMatData::Mxfp4 { packed, scales } => (packed.device_ptr(s).0, scales.device_ptr(s).0, 2),
+        };
+        MatDesc {
+            w,
+            s: sc,
+            rows: self.rows as i32,
+            cols: self.cols as i32,
+            fmt,
+            pad: 0,
+        }
+    }
+}
+
+/// What a [`MvJob`] does with row `r` of its product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MvKind {
+    /// `y[r] = A[r] · x`.
+    Set,
+    /// `y[r] += A[r] · x` (a multiply by 1 then an add: `axpy`'s arithmetic; the residual stream).
+    Add,
+    /// `y[r] = silu(A[r] · x) · (B[r] · x)` (a SwiGLU gate/up pair; `swiglu`'s arithmetic).
+    Glu,
+}
+
+/// One product of a [`Gpu::mv_jobs`] launch: `a: [rows, cols]` (and `b` of the same shape for
+/// [`MvKind::Glu`]) against the launch's input `x: [cols]`, into `y: [rows]`.
+pub struct MvJob<'a> {
+    /// The matrix (the gate for `Glu`).
+    pub a: &'a GpuMat,
+    /// The up projection for `Glu`, else `None`.
+    pub b: Option<&'a GpuMat>,
+    /// What is done with the product.
+    pub kind: MvKind,
+    /// The output `[rows]`.
+    pub y: &'a mut GpuBuf,
+}
+
+/// An RMSNorm applied to the input of a [`Gpu::mv_jobs`] launch first:
+/// `x̂ = x / sqrt(mean(x²) + eps) · w` (`(1 + w)` when `one_plus`), `rms_norm`'s arithmetic.
+pub struct PreNorm<'a> {
+    /// `weight: [cols]`.
+    pub weight: &'a GpuBuf,
+    /// ε.
+    pub eps: f32,
+    /// Zero-centred weight (Qwen3-Next).
+    pub one_plus: bool,
+    /// Where x̂ is also written (for later launches that read it), when given.
+    pub out: Option<&'a mut GpuBuf>,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct JobC {
+    a: MatDesc,
+    b: MatDesc,
+    y: u64,
+    kind: i32,
+    row0: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct JobsC {
+    j: [JobC; MAX_JOBS],
+    n: i32,
+    pad: i32,
+}
+
+// SAFETY: `#[repr(C)]` plain data matching `Jobs` in fused.cu.
+unsafe impl DeviceRepr for JobsC {}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct PreNormC {
+    w: u64,
+    out: u64,
+    eps: f32,
+    dim: i32,
+    one_plus: i32,
+    pad: i32,
+}
+
+// SAFETY: `#[repr(C)]` plain data matching `PreNorm` in fused.cu.
+unsafe impl DeviceRepr for PreNormC {}
+
+/// The `noaux_tc` router's hyperparameters (DeepSeek-V3 config names; `RouteCfg` in fused.cu).
+#[derive(Debug, Clone, Copy)]
+pub struct RouterShape {
+    /// `n_routed_experts`.
+    pub n_experts: usize,
+    /// `num_experts_per_tok` (at most [`MOE_MAX_K`]).
+    pub top_k: usize,
+    /// `n_group` (at most 64; 1 for no grouping).
+    pub n_group: usize,
+    /// `topk_group`.
+    pub topk_group: usize,
+    /// `norm_topk_prob`.
+    pub norm_topk_prob: bool,
+    /// `routed_scaling_factor`.
+    pub routed_scaling_factor: f32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RouteC {
+    n_experts: i32,
+    top_k: i32,
+    n_group: i32,
+    topk_group: i32,
+    norm: i32,
+    scale: f32,
+}
+
+// SAFETY: `#[repr(C)]` plain data matching `RouteCfg` in fused.cu.
+unsafe impl DeviceRepr for RouteC {}
+
+/// One routed expert's three matrices as the kernels see them (`Expert` in fused.cu).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ExpertDesc {
+    gate: MatDesc,
+    up: MatDesc,
+    down: MatDesc,
+}
+
+// SAFETY: `#[repr(C)]` plain data matching `Expert` in fused.cu.
+unsafe impl DeviceRepr for ExpertDesc {}
+// SAFETY: all-zero bits are a valid (empty) descriptor.
+unsafe impl ValidAsZeroBits for ExpertDesc {}
+
+/// A device table of routed experts `[n]` (`gate_proj` and `up_proj`: `[inter, hidden]`,
+/// `down_proj`: `[hidden, inter]`, any layout), indexed by expert id or by slot. It holds only
+/// pointers: the caller keeps every expert it names alive while launches that read it are queued
+/// (the device frees memory in stream order, so dropping a handle after queuing is enough).
+pub struct ExpertTable {
+    buf: CudaSlice<ExpertDesc>,
+    inter: usize,
+    hidden: usize,
+}
+
+impl ExpertTable {
+    /// Entries.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Whether the table has no entries.
+    pub fn is_empty(&self) -> bool {
+        self.buf.len() == 0
+    }
+
+    /// Points entries `first ..` at `experts` (each `[gate_proj, up_proj, down_proj]`).
+    ///
+    /// # Errors
+    /// `Shape` when an expert's shapes are not the table's or the entries do not fit; a driver
+    /// error.
+    pub fn set(&mut self, gpu: &Gpu, first: usize, experts: &[&[GpuMat; 3]]) -> Result<(), CudaError> {
+        if first + experts.len() > self.buf.len() {
+            return Err(CudaError::Shape(format!(
+                "expert table: entries {first}..{} of {}",
+                first + experts.len(),
+                self.buf.len()
+            )));
+        }
+        let mut descs = Vec::with_capacity(experts.len());
+        for e in experts {
+            let (i, h) = (self.inter, self.hidden);
+            if e[0].rows != i || e[0].cols != h || e[1].rows != i || e[1].cols != h || e[2].rows != h || e[2].cols != i
+            {
+                return Err(CudaError::Shape(format!(
+                    "expert table of [{i}, {h}] experts: got gate [{}, {}], up [{}, {}], down [{}, {}]",
+                    e[0].rows, e[0].cols, e[1].rows, e[1].cols, e[2].rows, e[2].cols
+                )));
+            }
+            descs.push(ExpertDesc {
+                gate: e[0].desc(gpu),
+                up: e[1].desc(gpu),
+                down: e[2].desc(gpu),
+            });
+        }
+        if descs.is_empty() {
+            return Ok(());
+        }
+        let mut dst = self.buf.slice_mut(first..first + descs.len());
+        gpu.stream().memcpy_htod(&descs, &mut dst).ctx("cuMemcpyHtoD")
+    }
+
+    /// Empties entry `i` (its expert left the device).
+    ///
+    /// # Errors
+    /// `Shape` when `i` is out of range; a driver error.
+    pub fn clear(&mut self, gpu: &Gpu, i: usize) -> Result<(), CudaError> {
+        if i >= self.buf.len() {
+            return Err(CudaError::Shape(format!(
+                "expert table: entry {i} of {}",
+                self.buf.len()
+            )));
+        }
+        let mut dst = self.buf.slice_mut(i..i + 1);
+        gpu.stream().memset_zeros(&mut dst).ctx("cuMemsetD8")
+    }
+}
+
+impl Gpu {
+    /// An empty [`ExpertTable`] of `n` entries for experts of `[inter, hidden]`.
+    ///
+    /// # Errors
+    /// A driver error (out of memory).
+    pub fn expert_table(&self, n: usize, inter: usize, hidden: usize) -> Result<ExpertTable, CudaError> {
+        Ok(ExpertTable {
+            buf: self.stream().alloc_zeros::<ExpertDesc>(n.max(1)).ctx("cuMemAlloc")?,
+            inter,
+            hidden,
+        })
+    }
+
+    /// Up to [`MAX_JOBS`] products of one input `x: [cols]` in one launch (see [`MvJob`]),
+    /// after `norm` of `x` when given. Each output equals the unfused launches' bit for bit
+    /// (`rms_norm`, then `GpuMat::matvec`, `swiglu`, `axpy`).
+    ///
+    /// # Errors
+    /// `Shape` for no or too many jobs, or lengths that disagree; a driver error.
+    pub fn mv_jobs(&self, x: &GpuBuf, norm: Option<PreNorm>, jobs: &mut [MvJob]) -> Result<(), CudaError> {
+        if jobs.is_empty() || jobs.len() > MAX_JOBS {
+            return Err(CudaError::Shape(format!(
+                "mv_jobs: {} jobs (1 to {MAX_JOBS})",
+                jobs.len()
+            )));
+        }
+        for j in jobs.iter() {
+            let b_ok = match (j.kind, j.b) {
+                (MvKind::Glu, Some(b)) => b.rows == j.a.rows && b.cols == j.a.cols,
+                (MvKind::Glu, None) => false,
+                (_, b) => b.is_none(),
+            };
+            if j.a.cols != x.len() || j.y.len() != j.a.rows || !b_ok {
+                return Err(CudaError::Shape(format!(
+                    "mv_jobs: a [{}, {}] {:?} job with x of {} and y of {} elements",
+                    j.a.rows,
+                    j.a.cols,
+                    j.kind,
+                    x.len(),
+                    j.y.len()
+                )));
+            }
+        }
+        let mut pn = PreNormC::default();
+        let mut staged: Option<GpuBuf> = None;
+        let mut shared_mem_bytes = 0u32;
+        if let Some(n) = norm {
+            if n.weight.len() != x.len() {
+                return Err(CudaError::Shape(format!(
+                    "mv_jobs: a norm weight of {} for x of {}",
+                    n.weight.len(),
+                    x.len()
+                )));
+            }
+            if n.out.as_ref().is_some_and(|o| o.len() != x.len()) {
+                return Err(CudaError::Shape(format!("mv_jobs: a norm output for x of {}", x.len())));
+            }
+            if x.len() > PRE_NORM_MAX {
+                // Too long for shared memory: the same norm as its own launch.
+                let mut t = self.zeros(x.len())?;
+                self.rms_norm(x, n.weight, 1, n.eps, n.one_plus, &mut t)?;
+                if let Some(out) = n.out {
+                    self.stream().memcpy_dtod(&t, out).ctx("cuMemcpyDtoD")?;
+                }
+                staged = Some(t);
+            } else {
+                let s = self.stream();
+                pn = PreNormC {
+                    w: n.weight.device_ptr(s).0,
+                    out: n.out.map_or(0, |o| o.device_ptr(s).0),
+                    eps: n.eps,
+                    dim: x.len() as i32,
+                    one_plus: n.one_plus as i32,
+                    pad: 0,
+                };
+                shared_mem_bytes = (x.len() * 4) as u32;
+            }
+        }
+        let mut c = JobsC {
+            n: jobs.len() as i32,
+            ..Default::default()
+        };
+        let mut row0 = 0usize;
+        for (i, j) in jobs.iter().enumerate() {
+            let kind = match j.kind {
+                MvKind::Set => 0,
+                MvKind::Add => 1,
+                MvKind::Glu => 2,
+            };
+            c.j[i] = JobC {
+                a: j.a.desc(self),
+                b: j.b.map(|b| b.desc(self)).unwrap_or_default(),
+                y: j.y.device_ptr(self.stream()).0,
+                kind,
+                row0: row0 as i32,
+            };
+            row0 += j.a.rows;
+        }
+        if row0 > i32::MAX as usize {
+            return Err(CudaError::Shape(format!("mv_jobs: {row0} rows in one launch")));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: ((row0 as u32).div_ceil(WARPS), 1, 1),
+            block_dim: (32 * WARPS, 1, 1),
+            shared_mem_bytes,
+        };
+        let input = staged.as_ref().unwrap_or(x);
+        let mut b = self.stream().launch_builder(self.k.get("mv_jobs")?);
+        b.arg(&c).arg(input).arg(&pn);
+        // SAFETY: matches `mv_jobs` in fused.cu; every job's shapes were checked against x and y,
+        // the outputs are distinct buffers borrowed mutably for the call.
+        unsafe { b.launch(cfg) }.ctx("launch mv_jobs")?;
+        Ok(())
+    }
+
+    /// MLA's per-token preparation at position `pos`: `c_kv[pos] = RMSNorm(ckv_raw)` with the
+    /// `kv_a_layernorm` weight `norm: [kv_lora_rank]`, and `k_pe[pos] = RoPE(kpe_raw)` with
+    /// `cs = [cos[rope/2], sin[rope/2]]` (`rms_norm`'s and `rope_apply`'s arithmetic).
+    /// `c_kv: [>= pos + 1, kv_lora_rank]`, `k_pe: [>= pos + 1, rope]` (the layer's caches).
+    ///
+    /// # Errors
+    /// `Shape` when lengths disagree; a driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_prep(
+        &self,
+        ckv_raw: &GpuBuf,
+        norm: &GpuBuf,
+        eps: f32,
+        kpe_raw: &GpuBuf,
+        cs: &GpuBuf,
+        interleaved: bool,
+        pos: usize,
+        c_kv: &mut GpuBuf,
+        k_pe: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        let (kvl, rope) = (ckv_raw.len(), kpe_raw.len());
+        if norm.len() != kvl
+            || cs.len() != rope
+            || !rope.is_multiple_of(2)
+            || c_kv.len() < (pos + 1) * kvl
+            || k_pe.len() < (pos + 1) * rope
+        {
+            return Err(CudaError::Shape(format!(
+                "mla_prep: latent {kvl}, norm {}, rope key {rope}, cos/sin {}, caches {} and {} at position {pos}",
+                norm.len(),
+                cs.len(),
+                c_kv.len(),
+                k_pe.len()
+            )));
+        }
+        let (kvl_i, rope_i, il) = (kvl as i32, rope as i32, interleaved as i32);
+        let mut cdst = c_kv.slice_mut(pos * kvl..(pos + 1) * kvl);
+        let mut kdst = k_pe.slice_mut(pos * rope..(pos + 1) * rope);
+        let cfg = LaunchConfig {
+            grid_dim: (2, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream().launch_builder(self.k.get("mla_prep")?);
+        b.arg(ckv_raw).arg(norm).arg(&kvl_i).arg(&eps).arg(&mut cdst);
+        b.arg(kpe_raw).arg(&rope_i).arg(cs).arg(&il).arg(&mut kdst);
+        // SAFETY: matches `mla_prep` in fused.cu; lengths checked above.
+        unsafe { b.launch(cfg) }.ctx("launch mla_prep")?;
+        Ok(())
+    }
+
+    /// Routes `n` tokens on the device (`noaux_tc`, see `route_noaux` in fused.cu and the host's
+    /// `deltafin_engine::moe::route`): `logits: [n, n_experts]`, `bias: [n_experts]`
+    /// (`e_score_correction_bias`); writes each token's `top_k` expert ids (ascending) to
+    /// `ids[off + t * top_k ..]` and their weights to `weights[off + t * top_k ..]`.
+    ///
+    /// # Errors
+    /// `Shape` for an unsupported shape (top_k above [`MOE_MAX_K`] or the expert count, more
+    /// than 64 groups, groups that do not divide the experts) or lengths that disagree; a
+    /// driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_noaux(
+        &self,
+        cfg: RouterShape,
+        logits: &GpuBuf,
+        n: usize,
+        bias: &GpuBuf,
+        ids: &mut CudaSlice<i32>,
+        weights: &mut GpuBuf,
+        off: usize,
+    ) -> Result<(), CudaError> {
+        let (e, k) = (cfg.n_experts, cfg.top_k);
+        let groups_ok = cfg.n_group <= 1
+            || (cfg.n_group <= 64 && e % cfg.n_group == 0 && cfg.topk_group >= 1 && cfg.topk_group <= cfg.n_group);
+        if n == 0
+            || k == 0
+            || k > MOE_MAX_K
+            || k > e
+            || !groups_ok
+            || logits.len() != n * e
+            || bias.len() != e
+            || ids.len() < off + n * k
+            || weights.len() < off + n * k
+            || n > 65_535 * 1024
+        {
+            return Err(CudaError::Shape(format!(
+                "route_noaux: {cfg:?} for {n} token(s): logits {}, bias {}, outputs {} and {} at {off}",
+                logits.len(),
+                bias.len(),
+                ids.len(),
+                weights.len()
+            )));
+        }
+        let c = RouteC {
+            n_experts: e as i32,
+            top_k: k as i32,
+            n_group: cfg.n_group.max(1) as i32,
+            topk_group: cfg.topk_group as i32,
+            norm: cfg.norm_topk_prob as i32,
+            scale: cfg.routed_scaling_factor,
+        };
+        let mut id_v = ids.slice_mut(off..off + n * k);
+        let mut w_v = weights.slice_mut(off..off + n * k);
+        let lc = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: (2 * e * 4 + e) as u32,
+        };
+        let mut b = self.stream().launch_builder(self.k.get("route_noaux")?);
+        b.arg(logits).arg(bias).arg(&c).arg(&mut id_v).arg(&mut w_v);
+        // SAFETY: matches `route_noaux` in fused.cu; lengths and limits checked above.
+        unsafe { b.launch(lc) }.ctx("launch route_noaux")?;
+        Ok(())
+    }
+
+    /// The routed part of a MoE block for one token in two launches, added to the residual
+    /// stream: `x += Σ_j w[j] · down_j(silu(gate_j x̂) ⊙ up_j x̂) + shared_down(shared_h)`, where
+    /// slot `j`'s expert is `table[ids[j]]` (`ids: [k]`, `w: [k]` in router order, views of
+    /// device buffers), `xn: [hidden]` is x̂, `h: [>= k * inter]` scratch and
+    /// `shared = (shared_down, shared_h)` the shared experts' down projection `[hidden, s_inter]`
+    /// and their gated intermediate `[s_inter]` (see [`MvKind::Glu`]). Bit-identical to
+    /// `Gpu::moe_fused` and to the unfused path (matvec, swiglu, axpy per expert).
+    ///
+    /// The ids are not checked on the host: every id a launch reads must name an entry the
+    /// caller filled ([`ExpertTable::set`]) and whose expert is alive.
+    ///
+    /// # Errors
+    /// `Shape` when lengths disagree; a driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_table(
+        &self,
+        table: &ExpertTable,
+        ids: &CudaView<i32>,
+        w: &CudaView<f32>,
+        k: usize,
+        xn: &GpuBuf,
+        h: &mut GpuBuf,
+        shared: Option<(&GpuMat, &GpuBuf)>,
+        x: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        let (inter, hidden) = (table.inter, table.hidden);
+        let shared_ok = shared.is_none_or(|(d, sh)| d.rows == hidden && d.cols == sh.len());
+        if k == 0
+            || k > MOE_MAX_K
+            || ids.len() < k
+            || w.len() < k
+            || xn.len() != hidden
+            || x.len() != hidden
+            || h.len() < k * inter
+            || !shared_ok
+        {
+            return Err(CudaError::Shape(format!(
+                "moe_table: {k} slots of [{inter}, {hidden}] experts with xn {}, x {}, h {}",
+                xn.len(),
+                x.len(),
+                h.len()
+            )));
+        }
+        let (inter_i, hidden_i, k_i) = (inter as i32, hidden as i32, k as i32);
+        let id_v = ids.slice(..k);
+        let w_v = w.slice(..k);
+        let grid = |rows: usize, y: u32| LaunchConfig {
+            grid_dim: ((rows as u32).div_ceil(WARPS), y, 1),
+            block_dim: (32 * WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream().launch_builder(self.k.get("moe_gate_up_tab")?);
+        b.arg(&table.buf).arg(&id_v).arg(&inter_i).arg(xn).arg(&mut *h);
+        // SAFETY: matches `moe_gate_up_tab` in fused.cu; the table's entries have [inter, hidden]
+        // gate/up (checked by ExpertTable::set), h holds k * inter.
+        unsafe { b.launch(grid(inter, k as u32)) }.ctx("launch moe_gate_up_tab")?;
+        let (sd, sh) = match shared {
+            Some((d, sh)) => (d.desc(self), sh.device_ptr(self.stream()).0),
+            None => (MatDesc::default(), 0u64),
+        };
+        let mut b = self.stream().launch_builder(self.k.get("moe_down_combine_tab")?);
+        b.arg(&table.buf)
+            .arg(&id_v)
+            .arg(&w_v)
+            .arg(&k_i)
+            .arg(&hidden_i)
+            .arg(&inter_i);
+        b.arg(&*h).arg(&sd).arg(&sh).arg(x);
+        // SAFETY: matches `moe_down_combine_tab`; down is [hidden, inter] per the table, the
+        // shared pair's shapes were checked, x is [hidden].
+        unsafe { b.launch(grid(hidden, 1)) }.ctx("launch moe_down_combine_tab")?;
+        Ok(())
+    }
+}

@@ -1,0 +1,97 @@
+//! The device router (`deltafin_cuda::Gpu::route_noaux`, what `--device cuda` routes with)
+//! against the host's `moe::route` (the CPU path's router) on the same logits: the same experts
+//! always (ties included: to the lower id), the same weights up to the last bits of `exp` (the
+//! device's `expf` and the host libm's may differ by an ulp). Skips with one line without a GPU.
+
+use deltafin_cuda::{Gpu, RouterShape};
+use deltafin_engine::moe::{route, RouterConfig};
+
+/// A small deterministic generator (xorshift), values in [-r, r).
+fn values(seed: u64, n: usize, r: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32 * r
+        })
+        .collect()
+}
+
+#[test]
+fn device_router_chooses_what_the_host_router_chooses() {
+    let g = match Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED device_router_chooses_what_the_host_router_chooses: {e}");
+            return;
+        }
+    };
+    // (experts, top_k, groups, kept groups, norm, scale): DeepSeek-V3's shape, no groups, Kimi
+    // K3's 896 choose 16, and a tiny one.
+    let cases = [
+        (256usize, 8usize, 8usize, 4usize, true, 2.5f32),
+        (64, 6, 1, 1, false, 1.0),
+        (896, 16, 1, 1, true, 2.827),
+        (8, 2, 4, 2, true, 1.0),
+    ];
+    for (ci, &(e, k, ng, tg, norm, scale)) in cases.iter().enumerate() {
+        let n = 33;
+        // Logits on a coarse grid (many exact ties) for half the tokens, fine for the rest.
+        let mut logits = values(ci as u64 + 1, n * e, 4.0);
+        for v in logits[..(n / 2) * e].iter_mut() {
+            *v = (*v * 2.0).round() / 2.0;
+        }
+        let bias = values(ci as u64 + 100, e, 0.05);
+        let shape = RouterShape {
+            n_experts: e,
+            top_k: k,
+            n_group: ng,
+            topk_group: tg,
+            norm_topk_prob: norm,
+            routed_scaling_factor: scale,
+        };
+        let cfg = RouterConfig {
+            n_routed_experts: e,
+            top_k: k,
+            n_group: ng,
+            topk_group: tg,
+            norm_topk_prob: norm,
+            routed_scaling_factor: scale,
+        };
+        let (dl, db) = (g.upload(&logits).unwrap(), g.upload(&bias).unwrap());
+        let mut ids = g.upload(&vec![-1i32; n * k + 3]).unwrap();
+        let mut w = g.upload(&vec![f32::NAN; n * k + 3]).unwrap();
+        g.route_noaux(shape, &dl, n, &db, &mut ids, &mut w, 3).unwrap();
+        let (ids, w) = (g.download(&ids).unwrap(), g.download(&w).unwrap());
+        assert_eq!(&ids[..3], &[-1, -1, -1], "case {ci}: wrote before the offset");
+        for t in 0..n {
+            let want = route(&cfg, &logits[t * e..(t + 1) * e], &bias);
+            let got: Vec<usize> = ids[3 + t * k..3 + (t + 1) * k].iter().map(|&v| v as usize).collect();
+            assert_eq!(got, want.experts, "case {ci} token {t}: experts");
+            for (a, b) in w[3 + t * k..3 + (t + 1) * k].iter().zip(&want.weights) {
+                assert!(
+                    (a - b).abs() <= 4.0 * f32::EPSILON * b.abs(),
+                    "case {ci} token {t}: weight {a} vs {b}"
+                );
+            }
+        }
+    }
+    // Shapes the kernel cannot take are refused with the reason.
+    let bad = RouterShape {
+        n_experts: 8,
+        top_k: 17,
+        n_group: 1,
+        topk_group: 1,
+        norm_topk_prob: true,
+        routed_scaling_factor: 1.0,
+    };
+    let mut ids = g.upload(&[0i32; 17]).unwrap();
+    let mut w = g.zeros(17).unwrap();
+    let e = g
+        .route_noaux(bad, &g.zeros(8).unwrap(), 1, &g.zeros(8).unwrap(), &mut ids, &mut w, 0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("route_noaux"), "{e}");
+}
