@@ -140,6 +140,15 @@ struct PreNormC {
 // SAFETY: `#[repr(C)]` plain data matching `PreNorm` in fused.cu.
 unsafe impl DeviceRepr for PreNormC {}
 
+/// How [`Gpu::moe_table_with`] launches the down projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeDown {
+    /// One launch: a warp computes a row's k dot products and combines them.
+    Fused,
+    /// A warp per (row, slot) dot product; the block that finishes last combines.
+    Split,
+}
+
 /// The `noaux_tc` router's hyperparameters (DeepSeek-V3 config names; `RouteCfg` in fused.cu).
 #[derive(Debug, Clone, Copy)]
 pub struct RouterShape {
@@ -147,7 +156,7 @@ pub struct RouterShape {
     pub n_experts: usize,
     /// `num_experts_per_tok` (at most [`MOE_MAX_K`]).
     pub top_k: usize,
-    /// `n_group` (at most 64; 1 for no grouping).
+    /// `n_group` (at most 64; 1 for no grouping). At most 4,096 experts.
     pub n_group: usize,
     /// `topk_group`.
     pub topk_group: usize,
@@ -157,8 +166,86 @@ pub struct RouterShape {
     pub routed_scaling_factor: f32,
 }
 
+/// The router's outputs for [`Gpu::mv_jobs_route`]: one token's ids and weights are written at
+/// `ids[off..off + top_k]`, `weights[off..off + top_k]`.
+pub struct RouteTailArg<'a> {
+    /// The router's shape.
+    pub cfg: RouterShape,
+    /// `e_score_correction_bias` `[n_experts]`.
+    pub bias: &'a GpuBuf,
+    /// Expert ids out.
+    pub ids: &'a mut CudaSlice<i32>,
+    /// Weights out.
+    pub weights: &'a mut GpuBuf,
+    /// Where the token's `top_k` entries start.
+    pub off: usize,
+}
+
+/// Checks a routing launch's shape and lengths (see [`Gpu::route_noaux`]).
+fn route_check(
+    cfg: RouterShape,
+    n: usize,
+    logits: usize,
+    bias: &GpuBuf,
+    ids: usize,
+    weights: usize,
+    off: usize,
+) -> Result<(), CudaError> {
+    let (e, k) = (cfg.n_experts, cfg.top_k);
+    let groups_ok = cfg.n_group <= 1
+        || (cfg.n_group <= 64 && e % cfg.n_group == 0 && cfg.topk_group >= 1 && cfg.topk_group <= cfg.n_group);
+    if n == 0
+        || k == 0
+        || k > MOE_MAX_K
+        || k > e
+        || !groups_ok
+        || logits != n * e
+        || bias.len() != e
+        || ids < off + n * k
+        || weights < off + n * k
+        || n > 65_535 * 1024
+        || e > 4096
+    {
+        return Err(CudaError::Shape(format!(
+            "route_noaux: {cfg:?} for {n} token(s): logits {logits}, bias {}, outputs {ids} and {weights} at {off}",
+            bias.len()
+        )));
+    }
+    Ok(())
+}
+
+fn route_c(cfg: RouterShape) -> RouteC {
+    RouteC {
+        n_experts: cfg.n_experts as i32,
+        top_k: cfg.top_k as i32,
+        n_group: cfg.n_group.max(1) as i32,
+        topk_group: cfg.topk_group as i32,
+        norm: cfg.norm_topk_prob as i32,
+        scale: cfg.routed_scaling_factor,
+    }
+}
+
+/// Dynamic shared memory of the router: scores and choices, then a taken flag per expert.
+fn route_smem(n_experts: usize) -> u32 {
+    (2 * n_experts * 4 + n_experts) as u32
+}
+
 #[repr(C)]
 #[derive(Clone, Copy)]
+struct RouteTailC {
+    bias: u64,
+    ids: u64,
+    weights: u64,
+    counter: u64,
+    c: RouteC,
+    enabled: i32,
+}
+
+// SAFETY: `#[repr(C)]` plain data matching `RouteTail` in fused.cu.
+unsafe impl DeviceRepr for RouteTailC {}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
 struct RouteC {
     n_experts: i32,
     top_k: i32,
@@ -278,6 +365,22 @@ impl Gpu {
     /// # Errors
     /// `Shape` for no or too many jobs, or lengths that disagree; a driver error.
     pub fn mv_jobs(&self, x: &GpuBuf, norm: Option<PreNorm>, jobs: &mut [MvJob]) -> Result<(), CudaError> {
+        self.mv_jobs_route(x, norm, jobs, None)
+    }
+
+    /// [`Gpu::mv_jobs`], then, with `route`, the token routed in the same launch (by the block
+    /// that finishes last): `jobs[0]` must be the router (`Set`, `n_experts` rows; its output the
+    /// logits), and the choice is [`Gpu::route_noaux`]'s for that one token, bit for bit.
+    ///
+    /// # Errors
+    /// As [`Gpu::mv_jobs`] and [`Gpu::route_noaux`]; `Shape` when `jobs[0]` is not the router.
+    pub fn mv_jobs_route(
+        &self,
+        x: &GpuBuf,
+        norm: Option<PreNorm>,
+        jobs: &mut [MvJob],
+        route: Option<RouteTailArg>,
+    ) -> Result<(), CudaError> {
         if jobs.is_empty() || jobs.len() > MAX_JOBS {
             return Err(CudaError::Shape(format!(
                 "mv_jobs: {} jobs (1 to {MAX_JOBS})",
@@ -364,9 +467,39 @@ impl Gpu {
             block_dim: (32 * WARPS, 1, 1),
             shared_mem_bytes,
         };
+        let mut rt = RouteTailC {
+            bias: 0,
+            ids: 0,
+            weights: 0,
+            counter: 0,
+            c: RouteC::default(),
+            enabled: 0,
+        };
+        let mut cfg = cfg;
+        if let Some(r) = route {
+            let router_ok = jobs[0].kind == MvKind::Set && jobs[0].a.rows == r.cfg.n_experts;
+            let c = route_check(r.cfg, 1, jobs[0].y.len(), r.bias, r.ids.len(), r.weights.len(), r.off);
+            if !router_ok || c.is_err() {
+                return Err(CudaError::Shape(format!(
+                    "mv_jobs with a router: job 0 must be the router's {} rows ({})",
+                    r.cfg.n_experts,
+                    c.err().map_or_else(String::new, |e| e.to_string())
+                )));
+            }
+            let s = self.stream();
+            rt = RouteTailC {
+                bias: r.bias.device_ptr(s).0,
+                ids: r.ids.device_ptr(s).0 + (r.off * 4) as u64,
+                weights: r.weights.device_ptr(s).0 + (r.off * 4) as u64,
+                counter: self.counters.device_ptr(s).0,
+                c: route_c(r.cfg),
+                enabled: 1,
+            };
+            cfg.shared_mem_bytes = cfg.shared_mem_bytes.max(route_smem(r.cfg.n_experts));
+        }
         let input = staged.as_ref().unwrap_or(x);
         let mut b = self.stream().launch_builder(self.k.get("mv_jobs")?);
-        b.arg(&c).arg(input).arg(&pn);
+        b.arg(&c).arg(input).arg(&pn).arg(&rt);
         // SAFETY: matches `mv_jobs` in fused.cu; every job's shapes were checked against x and y,
         // the outputs are distinct buffers borrowed mutably for the call.
         unsafe { b.launch(cfg) }.ctx("launch mv_jobs")?;
@@ -444,42 +577,15 @@ impl Gpu {
         weights: &mut GpuBuf,
         off: usize,
     ) -> Result<(), CudaError> {
-        let (e, k) = (cfg.n_experts, cfg.top_k);
-        let groups_ok = cfg.n_group <= 1
-            || (cfg.n_group <= 64 && e % cfg.n_group == 0 && cfg.topk_group >= 1 && cfg.topk_group <= cfg.n_group);
-        if n == 0
-            || k == 0
-            || k > MOE_MAX_K
-            || k > e
-            || !groups_ok
-            || logits.len() != n * e
-            || bias.len() != e
-            || ids.len() < off + n * k
-            || weights.len() < off + n * k
-            || n > 65_535 * 1024
-        {
-            return Err(CudaError::Shape(format!(
-                "route_noaux: {cfg:?} for {n} token(s): logits {}, bias {}, outputs {} and {} at {off}",
-                logits.len(),
-                bias.len(),
-                ids.len(),
-                weights.len()
-            )));
-        }
-        let c = RouteC {
-            n_experts: e as i32,
-            top_k: k as i32,
-            n_group: cfg.n_group.max(1) as i32,
-            topk_group: cfg.topk_group as i32,
-            norm: cfg.norm_topk_prob as i32,
-            scale: cfg.routed_scaling_factor,
-        };
+        route_check(cfg, n, logits.len(), bias, ids.len(), weights.len(), off)?;
+        let c = route_c(cfg);
+        let k = cfg.top_k;
         let mut id_v = ids.slice_mut(off..off + n * k);
         let mut w_v = weights.slice_mut(off..off + n * k);
         let lc = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
             block_dim: (32, 1, 1),
-            shared_mem_bytes: (2 * e * 4 + e) as u32,
+            shared_mem_bytes: route_smem(cfg.n_experts),
         };
         let mut b = self.stream().launch_builder(self.k.get("route_noaux")?);
         b.arg(logits).arg(bias).arg(&c).arg(&mut id_v).arg(&mut w_v);
@@ -513,6 +619,28 @@ impl Gpu {
         shared: Option<(&GpuMat, &GpuBuf)>,
         x: &mut GpuBuf,
     ) -> Result<(), CudaError> {
+        self.moe_table_with(MoeDown::Fused, table, ids, w, k, xn, h, shared, x)
+    }
+
+    /// [`Gpu::moe_table`] with the down projections' launch form chosen; `MoeDown::Split` needs
+    /// `h` to hold `k * inter + (k + 1) * hidden` elements (the slots' outputs follow the
+    /// intermediates). Both forms give the same bits.
+    ///
+    /// # Errors
+    /// As [`Gpu::moe_table`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_table_with(
+        &self,
+        form: MoeDown,
+        table: &ExpertTable,
+        ids: &CudaView<i32>,
+        w: &CudaView<f32>,
+        k: usize,
+        xn: &GpuBuf,
+        h: &mut GpuBuf,
+        shared: Option<(&GpuMat, &GpuBuf)>,
+        x: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
         let (inter, hidden) = (table.inter, table.hidden);
         let shared_ok = shared.is_none_or(|(d, sh)| d.rows == hidden && d.cols == sh.len());
         if k == 0
@@ -521,7 +649,7 @@ impl Gpu {
             || w.len() < k
             || xn.len() != hidden
             || x.len() != hidden
-            || h.len() < k * inter
+            || h.len() < k * inter + if form == MoeDown::Split { (k + 1) * hidden } else { 0 }
             || !shared_ok
         {
             return Err(CudaError::Shape(format!(
@@ -548,6 +676,23 @@ impl Gpu {
             Some((d, sh)) => (d.desc(self), sh.device_ptr(self.stream()).0),
             None => (MatDesc::default(), 0u64),
         };
+        if form == MoeDown::Split {
+            let (mut hs, mut ys) = h.split_at_mut(k * inter);
+            let slots = k as u32 + shared.is_some() as u32;
+            let mut b = self.stream().launch_builder(self.k.get("moe_down_tab")?);
+            b.arg(&table.buf)
+                .arg(&id_v)
+                .arg(&w_v)
+                .arg(&k_i)
+                .arg(&hidden_i)
+                .arg(&inter_i);
+            b.arg(&mut hs).arg(&sd).arg(&sh).arg(&mut ys).arg(x).arg(&self.counters);
+            // SAFETY: matches `moe_down_tab`; down is [hidden, inter] per the table, y (after the
+            // intermediates) holds (k + 1) * hidden, x is [hidden]; the completion counter is
+            // zero between launches (the last block resets it) and only this stream uses it.
+            unsafe { b.launch(grid(hidden, slots)) }.ctx("launch moe_down_tab")?;
+            return Ok(());
+        }
         let mut b = self.stream().launch_builder(self.k.get("moe_down_combine_tab")?);
         b.arg(&table.buf)
             .arg(&id_v)

@@ -63,6 +63,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "moe_gate_up_tab",
     "moe_down_combine_tab",
     "route_noaux",
+    "moe_down_tab",
 ];
 
 pub(crate) struct Kernels(std::collections::HashMap<&'static str, CudaFunction>);
@@ -84,6 +85,9 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     pub(crate) k: Kernels,
+    /// Completion counters of the launches whose last block finishes the work (`last_block` in
+    /// fused.cu); zero between launches.
+    pub(crate) counters: CudaSlice<i32>,
 }
 
 /// Where compiled PTX is cached: `$DELTAFIN_CACHE_DIR/cuda`, else `$XDG_CACHE_HOME/deltafin/cuda`,
@@ -172,12 +176,14 @@ impl Gpu {
             k.insert(name, module.load_function(name).ctx("cuModuleGetFunction")?);
         }
         let k = Kernels(k);
+        let counters = stream.alloc_zeros::<i32>(4).ctx("cuMemAlloc")?;
         Ok(Self {
             info,
             ctx,
             stream,
             _module: module,
             k,
+            counters,
         })
     }
 

@@ -27,7 +27,9 @@ pub use attention::MlaShape;
 /// Device buffers and views of any element type (re-exported from `cudarc`).
 pub use cudarc::driver::{CudaSlice, CudaView};
 pub use device::{probe, DeviceInfo};
-pub use fused::{ExpertDesc, ExpertTable, MatDesc, MvJob, MvKind, PreNorm, RouterShape, MAX_JOBS};
+pub use fused::{
+    ExpertDesc, ExpertTable, MatDesc, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape, MAX_JOBS,
+};
 pub use gpu::{compile_ptx, ptx_cache_dir, Gpu, GpuBuf, ENTRY_POINTS};
 pub use mat::{Decode, GpuMat, GpuMatData, Kernel};
 pub use moe::MOE_MAX_K;

@@ -490,6 +490,74 @@ fn mv_jobs_equal_the_unfused_launches_bit_for_bit() {
     assert!(e.contains("Glu"), "{e}");
 }
 
+/// The router in the last block of a `mv_jobs_route` launch chooses exactly what a separate
+/// `route_noaux` launch chooses on the same logits (ids and weight bits), launch after launch
+/// (the completion counter resets itself).
+#[test]
+fn route_tail_equals_the_separate_router_launch() {
+    use deltafin_cuda::{MvJob, MvKind, RouteTailArg, RouterShape};
+    let Some(g) = gpu("route_tail_equals_the_separate_router_launch") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(44);
+    for (e, k, ng, tg, hidden) in [
+        (256usize, 8usize, 8usize, 4usize, 2048usize),
+        (64, 6, 1, 1, 200),
+        (896, 16, 1, 1, 96),
+    ] {
+        let cfg = RouterShape {
+            n_experts: e,
+            top_k: k,
+            n_group: ng,
+            topk_group: tg,
+            norm_topk_prob: true,
+            routed_scaling_factor: 2.5,
+        };
+        let router = GpuMat::upload(&g, &Host::new(&mut rng, e, hidden).mats()[0]).unwrap();
+        let other = GpuMat::upload(&g, &Host::new(&mut rng, 300, hidden).mats()[1]).unwrap();
+        let bias = g
+            .upload(&rand_vec(&mut rng, e).iter().map(|v| v * 0.05).collect::<Vec<_>>())
+            .unwrap();
+        for round in 0..3 {
+            let x = g.upload(&rand_vec(&mut rng, hidden)).unwrap();
+            let (mut logits, mut y2) = (g.zeros(e).unwrap(), g.zeros(300).unwrap());
+            let (mut ids, mut w) = (g.upload(&vec![-1i32; 2 * k]).unwrap(), g.zeros(2 * k).unwrap());
+            let route = RouteTailArg {
+                cfg,
+                bias: &bias,
+                ids: &mut ids,
+                weights: &mut w,
+                off: k,
+            };
+            let mut jobs = [
+                MvJob {
+                    a: &router,
+                    b: None,
+                    kind: MvKind::Set,
+                    y: &mut logits,
+                },
+                MvJob {
+                    a: &other,
+                    b: None,
+                    kind: MvKind::Set,
+                    y: &mut y2,
+                },
+            ];
+            g.mv_jobs_route(&x, None, &mut jobs, Some(route)).unwrap();
+            let (mut ids2, mut w2) = (g.upload(&vec![-1i32; k]).unwrap(), g.zeros(k).unwrap());
+            g.route_noaux(cfg, &logits, 1, &bias, &mut ids2, &mut w2, 0).unwrap();
+            let (a, b) = (g.download(&ids).unwrap(), g.download(&ids2).unwrap());
+            assert_eq!(&a[k..], &b[..], "e={e} round {round}: ids");
+            assert!(a[..k].iter().all(|&v| v == -1), "e={e}: wrote before the offset");
+            assert_eq!(
+                &g.download(&w).unwrap()[k..],
+                &g.download(&w2).unwrap()[..],
+                "e={e} round {round}: weights"
+            );
+        }
+    }
+}
+
 /// `Gpu::mla_prep` writes the bits of rms_norm + copy and RoPE + copy into the cache rows, and
 /// `Gpu::mla_decode` with the RoPE of q inside gives the bits of RoPE first, then decode.
 #[test]
@@ -669,6 +737,21 @@ fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
         )
         .unwrap();
         assert_eq!(g.download(&x).unwrap(), want, "k={k} fmt={fmt}: by id");
+        let mut hs = g.upload(&vec![f32::NAN; k * inter + (k + 1) * hidden]).unwrap();
+        let mut x = g.upload(&x0).unwrap();
+        g.moe_table_with(
+            deltafin_cuda::MoeDown::Split,
+            &table,
+            &did.slice(..),
+            &dw.slice(..),
+            k,
+            &dxn,
+            &mut hs,
+            Some((&sm[2], &sh_h)),
+            &mut x,
+        )
+        .unwrap();
+        assert_eq!(g.download(&x).unwrap(), want, "k={k} fmt={fmt}: by id, split down");
         // By slot.
         let chosen: Vec<&[GpuMat; 3]> = ids.iter().map(|&e| &experts[e as usize]).collect();
         let mut slots = g.expert_table(16, inter, hidden).unwrap();

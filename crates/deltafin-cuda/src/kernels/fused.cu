@@ -44,131 +44,15 @@ __device__ __forceinline__ float mat_row_dot(const Mat& m, int row, const float*
 // SwiGLU's expression (swiglu, moe_gate_up_mxfp4): silu(g) * u with silu(v) = v / (1 + exp(-v)).
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// ---- Several matrix-vector products of one input, one launch ----------------------------------
-// Job kinds: 0 y[r] = W[r] . x; 1 y[r] += W[r] . x (axpy's multiply by 1 then add: the residual
-// stream); 2 y[r] = silu(A[r] . x) * (B[r] . x) (a gate/up pair). Rows of all jobs are laid end
-// to end (`row0` of each job); one warp a row, 8 warps a block.
-#define MAX_JOBS 4
-struct Job {
-    Mat a;
-    Mat b;
-    float* y;
-    int kind;
-    int row0;
-};
-struct Jobs {
-    Job j[MAX_JOBS];
-    int n;
-    int pad;
-};
-// Optional RMSNorm of the input first (w not null): every block normalizes x into shared memory
-// with rms_norm's code (so the products see rms_norm's bits), block 0 also writes it to `out`
-// when that is not null.
-struct PreNorm {
-    const float* w;
-    float* out;
-    float eps;
-    int dim;
-    int one_plus;
-    int pad;
-};
-
-// Dynamic shared memory: pn.dim floats when pn.w is not null.
-extern "C" __global__ void __launch_bounds__(256) mv_jobs(Jobs jobs, const float* __restrict__ x, PreNorm pn) {
-    extern __shared__ __align__(16) float xs[];
-    __shared__ float part[256];
-    const float* xin = x;
-    if (pn.w != nullptr) {
-        block_rms_norm(x, pn.w, pn.dim, pn.eps, pn.one_plus, xs, part);
-        if (blockIdx.x == 0 && pn.out != nullptr)
-            for (int i = threadIdx.x; i < pn.dim; i += 256) pn.out[i] = xs[i];
-        xin = xs;
-    }
-    const int gr = blockIdx.x * 8 + (threadIdx.x >> 5);
-    Job job = jobs.j[0];
-#pragma unroll
-    for (int i = 1; i < MAX_JOBS; ++i)
-        if (i < jobs.n && gr >= jobs.j[i].row0) job = jobs.j[i];
-    const int r = gr - job.row0;
-    if (r >= job.a.rows) return;
-    float v = mat_row_dot(job.a, r, xin);
-    if (job.kind == 2) v = silu_mul(v, mat_row_dot(job.b, r, xin));
-    if ((threadIdx.x & 31) == 0) {
-        if (job.kind == 1) job.y[r] = __fadd_rn(job.y[r], __fmul_rn(1.0f, v));
-        else job.y[r] = v;
-    }
-}
-
-// ---- MLA's per-token preparation --------------------------------------------------------------
-// Block 0: latent = RMSNorm(ckv_raw) (kv_a_layernorm, rms_norm's code) into the latent cache row;
-// block 1: RoPE of the shared rope key (rope_apply's arithmetic) into the rope-key cache row.
-extern "C" __global__ void __launch_bounds__(256)
-    mla_prep(const float* __restrict__ ckv_raw, const float* __restrict__ norm_w, int kvl, float eps,
-             float* __restrict__ ckv_dst, const float* __restrict__ kpe_raw, int rope,
-             const float* __restrict__ cs, int interleaved, float* __restrict__ kpe_dst) {
-    __shared__ float part[256];
-    if (blockIdx.x == 0) {
-        block_rms_norm(ckv_raw, norm_w, kvl, eps, 0, ckv_dst, part);
-        return;
-    }
-    const int half = rope / 2;
-    for (int i = threadIdx.x; i < half; i += 256) {
-        const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
-        rope_pair(kpe_raw[a], kpe_raw[b], cs[i], cs[half + i], &kpe_dst[a], &kpe_dst[b]);
-    }
-}
-
-// ---- Routed experts from a device table -------------------------------------------------------
-// table[e] holds expert e's three matrices; ids[j] names the expert of slot j (router order).
-struct Expert {
-    Mat gate;
-    Mat up;
-    Mat down;
-};
-
-// h[j, r] = silu(gate_j[r] . x) * (up_j[r] . x), gate_j, up_j: [inter, hidden]; one warp a row,
-// blockIdx.y = slot j. moe_gate_up_mxfp4's arithmetic, for any layout.
-extern "C" __global__ void __launch_bounds__(256)
-    moe_gate_up_tab(const Expert* __restrict__ table, const int* __restrict__ ids, int inter,
-                    const float* __restrict__ x, float* __restrict__ h) {
-    const int j = blockIdx.y;
-    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (row >= inter) return;
-    const int e = ids[j];
-    const Mat g = table[e].gate, u = table[e].up;
-    const float gv = mat_row_dot(g, row, x);
-    const float uv = mat_row_dot(u, row, x);
-    if ((threadIdx.x & 31) == 0) h[(size_t)j * inter + row] = silu_mul(gv, uv);
-}
-
-// x[r] += (sum_j w[j] (down_j[r] . h_j)) + (shared_down[r] . shared_h): each slot's dot as
-// moe_down_mxfp4 computes it, the sum from 0 in slot (router) order, then the shared experts'
-// output (when shared_h is not null: the shared down projection as a matvec computes it), then
-// the residual add: moe_combine's arithmetic. One warp a row of hidden.
-extern "C" __global__ void __launch_bounds__(256)
-    moe_down_combine_tab(const Expert* __restrict__ table, const int* __restrict__ ids,
-                         const float* __restrict__ w, int k, int hidden, int inter, const float* __restrict__ h,
-                         Mat shared_down, const float* __restrict__ shared_h, float* __restrict__ x) {
-    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (row >= hidden) return;
-    float acc = 0.0f;
-    for (int j = 0; j < k; ++j) {
-        const Mat d = table[ids[j]].down;
-        const float y = mat_row_dot(d, row, h + (size_t)j * inter);
-        acc = __fadd_rn(acc, __fmul_rn(w[j], y));
-    }
-    if (shared_h != nullptr) acc = __fadd_rn(acc, __fmul_rn(1.0f, mat_row_dot(shared_down, row, shared_h)));
-    if ((threadIdx.x & 31) == 0) x[row] = __fadd_rn(x[row], __fmul_rn(1.0f, acc));
-}
-
 // ---- The noaux_tc router (DeepSeek-V3 §2.1.2; transformers DeepseekV3TopkRouter) ------------
-// For token t (one warp per token, blockIdx.x = t): scores s_i = 1 / (1 + exp(-logit_i)),
+// For one token, by the first warp of a block: scores s_i = 1 / (1 + exp(-logit_i)),
 // choice c_i = s_i + bias_i; with n_group > 1 each group's score is its two largest c summed
 // (largest first), the topk_group best groups are kept and the others' c set to -inf; the top_k
 // largest c are chosen (ties to the lower id), sorted by id; weights s_e in that order, divided by
 // (their sum in id order + 1e-20) when norm, then times `scale`. The host's deltafin-engine
 // moe::route does the same steps; only exp may differ from the host libm's in the last bit.
-// Dynamic shared memory: 2 * n_experts floats + n_experts bytes.
+// `rs`: shared memory of 2 * n_experts floats + n_experts bytes. Logits are read through L2
+// (__ldcg): they may have been written by other blocks of the same launch.
 struct RouteCfg {
     int n_experts;
     int top_k;
@@ -182,20 +66,18 @@ __device__ __forceinline__ bool route_better(float v, int i, float bv, int bi) {
     return bi < 0 || v > bv || (v == bv && i < bi);
 }
 
-extern "C" __global__ void route_noaux(const float* __restrict__ logits, const float* __restrict__ bias, RouteCfg c,
-                                       int* __restrict__ ids, float* __restrict__ weights) {
-    extern __shared__ float rs[];
+__device__ void route_token(const float* lg, const float* __restrict__ bias, const RouteCfg& c,
+                            int* __restrict__ ids, float* __restrict__ weights, float* rs) {
     float* score = rs;
     float* choice = rs + c.n_experts;
     unsigned char* taken = reinterpret_cast<unsigned char*>(rs + 2 * c.n_experts);
     __shared__ float gsc[64];
     __shared__ int gkeep[64];
     __shared__ int chosen[MOE_MAX_K];
-    const int t = blockIdx.x, lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31;
     const int n = c.n_experts;
-    const float* lg = logits + (size_t)t * n;
     for (int i = lane; i < n; i += 32) {
-        const float s = 1.0f / (1.0f + expf(-lg[i]));
+        const float s = 1.0f / (1.0f + expf(-__ldcg(lg + i)));
         score[i] = s;
         choice[i] = s + bias[i];
         taken[i] = 0;
@@ -264,17 +146,202 @@ extern "C" __global__ void route_noaux(const float* __restrict__ logits, const f
             }
             chosen[b + 1] = v;
         }
-        float wv[MOE_MAX_K];
         float d = 0.0f;
-        for (int j = 0; j < k; ++j) {
-            wv[j] = score[chosen[j]];
-            d = __fadd_rn(d, wv[j]);
-        }
+        for (int j = 0; j < k; ++j) d = __fadd_rn(d, score[chosen[j]]);
         d = __fadd_rn(d, 1e-20f);
         for (int j = 0; j < k; ++j) {
-            float v = c.norm ? __fdiv_rn(wv[j], d) : wv[j];
-            ids[(size_t)t * k + j] = chosen[j];
-            weights[(size_t)t * k + j] = __fmul_rn(v, c.scale);
+            const float v = c.norm ? __fdiv_rn(score[chosen[j]], d) : score[chosen[j]];
+            ids[j] = chosen[j];
+            weights[j] = __fmul_rn(v, c.scale);
         }
     }
+}
+
+// One token a block of 32 threads (blockIdx.x = token): ids[t * k ..], weights[t * k ..].
+// Dynamic shared memory: 2 * n_experts floats + n_experts bytes.
+extern "C" __global__ void route_noaux(const float* __restrict__ logits, const float* __restrict__ bias, RouteCfg c,
+                                       int* __restrict__ ids, float* __restrict__ weights) {
+    extern __shared__ float rs_dyn[];
+    const size_t t = blockIdx.x;
+    route_token(logits + t * c.n_experts, bias, c, ids + t * c.top_k, weights + t * c.top_k, rs_dyn);
+}
+
+// The block that finishes last among a launch's blocks (a completion counter, reset by that
+// block for the next launch on the stream): true in every thread of that block only. Writes of
+// all blocks before their call are visible to it through L2 (read them with __ldcg). The counter
+// orders only completion; no value is reduced through atomics.
+__device__ __forceinline__ bool last_block(int* counter) {
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)(gridDim.x * gridDim.y) - 1;
+    __syncthreads();
+    if (is_last) __threadfence();
+    return is_last;
+}
+
+// ---- Several matrix-vector products of one input, one launch ----------------------------------
+// Job kinds: 0 y[r] = W[r] . x; 1 y[r] += W[r] . x (axpy's multiply by 1 then add: the residual
+// stream); 2 y[r] = silu(A[r] . x) * (B[r] . x) (a gate/up pair). Rows of all jobs are laid end
+// to end (`row0` of each job); one warp a row, 8 warps a block.
+#define MAX_JOBS 4
+struct Job {
+    Mat a;
+    Mat b;
+    float* y;
+    int kind;
+    int row0;
+};
+struct Jobs {
+    Job j[MAX_JOBS];
+    int n;
+    int pad;
+};
+// Optional RMSNorm of the input first (w not null): every block normalizes x into shared memory
+// with rms_norm's code (so the products see rms_norm's bits), block 0 also writes it to `out`
+// when that is not null.
+struct PreNorm {
+    const float* w;
+    float* out;
+    float eps;
+    int dim;
+    int one_plus;
+    int pad;
+};
+
+// Optional router after the products (enabled != 0): job 0 is the router (its y the logits), and
+// the block that finishes last routes the token with route_token into ids/weights.
+struct RouteTail {
+    const float* bias;
+    int* ids;
+    float* weights;
+    int* counter;
+    RouteCfg c;
+    int enabled;
+};
+
+// Dynamic shared memory: max(pn.dim floats when pn.w is not null, the router's when rt.enabled).
+extern "C" __global__ void __launch_bounds__(256) mv_jobs(Jobs jobs, const float* __restrict__ x, PreNorm pn,
+                                                          RouteTail rt) {
+    extern __shared__ __align__(16) float xs[];
+    __shared__ float part[256];
+    const float* xin = x;
+    if (pn.w != nullptr) {
+        block_rms_norm(x, pn.w, pn.dim, pn.eps, pn.one_plus, xs, part);
+        if (blockIdx.x == 0 && pn.out != nullptr)
+            for (int i = threadIdx.x; i < pn.dim; i += 256) pn.out[i] = xs[i];
+        xin = xs;
+    }
+    const int gr = blockIdx.x * 8 + (threadIdx.x >> 5);
+    Job job = jobs.j[0];
+#pragma unroll
+    for (int i = 1; i < MAX_JOBS; ++i)
+        if (i < jobs.n && gr >= jobs.j[i].row0) job = jobs.j[i];
+    const int r = gr - job.row0;
+    if (r < job.a.rows) {
+        float v = mat_row_dot(job.a, r, xin);
+        if (job.kind == 2) v = silu_mul(v, mat_row_dot(job.b, r, xin));
+        if ((threadIdx.x & 31) == 0) {
+            if (job.kind == 1) job.y[r] = __fadd_rn(job.y[r], __fmul_rn(1.0f, v));
+            else job.y[r] = v;
+        }
+    }
+    if (rt.enabled == 0) return;
+    if (!last_block(rt.counter)) return;
+    __syncthreads();  // xs is reused by the router below
+    if (threadIdx.x < 32) route_token(jobs.j[0].y, rt.bias, rt.c, rt.ids, rt.weights, xs);
+    if (threadIdx.x == 0) *rt.counter = 0;
+}
+
+// ---- MLA's per-token preparation --------------------------------------------------------------
+// Block 0: latent = RMSNorm(ckv_raw) (kv_a_layernorm, rms_norm's code) into the latent cache row;
+// block 1: RoPE of the shared rope key (rope_apply's arithmetic) into the rope-key cache row.
+extern "C" __global__ void __launch_bounds__(256)
+    mla_prep(const float* __restrict__ ckv_raw, const float* __restrict__ norm_w, int kvl, float eps,
+             float* __restrict__ ckv_dst, const float* __restrict__ kpe_raw, int rope,
+             const float* __restrict__ cs, int interleaved, float* __restrict__ kpe_dst) {
+    __shared__ float part[256];
+    if (blockIdx.x == 0) {
+        block_rms_norm(ckv_raw, norm_w, kvl, eps, 0, ckv_dst, part);
+        return;
+    }
+    const int half = rope / 2;
+    for (int i = threadIdx.x; i < half; i += 256) {
+        const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+        rope_pair(kpe_raw[a], kpe_raw[b], cs[i], cs[half + i], &kpe_dst[a], &kpe_dst[b]);
+    }
+}
+
+// ---- Routed experts from a device table -------------------------------------------------------
+// table[e] holds expert e's three matrices; ids[j] names the expert of slot j (router order).
+struct Expert {
+    Mat gate;
+    Mat up;
+    Mat down;
+};
+
+// h[j, r] = silu(gate_j[r] . x) * (up_j[r] . x), gate_j, up_j: [inter, hidden]; one warp a row,
+// blockIdx.y = slot j. moe_gate_up_mxfp4's arithmetic, for any layout.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_gate_up_tab(const Expert* __restrict__ table, const int* __restrict__ ids, int inter,
+                    const float* __restrict__ x, float* __restrict__ h) {
+    const int j = blockIdx.y;
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (row >= inter) return;
+    const int e = ids[j];
+    const Mat g = table[e].gate, u = table[e].up;
+    const float gv = mat_row_dot(g, row, x);
+    const float uv = mat_row_dot(u, row, x);
+    if ((threadIdx.x & 31) == 0) h[(size_t)j * inter + row] = silu_mul(gv, uv);
+}
+
+// x[r] += (sum_j w[j] (down_j[r] . h_j)) + (shared_down[r] . shared_h): each slot's dot as
+// moe_down_mxfp4 computes it, the sum from 0 in slot (router) order, then the shared experts'
+// output (when shared_h is not null: the shared down projection as a matvec computes it), then
+// the residual add: moe_combine's arithmetic. One warp a row of hidden.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_down_combine_tab(const Expert* __restrict__ table, const int* __restrict__ ids,
+                         const float* __restrict__ w, int k, int hidden, int inter, const float* __restrict__ h,
+                         Mat shared_down, const float* __restrict__ shared_h, float* __restrict__ x) {
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (row >= hidden) return;
+    float acc = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        const Mat d = table[ids[j]].down;
+        const float y = mat_row_dot(d, row, h + (size_t)j * inter);
+        acc = __fadd_rn(acc, __fmul_rn(w[j], y));
+    }
+    if (shared_h != nullptr) acc = __fadd_rn(acc, __fmul_rn(1.0f, mat_row_dot(shared_down, row, shared_h)));
+    if ((threadIdx.x & 31) == 0) x[row] = __fadd_rn(x[row], __fmul_rn(1.0f, acc));
+}
+
+// The down projections as their own launch (more warps in flight than moe_down_combine_tab's
+// one warp a row): y[j, r] = down_j[r] . h_j for slots j < k (blockIdx.y = j), and with
+// shared_h not null y[k, r] = shared_down[r] . shared_h (blockIdx.y = k). The block that finishes
+// last then adds them to x in moe_down_combine_tab's order: x[i] += (sum_{j<k} w[j] y[j, i]) +
+// y[k, i]: the same bits.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_down_tab(const Expert* __restrict__ table, const int* __restrict__ ids, const float* __restrict__ w, int k,
+                 int hidden, int inter, const float* __restrict__ h, Mat shared_down,
+                 const float* __restrict__ shared_h, float* y, float* __restrict__ x, int* counter) {
+    const int j = blockIdx.y;
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (row < hidden) {
+        float v;
+        if (j < k) {
+            const Mat d = table[ids[j]].down;
+            v = mat_row_dot(d, row, h + (size_t)j * inter);
+        } else {
+            v = mat_row_dot(shared_down, row, shared_h);
+        }
+        if ((threadIdx.x & 31) == 0) y[(size_t)j * hidden + row] = v;
+    }
+    if (!last_block(counter)) return;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int jj = 0; jj < k; ++jj) acc = __fadd_rn(acc, __fmul_rn(w[jj], __ldcg(y + (size_t)jj * hidden + i)));
+        if (shared_h != nullptr) acc = __fadd_rn(acc, __fmul_rn(1.0f, __ldcg(y + (size_t)k * hidden + i)));
+        x[i] = __fadd_rn(x[i], __fmul_rn(1.0f, acc));
+    }
+    if (threadIdx.x == 0) *counter = 0;
 }

@@ -575,6 +575,7 @@ __device__ __forceinline__ void mla_decode_impl(const float* __restrict__ q, con
     }
     for (int c = tid; c < kvl; c += 256) {
         float s = 0.0f;
+#pragma unroll 16
         for (int r = 0; r < nope; ++r) s += qh[r] * kvb<I8>(w, wsc, base + r, c, kvl);
         q_abs[c] = s;
     }

@@ -28,7 +28,8 @@
 use std::sync::{Arc, Mutex};
 
 use deltafin_cuda::{
-    CudaError, ExpertTable, Gpu, GpuBuf, GpuMat, MlaShape, MvJob, MvKind, PreNorm, RouterShape, MOE_MAX_K,
+    CudaError, ExpertTable, Gpu, GpuBuf, GpuMat, MlaShape, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape,
+    MOE_MAX_K,
 };
 use deltafin_format::{ModelConfig, ModelDir};
 
@@ -187,7 +188,8 @@ struct Work {
     dense_h: GpuBuf,
     /// The shared experts' gated intermediate `[n_shared * moe_intermediate_size]`.
     shared_h: GpuBuf,
-    /// The routed experts' gated intermediates `[MOE_MAX_K, moe_intermediate_size]`.
+    /// The routed experts' gated intermediates `[MOE_MAX_K, moe_intermediate_size]`, then their
+    /// down projections' outputs `[MOE_MAX_K + 1, hidden]` (the split form).
     moe_h: GpuBuf,
     router_logits: GpuBuf,
     /// Every MoE layer's choice for the token: ids and weights `[num_hidden_layers, MOE_MAX_K]`
@@ -316,7 +318,7 @@ impl DeepseekV3Cuda {
             scores: z(c.num_attention_heads * 64)?,
             dense_h: z(c.intermediate_size)?,
             shared_h: z(c.n_shared_experts * c.moe_intermediate_size)?,
-            moe_h: z(MOE_MAX_K * c.moe_intermediate_size)?,
+            moe_h: z(MOE_MAX_K * c.moe_intermediate_size + (MOE_MAX_K + 1) * h)?,
             router_logits: z(c.n_routed_experts)?,
             ids: gpu.upload(&vec![0i32; slots]).map_err(cuda)?,
             weights: z(slots)?,
@@ -567,10 +569,16 @@ impl DeepseekV3Cuda {
                     y: &mut w.shared_h,
                 });
             }
-            g.mv_jobs(&w.x, Some(pn), &mut jobs).map_err(cuda)?;
+            // The router runs in the same launch, in its last block (`route_noaux`'s bits).
+            let route = RouteTailArg {
+                cfg: rs,
+                bias,
+                ids: &mut w.ids,
+                weights: &mut w.weights,
+                off,
+            };
+            g.mv_jobs_route(&w.x, Some(pn), &mut jobs, Some(route)).map_err(cuda)?;
         }
-        g.route_noaux(rs, &w.router_logits, 1, bias, &mut w.ids, &mut w.weights, off)
-            .map_err(cuda)?;
         let shared_pair = shared.as_ref().map(|[_, _, down]| (down, &w.shared_h));
         let stand_in = self.cpu.routed.compute_only();
         {
@@ -580,7 +588,8 @@ impl DeepseekV3Cuda {
                 .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
             if let (false, Some(table)) = (stand_in, &ex.tables[l]) {
                 if ex.cache.resident_in_layer(l) == c.n_routed_experts {
-                    g.moe_table(
+                    g.moe_table_with(
+                        MOE_DOWN,
                         table,
                         &w.ids.slice(off..off + k),
                         &w.weights.slice(off..off + k),
@@ -609,7 +618,8 @@ impl DeepseekV3Cuda {
         let experts = self.experts_of(l, &ids)?;
         let refs: Vec<&[GpuMat; 3]> = experts.iter().map(|e| &**e).collect();
         w.slots.set(g, 0, &refs).map_err(cuda)?;
-        g.moe_table(
+        g.moe_table_with(
+            MOE_DOWN,
             &w.slots,
             &w.slot_ids.slice(..k),
             &w.weights.slice(off..off + k),
@@ -795,6 +805,10 @@ impl DeepseekV3Cuda {
         Ok((logits, routes))
     }
 }
+
+/// How the routed experts' down projections run (both give the same bits; the split form keeps
+/// more warps in flight: bench/NOTES.md, "decode_profile").
+const MOE_DOWN: MoeDown = MoeDown::Split;
 
 /// Most bytes of attention scores one MLA launch of a chunk may use (the chunk's tokens are
 /// split into groups that stay within it).

@@ -1,0 +1,489 @@
+//! Where a decode step's time goes on the GPU: each launch of one MoE layer of the `bench`
+//! preset's shape (hidden 2,048, q-LoRA 512, 16 heads of 64 + 32, latent 256, 256 routed MXFP4
+//! experts of 1,024, top-8, one int8 shared expert), timed alone with CUDA events (median of 50
+//! after 2 warm-ups), then 16 layers queued back to back as a token queues them (device time and
+//! host wall time), so the gap between the sum of the launches and the token's time is visible.
+//!
+//! `cargo run --release -p deltafin-cuda --example decode_profile` (or the built binary on the GPU
+//! machine). Random weights: the times do not depend on the values.
+
+use std::time::Instant;
+
+use deltafin_cuda::{
+    CudaError, Gpu, GpuBuf, GpuMat, MlaShape, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape,
+};
+use deltafin_kernels::{int8, mxfp4, MatData, MatRef};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+fn rand_vec(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+fn int8_mat(g: &Gpu, rng: &mut StdRng, rows: usize, cols: usize) -> GpuMat {
+    let w = rand_vec(rng, rows * cols);
+    let (mut q, mut s) = (vec![0i8; rows * cols], vec![0f32; rows]);
+    int8::quantize(&w, rows, cols, &mut q, &mut s);
+    GpuMat::upload(
+        g,
+        &MatRef::new(rows, cols, MatData::Int8 { q: &q, scales: &s }).unwrap(),
+    )
+    .unwrap()
+}
+
+fn mxfp4_mat(g: &Gpu, rng: &mut StdRng, rows: usize, cols: usize) -> GpuMat {
+    let w = rand_vec(rng, rows * cols);
+    let mut packed = vec![0u8; rows * mxfp4::packed_row_bytes(cols)];
+    let mut scales = vec![0u8; rows * mxfp4::scale_row_bytes(cols)];
+    mxfp4::quantize(&w, rows, cols, &mut packed, &mut scales);
+    let m = MatRef::new(
+        rows,
+        cols,
+        MatData::Mxfp4 {
+            packed: &packed,
+            scales: &scales,
+        },
+    )
+    .unwrap();
+    GpuMat::upload(g, &m).unwrap()
+}
+
+fn f32_mat(g: &Gpu, rng: &mut StdRng, rows: usize, cols: usize) -> GpuMat {
+    let w = rand_vec(rng, rows * cols);
+    GpuMat::upload(g, &MatRef::new(rows, cols, MatData::F32(&w)).unwrap()).unwrap()
+}
+
+/// The RMSNorm of a launch's input with weight `w` (ε 1e-6).
+fn pn(w: &GpuBuf) -> PreNorm<'_> {
+    PreNorm {
+        weight: w,
+        eps: 1e-6,
+        one_plus: false,
+        out: None,
+    }
+}
+
+fn main() -> Result<(), CudaError> {
+    let g = match Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("decode_profile: {e}");
+            std::process::exit(2);
+        }
+    };
+    println!("device: {} (compute {:?})", g.info().name, g.info().compute_capability);
+    let mut rng = StdRng::seed_from_u64(7);
+    let (h, ql, nh, nope, rope, vd, kvl, inter, n_exp, k) = (2048, 512, 16, 64, 32, 64, 256, 1024, 256, 8);
+    let q_a = int8_mat(&g, &mut rng, ql, h);
+    let kv_lat = int8_mat(&g, &mut rng, kvl, h);
+    let kv_rope = int8_mat(&g, &mut rng, rope, h);
+    let q_b = int8_mat(&g, &mut rng, nh * (nope + rope), ql);
+    let kv_b = int8_mat(&g, &mut rng, nh * (nope + vd), kvl);
+    let o_proj = int8_mat(&g, &mut rng, h, nh * vd);
+    let sh_gate = int8_mat(&g, &mut rng, inter, h);
+    let sh_up = int8_mat(&g, &mut rng, inter, h);
+    let sh_down = int8_mat(&g, &mut rng, h, inter);
+    let router = f32_mat(&g, &mut rng, n_exp, h);
+    let experts: Vec<[GpuMat; 3]> = (0..n_exp)
+        .map(|_| {
+            [
+                mxfp4_mat(&g, &mut rng, inter, h),
+                mxfp4_mat(&g, &mut rng, inter, h),
+                mxfp4_mat(&g, &mut rng, h, inter),
+            ]
+        })
+        .collect();
+    let mut table = g.expert_table(n_exp, inter, h)?;
+    table.set(&g, 0, &experts.iter().collect::<Vec<_>>())?;
+    let up = |v: Vec<f32>| g.upload(&v);
+    let mut x = up(rand_vec(&mut rng, h).iter().map(|v| v * 0.1).collect())?;
+    let norm_w = up(vec![1.0; h])?;
+    let ql_norm = up(vec![1.0; ql])?;
+    let kv_norm = up(vec![1.0; kvl])?;
+    let bias = up(rand_vec(&mut rng, n_exp).iter().map(|v| v * 0.01).collect())?;
+    let cs = up(rand_vec(&mut rng, rope))?;
+    let z = |n: usize| g.zeros(n);
+    let (mut qa, mut q, mut ckv, mut kpe) = (z(ql)?, z(nh * (nope + rope))?, z(kvl)?, z(rope)?);
+    let (mut heads, mut xn, mut logits, mut shared_h) = (z(nh * vd)?, z(h)?, z(n_exp)?, z(inter)?);
+    let mut moe_h = z(k * inter + (k + 1) * h)?;
+    let mut ids = g.upload(&vec![0i32; 16 * k])?;
+    let mut wts = z(16 * k)?;
+    let t_long = 1000;
+    let mut c_kv = up(rand_vec(&mut rng, t_long * kvl))?;
+    let mut k_pe = up(rand_vec(&mut rng, t_long * rope))?;
+    let mut scores = z(nh * t_long)?;
+    let shape = MlaShape {
+        n_heads: nh,
+        nope,
+        rope,
+        v_head_dim: vd,
+        kv_lora_rank: kvl,
+    };
+    let rs = RouterShape {
+        n_experts: n_exp,
+        top_k: k,
+        n_group: 8,
+        topk_group: 4,
+        norm_topk_prob: true,
+        routed_scaling_factor: 2.5,
+    };
+    let reps = 50;
+    let us = |ms: f32| ms * 1000.0;
+    let mut total = 0.0f32;
+    let mut row = |name: &str, t: f32, count: bool| {
+        if count {
+            total += t;
+        }
+        println!("{name:<58} {:>8.1} us", us(t));
+    };
+
+    let t = g.time_ms(reps, || g.rms_norm(&x, &norm_w, 1, 1e-6, false, &mut xn))?;
+    row("rms_norm alone (reference)", t, false);
+    let t = g.time_ms(reps, || sh_gate.matvec(&g, &xn, &mut shared_h))?;
+    row("int8 matvec [1024, 2048] alone (reference)", t, false);
+    let t = g.time_ms(reps, || experts[0][0].matvec(&g, &xn, &mut shared_h))?;
+    row("MXFP4 matvec [1024, 2048] alone (reference)", t, false);
+    let t = g.time_ms(reps, || {
+        g.mv_jobs(
+            &x,
+            Some(pn(&norm_w)),
+            &mut [
+                MvJob {
+                    a: &q_a,
+                    b: None,
+                    kind: MvKind::Set,
+                    y: &mut qa,
+                },
+                MvJob {
+                    a: &kv_lat,
+                    b: None,
+                    kind: MvKind::Set,
+                    y: &mut ckv,
+                },
+                MvJob {
+                    a: &kv_rope,
+                    b: None,
+                    kind: MvKind::Set,
+                    y: &mut kpe,
+                },
+            ],
+        )
+    })?;
+    row("1 mv_jobs: input norm + q_a, latent, rope key (800 rows)", t, true);
+    let t = g.time_ms(reps, || {
+        g.mv_jobs(
+            &qa,
+            Some(pn(&ql_norm)),
+            &mut [MvJob {
+                a: &q_b,
+                b: None,
+                kind: MvKind::Set,
+                y: &mut q,
+            }],
+        )
+    })?;
+    row("2 mv_jobs: q_a norm + q_b (1536 rows)", t, true);
+    let t = g.time_ms(reps, || {
+        g.mla_prep(&ckv, &kv_norm, 1e-6, &kpe, &cs, false, 15, &mut c_kv, &mut k_pe)
+    })?;
+    row("3 mla_prep", t, true);
+    for tt in [16usize, 1000] {
+        let t = g.time_ms(reps, || {
+            g.mla_decode(
+                shape,
+                &q,
+                &c_kv,
+                &k_pe,
+                &kv_b,
+                tt,
+                0.1,
+                Some((&cs, false)),
+                &mut scores,
+                &mut heads,
+            )
+        })?;
+        row(&format!("4 mla_decode at {tt} positions"), t, tt == 16);
+    }
+    let t = g.time_ms(reps, || {
+        g.mv_jobs(
+            &heads,
+            None,
+            &mut [MvJob {
+                a: &o_proj,
+                b: None,
+                kind: MvKind::Add,
+                y: &mut x,
+            }],
+        )
+    })?;
+    row("5 mv_jobs: o_proj + residual (2048 rows)", t, true);
+    let t = g.time_ms(reps, || {
+        let p = PreNorm {
+            weight: &norm_w,
+            eps: 1e-6,
+            one_plus: false,
+            out: Some(&mut xn),
+        };
+        g.mv_jobs(
+            &x,
+            Some(p),
+            &mut [
+                MvJob {
+                    a: &router,
+                    b: None,
+                    kind: MvKind::Set,
+                    y: &mut logits,
+                },
+                MvJob {
+                    a: &sh_gate,
+                    b: Some(&sh_up),
+                    kind: MvKind::Glu,
+                    y: &mut shared_h,
+                },
+            ],
+        )
+    })?;
+    row("6 mv_jobs: post norm + router (f32) + shared gate/up", t, false);
+    let t = g.time_ms(reps, || g.route_noaux(rs, &logits, 1, &bias, &mut ids, &mut wts, 0))?;
+    row("7 route_noaux alone (256 experts, 8 groups, top-8)", t, false);
+    let t = g.time_ms(reps, || {
+        let p = PreNorm {
+            weight: &norm_w,
+            eps: 1e-6,
+            one_plus: false,
+            out: Some(&mut xn),
+        };
+        let r = RouteTailArg {
+            cfg: rs,
+            bias: &bias,
+            ids: &mut ids,
+            weights: &mut wts,
+            off: 0,
+        };
+        let jobs = &mut [
+            MvJob {
+                a: &router,
+                b: None,
+                kind: MvKind::Set,
+                y: &mut logits,
+            },
+            MvJob {
+                a: &sh_gate,
+                b: Some(&sh_up),
+                kind: MvKind::Glu,
+                y: &mut shared_h,
+            },
+        ];
+        g.mv_jobs_route(&x, Some(p), jobs, Some(r))
+    })?;
+    row("6+7 the same with the router in its last block", t, true);
+    for form in [MoeDown::Fused, MoeDown::Split] {
+        let t = g.time_ms(reps, || {
+            g.moe_table_with(
+                form,
+                &table,
+                &ids.slice(..k),
+                &wts.slice(..k),
+                k,
+                &xn,
+                &mut moe_h,
+                Some((&sh_down, &shared_h)),
+                &mut x,
+            )
+        })?;
+        row(
+            &format!("8 moe_table {form:?} (8 experts + shared down)"),
+            t,
+            form == MoeDown::Split,
+        );
+    }
+    println!(
+        "{:<58} {:>8.1} us",
+        "sum of 1-8 (one MoE layer, 16 positions)",
+        us(total)
+    );
+
+    // A token's 16 MoE layers queued back to back.
+    let mut layer = || -> Result<(), CudaError> {
+        g.mv_jobs(
+            &x,
+            Some(pn(&norm_w)),
+            &mut [
+                MvJob {
+                    a: &q_a,
+                    b: None,
+                    kind: MvKind::Set,
+                    y: &mut qa,
+                },
+                MvJob {
+                    a: &kv_lat,
+                    b: None,
+                    kind: MvKind::Set,
+                    y: &mut ckv,
+                },
+                MvJob {
+                    a: &kv_rope,
+                    b: None,
+                    kind: MvKind::Set,
+                    y: &mut kpe,
+                },
+            ],
+        )?;
+        g.mv_jobs(
+            &qa,
+            Some(pn(&ql_norm)),
+            &mut [MvJob {
+                a: &q_b,
+                b: None,
+                kind: MvKind::Set,
+                y: &mut q,
+            }],
+        )?;
+        g.mla_prep(&ckv, &kv_norm, 1e-6, &kpe, &cs, false, 15, &mut c_kv, &mut k_pe)?;
+        g.mla_decode(
+            shape,
+            &q,
+            &c_kv,
+            &k_pe,
+            &kv_b,
+            16,
+            0.1,
+            Some((&cs, false)),
+            &mut scores,
+            &mut heads,
+        )?;
+        g.mv_jobs(
+            &heads,
+            None,
+            &mut [MvJob {
+                a: &o_proj,
+                b: None,
+                kind: MvKind::Add,
+                y: &mut x,
+            }],
+        )?;
+        let p = PreNorm {
+            weight: &norm_w,
+            eps: 1e-6,
+            one_plus: false,
+            out: Some(&mut xn),
+        };
+        let r = RouteTailArg {
+            cfg: rs,
+            bias: &bias,
+            ids: &mut ids,
+            weights: &mut wts,
+            off: 0,
+        };
+        let jobs = &mut [
+            MvJob {
+                a: &router,
+                b: None,
+                kind: MvKind::Set,
+                y: &mut logits,
+            },
+            MvJob {
+                a: &sh_gate,
+                b: Some(&sh_up),
+                kind: MvKind::Glu,
+                y: &mut shared_h,
+            },
+        ];
+        g.mv_jobs_route(&x, Some(p), jobs, Some(r))?;
+        g.moe_table_with(
+            MoeDown::Split,
+            &table,
+            &ids.slice(..k),
+            &wts.slice(..k),
+            k,
+            &xn,
+            &mut moe_h,
+            Some((&sh_down, &shared_h)),
+            &mut x,
+        )
+    };
+    let t = g.time_ms(20, || {
+        for _ in 0..16 {
+            layer()?;
+        }
+        Ok(())
+    })?;
+    g.synchronize()?;
+    let t0 = Instant::now();
+    for _ in 0..20 {
+        for _ in 0..16 {
+            layer()?;
+        }
+        g.synchronize()?;
+    }
+    let wall = t0.elapsed().as_secs_f32() / 20.0;
+    let t1 = Instant::now();
+    for _ in 0..20 {
+        for _ in 0..16 {
+            layer()?;
+        }
+    }
+    let host = t1.elapsed().as_secs_f32() / 20.0;
+    g.synchronize()?;
+    println!(
+        "16 layers queued: device {:.1} us, host wall with sync {:.1} us, host queuing alone {:.1} us ({:.1} us a launch)",
+        us(t),
+        wall * 1e6,
+        host * 1e6,
+        host * 1e6 / (16.0 * 7.0)
+    );
+
+    // Prefill of 2,000 tokens, one layer: the matrix-matrix products and MLA for the chunk, and
+    // one expert's share of the expert-major MoE (2,000 x 8 / 256 = 62 tokens an expert).
+    let n = 2000usize;
+    let xs = up(rand_vec(&mut rng, n * h))?;
+    let mut total = 0.0f32;
+    let mut row = |name: &str, t: f32, times: f32| {
+        total += t * times;
+        println!("{name:<58} {:>8.1} us x {times:>4} = {:>9.1} us", us(t), us(t * times));
+    };
+    let mut y = z(n * 2048)?;
+    let mut yq = z(n * nh * (nope + rope))?;
+    let xq = up(rand_vec(&mut rng, n * ql))?;
+    let xo = up(rand_vec(&mut rng, n * nh * vd))?;
+    let mut ys = z(n * ql)?;
+    let t = g.time_ms(5, || q_a.matmul(&g, &xs, n, &mut ys))?;
+    row("P int8 matmul q_a [512, 2048] x 2000", t, 1.0);
+    let t = g.time_ms(5, || q_b.matmul(&g, &xq, n, &mut yq))?;
+    row("P int8 matmul q_b [1536, 512] x 2000", t, 1.0);
+    let t = g.time_ms(5, || o_proj.matmul(&g, &xo, n, &mut y))?;
+    row("P int8 matmul o_proj [2048, 1024] x 2000", t, 1.0);
+    let mut yi = z(n * inter)?;
+    let t = g.time_ms(5, || sh_gate.matmul(&g, &xs, n, &mut yi))?;
+    row("P int8 matmul shared gate/up [1024, 2048] x 2000", t, 2.0);
+    let t = g.time_ms(5, || sh_down.matmul(&g, &yi, n, &mut y))?;
+    row("P int8 matmul shared down [2048, 1024] x 2000", t, 1.0);
+    let mut yr = z(n * n_exp)?;
+    let t = g.time_ms(5, || router.matmul(&g, &xs, n, &mut yr))?;
+    row("P f32 matmul router [256, 2048] x 2000", t, 1.0);
+    let lat = up(rand_vec(&mut rng, n * kvl))?;
+    let kp = up(rand_vec(&mut rng, n * rope))?;
+    let mut sc = z(n * nh * n)?;
+    let mut ho = z(n * nh * vd)?;
+    let t = g.time_ms(3, || {
+        g.mla_prefill(shape, &yq, &lat, &kp, &kv_b, 0, n, 0.1, &mut sc, &mut ho)
+    })?;
+    row("P mla_prefill 2000 tokens from position 0", t, 1.0);
+    let (m, e) = (62usize, &experts[1]);
+    let xe = up(rand_vec(&mut rng, m * h))?;
+    let mut ye = z(m * inter)?;
+    let t = g.time_ms(reps, || e[0].matmul(&g, &xe, m, &mut ye))?;
+    row("P MXFP4 matmul expert gate/up [1024, 2048] x 62", t, 2.0 * 256.0);
+    let xd = up(rand_vec(&mut rng, m * inter))?;
+    let mut yd = z(m * h)?;
+    let t = g.time_ms(reps, || e[2].matmul(&g, &xd, m, &mut yd))?;
+    row("P MXFP4 matmul expert down [2048, 1024] x 62", t, 256.0);
+    let t = g.time_ms(reps, || g.rms_norm(&xs, &norm_w, n, 1e-6, false, &mut y))?;
+    row("P rms_norm 2000 rows", t, 3.0);
+    println!(
+        "{:<58} {:>8.1} ms a layer; x 17 layers = {:.1} ms for 2,000 tokens",
+        "P sum",
+        total,
+        total * 17.0
+    );
+    Ok(())
+}
