@@ -7,8 +7,9 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// The kernels' CUDA C source (compiled at run time by NVRTC).
-const SOURCE: &str = include_str!("kernels/ops.cu");
+/// The kernels' CUDA C source (compiled at run time by NVRTC): `ops.cu`, then `kda.cu` (Kimi
+/// Linear / K3, which uses `ops.cu`'s MXFP4 helpers).
+const SOURCE: &str = concat!(include_str!("kernels/ops.cu"), include_str!("kernels/kda.cu"));
 
 /// Warps per thread block of the matrix kernels (one warp per output row).
 pub(crate) const WARPS: u32 = 8;
@@ -19,7 +20,7 @@ pub(crate) const TOKEN_TILE: u32 = 8;
 /// A device-resident f32 activation buffer (`[len]`, or `[n, dim]` row-major).
 pub type GpuBuf = CudaSlice<f32>;
 
-/// Every kernel entry point of `ops.cu` (all loaded when a [`Gpu`] opens).
+/// Every kernel entry point of `ops.cu` and `kda.cu` (all loaded when a [`Gpu`] opens).
 pub const ENTRY_POINTS: &[&str] = &[
     "mxfp4_mv_const_r1",
     "mxfp4_mv_lds_r1",
@@ -57,6 +58,14 @@ pub const ENTRY_POINTS: &[&str] = &[
     "gather_rows",
     "scatter_rows",
     "moe_combine_tokens",
+    // kda.cu
+    "situ_glu",
+    "sigmoid_mul",
+    "kda_conv_step",
+    "kda_prepare",
+    "kda_delta",
+    "attn_res_mix",
+    "moe_gate_up_situ_mxfp4",
 ];
 
 pub(crate) struct Kernels(std::collections::HashMap<&'static str, CudaFunction>);

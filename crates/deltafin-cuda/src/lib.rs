@@ -19,12 +19,14 @@ mod attention;
 mod batch;
 mod device;
 mod gpu;
+mod kda;
 mod mat;
 mod moe;
 
 pub use attention::MlaShape;
 pub use device::{probe, DeviceInfo};
 pub use gpu::{compile_ptx, ptx_cache_dir, Gpu, GpuBuf, ENTRY_POINTS};
+pub use kda::{KdaGate, ATTN_RES_MAX_BANK};
 pub use mat::{Decode, GpuMat, GpuMatData, Kernel};
 pub use moe::MOE_MAX_K;
 

@@ -150,6 +150,63 @@ impl<T: Clone> GpuExpertCache<T> {
     }
 }
 
+/// The device copies of routed experts `ids` of layer `l`, in that order: hits from `cache`,
+/// misses fetched through `routed`'s expert store at once (one fetch, reads in file order, the
+/// host cache as the tier below) and copied to the device as each record arrives. In
+/// compute-only measurement mode every id stands for the layer's expert 0 (the CPU path's
+/// stand-in record). The same steps as `DeepseekV3Cuda`'s expert lookup, for every family.
+///
+/// Errors: expert read or checksum failures; a driver error; a poisoned cache lock.
+pub fn fetch_gpu_experts(
+    gpu: &deltafin_cuda::Gpu,
+    cache: &std::sync::Mutex<GpuExpertCache>,
+    routed: &crate::model::RoutedExperts,
+    l: usize,
+    ids: &[usize],
+) -> Result<Vec<GpuExpert>, crate::EngineError> {
+    use crate::EngineError;
+    let cuda = |e: deltafin_cuda::CudaError| EngineError::Invalid(format!("CUDA: {e}"));
+    let stand_in = routed.compute_only();
+    let mut cache = cache
+        .lock()
+        .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
+    let mut out: Vec<Option<GpuExpert>> = Vec::with_capacity(ids.len());
+    let mut missing: Vec<usize> = Vec::new();
+    for &e in ids {
+        let e = if stand_in { 0 } else { e };
+        let hit = cache.get(l, e);
+        if hit.is_none() && !missing.contains(&e) {
+            missing.push(e);
+        }
+        out.push(hit);
+    }
+    if !missing.is_empty() {
+        for r in routed.store.fetch(l, &missing)? {
+            let (i, record) = r?;
+            let t0 = std::time::Instant::now();
+            let mats = [
+                GpuMat::upload(gpu, &record.matrix(0)).map_err(cuda)?,
+                GpuMat::upload(gpu, &record.matrix(1)).map_err(cuda)?,
+                GpuMat::upload(gpu, &record.matrix(2)).map_err(cuda)?,
+            ];
+            let bytes: u64 = mats.iter().map(|m| m.nbytes() as u64).sum();
+            cache.count_upload(bytes, t0.elapsed().as_nanos() as u64);
+            let dev: GpuExpert = Arc::new(mats);
+            let id = missing[i];
+            cache.insert(l, id, dev.clone(), bytes);
+            for (slot, &e) in out.iter_mut().zip(ids) {
+                let e = if stand_in { 0 } else { e };
+                if e == id && slot.is_none() {
+                    *slot = Some(dev.clone());
+                }
+            }
+        }
+    }
+    out.into_iter()
+        .map(|e| e.ok_or_else(|| EngineError::Invalid(format!("layer {l}: an expert fetch ended early"))))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
