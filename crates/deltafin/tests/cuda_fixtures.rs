@@ -61,6 +61,17 @@ fn convert_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, out: &
 
 /// Greedy ids and per-step logits of every prompt of `case` on `device`.
 fn run(dir: &ModelDir, device: Device, expected: &Value) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
+    run_chunked(dir, device, expected, 0)
+}
+
+/// [`run`] with prompts prefilled `prefill_chunk` tokens per pass (1: token at a time; 0: the
+/// default).
+fn run_chunked(
+    dir: &ModelDir,
+    device: Device,
+    expected: &Value,
+    prefill_chunk: usize,
+) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
     let (model, _) = load_model_on(dir, StoreOptions::new(1 << 30), device, GpuOptions::default()).unwrap();
     expected["prompts"]
         .as_array()
@@ -71,6 +82,7 @@ fn run(dir: &ModelDir, device: Device, expected: &Value) -> Vec<(Vec<u32>, Vec<V
                 max_new_tokens: ids(&p["generated_ids"]).len(),
                 ignore_eos: true,
                 record_logits: true,
+                prefill_chunk,
                 ..Default::default()
             };
             let out = generate(model.as_ref(), &ids(&p["prompt_ids"]), &opts, |_| true).unwrap();
@@ -244,8 +256,9 @@ fn worst_vs_golden(got: &[(Vec<u32>, Vec<Vec<f32>>)], expected: &Value, what: &s
 /// NoPE MLA with and without q-LoRA, conv kernels 3 and 4, SwiGLU MoE with shared experts) on
 /// the GPU: lossless layout against transformers' goldens (ids equal, logits within 1e-4, the
 /// CPU's bound); default layout (int8 backbone, MXFP4 experts) and lossless layout against the
-/// CPU path (ids equal, logits within 1e-5, issue #16). The CPU runs the prompt chunked (KDA's
-/// chunked form), the GPU token at a time: the same algebra, so the figures are f32 rounding.
+/// CPU path (ids equal, logits within 1e-5, issue #16). The GPU runs a prompt token at a time,
+/// so the CPU is compared prefilling token at a time too (the same operations; its chunked KDA
+/// form is the same algebra in another order, and multi_token.rs bounds that separately).
 #[test]
 fn kimi_linear_on_cuda_matches_transformers_and_the_cpu_path() {
     if !gpu_or_skip("kimi_linear_on_cuda_matches_transformers_and_the_cpu_path") {
@@ -262,7 +275,7 @@ fn kimi_linear_on_cuda_matches_transformers_and_the_cpu_path() {
             case.display()
         );
         assert!(worst < 1e-4, "{}: rel L2 {worst:e}", case.display());
-        let cpu = run(&dir, Device::Cpu, &expected);
+        let cpu = run_chunked(&dir, Device::Cpu, &expected, 1);
         let worst = worst_vs(&gpu, &cpu, "kimi_linear f32: cuda vs cpu");
         eprintln!("{}: cuda vs cpu (f32): max rel L2 {worst:.3e}", case.display());
         assert!(
@@ -272,7 +285,7 @@ fn kimi_linear_on_cuda_matches_transformers_and_the_cpu_path() {
         );
 
         let dir = convert_case(&case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("q"));
-        let cpu = run(&dir, Device::Cpu, &expected);
+        let cpu = run_chunked(&dir, Device::Cpu, &expected, 1);
         let gpu = run(&dir, Device::Cuda(0), &expected);
         let worst = worst_vs(&gpu, &cpu, "kimi_linear int8/mxfp4: cuda vs cpu");
         eprintln!("{}: cuda vs cpu (int8/mxfp4): max rel L2 {worst:.3e}", case.display());
@@ -284,11 +297,19 @@ fn kimi_linear_on_cuda_matches_transformers_and_the_cpu_path() {
     }
 }
 
+/// GPU vs CPU bound on the tiny random K3-structured models: they amplify f32 rounding about
+/// 1000× (a 1e-6 relative weight change moves their logits by up to 7.5e-4,
+/// tests/fixtures/kimi_k3/README.md), so any two summation orders differ by up to ~1e-4 there;
+/// multi_token.rs bounds the CPU's own batched-vs-token difference on them by 1e-3 for the same
+/// reason. A wrong operation moves logits by O(1).
+const K3_TINY_REL_L2: f64 = 1e-3;
+
 /// Kimi K3 (tests/fixtures/kimi_k3: attention residuals across block boundaries, KDA with the
 /// lower-bound gate and full-rank output gate, gated NoPE MLA, LatentMoE, SiTU, MXFP4 experts) on
 /// the GPU: f32 backbone with the fixture's MXFP4 experts against llama.cpp's f32-expert goldens
 /// (ids equal, logits within 1e-3, the CPU test's bound and reasons: reference_fixtures.rs), and
-/// against the CPU path in that layout and in the default one (ids equal, logits within 1e-5).
+/// against the CPU path prefilling token at a time, in that layout and in the default one: ids
+/// equal, logits within [`K3_TINY_REL_L2`] (printed: the figure to report).
 #[test]
 fn kimi_k3_on_cuda_matches_llama_cpp_and_the_cpu_path() {
     if !gpu_or_skip("kimi_k3_on_cuda_matches_llama_cpp_and_the_cpu_path") {
@@ -312,22 +333,22 @@ fn kimi_k3_on_cuda_matches_llama_cpp_and_the_cpu_path() {
             case.display()
         );
         assert!(worst < 1e-3, "{}: rel L2 {worst:e}", case.display());
-        let cpu = run(&dir, Device::Cpu, &expected);
+        let cpu = run_chunked(&dir, Device::Cpu, &expected, 1);
         let worst = worst_vs(&gpu, &cpu, "kimi_k3 f32/mxfp4: cuda vs cpu");
         eprintln!("{}: cuda vs cpu (f32/mxfp4): max rel L2 {worst:.3e}", case.display());
         assert!(
-            worst < 1e-5,
+            worst < K3_TINY_REL_L2,
             "{}: rel L2 {worst:e} against the CPU path",
             case.display()
         );
 
         let dir = convert_case(&case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("q"));
-        let cpu = run(&dir, Device::Cpu, &expected);
+        let cpu = run_chunked(&dir, Device::Cpu, &expected, 1);
         let gpu = run(&dir, Device::Cuda(0), &expected);
         let worst = worst_vs(&gpu, &cpu, "kimi_k3 int8/mxfp4: cuda vs cpu");
         eprintln!("{}: cuda vs cpu (int8/mxfp4): max rel L2 {worst:.3e}", case.display());
         assert!(
-            worst < 1e-5,
+            worst < K3_TINY_REL_L2,
             "{}: rel L2 {worst:e} against the CPU path",
             case.display()
         );
@@ -341,8 +362,8 @@ fn kimi_k3_on_cuda_matches_llama_cpp_and_the_cpu_path() {
 
 /// `synth --preset k3-tiny` (Kimi K3 structure, int8 backbone, random MXFP4 experts): greedy ids
 /// of `deltafin run --device cuda` equal `--device cpu`'s (24 tokens), also with prompt-lookup
-/// speculation on the GPU (its verification passes are rolled back through the KDA log); and at
-/// the library level, a rollback followed by the same tokens gives the bits of a fresh state, a
+/// speculation on the GPU (its verification passes are rolled back through the KDA log); step
+/// logits within [`K3_TINY_REL_L2`] of the CPU's (printed); and at the library level, a rollback followed by the same tokens gives the bits of a fresh state, a
 /// GPU expert cache of two records changes no bit, and two runs are bit-identical.
 #[test]
 fn k3_tiny_on_cuda_matches_the_cpu_and_rolls_back_exactly() {
@@ -395,6 +416,29 @@ fn k3_tiny_on_cuda_matches_the_cpu_and_rolls_back_exactly() {
     );
 
     let dir = ModelDir::open(&m).unwrap();
+    // Logits of a 37-token prompt and 16 greedy steps, GPU against the CPU prefilling token at
+    // a time.
+    let steps = |device: Device, prefill_chunk: usize| {
+        let (model, _) = load_model_on(&dir, StoreOptions::new(1 << 30), device, GpuOptions::default()).unwrap();
+        let opts = GenerateOptions {
+            max_new_tokens: 16,
+            ignore_eos: true,
+            record_logits: true,
+            prefill_chunk,
+            ..Default::default()
+        };
+        let prompt: Vec<u32> = (3..40).collect();
+        let out = generate(model.as_ref(), &prompt, &opts, |_| true).unwrap();
+        vec![(out.generated_ids, out.step_logits)]
+    };
+    let worst = worst_vs(
+        &steps(Device::Cuda(0), 0),
+        &steps(Device::Cpu, 1),
+        "k3-tiny: cuda vs cpu",
+    );
+    eprintln!("k3-tiny: cuda vs cpu, 16 steps after a 37-token prompt: max rel L2 {worst:.3e}");
+    assert!(worst < K3_TINY_REL_L2, "k3-tiny: rel L2 {worst:e} against the CPU path");
+
     let record = dir.manifest.experts.records[0].length;
     let logits_of = |budget: Option<u64>| {
         let gpu = GpuOptions { budget, preload: false };
