@@ -64,8 +64,13 @@ fn i32_of(what: &str, v: usize) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| shape(what, format!("{v} is too large for the kernel")))
 }
 
+/// One thread an element, blocks of 256 (well inside any register budget of these kernels).
 fn grid1(len: usize) -> LaunchConfig {
-    LaunchConfig::for_num_elems(len as u32)
+    LaunchConfig {
+        grid_dim: ((len as u32).div_ceil(256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 impl Gpu {
