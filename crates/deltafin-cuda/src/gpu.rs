@@ -7,9 +7,16 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// The kernels' CUDA C source (compiled at run time by NVRTC): the one-operation kernels, then
-/// the fused launches and the device router built on their helpers.
-const SOURCE: &str = concat!(include_str!("kernels/ops.cu"), "\n", include_str!("kernels/fused.cu"));
+/// The kernels' CUDA C source (compiled at run time by NVRTC): the one-operation kernels
+/// (`ops.cu`), the fused launches and the device router built on their helpers (`fused.cu`),
+/// then Kimi Linear / K3's (`kda.cu`, which uses `ops.cu`'s MXFP4 helpers).
+const SOURCE: &str = concat!(
+    include_str!("kernels/ops.cu"),
+    "\n",
+    include_str!("kernels/fused.cu"),
+    "\n",
+    include_str!("kernels/kda.cu")
+);
 
 /// Warps per thread block of the matrix kernels (one warp per output row).
 pub(crate) const WARPS: u32 = 8;
@@ -20,7 +27,7 @@ pub(crate) const TOKEN_TILE: u32 = 8;
 /// A device-resident f32 activation buffer (`[len]`, or `[n, dim]` row-major).
 pub type GpuBuf = CudaSlice<f32>;
 
-/// Every kernel entry point of `ops.cu` (all loaded when a [`Gpu`] opens).
+/// Every kernel entry point of `ops.cu` and `kda.cu` (all loaded when a [`Gpu`] opens).
 pub const ENTRY_POINTS: &[&str] = &[
     "mxfp4_mv_const_r1",
     "mxfp4_mv_lds_r1",
@@ -58,12 +65,21 @@ pub const ENTRY_POINTS: &[&str] = &[
     "gather_rows",
     "scatter_rows",
     "moe_combine_tokens",
+    // fused.cu
     "mv_jobs",
     "mla_prep",
     "moe_gate_up_tab",
     "moe_down_combine_tab",
     "route_noaux",
     "moe_down_tab",
+    // kda.cu
+    "situ_glu",
+    "sigmoid_mul",
+    "kda_conv_step",
+    "kda_prepare",
+    "kda_delta",
+    "attn_res_mix",
+    "moe_gate_up_situ_mxfp4",
 ];
 
 pub(crate) struct Kernels(std::collections::HashMap<&'static str, CudaFunction>);

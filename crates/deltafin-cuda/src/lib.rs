@@ -20,6 +20,7 @@ mod batch;
 mod device;
 mod fused;
 mod gpu;
+mod kda;
 mod mat;
 mod moe;
 
@@ -31,6 +32,7 @@ pub use fused::{
     ExpertDesc, ExpertTable, MatDesc, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape, MAX_JOBS,
 };
 pub use gpu::{compile_ptx, ptx_cache_dir, Gpu, GpuBuf, ENTRY_POINTS};
+pub use kda::{KdaGate, ATTN_RES_MAX_BANK};
 pub use mat::{Decode, GpuMat, GpuMatData, Kernel};
 pub use moe::MOE_MAX_K;
 

@@ -59,12 +59,14 @@ pub struct GpuOptions {
     pub preload: bool,
 }
 
-/// Why `config`'s family cannot run on CUDA yet, or `None` when it can (DeepSeek-V3 / Kimi K2).
+/// Why `config`'s family cannot run on CUDA yet, or `None` when it can (DeepSeek-V3 / Kimi K2,
+/// Kimi Linear / Kimi K3; a configuration of those the GPU path does not take is refused at load
+/// with its own line).
 pub fn cuda_unsupported(config: &ModelConfig) -> Option<String> {
     match config {
-        ModelConfig::DeepseekV3(_) => None,
+        ModelConfig::DeepseekV3(_) | ModelConfig::KimiLinear(_) => None,
         other => Some(format!(
-            "the {} family does not run on CUDA yet (DeepSeek-V3 / Kimi K2 do); use --device cpu",
+            "the {} family does not run on CUDA yet (DeepSeek-V3 / Kimi K2 and Kimi Linear / Kimi K3 do); use --device cpu",
             other.family()
         )),
     }
@@ -101,9 +103,14 @@ pub fn load_model_on(
             if let Some(why) = cuda_unsupported(config) {
                 return Err(EngineError::Invalid(format!("--device {device}: {why}")));
             }
-            let m = crate::models::DeepseekV3Cuda::load_with(dir, opts, n, gpu)
-                .map_err(|e| EngineError::Invalid(format!("--device {device}: {e}")))?;
-            Ok((Box::new(FiniteLogits(Box::new(m))), device))
+            let on_device = |e: EngineError| EngineError::Invalid(format!("--device {device}: {e}"));
+            let m: Box<dyn CausalLm> = match config {
+                ModelConfig::KimiLinear(_) => {
+                    Box::new(crate::models::KimiLinearCuda::load_with(dir, opts, n, gpu).map_err(on_device)?)
+                }
+                _ => Box::new(crate::models::DeepseekV3Cuda::load_with(dir, opts, n, gpu).map_err(on_device)?),
+            };
+            Ok((Box::new(FiniteLogits(m)), device))
         }
         _ => {
             if let Some(b) = gpu.budget {

@@ -8,9 +8,9 @@ use deltafin_format::ModelDir;
 /// Where a model computes and how much device memory its routed experts may take.
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct DeviceArgs {
-    /// Where to compute: `cpu` (the default), `cuda` or `cuda:N` (DeepSeek-V3 / Kimi K2 so far;
-    /// other families are refused), or `auto` (cuda:0 when a CUDA device is present and the
-    /// family runs there, else the CPU, with a note saying why).
+    /// Where to compute: `cpu` (the default), `cuda` or `cuda:N` (DeepSeek-V3 / Kimi K2 and Kimi
+    /// Linear / Kimi K3 so far; other families are refused), or `auto` (cuda:0 when a CUDA
+    /// device is present and the family runs there, else the CPU, with a note saying why).
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: Device,
     /// With a GPU: device memory for routed experts (the GPU expert cache, above the host cache

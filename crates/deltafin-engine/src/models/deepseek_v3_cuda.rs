@@ -35,7 +35,7 @@ use deltafin_format::{ModelConfig, ModelDir};
 
 use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
-use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
+use crate::gpu_experts::{fetch_gpu_experts, CacheChange, GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
 use crate::models::DeepseekV3;
@@ -636,62 +636,28 @@ impl DeepseekV3Cuda {
         Ok(false)
     }
 
-    /// The device copies of `ids` (layer `l`), in that order: hits from the GPU expert cache,
-    /// misses fetched through the expert store at once (one fetch, reads in file order) and
-    /// copied to the device as each record arrives, each entered in the layer's device table
-    /// (evictions cleared from theirs). In compute-only measurement mode every id stands for the
-    /// layer's expert 0 (the CPU path's stand-in record).
+    /// The device copies of `ids` (layer `l`), in that order ([`fetch_gpu_experts`]), each
+    /// insertion entered in the layer's device table and each eviction cleared from its table.
     fn experts_of(&self, l: usize, ids: &[usize]) -> Result<Vec<GpuExpert>, EngineError> {
-        let stand_in = self.cpu.routed.compute_only();
         let mut guard = self
             .experts
             .lock()
             .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
-        let ex = &mut *guard;
-        let mut out: Vec<Option<GpuExpert>> = Vec::with_capacity(ids.len());
-        let mut missing: Vec<usize> = Vec::new();
-        for &e in ids {
-            let e = if stand_in { 0 } else { e };
-            let hit = ex.cache.get(l, e);
-            if hit.is_none() && !missing.contains(&e) {
-                missing.push(e);
-            }
-            out.push(hit);
-        }
-        if !missing.is_empty() {
-            for r in self.cpu.routed.store.fetch(l, &missing)? {
-                let (i, record) = r?;
-                let t0 = std::time::Instant::now();
-                let mats = [
-                    GpuMat::upload(&self.gpu, &record.matrix(0)).map_err(cuda)?,
-                    GpuMat::upload(&self.gpu, &record.matrix(1)).map_err(cuda)?,
-                    GpuMat::upload(&self.gpu, &record.matrix(2)).map_err(cuda)?,
-                ];
-                let bytes: u64 = mats.iter().map(|m| m.nbytes() as u64).sum();
-                ex.cache.count_upload(bytes, t0.elapsed().as_nanos() as u64);
-                let dev: GpuExpert = Arc::new(mats);
-                let id = missing[i];
-                for (el, ee) in ex.cache.insert(l, id, dev.clone(), bytes) {
-                    if let Some(t) = ex.tables.get_mut(el).and_then(Option::as_mut) {
-                        t.clear(&self.gpu, ee).map_err(cuda)?;
-                    }
-                }
-                if ex.cache.contains(l, id) {
-                    if let Some(t) = ex.tables.get_mut(l).and_then(Option::as_mut) {
-                        t.set(&self.gpu, id, &[&*dev]).map_err(cuda)?;
-                    }
-                }
-                for (slot, &e) in out.iter_mut().zip(ids) {
-                    let e = if stand_in { 0 } else { e };
-                    if e == id && slot.is_none() {
-                        *slot = Some(dev.clone());
-                    }
-                }
-            }
-        }
-        out.into_iter()
-            .map(|e| e.ok_or_else(|| EngineError::Invalid(format!("layer {l}: an expert fetch ended early"))))
-            .collect()
+        let GpuExperts { cache, tables } = &mut *guard;
+        let gpu = &self.gpu;
+        fetch_gpu_experts(gpu, cache, &self.cpu.routed, l, ids, &mut |change| {
+            let r = match change {
+                CacheChange::Inserted(el, e, dev) => match tables.get_mut(el).and_then(Option::as_mut) {
+                    Some(t) => t.set(gpu, e, &[&**dev]),
+                    None => Ok(()),
+                },
+                CacheChange::Evicted(el, e) => match tables.get_mut(el).and_then(Option::as_mut) {
+                    Some(t) => t.clear(gpu, e),
+                    None => Ok(()),
+                },
+            };
+            r.map_err(cuda)
+        })
     }
 
     fn forward_token(&self, cache: &mut GpuKvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {

@@ -42,44 +42,44 @@ use crate::EngineError;
 /// `KimiLinearRMSNorm` default 1e-6 whatever `rms_norm_eps` says, and the K3 spec prefers 1e-6
 /// too (§4: Moonshot-derived ports use 1e-6; llama.cpp uses `rms_norm_eps`, which
 /// [`Numerics::LlamaCppCpu`] follows). [KL_LATENT_NORM_EPS]
-const LATENT_NORM_EPS: f32 = 1e-6;
+pub(crate) const LATENT_NORM_EPS: f32 = 1e-6;
 
 /// Tokens a KDA state can roll back without recomputation (speculative decoding drafts are
 /// shorter); further back, the session starts over.
-const KDA_ROLLBACK_WINDOW: usize = 32;
+pub(crate) const KDA_ROLLBACK_WINDOW: usize = 32;
 // A self-drafting run (up to MAX_DRAFT one-token forwards) and its verification pass
 // (MAX_DRAFT + 1 positions) each fit in the rollback window.
 const _: () = assert!(KDA_ROLLBACK_WINDOW > crate::speculate::MAX_DRAFT);
 
 /// Tensor names of one decoder layer, as in the checkpoint.
-struct LayerNames {
-    input_layernorm: String,
-    post_attention_layernorm: String,
-    attn_res_norm: String,
-    attn_res_proj: String,
-    mlp_res_norm: String,
-    mlp_res_proj: String,
-    kda: KdaTensorNames,
-    q_proj: String,
-    q_a_proj: String,
-    q_a_layernorm: String,
-    q_b_proj: String,
-    kv_a_proj_with_mqa: String,
-    kv_a_layernorm: String,
-    kv_b_proj: String,
-    g_proj: String,
-    o_proj: String,
-    gate_proj: String,
-    up_proj: String,
-    down_proj: String,
-    router: String,
-    router_bias: String,
-    latent_down: String,
-    latent_norm: String,
-    latent_up: String,
-    shared_gate_proj: String,
-    shared_up_proj: String,
-    shared_down_proj: String,
+pub(crate) struct LayerNames {
+    pub(crate) input_layernorm: String,
+    pub(crate) post_attention_layernorm: String,
+    pub(crate) attn_res_norm: String,
+    pub(crate) attn_res_proj: String,
+    pub(crate) mlp_res_norm: String,
+    pub(crate) mlp_res_proj: String,
+    pub(crate) kda: KdaTensorNames,
+    pub(crate) q_proj: String,
+    pub(crate) q_a_proj: String,
+    pub(crate) q_a_layernorm: String,
+    pub(crate) q_b_proj: String,
+    pub(crate) kv_a_proj_with_mqa: String,
+    pub(crate) kv_a_layernorm: String,
+    pub(crate) kv_b_proj: String,
+    pub(crate) g_proj: String,
+    pub(crate) o_proj: String,
+    pub(crate) gate_proj: String,
+    pub(crate) up_proj: String,
+    pub(crate) down_proj: String,
+    pub(crate) router: String,
+    pub(crate) router_bias: String,
+    pub(crate) latent_down: String,
+    pub(crate) latent_norm: String,
+    pub(crate) latent_up: String,
+    pub(crate) shared_gate_proj: String,
+    pub(crate) shared_up_proj: String,
+    pub(crate) shared_down_proj: String,
 }
 
 impl LayerNames {
@@ -179,20 +179,20 @@ impl DecodeState for KimiLinearState {
 pub struct KimiLinear {
     config: ModelConfig,
     pub cfg: KimiLinearConfig,
-    backbone: Backbone,
-    names: Vec<LayerNames>,
+    pub(crate) backbone: Backbone,
+    pub(crate) names: Vec<LayerNames>,
     /// Fused attention-residual score vectors `norm ⊙ proj` per layer: (pre-attention,
     /// pre-MLP), and the output site's. Empty without attention residuals. [ATTN_RES]
-    res_scores: Vec<(Vec<f32>, Vec<f32>)>,
-    out_res_score: Vec<f32>,
-    router: RouterConfig,
+    pub(crate) res_scores: Vec<(Vec<f32>, Vec<f32>)>,
+    pub(crate) out_res_score: Vec<f32>,
+    pub(crate) router: RouterConfig,
     /// MLA softmax scale `(qk_nope + qk_rope)^-0.5` (no YaRN: the model has no RoPE).
-    softmax_scale: f32,
+    pub(crate) softmax_scale: f32,
     /// Empty decode state of each layer's mixer, cloned for every new sequence.
     empty_states: Vec<MixerState>,
-    routed: RoutedExperts,
+    pub(crate) routed: RoutedExperts,
     /// Reference math, or llama.cpp's CPU arithmetic (see [`Numerics`]).
-    numerics: Numerics,
+    pub(crate) numerics: Numerics,
 }
 
 impl KimiLinear {
@@ -270,11 +270,11 @@ impl KimiLinear {
         Ok(model)
     }
 
-    fn m(&self, name: &str) -> Result<MatRef<'_>, EngineError> {
+    pub(crate) fn m(&self, name: &str) -> Result<MatRef<'_>, EngineError> {
         Ok(self.backbone.matrix(name)?)
     }
 
-    fn v(&self, name: &str) -> Result<&[f32], EngineError> {
+    pub(crate) fn v(&self, name: &str) -> Result<&[f32], EngineError> {
         Ok(self.backbone.vector(name)?)
     }
 
