@@ -111,6 +111,7 @@ fn main() -> Result<(), CudaError> {
     let mut c_kv = up(rand_vec(&mut rng, t_long * kvl))?;
     let mut k_pe = up(rand_vec(&mut rng, t_long * rope))?;
     let mut scores = z(nh * t_long)?;
+    let pos15 = g.upload(&[15i32])?;
     let shape = MlaShape {
         n_heads: nh,
         nope,
@@ -183,7 +184,7 @@ fn main() -> Result<(), CudaError> {
     })?;
     row("2 mv_jobs: q_a norm + q_b (1536 rows)", t, true);
     let t = g.time_ms(reps, || {
-        g.mla_prep(&ckv, &kv_norm, 1e-6, &kpe, &cs, false, 15, &mut c_kv, &mut k_pe)
+        g.mla_prep(&ckv, &kv_norm, 1e-6, &kpe, &cs, false, 15, &pos15, &mut c_kv, &mut k_pe)
     })?;
     row("3 mla_prep", t, true);
     for tt in [16usize, 1000] {
@@ -197,6 +198,7 @@ fn main() -> Result<(), CudaError> {
                 tt,
                 0.1,
                 Some((&cs, false)),
+                None,
                 &mut scores,
                 &mut heads,
             )
@@ -338,7 +340,7 @@ fn main() -> Result<(), CudaError> {
                 y: &mut q,
             }],
         )?;
-        g.mla_prep(&ckv, &kv_norm, 1e-6, &kpe, &cs, false, 15, &mut c_kv, &mut k_pe)?;
+        g.mla_prep(&ckv, &kv_norm, 1e-6, &kpe, &cs, false, 15, &pos15, &mut c_kv, &mut k_pe)?;
         g.mla_decode(
             shape,
             &q,
@@ -348,6 +350,7 @@ fn main() -> Result<(), CudaError> {
             16,
             0.1,
             Some((&cs, false)),
+            Some(&pos15),
             &mut scores,
             &mut heads,
         )?;

@@ -3,7 +3,7 @@
 use crate::gpu::GpuBuf;
 use crate::mat::{GpuMat, GpuMatData};
 use crate::{CudaError, DriverContext, Gpu};
-use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 /// Shapes of one MLA layer (DeepSeek-V3 config names).
 #[derive(Debug, Clone, Copy)]
@@ -62,7 +62,8 @@ impl Gpu {
     /// MLA decode of one token over `t` cached positions (weight-absorbed form, DeepSeek-V2
     /// §2.1): `q: [n_heads, nope + rope]` (rope part rotated, or rotated by the kernel with
     /// `rope_cs = Some(([cos[rope/2], sin[rope/2]], interleaved))`: [`Gpu::rope`]'s arithmetic),
-    /// `ckv: [>= t, kv_lora_rank]`,
+    /// `ckv: [>= t, kv_lora_rank]` (with `pos_dev`, the kernel reads `t - 1` from that device
+    /// int instead: a captured graph then serves every position; it must hold `t - 1`),
     /// `kpe: [>= t, rope]`, `kv_b`: `kv_b_proj [n_heads * (nope + v_head_dim), kv_lora_rank]`
     /// (int8 or f32), `scores: [>= n_heads * t]` scratch, `out: [n_heads * v_head_dim]`.
     ///
@@ -79,6 +80,7 @@ impl Gpu {
         t: usize,
         softmax_scale: f32,
         rope_cs: Option<(&GpuBuf, bool)>,
+        pos_dev: Option<&CudaSlice<i32>>,
         scores: &mut GpuBuf,
         out: &mut GpuBuf,
     ) -> Result<(), CudaError> {
@@ -106,6 +108,7 @@ impl Gpu {
         let null: u64 = 0;
         let cs_ptr = rope_cs.map(|(cs, _)| cs.device_ptr(self.stream()).0).unwrap_or(null);
         let il = rope_cs.is_some_and(|(_, i)| i) as i32;
+        let pos_ptr = pos_dev.map(|p| p.device_ptr(self.stream()).0).unwrap_or(null);
         match &kv_b.data {
             GpuMatData::Int8 { q: w, scales } => {
                 let mut b = self.stream().launch_builder(self.k.get("mla_decode_i8")?);
@@ -116,7 +119,7 @@ impl Gpu {
                     .arg(&kvl_i)
                     .arg(&t_i)
                     .arg(&softmax_scale);
-                b.arg(&cs_ptr).arg(&il).arg(scores).arg(out);
+                b.arg(&cs_ptr).arg(&il).arg(&pos_ptr).arg(scores).arg(out);
                 // SAFETY: matches `mla_decode_i8` in ops.cu; lengths checked above.
                 unsafe { b.launch(cfg) }.ctx("launch mla_decode_i8")?;
             }
@@ -129,7 +132,7 @@ impl Gpu {
                     .arg(&kvl_i)
                     .arg(&t_i)
                     .arg(&softmax_scale);
-                b.arg(&cs_ptr).arg(&il).arg(scores).arg(out);
+                b.arg(&cs_ptr).arg(&il).arg(&pos_ptr).arg(scores).arg(out);
                 // SAFETY: matches `mla_decode_f32` in ops.cu; lengths checked above.
                 unsafe { b.launch(cfg) }.ctx("launch mla_decode_f32")?;
             }

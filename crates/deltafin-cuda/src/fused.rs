@@ -509,7 +509,9 @@ impl Gpu {
     /// MLA's per-token preparation at position `pos`: `c_kv[pos] = RMSNorm(ckv_raw)` with the
     /// `kv_a_layernorm` weight `norm: [kv_lora_rank]`, and `k_pe[pos] = RoPE(kpe_raw)` with
     /// `cs = [cos[rope/2], sin[rope/2]]` (`rms_norm`'s and `rope_apply`'s arithmetic).
-    /// `c_kv: [>= pos + 1, kv_lora_rank]`, `k_pe: [>= pos + 1, rope]` (the layer's caches).
+    /// `c_kv: [>= pos + 1, kv_lora_rank]`, `k_pe: [>= pos + 1, rope]` (the layer's caches). The
+    /// kernel reads the position from `pos_dev` (one device int that must hold `pos`), so a
+    /// captured graph serves every position.
     ///
     /// # Errors
     /// `Shape` when lengths disagree; a driver error.
@@ -523,6 +525,7 @@ impl Gpu {
         cs: &GpuBuf,
         interleaved: bool,
         pos: usize,
+        pos_dev: &CudaSlice<i32>,
         c_kv: &mut GpuBuf,
         k_pe: &mut GpuBuf,
     ) -> Result<(), CudaError> {
@@ -532,6 +535,7 @@ impl Gpu {
             || !rope.is_multiple_of(2)
             || c_kv.len() < (pos + 1) * kvl
             || k_pe.len() < (pos + 1) * rope
+            || pos_dev.is_empty()
         {
             return Err(CudaError::Shape(format!(
                 "mla_prep: latent {kvl}, norm {}, rope key {rope}, cos/sin {}, caches {} and {} at position {pos}",
@@ -542,17 +546,16 @@ impl Gpu {
             )));
         }
         let (kvl_i, rope_i, il) = (kvl as i32, rope as i32, interleaved as i32);
-        let mut cdst = c_kv.slice_mut(pos * kvl..(pos + 1) * kvl);
-        let mut kdst = k_pe.slice_mut(pos * rope..(pos + 1) * rope);
         let cfg = LaunchConfig {
             grid_dim: (2, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self.stream().launch_builder(self.k.get("mla_prep")?);
-        b.arg(ckv_raw).arg(norm).arg(&kvl_i).arg(&eps).arg(&mut cdst);
-        b.arg(kpe_raw).arg(&rope_i).arg(cs).arg(&il).arg(&mut kdst);
-        // SAFETY: matches `mla_prep` in fused.cu; lengths checked above.
+        b.arg(ckv_raw).arg(norm).arg(&kvl_i).arg(&eps).arg(c_kv);
+        b.arg(kpe_raw).arg(&rope_i).arg(cs).arg(&il).arg(k_pe).arg(pos_dev);
+        // SAFETY: matches `mla_prep` in fused.cu; lengths checked above for the position the
+        // caller put in `pos_dev`.
         unsafe { b.launch(cfg) }.ctx("launch mla_prep")?;
         Ok(())
     }

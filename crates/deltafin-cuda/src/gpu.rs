@@ -183,7 +183,9 @@ impl Gpu {
         // records otherwise (an event record per kernel argument, measurable at decode's
         // hundreds of launches a token) guard nothing here.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A created (non-blocking) stream, not the legacy default one: work queued on it can be
+        // captured into a CUDA graph (the decode step's), which the default stream refuses.
+        let stream = ctx.new_stream().ctx("cuStreamCreate")?;
         let (major, minor) = info.compute_capability;
         let ptx = compile_ptx(&format!("compute_{major}{minor}"))?;
         let module = ctx.load_module(ptx).ctx("cuModuleLoadData")?;

@@ -20,18 +20,20 @@ mod batch;
 mod device;
 mod fused;
 mod gpu;
+mod graph;
 mod kda;
 mod mat;
 mod moe;
 
 pub use attention::MlaShape;
 /// Device buffers and views of any element type (re-exported from `cudarc`).
-pub use cudarc::driver::{CudaSlice, CudaView};
+pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use device::{probe, DeviceInfo};
 pub use fused::{
     ExpertDesc, ExpertTable, MatDesc, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape, MAX_JOBS,
 };
 pub use gpu::{compile_ptx, ptx_cache_dir, Gpu, GpuBuf, ENTRY_POINTS};
+pub use graph::Graph;
 pub use kda::{KdaGate, ATTN_RES_MAX_BANK};
 pub use mat::{Decode, GpuMat, GpuMatData, Kernel};
 pub use moe::MOE_MAX_K;

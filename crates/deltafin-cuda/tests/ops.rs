@@ -602,6 +602,7 @@ fn mla_prep_and_rope_inside_decode_equal_the_separate_launches() {
             &cs,
             interleaved,
             pos,
+            &g.upload(&[pos as i32]).unwrap(),
             &mut c2,
             &mut k2,
         )
@@ -617,7 +618,7 @@ fn mla_prep_and_rope_inside_decode_equal_the_separate_launches() {
                 .unwrap();
             let mut sc = g.zeros(s.n_heads * t).unwrap();
             let mut o1 = g.upload(&vec![f32::NAN; s.n_heads * s.v_head_dim]).unwrap();
-            g.mla_decode(s, &qr, &c1, &k1, &kvb, t, 0.3, None, &mut sc, &mut o1)
+            g.mla_decode(s, &qr, &c1, &k1, &kvb, t, 0.3, None, None, &mut sc, &mut o1)
                 .unwrap();
             let mut o2 = g.upload(&vec![f32::NAN; s.n_heads * s.v_head_dim]).unwrap();
             g.mla_decode(
@@ -629,6 +630,7 @@ fn mla_prep_and_rope_inside_decode_equal_the_separate_launches() {
                 t,
                 0.3,
                 Some((&cs, interleaved)),
+                Some(&g.upload(&[t as i32 - 1]).unwrap()),
                 &mut sc,
                 &mut o2,
             )

@@ -127,3 +127,10 @@ pub fn load_model_on(
         }
     }
 }
+
+impl From<deltafin_cuda::CudaError> for EngineError {
+    /// A CUDA failure as an engine error (one line, prefixed `CUDA:`).
+    fn from(e: deltafin_cuda::CudaError) -> Self {
+        EngineError::Invalid(format!("CUDA: {e}"))
+    }
+}

@@ -220,6 +220,54 @@ fn cuda_chunked_prefill_equals_token_at_a_time_bit_for_bit() {
     }
 }
 
+/// A decode step replayed from a captured CUDA graph (every expert preloaded on the device) gives
+/// the bits of the same step queued launch by launch with experts fetched on demand (a 2-record
+/// GPU cache), token after token, with two sequences interleaved on the graph model (each switch
+/// names other KV-cache buffers, so the step is captured again) and across KV-cache growth.
+#[test]
+fn cuda_decode_graph_equals_queued_launches_bit_for_bit() {
+    if !gpu_or_skip("cuda_decode_graph_equals_queued_launches_bit_for_bit") {
+        return;
+    }
+    for case in cases("deepseek_v3") {
+        let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = convert_case(&case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("q"));
+        let record = dir.manifest.experts.records[0].length;
+        let open = |budget, preload| {
+            let gpu = GpuOptions { budget, preload };
+            load_model_on(&dir, StoreOptions::new(1 << 30), Device::Cuda(0), gpu)
+                .unwrap()
+                .0
+        };
+        let (graph, queued) = (open(None, true), open(Some(2 * record), false));
+        let prompts: Vec<Vec<u32>> = expected["prompts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| ids(&p["prompt_ids"]))
+            .collect();
+        let argmax = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
+        // Two sequences on each model, stepped alternately for 80 steps (past the KV cache's first
+        // 64 positions, so it grows and the graph is captured again).
+        let (mut ga, mut gb) = (graph.new_state(), graph.new_state());
+        let (mut qa, mut qb) = (queued.new_state(), queued.new_state());
+        let (mut ta, mut tb) = (prompts[0][0], prompts.last().unwrap()[0]);
+        for step in 0..80 {
+            let (x, _) = graph.forward(ga.as_mut(), ta).unwrap();
+            let (y, _) = queued.forward(qa.as_mut(), ta).unwrap();
+            assert_eq!(x, y, "{}: sequence a, step {step}", case.display());
+            ta = argmax(&x);
+            let (x, _) = graph.forward(gb.as_mut(), tb).unwrap();
+            let (y, _) = queued.forward(qb.as_mut(), tb).unwrap();
+            assert_eq!(x, y, "{}: sequence b, step {step}", case.display());
+            tb = argmax(&x);
+        }
+        let s = graph.gpu_cache_stats().unwrap();
+        assert_eq!(s.misses, 0, "{}: the preloaded model missed", case.display());
+    }
+}
+
 /// Worst relative L2 between two runs' step logits, asserting equal greedy ids (`what` names the
 /// comparison in the failure message).
 fn worst_vs(a: &[(Vec<u32>, Vec<Vec<f32>>)], b: &[(Vec<u32>, Vec<Vec<f32>>)], what: &str) -> f64 {

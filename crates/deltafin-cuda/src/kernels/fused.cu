@@ -254,17 +254,20 @@ extern "C" __global__ void __launch_bounds__(256) mv_jobs(Jobs jobs, const float
 }
 
 // ---- MLA's per-token preparation --------------------------------------------------------------
-// Block 0: latent = RMSNorm(ckv_raw) (kv_a_layernorm, rms_norm's code) into the latent cache row;
-// block 1: RoPE of the shared rope key (rope_apply's arithmetic) into the rope-key cache row.
+// Block 0: latent = RMSNorm(ckv_raw) (kv_a_layernorm, rms_norm's code) into the latent cache row
+// of position *pos; block 1: RoPE of the shared rope key (rope_apply's arithmetic) into the
+// rope-key cache row (the position read on the device, so a captured graph serves every token).
 extern "C" __global__ void __launch_bounds__(256)
     mla_prep(const float* __restrict__ ckv_raw, const float* __restrict__ norm_w, int kvl, float eps,
-             float* __restrict__ ckv_dst, const float* __restrict__ kpe_raw, int rope,
-             const float* __restrict__ cs, int interleaved, float* __restrict__ kpe_dst) {
+             float* __restrict__ c_kv, const float* __restrict__ kpe_raw, int rope,
+             const float* __restrict__ cs, int interleaved, float* __restrict__ k_pe, const int* __restrict__ pos) {
     __shared__ float part[256];
+    const size_t p = (size_t)*pos;
     if (blockIdx.x == 0) {
-        block_rms_norm(ckv_raw, norm_w, kvl, eps, 0, ckv_dst, part);
+        block_rms_norm(ckv_raw, norm_w, kvl, eps, 0, c_kv + p * kvl, part);
         return;
     }
+    float* kpe_dst = k_pe + p * rope;
     const int half = rope / 2;
     for (int i = threadIdx.x; i < half; i += 256) {
         const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;

@@ -540,7 +540,8 @@ __device__ __forceinline__ void rope_pair(float xa, float xb, float c, float s, 
 // MLA decode for one token, weight-absorbed (DeepSeek-V2 §2.1, arXiv:2405.04434; the CPU's
 // deepseek_v3.rs `attend_head`): one block of 256 threads per head h.
 //   q: [nh, nope + rope] (rope part already rotated, or rotated here with `cs` = [cos[half],
-//   sin[half]] when cs is not null: rope_apply's arithmetic), ckv: [T, kvl] normalised latents,
+//   sin[half]] when cs is not null: rope_apply's arithmetic), ckv: [T, kvl] normalised latents
+//   (T = *pos + 1 when pos is not null: the position read on the device),
 //   kpe: [T, rope] rotated shared keys, W = kv_b_proj [nh * (nope + vd), kvl] (per head W_UK
 //   rows then W_UV rows), scores: [nh, T] scratch, out: [nh, vd].
 //   q_abs = W_UK_h^T q_nope (sum over the nope rows in order); s_t = (q_abs . c_t + q_pe . k_t) *
@@ -553,8 +554,9 @@ __device__ __forceinline__ void mla_decode_impl(const float* __restrict__ q, con
                                                 const float* __restrict__ kpe, const void* __restrict__ w,
                                                 const float* __restrict__ wsc, int nope, int rope, int vd,
                                                 int kvl, int T, float scale, const float* __restrict__ cs,
-                                                int interleaved, float* __restrict__ scores,
-                                                float* __restrict__ out) {
+                                                int interleaved, const int* __restrict__ pos,
+                                                float* __restrict__ scores, float* __restrict__ out) {
+    if (pos != nullptr) T = *pos + 1;
     extern __shared__ float sh[];
     float* q_abs = sh;
     float* ctx = sh + kvl;
@@ -650,13 +652,16 @@ __device__ __forceinline__ void mla_decode_impl(const float* __restrict__ q, con
 
 extern "C" __global__ void mla_decode_i8(const float* q, const float* ckv, const float* kpe, const i8* w,
                                          const float* wsc, int nope, int rope, int vd, int kvl, int T,
-                                         float scale, const float* cs, int interleaved, float* scores, float* out) {
-    mla_decode_impl<true>(q, ckv, kpe, w, wsc, nope, rope, vd, kvl, T, scale, cs, interleaved, scores, out);
+                                         float scale, const float* cs, int interleaved, const int* pos,
+                                         float* scores, float* out) {
+    mla_decode_impl<true>(q, ckv, kpe, w, wsc, nope, rope, vd, kvl, T, scale, cs, interleaved, pos, scores, out);
 }
 extern "C" __global__ void mla_decode_f32(const float* q, const float* ckv, const float* kpe, const float* w,
                                           int nope, int rope, int vd, int kvl, int T, float scale,
-                                          const float* cs, int interleaved, float* scores, float* out) {
-    mla_decode_impl<false>(q, ckv, kpe, w, nullptr, nope, rope, vd, kvl, T, scale, cs, interleaved, scores, out);
+                                          const float* cs, int interleaved, const int* pos, float* scores,
+                                          float* out) {
+    mla_decode_impl<false>(q, ckv, kpe, w, nullptr, nope, rope, vd, kvl, T, scale, cs, interleaved, pos, scores,
+                           out);
 }
 
 // ---- Routed experts of one token, fused (decode) ----------------------------------------------
@@ -755,7 +760,7 @@ __device__ __forceinline__ void mla_prefill_impl(const float* q, const float* ck
                                                  float* out) {
     const int j = blockIdx.y;
     mla_decode_impl<I8>(q + (size_t)j * nh * (nope + rope), ckv, kpe, w, wsc, nope, rope, vd, kvl, t0 + j + 1,
-                        scale, nullptr, 0, scores + (size_t)j * nh * score_stride, out + (size_t)j * nh * vd);
+                        scale, nullptr, 0, nullptr, scores + (size_t)j * nh * score_stride, out + (size_t)j * nh * vd);
 }
 extern "C" __global__ void mla_prefill_i8(const float* q, const float* ckv, const float* kpe, const i8* w,
                                           const float* wsc, int nh, int nope, int rope, int vd, int kvl, int t0,

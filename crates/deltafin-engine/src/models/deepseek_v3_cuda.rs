@@ -28,8 +28,8 @@
 use std::sync::{Arc, Mutex};
 
 use deltafin_cuda::{
-    CudaError, ExpertTable, Gpu, GpuBuf, GpuMat, MlaShape, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape,
-    MOE_MAX_K,
+    CudaError, ExpertTable, Gpu, GpuBuf, GpuMat, Graph, MlaShape, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg,
+    RouterShape, MOE_MAX_K,
 };
 use deltafin_format::{ModelConfig, ModelDir};
 
@@ -50,6 +50,12 @@ fn set<'a>(a: &'a GpuMat, y: &'a mut GpuBuf) -> MvJob<'a> {
         kind: MvKind::Set,
         y,
     }
+}
+
+/// A device buffer's address (to tell whether a captured graph still names it).
+fn buf_ptr(g: &Gpu, b: &GpuBuf) -> u64 {
+    use deltafin_cuda::DevicePtr;
+    b.device_ptr(g.stream()).0
 }
 
 fn cuda(e: CudaError) -> EngineError {
@@ -202,6 +208,23 @@ struct Work {
     slots: ExpertTable,
     slot_ids: deltafin_cuda::CudaSlice<i32>,
     logits: GpuBuf,
+    /// The token's position `[1]`, read by the attention kernels on the device.
+    pos: deltafin_cuda::CudaSlice<i32>,
+    /// The decode step captured as a CUDA graph, for the buffers it was captured on.
+    graph: Option<(GraphKey, Graph)>,
+    /// A capture failed once: decode steps are queued launch by launch from then on.
+    graph_failed: bool,
+}
+
+/// What a captured decode step is tied to: the KV cache's buffers and size, the scores buffer,
+/// the number of experts a token (kernel arguments baked into the graph).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct GraphKey {
+    /// Every layer's latent and rope-key cache buffer.
+    cache: Vec<u64>,
+    capacity: usize,
+    scores: u64,
+    top_k: usize,
 }
 
 /// DeepSeek-V3 with its forward pass on a CUDA device (see the module docs).
@@ -327,6 +350,9 @@ impl DeepseekV3Cuda {
             slots: gpu.expert_table(MOE_MAX_K, c.moe_intermediate_size, h).map_err(cuda)?,
             slot_ids: gpu.upload(&(0..MOE_MAX_K as i32).collect::<Vec<_>>()).map_err(cuda)?,
             logits: z(lm_head.rows)?,
+            pos: gpu.upload(&[0i32]).map_err(cuda)?,
+            graph: None,
+            graph_failed: false,
         };
         let mut tables = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
@@ -491,6 +517,7 @@ impl DeepseekV3Cuda {
             &w.cs,
             interleaved,
             pos,
+            &w.pos,
             &mut cache.c_kv[l],
             &mut cache.k_pe[l],
         )?;
@@ -501,9 +528,6 @@ impl DeepseekV3Cuda {
             v_head_dim: c.v_head_dim,
             kv_lora_rank: kvl,
         };
-        if w.scores.len() < nh * (pos + 1) {
-            w.scores = g.zeros(nh * cache.capacity.max(pos + 1))?;
-        }
         g.mla_decode(
             shape,
             &w.q,
@@ -513,6 +537,7 @@ impl DeepseekV3Cuda {
             pos + 1,
             self.cpu.softmax_scale,
             Some((&w.cs, interleaved)),
+            Some(&w.pos),
             &mut w.scores,
             &mut w.heads,
         )?;
@@ -660,29 +685,28 @@ impl DeepseekV3Cuda {
         })
     }
 
-    fn forward_token(&self, cache: &mut GpuKvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+    /// Whether every routed expert of every MoE layer is on the device (and ids are not stand-ins),
+    /// so that no decode step asks the host for an expert.
+    fn all_resident(&self) -> Result<bool, EngineError> {
         let c = &self.cpu.cfg;
-        if token as usize >= c.vocab_size {
-            return Err(EngineError::TokenOutOfRange {
-                id: token,
-                vocab_size: c.vocab_size,
-            });
+        if self.cpu.routed.compute_only() {
+            return Ok(false);
         }
-        let g = &self.gpu;
-        g.bind_to_thread().map_err(cuda)?;
-        cache.reserve(cache.len + 1).map_err(cuda)?;
-        let mut guard = self
-            .work
+        let ex = self
+            .experts
             .lock()
-            .map_err(|_| EngineError::Invalid("CUDA work buffers lock poisoned".into()))?;
-        let w = &mut *guard;
-        let mut x_host = vec![0f32; c.hidden_size];
-        self.cpu
-            .m("model.embed_tokens.weight")?
-            .row_into(token as usize, &mut x_host);
-        g.upload_into(&x_host, &mut w.x).map_err(cuda)?;
-        g.upload_into(&self.rope_table(cache.len), &mut w.cs).map_err(cuda)?;
-        let mut from_table = Vec::new();
+            .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
+        Ok((0..c.num_hidden_layers)
+            .filter(|&l| c.is_moe_layer(l))
+            .all(|l| ex.cache.resident_in_layer(l) == c.n_routed_experts))
+    }
+
+    /// Queues one decode step on the device (its inputs already in `w.x`, `w.cs`, `w.pos`):
+    /// every layer, the final norm and the LM head into `w.logits`. Pushes the MoE layers whose
+    /// experts were found through their tables to `from_table`.
+    fn queue_step(&self, w: &mut Work, cache: &mut GpuKvCache, from_table: &mut Vec<usize>) -> Result<(), EngineError> {
+        let c = &self.cpu.cfg;
+        let g = &self.gpu;
         for l in 0..c.num_hidden_layers {
             let lw = &self.layers[l];
             self.cpu
@@ -722,8 +746,6 @@ impl DeepseekV3Cuda {
                 }
             })?;
         }
-        cache.len += 1;
-        self.cpu.routed.count_forward();
         let pn = PreNorm {
             weight: &self.norm,
             eps: c.rms_norm_eps,
@@ -736,7 +758,72 @@ impl DeepseekV3Cuda {
             kind: MvKind::Set,
             y: &mut w.logits,
         };
-        g.mv_jobs(&w.x, Some(pn), &mut [head]).map_err(cuda)?;
+        g.mv_jobs(&w.x, Some(pn), &mut [head]).map_err(cuda)
+    }
+
+    fn forward_token(&self, cache: &mut GpuKvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        let c = &self.cpu.cfg;
+        if token as usize >= c.vocab_size {
+            return Err(EngineError::TokenOutOfRange {
+                id: token,
+                vocab_size: c.vocab_size,
+            });
+        }
+        let g = &self.gpu;
+        g.bind_to_thread().map_err(cuda)?;
+        cache.reserve(cache.len + 1).map_err(cuda)?;
+        let mut guard = self
+            .work
+            .lock()
+            .map_err(|_| EngineError::Invalid("CUDA work buffers lock poisoned".into()))?;
+        let w = &mut *guard;
+        let mut x_host = vec![0f32; c.hidden_size];
+        self.cpu
+            .m("model.embed_tokens.weight")?
+            .row_into(token as usize, &mut x_host);
+        g.upload_into(&x_host, &mut w.x).map_err(cuda)?;
+        g.upload_into(&self.rope_table(cache.len), &mut w.cs).map_err(cuda)?;
+        g.stream()
+            .memcpy_htod(&[cache.len as i32], &mut w.pos)
+            .map_err(|e| cuda(CudaError::Shape(format!("writing the position: {e}"))))?;
+        let nh = c.num_attention_heads;
+        if w.scores.len() < nh * cache.capacity {
+            w.scores = g.zeros(nh * cache.capacity).map_err(cuda)?;
+        }
+        let mut from_table = Vec::new();
+        let mut launched = false;
+        if !w.graph_failed && self.all_resident()? {
+            // Every chosen expert will be found through the tables: the step needs no host
+            // decision, so it runs as one captured graph (captured again when the buffers it
+            // names change: the KV cache grew, another sequence's cache, another top-k).
+            let key = GraphKey {
+                cache: cache.c_kv.iter().chain(&cache.k_pe).map(|b| buf_ptr(g, b)).collect(),
+                capacity: cache.capacity,
+                scores: buf_ptr(g, &w.scores),
+                top_k: self.cpu.router_cfg().top_k,
+            };
+            if w.graph.as_ref().is_none_or(|(k, _)| *k != key) {
+                // Drop the old graph first: its device memory goes back before the new capture.
+                w.graph = None;
+                match g.capture(|| self.queue_step(w, cache, &mut Vec::new())) {
+                    Ok(graph) => w.graph = Some((key, graph)),
+                    Err(e) => {
+                        eprintln!("note: decoding without a CUDA graph (the capture failed: {e})");
+                        w.graph_failed = true;
+                    }
+                }
+            }
+            if let Some((_, graph)) = &w.graph {
+                graph.launch().map_err(cuda)?;
+                from_table = (0..c.num_hidden_layers).filter(|&l| c.is_moe_layer(l)).collect();
+                launched = true;
+            }
+        }
+        if !launched {
+            self.queue_step(w, cache, &mut from_table)?;
+        }
+        cache.len += 1;
+        self.cpu.routed.count_forward();
         let logits = g.download(&w.logits).map_err(cuda)?;
         // Every layer's choice, read back once.
         g.stream()

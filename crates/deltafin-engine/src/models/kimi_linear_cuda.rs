@@ -770,6 +770,7 @@ impl KimiLinearCuda {
             pos + 1,
             self.cpu.softmax_scale,
             None,
+            None,
             &mut w.scores,
             &mut w.heads,
         )?;
