@@ -52,3 +52,91 @@ impl Gpu {
         }
     }
 }
+
+/// A page-locked host buffer for a step's small inputs and outputs: copies from and to it are
+/// queued without waiting (pageable memory makes every copy a round trip), so a decode step
+/// waits for the device once, at the end.
+pub struct Pinned<T: cudarc::driver::DeviceRepr>(cudarc::driver::PinnedHostSlice<T>);
+
+impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default> Pinned<T> {
+    /// The host elements, after every copy queued on them has finished.
+    ///
+    /// # Errors
+    /// A driver error (including one raised by the copies).
+    pub fn as_slice(&self) -> Result<&[T], CudaError> {
+        self.0.as_slice().ctx("cuEventSynchronize")
+    }
+
+    /// Overwrites the host elements with `data` (same length) once the copies queued on them
+    /// have finished.
+    ///
+    /// # Errors
+    /// `Shape` when the lengths differ; a driver error.
+    pub fn write(&mut self, data: &[T]) -> Result<(), CudaError> {
+        let dst = self.0.as_mut_slice().ctx("cuEventSynchronize")?;
+        if dst.len() != data.len() {
+            return Err(CudaError::Shape(format!(
+                "pinned buffer: {} elements into {}",
+                data.len(),
+                dst.len()
+            )));
+        }
+        dst.copy_from_slice(data);
+        Ok(())
+    }
+}
+
+impl Gpu {
+    /// A zeroed page-locked host buffer of `len` elements.
+    ///
+    /// # Errors
+    /// A driver error (page-locked memory is limited).
+    pub fn pinned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default>(
+        &self,
+        len: usize,
+    ) -> Result<Pinned<T>, CudaError> {
+        // SAFETY: the memory is initialized right below before anything reads it.
+        let mut p = unsafe { self.stream().context().alloc_pinned::<T>(len.max(1)) }.ctx("cuMemHostAlloc")?;
+        p.as_mut_slice().ctx("cuEventSynchronize")?.fill(T::default());
+        Ok(Pinned(p))
+    }
+
+    /// Queues a copy of all of `src` to `dst` (same length) without waiting.
+    ///
+    /// # Errors
+    /// `Shape` when the lengths differ; a driver error.
+    pub fn upload_pinned<T: cudarc::driver::DeviceRepr>(
+        &self,
+        src: &Pinned<T>,
+        dst: &mut cudarc::driver::CudaSlice<T>,
+    ) -> Result<(), CudaError> {
+        if src.0.len() != dst.len() {
+            return Err(CudaError::Shape(format!(
+                "upload_pinned: {} host elements into {}",
+                src.0.len(),
+                dst.len()
+            )));
+        }
+        self.stream().memcpy_htod(&src.0, dst).ctx("cuMemcpyHtoDAsync")
+    }
+
+    /// Queues a copy of all of `src` into `dst` (same length) without waiting; read it with
+    /// [`Pinned::as_slice`], which waits for the copy.
+    ///
+    /// # Errors
+    /// `Shape` when the lengths differ; a driver error.
+    pub fn download_pinned<T: cudarc::driver::DeviceRepr>(
+        &self,
+        src: &cudarc::driver::CudaSlice<T>,
+        dst: &mut Pinned<T>,
+    ) -> Result<(), CudaError> {
+        if src.len() != dst.0.len() {
+            return Err(CudaError::Shape(format!(
+                "download_pinned: {} device elements into {}",
+                src.len(),
+                dst.0.len()
+            )));
+        }
+        self.stream().memcpy_dtoh(src, &mut dst.0).ctx("cuMemcpyDtoHAsync")
+    }
+}

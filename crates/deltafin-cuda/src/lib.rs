@@ -33,7 +33,7 @@ pub use fused::{
     ExpertDesc, ExpertTable, MatDesc, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape, MAX_JOBS,
 };
 pub use gpu::{compile_ptx, ptx_cache_dir, Gpu, GpuBuf, ENTRY_POINTS};
-pub use graph::Graph;
+pub use graph::{Graph, Pinned};
 pub use kda::{KdaGate, ATTN_RES_MAX_BANK};
 pub use mat::{Decode, GpuMat, GpuMatData, Kernel};
 pub use moe::MOE_MAX_K;

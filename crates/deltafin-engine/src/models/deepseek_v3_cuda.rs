@@ -28,8 +28,8 @@
 use std::sync::{Arc, Mutex};
 
 use deltafin_cuda::{
-    CudaError, ExpertTable, Gpu, GpuBuf, GpuMat, Graph, MlaShape, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg,
-    RouterShape, MOE_MAX_K,
+    CudaError, ExpertTable, Gpu, GpuBuf, GpuMat, Graph, MlaShape, MoeDown, MvJob, MvKind, Pinned, PreNorm,
+    RouteTailArg, RouterShape, MOE_MAX_K,
 };
 use deltafin_format::{ModelConfig, ModelDir};
 
@@ -202,8 +202,14 @@ struct Work {
     /// (router order), written by the device router, read back once at the end of the token.
     ids: deltafin_cuda::CudaSlice<i32>,
     weights: GpuBuf,
-    ids_host: Vec<i32>,
-    weights_host: Vec<f32>,
+    /// Page-locked copies of the step's inputs (embedding row, RoPE's cos/sin, position) and
+    /// outputs (logits, every layer's ids and weights): the step waits for the device once.
+    x_in: Pinned<f32>,
+    cs_in: Pinned<f32>,
+    pos_in: Pinned<i32>,
+    logits_out: Pinned<f32>,
+    ids_out: Pinned<i32>,
+    weights_out: Pinned<f32>,
     /// The chosen experts of a layer that is not wholly resident, by slot, and `0..MOE_MAX_K`.
     slots: ExpertTable,
     slot_ids: deltafin_cuda::CudaSlice<i32>,
@@ -345,8 +351,12 @@ impl DeepseekV3Cuda {
             router_logits: z(c.n_routed_experts)?,
             ids: gpu.upload(&vec![0i32; slots]).map_err(cuda)?,
             weights: z(slots)?,
-            ids_host: vec![0; slots],
-            weights_host: vec![0.0; slots],
+            x_in: gpu.pinned(h).map_err(cuda)?,
+            cs_in: gpu.pinned(2 * half).map_err(cuda)?,
+            pos_in: gpu.pinned(1).map_err(cuda)?,
+            logits_out: gpu.pinned(lm_head.rows).map_err(cuda)?,
+            ids_out: gpu.pinned(slots).map_err(cuda)?,
+            weights_out: gpu.pinned(slots).map_err(cuda)?,
             slots: gpu.expert_table(MOE_MAX_K, c.moe_intermediate_size, h).map_err(cuda)?,
             slot_ids: gpu.upload(&(0..MOE_MAX_K as i32).collect::<Vec<_>>()).map_err(cuda)?,
             logits: z(lm_head.rows)?,
@@ -781,11 +791,12 @@ impl DeepseekV3Cuda {
         self.cpu
             .m("model.embed_tokens.weight")?
             .row_into(token as usize, &mut x_host);
-        g.upload_into(&x_host, &mut w.x).map_err(cuda)?;
-        g.upload_into(&self.rope_table(cache.len), &mut w.cs).map_err(cuda)?;
-        g.stream()
-            .memcpy_htod(&[cache.len as i32], &mut w.pos)
-            .map_err(|e| cuda(CudaError::Shape(format!("writing the position: {e}"))))?;
+        w.x_in.write(&x_host).map_err(cuda)?;
+        w.cs_in.write(&self.rope_table(cache.len)).map_err(cuda)?;
+        w.pos_in.write(&[cache.len as i32]).map_err(cuda)?;
+        g.upload_pinned(&w.x_in, &mut w.x).map_err(cuda)?;
+        g.upload_pinned(&w.cs_in, &mut w.cs).map_err(cuda)?;
+        g.upload_pinned(&w.pos_in, &mut w.pos).map_err(cuda)?;
         let nh = c.num_attention_heads;
         if w.scores.len() < nh * cache.capacity {
             w.scores = g.zeros(nh * cache.capacity).map_err(cuda)?;
@@ -824,22 +835,24 @@ impl DeepseekV3Cuda {
         }
         cache.len += 1;
         self.cpu.routed.count_forward();
-        let logits = g.download(&w.logits).map_err(cuda)?;
-        // Every layer's choice, read back once.
-        g.stream()
-            .memcpy_dtoh(&w.ids, &mut w.ids_host)
-            .map_err(|e| cuda(CudaError::Shape(format!("reading the router's choices back: {e}"))))?;
-        g.download_into(&w.weights, &mut w.weights_host).map_err(cuda)?;
+        // The logits and every layer's choice, read back with one wait.
+        g.download_pinned(&w.logits, &mut w.logits_out).map_err(cuda)?;
+        g.download_pinned(&w.ids, &mut w.ids_out).map_err(cuda)?;
+        g.download_pinned(&w.weights, &mut w.weights_out).map_err(cuda)?;
+        g.synchronize().map_err(cuda)?;
+        let logits = w.logits_out.as_slice().map_err(cuda)?.to_vec();
+        let ids_host = w.ids_out.as_slice().map_err(cuda)?;
+        let weights_host = w.weights_out.as_slice().map_err(cuda)?;
         let k = self.cpu.router_cfg().top_k;
         let mut routes = Vec::new();
         for l in (0..c.num_hidden_layers).filter(|&l| c.is_moe_layer(l)) {
             let off = l * MOE_MAX_K;
-            let experts: Vec<usize> = w.ids_host[off..off + k].iter().map(|&e| e as usize).collect();
+            let experts: Vec<usize> = ids_host[off..off + k].iter().map(|&e| e as usize).collect();
             routes.push((
                 l,
                 crate::moe::Routing {
                     experts,
-                    weights: w.weights_host[off..off + k].to_vec(),
+                    weights: weights_host[off..off + k].to_vec(),
                 },
             ));
         }
