@@ -187,7 +187,7 @@ pub(crate) fn run(a: &CacheArgs) -> Result<()> {
 
 /// `cache verify --source`: see [`cache::verify_source`].
 fn verify_source(model_dir: &std::path::Path, whole_files: bool, concurrency: usize) -> Result<()> {
-    let http = std::sync::Arc::new(deltafin_pull::Http::new(deltafin_pull::HttpOptions::default())?);
+    let http = std::sync::Arc::new(deltafin_pull::Http::new(crate::pull_cmd::http_defaults())?);
     let r = cache::verify_source(model_dir, http, whole_files, concurrency)?;
     for f in &r.files_hashed {
         println!("source file {f}: sha256 as published at install");

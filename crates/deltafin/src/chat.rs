@@ -73,14 +73,14 @@ pub fn run(a: &ChatArgs) -> Result<()> {
     let mut store_opts = a.store.options(budget, &dir)?;
     let network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     crate::pull_cmd::warn_unfetched_records(&network, &dir, false)?;
-    let model = a.device.load(&dir, store_opts)?;
+    let mut model = a.device.load(&dir, store_opts)?;
+    a.passes.apply(model.as_mut())?;
     if a.store.cache_policy == deltafin_engine::experts::CachePolicy::Pinned {
         model.store().warm_pinned();
     }
     let model: Arc<dyn CausalLm> = Arc::from(model);
     let mut session = Session::new(Arc::clone(&model), Arc::clone(&tokenizer), eos);
     session.set_prefill_chunk(a.passes.prefill_chunk);
-    a.passes.warn_unsupported(model.as_ref());
     session.set_speculate(a.passes.speculate);
 
     // Ctrl-C during an answer stops it; at the prompt it leaves.

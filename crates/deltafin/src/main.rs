@@ -29,6 +29,7 @@ use deltafin_engine::speculate::Drafter;
 use deltafin_engine::{BatchForm, CausalLm};
 use deltafin_format::convert::{convert, ConvertOptions, Progress};
 use deltafin_format::{ModelDir, StoredDtype};
+use deltafin_kernels::SimdLevel;
 use deltafin_tokenizer::Tokenizer;
 
 #[derive(Parser)]
@@ -42,8 +43,33 @@ struct Cli {
     /// HTTP retries). RUST_LOG, when set, replaces this (e.g. RUST_LOG=deltafin_pull=debug).
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
+    /// Research: cap the SIMD level of the CPU kernels at `portable`, `avx2` or `avx512` (the
+    /// best the CPU supports at or below it; default: the CPU's best). Levels differ within f32
+    /// rounding. Without the flag, the environment variable DELTAFIN_KERNELS_SIMD is read.
+    #[arg(long, global = true, value_name = "LEVEL", value_parser = parse_simd, help_heading = "Research options")]
+    simd: Option<SimdLevel>,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+fn parse_simd(s: &str) -> Result<SimdLevel, String> {
+    s.parse()
+}
+
+/// `--simd`, else the environment variable `DELTAFIN_KERNELS_SIMD`, capping the kernels' SIMD
+/// level before the first kernel runs.
+///
+/// Errors: the variable holds no level (named with its value).
+fn cap_simd(flag: Option<SimdLevel>) -> Result<()> {
+    let level = match (flag, std::env::var("DELTAFIN_KERNELS_SIMD")) {
+        (Some(l), _) => l,
+        (None, Ok(v)) if !v.is_empty() => v
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("DELTAFIN_KERNELS_SIMD={v:?}: {e}"))?,
+        _ => return Ok(()),
+    };
+    deltafin_kernels::cap_simd_level(level).map_err(|e| anyhow::anyhow!("--simd: {e}"))?;
+    Ok(())
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -244,12 +270,54 @@ pub(crate) struct PassArgs {
     /// output is identical with any setting; the draft length adapts to measured benefit.
     #[arg(long, default_value_t = deltafin_engine::generate::DEFAULT_SPECULATE, value_parser = parse_speculate)]
     pub(crate) speculate: deltafin_engine::speculate::SpeculateMode,
+    /// Research: the arithmetic of batched passes. `exact` (default): every position
+    /// bit-identical to token-at-a-time decoding. `fast`: prompt chunks of 16 or more tokens
+    /// compute MLA in the decompressed form where it needs fewer multiply-adds (logits within
+    /// f32 rounding, so greedy ids can differ where a router choice is near-tied; speculative
+    /// verification stays exact). `fast-always`: the decompressed form for every batched pass.
+    /// Without the flag, the environment variable DELTAFIN_BATCH_FORM is read.
+    #[arg(long, value_name = "FORM", value_parser = parse_batch_form, help_heading = "Research options")]
+    pub(crate) batch_form: Option<BatchForm>,
+}
+
+fn parse_batch_form(s: &str) -> Result<BatchForm, String> {
+    s.parse()
 }
 
 impl PassArgs {
+    /// `--batch-form`, else the environment variable `DELTAFIN_BATCH_FORM`, else `exact`.
+    ///
+    /// Errors: the variable holds no form (named with its value).
+    fn batch_form(&self) -> Result<BatchForm> {
+        if let Some(f) = self.batch_form {
+            return Ok(f);
+        }
+        match std::env::var("DELTAFIN_BATCH_FORM") {
+            Ok(v) => v
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("DELTAFIN_BATCH_FORM={v:?}: {e}")),
+            Err(_) => Ok(BatchForm::Exact),
+        }
+    }
+
+    /// Sets the batch form of a freshly loaded `model` and warns (stderr) about what differs
+    /// from the model's own arithmetic: a non-default batch form (labelled), and `--speculate
+    /// self` for a family without a drafter (the run then decodes plainly).
+    ///
+    /// Errors: as [`Self::batch_form`].
+    pub(crate) fn apply(&self, model: &mut dyn CausalLm) -> Result<()> {
+        let form = self.batch_form()?;
+        model.routed_mut().set_batch_form(form);
+        if form != BatchForm::Exact {
+            eprintln!("warning: --batch-form {} (research): {BATCH_FORM_NOTE}", form.name());
+        }
+        self.warn_unsupported(model);
+        Ok(())
+    }
+
     /// Warns (stderr) when `--speculate self` asks for a drafter `model`'s family lacks: the
     /// run then decodes plainly.
-    pub(crate) fn warn_unsupported(&self, model: &dyn CausalLm) {
+    fn warn_unsupported(&self, model: &dyn CausalLm) {
         if self.speculate == deltafin_engine::speculate::SpeculateMode::SelfDraft && !model.supports_draft() {
             eprintln!(
                 "warning: --speculate self: the {} family has no self-drafting; decoding one token per step \
@@ -293,6 +361,18 @@ pub(crate) struct StoreArgs {
     /// Streaming installs: fetch routed experts that are not local yet from the install's source.
     #[arg(long)]
     pub(crate) allow_network: bool,
+    /// Research: bytes of each chunk of a demand read of expert records (rounded up to 4 KiB;
+    /// default 512 KiB): a fetch's records complete one after the other at full queue depth.
+    /// Without the flag, the environment variable DELTAFIN_DEMAND_CHUNK is read.
+    #[arg(long, value_name = "BYTES", value_parser = parse_demand_chunk, help_heading = "Research options")]
+    demand_chunk: Option<usize>,
+}
+
+fn parse_demand_chunk(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{s:?} is not a positive number of bytes")),
+    }
 }
 
 fn parse_io(s: &str) -> Result<IoMode, String> {
@@ -312,6 +392,11 @@ impl StoreArgs {
         o.policy = self.cache_policy;
         o.prefetch = self.prefetch == "on";
         o.readers = usize::from(self.readers);
+        o.demand_chunk = match (self.demand_chunk, std::env::var("DELTAFIN_DEMAND_CHUNK")) {
+            (Some(n), _) => n,
+            (None, Ok(v)) => parse_demand_chunk(&v).map_err(|e| anyhow::anyhow!("DELTAFIN_DEMAND_CHUNK: {e}"))?,
+            (None, Err(_)) => 0,
+        };
         if !(0.0..=1.0).contains(&self.pinned_fraction) {
             bail!("--pinned-fraction {} must be between 0 and 1", self.pinned_fraction);
         }
@@ -342,7 +427,7 @@ impl StoreArgs {
 /// The label every output carries when routing differs from the model's.
 pub(crate) const NON_DEFAULT_ROUTING: &str = "non-default routing: output not equivalent to the model";
 
-/// The label of a non-default [`BatchForm`] (research override `DELTAFIN_BATCH_FORM`).
+/// The label of a non-default [`BatchForm`] (research option `--batch-form`).
 pub(crate) const BATCH_FORM_NOTE: &str = "long prompt chunks compute MLA in the decompressed form: \
      logits within f32 rounding of token-at-a-time decoding, not bit for bit (greedy ids can differ \
      where a router choice is near-tied)";
@@ -350,6 +435,10 @@ pub(crate) const BATCH_FORM_NOTE: &str = "long prompt chunks compute MLA in the 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     log::init(cli.verbose);
+    if let Err(e) = cap_simd(cli.simd) {
+        eprintln!("error: {}", one_line(&e));
+        return ExitCode::FAILURE;
+    }
     // A panic is a bug: report it on one line (where and why), not Rust's multi-line default.
     // Panics on compute-pool threads become errors of their command (or 500s of the server's
     // request); the process never waits on a dead thread.
@@ -675,7 +764,7 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     let network = pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     pull_cmd::warn_unfetched_records(&network, &dir, false)?;
     let mut model = a.device.load(&dir, store_opts)?;
-    a.passes.warn_unsupported(model.as_ref());
+    a.passes.apply(model.as_mut())?;
     let ctx = model.context_length();
     if prompt_ids.len().saturating_add(a.max_new_tokens) > ctx {
         let what = format!(
@@ -696,12 +785,6 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     }
     if a.store.cache_policy == CachePolicy::Pinned {
         model.store().warm_pinned();
-    }
-    if model.routed().batch_form() != BatchForm::Exact {
-        eprintln!(
-            "warning: DELTAFIN_BATCH_FORM={}: {BATCH_FORM_NOTE}",
-            model.routed().batch_form().name()
-        );
     }
     if let Some(k) = a.experts_per_token {
         model.routed().set_experts_per_token(k)?;
@@ -915,7 +998,7 @@ pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &dyn CausalLm, 
     }
     if model.routed().batch_form() != BatchForm::Exact {
         eprintln!(
-            "batched arithmetic   {} (DELTAFIN_BATCH_FORM): {BATCH_FORM_NOTE}",
+            "batched arithmetic   {} (--batch-form, research): {BATCH_FORM_NOTE}",
             model.routed().batch_form().name()
         );
     }

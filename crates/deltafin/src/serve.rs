@@ -115,19 +115,12 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     let mut store_opts = a.store.options(budget, &dir)?;
     let network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     crate::pull_cmd::warn_unfetched_records(&network, &dir, true)?;
-    let model = a.device.load(&dir, store_opts)?;
+    let mut model = a.device.load(&dir, store_opts)?;
+    a.passes.apply(model.as_mut())?;
     if a.store.cache_policy == deltafin_engine::experts::CachePolicy::Pinned {
         model.store().warm_pinned();
     }
     let model: Arc<dyn CausalLm> = Arc::from(model);
-    a.passes.warn_unsupported(model.as_ref());
-    if model.routed().batch_form() != deltafin_engine::BatchForm::Exact {
-        eprintln!(
-            "warning: DELTAFIN_BATCH_FORM={}: {}",
-            model.routed().batch_form().name(),
-            crate::BATCH_FORM_NOTE
-        );
-    }
     let model_id = match &a.model_id {
         Some(id) => id.clone(),
         None => a

@@ -1183,9 +1183,11 @@ fn bad_ram_budget_is_rejected() {
     ));
 }
 
-/// `DELTAFIN_BATCH_FORM`: an unknown value is a one-line error naming the variable; `fast`
-/// is labelled on the stats lines and in the stats JSON (the default says `exact`) and keeps
-/// the greedy ids of the fixture with a whole-prompt chunk of 40 tokens (decompressed MLA).
+/// `--batch-form` (research; `DELTAFIN_BATCH_FORM` without the flag): an unknown value is a
+/// one-line error naming the flag or the variable; `fast` is labelled on the stats lines, in
+/// the stats JSON (the default says `exact`) and in a warning of `run` and `chat`, and keeps the
+/// greedy ids of the fixture with a whole-prompt chunk of 40 tokens (decompressed MLA), from the
+/// flag and from the variable alike.
 #[test]
 fn batch_form_override_is_checked_and_labelled() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1200,19 +1202,44 @@ fn batch_form_override_is_checked_and_labelled() {
             .args(["--prompt-ids", "0"]),
     );
     expect_error(&out, &["DELTAFIN_BATCH_FORM", "quick"]);
+    let out =
+        exec(
+            deltafin()
+                .args(["run", "--model"])
+                .arg(&model)
+                .args(["--prompt-ids", "0", "--batch-form", "quick"]),
+        );
+    expect_error(&out, &["--batch-form", "quick"]);
+    let out = ok(exec(
+        deltafin()
+            .args(["chat", "--model"])
+            .arg(&model)
+            .args(["--max-tokens", "1", "--batch-form", "fast"])
+            .write_stdin("hi\n"),
+    ));
+    assert!(
+        text(&out.stderr).contains("--batch-form fast (research)"),
+        "{}",
+        text(&out.stderr)
+    );
     let mut runs = Vec::new();
     let mut logits = Vec::new();
-    for form in [None, Some("fast")] {
-        let stats = tmp.path().join(format!("{form:?}.json"));
-        let lg = tmp.path().join(format!("{form:?}.logits.json"));
+    for (form, from_env) in [(None, false), (Some("fast"), false), (Some("fast"), true)] {
+        let stats = tmp.path().join(format!("{form:?}{from_env}.json"));
+        let lg = tmp.path().join(format!("{form:?}{from_env}.logits.json"));
         let mut cmd = deltafin();
-        if let Some(f) = form {
-            cmd.env("DELTAFIN_BATCH_FORM", f);
+        cmd.args(["run", "--model"]).arg(&model);
+        match (form, from_env) {
+            (Some(f), true) => {
+                cmd.env("DELTAFIN_BATCH_FORM", f);
+            }
+            (Some(f), false) => {
+                cmd.args(["--batch-form", f]);
+            }
+            (None, _) => {}
         }
         let out = ok(exec(
-            cmd.args(["run", "--model"])
-                .arg(&model)
-                .args(["--prompt-ids", &join_ids(&prompt)])
+            cmd.args(["--prompt-ids", &join_ids(&prompt)])
                 .args(["--max-new-tokens", "4", "--ignore-eos", "--stats-json"])
                 .arg(&stats)
                 .arg("--logits-out")
@@ -1229,11 +1256,14 @@ fn batch_form_override_is_checked_and_labelled() {
             Some(f) => {
                 assert_eq!(v["batch_form"], f);
                 assert!(err.contains("batched arithmetic   fast"), "{err}");
+                assert!(err.contains("warning: --batch-form fast (research)"), "{err}");
             }
         }
         runs.push(ids(&v["generated_ids"]));
     }
-    assert_eq!(runs[0], runs[1], "greedy ids with DELTAFIN_BATCH_FORM=fast");
+    assert_eq!(runs[1], runs[2], "--batch-form fast and DELTAFIN_BATCH_FORM=fast");
+    assert_eq!(logits[1], logits[2], "--batch-form fast and DELTAFIN_BATCH_FORM=fast");
+    assert_eq!(runs[0], runs[1], "greedy ids with --batch-form fast");
     // The first generated token's logits come from the prompt pass: within rounding, not equal
     // (so the decompressed form did run).
     let rel = rel_l2(&logits[1][0], &logits[0][0]);
