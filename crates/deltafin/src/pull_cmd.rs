@@ -12,7 +12,8 @@ use deltafin_pull::http::Transfer;
 use deltafin_pull::install::{pull_full, pull_stream, PullOptions};
 use deltafin_pull::{Auth, Http, HttpOptions, HttpRecordSource, Source};
 
-use crate::{progress_bar, size, BackboneDtype, ExpertDtype};
+use crate::convert_cmd::{progress_bar, BackboneDtype, ExpertDtype};
+use crate::size;
 
 #[derive(clap::Args)]
 #[command(group = clap::ArgGroup::new("mode").required(true).multiple(false).args(["full", "stream"]))]
@@ -24,7 +25,7 @@ pub(crate) struct PullArgs {
     source: String,
     // The model directory to create (or a streaming install to upgrade with --full).
     #[command(flatten)]
-    model_dir: crate::ModelPath,
+    model_dir: crate::model_path::ModelPath,
     /// Download every file (resumable, verified), then convert. On a streaming install: fetch
     /// only the experts not cached yet and make it a full install.
     #[arg(long)]
