@@ -361,10 +361,9 @@ pub enum MlaForm {
 }
 
 /// Chunk length from which [`MlaForm::Auto`] may pick the decompressed form: above every
-/// speculative verification pass (at most [`crate::speculate::MAX_DRAFT`] + 1 tokens), which
-/// therefore stays bit-identical to token-at-a-time decoding.
+/// speculative verification pass (at most `MAX_DRAFT + 1` tokens, asserted where speculation
+/// defines `MAX_DRAFT`), which therefore stays bit-identical to token-at-a-time decoding.
 pub const DECOMPRESSED_MIN_TOKENS: usize = 16;
-const _: () = assert!(DECOMPRESSED_MIN_TOKENS > crate::speculate::MAX_DRAFT + 1);
 
 /// Whether the decompressed form needs at most 80 % of the absorbed form's multiply-adds for
 /// a chunk of `nt` tokens after `pos0` cached positions. Per head, with `P = Σ_i (pos0 + i + 1)`

@@ -7,6 +7,7 @@
 //! and measurement controls, timings) is [`RoutedExperts`].
 
 use std::any::Any;
+use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
@@ -372,34 +373,34 @@ pub enum BatchForm {
     /// compute MLA in the decompressed form where it needs fewer multiply-adds
     /// ([`MlaForm::Auto`]): logits within f32 rounding of token at a time, not bit for bit, so a
     /// near-tied router choice can fall the other way and greedy ids can differ. Verification
-    /// passes stay exact, so speculation still never changes greedy output. Opt-in
-    /// (`DELTAFIN_BATCH_FORM=fast`).
+    /// passes stay exact, so speculation still never changes greedy output. Opt-in (research
+    /// option `--batch-form fast`).
     Fast,
     /// The decompressed MLA form for every batched pass, whatever its size (tests of that path
     /// on small models).
     FastAlways,
 }
 
-impl BatchForm {
-    /// The form named by the environment variable `DELTAFIN_BATCH_FORM` (`exact`, `fast` or
-    /// `fast-always`), else `Exact`.
+impl FromStr for BatchForm {
+    type Err = String;
+
+    /// `exact` (or empty), `fast` or `fast-always`, as the research option `--batch-form` takes.
     ///
-    /// Errors: any other value, naming the variable.
-    pub fn from_env() -> Result<BatchForm, EngineError> {
-        match std::env::var("DELTAFIN_BATCH_FORM") {
-            Err(_) => Ok(BatchForm::Exact),
-            Ok(v) => match v.as_str() {
-                "" | "exact" => Ok(BatchForm::Exact),
-                "fast" => Ok(BatchForm::Fast),
-                "fast-always" => Ok(BatchForm::FastAlways),
-                other => Err(EngineError::Invalid(format!(
-                    "DELTAFIN_BATCH_FORM={other:?}: expected exact, fast or fast-always"
-                ))),
-            },
+    /// Errors: any other value, named.
+    fn from_str(s: &str) -> Result<BatchForm, String> {
+        match s {
+            "" | "exact" => Ok(BatchForm::Exact),
+            "fast" => Ok(BatchForm::Fast),
+            "fast-always" => Ok(BatchForm::FastAlways),
+            other => Err(format!(
+                "unknown batch form {other:?} (expected exact, fast or fast-always)"
+            )),
         }
     }
+}
 
-    /// The name `from_env` reads (`exact`, `fast`, `fast-always`).
+impl BatchForm {
+    /// The name [`FromStr`] reads (`exact`, `fast`, `fast-always`).
     pub fn name(self) -> &'static str {
         match self {
             BatchForm::Exact => "exact",
@@ -438,7 +439,7 @@ impl RoutedExperts {
             attention_ns: AtomicU64::new(0),
             mlp_ns: AtomicU64::new(0),
             forwards: AtomicU64::new(0),
-            batch_form: BatchForm::from_env()?,
+            batch_form: BatchForm::Exact,
         })
     }
 
@@ -447,7 +448,7 @@ impl RoutedExperts {
         self.batch_form
     }
 
-    /// Sets the arithmetic of batched passes.
+    /// Sets the arithmetic of batched passes ([`BatchForm::Exact`] until set).
     pub fn set_batch_form(&mut self, form: BatchForm) {
         self.batch_form = form;
     }

@@ -1,4 +1,5 @@
-//! Page-aligned buffers for expert records and the backbone.
+//! Page-aligned buffers for expert records and the backbone, and the alignments of the model
+//! directory's tensors and records.
 //!
 //! Each buffer is its own anonymous memory map, returned to the kernel when dropped. Records are
 //! hundreds of KiB to tens of MiB and are freed from reader threads other than the ones that
@@ -6,6 +7,11 @@
 //! creeps far above the cache budget (measured: 70 MiB peak for a 15 MiB budget on the demo).
 //! Separate maps keep resident memory equal to the bytes actually held. Page alignment (4 KiB)
 //! also satisfies O_DIRECT and every f32/bf16 view of stored tensors.
+
+/// Alignment of each expert record in `experts.pack`, bytes.
+pub const RECORD_ALIGN: u64 = 4096;
+/// Alignment of each tensor in `backbone.bin`, bytes.
+pub const TENSOR_ALIGN: u64 = 64;
 
 /// A zero-initialised, fixed-size, page-aligned byte buffer.
 pub struct AlignedBuf {

@@ -4,8 +4,10 @@
 //! their shapes and storage role, the matrices of one routed-expert record, where each comes
 //! from in the checkpoint, and which checkpoint tensors are deliberately left out.
 //!
-//! Adding a family: a config type with `from_value` + `validate` (its own file), a variant of
-//! [`ModelConfig`], and the arms of the `match`es below.
+//! Each family's config lives in its own file and implements [`Family`]; [`ModelConfig`] holds
+//! one of them and answers through [`ModelConfig::as_family`]. Adding a family: a config type
+//! with `from_value`, `validate` and an `impl Family` (its own file), a variant of
+//! [`ModelConfig`], and its arms in [`ModelConfig::from_value`] and `as_family`.
 //!
 //! Families: `deepseek_v3` ([`DeepseekV3Config`]), `qwen3_moe` ([`Qwen3MoeConfig`]), `mixtral`
 //! ([`MixtralConfig`]), `gpt_oss` ([`GptOssConfig`]), `qwen3_next` / `qwen3_5_moe`
@@ -16,8 +18,11 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::config::{text_config, DeepseekV3Config};
+use crate::aligned::{RECORD_ALIGN, TENSOR_ALIGN};
+use crate::deepseek_v3::DeepseekV3Config;
+use crate::family::{BackboneTensor, ExpertMatrix, ExpertSource, Family};
 use crate::gpt_oss::GptOssConfig;
+use crate::json::text_config;
 use crate::kimi_linear::KimiLinearConfig;
 use crate::mixtral::MixtralConfig;
 use crate::qwen3_moe::Qwen3MoeConfig;
@@ -71,60 +76,6 @@ pub const MAX_TENSOR_ELEMENTS: u128 = 1 << 40;
 pub const MAX_BACKBONE_BYTES: u128 = 1 << 46;
 /// Most bytes of the expert pack as f32 ([`ModelConfig::check_sizes`]): 2^52 (4 PiB).
 pub const MAX_PACK_BYTES: u128 = 1 << 52;
-const TENSOR_ALIGN_BYTES: u128 = crate::model_dir::TENSOR_ALIGN as u128;
-const RECORD_ALIGN_BYTES: u128 = crate::model_dir::RECORD_ALIGN as u128;
-
-/// How a backbone tensor is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TensorRole {
-    /// Always f32 whatever `--backbone` says (norms, routers, biases, small vectors).
-    F32,
-    /// A 2-D matrix stored in the backbone dtype (int8 by default).
-    Matrix,
-}
-
-/// One resident tensor: checkpoint name, shape as in the checkpoint, storage role.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BackboneTensor {
-    pub name: String,
-    pub shape: Vec<usize>,
-    pub role: TensorRole,
-}
-
-/// One matrix of a routed-expert record: record-local name (`gate_proj`, `up_proj`, `down_proj`
-/// as in the checkpoint) and shape `[rows, cols]` (`y = W x` with `x: [cols]`; a bias vector is
-/// `[1, n]`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct ExpertMatrix {
-    pub name: String,
-    pub rows: usize,
-    pub cols: usize,
-    /// [`TensorRole::Matrix`]: stored in the `--experts` dtype (MXFP4 by default);
-    /// [`TensorRole::F32`]: always f32 (gpt-oss expert biases).
-    pub role: TensorRole,
-}
-
-/// Where one expert matrix comes from in the checkpoint.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ExpertSource {
-    /// Checkpoint tensor name.
-    pub tensor: String,
-    /// Its full shape in the checkpoint.
-    pub shape: Vec<usize>,
-    /// Which part of it is this expert's matrix.
-    pub select: Select,
-}
-
-/// Part of a checkpoint tensor that forms one expert matrix.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Select {
-    /// The whole tensor, `[rows, cols]`.
-    Whole,
-    /// Slice `index` along dimension 0 of a tensor fused over the experts (`[n_experts, ..]`,
-    /// gpt-oss): the slice holds the `rows * cols` values as `[rows, cols]`, or as
-    /// `[cols, rows]` when `transposed` (transformers' `x @ W` layout, read transposed).
-    Expert { index: usize, transposed: bool },
-}
 
 /// Multimodal / release wrappers (top-level `model_type`) and the text models they hold
 /// (`text_config.model_type`).
@@ -199,17 +150,34 @@ impl ModelConfig {
         Ok(cfg)
     }
 
+    /// The family's config behind the [`Family`] trait: the one place that dispatches on the
+    /// variant.
+    pub fn as_family(&self) -> &dyn Family {
+        match self {
+            ModelConfig::DeepseekV3(c) => c,
+            ModelConfig::KimiLinear(c) => c,
+            ModelConfig::Qwen3Moe(c) => c,
+            ModelConfig::Mixtral(c) => c,
+            ModelConfig::GptOss(c) => c,
+            ModelConfig::Qwen3Next(c) => c,
+        }
+    }
+
+    fn as_family_mut(&mut self) -> &mut dyn Family {
+        match self {
+            ModelConfig::DeepseekV3(c) => c,
+            ModelConfig::KimiLinear(c) => c,
+            ModelConfig::Qwen3Moe(c) => c,
+            ModelConfig::Mixtral(c) => c,
+            ModelConfig::GptOss(c) => c,
+            ModelConfig::Qwen3Next(c) => c,
+        }
+    }
+
     /// What the family's own `validate` checks (field named), plus [`Self::check_sizes`]. For a
     /// config that did not come through [`Self::from_value`] (a manifest's).
     pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
-        match self {
-            ModelConfig::DeepseekV3(c) => c.validate(path)?,
-            ModelConfig::KimiLinear(c) => c.validate(path)?,
-            ModelConfig::Qwen3Moe(c) => c.validate(path)?,
-            ModelConfig::Mixtral(c) => c.validate(path)?,
-            ModelConfig::GptOss(c) => c.validate(path)?,
-            ModelConfig::Qwen3Next(c) => c.validate(path)?,
-        }
+        self.as_family().validate(path)?;
         self.check_sizes(path)
     }
 
@@ -232,7 +200,7 @@ impl ModelConfig {
             if n > MAX_TENSOR_ELEMENTS {
                 return Err(too_big(format!("tensor {} would have shape {:?}", t.name, t.shape)));
             }
-            backbone += 4 * n + TENSOR_ALIGN_BYTES;
+            backbone += 4 * n + TENSOR_ALIGN as u128;
         }
         if backbone > MAX_BACKBONE_BYTES {
             return Err(too_big(format!("the resident tensors would take {backbone} bytes")));
@@ -246,20 +214,14 @@ impl ModelConfig {
             return Err(too_big(format!("one routed expert would have {expert} weights")));
         }
         // Recurrent state of one linear-attention layer ([heads, d_k, d_v] values).
-        let recurrent = match self {
-            ModelConfig::KimiLinear(c) => c.kda_num_heads as u128 * (c.kda_head_dim as u128).pow(2),
-            ModelConfig::Qwen3Next(c) => {
-                c.linear_num_value_heads as u128 * c.linear_key_head_dim as u128 * c.linear_value_head_dim as u128
-            }
-            _ => 0,
-        };
+        let recurrent = self.as_family().recurrent_state_values();
         if recurrent > MAX_TENSOR_ELEMENTS {
             return Err(too_big(format!(
                 "one layer's recurrent state would hold {recurrent} values"
             )));
         }
         let records = self.moe_layers().count() as u128 * self.n_routed_experts() as u128;
-        if records * (4 * expert + RECORD_ALIGN_BYTES) > MAX_PACK_BYTES {
+        if records * (4 * expert + RECORD_ALIGN as u128) > MAX_PACK_BYTES {
             return Err(too_big(format!("{records} routed experts of {expert} weights each")));
         }
         Ok(())
@@ -270,33 +232,17 @@ impl ModelConfig {
     /// Qwen3.5-MoE ([`Qwen3NextConfig::adapt_expert_naming`]). Call it after opening the
     /// checkpoint, before anything reads tensors by name.
     pub fn adapt_to_checkpoint(&mut self, has: impl Fn(&str) -> bool) {
-        if let ModelConfig::Qwen3Next(c) = self {
-            c.adapt_expert_naming(has);
-        }
+        self.as_family_mut().adapt_to_checkpoint(&has);
     }
 
     /// Family name (the engine's model file), e.g. `deepseek_v3`.
     pub fn family(&self) -> &'static str {
-        match self {
-            ModelConfig::DeepseekV3(_) => "deepseek_v3",
-            ModelConfig::KimiLinear(_) => "kimi_linear",
-            ModelConfig::Qwen3Moe(_) => "qwen3_moe",
-            ModelConfig::Mixtral(_) => "mixtral",
-            ModelConfig::GptOss(_) => "gpt_oss",
-            ModelConfig::Qwen3Next(_) => "qwen3_next",
-        }
+        self.as_family().family()
     }
 
     /// `model_type` of the text config (e.g. `kimi_k2` for a Kimi K2 checkpoint).
     pub fn model_type(&self) -> &str {
-        match self {
-            ModelConfig::DeepseekV3(c) => &c.model_type,
-            ModelConfig::KimiLinear(c) => &c.model_type,
-            ModelConfig::Qwen3Moe(_) => "qwen3_moe",
-            ModelConfig::Mixtral(_) => "mixtral",
-            ModelConfig::GptOss(_) => "gpt_oss",
-            ModelConfig::Qwen3Next(c) => &c.model_type,
-        }
+        self.as_family().model_type()
     }
 
     /// The Qwen3-Next / Qwen3.5-MoE config, when this is one.
@@ -348,48 +294,20 @@ impl ModelConfig {
     }
 
     pub fn vocab_size(&self) -> usize {
-        match self {
-            ModelConfig::DeepseekV3(c) => c.vocab_size,
-            ModelConfig::KimiLinear(c) => c.vocab_size,
-            ModelConfig::Qwen3Moe(c) => c.vocab_size,
-            ModelConfig::Mixtral(c) => c.vocab_size,
-            ModelConfig::GptOss(c) => c.vocab_size,
-            ModelConfig::Qwen3Next(c) => c.vocab_size,
-        }
+        self.as_family().vocab_size()
     }
 
     pub fn hidden_size(&self) -> usize {
-        match self {
-            ModelConfig::DeepseekV3(c) => c.hidden_size,
-            ModelConfig::KimiLinear(c) => c.hidden_size,
-            ModelConfig::Qwen3Moe(c) => c.hidden_size,
-            ModelConfig::Mixtral(c) => c.hidden_size,
-            ModelConfig::GptOss(c) => c.hidden_size,
-            ModelConfig::Qwen3Next(c) => c.hidden_size,
-        }
+        self.as_family().hidden_size()
     }
 
     pub fn num_hidden_layers(&self) -> usize {
-        match self {
-            ModelConfig::DeepseekV3(c) => c.num_hidden_layers,
-            ModelConfig::KimiLinear(c) => c.num_hidden_layers,
-            ModelConfig::Qwen3Moe(c) => c.num_hidden_layers,
-            ModelConfig::Mixtral(c) => c.num_hidden_layers,
-            ModelConfig::GptOss(c) => c.num_hidden_layers,
-            ModelConfig::Qwen3Next(c) => c.num_hidden_layers,
-        }
+        self.as_family().num_hidden_layers()
     }
 
     /// Context length in tokens (`max_position_embeddings`).
     pub fn max_position_embeddings(&self) -> usize {
-        match self {
-            ModelConfig::DeepseekV3(c) => c.max_position_embeddings,
-            ModelConfig::KimiLinear(c) => c.max_position_embeddings,
-            ModelConfig::Qwen3Moe(c) => c.max_position_embeddings,
-            ModelConfig::Mixtral(c) => c.max_position_embeddings,
-            ModelConfig::GptOss(c) => c.max_position_embeddings,
-            ModelConfig::Qwen3Next(c) => c.max_position_embeddings,
-        }
+        self.as_family().max_position_embeddings()
     }
 
     /// The decoder layers (0-based, ascending) that have routed experts.
@@ -399,222 +317,55 @@ impl ModelConfig {
 
     /// Whether decoder layer `layer` (0-based) has routed experts.
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        match self {
-            ModelConfig::DeepseekV3(c) => c.is_moe_layer(layer),
-            ModelConfig::KimiLinear(c) => c.is_moe_layer(layer),
-            ModelConfig::Qwen3Moe(c) => c.is_moe_layer(layer),
-            ModelConfig::Mixtral(c) => c.is_moe_layer(layer),
-            ModelConfig::GptOss(c) => c.is_moe_layer(layer),
-            ModelConfig::Qwen3Next(c) => c.is_moe_layer(layer),
-        }
+        self.as_family().is_moe_layer(layer)
     }
 
     /// Routed experts per MoE layer.
     pub fn n_routed_experts(&self) -> usize {
-        match self {
-            ModelConfig::DeepseekV3(c) => c.n_routed_experts,
-            ModelConfig::KimiLinear(c) => c.num_experts,
-            ModelConfig::Qwen3Moe(c) => c.num_experts,
-            ModelConfig::Mixtral(c) => c.num_local_experts,
-            ModelConfig::GptOss(c) => c.num_local_experts,
-            ModelConfig::Qwen3Next(c) => c.num_experts,
-        }
+        self.as_family().n_routed_experts()
     }
 
     /// The model's top-k: routed experts chosen per token.
     pub fn num_experts_per_tok(&self) -> usize {
-        match self {
-            ModelConfig::DeepseekV3(c) => c.num_experts_per_tok,
-            ModelConfig::KimiLinear(c) => c.num_experts_per_token,
-            ModelConfig::Qwen3Moe(c) => c.num_experts_per_tok,
-            ModelConfig::Mixtral(c) => c.num_experts_per_tok,
-            ModelConfig::GptOss(c) => c.num_experts_per_tok,
-            ModelConfig::Qwen3Next(c) => c.num_experts_per_tok,
-        }
+        self.as_family().num_experts_per_tok()
     }
 
     /// Most experts per token the router can select (the `--experts-per-token` upper bound),
     /// with the reason when it is below `n_routed_experts`.
     pub fn max_experts_per_tok(&self) -> (usize, String) {
-        match self {
-            ModelConfig::DeepseekV3(c) => (
-                c.topk_group * (c.n_routed_experts / c.n_group.max(1)),
-                format!(
-                    "routed experts selectable within topk_group {} of n_group {}",
-                    c.topk_group, c.n_group
-                ),
-            ),
-            ModelConfig::KimiLinear(c) => (
-                c.topk_group * (c.num_experts / c.n_group.max(1)),
-                format!(
-                    "routed experts selectable within topk_group {} of num_expert_group {}",
-                    c.topk_group, c.n_group
-                ),
-            ),
-            ModelConfig::Qwen3Moe(c) => (c.num_experts, "routed experts per MoE layer".into()),
-            ModelConfig::Mixtral(c) => (c.num_local_experts, "routed experts per layer".into()),
-            ModelConfig::GptOss(c) => (c.num_local_experts, "routed experts per layer".into()),
-            ModelConfig::Qwen3Next(c) => (c.num_experts, "routed experts per MoE layer".into()),
-        }
+        self.as_family().max_experts_per_tok()
     }
 
     /// End-of-sequence ids named by `config.json`.
     pub fn eos_token_id(&self) -> &[u32] {
-        match self {
-            ModelConfig::DeepseekV3(c) => &c.eos_token_id,
-            ModelConfig::KimiLinear(c) => &c.eos_token_id,
-            ModelConfig::Qwen3Moe(c) => &c.eos_token_id,
-            ModelConfig::Mixtral(c) => &c.eos_token_id,
-            ModelConfig::GptOss(c) => &c.eos_token_id,
-            ModelConfig::Qwen3Next(c) => &c.eos_token_id,
-        }
+        self.as_family().eos_token_id()
     }
 
     pub fn bos_token_id(&self) -> Option<u32> {
-        match self {
-            ModelConfig::DeepseekV3(c) => c.bos_token_id,
-            ModelConfig::KimiLinear(c) => c.bos_token_id,
-            ModelConfig::Qwen3Moe(c) => c.bos_token_id,
-            ModelConfig::Mixtral(c) => c.bos_token_id,
-            ModelConfig::GptOss(c) => c.bos_token_id,
-            ModelConfig::Qwen3Next(c) => c.bos_token_id,
-        }
+        self.as_family().bos_token_id()
     }
 
     /// The resident tensors, in checkpoint order.
     pub fn backbone_tensors(&self) -> Vec<BackboneTensor> {
-        match self {
-            ModelConfig::DeepseekV3(c) => c.backbone_tensors(),
-            ModelConfig::KimiLinear(c) => c.backbone_tensors(),
-            ModelConfig::Qwen3Moe(c) => c.backbone_tensors(),
-            ModelConfig::Mixtral(c) => c.backbone_tensors(),
-            ModelConfig::GptOss(c) => c.backbone_tensors(),
-            ModelConfig::Qwen3Next(c) => c.backbone_tensors(),
-        }
+        self.as_family().backbone_tensors()
     }
 
     /// The matrices of one routed-expert record, in record order.
     pub fn expert_matrices(&self) -> Vec<ExpertMatrix> {
-        match self {
-            ModelConfig::DeepseekV3(c) => c.expert_matrices(),
-            ModelConfig::KimiLinear(c) => c.expert_matrices(),
-            ModelConfig::Qwen3Moe(c) => c.expert_matrices(),
-            ModelConfig::Mixtral(c) => c.expert_matrices(),
-            ModelConfig::GptOss(c) => c.expert_matrices(),
-            ModelConfig::Qwen3Next(c) => c.expert_matrices(),
-        }
+        self.as_family().expert_matrices()
     }
 
     /// Where matrix `m` (an entry of [`Self::expert_matrices`]) of routed expert `expert` in
     /// layer `layer` comes from.
     pub fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
-        match self {
-            ModelConfig::DeepseekV3(_) | ModelConfig::Qwen3Moe(_) => ExpertSource {
-                tensor: format!("model.layers.{layer}.mlp.experts.{expert}.{}.weight", m.name),
-                shape: vec![m.rows, m.cols],
-                select: Select::Whole,
-            },
-            ModelConfig::KimiLinear(c) => ExpertSource {
-                tensor: c.expert_tensor(layer, expert, &m.name),
-                shape: vec![m.rows, m.cols],
-                select: Select::Whole,
-            },
-            ModelConfig::Mixtral(_) => ExpertSource {
-                tensor: format!(
-                    "model.layers.{layer}.block_sparse_moe.experts.{expert}.{}.weight",
-                    m.name
-                ),
-                shape: vec![m.rows, m.cols],
-                select: Select::Whole,
-            },
-            ModelConfig::GptOss(c) => c.expert_source(layer, expert, m),
-            ModelConfig::Qwen3Next(c) => c.expert_source(layer, expert, m),
-        }
+        self.as_family().expert_source(layer, expert, m)
     }
 
     /// Checkpoint tensors deliberately not converted (e.g. multi-token-prediction layers,
     /// rotary buffers).
     pub fn is_ignored(&self, name: &str) -> bool {
-        match self {
-            ModelConfig::DeepseekV3(c) => c.is_ignored(name),
-            ModelConfig::KimiLinear(c) => c.is_ignored(name),
-            ModelConfig::Qwen3Moe(c) => c.is_ignored(name),
-            ModelConfig::Mixtral(c) => c.is_ignored(name),
-            ModelConfig::GptOss(c) => c.is_ignored(name),
-            ModelConfig::Qwen3Next(c) => c.is_ignored(name),
-        }
+        self.as_family().is_ignored(name)
     }
-}
-
-/// The tensors of one grouped-query-attention decoder layer under `prefix`
-/// (`model.layers.{l}`) except its MLP: the two RMSNorm weights, `q_proj [n_heads * head_dim,
-/// hidden]`, `k_proj`/`v_proj [n_kv_heads * head_dim, hidden]`, `o_proj [hidden, n_heads *
-/// head_dim]`, and with `qk_norm` the per-head `q_norm`/`k_norm [head_dim]` (Qwen3).
-pub(crate) fn gqa_layer_tensors(
-    prefix: &str,
-    hidden: usize,
-    n_heads: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
-    qk_norm: bool,
-) -> Vec<BackboneTensor> {
-    let a = format!("{prefix}.self_attn");
-    let mut t = vec![
-        (
-            format!("{prefix}.input_layernorm.weight"),
-            vec![hidden],
-            TensorRole::F32,
-        ),
-        (
-            format!("{prefix}.post_attention_layernorm.weight"),
-            vec![hidden],
-            TensorRole::F32,
-        ),
-        (
-            format!("{a}.q_proj.weight"),
-            vec![n_heads * head_dim, hidden],
-            TensorRole::Matrix,
-        ),
-        (
-            format!("{a}.k_proj.weight"),
-            vec![n_kv_heads * head_dim, hidden],
-            TensorRole::Matrix,
-        ),
-        (
-            format!("{a}.v_proj.weight"),
-            vec![n_kv_heads * head_dim, hidden],
-            TensorRole::Matrix,
-        ),
-        (
-            format!("{a}.o_proj.weight"),
-            vec![hidden, n_heads * head_dim],
-            TensorRole::Matrix,
-        ),
-    ];
-    if qk_norm {
-        t.push((format!("{a}.q_norm.weight"), vec![head_dim], TensorRole::F32));
-        t.push((format!("{a}.k_norm.weight"), vec![head_dim], TensorRole::F32));
-    }
-    t.into_iter()
-        .map(|(name, shape, role)| BackboneTensor { name, shape, role })
-        .collect()
-}
-
-/// The three matrices of a gated-MLP routed expert (`y = W x`) in record order gate, up, down,
-/// named as in the family's checkpoint (`gate_proj`/`up_proj`/`down_proj`, or Mixtral/Kimi's
-/// `w1`/`w3`/`w2`): gate and up `[inter, width]`, down `[width, inter]`, all stored in the
-/// experts' dtype.
-pub(crate) fn glu_expert_matrices(names: [&str; 3], width: usize, inter: usize) -> Vec<ExpertMatrix> {
-    let [g, u, d] = names;
-    [(g, inter, width), (u, inter, width), (d, width, inter)]
-        .into_iter()
-        .map(|(n, rows, cols)| ExpertMatrix {
-            name: n.into(),
-            rows,
-            cols,
-            role: TensorRole::Matrix,
-        })
-        .collect()
 }
 
 #[cfg(test)]

@@ -12,24 +12,15 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde_json::Value;
 
-use crate::arch::{ExpertMatrix, ModelConfig, Select, TensorRole};
+use crate::aligned::{RECORD_ALIGN, TENSOR_ALIGN};
+use crate::arch::ModelConfig;
 use crate::checkpoint::Checkpoint;
-use crate::model_dir::{
-    BackboneIndex, ExpertPackIndex, ExpertRecord, ExpertTensorLayout, Manifest, StoredDtype, TensorRecord, FORMAT_NAME,
-    FORMAT_VERSION, RECORD_ALIGN, TENSOR_ALIGN,
+use crate::family::{ExpertSource, Select, TensorRole};
+use crate::manifest::{
+    matrix_dims, record_layout, BackboneIndex, ExpertPackIndex, ExpertRecord, ExpertTensorLayout, Manifest,
+    StoredDtype, TensorRecord, COPIED_FILES, FORMAT_NAME, FORMAT_VERSION,
 };
 use crate::FormatError;
-
-/// Files copied verbatim from the source directory when present.
-pub const COPIED_FILES: &[&str] = &[
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tiktoken.model",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-];
 
 /// Conversion settings.
 #[derive(Debug, Clone)]
@@ -84,52 +75,9 @@ pub struct ConvertReport {
 /// One encoded expert: (expert id, record bytes padded to the stride, source bytes consumed).
 type EncodedRecord = (usize, Vec<u8>, u64);
 
-/// `[rows, cols]` a tensor is stored as: its last dimension is `cols`, the others multiply into
-/// `rows` (1 for a vector).
-pub fn matrix_dims(shape: &[usize]) -> (usize, usize) {
-    match shape.split_last() {
-        Some((&cols, rest)) => (rest.iter().product(), cols),
-        None => (1, 1),
-    }
-}
-
-/// Layout of one expert record holding `mats`, each in `dtype` or f32 for
-/// [`TensorRole::F32`] parts (gpt-oss biases), and its length in bytes before padding to
-/// [`RECORD_ALIGN`]. Each matrix starts 64-byte aligned inside the record so f32 and bf16 views
-/// are aligned.
-pub fn record_layout(mats: &[ExpertMatrix], experts_dtype: StoredDtype) -> (Vec<ExpertTensorLayout>, u64) {
-    let mut layout = Vec::new();
-    let mut roff = 0u64;
-    for m in mats {
-        let dtype = match m.role {
-            TensorRole::F32 => StoredDtype::F32,
-            TensorRole::Matrix => experts_dtype,
-        };
-        let vb = dtype.value_bytes(m.rows, m.cols) as u64;
-        let sb = dtype.scale_bytes(m.rows, m.cols) as u64;
-        let off = align_up(roff, TENSOR_ALIGN);
-        layout.push(ExpertTensorLayout {
-            name: m.name.clone(),
-            rows: m.rows,
-            cols: m.cols,
-            dtype,
-            offset: off,
-            scales_offset: off + vb,
-            bytes: vb + sb,
-        });
-        roff = off + vb + sb;
-    }
-    (layout, roff)
-}
-
 /// Reads one expert matrix `[rows, cols]` as f32 from its checkpoint source (a fused
 /// `[n_experts, ..]` tensor's slice, transposed back when stored `[cols, rows]`).
-fn read_expert_matrix(
-    ck: &Checkpoint,
-    src: &crate::arch::ExpertSource,
-    rows: usize,
-    cols: usize,
-) -> Result<Vec<f32>, FormatError> {
+fn read_expert_matrix(ck: &Checkpoint, src: &ExpertSource, rows: usize, cols: usize) -> Result<Vec<f32>, FormatError> {
     match src.select {
         Select::Whole => ck.read_f32(&src.tensor, &src.shape),
         Select::Expert { index, transposed } => {
@@ -229,7 +177,7 @@ pub fn convert(
 /// (name, bytes) written into the model directory before the manifest.
 #[derive(Debug, Clone)]
 pub struct StreamExtras {
-    pub source: crate::model_dir::StreamSource,
+    pub source: crate::manifest::StreamSource,
     pub files: Vec<(String, Vec<u8>)>,
 }
 
@@ -424,7 +372,7 @@ fn write_all(
                 offset: off,
                 bytes: bytes.len() as u64,
                 scales_offset,
-                xxh3: crate::model_dir::tensor_xxh3(&bytes),
+                xxh3: crate::manifest::tensor_xxh3(&bytes),
             },
         );
         progress.advance(ck.entry(n).map(|e| e.len).unwrap_or(0));
@@ -573,7 +521,7 @@ fn write_all(
         created_by: format!("deltafin {}", env!("CARGO_PKG_VERSION")),
         stream: stream.map(|x| x.source.clone()),
     };
-    crate::model_dir::write_manifest(out, &manifest)?;
+    crate::manifest::write_manifest(out, &manifest)?;
     progress.finish();
     Ok(ConvertReport {
         backbone_bytes,

@@ -4,10 +4,12 @@
 //! storage rules exactly ([`crate::convert`]: int8 matrices with an f32 scale per row, or bf16;
 //! f32 norms and routers; MXFP4 records padded to [`RECORD_ALIGN`]) and the engine's f32 caches.
 
-use crate::arch::{ModelConfig, TensorRole};
-use crate::convert::{matrix_dims, record_layout};
+use crate::aligned::{RECORD_ALIGN, TENSOR_ALIGN};
+use crate::arch::ModelConfig;
+use crate::family::TensorRole;
 use crate::kimi_linear::MixerKind;
-use crate::model_dir::{StoredDtype, RECORD_ALIGN, TENSOR_ALIGN};
+use crate::manifest::StoredDtype;
+use crate::manifest::{matrix_dims, record_layout};
 
 /// Sizes of one model, bytes unless stated.
 #[derive(Debug, Clone, PartialEq, Eq)]

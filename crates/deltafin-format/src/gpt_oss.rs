@@ -27,11 +27,12 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::arch::{gqa_layer_tensors, BackboneTensor, ExpertMatrix, ExpertSource, Select, TensorRole};
-use crate::config::{
-    bool_or, eos_bos, f32_in, f64_or, field_err, get, require_silu, resolve_aliases, resolve_rope, text_config,
-    usize_or, Aliases, Range, Rope,
+use crate::family::{gqa_layer_tensors, BackboneTensor, ExpertMatrix, ExpertSource, Family, Select, TensorRole};
+use crate::json::{
+    bool_or, eos_bos, f32_in, f64_or, field_err, get, require_silu, resolve_aliases, text_config, usize_or, Aliases,
+    Range,
 };
+use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
 
 /// `GptOssConfig.attribute_map`: `num_experts` is read as `num_local_experts`.
@@ -261,10 +262,64 @@ impl GptOssConfig {
             .unwrap_or(false)
             .then_some(self.sliding_window)
     }
+}
+
+impl Family for GptOssConfig {
+    fn family(&self) -> &'static str {
+        "gpt_oss"
+    }
+
+    fn model_type(&self) -> &str {
+        "gpt_oss"
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), FormatError> {
+        GptOssConfig::validate(self, path)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    fn num_hidden_layers(&self) -> usize {
+        self.num_hidden_layers
+    }
+
+    fn max_position_embeddings(&self) -> usize {
+        self.max_position_embeddings
+    }
+
+    fn is_moe_layer(&self, layer: usize) -> bool {
+        GptOssConfig::is_moe_layer(self, layer)
+    }
+
+    fn n_routed_experts(&self) -> usize {
+        self.num_local_experts
+    }
+
+    fn num_experts_per_tok(&self) -> usize {
+        self.num_experts_per_tok
+    }
+
+    fn max_experts_per_tok(&self) -> (usize, String) {
+        (self.num_local_experts, "routed experts per layer".into())
+    }
+
+    fn eos_token_id(&self) -> &[u32] {
+        &self.eos_token_id
+    }
+
+    fn bos_token_id(&self) -> Option<u32> {
+        self.bos_token_id
+    }
 
     /// The backbone tensors with their shapes, in checkpoint order: GQA with q/k/v/o biases and
     /// per-head `sinks [n_heads]`, the router `mlp.router.weight [E, hidden]` + `bias [E]`.
-    pub fn backbone_tensors(&self) -> Vec<BackboneTensor> {
+    fn backbone_tensors(&self) -> Vec<BackboneTensor> {
         let (h, v) = (self.hidden_size, self.vocab_size);
         let (nh, nkv, hd) = (self.num_attention_heads, self.num_key_value_heads, self.head_dim);
         let mut t = vec![BackboneTensor {
@@ -302,7 +357,7 @@ impl GptOssConfig {
     /// The four parts of one routed expert in record order (`y = W x`): `gate_up_proj
     /// [2I, hidden]` (gate and up interleaved by output), `gate_up_proj_bias [1, 2I]` (f32),
     /// `down_proj [hidden, I]`, `down_proj_bias [1, hidden]` (f32).
-    pub fn expert_matrices(&self) -> Vec<ExpertMatrix> {
+    fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.intermediate_size);
         [
             ("gate_up_proj", 2 * i, h, TensorRole::Matrix),
@@ -322,7 +377,7 @@ impl GptOssConfig {
 
     /// Where part `m` of expert `expert` in layer `layer` comes from: slice `expert` of the
     /// fused `model.layers.{l}.mlp.experts.{name}` (layouts in the module docs).
-    pub fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
+    fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
         let e = self.num_local_experts;
         let tensor = format!("model.layers.{layer}.mlp.experts.{}", m.name);
         let (shape, transposed) = match m.role {
@@ -341,7 +396,7 @@ impl GptOssConfig {
     }
 
     /// Names the converter deliberately skips: rotary frequency buffers.
-    pub fn is_ignored(&self, name: &str) -> bool {
+    fn is_ignored(&self, name: &str) -> bool {
         name.ends_with("rotary_emb.inv_freq")
     }
 }

@@ -13,8 +13,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::arch::{BackboneTensor, ExpertMatrix, TensorRole};
-use crate::config::{
+use crate::family::{glu_expert_matrices, whole, BackboneTensor, ExpertMatrix, ExpertSource, Family, TensorRole};
+use crate::json::{
     bool_or as bool_of, check_range, eos_bos, f32_in, field_err as err, get, resolve_aliases, text_config,
     usize_or as usize_of, Aliases, Range,
 };
@@ -426,9 +426,83 @@ impl KimiLinearConfig {
         self.kda_num_heads * self.kda_head_dim
     }
 
+    /// Shape of `A_log`: `[heads]` in K3, `[1, 1, heads, 1]` in transformers' Kimi Linear.
+    pub fn a_log_shape(&self) -> Vec<usize> {
+        if self.model_type == "kimi_k3" {
+            vec![self.kda_num_heads]
+        } else {
+            vec![1, 1, self.kda_num_heads, 1]
+        }
+    }
+
+    /// Checkpoint name of routed-expert matrix `m` of `expert` in `layer`.
+    pub fn expert_tensor(&self, layer: usize, expert: usize, m: &str) -> String {
+        format!("model.layers.{layer}.block_sparse_moe.experts.{expert}.{m}.weight")
+    }
+}
+
+impl Family for KimiLinearConfig {
+    fn family(&self) -> &'static str {
+        "kimi_linear"
+    }
+
+    fn model_type(&self) -> &str {
+        &self.model_type
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), FormatError> {
+        KimiLinearConfig::validate(self, path)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    fn num_hidden_layers(&self) -> usize {
+        self.num_hidden_layers
+    }
+
+    fn max_position_embeddings(&self) -> usize {
+        self.max_position_embeddings
+    }
+
+    fn is_moe_layer(&self, layer: usize) -> bool {
+        KimiLinearConfig::is_moe_layer(self, layer)
+    }
+
+    fn n_routed_experts(&self) -> usize {
+        self.num_experts
+    }
+
+    fn num_experts_per_tok(&self) -> usize {
+        self.num_experts_per_token
+    }
+
+    fn max_experts_per_tok(&self) -> (usize, String) {
+        (
+            self.topk_group * (self.num_experts / self.n_group.max(1)),
+            format!(
+                "routed experts selectable within topk_group {} of num_expert_group {}",
+                self.topk_group, self.n_group
+            ),
+        )
+    }
+
+    fn eos_token_id(&self) -> &[u32] {
+        &self.eos_token_id
+    }
+
+    fn bos_token_id(&self) -> Option<u32> {
+        self.bos_token_id
+    }
+
     /// The resident tensors with their shapes, in checkpoint order (K3-SPEC §7; transformers'
     /// hub names for Kimi Linear).
-    pub fn backbone_tensors(&self) -> Vec<BackboneTensor> {
+    fn backbone_tensors(&self) -> Vec<BackboneTensor> {
         use TensorRole::{Matrix, F32};
         let (h, v) = (self.hidden_size, self.vocab_size);
         let mut t: Vec<(String, Vec<usize>, TensorRole)> =
@@ -535,30 +609,20 @@ impl KimiLinearConfig {
             .collect()
     }
 
-    /// Shape of `A_log`: `[heads]` in K3, `[1, 1, heads, 1]` in transformers' Kimi Linear.
-    pub fn a_log_shape(&self) -> Vec<usize> {
-        if self.model_type == "kimi_k3" {
-            vec![self.kda_num_heads]
-        } else {
-            vec![1, 1, self.kda_num_heads, 1]
-        }
-    }
-
     /// The matrices of one routed expert, as named in the checkpoint: `w1` (gate), `w3` (up)
     /// `[moe_intermediate, expert_width]` and `w2` (down) `[expert_width, moe_intermediate]`.
-    pub fn expert_matrices(&self) -> Vec<ExpertMatrix> {
+    fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (w, i) = (self.expert_width(), self.moe_intermediate_size);
-        crate::arch::glu_expert_matrices(["w1", "w3", "w2"], w, i)
+        glu_expert_matrices(["w1", "w3", "w2"], w, i)
     }
 
-    /// Checkpoint name of routed-expert matrix `m` of `expert` in `layer`.
-    pub fn expert_tensor(&self, layer: usize, expert: usize, m: &str) -> String {
-        format!("model.layers.{layer}.block_sparse_moe.experts.{expert}.{m}.weight")
+    fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
+        whole(self.expert_tensor(layer, expert, &m.name), m)
     }
 
     /// Names the converter deliberately skips: multi-token-prediction layers and the
     /// vision tower / projector of the K3 wrapper.
-    pub fn is_ignored(&self, name: &str) -> bool {
+    fn is_ignored(&self, name: &str) -> bool {
         if name.starts_with("mm_projector.") || name.starts_with("multi_modal_projector.") {
             return true;
         }
@@ -568,6 +632,10 @@ impl KimiLinearConfig {
             }
         }
         false
+    }
+
+    fn recurrent_state_values(&self) -> u128 {
+        self.kda_num_heads as u128 * (self.kda_head_dim as u128).pow(2)
     }
 }
 

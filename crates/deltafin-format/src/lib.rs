@@ -1,14 +1,20 @@
 //! Reading Hugging Face checkpoints and reading/writing the deltafin model directory.
 //!
-//! - [`arch`]: model families: the tensors of each architecture, digested from `config.json`.
-//! - [`config`]: `config.json` of the DeepSeek-V3 family, resolved with transformers' defaults;
-//!   [`qwen3_moe`], [`mixtral`], [`kimi_linear`], [`gpt_oss`] and [`qwen3_next`] do the same for
-//!   those families.
+//! - [`arch`]: [`ModelConfig`], the resolved config of any supported family, chosen from
+//!   `config.json`'s `model_type`.
+//! - [`family`]: the [`family::Family`] trait each family implements in its own file, and the
+//!   vocabulary of tensor tables (backbone tensors, expert matrices and their sources).
+//! - [`deepseek_v3`], [`kimi_linear`], [`qwen3_moe`], [`mixtral`], [`gpt_oss`], [`qwen3_next`]:
+//!   one file per family: `config.json` resolved with transformers' defaults, validated, and the
+//!   family's tensor tables.
+//! - [`json`]: typed `config.json` field readers and their bounds; [`rope`]: the RoPE scheme.
 //! - [`checkpoint`]: validated safetensors reading (single file or index + shards), quantized
 //!   source weights presented and decoded under their plain names.
 //! - [`quantization`] and [`source_dtypes`]: `quantization_config` and the exact decoders of
 //!   quantized sources (DeepSeek block FP8, compressed-tensors int4/int8 and MXFP4, gpt-oss MXFP4).
 //! - [`manifest_check`]: value checks of an untrusted `manifest.json` at load.
+//! - [`manifest`]: `manifest.json` and the layout it describes; [`aligned`]: page-aligned
+//!   buffers and the alignments of stored tensors and records.
 //! - [`model_dir`]: the deltafin model directory: `manifest.json`, `backbone.bin` (resident
 //!   weights), `experts.pack` (one 4 KiB-aligned record per (layer, routed expert)).
 //! - [`convert`]: Hugging Face checkpoint → deltafin model directory, crash-safe.
@@ -17,11 +23,14 @@
 pub mod aligned;
 pub mod arch;
 pub mod checkpoint;
-pub mod config;
 pub mod convert;
+pub mod deepseek_v3;
+pub mod family;
 pub mod footprint;
 pub mod gpt_oss;
+pub mod json;
 pub mod kimi_linear;
+pub mod manifest;
 pub mod manifest_check;
 pub mod mixtral;
 pub mod model_dir;
@@ -29,18 +38,22 @@ pub mod presence;
 pub mod quantization;
 pub mod qwen3_moe;
 pub mod qwen3_next;
+pub mod rope;
 pub mod source_dtypes;
 pub mod staging;
 pub mod synth;
 
 pub use aligned::AlignedBuf;
 pub use arch::ModelConfig;
-pub use config::{DeepseekV3Config, Rope};
+pub use deepseek_v3::DeepseekV3Config;
+pub use family::Family;
 pub use gpt_oss::GptOssConfig;
+pub use manifest::{ExpertRecord, Manifest, StoredDtype};
 pub use mixtral::MixtralConfig;
-pub use model_dir::{ExpertRecord, Manifest, ModelDir, StoredDtype};
+pub use model_dir::ModelDir;
 pub use qwen3_moe::Qwen3MoeConfig;
 pub use qwen3_next::Qwen3NextConfig;
+pub use rope::Rope;
 
 use std::path::PathBuf;
 

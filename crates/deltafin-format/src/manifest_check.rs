@@ -13,10 +13,10 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::arch::TensorRole;
-use crate::config::{check_range, int_bound, Range};
-use crate::convert::{matrix_dims, record_layout};
-use crate::model_dir::{Manifest, StoredDtype, RECORD_ALIGN, TENSOR_ALIGN};
+use crate::aligned::{RECORD_ALIGN, TENSOR_ALIGN};
+use crate::family::TensorRole;
+use crate::json::{check_range, int_bound, Range};
+use crate::manifest::{matrix_dims, record_layout, Manifest, StoredDtype};
 use crate::FormatError;
 
 /// Real-valued fields of a resolved config (as the manifest stores it) with their ranges; the

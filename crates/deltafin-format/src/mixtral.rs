@@ -12,11 +12,13 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::arch::{gqa_layer_tensors, BackboneTensor, ExpertMatrix, TensorRole};
-use crate::config::{
-    bool_or, eos_bos, f32_in, field_err, get, require_silu, resolve_aliases, resolve_rope, text_config, usize_or,
-    Aliases, Range, Rope,
+use crate::family::{
+    glu_expert_matrices, gqa_layer_tensors, whole, BackboneTensor, ExpertMatrix, ExpertSource, Family, TensorRole,
 };
+use crate::json::{
+    bool_or, eos_bos, f32_in, field_err, get, require_silu, resolve_aliases, text_config, usize_or, Aliases, Range,
+};
+use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
 
 /// `MixtralConfig.attribute_map`: `num_experts` is read as `num_local_experts`.
@@ -165,9 +167,63 @@ impl MixtralConfig {
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         layer < self.num_hidden_layers
     }
+}
+
+impl Family for MixtralConfig {
+    fn family(&self) -> &'static str {
+        "mixtral"
+    }
+
+    fn model_type(&self) -> &str {
+        "mixtral"
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), FormatError> {
+        MixtralConfig::validate(self, path)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    fn num_hidden_layers(&self) -> usize {
+        self.num_hidden_layers
+    }
+
+    fn max_position_embeddings(&self) -> usize {
+        self.max_position_embeddings
+    }
+
+    fn is_moe_layer(&self, layer: usize) -> bool {
+        MixtralConfig::is_moe_layer(self, layer)
+    }
+
+    fn n_routed_experts(&self) -> usize {
+        self.num_local_experts
+    }
+
+    fn num_experts_per_tok(&self) -> usize {
+        self.num_experts_per_tok
+    }
+
+    fn max_experts_per_tok(&self) -> (usize, String) {
+        (self.num_local_experts, "routed experts per layer".into())
+    }
+
+    fn eos_token_id(&self) -> &[u32] {
+        &self.eos_token_id
+    }
+
+    fn bos_token_id(&self) -> Option<u32> {
+        self.bos_token_id
+    }
 
     /// The backbone tensors with their shapes, in checkpoint order.
-    pub fn backbone_tensors(&self) -> Vec<BackboneTensor> {
+    fn backbone_tensors(&self) -> Vec<BackboneTensor> {
         let (h, v) = (self.hidden_size, self.vocab_size);
         let mut t = vec![BackboneTensor {
             name: "model.embed_tokens.weight".into(),
@@ -207,13 +263,23 @@ impl MixtralConfig {
     /// their checkpoint names (`model.layers.{l}.block_sparse_moe.experts.{e}.{name}.weight`):
     /// `w1` gate `[intermediate, hidden]`, `w3` up `[intermediate, hidden]`, `w2` down
     /// `[hidden, intermediate]`.
-    pub fn expert_matrices(&self) -> Vec<ExpertMatrix> {
+    fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.intermediate_size);
-        crate::arch::glu_expert_matrices(["w1", "w3", "w2"], h, i)
+        glu_expert_matrices(["w1", "w3", "w2"], h, i)
+    }
+
+    fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
+        whole(
+            format!(
+                "model.layers.{layer}.block_sparse_moe.experts.{expert}.{}.weight",
+                m.name
+            ),
+            m,
+        )
     }
 
     /// Names the converter deliberately skips: rotary frequency buffers.
-    pub fn is_ignored(&self, name: &str) -> bool {
+    fn is_ignored(&self, name: &str) -> bool {
         name.ends_with("rotary_emb.inv_freq")
     }
 }

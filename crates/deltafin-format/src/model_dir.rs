@@ -22,85 +22,14 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use deltafin_kernels::{MatData, MatRef};
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{AlignedBuf, FormatError, ModelConfig};
-
-/// Current model-directory format version; readers refuse other versions.
-pub const FORMAT_VERSION: u32 = 2;
-/// `format` field of every manifest.
-pub const FORMAT_NAME: &str = "deltafin-model";
-/// Alignment of each expert record in `experts.pack`, bytes.
-pub const RECORD_ALIGN: u64 = 4096;
-/// Alignment of each tensor in `backbone.bin`, bytes.
-pub const TENSOR_ALIGN: u64 = 64;
-
-/// How a tensor is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StoredDtype {
-    F32,
-    Bf16,
-    Int8,
-    Mxfp4,
-}
-
-impl StoredDtype {
-    /// Bytes of the values part of a `[rows, cols]` matrix.
-    pub fn value_bytes(self, rows: usize, cols: usize) -> usize {
-        match self {
-            StoredDtype::F32 => rows * cols * 4,
-            StoredDtype::Bf16 => rows * cols * 2,
-            StoredDtype::Int8 => rows * cols,
-            StoredDtype::Mxfp4 => rows * deltafin_kernels::mxfp4::packed_row_bytes(cols),
-        }
-    }
-
-    /// Bytes of the scales part of a `[rows, cols]` matrix (0 for unscaled dtypes).
-    pub fn scale_bytes(self, rows: usize, cols: usize) -> usize {
-        match self {
-            StoredDtype::F32 | StoredDtype::Bf16 => 0,
-            StoredDtype::Int8 => rows * 4,
-            StoredDtype::Mxfp4 => rows * deltafin_kernels::mxfp4::scale_row_bytes(cols),
-        }
-    }
-
-    /// Name as used on the command line and in the manifest.
-    pub fn name(self) -> &'static str {
-        match self {
-            StoredDtype::F32 => "f32",
-            StoredDtype::Bf16 => "bf16",
-            StoredDtype::Int8 => "int8",
-            StoredDtype::Mxfp4 => "mxfp4",
-        }
-    }
-}
-
-/// One backbone tensor's place in `backbone.bin`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TensorRecord {
-    pub dtype: StoredDtype,
-    /// Shape as in the source checkpoint (`[rows, cols]` for matrices, `[n]` for vectors).
-    pub shape: Vec<usize>,
-    /// Byte offset of the values.
-    pub offset: u64,
-    /// Bytes of values plus scales.
-    pub bytes: u64,
-    /// Byte offset of the scales (int8/mxfp4 only).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub scales_offset: Option<u64>,
-    /// XXH3-64 of the tensor's `bytes` bytes at `offset`, lowercase hex ([`tensor_xxh3`]),
-    /// checked when the backbone is loaded and by `cache verify`. Empty in directories written
-    /// before deltafin checksummed the backbone: those load, reported as unverified.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub xxh3: String,
-}
-
-/// The checksum of a stored tensor or record: XXH3-64 of its bytes, 16 lowercase hex digits.
-pub fn tensor_xxh3(bytes: &[u8]) -> String {
-    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
-}
+pub use crate::aligned::{RECORD_ALIGN, TENSOR_ALIGN};
+pub use crate::manifest::{
+    tensor_xxh3, write_manifest, BackboneIndex, ExpertPackIndex, ExpertRecord, ExpertTensorLayout, Manifest,
+    StoredDtype, StreamSource, TensorRecord, FORMAT_NAME, FORMAT_VERSION,
+};
+use crate::{AlignedBuf, FormatError};
 
 /// One tensor of [`BackboneCheck`]: `None` without a checksum, `Some(None)` when its bytes
 /// (in `seg`, which starts at file offset `base`) match, `Some(Some((name, why)))` otherwise.
@@ -240,101 +169,6 @@ impl BackboneCheck {
             ),
         })
     }
-}
-
-/// One matrix inside every expert record (all records share this layout).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ExpertTensorLayout {
-    /// `gate_proj`, `up_proj` or `down_proj` (the checkpoint's names).
-    pub name: String,
-    pub rows: usize,
-    pub cols: usize,
-    pub dtype: StoredDtype,
-    /// Offset of the values inside the record, bytes.
-    pub offset: u64,
-    /// Offset of the scales inside the record, bytes (equal to the end of the values when none).
-    pub scales_offset: u64,
-    /// Values plus scales, bytes.
-    pub bytes: u64,
-}
-
-/// One routed expert's record in `experts.pack`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ExpertRecord {
-    pub layer: u32,
-    pub expert: u32,
-    /// Byte offset in `experts.pack` (multiple of [`RECORD_ALIGN`]).
-    pub offset: u64,
-    /// Bytes of data (the record is padded with zeros to the next alignment boundary).
-    pub length: u64,
-    /// XXH3-64 of the `length` data bytes, lowercase hex.
-    pub xxh3: String,
-}
-
-/// Backbone section of the manifest.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct BackboneIndex {
-    pub file: String,
-    pub bytes: u64,
-    /// Dtype chosen for 2-D weight matrices (norms, router weights and biases stay f32).
-    pub matrix_dtype: StoredDtype,
-    pub tensors: BTreeMap<String, TensorRecord>,
-}
-
-/// Expert-pack section of the manifest.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ExpertPackIndex {
-    pub file: String,
-    pub bytes: u64,
-    pub dtype: StoredDtype,
-    pub record_align: u64,
-    /// Layout shared by all records.
-    pub layout: Vec<ExpertTensorLayout>,
-    /// Records ordered by (layer, expert).
-    pub records: Vec<ExpertRecord>,
-}
-
-/// `manifest.json`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Manifest {
-    pub format: String,
-    pub format_version: u32,
-    /// Model family, e.g. `deepseek_v3`.
-    pub family: String,
-    /// Resolved hyperparameters, tagged by family.
-    pub config: ModelConfig,
-    /// The source `config.json`, verbatim.
-    pub source_config: Value,
-    pub backbone: BackboneIndex,
-    pub experts: ExpertPackIndex,
-    /// Tokenizer and generation files copied from the source.
-    pub tokenizer_files: Vec<String>,
-    /// `deltafin <version>` that wrote the directory.
-    pub created_by: String,
-    /// Present for a streaming install (`deltafin pull --stream`): where missing expert records
-    /// come from. Absent for a full install or convert, where every record is in the pack.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stream: Option<StreamSource>,
-}
-
-/// The source of a streaming install. Its expert records start absent (`experts.pack` is a
-/// sparse file of full size, record offsets as in a full convert, the manifest's `xxh3` empty);
-/// a record becomes present when its bytes are written and fsynced and an entry with its
-/// checksum is appended to the presence journal ([`crate::presence`]).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StreamSource {
-    /// Repository URL given to `deltafin pull`.
-    pub url: String,
-    /// Revision (Hugging Face layout `<url>/resolve/<revision>/<file>`); unused with `flat`.
-    pub revision: String,
-    /// Files at `<url>/<file>` instead of the Hugging Face layout.
-    #[serde(default)]
-    pub flat: bool,
-    /// Whether runs may fetch missing experts without `--allow-network`.
-    #[serde(default)]
-    pub allow_network: bool,
-    /// File in the model directory locating each routed expert's source tensors.
-    pub index: String,
 }
 
 /// An opened model directory: manifest checked against the files on disk.
@@ -594,7 +428,7 @@ fn check_paths(dir: &Path, root: Option<&Path>, manifest: &Manifest) -> Result<(
     if let Some(s) = &manifest.stream {
         named.push(("stream.index".into(), s.index.as_str()));
     }
-    named.push(("(presence journal)".into(), crate::presence::JOURNAL_FILE));
+    named.push(("(presence journal)".into(), crate::manifest::JOURNAL_FILE));
     for (field, file) in named {
         check_inside(dir, root, file).map_err(|why| format!("manifest {field} {file:?} {why}"))?;
     }
@@ -624,29 +458,6 @@ fn check_inside(dir: &Path, root: Option<&Path>, file: &str) -> Result<(), &'sta
             Err(_) => return Err("is a symbolic link that cannot be resolved"),
         }
     }
-    Ok(())
-}
-
-/// Writes `manifest.json` into `dir` and makes it and the directory durable (fsync). Writers call
-/// this last: a directory is a model only once its manifest exists.
-pub fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), FormatError> {
-    use std::io::Write;
-    let io = |p: &Path| {
-        let p = p.to_path_buf();
-        move |e: std::io::Error| FormatError::Io {
-            path: p.clone(),
-            error: e,
-        }
-    };
-    let mpath = dir.join("manifest.json");
-    let json = serde_json::to_vec_pretty(manifest).map_err(|e| FormatError::Json {
-        path: mpath.clone(),
-        message: e.to_string(),
-    })?;
-    let mut mf = File::create(&mpath).map_err(io(&mpath))?;
-    mf.write_all(&json).map_err(io(&mpath))?;
-    mf.sync_all().map_err(io(&mpath))?;
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))?;
     Ok(())
 }
 

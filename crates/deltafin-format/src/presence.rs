@@ -23,11 +23,10 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::model_dir::ExpertRecord;
+use crate::manifest::ExpertRecord;
 use crate::{FormatError, ModelDir};
 
-/// File name of the journal inside the model directory.
-pub const JOURNAL_FILE: &str = "experts.present";
+pub use crate::manifest::JOURNAL_FILE;
 const MAGIC: &[u8; 8] = b"DFPRES01";
 const HEADER: u64 = 16;
 /// Bytes of one journal entry.

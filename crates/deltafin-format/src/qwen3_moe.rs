@@ -12,11 +12,13 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::arch::{gqa_layer_tensors, BackboneTensor, ExpertMatrix, TensorRole};
-use crate::config::{
-    bool_or, eos_bos, f32_in, field_err, get, require_silu, resolve_aliases, resolve_rope, text_config, usize_or,
-    Aliases, Range, Rope,
+use crate::family::{
+    glu_expert_matrices, gqa_layer_tensors, whole, BackboneTensor, ExpertMatrix, ExpertSource, Family, TensorRole,
 };
+use crate::json::{
+    bool_or, eos_bos, f32_in, field_err, get, require_silu, resolve_aliases, text_config, usize_or, Aliases, Range,
+};
+use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
 
 /// `Qwen3MoeConfig.attribute_map` (transformers 5): `num_experts` is stored as
@@ -222,9 +224,59 @@ impl Qwen3MoeConfig {
     pub fn has_moe(&self) -> bool {
         (0..self.num_hidden_layers).any(|l| self.is_moe_layer(l))
     }
+}
+
+impl Family for Qwen3MoeConfig {
+    fn family(&self) -> &'static str {
+        "qwen3_moe"
+    }
+
+    fn model_type(&self) -> &str {
+        "qwen3_moe"
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), FormatError> {
+        Qwen3MoeConfig::validate(self, path)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    fn num_hidden_layers(&self) -> usize {
+        self.num_hidden_layers
+    }
+
+    fn max_position_embeddings(&self) -> usize {
+        self.max_position_embeddings
+    }
+
+    fn is_moe_layer(&self, layer: usize) -> bool {
+        Qwen3MoeConfig::is_moe_layer(self, layer)
+    }
+
+    fn n_routed_experts(&self) -> usize {
+        self.num_experts
+    }
+
+    fn num_experts_per_tok(&self) -> usize {
+        self.num_experts_per_tok
+    }
+
+    fn eos_token_id(&self) -> &[u32] {
+        &self.eos_token_id
+    }
+
+    fn bos_token_id(&self) -> Option<u32> {
+        self.bos_token_id
+    }
 
     /// The backbone tensors with their shapes, in checkpoint order.
-    pub fn backbone_tensors(&self) -> Vec<BackboneTensor> {
+    fn backbone_tensors(&self) -> Vec<BackboneTensor> {
         let (h, v) = (self.hidden_size, self.vocab_size);
         let mut t = vec![BackboneTensor {
             name: "model.embed_tokens.weight".into(),
@@ -267,13 +319,20 @@ impl Qwen3MoeConfig {
 
     /// The three matrices of one routed expert (`y = W x`), as named in the checkpoint
     /// (`model.layers.{l}.mlp.experts.{e}.{name}.weight`).
-    pub fn expert_matrices(&self) -> Vec<ExpertMatrix> {
+    fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.moe_intermediate_size);
-        crate::arch::glu_expert_matrices(["gate_proj", "up_proj", "down_proj"], h, i)
+        glu_expert_matrices(["gate_proj", "up_proj", "down_proj"], h, i)
+    }
+
+    fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
+        whole(
+            format!("model.layers.{layer}.mlp.experts.{expert}.{}.weight", m.name),
+            m,
+        )
     }
 
     /// Names the converter deliberately skips: rotary frequency buffers.
-    pub fn is_ignored(&self, name: &str) -> bool {
+    fn is_ignored(&self, name: &str) -> bool {
         name.ends_with("rotary_emb.inv_freq")
     }
 }

@@ -27,11 +27,12 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::arch::{BackboneTensor, ExpertMatrix, ExpertSource, Select, TensorRole};
-use crate::config::{
-    bool_or, eos_bos, f32_in, f64_or, field_err, get, require_silu, resolve_aliases, resolve_rope, text_config,
-    usize_or, Aliases, Range, Rope,
+use crate::family::{glu_expert_matrices, BackboneTensor, ExpertMatrix, ExpertSource, Family, Select, TensorRole};
+use crate::json::{
+    bool_or, eos_bos, f32_in, f64_or, field_err, get, require_silu, resolve_aliases, text_config, usize_or, Aliases,
+    Range,
 };
+use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
 
 /// `num_local_experts` is read as `num_experts`, as `Qwen3MoeConfig.attribute_map` maps the
@@ -401,11 +402,61 @@ impl Qwen3NextConfig {
     pub fn name(&self, rest: &str) -> String {
         format!("{}.{rest}", self.prefix)
     }
+}
+
+impl Family for Qwen3NextConfig {
+    fn family(&self) -> &'static str {
+        "qwen3_next"
+    }
+
+    fn model_type(&self) -> &str {
+        &self.model_type
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), FormatError> {
+        Qwen3NextConfig::validate(self, path)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    fn num_hidden_layers(&self) -> usize {
+        self.num_hidden_layers
+    }
+
+    fn max_position_embeddings(&self) -> usize {
+        self.max_position_embeddings
+    }
+
+    fn is_moe_layer(&self, layer: usize) -> bool {
+        Qwen3NextConfig::is_moe_layer(self, layer)
+    }
+
+    fn n_routed_experts(&self) -> usize {
+        self.num_experts
+    }
+
+    fn num_experts_per_tok(&self) -> usize {
+        self.num_experts_per_tok
+    }
+
+    fn eos_token_id(&self) -> &[u32] {
+        &self.eos_token_id
+    }
+
+    fn bos_token_id(&self) -> Option<u32> {
+        self.bos_token_id
+    }
 
     /// The resident tensors with their shapes, in checkpoint order. Matrices that produce
     /// gates and decays (`in_proj_ba` / `in_proj_b` / `in_proj_a`, `shared_expert_gate`, the
     /// router) stay f32 like norms.
-    pub fn backbone_tensors(&self) -> Vec<BackboneTensor> {
+    fn backbone_tensors(&self) -> Vec<BackboneTensor> {
         let (h, v) = (self.hidden_size, self.vocab_size);
         let mut t: Vec<BackboneTensor> = Vec::new();
         let mut push = |name: String, shape: Vec<usize>, role| t.push(BackboneTensor { name, shape, role });
@@ -495,7 +546,7 @@ impl Qwen3NextConfig {
     /// The matrices of one routed expert (`y = W x`): Qwen3-Next `gate_proj`, `up_proj`
     /// `[I, hidden]`, `down_proj [hidden, I]`; Qwen3.5-MoE `gate_up_proj [2I, hidden]` (gate rows
     /// first, then up: transformers' `.chunk(2)`) and `down_proj [hidden, I]`.
-    pub fn expert_matrices(&self) -> Vec<ExpertMatrix> {
+    fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.moe_intermediate_size);
         if self.fused_experts {
             [("gate_up_proj", 2 * i, h), ("down_proj", h, i)]
@@ -508,13 +559,13 @@ impl Qwen3NextConfig {
                 })
                 .collect()
         } else {
-            crate::arch::glu_expert_matrices(["gate_proj", "up_proj", "down_proj"], h, i)
+            glu_expert_matrices(["gate_proj", "up_proj", "down_proj"], h, i)
         }
     }
 
     /// Where matrix `m` of routed expert `expert` in layer `layer` comes from: its own tensor
     /// (Qwen3-Next) or slice `expert` of the fused `[E, rows, cols]` tensor (Qwen3.5-MoE).
-    pub fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
+    fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
         let e = self.name(&format!("layers.{layer}.mlp.experts"));
         if self.fused_experts {
             ExpertSource {
@@ -536,8 +587,16 @@ impl Qwen3NextConfig {
 
     /// Names the converter deliberately skips: rotary buffers, the multi-token-prediction head
     /// (`mtp.*`) and, for Qwen3.5-MoE, the vision tower (`model.visual.*`).
-    pub fn is_ignored(&self, name: &str) -> bool {
+    fn is_ignored(&self, name: &str) -> bool {
         name.ends_with("rotary_emb.inv_freq") || name.starts_with("mtp.") || name.starts_with("model.visual.")
+    }
+
+    fn recurrent_state_values(&self) -> u128 {
+        self.linear_num_value_heads as u128 * self.linear_key_head_dim as u128 * self.linear_value_head_dim as u128
+    }
+
+    fn adapt_to_checkpoint(&mut self, has: &dyn Fn(&str) -> bool) {
+        self.adapt_expert_naming(has);
     }
 }
 

@@ -145,8 +145,8 @@ pub fn deltafin_files(manifest: &Path) -> Vec<String> {
         .iter()
         .map(|s| s.to_string())
         .collect();
-    names.push(crate::presence::JOURNAL_FILE.into());
-    names.extend(crate::convert::COPIED_FILES.iter().map(|s| s.to_string()));
+    names.push(crate::manifest::JOURNAL_FILE.into());
+    names.extend(crate::manifest::COPIED_FILES.iter().map(|s| s.to_string()));
     let v: serde_json::Value = deltafin_fs::read(manifest)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())

@@ -13,11 +13,12 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::{json, Value};
 
-use crate::arch::TensorRole;
-use crate::convert::{encode_matrix, matrix_dims, record_layout, Progress, COPIED_FILES};
-use crate::model_dir::{
-    BackboneIndex, ExpertPackIndex, ExpertRecord, ExpertTensorLayout, Manifest, StoredDtype, TensorRecord, FORMAT_NAME,
-    FORMAT_VERSION, RECORD_ALIGN, TENSOR_ALIGN,
+use crate::aligned::{RECORD_ALIGN, TENSOR_ALIGN};
+use crate::convert::{encode_matrix, Progress};
+use crate::family::TensorRole;
+use crate::manifest::{
+    matrix_dims, record_layout, tensor_xxh3, write_manifest, BackboneIndex, ExpertPackIndex, ExpertRecord,
+    ExpertTensorLayout, Manifest, StoredDtype, TensorRecord, COPIED_FILES, FORMAT_NAME, FORMAT_VERSION,
 };
 use crate::{FormatError, ModelConfig};
 
@@ -514,7 +515,7 @@ impl Preset {
 }
 
 /// The tokenizer a synthetic model ships: a directory holding its files (any of
-/// [`COPIED_FILES`](crate::convert::COPIED_FILES)) and the BOS/EOS ids the configs name.
+/// [`COPIED_FILES`](crate::manifest::COPIED_FILES)) and the BOS/EOS ids the configs name.
 #[derive(Debug, Clone)]
 pub struct TokenizerFiles {
     pub dir: PathBuf,
@@ -703,7 +704,7 @@ fn write_files(
                 offset: off,
                 bytes: bytes.len() as u64,
                 scales_offset,
-                xxh3: crate::model_dir::tensor_xxh3(bytes),
+                xxh3: tensor_xxh3(bytes),
             },
         );
     }
@@ -827,7 +828,7 @@ fn write_files(
         created_by: format!("deltafin {}", env!("CARGO_PKG_VERSION")),
         stream: None,
     };
-    crate::model_dir::write_manifest(out, &manifest)?;
+    write_manifest(out, &manifest)?;
     progress.finish();
     Ok(SynthReport {
         backbone_bytes,
@@ -841,6 +842,7 @@ fn write_files(
 mod tests {
     use super::*;
     use crate::convert::{convert, ConvertOptions, NoProgress};
+    use crate::family::Family;
     use crate::ModelDir;
 
     /// A quantized synth model equals `convert` of the same synthetic checkpoint, byte for byte.

@@ -8,8 +8,8 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
-use deltafin_format::arch::TensorRole;
 use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
+use deltafin_format::family::TensorRole;
 use deltafin_format::footprint::Footprint;
 use deltafin_format::{ModelConfig, ModelDir};
 use rand::rngs::StdRng;

@@ -12,8 +12,8 @@ use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use deltafin_format::arch::Select;
 use deltafin_format::convert::plan;
+use deltafin_format::family::Select;
 use deltafin_format::ModelConfig;
 use serde_json::{json, Value};
 

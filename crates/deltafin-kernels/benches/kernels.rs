@@ -273,6 +273,13 @@ fn best(n: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
+    // This benchmark's edge reads the level cap (the library reads no environment).
+    if let Ok(cap) = std::env::var("DELTAFIN_KERNELS_SIMD") {
+        let level = cap
+            .parse()
+            .unwrap_or_else(|e: String| panic!("DELTAFIN_KERNELS_SIMD: {e}"));
+        deltafin_kernels::cap_simd_level(level).unwrap_or_else(|e| panic!("DELTAFIN_KERNELS_SIMD: {e}"));
+    }
     divan::main();
     // divan runs each benchmark in turn but exposes no results, so the ratio is measured here
     // with the same data and thread, alternating kernel and reference to share any noise.

@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --release -p deltafin-kernels --example matvec_bench            # cache-warm
 //! cargo run --release -p deltafin-kernels --example matvec_bench -- --cold  # from DRAM
-//! DELTAFIN_KERNELS_SIMD=portable cargo run ...                               # portable path
+//! cargo run --release -p deltafin-kernels --example matvec_bench -- --simd portable  # portable path
 //! ```
 //!
 //! Warm mode reuses one matrix, so formats smaller than the last-level cache measure compute
@@ -81,7 +81,18 @@ fn time_matvec(mats: &[MatRef], x: &[f32], y: &mut [f32], window: Duration) -> f
 }
 
 fn main() {
-    let cold = std::env::args().any(|a| a == "--cold");
+    let args: Vec<String> = std::env::args().collect();
+    let cold = args.iter().any(|a| a == "--cold");
+    // `--simd LEVEL` caps the kernels' SIMD level (portable, avx2, avx512).
+    if let Some(i) = args.iter().position(|a| a == "--simd") {
+        let level = args
+            .get(i + 1)
+            .map_or(Err("--simd needs a level".to_string()), |s| s.parse());
+        if let Err(e) = level.and_then(deltafin_kernels::cap_simd_level) {
+            eprintln!("matvec_bench: --simd: {e}");
+            std::process::exit(2);
+        }
+    }
     let mut rng = StdRng::seed_from_u64(1);
     let w: Vec<f32> = (0..N * N).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     let x: Vec<f32> = (0..N).map(|_| rng.random_range(-1.0f32..1.0)).collect();

@@ -26,11 +26,42 @@ pub enum SimdLevel {
 /// The level in use: AVX-512 when the CPU also has AVX-512F and AVX-512VL, else AVX2 when it has AVX2, FMA
 /// and F16C, else portable. The MXFP4 kernels of different levels group their partial sums
 /// differently, so their results may differ within f32 rounding; within one level (one
-/// process) every product is deterministic. Setting the environment variable `DELTAFIN_KERNELS_SIMD` to
-/// `portable` or `avx2` before the first kernel call caps the level there (for debugging and
-/// benchmarks).
+/// process) every product is deterministic. [`cap_simd_level`], called before the first kernel,
+/// caps the level (for debugging and benchmarks).
 pub fn simd_level() -> SimdLevel {
     kernels().level
+}
+
+/// Caps the level every kernel of this process uses at `cap`: the best level the CPU supports
+/// that is not above `cap` ([`SimdLevel::Avx512`] caps nothing). For debugging and benchmarks
+/// (the command line's research option `--simd`). Returns the level in use.
+///
+/// Errors: the level was already chosen (a kernel ran, or an earlier call) and differs from
+/// the one `cap` gives; the message names both.
+pub fn cap_simd_level(cap: SimdLevel) -> Result<SimdLevel, String> {
+    let want = detect(cap).level;
+    let got = SELECTED.get_or_init(|| detect(cap)).level;
+    if got == want {
+        Ok(got)
+    } else {
+        Err(format!(
+            "SIMD level {want:?} asked for after the kernels already chose {got:?} (cap the level before the first kernel runs)"
+        ))
+    }
+}
+
+impl std::str::FromStr for SimdLevel {
+    type Err = String;
+
+    /// `portable`, `avx2` or `avx512` (case-insensitive).
+    fn from_str(s: &str) -> Result<SimdLevel, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "portable" => Ok(SimdLevel::Portable),
+            "avx2" => Ok(SimdLevel::Avx2),
+            "avx512" => Ok(SimdLevel::Avx512),
+            _ => Err(format!("unknown SIMD level {s:?} (expected portable, avx2 or avx512)")),
+        }
+    }
 }
 
 /// `(a0, a1, b0, b1)`: see [`Kernels::dot_f32_2x2`].
@@ -342,19 +373,17 @@ static SELECTED: OnceLock<&'static Kernels> = OnceLock::new();
 
 #[inline]
 pub(crate) fn kernels() -> &'static Kernels {
-    SELECTED.get_or_init(detect)
+    SELECTED.get_or_init(|| detect(SimdLevel::Avx512))
 }
 
-fn detect() -> &'static Kernels {
-    let cap = std::env::var("DELTAFIN_KERNELS_SIMD")
-        .unwrap_or_default()
-        .to_ascii_lowercase();
-    if cap == "portable" {
+/// The best kernels the CPU supports at or below level `cap`.
+fn detect(cap: SimdLevel) -> &'static Kernels {
+    if cap == SimdLevel::Portable {
         return &PORTABLE;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        if cap != "avx2" && has_avx512() {
+        if cap == SimdLevel::Avx512 && has_avx512() {
             return &AVX512;
         }
         if has_avx2() {

@@ -20,7 +20,7 @@ pub mod mxfp4;
 pub mod q8_0;
 pub mod reference;
 
-pub use kernels::{simd_level, SimdLevel};
+pub use kernels::{cap_simd_level, simd_level, SimdLevel};
 pub use matrix::{MatData, MatRef};
 pub use ops::{argmax, axpy, dot, dot_2x2, rms_norm, rms_norm_inplace, sigmoid, silu, softmax_inplace};
 

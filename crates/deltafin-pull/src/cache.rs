@@ -15,8 +15,6 @@
 //!   punching holes. Run it while no other deltafin process uses the directory.
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
@@ -82,7 +80,7 @@ pub fn stats(model_dir: &Path, traces: &[PathBuf]) -> Result<Stats, PullError> {
     let trace_coverage = if traces.is_empty() {
         None
     } else {
-        let heat = crate::warm::trace_heat(traces, &dir.manifest.config)?;
+        let heat = crate::records::trace_heat(traces, &dir.manifest.config)?;
         let all: u64 = heat.values().sum();
         let hit: u64 = heat
             .iter()
@@ -309,7 +307,7 @@ pub fn verify_source(
         Unstable(String),
     }
     let h = |b: &[u8]| xxhash_rust::xxh3::xxh3_64(b);
-    for batch in keys.chunks(crate::install::concurrency_or_default(concurrency)) {
+    for batch in keys.chunks(crate::records::concurrency_or_default(concurrency)) {
         let seen: Vec<Result<Seen, PullError>> = std::thread::scope(|s| {
             let hs: Vec<_> = batch
                 .iter()
@@ -446,8 +444,8 @@ pub fn gc(model_dir: &Path) -> Result<GcReport, PullError> {
         if present.contains(&(r.layer, r.expert)) {
             continue;
         }
-        if has_data(&pack, r.offset, stride(r)) {
-            punch_hole(&pack, r.offset, stride(r)).map_err(io_err(&pack_path))?;
+        if crate::records::has_data(&pack, r.offset, stride(r)) {
+            crate::records::punch_hole(&pack, r.offset, stride(r)).map_err(io_err(&pack_path))?;
             rep.records_freed += 1;
         }
     }
@@ -458,37 +456,4 @@ pub fn gc(model_dir: &Path) -> Result<GcReport, PullError> {
     let after = pack.metadata().map_err(io_err(&pack_path))?.blocks() * 512;
     rep.pack_bytes_freed = before.saturating_sub(after);
     Ok(rep)
-}
-
-/// Whether `[offset, offset + len)` of `f` holds any data (not only holes).
-fn has_data(f: &File, offset: u64, len: u64) -> bool {
-    // SAFETY: plain syscall on a valid, open descriptor.
-    let r = unsafe { libc::lseek(f.as_raw_fd(), offset as libc::off_t, libc::SEEK_DATA) };
-    // ENXIO: no data at or after offset. Other errors (no SEEK_DATA support): assume data.
-    if r < 0 {
-        return std::io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO);
-    }
-    (r as u64) < offset + len
-}
-
-pub(crate) fn punch_hole(f: &File, offset: u64, len: u64) -> std::io::Result<()> {
-    // SAFETY: plain syscall on a valid, open descriptor.
-    let r = unsafe {
-        libc::fallocate(
-            f.as_raw_fd(),
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            offset as libc::off_t,
-            len as libc::off_t,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        // Without hole punching, zero the range: the record stays absent either way.
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
-            return f.write_all_at(&vec![0u8; len as usize], offset);
-        }
-        Err(e)
-    }
 }

@@ -35,8 +35,9 @@ use sha2::Digest;
 use crate::{io_err, PullError};
 
 /// Retry and timeout settings. Defaults: 5 retries, backoff 0.5 s doubling up to 10 s, 30 s
-/// stall timeout; the environment variables `DELTAFIN_HTTP_RETRIES`, `DELTAFIN_HTTP_BACKOFF_MS`
-/// and `DELTAFIN_HTTP_TIMEOUT_S` override them (tests use short ones).
+/// stall timeout. (The `deltafin` binary reads overrides from the environment variables
+/// `DELTAFIN_HTTP_RETRIES`, `DELTAFIN_HTTP_BACKOFF_MS` and `DELTAFIN_HTTP_TIMEOUT_S`; this
+/// library reads none.)
 #[derive(Debug, Clone)]
 pub struct HttpOptions {
     /// Retries after the first attempt.
@@ -111,11 +112,10 @@ type RetryObserver = Box<dyn Fn(&RetryNote<'_>) + Send + Sync>;
 
 impl Default for HttpOptions {
     fn default() -> Self {
-        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<u64>().ok());
         HttpOptions {
-            retries: env("DELTAFIN_HTTP_RETRIES").unwrap_or(5) as u32,
-            backoff: Duration::from_millis(env("DELTAFIN_HTTP_BACKOFF_MS").unwrap_or(500)),
-            timeout: Duration::from_secs(env("DELTAFIN_HTTP_TIMEOUT_S").unwrap_or(30).max(1)),
+            retries: 5,
+            backoff: Duration::from_millis(500),
+            timeout: Duration::from_secs(30),
             auth: None,
         }
     }

@@ -1,7 +1,7 @@
 //! `deltafin pull`: full and streaming installs, and upgrading a streaming install to full.
 //!
 //! Files: `config.json` (required), the optional files of
-//! [`deltafin_format::convert::COPIED_FILES`], and the weights named by
+//! [`deltafin_format::manifest::COPIED_FILES`], and the weights named by
 //! `model.safetensors.index.json` (or a single `model.safetensors`).
 //!
 //! - Full: every file is downloaded (resumable, verified; [`crate::http`]) into the sibling
@@ -29,9 +29,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use deltafin_format::arch::Select;
 use deltafin_format::checkpoint::{Checkpoint, Encoding, TensorEntry};
-use deltafin_format::convert::{self, ConvertOptions, Progress, StreamExtras, COPIED_FILES};
+use deltafin_format::convert::{self, ConvertOptions, Progress, StreamExtras};
+use deltafin_format::family::Select;
+use deltafin_format::manifest::COPIED_FILES;
 use deltafin_format::model_dir::{Manifest, StreamSource, FORMAT_NAME, FORMAT_VERSION};
 use deltafin_format::source_dtypes::Mxfp4Source;
 use deltafin_format::{FormatError, StoredDtype};
@@ -232,7 +233,7 @@ fn upgrade(
             .sum(),
     );
     let records_unchecked = !src.checks_records();
-    let fetched = crate::warm::fetch_records(&dir, &src, &missing, opts.concurrency, &|b| progress.advance(b))?;
+    let fetched = crate::records::fetch_records(&dir, &src, &missing, opts.concurrency, &|b| progress.advance(b))?;
     progress.finish();
     let present = deltafin_format::presence::present_checksums(&dir)?;
     let mut m = dir.manifest.clone();
@@ -545,21 +546,13 @@ fn fetch_ranges(
         }
     };
     std::thread::scope(|s| {
-        for _ in 0..concurrency_or_default(concurrency) {
+        for _ in 0..crate::records::concurrency_or_default(concurrency) {
             s.spawn(work);
         }
     });
     match first_err.into_inner() {
         Ok(Some(e)) => Err(e),
         _ => Ok(()),
-    }
-}
-
-pub(crate) fn concurrency_or_default(n: usize) -> usize {
-    if n == 0 {
-        4
-    } else {
-        n
     }
 }
 

@@ -10,6 +10,8 @@
 //!   upgrade of a streaming install to a full one.
 //! - [`fetch`]: [`fetch::HttpRecordSource`], the engine's [`deltafin_engine::experts::RecordSource`]
 //!   for a streaming install: one expert's tensors by range, converted to its record.
+//! - [`records`]: the expert pack's records: fetching and committing absent ones, ranking by
+//!   router-trace heat, freeing blocks.
 //! - [`warm`]: fetching the most valuable missing experts within a byte budget.
 //! - [`whole`]: a `warm` that completes a Hugging Face source file streams it whole and checks
 //!   its published sha256 before its records count as present.
@@ -23,6 +25,7 @@ pub mod cache;
 pub mod fetch;
 pub mod http;
 pub mod install;
+pub mod records;
 pub mod source;
 pub mod warm;
 pub mod whole;

@@ -10,18 +10,16 @@
 //! Records are written in the final packed layout from the start (the converter's record
 //! encoder), so there is no older or slower cache layout to rewrite.
 
-use std::collections::HashMap;
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use deltafin_engine::traces::Trace;
 use deltafin_format::model_dir::ExpertRecord;
-use deltafin_format::presence::{commit_records, present_checksums, Journal};
-use deltafin_format::{ModelConfig, ModelDir};
+use deltafin_format::presence::{present_checksums, Journal};
+use deltafin_format::ModelDir;
 
-use crate::install::concurrency_or_default;
+use crate::records::{fetch_records, trace_heat};
 use crate::{io_err, Http, HttpRecordSource, PullError};
 
 /// `warm` settings.
@@ -63,80 +61,6 @@ type Key = (u32, u32);
 
 fn resident(r: &ExpertRecord) -> u64 {
     r.length.div_ceil(4096) * 4096
-}
-
-/// Heat of each (layer, expert) over `traces`. Errors: an unreadable trace, or one recorded
-/// for another model than `cfg`'s.
-pub fn trace_heat(traces: &[PathBuf], cfg: &ModelConfig) -> Result<HashMap<(u32, u32), u64>, PullError> {
-    let mut heat = HashMap::new();
-    for p in traces {
-        let t = Trace::read_for(p, cfg).map_err(|e| PullError::Invalid(format!("--traces: {e}")))?;
-        for ((l, e), n) in t.heat_ranking() {
-            *heat.entry((l as u32, e as u32)).or_default() += n;
-        }
-    }
-    Ok(heat)
-}
-
-/// Fetches `keys` (absent records of streaming install `dir`), `concurrency` at a time; each
-/// batch is committed (written, fsynced, journaled) before the next. `advance` gets record bytes
-/// as they are committed. Returns the records fetched.
-///
-/// Errors: the first fetch or write failure (records of earlier batches stay committed; those of
-/// the failing batch that did arrive are committed too).
-pub fn fetch_records(
-    dir: &ModelDir,
-    src: &HttpRecordSource,
-    keys: &[(u32, u32)],
-    concurrency: usize,
-    advance: &dyn Fn(u64),
-) -> Result<usize, PullError> {
-    if keys.is_empty() {
-        return Ok(0);
-    }
-    let pack_path = dir.expert_pack_path();
-    let pack =
-        deltafin_fs::open_regular_with(OpenOptions::new().write(true), 0, &pack_path).map_err(io_err(&pack_path))?;
-    let journal = Journal::open(&dir.path)?;
-    let mut n = 0;
-    for batch in keys.chunks(concurrency_or_default(concurrency)) {
-        let got: Vec<(Key, Result<Vec<u8>, PullError>)> = std::thread::scope(|s| {
-            let hs: Vec<_> = batch
-                .iter()
-                .map(|&(l, e)| ((l, e), s.spawn(move || src.fetch(l as usize, e as usize))))
-                .collect();
-            hs.into_iter()
-                .map(|(k, h)| {
-                    (
-                        k,
-                        h.join()
-                            .unwrap_or_else(|_| Err(PullError::Invalid("fetch thread panicked".into()))),
-                    )
-                })
-                .collect()
-        });
-        let mut items = Vec::new();
-        let mut err = None;
-        for ((l, e), r) in &got {
-            match r {
-                Ok(b) => items.push((dir.record(*l as usize, *e as usize), b.as_slice())),
-                Err(x) => {
-                    if err.is_none() {
-                        err = Some(PullError::Invalid(format!("layer {l}, expert {e}: {x}")));
-                    }
-                }
-            }
-        }
-        if !items.is_empty() {
-            commit_records(&pack, &pack_path, &journal, &items)?;
-            n += items.len();
-            advance(items.iter().map(|(r, _)| r.length).sum());
-        }
-        if let Some(e) = err {
-            return Err(e);
-        }
-    }
-    Ok(n)
 }
 
 /// `deltafin warm <model_dir>`: see the module docs.

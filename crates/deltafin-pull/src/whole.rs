@@ -276,7 +276,7 @@ pub fn warm_whole_files(
             // Records written but never journaled: their blocks are freed again (they are
             // absent either way; on a full disk the room is needed).
             for e in &entries {
-                let _ = crate::cache::punch_hole(pack, e.offset, e.length.div_ceil(4096) * 4096);
+                let _ = crate::records::punch_hole(pack, e.offset, e.length.div_ceil(4096) * 4096);
             }
         }
         match outcome {

@@ -29,8 +29,9 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::agent::{template_extra, Reply, ReplyParser};
+use crate::body::parse_body;
 use crate::chat_messages;
-use crate::error::{parse_body, ApiError, Flavor};
+use crate::error::{ApiError, Flavor};
 use crate::structured::{call_family, forced_tools, Constraint, Forced};
 use crate::tools::Event as ParsedEvent;
 use crate::worker::JobEvent;

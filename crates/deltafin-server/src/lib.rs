@@ -14,6 +14,7 @@
 
 mod agent;
 pub mod anthropic;
+pub mod body;
 mod chat_messages;
 pub mod conn;
 pub mod error;

@@ -10,7 +10,10 @@
 
 use serde_json::Value;
 
-use crate::ApiError;
+use crate::error::ApiError;
+
+/// Largest `top_logprobs` (chat) / `logprobs` (completions), as OpenAI.
+pub const MAX_TOP_LOGPROBS: i64 = 20;
 
 /// Bytes of prompt text allowed per token of context (see the module documentation).
 pub const PROMPT_BYTES_PER_TOKEN: usize = 16;

@@ -26,8 +26,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::agent::{template_extra, Reply, ReplyParser};
+use crate::body::parse_body;
 use crate::chat_messages;
-use crate::error::{parse_body, ApiError, Flavor};
+use crate::error::{ApiError, Flavor};
+use crate::limits::MAX_TOP_LOGPROBS;
 use crate::sampling_fields::SamplingFields;
 use crate::structured::{call_family, forced_tools, Constraint, Forced};
 use crate::tools::Event as ParsedEvent;
@@ -35,9 +37,6 @@ use crate::worker::{JobEvent, Ticket};
 use crate::{chat_prompt, collect, new_id, sampling, stop_strings, unix_now, AppState};
 
 type Shared = Arc<AppState>;
-
-/// Largest `top_logprobs` (chat) / `logprobs` (completions), as OpenAI.
-pub(crate) const MAX_TOP_LOGPROBS: i64 = 20;
 
 fn model_object(s: &AppState) -> Value {
     json!({"id": s.config.model_id, "object": "model", "created": s.created, "owned_by": "deltafin"})

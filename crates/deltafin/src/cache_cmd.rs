@@ -19,7 +19,7 @@ enum CacheCmd {
     /// Records present per MoE layer, bytes, and the coverage of router traces.
     Stats {
         #[command(flatten)]
-        model_dir: crate::ModelPath,
+        model_dir: crate::model_path::ModelPath,
         /// Router traces (from `run --trace-routes`): report the share of their expert choices
         /// whose record is present.
         #[arg(long, value_name = "FILE", num_args = 1..)]
@@ -29,7 +29,7 @@ enum CacheCmd {
     /// status 1 if any fails).
     Verify {
         #[command(flatten)]
-        model_dir: crate::ModelPath,
+        model_dir: crate::model_path::ModelPath,
         /// Streaming installs: also read every present record again from the install's source
         /// and compare; a local copy that differs from two agreeing reads is replaced by them.
         /// Records of a Hugging Face layout have no per-record checksum: this is how they are
@@ -50,7 +50,7 @@ enum CacheCmd {
     /// blocks of records that never completed. Run it while nothing else uses the directory.
     Gc {
         #[command(flatten)]
-        model_dir: crate::ModelPath,
+        model_dir: crate::model_path::ModelPath,
     },
 }
 
@@ -187,7 +187,7 @@ pub(crate) fn run(a: &CacheArgs) -> Result<()> {
 
 /// `cache verify --source`: see [`cache::verify_source`].
 fn verify_source(model_dir: &std::path::Path, whole_files: bool, concurrency: usize) -> Result<()> {
-    let http = std::sync::Arc::new(deltafin_pull::Http::new(deltafin_pull::HttpOptions::default())?);
+    let http = std::sync::Arc::new(deltafin_pull::Http::new(crate::pull_cmd::http_defaults())?);
     let r = cache::verify_source(model_dir, http, whole_files, concurrency)?;
     for f in &r.files_hashed {
         println!("source file {f}: sha256 as published at install");

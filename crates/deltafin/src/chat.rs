@@ -22,7 +22,7 @@ use crate::size;
 #[derive(clap::Args)]
 pub struct ChatArgs {
     #[command(flatten)]
-    model: crate::ModelPath,
+    model: crate::model_path::ModelPath,
     /// A system message opening the conversation.
     #[arg(long)]
     system: Option<String>,
@@ -41,9 +41,9 @@ pub struct ChatArgs {
     #[command(flatten)]
     device: crate::device_args::DeviceArgs,
     #[command(flatten)]
-    store: crate::StoreArgs,
+    store: crate::model_args::StoreArgs,
     #[command(flatten)]
-    passes: crate::PassArgs,
+    passes: crate::model_args::PassArgs,
 }
 
 const HELP: &str =
@@ -56,7 +56,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
     }
     let dir = ModelDir::open(&a.model)?;
     let sampling = a.sampling.params(dir.manifest.config.vocab_size())?;
-    let budget = crate::ram_budget(a.ram_budget);
+    let budget = crate::model_args::ram_budget(a.ram_budget);
     let tokenizer = Arc::new(
         Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?,
     );
@@ -70,17 +70,11 @@ pub fn run(a: &ChatArgs) -> Result<()> {
         );
     }
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
-    let mut store_opts = a.store.options(budget, &dir)?;
-    let network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
-    crate::pull_cmd::warn_unfetched_records(&network, &dir, false)?;
-    let model = a.device.load(&dir, store_opts)?;
-    if a.store.cache_policy == deltafin_engine::experts::CachePolicy::Pinned {
-        model.store().warm_pinned();
-    }
+    let (_network, model) = crate::model_args::open_model(&dir, budget, &a.store, &a.passes, &a.device, false)?;
+    a.store.warm_pinned(model.as_ref());
     let model: Arc<dyn CausalLm> = Arc::from(model);
     let mut session = Session::new(Arc::clone(&model), Arc::clone(&tokenizer), eos);
     session.set_prefill_chunk(a.passes.prefill_chunk);
-    a.passes.warn_unsupported(model.as_ref());
     session.set_speculate(a.passes.speculate);
 
     // Ctrl-C during an answer stops it; at the prompt it leaves.
@@ -147,7 +141,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
             "/stats" => {
                 match &last {
                     Some(o) => {
-                        crate::print_stats("chat: last answer", &o.stats, model.as_ref(), budget, &dir);
+                        crate::run_cmd::print_stats("chat: last answer", &o.stats, model.as_ref(), budget, &dir);
                         if o.reused_tokens > 0 {
                             eprintln!(
                                 "reused prompt tokens {} of {} (KV cache kept from the previous turn; the prefill \

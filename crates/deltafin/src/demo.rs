@@ -14,7 +14,8 @@ use deltafin_format::synth::{write_checkpoint, SynthSpec};
 use deltafin_format::ModelDir;
 use deltafin_tokenizer::Tokenizer;
 
-use crate::{cmd_convert, size, BackboneDtype, ExpertDtype};
+use crate::convert_cmd::{cmd_convert, BackboneDtype, ExpertDtype};
+use crate::size;
 
 /// Merge corpus of the synthetic byte-level tokenizer (demo and `synth` presets).
 pub(crate) const CORPUS: &str =

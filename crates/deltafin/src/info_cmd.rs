@@ -13,7 +13,7 @@ use crate::size;
 pub struct InfoArgs {
     // A deltafin model directory, a Hugging Face checkpoint directory, or a config.json file.
     #[command(flatten)]
-    path: crate::ModelPath,
+    path: crate::model_path::ModelPath,
     /// Storage read bandwidths for the predicted seconds per token, GB/s (10^9 bytes/s).
     #[arg(long, value_delimiter = ',', default_values_t = vec![1.0, 3.0, 7.0, 14.0], allow_negative_numbers = true)]
     bandwidth: Vec<f64>,

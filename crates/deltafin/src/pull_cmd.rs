@@ -12,7 +12,8 @@ use deltafin_pull::http::Transfer;
 use deltafin_pull::install::{pull_full, pull_stream, PullOptions};
 use deltafin_pull::{Auth, Http, HttpOptions, HttpRecordSource, Source};
 
-use crate::{progress_bar, size, BackboneDtype, ExpertDtype};
+use crate::convert_cmd::{progress_bar, BackboneDtype, ExpertDtype};
+use crate::size;
 
 #[derive(clap::Args)]
 #[command(group = clap::ArgGroup::new("mode").required(true).multiple(false).args(["full", "stream"]))]
@@ -24,7 +25,7 @@ pub(crate) struct PullArgs {
     source: String,
     // The model directory to create (or a streaming install to upgrade with --full).
     #[command(flatten)]
-    model_dir: crate::ModelPath,
+    model_dir: crate::model_path::ModelPath,
     /// Download every file (resumable, verified), then convert. On a streaming install: fetch
     /// only the experts not cached yet and make it a full install.
     #[arg(long)]
@@ -105,7 +106,7 @@ pub(crate) fn run(a: &PullArgs) -> Result<()> {
     let bar = dl.0.clone();
     let http = Http::new(HttpOptions {
         auth,
-        ..HttpOptions::default()
+        ..http_defaults()
     })?
     .with_retry_observer(move |r| {
         let file = r.url.rsplit('/').next().unwrap_or(r.url);
@@ -249,12 +250,26 @@ pub(crate) fn hub_auth(endpoint: &str) -> Result<Option<Auth>> {
     }
 }
 
+/// The HTTP retry and timeout settings: [`HttpOptions::default`], each overridden by its
+/// environment variable when that holds a number (`DELTAFIN_HTTP_RETRIES`,
+/// `DELTAFIN_HTTP_BACKOFF_MS`, `DELTAFIN_HTTP_TIMEOUT_S`, at least 1 s; tests use short ones).
+pub(crate) fn http_defaults() -> HttpOptions {
+    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<u64>().ok());
+    let d = HttpOptions::default();
+    HttpOptions {
+        retries: env("DELTAFIN_HTTP_RETRIES").map_or(d.retries, |n| n as u32),
+        backoff: env("DELTAFIN_HTTP_BACKOFF_MS").map_or(d.backoff, std::time::Duration::from_millis),
+        timeout: env("DELTAFIN_HTTP_TIMEOUT_S").map_or(d.timeout, |s| std::time::Duration::from_secs(s.max(1))),
+        auth: d.auth,
+    }
+}
+
 /// HTTP settings of the expert fetches of a streaming install: the defaults, and `HF_TOKEN` for
 /// the hub endpoint (`HF_ENDPOINT`) so that an install of a gated repository keeps working.
 pub(crate) fn fetch_options() -> Result<HttpOptions> {
     Ok(HttpOptions {
         auth: hub_auth(&deltafin_pull::hub_endpoint(None))?,
-        ..HttpOptions::default()
+        ..http_defaults()
     })
 }
 

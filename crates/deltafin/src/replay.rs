@@ -12,12 +12,13 @@ use deltafin_engine::experts::ExpertStore;
 use deltafin_engine::traces::Trace;
 use deltafin_format::ModelDir;
 
-use crate::{size, StoreArgs};
+use crate::model_args::StoreArgs;
+use crate::size;
 
 #[derive(clap::Args)]
 pub struct ReplayArgs {
     #[command(flatten)]
-    model: crate::ModelPath,
+    model: crate::model_path::ModelPath,
     /// Router trace recorded on this model by `deltafin run --trace-routes`.
     #[arg(long)]
     trace: PathBuf,

@@ -17,7 +17,7 @@ use crate::size;
 #[derive(clap::Args)]
 pub struct ServeArgs {
     #[command(flatten)]
-    model: crate::ModelPath,
+    model: crate::model_path::ModelPath,
     /// Address to listen on (loopback by default; use 0.0.0.0 to expose the server).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -40,9 +40,9 @@ pub struct ServeArgs {
     #[command(flatten)]
     device: crate::device_args::DeviceArgs,
     #[command(flatten)]
-    store: crate::StoreArgs,
+    store: crate::model_args::StoreArgs,
     #[command(flatten)]
-    passes: crate::PassArgs,
+    passes: crate::model_args::PassArgs,
     /// Model id clients send in `model` (default: the model directory's name).
     #[arg(long)]
     model_id: Option<String>,
@@ -104,7 +104,7 @@ fn check_flags(a: &ServeArgs) -> Result<()> {
 pub fn run(a: &ServeArgs) -> Result<()> {
     check_flags(a)?;
     let dir = ModelDir::open(&a.model)?;
-    let budget = crate::ram_budget(a.ram_budget);
+    let budget = crate::model_args::ram_budget(a.ram_budget);
     let tokenizer = Arc::new(
         Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?,
     );
@@ -112,22 +112,9 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         eprintln!("warning: {e}: chat requests will fail; /v1/completions works");
     }
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
-    let mut store_opts = a.store.options(budget, &dir)?;
-    let network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
-    crate::pull_cmd::warn_unfetched_records(&network, &dir, true)?;
-    let model = a.device.load(&dir, store_opts)?;
-    if a.store.cache_policy == deltafin_engine::experts::CachePolicy::Pinned {
-        model.store().warm_pinned();
-    }
+    let (_network, model) = crate::model_args::open_model(&dir, budget, &a.store, &a.passes, &a.device, true)?;
+    a.store.warm_pinned(model.as_ref());
     let model: Arc<dyn CausalLm> = Arc::from(model);
-    a.passes.warn_unsupported(model.as_ref());
-    if model.routed().batch_form() != deltafin_engine::BatchForm::Exact {
-        eprintln!(
-            "warning: DELTAFIN_BATCH_FORM={}: {}",
-            model.routed().batch_form().name(),
-            crate::BATCH_FORM_NOTE
-        );
-    }
     let model_id = match &a.model_id {
         Some(id) => id.clone(),
         None => a

@@ -59,7 +59,7 @@ pub fn run(a: &SynthArgs) -> Result<()> {
     let Some(preset) = Preset::by_name(&a.preset, vocab) else {
         bail!("unknown preset {:?} (one of {})", a.preset, PRESET_NAMES.join(", "));
     };
-    let bar = crate::progress_bar(&format!("synth {}", preset.name));
+    let bar = crate::convert_cmd::progress_bar(&format!("synth {}", preset.name));
     let tokenizer = TokenizerFiles {
         dir: tok_dir.0.clone(),
         bos,

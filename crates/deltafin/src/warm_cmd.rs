@@ -7,13 +7,14 @@ use anyhow::Result;
 use deltafin_pull::warm::{warm, WarmOptions};
 use deltafin_pull::Http;
 
-use crate::{progress_bar, size};
+use crate::convert_cmd::progress_bar;
+use crate::size;
 
 #[derive(clap::Args)]
 pub(crate) struct WarmArgs {
     // The model directory of a streaming install (`deltafin pull --stream`).
     #[command(flatten)]
-    model_dir: crate::ModelPath,
+    model_dir: crate::model_path::ModelPath,
     /// Router traces (from `run --trace-routes`) ranking the experts: the most chosen first.
     #[arg(long, value_name = "FILE", num_args = 1..)]
     traces: Vec<PathBuf>,

@@ -183,8 +183,8 @@ pub struct StoreOptions {
     pub readers: usize,
     /// Bytes of each chunk of a demand read (rounded up to 4 KiB): readers take the chunks of a
     /// fetch's records in order, so the records complete one after the other at full queue
-    /// depth. 0 = [`DEMAND_CHUNK`], or the environment variable `DELTAFIN_DEMAND_CHUNK` (bytes;
-    /// a research override) when set; `usize::MAX` = one read per record.
+    /// depth. 0 = [`DEMAND_CHUNK`]; `usize::MAX` = one read per record. The command line sets it
+    /// with the research option `--demand-chunk`.
     pub demand_chunk: usize,
     /// Streaming installs only: where records not yet local are fetched from (None: such a
     /// record is an error naming it and the command that fetches it).
@@ -552,11 +552,7 @@ impl ExpertStore {
             opts.readers
         };
         let demand_chunk = match opts.demand_chunk {
-            0 => std::env::var("DELTAFIN_DEMAND_CHUNK")
-                .ok()
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .filter(|&n| n > 0)
-                .unwrap_or(DEMAND_CHUNK),
+            0 => DEMAND_CHUNK,
             n => n,
         };
         let demand_chunk = demand_chunk

@@ -10,35 +10,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
 
-use crate::arch::{BackboneTensor, ExpertMatrix, TensorRole};
+use crate::family::{glu_expert_matrices, whole, BackboneTensor, ExpertMatrix, ExpertSource, Family, TensorRole};
+use crate::json::{bool_or, f32_in, field_err, get, resolve_aliases, text_config, token_ids, usize_or, Aliases, Range};
+use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
-
-/// RoPE frequency scheme, resolved from either `rope_scaling` + `rope_theta` (transformers 4.x
-/// spelling) or `rope_parameters` (transformers 5 spelling).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "rope_type", rename_all = "snake_case")]
-pub enum Rope {
-    /// Plain RoPE: `inv_freq[i] = theta^(-2i/dim)`.
-    Default { theta: f64 },
-    /// YaRN (Peng et al. 2023, arXiv:2309.00071) as transformers' `_compute_yarn_parameters`.
-    Yarn {
-        theta: f64,
-        /// Context extension factor.
-        factor: f64,
-        /// Pre-extension context length in tokens.
-        original_max_position_embeddings: f64,
-        beta_fast: f64,
-        beta_slow: f64,
-        /// `mscale` of the YaRN attention factor (None when the config omits it or sets 0).
-        mscale: Option<f64>,
-        /// `mscale_all_dim`: also scales the MLA softmax by `yarn_mscale(factor, mscale_all_dim)^2`.
-        mscale_all_dim: Option<f64>,
-        /// Explicit cos/sin multiplier, when the config sets `attention_factor`.
-        attention_factor: Option<f64>,
-        /// Whether the correction range is rounded to whole dimensions (`truncate`, default true).
-        truncate: bool,
-    },
-}
 
 /// Concrete hyperparameters of a DeepSeek-V3 / Kimi K2 text model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -82,233 +57,12 @@ pub struct DeepseekV3Config {
     pub bos_token_id: Option<u32>,
 }
 
-pub(crate) fn get<'a>(obj: &'a Value, key: &str) -> Option<&'a Value> {
-    obj.get(key).filter(|v| !v.is_null())
-}
-
-pub(crate) fn field_err(path: &Path, field: &str, msg: impl Into<String>) -> FormatError {
-    FormatError::Config {
-        path: path.to_path_buf(),
-        field: field.to_string(),
-        message: msg.into(),
-    }
-}
-
-/// Most decoder layers a config may name (the largest released MoE models have under 100).
-/// Tables of per-layer tensors are built from this count before any checkpoint is read, so it
-/// is bounded here: `num_hidden_layers` 10^7 would otherwise build gigabytes of tensor names.
-pub const MAX_LAYERS: u64 = 1 << 12;
-/// Most routed experts per layer (and experts per token) a config may name (released models
-/// have at most 512); record indices are `u32`.
-pub const MAX_EXPERTS: u64 = 1 << 16;
-/// Most tokens of context a config may name (`max_position_embeddings` and kin).
-pub const MAX_POSITIONS: u64 = 1 << 32;
-/// Bound of every other count or width in a config (vocabulary, hidden and intermediate sizes,
-/// heads, head widths, ranks): 2^20, far above any released model, and small enough that
-/// products of two or three of them cannot overflow 64-bit arithmetic.
-pub const MAX_DIM: u64 = 1 << 20;
-
-/// The bound [`usize_or`] applies to integer field `key` (see [`MAX_LAYERS`], [`MAX_EXPERTS`],
-/// [`MAX_POSITIONS`], [`MAX_DIM`]).
-pub(crate) fn int_bound(key: &str) -> u64 {
-    match key {
-        "num_hidden_layers" => MAX_LAYERS,
-        "max_position_embeddings" | "model_max_length" | "sliding_window" => MAX_POSITIONS,
-        k if k.contains("experts") => MAX_EXPERTS,
-        _ => MAX_DIM,
-    }
-}
-
-/// Integer field `key` of `obj` (absent or null: `default`), at most its bound ([`int_bound`]),
-/// so that nothing sized from a config can exhaust memory or overflow.
-///
-/// Errors: not a non-negative integer, or above the bound (field named).
-pub(crate) fn usize_or(obj: &Value, path: &Path, key: &str, default: usize) -> Result<usize, FormatError> {
-    match get(obj, key) {
-        None => Ok(default),
-        Some(v) => {
-            let x = v
-                .as_u64()
-                .ok_or_else(|| field_err(path, key, format!("expected a non-negative integer, got {v}")))?;
-            let bound = int_bound(key);
-            if x > bound {
-                return Err(field_err(
-                    path,
-                    key,
-                    format!("{x} is larger than this implementation supports (at most {bound})"),
-                ));
-            }
-            Ok(x as usize)
-        }
-    }
-}
-
-pub(crate) fn f64_or(obj: &Value, path: &Path, key: &str, default: f64) -> Result<f64, FormatError> {
-    match get(obj, key) {
-        None => Ok(default),
-        Some(v) => v
-            .as_f64()
-            .ok_or_else(|| field_err(path, key, format!("expected a number, got {v}"))),
-    }
-}
-
-/// Which values of a real-valued config field make sense.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Range {
-    /// Any finite value.
-    Finite,
-    /// Finite and > 0 (RoPE `theta`, `factor`, scaling factors).
-    Positive,
-    /// Finite and >= 0 (`rms_norm_eps`).
-    NonNegative,
-}
-
-/// Checks that `x` (field `key`) lies in `range` and stays finite as an `f32` (the engine
-/// computes in f32: 1e39 would become infinity, and JSON `null` in the manifest).
-///
-/// Errors: outside the range (field named, with the value).
-pub(crate) fn check_range(path: &Path, key: &str, x: f64, range: Range) -> Result<f64, FormatError> {
-    let ok = x.is_finite()
-        && (x as f32).is_finite()
-        && match range {
-            Range::Finite => true,
-            Range::Positive => x > 0.0,
-            Range::NonNegative => x >= 0.0,
-        };
-    if ok {
-        return Ok(x);
-    }
-    let want = match range {
-        Range::Finite => "a finite number",
-        Range::Positive => "a finite number greater than 0",
-        Range::NonNegative => "a finite number of at least 0",
-    };
-    Err(field_err(
-        path,
-        key,
-        format!("{x} is out of range: expected {want} (within f32 range)"),
-    ))
-}
-
-/// A real-valued field as `f32` (absent or null: `default`), checked against `range`.
-///
-/// Errors: not a number, or outside `range` ([`check_range`]); the field is named.
-pub(crate) fn f32_in(obj: &Value, path: &Path, key: &str, default: f64, range: Range) -> Result<f32, FormatError> {
-    let x = f64_or(obj, path, key, default)?;
-    Ok(check_range(path, key, x, range)? as f32)
-}
-
-pub(crate) fn opt_f64(obj: &Value, path: &Path, key: &str) -> Result<Option<f64>, FormatError> {
-    match get(obj, key) {
-        None => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .map(Some)
-            .ok_or_else(|| field_err(path, key, format!("expected a number, got {v}"))),
-    }
-}
-
-/// Spellings transformers accepts for one field: `attribute_map` entries of a config class
-/// (`alias` read as `canonical`). [TRANSFORMERS_ATTRIBUTE_MAP]
-pub(crate) type Aliases = &'static [(&'static str, &'static str)];
-
-/// Returns `raw` with the text config's aliased fields ([`Aliases`]) stored under the name this
-/// crate reads, as transformers' `PreTrainedConfig` does when it reads an `attribute_map`
-/// key; `raw` itself when no alias is present.
-///
-/// Errors: both spellings present with different values (both named).
-pub(crate) fn resolve_aliases<'a>(
-    raw: &'a Value,
-    path: &Path,
-    aliases: Aliases,
-) -> Result<std::borrow::Cow<'a, Value>, FormatError> {
-    let tc = text_config(raw);
-    if !aliases.iter().any(|(a, _)| get(tc, a).is_some()) {
-        return Ok(std::borrow::Cow::Borrowed(raw));
-    }
-    let nested = !std::ptr::eq(tc, raw);
-    let mut out = raw.clone();
-    let obj = if nested { &mut out["text_config"] } else { &mut out };
-    for (alias, canonical) in aliases {
-        let Some(v) = get(tc, alias) else { continue };
-        match get(tc, canonical) {
-            Some(c) if c != v => {
-                return Err(field_err(
-                    path,
-                    alias,
-                    format!("{v} disagrees with {canonical} {c} (transformers reads both as {canonical})"),
-                ))
-            }
-            Some(_) => {}
-            None => obj[*canonical] = v.clone(),
-        }
-    }
-    Ok(std::borrow::Cow::Owned(out))
-}
-
-pub(crate) fn bool_or(obj: &Value, path: &Path, key: &str, default: bool) -> Result<bool, FormatError> {
-    match get(obj, key) {
-        None => Ok(default),
-        Some(v) => v
-            .as_bool()
-            .ok_or_else(|| field_err(path, key, format!("expected true or false, got {v}"))),
-    }
-}
-
-/// Reads `eos_token_id`-style fields: an integer or a list of integers.
-pub fn token_ids(v: Option<&Value>) -> Vec<u32> {
-    match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
-        _ => Vec::new(),
-    }
-}
-
 /// `DeepseekV3Config.attribute_map`: `num_local_experts` is read as `n_routed_experts`.
 /// [TRANSFORMERS_ATTRIBUTE_MAP]
 const DEEPSEEK_V3_ALIASES: Aliases = &[("num_local_experts", "n_routed_experts")];
 
 /// The text-model types of this family.
 pub const MODEL_TYPES: &[&str] = &["deepseek_v3", "kimi_k2"];
-
-/// Returns the text config object of a `config.json`: the top level, or its `text_config` when
-/// the top level is a multimodal wrapper (e.g. `kimi_k25`).
-pub fn text_config(raw: &Value) -> &Value {
-    match get(raw, "text_config") {
-        Some(tc) if tc.is_object() => tc,
-        _ => raw,
-    }
-}
-
-/// End-of-sequence ids of a text config `tc` (plus those of the wrapper `raw` when `tc` is
-/// nested), and its begin-of-sequence id.
-pub(crate) fn eos_bos(tc: &Value, raw: &Value) -> (Vec<u32>, Option<u32>) {
-    let mut eos = token_ids(get(tc, "eos_token_id"));
-    if !std::ptr::eq(tc, raw) {
-        for id in token_ids(get(raw, "eos_token_id")) {
-            if !eos.contains(&id) {
-                eos.push(id);
-            }
-        }
-    }
-    let bos = get(tc, "bos_token_id")
-        .or_else(|| get(raw, "bos_token_id"))
-        .and_then(|v| v.as_u64())
-        .map(|x| x as u32);
-    (eos, bos)
-}
-
-/// Fails with the field named unless `hidden_act` (of `tc`) is absent or `silu`.
-pub(crate) fn require_silu(tc: &Value, path: &Path) -> Result<(), FormatError> {
-    match get(tc, "hidden_act").and_then(|v| v.as_str()) {
-        Some(s) if s != "silu" => Err(field_err(
-            path,
-            "hidden_act",
-            format!("{s:?} is not supported (only \"silu\")"),
-        )),
-        _ => Ok(()),
-    }
-}
 
 impl DeepseekV3Config {
     /// Reads and resolves `config.json`.
@@ -517,9 +271,69 @@ impl DeepseekV3Config {
     pub fn qk_head_dim(&self) -> usize {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }
+}
+
+impl Family for DeepseekV3Config {
+    fn family(&self) -> &'static str {
+        "deepseek_v3"
+    }
+
+    fn model_type(&self) -> &str {
+        &self.model_type
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), FormatError> {
+        DeepseekV3Config::validate(self, path)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    fn num_hidden_layers(&self) -> usize {
+        self.num_hidden_layers
+    }
+
+    fn max_position_embeddings(&self) -> usize {
+        self.max_position_embeddings
+    }
+
+    fn is_moe_layer(&self, layer: usize) -> bool {
+        DeepseekV3Config::is_moe_layer(self, layer)
+    }
+
+    fn n_routed_experts(&self) -> usize {
+        self.n_routed_experts
+    }
+
+    fn num_experts_per_tok(&self) -> usize {
+        self.num_experts_per_tok
+    }
+
+    fn max_experts_per_tok(&self) -> (usize, String) {
+        (
+            self.topk_group * (self.n_routed_experts / self.n_group.max(1)),
+            format!(
+                "routed experts selectable within topk_group {} of n_group {}",
+                self.topk_group, self.n_group
+            ),
+        )
+    }
+
+    fn eos_token_id(&self) -> &[u32] {
+        &self.eos_token_id
+    }
+
+    fn bos_token_id(&self) -> Option<u32> {
+        self.bos_token_id
+    }
 
     /// The backbone tensors of a DeepSeek-V3 checkpoint with their shapes, in checkpoint order.
-    pub fn backbone_tensors(&self) -> Vec<BackboneTensor> {
+    fn backbone_tensors(&self) -> Vec<BackboneTensor> {
         let c = self;
         let h = c.hidden_size;
         let nh = c.num_attention_heads;
@@ -610,14 +424,21 @@ impl DeepseekV3Config {
     }
 
     /// The three matrices of one routed expert (`y = W x`), as named in the checkpoint.
-    pub fn expert_matrices(&self) -> Vec<ExpertMatrix> {
+    fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.moe_intermediate_size);
-        crate::arch::glu_expert_matrices(["gate_proj", "up_proj", "down_proj"], h, i)
+        glu_expert_matrices(["gate_proj", "up_proj", "down_proj"], h, i)
+    }
+
+    fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
+        whole(
+            format!("model.layers.{layer}.mlp.experts.{expert}.{}.weight", m.name),
+            m,
+        )
     }
 
     /// Names the converter deliberately skips: MTP layers (index ≥ num_hidden_layers) and rotary
     /// frequency buffers.
-    pub fn is_ignored(&self, name: &str) -> bool {
+    fn is_ignored(&self, name: &str) -> bool {
         if name.ends_with("rotary_emb.inv_freq") {
             return true;
         }
@@ -627,80 +448,6 @@ impl DeepseekV3Config {
             }
         }
         false
-    }
-}
-
-/// Resolves the RoPE scheme of a text config: `rope_parameters` (transformers 5) or
-/// `rope_scaling` + `rope_theta` (4.x); `default_theta` is the family's `default_theta` for a
-/// config that names no theta.
-///
-/// Errors: a non-numeric field, a RoPE type other than `default`/`yarn` (field named).
-pub(crate) fn resolve_rope(tc: &Value, path: &Path, max_pos: usize, default_theta: f64) -> Result<Rope, FormatError> {
-    // transformers 5 writes `rope_parameters` (holding rope_theta); 4.x writes `rope_scaling`
-    // plus a top-level `rope_theta`. Either may be absent.
-    // Either key holding something other than an object (`"rope_scaling": "x"`) is an error,
-    // not "no scaling": the model would silently run with another RoPE.
-    for key in ["rope_parameters", "rope_scaling"] {
-        if let Some(v) = get(tc, key).filter(|v| !v.is_object()) {
-            return Err(field_err(path, key, format!("expected an object or null, got {v}")));
-        }
-    }
-    let params = get(tc, "rope_parameters").or_else(|| get(tc, "rope_scaling"));
-    let top_theta = check_range(
-        path,
-        "rope_theta",
-        f64_or(tc, path, "rope_theta", default_theta)?,
-        Range::Positive,
-    )?;
-    let Some(p) = params else {
-        return Ok(Rope::Default { theta: top_theta });
-    };
-    let field = if get(tc, "rope_parameters").is_some() {
-        "rope_parameters"
-    } else {
-        "rope_scaling"
-    };
-    // A sub-field's value checked against `range`, named `field.key` in errors.
-    let sub = |key: &str, x: f64, range: Range| check_range(path, &format!("{field}.{key}"), x, range);
-    let theta = sub("rope_theta", f64_or(p, path, "rope_theta", top_theta)?, Range::Positive)?;
-    let kind = get(p, "rope_type")
-        .or_else(|| get(p, "type"))
-        .and_then(|v| v.as_str())
-        .unwrap_or("default");
-    match kind {
-        "default" => Ok(Rope::Default { theta }),
-        "yarn" => {
-            let original = sub(
-                "original_max_position_embeddings",
-                f64_or(p, path, "original_max_position_embeddings", max_pos as f64)?,
-                Range::Positive,
-            )?;
-            let factor = match opt_f64(p, path, "factor")? {
-                Some(f) => f,
-                None => max_pos as f64 / original,
-            };
-            let factor = sub("factor", factor, Range::Positive)?;
-            let nonzero = |x: Option<f64>| x.filter(|v| *v != 0.0);
-            let opt = |key: &str, range: Range| -> Result<Option<f64>, FormatError> {
-                opt_f64(p, path, key)?.map(|x| sub(key, x, range)).transpose()
-            };
-            Ok(Rope::Yarn {
-                theta,
-                factor,
-                original_max_position_embeddings: original,
-                beta_fast: nonzero(opt("beta_fast", Range::Finite)?).unwrap_or(32.0),
-                beta_slow: nonzero(opt("beta_slow", Range::Finite)?).unwrap_or(1.0),
-                mscale: nonzero(opt("mscale", Range::Finite)?),
-                mscale_all_dim: nonzero(opt("mscale_all_dim", Range::Finite)?),
-                attention_factor: opt("attention_factor", Range::Positive)?,
-                truncate: bool_or(p, path, "truncate", true)?,
-            })
-        }
-        other => Err(field_err(
-            path,
-            &format!("{field}.rope_type"),
-            format!("RoPE type {other:?} is not supported (supported: default, yarn)"),
-        )),
     }
 }
 

@@ -1,0 +1,232 @@
+//! Reading `config.json` fields: typed getters that name the field in every error, the bounds
+//! that keep anything sized from a config within memory and 64-bit arithmetic, transformers'
+//! `attribute_map` aliases, and the text config of a multimodal wrapper. Shared by every family
+//! file; knows no family.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::FormatError;
+
+/// The value of `key` in `obj`, None when absent or null.
+pub(crate) fn get<'a>(obj: &'a Value, key: &str) -> Option<&'a Value> {
+    obj.get(key).filter(|v| !v.is_null())
+}
+
+pub(crate) fn field_err(path: &Path, field: &str, msg: impl Into<String>) -> FormatError {
+    FormatError::Config {
+        path: path.to_path_buf(),
+        field: field.to_string(),
+        message: msg.into(),
+    }
+}
+
+/// Most decoder layers a config may name (the largest released MoE models have under 100).
+/// Tables of per-layer tensors are built from this count before any checkpoint is read, so it
+/// is bounded here: `num_hidden_layers` 10^7 would otherwise build gigabytes of tensor names.
+pub const MAX_LAYERS: u64 = 1 << 12;
+/// Most routed experts per layer (and experts per token) a config may name (released models
+/// have at most 512); record indices are `u32`.
+pub const MAX_EXPERTS: u64 = 1 << 16;
+/// Most tokens of context a config may name (`max_position_embeddings` and kin).
+pub const MAX_POSITIONS: u64 = 1 << 32;
+/// Bound of every other count or width in a config (vocabulary, hidden and intermediate sizes,
+/// heads, head widths, ranks): 2^20, far above any released model, and small enough that
+/// products of two or three of them cannot overflow 64-bit arithmetic.
+pub const MAX_DIM: u64 = 1 << 20;
+
+/// The bound [`usize_or`] applies to integer field `key` (see [`MAX_LAYERS`], [`MAX_EXPERTS`],
+/// [`MAX_POSITIONS`], [`MAX_DIM`]).
+pub(crate) fn int_bound(key: &str) -> u64 {
+    match key {
+        "num_hidden_layers" => MAX_LAYERS,
+        "max_position_embeddings" | "model_max_length" | "sliding_window" => MAX_POSITIONS,
+        k if k.contains("experts") => MAX_EXPERTS,
+        _ => MAX_DIM,
+    }
+}
+
+/// Integer field `key` of `obj` (absent or null: `default`), at most its bound ([`int_bound`]),
+/// so that nothing sized from a config can exhaust memory or overflow.
+///
+/// Errors: not a non-negative integer, or above the bound (field named).
+pub(crate) fn usize_or(obj: &Value, path: &Path, key: &str, default: usize) -> Result<usize, FormatError> {
+    match get(obj, key) {
+        None => Ok(default),
+        Some(v) => {
+            let x = v
+                .as_u64()
+                .ok_or_else(|| field_err(path, key, format!("expected a non-negative integer, got {v}")))?;
+            let bound = int_bound(key);
+            if x > bound {
+                return Err(field_err(
+                    path,
+                    key,
+                    format!("{x} is larger than this implementation supports (at most {bound})"),
+                ));
+            }
+            Ok(x as usize)
+        }
+    }
+}
+
+pub(crate) fn f64_or(obj: &Value, path: &Path, key: &str, default: f64) -> Result<f64, FormatError> {
+    match get(obj, key) {
+        None => Ok(default),
+        Some(v) => v
+            .as_f64()
+            .ok_or_else(|| field_err(path, key, format!("expected a number, got {v}"))),
+    }
+}
+
+/// Which values of a real-valued config field make sense.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Range {
+    /// Any finite value.
+    Finite,
+    /// Finite and > 0 (RoPE `theta`, `factor`, scaling factors).
+    Positive,
+    /// Finite and >= 0 (`rms_norm_eps`).
+    NonNegative,
+}
+
+/// Checks that `x` (field `key`) lies in `range` and stays finite as an `f32` (the engine
+/// computes in f32: 1e39 would become infinity, and JSON `null` in the manifest).
+///
+/// Errors: outside the range (field named, with the value).
+pub(crate) fn check_range(path: &Path, key: &str, x: f64, range: Range) -> Result<f64, FormatError> {
+    let ok = x.is_finite()
+        && (x as f32).is_finite()
+        && match range {
+            Range::Finite => true,
+            Range::Positive => x > 0.0,
+            Range::NonNegative => x >= 0.0,
+        };
+    if ok {
+        return Ok(x);
+    }
+    let want = match range {
+        Range::Finite => "a finite number",
+        Range::Positive => "a finite number greater than 0",
+        Range::NonNegative => "a finite number of at least 0",
+    };
+    Err(field_err(
+        path,
+        key,
+        format!("{x} is out of range: expected {want} (within f32 range)"),
+    ))
+}
+
+/// A real-valued field as `f32` (absent or null: `default`), checked against `range`.
+///
+/// Errors: not a number, or outside `range` ([`check_range`]); the field is named.
+pub(crate) fn f32_in(obj: &Value, path: &Path, key: &str, default: f64, range: Range) -> Result<f32, FormatError> {
+    let x = f64_or(obj, path, key, default)?;
+    Ok(check_range(path, key, x, range)? as f32)
+}
+
+pub(crate) fn opt_f64(obj: &Value, path: &Path, key: &str) -> Result<Option<f64>, FormatError> {
+    match get(obj, key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| field_err(path, key, format!("expected a number, got {v}"))),
+    }
+}
+
+/// Spellings transformers accepts for one field: `attribute_map` entries of a config class
+/// (`alias` read as `canonical`). [TRANSFORMERS_ATTRIBUTE_MAP]
+pub(crate) type Aliases = &'static [(&'static str, &'static str)];
+
+/// Returns `raw` with the text config's aliased fields ([`Aliases`]) stored under the name this
+/// crate reads, as transformers' `PreTrainedConfig` does when it reads an `attribute_map`
+/// key; `raw` itself when no alias is present.
+///
+/// Errors: both spellings present with different values (both named).
+pub(crate) fn resolve_aliases<'a>(
+    raw: &'a Value,
+    path: &Path,
+    aliases: Aliases,
+) -> Result<std::borrow::Cow<'a, Value>, FormatError> {
+    let tc = text_config(raw);
+    if !aliases.iter().any(|(a, _)| get(tc, a).is_some()) {
+        return Ok(std::borrow::Cow::Borrowed(raw));
+    }
+    let nested = !std::ptr::eq(tc, raw);
+    let mut out = raw.clone();
+    let obj = if nested { &mut out["text_config"] } else { &mut out };
+    for (alias, canonical) in aliases {
+        let Some(v) = get(tc, alias) else { continue };
+        match get(tc, canonical) {
+            Some(c) if c != v => {
+                return Err(field_err(
+                    path,
+                    alias,
+                    format!("{v} disagrees with {canonical} {c} (transformers reads both as {canonical})"),
+                ))
+            }
+            Some(_) => {}
+            None => obj[*canonical] = v.clone(),
+        }
+    }
+    Ok(std::borrow::Cow::Owned(out))
+}
+
+pub(crate) fn bool_or(obj: &Value, path: &Path, key: &str, default: bool) -> Result<bool, FormatError> {
+    match get(obj, key) {
+        None => Ok(default),
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| field_err(path, key, format!("expected true or false, got {v}"))),
+    }
+}
+
+/// Reads `eos_token_id`-style fields: an integer or a list of integers.
+pub fn token_ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Returns the text config object of a `config.json`: the top level, or its `text_config` when
+/// the top level is a multimodal wrapper (e.g. `kimi_k25`).
+pub fn text_config(raw: &Value) -> &Value {
+    match get(raw, "text_config") {
+        Some(tc) if tc.is_object() => tc,
+        _ => raw,
+    }
+}
+
+/// End-of-sequence ids of a text config `tc` (plus those of the wrapper `raw` when `tc` is
+/// nested), and its begin-of-sequence id.
+pub(crate) fn eos_bos(tc: &Value, raw: &Value) -> (Vec<u32>, Option<u32>) {
+    let mut eos = token_ids(get(tc, "eos_token_id"));
+    if !std::ptr::eq(tc, raw) {
+        for id in token_ids(get(raw, "eos_token_id")) {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+    }
+    let bos = get(tc, "bos_token_id")
+        .or_else(|| get(raw, "bos_token_id"))
+        .and_then(|v| v.as_u64())
+        .map(|x| x as u32);
+    (eos, bos)
+}
+
+/// Fails with the field named unless `hidden_act` (of `tc`) is absent or `silu`.
+pub(crate) fn require_silu(tc: &Value, path: &Path) -> Result<(), FormatError> {
+    match get(tc, "hidden_act").and_then(|v| v.as_str()) {
+        Some(s) if s != "silu" => Err(field_err(
+            path,
+            "hidden_act",
+            format!("{s:?} is not supported (only \"silu\")"),
+        )),
+        _ => Ok(()),
+    }
+}
