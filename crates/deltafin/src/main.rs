@@ -175,6 +175,11 @@ struct RunArgs {
     /// documented in the README).
     #[arg(long)]
     trace_routes: Option<PathBuf>,
+    /// Measurement: append every one-token pass's next-layer expert predictions (what
+    /// `--prefetch on` reads) to this file, a router trace of the MoE layers after the first,
+    /// for `deltafin replay --predictions`. Output is unchanged.
+    #[arg(long)]
+    trace_predictions: Option<PathBuf>,
     /// RESEARCH ONLY: route each token to K experts instead of the model's top-k. Output is then
     /// not equivalent to the model, and every output says so.
     #[arg(long, value_name = "K", allow_negative_numbers = true)]
@@ -307,6 +312,18 @@ impl StoreArgs {
     /// Store options for a cache of `budget` bytes over the model in `dir`. Errors:
     /// inconsistent pinning flags, an unreadable trace, or a trace recorded for another model.
     pub(crate) fn options(&self, budget: u64, dir: &ModelDir) -> Result<StoreOptions> {
+        self.options_with(budget, &|p| {
+            Ok(deltafin_engine::traces::Trace::read_for(p, &dir.manifest.config)?)
+        })
+    }
+
+    /// [`StoreArgs::options`] with `load` reading each `--pin-from` trace (`replay
+    /// --map-experts` maps traces of a smaller model onto this one).
+    pub(crate) fn options_with(
+        &self,
+        budget: u64,
+        load: &dyn Fn(&std::path::Path) -> Result<deltafin_engine::traces::Trace>,
+    ) -> Result<StoreOptions> {
         let mut o = StoreOptions::new(budget);
         o.io = self.io;
         o.policy = self.cache_policy;
@@ -323,7 +340,7 @@ impl StoreArgs {
             (CachePolicy::Pinned, false) => {
                 let mut heat = std::collections::HashMap::<(usize, usize), u64>::new();
                 for p in &self.pin_from {
-                    let t = deltafin_engine::traces::Trace::read_for(p, &dir.manifest.config).context("--pin-from")?;
+                    let t = load(p).context("--pin-from")?;
                     for (k, n) in t.heat_ranking() {
                         *heat.entry(k).or_default() += n;
                     }
@@ -697,6 +714,9 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
     if a.store.cache_policy == CachePolicy::Pinned {
         model.store().warm_pinned();
     }
+    if a.trace_predictions.is_some() {
+        model.routed_mut().log_predictions();
+    }
     if model.routed().batch_form() != BatchForm::Exact {
         eprintln!(
             "warning: DELTAFIN_BATCH_FORM={}: {BATCH_FORM_NOTE}",
@@ -728,6 +748,7 @@ fn cmd_run(a: &RunArgs) -> Result<()> {
         ignore_eos: a.ignore_eos,
         record_logits: a.logits_out.is_some(),
         trace_routes: a.trace_routes.clone(),
+        trace_predictions: a.trace_predictions.clone(),
         prefill_chunk: a.passes.prefill_chunk,
         speculate: a.passes.speculate,
         sampling,
