@@ -338,6 +338,9 @@ pub fn one_or_chunk<S: 'static>(
     chunk(s, tokens, all_logits)
 }
 
+/// A next-layer prediction: (MoE layer, predicted experts).
+pub type Prediction = (usize, Vec<usize>);
+
 /// Routed experts of one model: the store plus the controls and timings every family shares.
 pub struct RoutedExperts {
     pub store: Arc<ExpertStore>,
@@ -360,7 +363,7 @@ pub struct RoutedExperts {
     batch_form: BatchForm,
     /// Measurement (`run --trace-predictions`): every next-layer prediction `(layer, experts)`
     /// since the last [`RoutedExperts::take_predictions`], in the order made; None when off.
-    prediction_log: Option<Mutex<Vec<(usize, Vec<usize>)>>>,
+    prediction_log: Option<Mutex<Vec<Prediction>>>,
 }
 
 /// The arithmetic of batched passes (prompt chunks, speculative verification). Every form
@@ -455,7 +458,7 @@ impl RoutedExperts {
 
     /// The predictions `(next MoE layer, experts)` logged since the last call, in the order
     /// made (empty unless [`RoutedExperts::log_predictions`] was called).
-    pub fn take_predictions(&self) -> Vec<(usize, Vec<usize>)> {
+    pub fn take_predictions(&self) -> Vec<Prediction> {
         self.prediction_log.as_ref().map_or_else(Vec::new, |m| {
             std::mem::take(&mut *m.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
         })
