@@ -126,9 +126,9 @@ def main() -> None:
         other = str(t[OTHER[w]][0])
         base = ["--trace", routes, "--ram-budget", budget]
         pin = ["--cache-policy", "pinned", "--pin-from", other]
-        pf = ["--predictions", pred, "--compute-us", str(COMPUTE_US)]
+        pf = ["--cache-policy", "lru", "--predictions", pred, "--compute-us", str(COMPUTE_US)]
         row = {"pinned_from": OTHER[w]}
-        row["lru"] = replay(exe, a.bench, a.work, f"{w}-lru", [*base, "--predictions", pred])
+        row["lru"] = replay(exe, a.bench, a.work, f"{w}-lru", [*base, "--cache-policy", "lru", "--predictions", pred])
         row["lfu"] = replay(exe, a.bench, a.work, f"{w}-lfu", [*base, "--cache-policy", "lfu"])
         row["pinned"] = replay(exe, a.bench, a.work, f"{w}-pinned", [*base, *pin])
         row["pinned_warm"] = replay(exe, a.bench, a.work, f"{w}-pinned-warm", [*base, *pin, "--warm-idle"])

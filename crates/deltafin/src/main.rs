@@ -119,7 +119,8 @@ enum Cmd {
     /// Benchmark `deltafin run` (fresh process per run, balanced order, ids verified, floor, chart).
     Bench(bench::BenchArgs),
     /// Measurement: read the experts a router trace chose, token by token, without computing
-    /// (the I/O-only side of the compute/I-O overlap measurement).
+    /// (the I/O-only side of the compute/I-O overlap measurement; with --map-experts, a smaller
+    /// model's routing on this model's pack: cache, pinning, warm-up and prefetch at scale).
     Replay(replay::ReplayArgs),
     /// What a model costs: resident bytes, expert bytes per token, decode state, storage floor.
     Info(info_cmd::InfoArgs),
@@ -277,9 +278,12 @@ pub(crate) struct StoreArgs {
     /// 1.33× faster at a third of the CPU (bench/NOTES.md).
     #[arg(long, default_value = "direct", value_parser = parse_io)]
     io: IoMode,
-    /// Expert cache policy: `lru`, `lfu`, or `pinned` (a tier filled from router-trace heat,
-    /// see --pin-from, plus LRU for the rest).
-    #[arg(long, default_value = "lru", value_parser = parse_policy)]
+    /// Expert cache policy: `lfu` (LFU with dynamic aging), `lru`, or `pinned` (a tier filled
+    /// from router-trace heat, see --pin-from, plus LRU for the rest). Default `lfu`: with the
+    /// trained model's routing on the 12.8 GiB `bench` pack at a third of the pack it read
+    /// 1.4–5.9 points of the no-cache need less than `lru` on every workload (bench/NOTES.md,
+    /// "At scale").
+    #[arg(long, default_value = "lfu", value_parser = parse_policy)]
     cache_policy: CachePolicy,
     /// Router trace file(s) (from --trace-routes) whose hottest experts fill the pinned tier;
     /// needs --cache-policy pinned.
@@ -289,7 +293,10 @@ pub(crate) struct StoreArgs {
     #[arg(long, default_value_t = 0.5, allow_negative_numbers = true)]
     pinned_fraction: f64,
     /// Predict the next MoE layer's experts with its router and read them speculatively while
-    /// the disk is idle: `on` or `off` (default off until the benchmark shows a gain).
+    /// the disk is idle: `on` or `off`. Default off: with the trained model's routing on the
+    /// 12.8 GiB `bench` pack a decode step leaves the disk almost no idle time, so speculative
+    /// reads saved under 1 % of the demand bytes and added 5–7 % of the no-cache need in reads
+    /// (bench/NOTES.md, "At scale").
     #[arg(long, default_value = "off", value_parser = ["on", "off"])]
     prefetch: String,
     /// Expert reader threads = most reads in flight (0: max(top_k, 8); at most 1024).
