@@ -116,7 +116,13 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
     let _network = crate::pull_cmd::attach_source(&mut store_opts, &dir, a.store.allow_network)?;
     let store = ExpertStore::open(&dir, store_opts).context("opening the expert store")?;
     let first_moe = target.first_moe as usize;
-    let k = target.top_k as usize;
+    // Experts requested per layer: the model's top-k for a mapped trace, else the trace's own
+    // (a trace taken with --experts-per-token replays its K).
+    let k = if mapper.is_some() {
+        target.top_k
+    } else {
+        source.shape.top_k
+    } as usize;
     let layers = (target.n_layers - target.first_moe) as usize;
     let need_per_token = (k * layers) as u64 * store.record_bytes();
 

@@ -208,4 +208,18 @@ fn traced_predictions_replay_to_the_runs_recall() {
     );
     assert_eq!(s["prefetch_recall"].as_f64(), st["prefetch_recall"].as_f64());
     assert!(s["prefetch_recall"].as_f64().unwrap() > 0.0);
+    // A trace taken with --experts-per-token 1 replays one expert per layer, not the model's 2.
+    let one = w.join("one.routes");
+    run(&[
+        "--experts-per-token".as_ref(),
+        "1".as_ref(),
+        "--trace-routes".as_ref(),
+        one.as_os_str(),
+    ]);
+    let s = replay(&model, w, &["--trace", one.to_str().unwrap()]);
+    assert_eq!(u(&s, "requests_per_token"), 2);
+    assert_eq!(
+        u(&s, "expert_bytes_read_demand"),
+        u(&s, "tokens") * 2 * u(&s, "record_bytes")
+    );
 }
