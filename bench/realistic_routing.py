@@ -141,7 +141,8 @@ def simulate_lfu_da(trace, capacity: int) -> float:
 
 def stats(exe, model, args, budget, env=None, work=None, name="s"):
     sj = Path(work) / f"{name}.stats.json"
-    r = run(exe, model, [*args, "--ram-budget", str(budget), "--stats-json", str(sj)], env)
+    # LRU explicitly: these numbers were measured when it was the default (now `lfu`).
+    r = run(exe, model, [*args, "--cache-policy", "lru", "--ram-budget", str(budget), "--stats-json", str(sj)], env)
     return json.loads(sj.read_text()), r.stdout
 
 

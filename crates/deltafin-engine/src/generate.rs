@@ -30,6 +30,12 @@ pub struct GenerateOptions {
     /// Append every token's routed-expert choices to this router trace file
     /// (format: [`crate::traces`]).
     pub trace_routes: Option<PathBuf>,
+    /// Measurement: append, for every one-token forward pass, the next-layer expert predictions
+    /// (the experts `--prefetch on` would read) to this file, as a router trace of the MoE
+    /// layers after the first (header `first_moe` one above the model's; the model must log
+    /// predictions: [`crate::model::RoutedExperts::log_predictions`]). Batched passes predict
+    /// nothing and write no record. `deltafin replay --predictions` replays them.
+    pub trace_predictions: Option<PathBuf>,
     /// Prompt tokens per batched prefill pass (`--prefill-chunk`): 1 = token at a time, 0 =
     /// as many as the memory allowance holds ([`prefill_chunk_tokens`]).
     pub prefill_chunk: usize,
@@ -47,6 +53,7 @@ impl Default for GenerateOptions {
             ignore_eos: false,
             record_logits: false,
             trace_routes: None,
+            trace_predictions: None,
             prefill_chunk: 0,
             speculate: DEFAULT_SPECULATE,
             sampling: SamplingParams::default(),
@@ -201,6 +208,27 @@ pub fn generate(
         }
         None => None,
     };
+    let mut predictions = match &opts.trace_predictions {
+        Some(p) => {
+            let s = TraceShape::for_model(model.config())
+                .map_err(|e| EngineError::Invalid(format!("--trace-predictions: {e}")))?;
+            let shape = TraceShape {
+                first_moe: s.first_moe + 1,
+                top_k: model.routed().experts_per_token() as u32,
+                ..s
+            };
+            if shape.first_moe >= shape.n_layers {
+                return Err(EngineError::Invalid(
+                    "--trace-predictions: the model has one MoE layer, so nothing is predicted".into(),
+                ));
+            }
+            Some((
+                TraceWriter::open(p, shape).map_err(|e| EngineError::Invalid(format!("--trace-predictions: {e}")))?,
+                shape,
+            ))
+        }
+        None => None,
+    };
     let moe_layers = model.config().moe_layers().count();
     // One forward pass with its time breakdown.
     let measure = |kind: &'static str,
@@ -247,6 +275,15 @@ pub fn generate(
             },
             &mut steps,
         )?;
+        if let Some((w, shape)) = predictions.as_mut() {
+            // A one-token chunk (`--prefill-chunk 1`) predicts as decoding does.
+            let p = model.routed().take_predictions();
+            let want = shape.first_moe as usize..shape.n_layers as usize;
+            if routes.len() == 1 && p.iter().map(|x| x.0).eq(want) {
+                let rr: Vec<&[usize]> = p.iter().map(|(_, x)| x.as_slice()).collect();
+                w.record(pos, &rr)?;
+            }
+        }
         for r in &routes {
             for (l, routing) in r {
                 unique.extend(routing.experts.iter().map(|&e| (*l, e)));
@@ -302,6 +339,16 @@ pub fn generate(
                 for (i, r) in routes.iter().enumerate() {
                     let rr: Vec<&[usize]> = r.iter().map(|(_, x)| x.experts.as_slice()).collect();
                     w.record(base + i, &rr)?;
+                }
+            }
+            if let Some((w, shape)) = predictions.as_mut() {
+                // One prediction per MoE layer after the first, in layer order, from a one-token
+                // pass; anything else (a verify pass predicts nothing) writes no record.
+                let p = model.routed().take_predictions();
+                let want = shape.first_moe as usize..shape.n_layers as usize;
+                if routes.len() == 1 && p.iter().map(|x| x.0).eq(want) {
+                    let rr: Vec<&[usize]> = p.iter().map(|(_, x)| x.as_slice()).collect();
+                    w.record(base, &rr)?;
                 }
             }
             pending.extend(s.tokens.into_iter().zip(s.logits));

@@ -9,7 +9,7 @@
 use std::any::Any;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use deltafin_format::{ModelConfig, ModelDir};
@@ -339,6 +339,9 @@ pub fn one_or_chunk<S: 'static>(
     chunk(s, tokens, all_logits)
 }
 
+/// A next-layer prediction: (MoE layer, predicted experts).
+pub type Prediction = (usize, Vec<usize>);
+
 /// Routed experts of one model: the store plus the controls and timings every family shares.
 pub struct RoutedExperts {
     pub store: Arc<ExpertStore>,
@@ -359,6 +362,9 @@ pub struct RoutedExperts {
     forwards: AtomicU64,
     /// Arithmetic of batched passes.
     batch_form: BatchForm,
+    /// Measurement (`run --trace-predictions`): every next-layer prediction `(layer, experts)`
+    /// since the last [`RoutedExperts::take_predictions`], in the order made; None when off.
+    prediction_log: Option<Mutex<Vec<Prediction>>>,
 }
 
 /// The arithmetic of batched passes (prompt chunks, speculative verification). Every form
@@ -440,7 +446,31 @@ impl RoutedExperts {
             mlp_ns: AtomicU64::new(0),
             forwards: AtomicU64::new(0),
             batch_form: BatchForm::Exact,
+            prediction_log: None,
         })
+    }
+
+    /// Makes every forward pass that predicts the next MoE layer's experts (one-token passes)
+    /// log its predictions for [`RoutedExperts::take_predictions`], whether or not prefetch
+    /// reads them. Output is unchanged.
+    pub fn log_predictions(&mut self) {
+        self.prediction_log = Some(Mutex::new(Vec::new()));
+    }
+
+    /// The predictions `(next MoE layer, experts)` logged since the last call, in the order
+    /// made (empty unless [`RoutedExperts::log_predictions`] was called).
+    pub fn take_predictions(&self) -> Vec<Prediction> {
+        self.prediction_log.as_ref().map_or_else(Vec::new, |m| {
+            std::mem::take(&mut *m.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+        })
+    }
+
+    fn log_prediction(&self, layer: usize, experts: &[usize]) {
+        if let Some(m) = &self.prediction_log {
+            m.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push((layer, experts.to_vec()));
+        }
     }
 
     /// The arithmetic of batched passes ([`BatchForm`]).
@@ -505,16 +535,20 @@ impl RoutedExperts {
         self.prefetch = on;
     }
 
-    /// Whether next-layer prefetch is on (families then call [`Self::prefetch`]).
+    /// Whether next-layer prediction is wanted: prefetch on, or predictions logged (families
+    /// then call [`Self::prefetch`]).
     pub fn prefetch_enabled(&self) -> bool {
-        self.prefetch
+        self.prefetch || self.prediction_log.is_some()
     }
 
     /// Starts speculative reads of `experts` of MoE layer `layer` (a prediction); the store
     /// runs them only while no demand read is pending.
     pub fn prefetch(&self, layer: usize, experts: &[usize]) {
-        if self.prefetch && self.compute_only.is_none() {
-            self.store.prefetch(layer, experts);
+        if self.compute_only.is_none() {
+            self.log_prediction(layer, experts);
+            if self.prefetch {
+                self.store.prefetch(layer, experts);
+            }
         }
     }
 
@@ -554,7 +588,8 @@ impl RoutedExperts {
     /// on the compute pool as its record arrives, and `shared()` meanwhile; returns
     /// `(Σ_i routing.weights[i] · expert_i, shared)`, the sum in the order of
     /// `routing.experts` (whatever the arrival order), so the result does not depend on timing.
-    /// `predict_next` runs after the reads are issued, and only with prefetch on: it returns
+    /// `predict_next` runs after the reads are issued, and only with prefetch on or predictions
+    /// logged: it returns
     /// the next MoE layer and its predicted experts.
     ///
     /// Output widths: every expert output and the shared output have the same width `out_dim`.
@@ -578,9 +613,9 @@ impl RoutedExperts {
             Some(_) => None,
             None => Some(self.store.fetch(layer, &routing.experts)?),
         };
-        if self.prefetch && self.compute_only.is_none() {
+        if self.prefetch_enabled() && self.compute_only.is_none() {
             if let Some((next, predicted)) = predict_next()? {
-                self.store.prefetch(next, &predicted);
+                self.prefetch(next, &predicted);
             }
         }
         let outs: Vec<OnceLock<Result<Vec<f32>, String>>> = routing.experts.iter().map(|_| OnceLock::new()).collect();

@@ -251,6 +251,182 @@ impl Trace {
     }
 }
 
+impl TraceShape {
+    /// The shape of a trace recorded on the model `c` with its own top-k.
+    ///
+    /// Errors: a model without MoE layers, or whose MoE layers are not one contiguous run (the
+    /// trace format numbers MoE layers consecutively).
+    pub fn for_model(c: &deltafin_format::ModelConfig) -> Result<Self, EngineError> {
+        let n = c.num_hidden_layers();
+        let first = (0..n).find(|&l| c.is_moe_layer(l)).unwrap_or(n);
+        if first == n || (first..n).any(|l| !c.is_moe_layer(l)) {
+            return Err(EngineError::Invalid(
+                "router traces need a model whose MoE layers are one contiguous run".into(),
+            ));
+        }
+        Ok(TraceShape {
+            n_layers: n as u32,
+            first_moe: first as u32,
+            n_experts: c.n_routed_experts() as u32,
+            top_k: c.num_experts_per_tok() as u32,
+        })
+    }
+}
+
+/// SplitMix64 (Steele, Lea, Flood 2014): a fixed, seedable generator for the mapping's
+/// permutations, so a mapped trace is the same on every machine.
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A Fisher–Yates permutation of `0..n` seeded by `seed`.
+fn permutation(n: usize, seed: u64) -> Vec<u32> {
+    let mut p: Vec<u32> = (0..n as u32).collect();
+    let mut s = seed;
+    for i in (1..n).rev() {
+        let j = (splitmix64(&mut s) % (i as u64 + 1)) as usize;
+        p.swap(i, j);
+    }
+    p
+}
+
+impl Trace {
+    /// This trace's routing replayed on a larger model of shape `target`
+    /// ([`TraceMapper`], which documents the mapping); positions are kept.
+    ///
+    /// Errors: those of [`TraceMapper::new`].
+    pub fn map_onto(&self, target: TraceShape) -> Result<Trace, EngineError> {
+        let mut m = TraceMapper::new(self.shape, target)?;
+        let records = self
+            .records
+            .iter()
+            .enumerate()
+            .map(|(t, (pos, ids))| (*pos, m.map_record(t, ids)))
+            .collect();
+        Ok(Trace { shape: target, records })
+    }
+}
+
+/// Maps the routing of a trace recorded on a small model onto a larger model's experts
+/// (measurement: `deltafin replay --map-experts`). Deterministic; the same source expert always
+/// maps to the same target records, so two traces mapped onto one target share records exactly
+/// where their sources share experts (pinning from another workload's mapped trace is
+/// meaningful).
+///
+/// With `Ls, Es, ks` the source's MoE layers, experts and top-k and `Lt, Et, kt` the
+/// target's, `m = Et / Es`:
+/// - target MoE layer `j` replays source MoE layer `j mod Ls` (per-layer popularity and
+///   co-occurrence kept; the `⌈Lt / Ls⌉` copies of a source layer are distinct records);
+/// - source expert `e` owns the block of `m` target experts `π_j(e·m + q)`, `q < m`, with
+///   `π_j` a seeded permutation of `0..Et` per target layer;
+/// - each token's `ks` source picks yield exactly `kt` target picks: pick `i` (ascending) of
+///   record `t` takes `⌊kt/ks⌋` members of its block, plus one when `(i + t) mod ks < kt mod
+///   ks`; the members are taken in turn (a per-(layer, expert) counter), so every member is
+///   used and each is reused at every `m·ks/kt`-th use of its source expert. A member's reuse
+///   distance is thus that many source reuse distances: a conservative stretch (fewer hits than
+///   a sticky choice of member would give).
+///
+/// The request count (`kt × Lt` per token) is the target's, so bytes read per token compare
+/// with its no-cache need.
+pub struct TraceMapper {
+    source: TraceShape,
+    target: TraceShape,
+    /// `π_j` per target MoE layer.
+    perms: Vec<Vec<u32>>,
+    /// `[target layer][source expert]`: the member its next use starts at.
+    turn: Vec<Vec<usize>>,
+}
+
+impl TraceMapper {
+    /// A mapper from traces of `source` onto `target`.
+    ///
+    /// Errors: `Et` not a multiple of `Es`, `ks · m < kt` (a source pick cannot yield enough
+    /// distinct target experts), or a shape without MoE layers.
+    pub fn new(source: TraceShape, target: TraceShape) -> Result<Self, EngineError> {
+        let (ls, es, ks) = (source.moe_layers(), source.n_experts as usize, source.top_k as usize);
+        let (lt, et, kt) = (target.moe_layers(), target.n_experts as usize, target.top_k as usize);
+        let unfit = |why: &str| {
+            Err(EngineError::Invalid(format!(
+                "cannot map a trace of {source} onto {target}: {why}"
+            )))
+        };
+        if ls == 0 || lt == 0 {
+            return unfit("no MoE layers");
+        }
+        if et % es != 0 {
+            return unfit("the target's experts per layer must be a multiple of the trace's");
+        }
+        if ks * (et / es) < kt {
+            return unfit("top-k × (target experts ÷ trace experts) is below the target's top-k");
+        }
+        Ok(TraceMapper {
+            source,
+            target,
+            perms: (0..lt).map(|j| permutation(et, Self::seed(j))).collect(),
+            turn: vec![vec![0; es]; lt],
+        })
+    }
+
+    fn seed(j: usize) -> u64 {
+        0xD17A_F1E5_u64 ^ ((j as u64) << 32)
+    }
+
+    /// The source MoE layer (0-based among MoE layers) that target MoE layer `j` replays.
+    pub fn source_layer(&self, j: usize) -> usize {
+        j % self.source.moe_layers()
+    }
+
+    /// Target MoE layers.
+    pub fn target_layers(&self) -> usize {
+        self.target.moe_layers()
+    }
+
+    /// Target experts (ascending) for source picks `src` (ascending, `ks` of them or fewer) of
+    /// target layer `j` in record `t`, advancing the turn counters when `advance`.
+    fn layer(&mut self, j: usize, t: usize, src: &[u16], advance: bool) -> Vec<u16> {
+        let ks = self.source.top_k as usize;
+        let kt = self.target.top_k as usize;
+        let m = (self.target.n_experts / self.source.n_experts) as usize;
+        let (base, extra) = (kt / ks, kt % ks);
+        let mut out = Vec::with_capacity(kt);
+        for (i, &e) in src.iter().enumerate() {
+            let take = base + usize::from((i + t) % ks < extra);
+            let c = self.turn[j][e as usize];
+            for q in 0..take {
+                out.push(self.perms[j][e as usize * m + (c + q) % m] as u16);
+            }
+            if advance {
+                self.turn[j][e as usize] = (c + take) % m;
+            }
+        }
+        out.sort_unstable();
+        out
+    }
+
+    /// Maps record `t` (the source's `ids`, layer-major) to the target's ids, layer-major,
+    /// ascending per layer; advances the turn counters.
+    pub fn map_record(&mut self, t: usize, ids: &[u16]) -> Vec<u16> {
+        let ks = self.source.top_k as usize;
+        let mut out = Vec::with_capacity(self.target.moe_layers() * self.target.top_k as usize);
+        for j in 0..self.target.moe_layers() {
+            let s = self.source_layer(j);
+            out.extend(self.layer(j, t, &ids[s * ks..(s + 1) * ks], true));
+        }
+        out
+    }
+
+    /// The target experts a prediction of source experts `src` for target layer `j` in record
+    /// `t` names: the members the demand mapping would take next for them (so a prediction
+    /// equal to the demand maps to exactly the demand's target experts). Counters unchanged.
+    pub fn map_prediction(&mut self, j: usize, t: usize, src: &[u16]) -> Vec<u16> {
+        self.layer(j, t, src, false)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,5 +471,82 @@ mod tests {
         // Garbage is not a trace.
         std::fs::write(&p, b"hello world, not a trace at all").unwrap();
         assert!(Trace::read(&p).is_err());
+    }
+
+    fn shape(n_layers: u32, first_moe: u32, n_experts: u32, top_k: u32) -> TraceShape {
+        TraceShape {
+            n_layers,
+            first_moe,
+            n_experts,
+            top_k,
+        }
+    }
+
+    /// The mapping onto a larger model: the target's shape and top-k per layer, ascending
+    /// distinct ids inside the source expert's block, copies of a source layer on distinct
+    /// records, every block member used in turn, and the same source expert on the same
+    /// records in two traces.
+    #[test]
+    fn map_onto_a_larger_model() {
+        // Source: 2 MoE layers × 4 experts, top-3. Target: 5 MoE layers × 8 experts, top-4.
+        let src = Trace {
+            shape: shape(3, 1, 4, 3),
+            records: (0..12u32).map(|t| (t, vec![0, 1, 2, 1, 2, 3])).collect(),
+        };
+        let target = shape(6, 1, 8, 4);
+        let a = src.map_onto(target).unwrap();
+        let b = src.map_onto(target).unwrap();
+        assert_eq!(a.records, b.records, "deterministic");
+        assert_eq!(a.shape, target);
+        assert_eq!(a.records.len(), 12);
+        // Which source expert owns each target expert of each target layer.
+        let owner = |j: usize, x: u16| -> usize {
+            let p = permutation(8, TraceMapper::seed(j));
+            p.iter().position(|&v| v == x as u32).unwrap() / 2
+        };
+        let mut used = std::collections::HashSet::new();
+        for (t, (pos, ids)) in a.records.iter().enumerate() {
+            assert_eq!(*pos, t as u32);
+            assert_eq!(ids.len(), 5 * 4);
+            for j in 0..5 {
+                let layer = &ids[j * 4..(j + 1) * 4];
+                assert!(layer.windows(2).all(|w| w[0] < w[1]), "ascending, distinct: {layer:?}");
+                let want: &[usize] = if j % 2 == 0 { &[0, 1, 2] } else { &[1, 2, 3] };
+                for &x in layer {
+                    assert!(want.contains(&owner(j, x)), "layer {j}: {x} outside the picks' blocks");
+                    used.insert((j, x));
+                }
+            }
+        }
+        // Every member of every picked block was used (3 blocks × 2 members × 5 layers), and no
+        // target expert outside them.
+        assert_eq!(used.len(), 5 * 3 * 2);
+        // Copies of one source layer (target layers 0, 2, 4) use different records.
+        let l0: Vec<u16> = a.records[0].1[0..4].to_vec();
+        let l2: Vec<u16> = a.records[0].1[8..12].to_vec();
+        assert_ne!(l0, l2);
+        // Another trace that picks expert 3 of layer 1 alone gets records of the same block.
+        let other = Trace {
+            shape: shape(3, 1, 4, 3),
+            records: vec![(0, vec![0, 1, 2, 0, 1, 3])],
+        };
+        let o = other.map_onto(target).unwrap();
+        let blocks =
+            |ids: &[u16], j: usize| -> Vec<usize> { ids[j * 4..(j + 1) * 4].iter().map(|&x| owner(j, x)).collect() };
+        assert!(blocks(&o.records[0].1, 1).contains(&3));
+        // A prediction equal to the demand maps to the demand's target experts.
+        let mut m = TraceMapper::new(src.shape, target).unwrap();
+        for (t, (_, ids)) in src.records.iter().enumerate() {
+            let p = m.map_prediction(1, t, &[1, 2, 3]);
+            let q = m.map_prediction(1, t, &[1, 2]);
+            let r = m.map_record(t, ids);
+            assert_eq!(p, r[4..8]);
+            assert!(q.iter().all(|x| r[4..8].contains(x)), "a subset predicts a subset");
+            assert_eq!(r, a.records[t].1);
+        }
+        // Shapes that cannot be mapped are refused.
+        assert!(src.map_onto(shape(6, 1, 6, 4)).is_err(), "6 is not a multiple of 4");
+        assert!(src.map_onto(shape(6, 1, 8, 7)).is_err(), "3 picks × 2 members < 7");
+        assert!(src.map_onto(shape(2, 2, 8, 4)).is_err(), "no MoE layers");
     }
 }

@@ -134,7 +134,8 @@ enum Cmd {
     /// Benchmark `deltafin run` (fresh process per run, balanced order, ids verified, floor, chart).
     Bench(bench::BenchArgs),
     /// Measurement: read the experts a router trace chose, token by token, without computing
-    /// (the I/O-only side of the compute/I-O overlap measurement).
+    /// (the I/O-only side of the compute/I-O overlap measurement; with --map-experts, a smaller
+    /// model's routing on this model's pack: cache, pinning, warm-up and prefetch at scale).
     Replay(replay::ReplayArgs),
     /// What a model costs: resident bytes, expert bytes per token, decode state, storage floor.
     Info(info_cmd::InfoArgs),

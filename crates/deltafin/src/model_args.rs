@@ -98,9 +98,12 @@ pub(crate) struct StoreArgs {
     /// 1.33× faster at a third of the CPU (bench/NOTES.md).
     #[arg(long, default_value = "direct", value_parser = parse_io)]
     io: IoMode,
-    /// Expert cache policy: `lru`, `lfu`, or `pinned` (a tier filled from router-trace heat,
-    /// see --pin-from, plus LRU for the rest).
-    #[arg(long, default_value = "lru", value_parser = parse_policy)]
+    /// Expert cache policy: `lfu` (LFU with dynamic aging), `lru`, or `pinned` (a tier filled
+    /// from router-trace heat, see --pin-from, plus LRU for the rest). Default `lfu`: with the
+    /// trained model's routing on the 12.8 GiB `bench` pack at a third of the pack it read
+    /// 1.4–5.9 points of the no-cache need less than `lru` on every workload (bench/NOTES.md,
+    /// "At scale").
+    #[arg(long, default_value = "lfu", value_parser = parse_policy)]
     cache_policy: CachePolicy,
     /// Router trace file(s) (from --trace-routes) whose hottest experts fill the pinned tier;
     /// needs --cache-policy pinned.
@@ -110,7 +113,10 @@ pub(crate) struct StoreArgs {
     #[arg(long, default_value_t = 0.5, allow_negative_numbers = true)]
     pinned_fraction: f64,
     /// Predict the next MoE layer's experts with its router and read them speculatively while
-    /// the disk is idle: `on` or `off` (default off until the benchmark shows a gain).
+    /// the disk is idle: `on` or `off`. Default off: with the trained model's routing on the
+    /// 12.8 GiB `bench` pack a decode step leaves the disk almost no idle time, so speculative
+    /// reads saved under 1 % of the demand bytes and added 5–7 % of the no-cache need in reads
+    /// (bench/NOTES.md, "At scale").
     #[arg(long, default_value = "off", value_parser = ["on", "off"])]
     prefetch: String,
     /// Expert reader threads = most reads in flight (0: max(top_k, 8); at most 1024).
@@ -153,6 +159,18 @@ impl StoreArgs {
     /// Store options for a cache of `budget` bytes over the model in `dir`. Errors:
     /// inconsistent pinning flags, an unreadable trace, or a trace recorded for another model.
     pub(crate) fn options(&self, budget: u64, dir: &ModelDir) -> Result<StoreOptions> {
+        self.options_with(budget, &|p| {
+            Ok(deltafin_engine::traces::Trace::read_for(p, &dir.manifest.config)?)
+        })
+    }
+
+    /// [`StoreArgs::options`] with `load` reading each `--pin-from` trace (`replay
+    /// --map-experts` maps traces of a smaller model onto this one).
+    pub(crate) fn options_with(
+        &self,
+        budget: u64,
+        load: &dyn Fn(&std::path::Path) -> Result<deltafin_engine::traces::Trace>,
+    ) -> Result<StoreOptions> {
         let mut o = StoreOptions::new(budget);
         o.io = self.io;
         o.policy = self.cache_policy;
@@ -174,7 +192,7 @@ impl StoreArgs {
             (CachePolicy::Pinned, false) => {
                 let mut heat = std::collections::HashMap::<(usize, usize), u64>::new();
                 for p in &self.pin_from {
-                    let t = deltafin_engine::traces::Trace::read_for(p, &dir.manifest.config).context("--pin-from")?;
+                    let t = load(p).context("--pin-from")?;
                     for (k, n) in t.heat_ranking() {
                         *heat.entry(k).or_default() += n;
                     }

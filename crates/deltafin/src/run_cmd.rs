@@ -58,6 +58,11 @@ pub(crate) struct RunArgs {
     /// documented in the README).
     #[arg(long)]
     trace_routes: Option<PathBuf>,
+    /// Measurement: append every one-token pass's next-layer expert predictions (what
+    /// `--prefetch on` reads) to this file, a router trace of the MoE layers after the first,
+    /// for `deltafin replay --predictions`. Output is unchanged.
+    #[arg(long)]
+    trace_predictions: Option<PathBuf>,
     /// RESEARCH ONLY: route each token to K experts instead of the model's top-k. Output is then
     /// not equivalent to the model, and every output says so.
     #[arg(long, value_name = "K", allow_negative_numbers = true)]
@@ -163,6 +168,9 @@ pub(crate) fn run(a: &RunArgs) -> Result<()> {
         eprintln!("warning: --compute-only: experts are computed with stand-in records; output is not the model's");
     }
     a.store.warm_pinned(model.as_ref());
+    if a.trace_predictions.is_some() {
+        model.routed_mut().log_predictions();
+    }
     if let Some(k) = a.experts_per_token {
         model.routed().set_experts_per_token(k)?;
         if model.routed().non_default_routing() {
@@ -188,6 +196,7 @@ pub(crate) fn run(a: &RunArgs) -> Result<()> {
         ignore_eos: a.ignore_eos,
         record_logits: a.logits_out.is_some(),
         trace_routes: a.trace_routes.clone(),
+        trace_predictions: a.trace_predictions.clone(),
         prefill_chunk: a.passes.prefill_chunk,
         speculate: a.passes.speculate,
         sampling,

@@ -827,6 +827,13 @@ impl ExpertStore {
         self.queue_speculative(st, keys)
     }
 
+    /// Speculative reads queued or running (prefetch and pinned-tier warm-up); 0 once the
+    /// background reads have drained.
+    pub fn speculative_pending(&self) -> usize {
+        let st = self.shared.lock();
+        st.spec_q.len() + st.active_spec
+    }
+
     /// Queues speculative reads of `keys` not cached or in flight (sorted by offset); skips
     /// everything when the evictable budget cannot hold a record (outside the pinned tier).
     fn queue_speculative(&self, mut guard: MutexGuard<'_, State>, keys: Vec<Key>) -> usize {

@@ -1,0 +1,225 @@
+//! `deltafin replay --map-experts` end to end on the `tiny` preset (2 MoE layers × 8 experts,
+//! top-2): a hand-written trace of a smaller model (2 MoE layers × 4 experts, top-2) replayed
+//! through the real expert store. Bytes read, hits, pinning with idle warm-up and prediction
+//! recall are checked exactly against what the mapping implies; and `run --trace-predictions`
+//! replays to the recall `run --prefetch on` measures.
+
+use std::path::Path;
+
+use assert_cmd::Command;
+use serde_json::Value;
+
+fn deltafin() -> Command {
+    Command::new(assert_cmd::cargo::cargo_bin!("deltafin"))
+}
+
+/// A trace file: header (n_layers, first_moe, n_experts, top_k), then (position, ids) records.
+fn write_trace(path: &Path, shape: [u32; 4], records: &[(u32, Vec<u16>)]) {
+    let mut b = b"DFROUTE1".to_vec();
+    for v in shape {
+        b.extend_from_slice(&v.to_le_bytes());
+    }
+    for (pos, ids) in records {
+        b.extend_from_slice(&pos.to_le_bytes());
+        for e in ids {
+            b.extend_from_slice(&e.to_le_bytes());
+        }
+    }
+    std::fs::write(path, b).unwrap();
+}
+
+/// Runs `deltafin replay` on `model` with `args`; its stats JSON.
+fn replay(model: &Path, work: &Path, args: &[&str]) -> Value {
+    let json = work.join("stats.json");
+    let out = deltafin()
+        .args(["replay", "--model"])
+        .arg(model)
+        .args(args)
+        .arg("--stats-json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
+}
+
+fn u(v: &Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or_else(|| panic!("{k} missing in {v}"))
+}
+
+#[test]
+fn mapped_replay_counts_bytes_hits_pinning_and_recall() {
+    let t = tempfile::tempdir().unwrap();
+    let (model, w) = (t.path().join("tiny"), t.path());
+    deltafin()
+        .args(["synth", "--preset", "tiny", "--out"])
+        .arg(&model)
+        .assert()
+        .success();
+    // Source: 3 layers (MoE from 1: 2 MoE layers) × 4 experts, top-2; every token picks
+    // {0, 1} in MoE layer 0 and {2, 3} in MoE layer 1. Mapped onto tiny (8 experts, top-2)
+    // each source expert owns 2 target experts used in turn: 2 layers × 2 picks × 2 members
+    // = 8 distinct records, each token requests 2 × 2 = 4.
+    let n = 20u32;
+    let trace = w.join("src.routes");
+    write_trace(
+        &trace,
+        [3, 1, 4, 2],
+        &(0..n).map(|p| (p, vec![0, 1, 2, 3])).collect::<Vec<_>>(),
+    );
+    let tr = trace.to_str().unwrap();
+
+    // Without --map-experts the other model's trace is refused, naming the flag.
+    let out = deltafin()
+        .args(["replay", "--model"])
+        .arg(&model)
+        .args(["--trace", tr])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--map-experts"), "{err}");
+
+    // No cache: every request is read, exactly the no-cache need.
+    let s = replay(&model, w, &["--trace", tr, "--map-experts"]);
+    let rec = u(&s, "record_bytes");
+    assert_eq!(u(&s, "requests_per_token"), 4);
+    assert_eq!(u(&s, "need_bytes_per_token"), 4 * rec);
+    assert_eq!(u(&s, "expert_bytes_read_demand"), u64::from(n) * 4 * rec);
+    assert_eq!(s["demand_over_need"].as_f64(), Some(1.0));
+    assert_eq!(u(&s, "hits"), 0);
+
+    // A cache of the 8 records: cold misses only.
+    let budget = format!("{}", 8 * rec);
+    let s = replay(&model, w, &["--trace", tr, "--map-experts", "--ram-budget", &budget]);
+    assert_eq!(u(&s, "expert_bytes_read_demand"), 8 * rec);
+    assert_eq!((u(&s, "misses"), u(&s, "hits")), (8, u64::from(n) * 4 - 8));
+
+    // A cache of 2 records under LRU: the 4 requests of a token cycle through 8 records, so
+    // every request misses again.
+    let small = format!("{}", 2 * rec);
+    let s = replay(&model, w, &["--trace", tr, "--map-experts", "--ram-budget", &small]);
+    assert_eq!(u(&s, "hits"), 0);
+
+    // Pinned from the same (mapped) trace, the whole budget, warmed before the first token:
+    // no demand read at all, the 8 records read once by the warm-up.
+    let s = replay(
+        &model,
+        w,
+        &[
+            "--trace",
+            tr,
+            "--map-experts",
+            "--ram-budget",
+            &budget,
+            "--cache-policy",
+            "pinned",
+            "--pin-from",
+            tr,
+            "--pinned-fraction",
+            "1",
+            "--warm-idle",
+        ],
+    );
+    assert_eq!(u(&s, "expert_bytes_read_demand"), 0);
+    assert_eq!(u(&s, "warm_bytes"), 8 * rec);
+    assert_eq!(s["all_over_need"].as_f64().unwrap(), 8.0 / (f64::from(n) * 4.0));
+
+    // Predictions for MoE layer 1: right on even tokens, {0, 1} (both wrong) on odd ones:
+    // recall over the requests of layer 1 is exactly one half.
+    let pred = w.join("src.pred");
+    write_trace(
+        &pred,
+        [3, 2, 4, 2],
+        &(0..n)
+            .map(|p| (p, if p % 2 == 0 { vec![2, 3] } else { vec![0, 1] }))
+            .collect::<Vec<_>>(),
+    );
+    let s = replay(
+        &model,
+        w,
+        &["--trace", tr, "--map-experts", "--predictions", pred.to_str().unwrap()],
+    );
+    assert_eq!(s["prefetch_recall"].as_f64(), Some(0.5));
+    assert_eq!(u(&s, "prefetch_issued"), 0, "prefetch off: recall only");
+    // --prefetch on without predictions is refused.
+    let out = deltafin()
+        .args(["replay", "--prefetch", "on", "--map-experts", "--model"])
+        .arg(&model)
+        .args(["--trace", tr])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--predictions"));
+}
+
+/// `run --trace-predictions` writes one record per one-token pass, and replaying it against
+/// the run's own route trace gives the recall `run --prefetch on` reports.
+#[test]
+fn traced_predictions_replay_to_the_runs_recall() {
+    let t = tempfile::tempdir().unwrap();
+    let (model, w) = (t.path().join("tiny"), t.path());
+    deltafin()
+        .args(["synth", "--preset", "tiny", "--out"])
+        .arg(&model)
+        .assert()
+        .success();
+    let (routes, pred, stats) = (w.join("r.routes"), w.join("r.pred"), w.join("run.json"));
+    let run = |extra: &[&std::ffi::OsStr]| {
+        let out = deltafin()
+            .args([
+                "run",
+                "--prompt-ids",
+                "1,2,3",
+                "--max-new-tokens",
+                "12",
+                "--ignore-eos",
+                "--model",
+            ])
+            .arg(&model)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    };
+    run(&[
+        "--trace-routes".as_ref(),
+        routes.as_os_str(),
+        "--trace-predictions".as_ref(),
+        pred.as_os_str(),
+    ]);
+    // tiny: 2 MoE layers, top-2, so one predicted layer: 4 + 2 × 2 bytes a record; the prompt
+    // is one batched pass (no prediction), then 11 one-token decode passes.
+    assert_eq!(std::fs::metadata(&pred).unwrap().len(), 24 + 11 * 8);
+    run(&[
+        "--prefetch".as_ref(),
+        "on".as_ref(),
+        "--stats-json".as_ref(),
+        stats.as_os_str(),
+    ]);
+    let st: Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+    let s = replay(
+        &model,
+        w,
+        &[
+            "--trace",
+            routes.to_str().unwrap(),
+            "--predictions",
+            pred.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(s["prefetch_recall"].as_f64(), st["prefetch_recall"].as_f64());
+    assert!(s["prefetch_recall"].as_f64().unwrap() > 0.0);
+    // A trace taken with --experts-per-token 1 replays one expert per layer, not the model's 2.
+    let one = w.join("one.routes");
+    run(&[
+        "--experts-per-token".as_ref(),
+        "1".as_ref(),
+        "--trace-routes".as_ref(),
+        one.as_os_str(),
+    ]);
+    let s = replay(&model, w, &["--trace", one.to_str().unwrap()]);
+    assert_eq!(u(&s, "requests_per_token"), 2);
+    assert_eq!(
+        u(&s, "expert_bytes_read_demand"),
+        u(&s, "tokens") * 2 * u(&s, "record_bytes")
+    );
+}
