@@ -10,7 +10,7 @@
 use std::time::Instant;
 
 use deltafin_cuda::{
-    CudaError, Gpu, GpuBuf, GpuMat, MlaShape, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape,
+    CudaError, Gpu, GpuBuf, GpuMat, MlaPrepArg, MlaShape, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape,
 };
 use deltafin_kernels::{int8, mxfp4, MatData, MatRef};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -184,7 +184,18 @@ fn main() -> Result<(), CudaError> {
     })?;
     row("2 mv_jobs: q_a norm + q_b (1536 rows)", t, true);
     let t = g.time_ms(reps, || {
-        g.mla_prep(&ckv, &kv_norm, 1e-6, &kpe, &cs, false, 15, &pos15, &mut c_kv, &mut k_pe)
+        g.mla_prep(MlaPrepArg {
+            ckv_raw: &ckv,
+            norm: &kv_norm,
+            eps: 1e-6,
+            kpe_raw: &kpe,
+            cs: &cs,
+            interleaved: false,
+            pos: 15,
+            pos_dev: &pos15,
+            c_kv: &mut c_kv,
+            k_pe: &mut k_pe,
+        })
     })?;
     row("3 mla_prep", t, true);
     for tt in [16usize, 1000] {
@@ -340,7 +351,18 @@ fn main() -> Result<(), CudaError> {
                 y: &mut q,
             }],
         )?;
-        g.mla_prep(&ckv, &kv_norm, 1e-6, &kpe, &cs, false, 15, &pos15, &mut c_kv, &mut k_pe)?;
+        g.mla_prep(MlaPrepArg {
+            ckv_raw: &ckv,
+            norm: &kv_norm,
+            eps: 1e-6,
+            kpe_raw: &kpe,
+            cs: &cs,
+            interleaved: false,
+            pos: 15,
+            pos_dev: &pos15,
+            c_kv: &mut c_kv,
+            k_pe: &mut k_pe,
+        })?;
         g.mla_decode(
             shape,
             &q,

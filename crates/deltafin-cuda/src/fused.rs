@@ -166,6 +166,56 @@ pub struct RouterShape {
     pub routed_scaling_factor: f32,
 }
 
+/// MLA's per-token preparation at position `pos` ([`Gpu::mla_prep`], or two more blocks of a
+/// [`Gpu::mv_jobs_prep`] launch): `c_kv[pos] = RMSNorm(ckv_raw)` with the `kv_a_layernorm` weight
+/// `norm: [kv_lora_rank]`, and `k_pe[pos] = RoPE(kpe_raw)` with `cs = [cos[rope/2], sin[rope/2]]`
+/// (`rms_norm`'s and `rope_apply`'s arithmetic). `c_kv: [>= pos + 1, kv_lora_rank]`,
+/// `k_pe: [>= pos + 1, rope]` (the layer's caches). The kernel reads the position from
+/// `pos_dev` (one device int that must hold `pos`), so a captured graph serves every position.
+pub struct MlaPrepArg<'a> {
+    /// The latent before its norm `[kv_lora_rank]`.
+    pub ckv_raw: &'a GpuBuf,
+    /// `kv_a_layernorm` weight.
+    pub norm: &'a GpuBuf,
+    /// Its ε.
+    pub eps: f32,
+    /// The shared rope key before RoPE `[qk_rope_head_dim]`.
+    pub kpe_raw: &'a GpuBuf,
+    /// RoPE's `[cos, sin]` of the position.
+    pub cs: &'a GpuBuf,
+    /// Pairs `(2i, 2i + 1)` instead of `(i, i + half)`.
+    pub interleaved: bool,
+    /// The position (for the bounds checks).
+    pub pos: usize,
+    /// The same position in device memory (what the kernel reads).
+    pub pos_dev: &'a CudaSlice<i32>,
+    /// The layer's latent cache.
+    pub c_kv: &'a mut GpuBuf,
+    /// The layer's rope-key cache.
+    pub k_pe: &'a mut GpuBuf,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MlaPrepC {
+    ckv_raw: u64,
+    norm_w: u64,
+    c_kv: u64,
+    kpe_raw: u64,
+    cs: u64,
+    k_pe: u64,
+    pos: u64,
+    kvl: i32,
+    eps: f32,
+    rope: i32,
+    interleaved: i32,
+    enabled: i32,
+    pad: i32,
+}
+
+// SAFETY: `#[repr(C)]` plain data matching `MlaPrep` in fused.cu.
+unsafe impl DeviceRepr for MlaPrepC {}
+
 /// The router's outputs for [`Gpu::mv_jobs_route`]: one token's ids and weights are written at
 /// `ids[off..off + top_k]`, `weights[off..off + top_k]`.
 pub struct RouteTailArg<'a> {
@@ -381,6 +431,17 @@ impl Gpu {
         jobs: &mut [MvJob],
         route: Option<RouteTailArg>,
     ) -> Result<(), CudaError> {
+        self.mv_jobs_impl(x, norm, jobs, route, None)
+    }
+
+    fn mv_jobs_impl(
+        &self,
+        x: &GpuBuf,
+        norm: Option<PreNorm>,
+        jobs: &mut [MvJob],
+        route: Option<RouteTailArg>,
+        prep: Option<MlaPrepC>,
+    ) -> Result<(), CudaError> {
         if jobs.is_empty() || jobs.len() > MAX_JOBS {
             return Err(CudaError::Shape(format!(
                 "mv_jobs: {} jobs (1 to {MAX_JOBS})",
@@ -497,67 +558,89 @@ impl Gpu {
             };
             cfg.shared_mem_bytes = cfg.shared_mem_bytes.max(route_smem(r.cfg.n_experts));
         }
+        if prep.is_some() {
+            // Two more blocks for the MLA preparation (never with the router tail, whose
+            // completion count takes every block of the launch).
+            cfg.grid_dim.0 += 2;
+        }
+        let prep = prep.unwrap_or_default();
         let input = staged.as_ref().unwrap_or(x);
         let mut b = self.stream().launch_builder(self.k.get("mv_jobs")?);
-        b.arg(&c).arg(input).arg(&pn).arg(&rt);
+        b.arg(&c).arg(input).arg(&pn).arg(&rt).arg(&prep);
         // SAFETY: matches `mv_jobs` in fused.cu; every job's shapes were checked against x and y,
         // the outputs are distinct buffers borrowed mutably for the call.
         unsafe { b.launch(cfg) }.ctx("launch mv_jobs")?;
         Ok(())
     }
 
-    /// MLA's per-token preparation at position `pos`: `c_kv[pos] = RMSNorm(ckv_raw)` with the
-    /// `kv_a_layernorm` weight `norm: [kv_lora_rank]`, and `k_pe[pos] = RoPE(kpe_raw)` with
-    /// `cs = [cos[rope/2], sin[rope/2]]` (`rms_norm`'s and `rope_apply`'s arithmetic).
-    /// `c_kv: [>= pos + 1, kv_lora_rank]`, `k_pe: [>= pos + 1, rope]` (the layer's caches). The
-    /// kernel reads the position from `pos_dev` (one device int that must hold `pos`), so a
-    /// captured graph serves every position.
+    /// MLA's per-token preparation (see [`MlaPrepArg`]) as its own launch of two blocks.
     ///
     /// # Errors
     /// `Shape` when lengths disagree; a driver error.
-    #[allow(clippy::too_many_arguments)]
-    pub fn mla_prep(
-        &self,
-        ckv_raw: &GpuBuf,
-        norm: &GpuBuf,
-        eps: f32,
-        kpe_raw: &GpuBuf,
-        cs: &GpuBuf,
-        interleaved: bool,
-        pos: usize,
-        pos_dev: &CudaSlice<i32>,
-        c_kv: &mut GpuBuf,
-        k_pe: &mut GpuBuf,
-    ) -> Result<(), CudaError> {
-        let (kvl, rope) = (ckv_raw.len(), kpe_raw.len());
-        if norm.len() != kvl
-            || cs.len() != rope
-            || !rope.is_multiple_of(2)
-            || c_kv.len() < (pos + 1) * kvl
-            || k_pe.len() < (pos + 1) * rope
-            || pos_dev.is_empty()
-        {
-            return Err(CudaError::Shape(format!(
-                "mla_prep: latent {kvl}, norm {}, rope key {rope}, cos/sin {}, caches {} and {} at position {pos}",
-                norm.len(),
-                cs.len(),
-                c_kv.len(),
-                k_pe.len()
-            )));
-        }
-        let (kvl_i, rope_i, il) = (kvl as i32, rope as i32, interleaved as i32);
+    pub fn mla_prep(&self, arg: MlaPrepArg) -> Result<(), CudaError> {
+        let c = self.prep_c(arg)?;
         let cfg = LaunchConfig {
             grid_dim: (2, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self.stream().launch_builder(self.k.get("mla_prep")?);
-        b.arg(ckv_raw).arg(norm).arg(&kvl_i).arg(&eps).arg(c_kv);
-        b.arg(kpe_raw).arg(&rope_i).arg(cs).arg(&il).arg(k_pe).arg(pos_dev);
-        // SAFETY: matches `mla_prep` in fused.cu; lengths checked above for the position the
+        b.arg(&c);
+        // SAFETY: matches `mla_prep` in fused.cu; lengths checked by prep_c for the position the
         // caller put in `pos_dev`.
         unsafe { b.launch(cfg) }.ctx("launch mla_prep")?;
         Ok(())
+    }
+
+    fn prep_c(&self, m: MlaPrepArg) -> Result<MlaPrepC, CudaError> {
+        let (kvl, rope, pos) = (m.ckv_raw.len(), m.kpe_raw.len(), m.pos);
+        if m.norm.len() != kvl
+            || m.cs.len() != rope
+            || !rope.is_multiple_of(2)
+            || m.c_kv.len() < (pos + 1) * kvl
+            || m.k_pe.len() < (pos + 1) * rope
+            || m.pos_dev.is_empty()
+        {
+            return Err(CudaError::Shape(format!(
+                "mla_prep: latent {kvl}, norm {}, rope key {rope}, cos/sin {}, caches {} and {} at position {pos}",
+                m.norm.len(),
+                m.cs.len(),
+                m.c_kv.len(),
+                m.k_pe.len()
+            )));
+        }
+        let s = self.stream();
+        Ok(MlaPrepC {
+            ckv_raw: m.ckv_raw.device_ptr(s).0,
+            norm_w: m.norm.device_ptr(s).0,
+            c_kv: m.c_kv.device_ptr(s).0,
+            kpe_raw: m.kpe_raw.device_ptr(s).0,
+            cs: m.cs.device_ptr(s).0,
+            k_pe: m.k_pe.device_ptr(s).0,
+            pos: m.pos_dev.device_ptr(s).0,
+            kvl: kvl as i32,
+            eps: m.eps,
+            rope: rope as i32,
+            interleaved: m.interleaved as i32,
+            enabled: 1,
+            pad: 0,
+        })
+    }
+
+    /// [`Gpu::mv_jobs`] with MLA's per-token preparation ([`MlaPrepArg`]) done by two more blocks
+    /// of the same launch (what `q_b_proj`'s launch takes along: it does not read their output).
+    ///
+    /// # Errors
+    /// As [`Gpu::mv_jobs`] and [`Gpu::mla_prep`].
+    pub fn mv_jobs_prep(
+        &self,
+        x: &GpuBuf,
+        norm: Option<PreNorm>,
+        jobs: &mut [MvJob],
+        prep: MlaPrepArg,
+    ) -> Result<(), CudaError> {
+        let c = self.prep_c(prep)?;
+        self.mv_jobs_impl(x, norm, jobs, None, Some(c))
     }
 
     /// Routes `n` tokens on the device (`noaux_tc`, see `route_noaux` in fused.cu and the host's

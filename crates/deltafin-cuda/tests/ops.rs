@@ -594,21 +594,54 @@ fn mla_prep_and_rope_inside_decode_equal_the_separate_launches() {
         g.copy_into(&kp, &mut k1, pos * rope).unwrap();
         // Fused.
         let (mut c2, mut k2) = (g.upload(&cache_c).unwrap(), g.upload(&cache_k).unwrap());
-        g.mla_prep(
-            &ckv_raw,
-            &nw,
-            1e-6,
-            &g.upload(&kpe_raw).unwrap(),
-            &cs,
-            interleaved,
-            pos,
-            &g.upload(&[pos as i32]).unwrap(),
-            &mut c2,
-            &mut k2,
-        )
-        .unwrap();
+        let (kpe_d, pos_d) = (g.upload(&kpe_raw).unwrap(), g.upload(&[pos as i32]).unwrap());
+        macro_rules! arg {
+            ($c:expr, $k:expr) => {
+                deltafin_cuda::MlaPrepArg {
+                    ckv_raw: &ckv_raw,
+                    norm: &nw,
+                    eps: 1e-6,
+                    kpe_raw: &kpe_d,
+                    cs: &cs,
+                    interleaved,
+                    pos,
+                    pos_dev: &pos_d,
+                    c_kv: $c,
+                    k_pe: $k,
+                }
+            };
+        }
+        g.mla_prep(arg!(&mut c2, &mut k2)).unwrap();
         assert_eq!(g.download(&c2).unwrap(), g.download(&c1).unwrap(), "latent row");
         assert_eq!(g.download(&k2).unwrap(), g.download(&k1).unwrap(), "rope key row");
+        // The same from two more blocks of a matrix-vector launch (whose product is unchanged).
+        let (mut c3, mut k3) = (g.upload(&cache_c).unwrap(), g.upload(&cache_k).unwrap());
+        let m = GpuMat::upload(&g, &kvb_h.mats()[1]).unwrap();
+        let xin = g.upload(&rand_vec(&mut rng, kvl)).unwrap();
+        let (mut y1, mut y2) = (g.zeros(m.rows).unwrap(), g.zeros(m.rows).unwrap());
+        m.matvec(&g, &xin, &mut y1).unwrap();
+        let job = deltafin_cuda::MvJob {
+            a: &m,
+            b: None,
+            kind: deltafin_cuda::MvKind::Set,
+            y: &mut y2,
+        };
+        g.mv_jobs_prep(&xin, None, &mut [job], arg!(&mut c3, &mut k3)).unwrap();
+        assert_eq!(
+            g.download(&c3).unwrap(),
+            g.download(&c1).unwrap(),
+            "latent row (side blocks)"
+        );
+        assert_eq!(
+            g.download(&k3).unwrap(),
+            g.download(&k1).unwrap(),
+            "rope key row (side blocks)"
+        );
+        assert_eq!(
+            g.download(&y2).unwrap(),
+            g.download(&y1).unwrap(),
+            "the launch's product"
+        );
         // Decode with q's RoPE inside vs RoPE then decode, for both kv_b layouts.
         let q = rand_vec(&mut rng, s.n_heads * (s.nope + rope));
         for m in [kvb_h.mats()[0], kvb_h.mats()[1]] {

@@ -180,6 +180,46 @@ __device__ __forceinline__ bool last_block(int* counter) {
     return is_last;
 }
 
+// ---- MLA's per-token preparation --------------------------------------------------------------
+// Role 0: latent = RMSNorm(ckv_raw) (kv_a_layernorm, rms_norm's code) into the latent cache row
+// of position *pos; role 1: RoPE of the shared rope key (rope_apply's arithmetic) into the
+// rope-key cache row (the position read on the device, so a captured graph serves every token).
+// One block of 256 threads a role.
+struct MlaPrep {
+    const float* ckv_raw;
+    const float* norm_w;
+    float* c_kv;
+    const float* kpe_raw;
+    const float* cs;
+    float* k_pe;
+    const int* pos;
+    int kvl;
+    float eps;
+    int rope;
+    int interleaved;
+    int enabled;
+    int pad;
+};
+
+__device__ __forceinline__ void mla_prep_role(const MlaPrep& m, int role, float* part) {
+    const size_t p = (size_t)*m.pos;
+    if (role == 0) {
+        block_rms_norm(m.ckv_raw, m.norm_w, m.kvl, m.eps, 0, m.c_kv + p * m.kvl, part);
+        return;
+    }
+    float* kpe_dst = m.k_pe + p * m.rope;
+    const int half = m.rope / 2;
+    for (int i = threadIdx.x; i < half; i += 256) {
+        const int a = m.interleaved ? 2 * i : i, b = m.interleaved ? 2 * i + 1 : i + half;
+        rope_pair(m.kpe_raw[a], m.kpe_raw[b], m.cs[i], m.cs[half + i], &kpe_dst[a], &kpe_dst[b]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) mla_prep(MlaPrep m) {
+    __shared__ float part[256];
+    mla_prep_role(m, blockIdx.x, part);
+}
+
 // ---- Several matrix-vector products of one input, one launch ----------------------------------
 // Job kinds: 0 y[r] = W[r] . x; 1 y[r] += W[r] . x (axpy's multiply by 1 then add: the residual
 // stream); 2 y[r] = silu(A[r] . x) * (B[r] . x) (a gate/up pair). Rows of all jobs are laid end
@@ -220,11 +260,17 @@ struct RouteTail {
     int enabled;
 };
 
+// Optional MLA preparation (prep.enabled != 0, never with rt.enabled): the launch's last two
+// blocks do mla_prep's two roles instead of products.
 // Dynamic shared memory: max(pn.dim floats when pn.w is not null, the router's when rt.enabled).
 extern "C" __global__ void __launch_bounds__(256) mv_jobs(Jobs jobs, const float* __restrict__ x, PreNorm pn,
-                                                          RouteTail rt) {
+                                                          RouteTail rt, MlaPrep prep) {
     extern __shared__ __align__(16) float xs[];
     __shared__ float part[256];
+    if (prep.enabled && (int)blockIdx.x >= (int)gridDim.x - 2) {
+        mla_prep_role(prep, blockIdx.x - (gridDim.x - 2), part);
+        return;
+    }
     const float* xin = x;
     if (pn.w != nullptr) {
         block_rms_norm(x, pn.w, pn.dim, pn.eps, pn.one_plus, xs, part);
@@ -251,28 +297,6 @@ extern "C" __global__ void __launch_bounds__(256) mv_jobs(Jobs jobs, const float
     __syncthreads();  // xs is reused by the router below
     if (threadIdx.x < 32) route_token(jobs.j[0].y, rt.bias, rt.c, rt.ids, rt.weights, xs);
     if (threadIdx.x == 0) *rt.counter = 0;
-}
-
-// ---- MLA's per-token preparation --------------------------------------------------------------
-// Block 0: latent = RMSNorm(ckv_raw) (kv_a_layernorm, rms_norm's code) into the latent cache row
-// of position *pos; block 1: RoPE of the shared rope key (rope_apply's arithmetic) into the
-// rope-key cache row (the position read on the device, so a captured graph serves every token).
-extern "C" __global__ void __launch_bounds__(256)
-    mla_prep(const float* __restrict__ ckv_raw, const float* __restrict__ norm_w, int kvl, float eps,
-             float* __restrict__ c_kv, const float* __restrict__ kpe_raw, int rope,
-             const float* __restrict__ cs, int interleaved, float* __restrict__ k_pe, const int* __restrict__ pos) {
-    __shared__ float part[256];
-    const size_t p = (size_t)*pos;
-    if (blockIdx.x == 0) {
-        block_rms_norm(ckv_raw, norm_w, kvl, eps, 0, c_kv + p * kvl, part);
-        return;
-    }
-    float* kpe_dst = k_pe + p * rope;
-    const int half = rope / 2;
-    for (int i = threadIdx.x; i < half; i += 256) {
-        const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
-        rope_pair(kpe_raw[a], kpe_raw[b], cs[i], cs[half + i], &kpe_dst[a], &kpe_dst[b]);
-    }
 }
 
 // ---- Routed experts from a device table -------------------------------------------------------

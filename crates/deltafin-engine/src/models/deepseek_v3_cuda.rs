@@ -28,16 +28,17 @@
 use std::sync::{Arc, Mutex};
 
 use deltafin_cuda::{
-    CudaError, ExpertTable, Gpu, GpuBuf, GpuMat, Graph, MlaShape, MoeDown, MvJob, MvKind, Pinned, PreNorm,
+    CudaError, ExpertTable, Gpu, GpuBuf, GpuMat, Graph, MlaPrepArg, MlaShape, MoeDown, MvJob, MvKind, Pinned, PreNorm,
     RouteTailArg, RouterShape, MOE_MAX_K,
 };
 use deltafin_format::{ModelConfig, ModelDir};
 
 use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
-use crate::gpu_experts::{fetch_gpu_experts, CacheChange, GpuCacheStats, GpuExpert, GpuExpertCache};
+use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
+use crate::models::gpu_fetch::{fetch_gpu_experts, CacheChange};
 use crate::models::DeepseekV3;
 use crate::moe::RouterConfig;
 use crate::EngineError;
@@ -507,30 +508,45 @@ impl DeepseekV3Cuda {
                     one_plus: false,
                     out: None,
                 };
-                g.mv_jobs(&w.qa, Some(qn), &mut [set(q_b_proj, &mut w.q)])?;
+                // q_b's launch also writes the latent and the rope key into the cache.
+                let prep = MlaPrepArg {
+                    ckv_raw: &w.ckv,
+                    norm: &lw.kv_a_layernorm,
+                    eps: LATENT_NORM_EPS,
+                    kpe_raw: &w.k_pe,
+                    cs: &w.cs,
+                    interleaved,
+                    pos,
+                    pos_dev: &w.pos,
+                    c_kv: &mut cache.c_kv[l],
+                    k_pe: &mut cache.k_pe[l],
+                };
+                g.mv_jobs_prep(&w.qa, Some(qn), &mut [set(q_b_proj, &mut w.q)], prep)?;
             }
-            QProj::Full { q_proj } => g.mv_jobs(
-                &w.x,
-                Some(norm(&lw.input_layernorm)),
-                &mut [
-                    set(q_proj, &mut w.q),
-                    set(&lw.kv_a_latent, &mut w.ckv),
-                    set(&lw.kv_a_rope, &mut w.k_pe),
-                ],
-            )?,
+            QProj::Full { q_proj } => {
+                g.mv_jobs(
+                    &w.x,
+                    Some(norm(&lw.input_layernorm)),
+                    &mut [
+                        set(q_proj, &mut w.q),
+                        set(&lw.kv_a_latent, &mut w.ckv),
+                        set(&lw.kv_a_rope, &mut w.k_pe),
+                    ],
+                )?;
+                g.mla_prep(MlaPrepArg {
+                    ckv_raw: &w.ckv,
+                    norm: &lw.kv_a_layernorm,
+                    eps: LATENT_NORM_EPS,
+                    kpe_raw: &w.k_pe,
+                    cs: &w.cs,
+                    interleaved,
+                    pos,
+                    pos_dev: &w.pos,
+                    c_kv: &mut cache.c_kv[l],
+                    k_pe: &mut cache.k_pe[l],
+                })?;
+            }
         }
-        g.mla_prep(
-            &w.ckv,
-            &lw.kv_a_layernorm,
-            LATENT_NORM_EPS,
-            &w.k_pe,
-            &w.cs,
-            interleaved,
-            pos,
-            &w.pos,
-            &mut cache.c_kv[l],
-            &mut cache.k_pe[l],
-        )?;
         let shape = MlaShape {
             n_heads: nh,
             nope,

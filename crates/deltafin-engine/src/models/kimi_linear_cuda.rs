@@ -49,9 +49,10 @@ use deltafin_format::{ModelConfig, ModelDir};
 
 use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
-use crate::gpu_experts::{fetch_gpu_experts, GpuCacheStats, GpuExpert, GpuExpertCache};
+use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3_cuda::GPU_MARGIN_BYTES;
+use crate::models::gpu_fetch::fetch_gpu_experts;
 use crate::models::kimi_linear::{KimiLinear, LayerNames, KDA_ROLLBACK_WINDOW, LATENT_NORM_EPS};
 use crate::moe::{route, RouterConfig, Routing};
 use crate::EngineError;

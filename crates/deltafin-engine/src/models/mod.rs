@@ -3,6 +3,7 @@
 pub mod deepseek_v3;
 pub mod deepseek_v3_cuda;
 pub mod gpt_oss;
+pub mod gpu_fetch;
 pub mod kimi_linear;
 pub mod kimi_linear_cuda;
 pub mod mixtral;
