@@ -274,6 +274,8 @@ impl DeepseekV3Config {
 }
 
 impl Family for DeepseekV3Config {
+    crate::family::config_fields!();
+
     fn family(&self) -> &'static str {
         "deepseek_v3"
     }
@@ -284,22 +286,6 @@ impl Family for DeepseekV3Config {
 
     fn validate(&self, path: &Path) -> Result<(), FormatError> {
         DeepseekV3Config::validate(self, path)
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-
-    fn hidden_size(&self) -> usize {
-        self.hidden_size
-    }
-
-    fn num_hidden_layers(&self) -> usize {
-        self.num_hidden_layers
-    }
-
-    fn max_position_embeddings(&self) -> usize {
-        self.max_position_embeddings
     }
 
     fn is_moe_layer(&self, layer: usize) -> bool {
@@ -322,14 +308,6 @@ impl Family for DeepseekV3Config {
                 self.topk_group, self.n_group
             ),
         )
-    }
-
-    fn eos_token_id(&self) -> &[u32] {
-        &self.eos_token_id
-    }
-
-    fn bos_token_id(&self) -> Option<u32> {
-        self.bos_token_id
     }
 
     /// The backbone tensors of a DeepSeek-V3 checkpoint with their shapes, in checkpoint order.

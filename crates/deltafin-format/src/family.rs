@@ -192,3 +192,35 @@ pub(crate) fn glu_expert_matrices(names: [&str; 3], width: usize, inter: usize) 
         })
         .collect()
 }
+
+/// The [`Family`] accessors every family config answers from fields of the same name
+/// (`vocab_size`, `hidden_size`, `num_hidden_layers`, `max_position_embeddings`, `eos_token_id`,
+/// `bos_token_id`), written once; used inside each family's `impl Family`.
+macro_rules! config_fields {
+    () => {
+        fn vocab_size(&self) -> usize {
+            self.vocab_size
+        }
+
+        fn hidden_size(&self) -> usize {
+            self.hidden_size
+        }
+
+        fn num_hidden_layers(&self) -> usize {
+            self.num_hidden_layers
+        }
+
+        fn max_position_embeddings(&self) -> usize {
+            self.max_position_embeddings
+        }
+
+        fn eos_token_id(&self) -> &[u32] {
+            &self.eos_token_id
+        }
+
+        fn bos_token_id(&self) -> Option<u32> {
+            self.bos_token_id
+        }
+    };
+}
+pub(crate) use config_fields;

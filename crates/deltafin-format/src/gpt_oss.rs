@@ -265,6 +265,8 @@ impl GptOssConfig {
 }
 
 impl Family for GptOssConfig {
+    crate::family::config_fields!();
+
     fn family(&self) -> &'static str {
         "gpt_oss"
     }
@@ -275,22 +277,6 @@ impl Family for GptOssConfig {
 
     fn validate(&self, path: &Path) -> Result<(), FormatError> {
         GptOssConfig::validate(self, path)
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-
-    fn hidden_size(&self) -> usize {
-        self.hidden_size
-    }
-
-    fn num_hidden_layers(&self) -> usize {
-        self.num_hidden_layers
-    }
-
-    fn max_position_embeddings(&self) -> usize {
-        self.max_position_embeddings
     }
 
     fn is_moe_layer(&self, layer: usize) -> bool {
@@ -307,14 +293,6 @@ impl Family for GptOssConfig {
 
     fn max_experts_per_tok(&self) -> (usize, String) {
         (self.num_local_experts, "routed experts per layer".into())
-    }
-
-    fn eos_token_id(&self) -> &[u32] {
-        &self.eos_token_id
-    }
-
-    fn bos_token_id(&self) -> Option<u32> {
-        self.bos_token_id
     }
 
     /// The backbone tensors with their shapes, in checkpoint order: GQA with q/k/v/o biases and

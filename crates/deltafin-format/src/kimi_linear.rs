@@ -442,6 +442,8 @@ impl KimiLinearConfig {
 }
 
 impl Family for KimiLinearConfig {
+    crate::family::config_fields!();
+
     fn family(&self) -> &'static str {
         "kimi_linear"
     }
@@ -452,22 +454,6 @@ impl Family for KimiLinearConfig {
 
     fn validate(&self, path: &Path) -> Result<(), FormatError> {
         KimiLinearConfig::validate(self, path)
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-
-    fn hidden_size(&self) -> usize {
-        self.hidden_size
-    }
-
-    fn num_hidden_layers(&self) -> usize {
-        self.num_hidden_layers
-    }
-
-    fn max_position_embeddings(&self) -> usize {
-        self.max_position_embeddings
     }
 
     fn is_moe_layer(&self, layer: usize) -> bool {
@@ -490,14 +476,6 @@ impl Family for KimiLinearConfig {
                 self.topk_group, self.n_group
             ),
         )
-    }
-
-    fn eos_token_id(&self) -> &[u32] {
-        &self.eos_token_id
-    }
-
-    fn bos_token_id(&self) -> Option<u32> {
-        self.bos_token_id
     }
 
     /// The resident tensors with their shapes, in checkpoint order (K3-SPEC §7; transformers'

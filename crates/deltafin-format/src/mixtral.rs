@@ -170,6 +170,8 @@ impl MixtralConfig {
 }
 
 impl Family for MixtralConfig {
+    crate::family::config_fields!();
+
     fn family(&self) -> &'static str {
         "mixtral"
     }
@@ -180,22 +182,6 @@ impl Family for MixtralConfig {
 
     fn validate(&self, path: &Path) -> Result<(), FormatError> {
         MixtralConfig::validate(self, path)
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-
-    fn hidden_size(&self) -> usize {
-        self.hidden_size
-    }
-
-    fn num_hidden_layers(&self) -> usize {
-        self.num_hidden_layers
-    }
-
-    fn max_position_embeddings(&self) -> usize {
-        self.max_position_embeddings
     }
 
     fn is_moe_layer(&self, layer: usize) -> bool {
@@ -212,14 +198,6 @@ impl Family for MixtralConfig {
 
     fn max_experts_per_tok(&self) -> (usize, String) {
         (self.num_local_experts, "routed experts per layer".into())
-    }
-
-    fn eos_token_id(&self) -> &[u32] {
-        &self.eos_token_id
-    }
-
-    fn bos_token_id(&self) -> Option<u32> {
-        self.bos_token_id
     }
 
     /// The backbone tensors with their shapes, in checkpoint order.

@@ -227,6 +227,8 @@ impl Qwen3MoeConfig {
 }
 
 impl Family for Qwen3MoeConfig {
+    crate::family::config_fields!();
+
     fn family(&self) -> &'static str {
         "qwen3_moe"
     }
@@ -239,22 +241,6 @@ impl Family for Qwen3MoeConfig {
         Qwen3MoeConfig::validate(self, path)
     }
 
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-
-    fn hidden_size(&self) -> usize {
-        self.hidden_size
-    }
-
-    fn num_hidden_layers(&self) -> usize {
-        self.num_hidden_layers
-    }
-
-    fn max_position_embeddings(&self) -> usize {
-        self.max_position_embeddings
-    }
-
     fn is_moe_layer(&self, layer: usize) -> bool {
         Qwen3MoeConfig::is_moe_layer(self, layer)
     }
@@ -265,14 +251,6 @@ impl Family for Qwen3MoeConfig {
 
     fn num_experts_per_tok(&self) -> usize {
         self.num_experts_per_tok
-    }
-
-    fn eos_token_id(&self) -> &[u32] {
-        &self.eos_token_id
-    }
-
-    fn bos_token_id(&self) -> Option<u32> {
-        self.bos_token_id
     }
 
     /// The backbone tensors with their shapes, in checkpoint order.

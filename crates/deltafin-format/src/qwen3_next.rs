@@ -405,6 +405,8 @@ impl Qwen3NextConfig {
 }
 
 impl Family for Qwen3NextConfig {
+    crate::family::config_fields!();
+
     fn family(&self) -> &'static str {
         "qwen3_next"
     }
@@ -417,22 +419,6 @@ impl Family for Qwen3NextConfig {
         Qwen3NextConfig::validate(self, path)
     }
 
-    fn vocab_size(&self) -> usize {
-        self.vocab_size
-    }
-
-    fn hidden_size(&self) -> usize {
-        self.hidden_size
-    }
-
-    fn num_hidden_layers(&self) -> usize {
-        self.num_hidden_layers
-    }
-
-    fn max_position_embeddings(&self) -> usize {
-        self.max_position_embeddings
-    }
-
     fn is_moe_layer(&self, layer: usize) -> bool {
         Qwen3NextConfig::is_moe_layer(self, layer)
     }
@@ -443,14 +429,6 @@ impl Family for Qwen3NextConfig {
 
     fn num_experts_per_tok(&self) -> usize {
         self.num_experts_per_tok
-    }
-
-    fn eos_token_id(&self) -> &[u32] {
-        &self.eos_token_id
-    }
-
-    fn bos_token_id(&self) -> Option<u32> {
-        self.bos_token_id
     }
 
     /// The resident tensors with their shapes, in checkpoint order. Matrices that produce
