@@ -143,261 +143,29 @@ fn main() -> Result<(), CudaError> {
     row("int8 matvec [1024, 2048] alone (reference)", t, false);
     let t = g.time_ms(reps, || experts[0][0].matvec(&g, &xn, &mut shared_h))?;
     row("MXFP4 matvec [1024, 2048] alone (reference)", t, false);
+    // Variants of single launches (the layer's own launches are timed below, from `launch`).
     let t = g.time_ms(reps, || {
-        g.mv_jobs(
-            &x,
-            Some(pn(&norm_w)),
-            &mut [
-                MvJob {
-                    a: &q_a,
-                    b: None,
-                    kind: MvKind::Set,
-                    y: &mut qa,
-                },
-                MvJob {
-                    a: &kv_lat,
-                    b: None,
-                    kind: MvKind::Set,
-                    y: &mut ckv,
-                },
-                MvJob {
-                    a: &kv_rope,
-                    b: None,
-                    kind: MvKind::Set,
-                    y: &mut kpe,
-                },
-            ],
-        )
-    })?;
-    row("1 mv_jobs: input norm + q_a, latent, rope key (800 rows)", t, true);
-    let t = g.time_ms(reps, || {
-        g.mv_jobs(
-            &qa,
-            Some(pn(&ql_norm)),
-            &mut [MvJob {
-                a: &q_b,
-                b: None,
-                kind: MvKind::Set,
-                y: &mut q,
-            }],
-        )
-    })?;
-    row("2 mv_jobs: q_a norm + q_b (1536 rows)", t, true);
-    let t = g.time_ms(reps, || {
-        g.mla_prep(MlaPrepArg {
-            ckv_raw: &ckv,
-            norm: &kv_norm,
-            eps: 1e-6,
-            kpe_raw: &kpe,
-            cs: &cs,
-            interleaved: false,
-            pos: 15,
-            pos_dev: &pos15,
-            c_kv: &mut c_kv,
-            k_pe: &mut k_pe,
-        })
-    })?;
-    row("3 mla_prep", t, true);
-    for tt in [16usize, 1000] {
-        let t = g.time_ms(reps, || {
-            g.mla_decode(
-                shape,
-                &q,
-                &c_kv,
-                &k_pe,
-                &kv_b,
-                tt,
-                0.1,
-                Some((&cs, false)),
-                None,
-                &mut scores,
-                &mut heads,
-            )
-        })?;
-        row(&format!("4 mla_decode at {tt} positions"), t, tt == 16);
-    }
-    let t = g.time_ms(reps, || {
-        g.mv_jobs(
-            &heads,
-            None,
-            &mut [MvJob {
-                a: &o_proj,
-                b: None,
-                kind: MvKind::Add,
-                y: &mut x,
-            }],
-        )
-    })?;
-    row("5 mv_jobs: o_proj + residual (2048 rows)", t, true);
-    let t = g.time_ms(reps, || {
-        let p = PreNorm {
-            weight: &norm_w,
-            eps: 1e-6,
-            one_plus: false,
-            out: Some(&mut xn),
-        };
-        g.mv_jobs(
-            &x,
-            Some(p),
-            &mut [
-                MvJob {
-                    a: &router,
-                    b: None,
-                    kind: MvKind::Set,
-                    y: &mut logits,
-                },
-                MvJob {
-                    a: &sh_gate,
-                    b: Some(&sh_up),
-                    kind: MvKind::Glu,
-                    y: &mut shared_h,
-                },
-            ],
-        )
-    })?;
-    row("6 mv_jobs: post norm + router (f32) + shared gate/up", t, false);
-    let t = g.time_ms(reps, || g.route_noaux(rs, &logits, 1, &bias, &mut ids, &mut wts, 0))?;
-    row("7 route_noaux alone (256 experts, 8 groups, top-8)", t, false);
-    let t = g.time_ms(reps, || {
-        let p = PreNorm {
-            weight: &norm_w,
-            eps: 1e-6,
-            one_plus: false,
-            out: Some(&mut xn),
-        };
-        let r = RouteTailArg {
-            cfg: rs,
-            bias: &bias,
-            ids: &mut ids,
-            weights: &mut wts,
-            off: 0,
-        };
-        let jobs = &mut [
-            MvJob {
-                a: &router,
-                b: None,
-                kind: MvKind::Set,
-                y: &mut logits,
-            },
-            MvJob {
-                a: &sh_gate,
-                b: Some(&sh_up),
-                kind: MvKind::Glu,
-                y: &mut shared_h,
-            },
-        ];
-        g.mv_jobs_route(&x, Some(p), jobs, Some(r))
-    })?;
-    row("6+7 the same with the router in its last block", t, true);
-    for form in [MoeDown::Fused, MoeDown::Split] {
-        let t = g.time_ms(reps, || {
-            g.moe_table_with(
-                form,
-                &table,
-                &ids.slice(..k),
-                &wts.slice(..k),
-                k,
-                &xn,
-                &mut moe_h,
-                Some((&sh_down, &shared_h)),
-                &mut x,
-            )
-        })?;
-        row(
-            &format!("8 moe_table {form:?} (8 experts + shared down)"),
-            t,
-            form == MoeDown::Split,
-        );
-    }
-    println!(
-        "{:<58} {:>8.1} us",
-        "sum of 1-8 (one MoE layer, 16 positions)",
-        us(total)
-    );
-
-    // A token's 16 MoE layers queued back to back.
-    let mut layer = || -> Result<(), CudaError> {
-        g.mv_jobs(
-            &x,
-            Some(pn(&norm_w)),
-            &mut [
-                MvJob {
-                    a: &q_a,
-                    b: None,
-                    kind: MvKind::Set,
-                    y: &mut qa,
-                },
-                MvJob {
-                    a: &kv_lat,
-                    b: None,
-                    kind: MvKind::Set,
-                    y: &mut ckv,
-                },
-                MvJob {
-                    a: &kv_rope,
-                    b: None,
-                    kind: MvKind::Set,
-                    y: &mut kpe,
-                },
-            ],
-        )?;
-        g.mv_jobs(
-            &qa,
-            Some(pn(&ql_norm)),
-            &mut [MvJob {
-                a: &q_b,
-                b: None,
-                kind: MvKind::Set,
-                y: &mut q,
-            }],
-        )?;
-        g.mla_prep(MlaPrepArg {
-            ckv_raw: &ckv,
-            norm: &kv_norm,
-            eps: 1e-6,
-            kpe_raw: &kpe,
-            cs: &cs,
-            interleaved: false,
-            pos: 15,
-            pos_dev: &pos15,
-            c_kv: &mut c_kv,
-            k_pe: &mut k_pe,
-        })?;
         g.mla_decode(
             shape,
             &q,
             &c_kv,
             &k_pe,
             &kv_b,
-            16,
+            1000,
             0.1,
             Some((&cs, false)),
-            Some(&pos15),
+            None,
             &mut scores,
             &mut heads,
-        )?;
-        g.mv_jobs(
-            &heads,
-            None,
-            &mut [MvJob {
-                a: &o_proj,
-                b: None,
-                kind: MvKind::Add,
-                y: &mut x,
-            }],
-        )?;
+        )
+    })?;
+    row("mla_decode at 1000 positions", t, false);
+    let t = g.time_ms(reps, || {
         let p = PreNorm {
             weight: &norm_w,
             eps: 1e-6,
             one_plus: false,
             out: Some(&mut xn),
-        };
-        let r = RouteTailArg {
-            cfg: rs,
-            bias: &bias,
-            ids: &mut ids,
-            weights: &mut wts,
-            off: 0,
         };
         let jobs = &mut [
             MvJob {
@@ -413,9 +181,14 @@ fn main() -> Result<(), CudaError> {
                 y: &mut shared_h,
             },
         ];
-        g.mv_jobs_route(&x, Some(p), jobs, Some(r))?;
+        g.mv_jobs(&x, Some(p), jobs)
+    })?;
+    row("post norm + router + shared gate/up, no router tail", t, false);
+    let t = g.time_ms(reps, || g.route_noaux(rs, &logits, 1, &bias, &mut ids, &mut wts, 0))?;
+    row("route_noaux alone (256 experts, 8 groups, top-8)", t, false);
+    let t = g.time_ms(reps, || {
         g.moe_table_with(
-            MoeDown::Split,
+            MoeDown::Fused,
             &table,
             &ids.slice(..k),
             &wts.slice(..k),
@@ -425,7 +198,143 @@ fn main() -> Result<(), CudaError> {
             Some((&sh_down, &shared_h)),
             &mut x,
         )
+    })?;
+    row("moe_table Fused (8 experts + shared down)", t, false);
+
+    // One MoE layer as decoding queues it, launch by launch.
+    let mut launch = |i: usize| -> Result<(), CudaError> {
+        match i {
+            0 => g.mv_jobs(
+                &x,
+                Some(pn(&norm_w)),
+                &mut [
+                    MvJob {
+                        a: &q_a,
+                        b: None,
+                        kind: MvKind::Set,
+                        y: &mut qa,
+                    },
+                    MvJob {
+                        a: &kv_lat,
+                        b: None,
+                        kind: MvKind::Set,
+                        y: &mut ckv,
+                    },
+                    MvJob {
+                        a: &kv_rope,
+                        b: None,
+                        kind: MvKind::Set,
+                        y: &mut kpe,
+                    },
+                ],
+            ),
+            1 => g.mv_jobs(
+                &qa,
+                Some(pn(&ql_norm)),
+                &mut [MvJob {
+                    a: &q_b,
+                    b: None,
+                    kind: MvKind::Set,
+                    y: &mut q,
+                }],
+            ),
+            2 => g.mla_prep(MlaPrepArg {
+                ckv_raw: &ckv,
+                norm: &kv_norm,
+                eps: 1e-6,
+                kpe_raw: &kpe,
+                cs: &cs,
+                interleaved: false,
+                pos: 15,
+                pos_dev: &pos15,
+                c_kv: &mut c_kv,
+                k_pe: &mut k_pe,
+            }),
+            3 => g.mla_decode(
+                shape,
+                &q,
+                &c_kv,
+                &k_pe,
+                &kv_b,
+                16,
+                0.1,
+                Some((&cs, false)),
+                Some(&pos15),
+                &mut scores,
+                &mut heads,
+            ),
+            4 => g.mv_jobs(
+                &heads,
+                None,
+                &mut [MvJob {
+                    a: &o_proj,
+                    b: None,
+                    kind: MvKind::Add,
+                    y: &mut x,
+                }],
+            ),
+            5 => {
+                let p = PreNorm {
+                    weight: &norm_w,
+                    eps: 1e-6,
+                    one_plus: false,
+                    out: Some(&mut xn),
+                };
+                let r = RouteTailArg {
+                    cfg: rs,
+                    bias: &bias,
+                    ids: &mut ids,
+                    weights: &mut wts,
+                    off: 0,
+                };
+                let jobs = &mut [
+                    MvJob {
+                        a: &router,
+                        b: None,
+                        kind: MvKind::Set,
+                        y: &mut logits,
+                    },
+                    MvJob {
+                        a: &sh_gate,
+                        b: Some(&sh_up),
+                        kind: MvKind::Glu,
+                        y: &mut shared_h,
+                    },
+                ];
+                g.mv_jobs_route(&x, Some(p), jobs, Some(r))
+            }
+            _ => g.moe_table_with(
+                MoeDown::Split,
+                &table,
+                &ids.slice(..k),
+                &wts.slice(..k),
+                k,
+                &xn,
+                &mut moe_h,
+                Some((&sh_down, &shared_h)),
+                &mut x,
+            ),
+        }
     };
+    let names = [
+        "1 mv_jobs: input norm + q_a, latent, rope key (800 rows)",
+        "2 mv_jobs: q_a norm + q_b (1536 rows)",
+        "3 mla_prep",
+        "4 mla_decode at 16 positions",
+        "5 mv_jobs: o_proj + residual (2048 rows)",
+        "6 post norm + router (f32) + shared gate/up, router in the last block",
+        "7 moe_table Split (8 experts + shared down)",
+    ];
+    for (i, name) in names.iter().enumerate() {
+        let t = g.time_ms(reps, || launch(i))?;
+        row(name, t, true);
+    }
+    println!(
+        "{:<58} {:>8.1} us",
+        "sum of 1-7 (one MoE layer, 16 positions)",
+        us(total)
+    );
+    let mut layer = || -> Result<(), CudaError> { (0..names.len()).try_for_each(&mut launch) };
     let t = g.time_ms(20, || {
         for _ in 0..16 {
             layer()?;
