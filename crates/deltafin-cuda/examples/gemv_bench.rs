@@ -108,9 +108,15 @@ fn main() {
     for r in [1, 2, 4, 0] {
         row("mxfp4 matvec, f16 bits", &mx, Decode::F16Bits, r, 1);
     }
+    for r in [1, 2, 4] {
+        row("mxfp4 matvec, byte permutes", &mx, Decode::BytePermute, r, 1);
+    }
     for n in [8usize, 64] {
         for r in [1, 2, 4, 0] {
             row("mxfp4 matmul, f16 bits", &mx, Decode::F16Bits, r, n);
+        }
+        for r in [1, 2, 4] {
+            row("mxfp4 matmul, byte permutes", &mx, Decode::BytePermute, r, n);
         }
     }
     drop(mx);

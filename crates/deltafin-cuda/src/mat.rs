@@ -53,6 +53,9 @@ pub enum Decode {
     SharedTable,
     /// Codes built into f16 bit patterns and widened exactly (every shape and form).
     F16Bits,
+    /// Codes looked up by byte permutes and turned into floats by an add (`Dec<3>`: no
+    /// conversion unit, every shape and form).
+    BytePermute,
 }
 
 /// Which kernel runs a product: the E2M1 decoder (MXFP4 only) and how many consecutive rows
@@ -73,7 +76,8 @@ pub struct Kernel {
 
 impl Kernel {
     /// The fastest kernel measured on the H200 for this format and form (bench/NOTES.md, "CUDA
-    /// kernels"): MXFP4 f16-bits decode at 1 row a warp for matvec and 2 for matmul; int8 at 4.
+    /// kernels"): MXFP4 f16-bits decode (the fused launches' `MX_DEC`) at 1 row a warp for
+    /// matvec and 2 for matmul; int8 at 4.
     pub fn best(data: &GpuMatData, matmul: bool) -> Self {
         let rows_per_warp = match (data, matmul) {
             (GpuMatData::Mxfp4 { .. }, false) => 1,
@@ -126,6 +130,12 @@ impl Kernel {
             (GpuMatData::Mxfp4 { .. }, true, Decode::F16Bits, 1) => "mxfp4_mm_f16_r1",
             (GpuMatData::Mxfp4 { .. }, true, Decode::F16Bits, 2) => "mxfp4_mm_f16_r2",
             (GpuMatData::Mxfp4 { .. }, true, Decode::F16Bits, 4) => "mxfp4_mm_f16_r4",
+            (GpuMatData::Mxfp4 { .. }, false, Decode::BytePermute, 1) => "mxfp4_mv_prmt_r1",
+            (GpuMatData::Mxfp4 { .. }, false, Decode::BytePermute, 2) => "mxfp4_mv_prmt_r2",
+            (GpuMatData::Mxfp4 { .. }, false, Decode::BytePermute, 4) => "mxfp4_mv_prmt_r4",
+            (GpuMatData::Mxfp4 { .. }, true, Decode::BytePermute, 1) => "mxfp4_mm_prmt_r1",
+            (GpuMatData::Mxfp4 { .. }, true, Decode::BytePermute, 2) => "mxfp4_mm_prmt_r2",
+            (GpuMatData::Mxfp4 { .. }, true, Decode::BytePermute, 4) => "mxfp4_mm_prmt_r4",
             _ => {
                 return Err(CudaError::Shape(format!(
                     "no {} kernel for {self:?}",

@@ -65,6 +65,9 @@ fn matvec_kernels(m: &MatRef) -> Vec<Kernel> {
             k(Decode::F16Bits, 1),
             k(Decode::F16Bits, 2),
             k(Decode::F16Bits, 4),
+            k(Decode::BytePermute, 1),
+            k(Decode::BytePermute, 2),
+            k(Decode::BytePermute, 4),
         ],
         MatData::Int8 { .. } => vec![k(Decode::F16Bits, 1), k(Decode::F16Bits, 2), k(Decode::F16Bits, 4)],
         _ => vec![k(Decode::F16Bits, 1)],
@@ -182,10 +185,13 @@ fn matmul_rows_equal_matvec_bit_for_bit() {
                 dm.matmul(&g, &dx, n, &mut dy).unwrap();
                 let got = g.download(&dy).unwrap();
                 if !matches!(m.data, MatData::F32(_)) {
-                    for r in [1, 2, 4] {
+                    for (decode, r) in [1, 2, 4]
+                        .into_iter()
+                        .flat_map(|r| [(Decode::F16Bits, r), (Decode::BytePermute, r)])
+                    {
                         let k = Kernel {
                             stationary_x: false,
-                            decode: Decode::F16Bits,
+                            decode,
                             rows_per_warp: r,
                         };
                         let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();

@@ -29,11 +29,14 @@ fn device_router_chooses_what_the_host_router_chooses() {
         }
     };
     // (experts, top_k, groups, kept groups, norm, scale): DeepSeek-V3's shape, no groups, Kimi
-    // K3's 896 choose 16, and a tiny one.
+    // K3's 896 choose 16, groups of one and of several lanes (the kernel's register form), and
+    // a tiny one (its general form).
     let cases = [
         (256usize, 8usize, 8usize, 4usize, true, 2.5f32),
         (64, 6, 1, 1, false, 1.0),
         (896, 16, 1, 1, true, 2.827),
+        (32, 4, 4, 2, true, 1.0),
+        (128, 6, 8, 3, false, 1.5),
         (8, 2, 4, 2, true, 1.0),
     ];
     for (ci, &(e, k, ng, tg, norm, scale)) in cases.iter().enumerate() {

@@ -27,7 +27,7 @@ __device__ __forceinline__ float mat_row_dot(const Mat& m, int row, const float*
     if (m.fmt == 2) {
         const int nb = (m.cols + 31) >> 5;
         float a[1][1];
-        mx_rows<2, 1, 1>(reinterpret_cast<const u8*>(m.w) + (size_t)row * nb * 16,
+        mx_rows<MX_DEC, 1, 1>(reinterpret_cast<const u8*>(m.w) + (size_t)row * nb * 16,
                          reinterpret_cast<const u8*>(m.s) + (size_t)row * nb, 1, m.cols, nb, nullptr, x, 1, a);
         return warp_sum(a[0][0]);
     }
@@ -66,8 +66,164 @@ __device__ __forceinline__ bool route_better(float v, int i, float bv, int bi) {
     return bi < 0 || v > bv || (v == bv && i < bi);
 }
 
+// The same steps with every value in registers (the general code below walks shared memory
+// from lane 0 for the group and sorting steps: ~17 us a token on the H200, a tenth of a layer).
+// Lane l owns the E consecutive entries l E .. l E + E - 1 (n = 32 E); with groups, a group is
+// L = per / E consecutive lanes (a power of two). Group scores: each lane's two largest choices,
+// merged over the group's lanes by shuffles (the two largest of a multiset; the sum's operands
+// are those of the general code). Group choice and the top-k: rounds of a warp arg-max under
+// route_better's order (larger value, then lower index), the winning lane taking its next best.
+// Ids sorted by rank counting; the normalizing sum in id order, weights by lanes 0 .. k-1.
+// Gives the general code's ids and bits (test device_router_chooses_what_the_host_router_chooses).
+__device__ __forceinline__ void warp_best(float& v, int& i, float& s) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, off);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, off);
+        const float os = __shfl_xor_sync(0xffffffffu, s, off);
+        if (oi >= 0 && route_better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+            s = os;
+        }
+    }
+}
+
+template <int E>
+__device__ void route_token_regs(const float* lg, const float* __restrict__ bias, const RouteCfg& c,
+                                 int* __restrict__ ids, float* __restrict__ weights) {
+    __shared__ int rid[MOE_MAX_K];
+    __shared__ float rsc[MOE_MAX_K];
+    const int lane = threadIdx.x & 31;
+    const int i0 = lane * E;
+    float sc[E], ch[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        sc[e] = 1.0f / (1.0f + expf(-__ldcg(lg + i0 + e)));
+        ch[e] = sc[e] + bias[i0 + e];
+    }
+    if (c.n_group > 1) {
+        const int per = c.n_experts / c.n_group, L = per / E;
+        float t1 = ch[0], t2 = __int_as_float(0xff800000u);
+#pragma unroll
+        for (int e = 1; e < E; ++e) {
+            if (ch[e] > t1) {
+                t2 = t1;
+                t1 = ch[e];
+            } else if (ch[e] > t2) {
+                t2 = ch[e];
+            }
+        }
+        for (int off = 1; off < L; off <<= 1) {
+            const float o1 = __shfl_xor_sync(0xffffffffu, t1, off);
+            const float o2 = __shfl_xor_sync(0xffffffffu, t2, off);
+            const float hi = fmaxf(t1, o1), lo = fmaxf(fminf(t1, o1), fmaxf(t2, o2));
+            t1 = hi;
+            t2 = lo;
+        }
+        const float gs = per > 1 ? __fadd_rn(t1, t2) : t1;
+        const int g = lane / L;
+        bool kept = false;
+        for (int r = 0; r < c.topk_group; ++r) {
+            float bv = kept ? 0.0f : gs, bs = 0.0f;
+            int bg = kept ? -1 : g;
+            warp_best(bv, bg, bs);
+            if (bg == g) kept = true;
+        }
+        if (!kept)
+#pragma unroll
+            for (int e = 0; e < E; ++e) ch[e] = __int_as_float(0xff800000u);
+    }
+    unsigned taken = 0u;
+    float lv = 0.0f, ls = 0.0f;
+    int li = -1;
+#pragma unroll
+    for (int e = 0; e < E; ++e)
+        if (route_better(ch[e], i0 + e, lv, li)) {
+            lv = ch[e];
+            li = i0 + e;
+            ls = sc[e];
+        }
+    int my_id = -1;
+    float my_s = 0.0f;
+    for (int r = 0; r < c.top_k; ++r) {
+        float bv = lv, bs = ls;
+        int bi = li;
+        warp_best(bv, bi, bs);
+        if (lane == r) {
+            my_id = bi;
+            my_s = bs;
+        }
+        if (bi == li && bi >= 0) {
+            taken |= 1u << (bi - i0);
+            lv = 0.0f;
+            li = -1;
+#pragma unroll
+            for (int e = 0; e < E; ++e)
+                if (!(taken & (1u << e)) && route_better(ch[e], i0 + e, lv, li)) {
+                    lv = ch[e];
+                    li = i0 + e;
+                    ls = sc[e];
+                }
+        }
+    }
+    int rank = 0;
+    for (int j = 0; j < c.top_k; ++j) {
+        const int o = __shfl_sync(0xffffffffu, my_id, j);
+        if (o < my_id) ++rank;
+    }
+    if (lane < c.top_k) {
+        rid[rank] = my_id;
+        rsc[rank] = my_s;
+    }
+    __syncwarp();
+    float d = 0.0f;
+    for (int j = 0; j < c.top_k; ++j) d = __fadd_rn(d, rsc[j]);
+    d = __fadd_rn(d, 1e-20f);
+    if (lane < c.top_k) {
+        const float v = c.norm ? __fdiv_rn(rsc[lane], d) : rsc[lane];
+        ids[lane] = rid[lane];
+        weights[lane] = __fmul_rn(v, c.scale);
+    }
+    __syncwarp();
+}
+
+// route_token's register form applies: n = 32 E for an instantiated E, top_k <= 32, and groups
+// (if any) of a power-of-two number of whole lanes.
+__device__ __forceinline__ bool route_regs_fit(const RouteCfg& c, int E) {
+    if (c.n_experts != 32 * E || c.top_k > MOE_MAX_K || c.top_k > c.n_experts) return false;
+    if (c.n_group <= 1) return true;
+    if (c.n_experts % c.n_group != 0) return false;
+    const int per = c.n_experts / c.n_group;
+    if (per % E != 0) return false;
+    const int L = per / E;
+    return L >= 1 && L <= 32 && (L & (L - 1)) == 0 && c.topk_group <= c.n_group;
+}
+
+__device__ void route_token_general(const float* lg, const float* __restrict__ bias, const RouteCfg& c,
+                                    int* __restrict__ ids, float* __restrict__ weights, float* rs);
+
 __device__ void route_token(const float* lg, const float* __restrict__ bias, const RouteCfg& c,
                             int* __restrict__ ids, float* __restrict__ weights, float* rs) {
+    const int E = c.n_experts / 32;
+#define ROUTE_E(N)                                                                                   \
+    if (E == N && route_regs_fit(c, N)) {                                                           \
+        route_token_regs<N>(lg, bias, c, ids, weights);                                              \
+        return;                                                                                      \
+    }
+    ROUTE_E(1)
+    ROUTE_E(2)
+    ROUTE_E(4)
+    ROUTE_E(8)
+    ROUTE_E(12)
+    ROUTE_E(16)
+    ROUTE_E(28)
+#undef ROUTE_E
+    route_token_general(lg, bias, c, ids, weights, rs);
+}
+
+__device__ void route_token_general(const float* lg, const float* __restrict__ bias, const RouteCfg& c,
+                                    int* __restrict__ ids, float* __restrict__ weights, float* rs) {
     float* score = rs;
     float* choice = rs + c.n_experts;
     unsigned char* taken = reinterpret_cast<unsigned char*>(rs + 2 * c.n_experts);
@@ -307,8 +463,77 @@ struct Expert {
     Mat down;
 };
 
+// NM dot products of MXFP4 rows of `cols` columns, row m with codes pm[m], scales sm[m] and
+// activations xm[m] (all the same x when SHARED_X), each computed with mx_rows' operations in
+// its order at one row and one token, so each lane partial (and its warp_sum) is the one
+// mat_row_dot gives for that row, bit for bit. The code and scale loads of every row for CH
+// steps are issued before any is used, and with SHARED_X each x load serves all NM rows: a
+// decode step's expert matrices are small, and one row at a time leaves the warp waiting on
+// its loads (ncu: L1TEX scoreboard stalls, 15 % of DRAM bandwidth).
+template <int NM, int CH, bool SHARED_X>
+__device__ __forceinline__ void mx_dots(const u8* const (&pm)[NM], const u8* const (&sm)[NM],
+                                        const float* const (&xm)[NM], int cols, float acc[NM]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int nb = (cols + 31) >> 5;
+    const int full = (cols & 3) == 0 ? cols >> 5 : 0;
+#pragma unroll
+    for (int m = 0; m < NM; ++m) acc[m] = 0.0f;
+    for (int b0 = g; b0 < nb; b0 += 8 * CH) {
+        u32 w[CH][NM];
+        float sc[CH][NM];
+#pragma unroll
+        for (int c = 0; c < CH; ++c) {
+            const int b = b0 + 8 * c;
+#pragma unroll
+            for (int m = 0; m < NM; ++m) {
+                w[c][m] = b < nb ? *reinterpret_cast<const u32*>(pm[m] + (size_t)b * 16 + 4 * q) : 0u;
+                sc[c][m] = b < nb ? e8m0(sm[m][b]) * Dec<MX_DEC>::SCALE : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < CH; ++c) {
+            const int b = b0 + 8 * c;
+            if (b >= nb) break;
+            const int base = b * 32 + 8 * q;
+            if (b < full) {
+                float4 a = make_float4(0.f, 0.f, 0.f, 0.f), cc = a;
+                if (SHARED_X) {
+                    a = *reinterpret_cast<const float4*>(xm[0] + base);
+                    cc = *reinterpret_cast<const float4*>(xm[0] + base + 4);
+                }
+#pragma unroll
+                for (int m = 0; m < NM; ++m) {
+                    if (!SHARED_X) {
+                        a = *reinterpret_cast<const float4*>(xm[m] + base);
+                        cc = *reinterpret_cast<const float4*>(xm[m] + base + 4);
+                    }
+                    float v[8];
+                    Dec<MX_DEC>::run(w[c][m], nullptr, v);
+                    float s = 0.0f;
+                    s += v[0] * a.x; s += v[1] * a.y; s += v[2] * a.z; s += v[3] * a.w;
+                    s += v[4] * cc.x; s += v[5] * cc.y; s += v[6] * cc.z; s += v[7] * cc.w;
+                    acc[m] += s * sc[c][m];
+                }
+            } else {
+                const int valid = cols - base;
+                if (valid <= 0) continue;
+#pragma unroll
+                for (int m = 0; m < NM; ++m) {
+                    float v[8];
+                    Dec<MX_DEC>::run(w[c][m], nullptr, v);
+                    const float* xt = xm[m] + base;
+                    float s = 0.0f;
+                    for (int j = 0; j < 8 && j < valid; ++j) s += v[j] * xt[j];
+                    acc[m] += s * sc[c][m];
+                }
+            }
+        }
+    }
+}
+
 // h[j, r] = silu(gate_j[r] . x) * (up_j[r] . x), gate_j, up_j: [inter, hidden]; one warp a row,
-// blockIdx.y = slot j. moe_gate_up_mxfp4's arithmetic, for any layout.
+// blockIdx.y = slot j. moe_gate_up_mxfp4's arithmetic, for any layout (MXFP4 pairs through
+// mx_dots: both rows' loads in flight together, one x load for both).
 extern "C" __global__ void __launch_bounds__(256)
     moe_gate_up_tab(const Expert* __restrict__ table, const int* __restrict__ ids, int inter,
                     const float* __restrict__ x, float* __restrict__ h) {
@@ -317,15 +542,30 @@ extern "C" __global__ void __launch_bounds__(256)
     if (row >= inter) return;
     const int e = ids[j];
     const Mat g = table[e].gate, u = table[e].up;
-    const float gv = mat_row_dot(g, row, x);
-    const float uv = mat_row_dot(u, row, x);
+    float gv, uv;
+    if (g.fmt == 2 && u.fmt == 2 && g.cols == u.cols) {
+        const int nb = (g.cols + 31) >> 5;
+        const u8* const pm[2] = {reinterpret_cast<const u8*>(g.w) + (size_t)row * nb * 16,
+                                 reinterpret_cast<const u8*>(u.w) + (size_t)row * nb * 16};
+        const u8* const sm[2] = {reinterpret_cast<const u8*>(g.s) + (size_t)row * nb,
+                                 reinterpret_cast<const u8*>(u.s) + (size_t)row * nb};
+        const float* const xm[2] = {x, x};
+        float a[2];
+        mx_dots<2, 8, true>(pm, sm, xm, g.cols, a);
+        gv = warp_sum(a[0]);
+        uv = warp_sum(a[1]);
+    } else {
+        gv = mat_row_dot(g, row, x);
+        uv = mat_row_dot(u, row, x);
+    }
     if ((threadIdx.x & 31) == 0) h[(size_t)j * inter + row] = silu_mul(gv, uv);
 }
 
 // x[r] += (sum_j w[j] (down_j[r] . h_j)) + (shared_down[r] . shared_h): each slot's dot as
 // moe_down_mxfp4 computes it, the sum from 0 in slot (router) order, then the shared experts'
 // output (when shared_h is not null: the shared down projection as a matvec computes it), then
-// the residual add: moe_combine's arithmetic. One warp a row of hidden.
+// the residual add: moe_combine's arithmetic. One warp a row of hidden; MXFP4 slots four at a
+// time through mx_dots (their loads in flight together).
 extern "C" __global__ void __launch_bounds__(256)
     moe_down_combine_tab(const Expert* __restrict__ table, const int* __restrict__ ids,
                          const float* __restrict__ w, int k, int hidden, int inter, const float* __restrict__ h,
@@ -333,10 +573,39 @@ extern "C" __global__ void __launch_bounds__(256)
     const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (row >= hidden) return;
     float acc = 0.0f;
-    for (int j = 0; j < k; ++j) {
-        const Mat d = table[ids[j]].down;
-        const float y = mat_row_dot(d, row, h + (size_t)j * inter);
-        acc = __fadd_rn(acc, __fmul_rn(w[j], y));
+    for (int j0 = 0; j0 < k; j0 += 4) {
+        const int nj = min(4, k - j0);
+        Mat d[4];
+        bool mx = true;
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+            d[jj] = table[ids[j0 + min(jj, nj - 1)]].down;
+            mx = mx && d[jj].fmt == 2 && d[jj].cols == inter;
+        }
+        if (mx) {
+            const int nb = (inter + 31) >> 5;
+            const u8* pm[4];
+            const u8* sm[4];
+            const float* xm[4];
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                pm[jj] = reinterpret_cast<const u8*>(d[jj].w) + (size_t)row * nb * 16;
+                sm[jj] = reinterpret_cast<const u8*>(d[jj].s) + (size_t)row * nb;
+                xm[jj] = h + (size_t)(j0 + min(jj, nj - 1)) * inter;
+            }
+            float a[4];
+            mx_dots<4, 4, false>(pm, sm, xm, inter, a);
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                const float y = warp_sum(a[jj]);
+                if (jj < nj) acc = __fadd_rn(acc, __fmul_rn(w[j0 + jj], y));
+            }
+        } else {
+            for (int jj = 0; jj < nj; ++jj) {
+                const float y = mat_row_dot(d[jj], row, h + (size_t)(j0 + jj) * inter);
+                acc = __fadd_rn(acc, __fmul_rn(w[j0 + jj], y));
+            }
+        }
     }
     if (shared_h != nullptr) acc = __fadd_rn(acc, __fmul_rn(1.0f, mat_row_dot(shared_down, row, shared_h)));
     if ((threadIdx.x & 31) == 0) x[row] = __fadd_rn(x[row], __fmul_rn(1.0f, acc));

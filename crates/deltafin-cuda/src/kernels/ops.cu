@@ -89,6 +89,46 @@ template <> struct Dec<2> {
     }
 };
 
+// PTX prmt.b32 in its default mode: byte i of the result is byte (s >> 4i) & 7 of the pair
+// {a (bytes 0-3), b (bytes 4-7)}, or, when bit 4i + 3 of s is set, that byte's sign bit
+// replicated over the byte. Only the low 16 bits of s are read.
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
+    return d;
+}
+
+//   DEC 3: byte permutes only (no conversion unit, no shared memory): a code's 4 bits are a
+//          prmt selector, its sign bit the selector's sign-replicate bit. Table A holds
+//          64 + 2|v| for the 8 magnitudes and table B 64 - 2|v|, all below 128: selecting with
+//          the code gives A's byte for a positive code and 0 for a negative one, selecting with
+//          the sign bit flipped gives the reverse from B, so A | B = 64 + 2v for every code (four
+//          codes per pair of permutes). One more permute puts that byte into the low mantissa
+//          byte of 2^23, and subtracting 2^23 + 64 leaves 2v exactly (an integer below 2^24):
+//          about two integer and one float operation a weight besides the FMA. The factor 2
+//          goes back into the block scale (SCALE 1/2). -0 (code 8) decodes to +0, which adds
+//          nothing different: every partial sum starts at +0.
+template <> struct Dec<3> {
+    static constexpr float SCALE = 0.5f;
+    __device__ __forceinline__ static void run(u32 w, const float*, float v[8]) {
+        const u32 a_lo = 0x43424140u, a_hi = 0x4C484644u;  // 64 + {0, 1, 2, 3, 4, 6, 8, 12}
+        const u32 b_lo = 0x3D3E3F40u, b_hi = 0x34383A3Cu;  // 64 - {0, 1, 2, 3, 4, 6, 8, 12}
+        const u32 f = w ^ 0x88888888u;
+        const u32 p0 = prmt(a_lo, a_hi, w) | prmt(b_lo, b_hi, f);
+        const u32 p1 = prmt(a_lo, a_hi, w >> 16) | prmt(b_lo, b_hi, f >> 16);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            v[j] = __int_as_float(prmt(p0, 0x4B000000u, 0x7650u + j)) - 8388672.0f;
+            v[j + 4] = __int_as_float(prmt(p1, 0x4B000000u, 0x7650u + j)) - 8388672.0f;
+        }
+    }
+};
+
+// The decoder of the fused launches and the x-stationary kernels (fused.cu, kda.cu): any gives
+// the same bits; f16 bits (2) measured fastest on the H200, byte permutes (3) within 5 % of it
+// and slower in the x-stationary kernel (bench/NOTES.md, 2026-12-02).
+#define MX_DEC 2
+
 // Fills the block's shared copy of the E2M1 table (DEC 1); every thread must reach this.
 __device__ __forceinline__ const float* lut_init(float* lut) {
     if (threadIdx.x < 16) lut[threadIdx.x] = E2M1[threadIdx.x];
@@ -198,6 +238,13 @@ MX_KERNEL(mxfp4_mv_f16_r4, 2, 4, 1)
 MX_KERNEL(mxfp4_mm_f16_r1, 2, 1, 8)
 MX_KERNEL(mxfp4_mm_f16_r2, 2, 2, 8)
 MX_KERNEL(mxfp4_mm_f16_r4, 2, 4, 8)
+// The byte-permute decoder (DEC 3), same forms.
+MX_KERNEL(mxfp4_mv_prmt_r1, 3, 1, 1)
+MX_KERNEL(mxfp4_mv_prmt_r2, 3, 2, 1)
+MX_KERNEL(mxfp4_mv_prmt_r4, 3, 4, 1)
+MX_KERNEL(mxfp4_mm_prmt_r1, 3, 1, 8)
+MX_KERNEL(mxfp4_mm_prmt_r2, 3, 2, 8)
+MX_KERNEL(mxfp4_mm_prmt_r4, 3, 4, 8)
 
 // ---- x-stationary MXFP4 products ------------------------------------------------------------
 // A block of 256 threads holds the activations in registers and streams rows through: thread i
@@ -231,16 +278,16 @@ __device__ __forceinline__ void xs_load_x(const float* __restrict__ x, int cols,
 __device__ __forceinline__ float xs_dot32(const uint4 w, const float xv[32]) {
     float v[8];
     float s = 0.0f;
-    Dec<2>::run(w.x, nullptr, v);
+    Dec<MX_DEC>::run(w.x, nullptr, v);
 #pragma unroll
     for (int j = 0; j < 8; ++j) s += v[j] * xv[j];
-    Dec<2>::run(w.y, nullptr, v);
+    Dec<MX_DEC>::run(w.y, nullptr, v);
 #pragma unroll
     for (int j = 0; j < 8; ++j) s += v[j] * xv[8 + j];
-    Dec<2>::run(w.z, nullptr, v);
+    Dec<MX_DEC>::run(w.z, nullptr, v);
 #pragma unroll
     for (int j = 0; j < 8; ++j) s += v[j] * xv[16 + j];
-    Dec<2>::run(w.w, nullptr, v);
+    Dec<MX_DEC>::run(w.w, nullptr, v);
 #pragma unroll
     for (int j = 0; j < 8; ++j) s += v[j] * xv[24 + j];
     return s;
@@ -268,7 +315,7 @@ __device__ __forceinline__ void mxfp4_xs(const u8* __restrict__ packed, const u8
                 const bool ok = r0 + r < rows && b < nb;
                 w[r][p] = ok ? *reinterpret_cast<const uint4*>(packed + ((size_t)(r0 + r) * nb + b) * 16)
                              : make_uint4(0u, 0u, 0u, 0u);
-                sc[r][p] = ok ? e8m0(scales[(size_t)(r0 + r) * nb + b]) * Dec<2>::SCALE : 0.0f;
+                sc[r][p] = ok ? e8m0(scales[(size_t)(r0 + r) * nb + b]) * Dec<MX_DEC>::SCALE : 0.0f;
             }
 #pragma unroll
         for (int r = 0; r < XS_ROWS; ++r)
@@ -410,6 +457,35 @@ __device__ __forceinline__ void f32_row(const float* __restrict__ w, int cols, c
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int t = 0; t < T; ++t) acc[t] = 0.0f;
+    if ((cols & 3) == 0 && (((size_t)w) & 15) == 0 && (((size_t)x) & 15) == 0) {
+        // 16-byte loads, CH steps of loads in flight before any is used; the same order.
+        constexpr int CH = T == 1 ? 8 : 2;
+        for (int c00 = lane * 4; c00 < cols; c00 += 128 * CH) {
+            float4 wv[CH];
+#pragma unroll
+            for (int k = 0; k < CH; ++k) {
+                const int c0 = c00 + 128 * k;
+                wv[k] = c0 < cols ? *reinterpret_cast<const float4*>(w + c0) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int k = 0; k < CH; ++k) {
+                const int c0 = c00 + 128 * k;
+                if (c0 >= cols) break;
+#pragma unroll
+                for (int t = 0; t < T; ++t) {
+                    if (t >= nt) continue;
+                    const float4 xv = *reinterpret_cast<const float4*>(x + (size_t)t * cols + c0);
+                    float s = 0.0f;
+                    s += wv[k].x * xv.x;
+                    s += wv[k].y * xv.y;
+                    s += wv[k].z * xv.z;
+                    s += wv[k].w * xv.w;
+                    acc[t] += s;
+                }
+            }
+        }
+        return;
+    }
     for (int c0 = lane * 4; c0 < cols; c0 += 128) {
         const int m = min(4, cols - c0);
 #pragma unroll
@@ -689,9 +765,9 @@ extern "C" __global__ void moe_gate_up_mxfp4(MoePtrs gate, MoePtrs up, int inter
     if (row >= inter) return;
     const int nb = (hidden + 31) >> 5;
     float a[1][1], b[1][1];
-    mx_rows<2, 1, 1>(gate.packed[k] + (size_t)row * nb * 16, gate.scales[k] + (size_t)row * nb, 1, hidden, nb,
+    mx_rows<MX_DEC, 1, 1>(gate.packed[k] + (size_t)row * nb * 16, gate.scales[k] + (size_t)row * nb, 1, hidden, nb,
                      lut, x, 1, a);
-    mx_rows<2, 1, 1>(up.packed[k] + (size_t)row * nb * 16, up.scales[k] + (size_t)row * nb, 1, hidden, nb, lut,
+    mx_rows<MX_DEC, 1, 1>(up.packed[k] + (size_t)row * nb * 16, up.scales[k] + (size_t)row * nb, 1, hidden, nb, lut,
                      x, 1, b);
     const float g = warp_sum(a[0][0]);
     const float u = warp_sum(b[0][0]);
@@ -708,7 +784,7 @@ extern "C" __global__ void moe_down_mxfp4(MoePtrs down, int hidden, int inter, c
     if (row >= hidden) return;
     const int nb = (inter + 31) >> 5;
     float a[1][1];
-    mx_rows<2, 1, 1>(down.packed[k] + (size_t)row * nb * 16, down.scales[k] + (size_t)row * nb, 1, inter, nb,
+    mx_rows<MX_DEC, 1, 1>(down.packed[k] + (size_t)row * nb * 16, down.scales[k] + (size_t)row * nb, 1, inter, nb,
                      lut, h + (size_t)k * inter, 1, a);
     const float s = warp_sum(a[0][0]);
     if ((threadIdx.x & 31) == 0) y[(size_t)k * hidden + row] = s;
