@@ -509,10 +509,7 @@ __device__ __forceinline__ void mx_dots(const u8* const (&pm)[NM], const u8* con
                     }
                     float v[8];
                     Dec<MX_DEC>::run(w[c][m], nullptr, v);
-                    float s = 0.0f;
-                    s += v[0] * a.x; s += v[1] * a.y; s += v[2] * a.z; s += v[3] * a.w;
-                    s += v[4] * cc.x; s += v[5] * cc.y; s += v[6] * cc.z; s += v[7] * cc.w;
-                    acc[m] += s * sc[c][m];
+                    acc[m] += mx_dot8(v, a, cc) * sc[c][m];
                 }
             } else {
                 const int valid = cols - base;
@@ -521,10 +518,7 @@ __device__ __forceinline__ void mx_dots(const u8* const (&pm)[NM], const u8* con
                 for (int m = 0; m < NM; ++m) {
                     float v[8];
                     Dec<MX_DEC>::run(w[c][m], nullptr, v);
-                    const float* xt = xm[m] + base;
-                    float s = 0.0f;
-                    for (int j = 0; j < 8 && j < valid; ++j) s += v[j] * xt[j];
-                    acc[m] += s * sc[c][m];
+                    acc[m] += mx_dot8_tail(v, xm[m] + base, valid) * sc[c][m];
                 }
             }
         }

@@ -136,6 +136,22 @@ __device__ __forceinline__ const float* lut_init(float* lut) {
     return lut;
 }
 
+// One lane's 8 decoded codes of an MX block against its 8 activations, summed in index order
+// from +0 (the partial every MXFP4 kernel multiplies by the block scale): from two float4 loads,
+// or from `valid` < 8 scalars at a matrix's ragged end. Every MXFP4 dot product goes through
+// these two, so the kernels' bits agree by construction.
+__device__ __forceinline__ float mx_dot8(const float v[8], float4 a, float4 c) {
+    float s = 0.0f;
+    s += v[0] * a.x; s += v[1] * a.y; s += v[2] * a.z; s += v[3] * a.w;
+    s += v[4] * c.x; s += v[5] * c.y; s += v[6] * c.z; s += v[7] * c.w;
+    return s;
+}
+__device__ __forceinline__ float mx_dot8_tail(const float v[8], const float* __restrict__ xt, int valid) {
+    float s = 0.0f;
+    for (int j = 0; j < 8 && j < valid; ++j) s += v[j] * xt[j];
+    return s;
+}
+
 // R consecutive rows of an MXFP4 matrix (row stride nb blocks) against up to T tokens
 // (x: [n, cols], token stride cols); `nr` <= R rows exist. Each x load serves R rows and each
 // decoded weight T tokens. For every (row, token) the operations and their order are those of
@@ -171,12 +187,7 @@ __device__ __forceinline__ void mx_rows(const u8* __restrict__ packed, const u8*
                 const float4 a = *reinterpret_cast<const float4*>(x + (size_t)t * cols + base);
                 const float4 c = *reinterpret_cast<const float4*>(x + (size_t)t * cols + base + 4);
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    float s = 0.0f;
-                    s += v[r][0] * a.x; s += v[r][1] * a.y; s += v[r][2] * a.z; s += v[r][3] * a.w;
-                    s += v[r][4] * c.x; s += v[r][5] * c.y; s += v[r][6] * c.z; s += v[r][7] * c.w;
-                    acc[r][t] += s * sc[r];
-                }
+                for (int r = 0; r < R; ++r) acc[r][t] += mx_dot8(v[r], a, c) * sc[r];
             }
         } else {
             const int valid = cols - base;
@@ -186,11 +197,7 @@ __device__ __forceinline__ void mx_rows(const u8* __restrict__ packed, const u8*
                 if (t >= nt) continue;
                 const float* xt = x + (size_t)t * cols + base;
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    float s = 0.0f;
-                    for (int j = 0; j < 8 && j < valid; ++j) s += v[r][j] * xt[j];
-                    acc[r][t] += s * sc[r];
-                }
+                for (int r = 0; r < R; ++r) acc[r][t] += mx_dot8_tail(v[r], xt, valid) * sc[r];
             }
         }
     }
