@@ -1,17 +1,24 @@
 //! Generation (greedy by default) with timing and expert-store statistics.
 //!
+//! [`decode_loop`] is the one generation loop: [`generate`] (`run`, and `bench` through `run`)
+//! and [`crate::session::Session::generate`] (`chat`, `serve`) are thin callers that add, for
+//! the first, a fresh state, router traces and recorded logits, and for the second, prefix
+//! reuse, text, stop strings, log-probabilities and a grammar.
+//!
 //! Timing definitions (also in the README): time to first token (TTFT) runs from the start of the
 //! prompt's forward passes to the first generated token; prefill rate = prompt tokens ÷ that
 //! time; steady decode rate = decode steps after the first ÷ their time (the first decode step
 //! is excluded because it pays one-off costs such as cold caches).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::constraint::Grammar;
 use crate::experts::StoreCounters;
-use crate::model::{CausalLm, LayerRoutes};
+use crate::model::{CausalLm, DecodeState, LayerRoutes};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::speculate::{SpecStats, SpeculateMode, Speculator};
 use crate::traces::{TraceShape, TraceWriter};
@@ -167,69 +174,170 @@ fn diff(a: StoreCounters, b: StoreCounters) -> StoreCounters {
     a.since(&b)
 }
 
-/// Generation from `prompt` (non-empty) on a fresh KV cache, greedy unless `opts.sampling` says
-/// otherwise; `on_token` is called with each generated id as soon as it is chosen (for
-/// streaming output) and may stop the generation by returning false.
-///
-/// Errors: empty prompt, token ids outside the vocabulary, sampling settings out of range
-/// ([`SamplingParams::check`]), expert read failures.
-pub fn generate(
-    model: &dyn CausalLm,
-    prompt: &[u32],
-    opts: &GenerateOptions,
-    mut on_token: impl FnMut(u32) -> bool,
-) -> Result<GenerateOutput, EngineError> {
-    if prompt.is_empty() {
-        return Err(EngineError::Invalid(
-            "the prompt is empty: at least one token is needed".into(),
-        ));
+/// Why a generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token was produced, or the request's grammar is complete.
+    Eos,
+    /// The text reached a stop string (its index in the request).
+    StopString(usize),
+    /// `max_new_tokens` were produced.
+    Length,
+    /// The caller asked to stop (`should_stop` or the token callback returned false).
+    Cancelled,
+}
+
+/// The router-trace files one generation appends to (`--trace-routes`, `--trace-predictions`).
+#[derive(Default)]
+pub(crate) struct Traces {
+    routes: Option<TraceWriter>,
+    /// The predictions' writer with its shape (MoE layers after the first).
+    predictions: Option<(TraceWriter, TraceShape)>,
+}
+
+impl Traces {
+    /// Opens the files `opts` names for `model`.
+    ///
+    /// Errors: the model's MoE layers are not one contiguous run (routes), the model has one MoE
+    /// layer (predictions), a file cannot be created.
+    fn open(model: &dyn CausalLm, opts: &GenerateOptions) -> Result<Self, EngineError> {
+        let routes = match &opts.trace_routes {
+            Some(p) => {
+                let c = model.config();
+                let n_layers = c.num_hidden_layers();
+                let first_moe = (0..n_layers).find(|&l| c.is_moe_layer(l)).unwrap_or(n_layers);
+                if (first_moe..n_layers).any(|l| !c.is_moe_layer(l)) {
+                    return Err(EngineError::Invalid(
+                        "--trace-routes: this model's MoE layers are not one contiguous run, which the trace format requires".into(),
+                    ));
+                }
+                let shape = TraceShape {
+                    n_layers: n_layers as u32,
+                    first_moe: first_moe as u32,
+                    n_experts: c.n_routed_experts() as u32,
+                    top_k: model.routed().experts_per_token() as u32,
+                };
+                Some(TraceWriter::open(p, shape).map_err(|e| EngineError::Invalid(format!("--trace-routes: {e}")))?)
+            }
+            None => None,
+        };
+        let predictions = match &opts.trace_predictions {
+            Some(p) => {
+                let s = TraceShape::for_model(model.config())
+                    .map_err(|e| EngineError::Invalid(format!("--trace-predictions: {e}")))?;
+                let shape = TraceShape {
+                    first_moe: s.first_moe + 1,
+                    top_k: model.routed().experts_per_token() as u32,
+                    ..s
+                };
+                if shape.first_moe >= shape.n_layers {
+                    return Err(EngineError::Invalid(
+                        "--trace-predictions: the model has one MoE layer, so nothing is predicted".into(),
+                    ));
+                }
+                Some((
+                    TraceWriter::open(p, shape)
+                        .map_err(|e| EngineError::Invalid(format!("--trace-predictions: {e}")))?,
+                    shape,
+                ))
+            }
+            None => None,
+        };
+        Ok(Traces { routes, predictions })
     }
-    opts.sampling.check(model.vocab_size()).map_err(EngineError::Invalid)?;
+
+    /// Records a pass's routes, one position per entry from position `pos`, and (a one-token
+    /// pass only) the model's next-layer predictions at `pos`; a pass that predicted anything
+    /// else (a batched or verify pass predicts nothing) writes no prediction record.
+    fn record(&mut self, model: &dyn CausalLm, pos: usize, routes: &[LayerRoutes]) -> Result<(), EngineError> {
+        if let Some((w, shape)) = self.predictions.as_mut() {
+            // One prediction per MoE layer after the first, in layer order.
+            let p = model.routed().take_predictions();
+            let want = shape.first_moe as usize..shape.n_layers as usize;
+            if routes.len() == 1 && p.iter().map(|x| x.0).eq(want) {
+                let rr: Vec<&[usize]> = p.iter().map(|(_, x)| x.as_slice()).collect();
+                w.record(pos, &rr)?;
+            }
+        }
+        if let Some(w) = self.routes.as_mut() {
+            for (i, r) in routes.iter().enumerate() {
+                let rr: Vec<&[usize]> = r.iter().map(|(_, x)| x.experts.as_slice()).collect();
+                w.record(pos + i, &rr)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One generation's settings for [`decode_loop`], the loop every generation runs (`run`,
+/// `bench` through `run`, `chat` and `serve` through [`crate::session::Session`]).
+pub(crate) struct LoopSettings<'a> {
+    /// The whole prompt (non-empty); its first `cached.len()` tokens are in the state already.
+    pub prompt: &'a [u32],
+    pub max_new_tokens: usize,
+    pub eos_token_ids: &'a [u32],
+    pub ignore_eos: bool,
+    /// Prompt tokens per prefill pass (0 = automatic: [`prefill_chunk_tokens`]).
+    pub prefill_chunk: usize,
+    pub sampling: &'a SamplingParams,
+    /// A grammar the output must follow.
+    pub constraint: Option<&'a Arc<dyn Grammar>>,
+    /// Checked before every forward pass (prefill and decode): true cancels the generation.
+    pub should_stop: &'a dyn Fn() -> bool,
+    /// When the generation started (TTFT runs from here).
+    pub started: Instant,
+}
+
+/// What [`decode_loop`] produced: the generated ids, why it ended, and every statistic but
+/// `finish_reason` (the caller names its end).
+pub(crate) struct LoopOutput {
+    pub generated_ids: Vec<u32>,
+    pub finish: FinishReason,
+    pub stats: GenerateStats,
+}
+
+/// The generation loop: prefills `s.prompt[cached.len()..]` in chunks into `state`, chooses the
+/// first token from the last prompt position's logits, then decodes (speculating as `spec`
+/// says) until `max_new_tokens`, an end the `on_token` hook names, or a complete grammar.
+///
+/// `cached` holds the tokens whose entries `state` holds and is kept so: on return, every
+/// token but the last generated one. `on_token(id, logits, is_eos)` receives each generated
+/// id in order with the logits that chose it and whether it is an end-of-sequence id (never
+/// with `ignore_eos`), and returns `Some(reason)` to end the generation after it.
+///
+/// Errors: sampling and grammar failures, forward-pass failures (`state` and `cached` are then
+/// reset, since a pass that failed midway may have appended to some layers only), the
+/// `on_token` hook's errors, trace-file write failures. An error once decoding began (the first
+/// token chosen) also leaves `spec` fresh; before that `spec` is untouched.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn decode_loop(
+    model: &dyn CausalLm,
+    state: &mut Box<dyn DecodeState>,
+    cached: &mut Vec<u32>,
+    spec: &mut Speculator,
+    traces: &mut Traces,
+    s: &LoopSettings,
+    on_token: &mut dyn FnMut(u32, Vec<f32>, bool) -> Result<Option<FinishReason>, EngineError>,
+) -> Result<LoopOutput, EngineError> {
+    // A failed forward pass may leave some layers appended: the caller's state starts afresh.
+    let forward_failed = |state: &mut Box<dyn DecodeState>, cached: &mut Vec<u32>, e: EngineError| {
+        *state = model.new_state();
+        cached.clear();
+        e
+    };
     let start_counters = model.store().counters();
-    let mut cache = model.new_state();
-    let mut out = GenerateOutput::default();
-    let mut trace = match &opts.trace_routes {
-        Some(p) => {
-            let c = model.config();
-            let n_layers = c.num_hidden_layers();
-            let first_moe = (0..n_layers).find(|&l| c.is_moe_layer(l)).unwrap_or(n_layers);
-            if (first_moe..n_layers).any(|l| !c.is_moe_layer(l)) {
-                return Err(EngineError::Invalid(
-                    "--trace-routes: this model's MoE layers are not one contiguous run, which the trace format requires".into(),
-                ));
-            }
-            let shape = TraceShape {
-                n_layers: n_layers as u32,
-                first_moe: first_moe as u32,
-                n_experts: c.n_routed_experts() as u32,
-                top_k: model.routed().experts_per_token() as u32,
-            };
-            Some(TraceWriter::open(p, shape).map_err(|e| EngineError::Invalid(format!("--trace-routes: {e}")))?)
-        }
-        None => None,
+    let rest = &s.prompt[cached.len()..];
+    let chunk = prefill_chunk_tokens(model, s.prefill_chunk, rest.len());
+    let mut out = LoopOutput {
+        generated_ids: Vec::new(),
+        finish: FinishReason::Length,
+        stats: GenerateStats {
+            prompt_tokens: s.prompt.len(),
+            prefill_chunk: chunk,
+            moe_layers: model.config().moe_layers().count(),
+            ..Default::default()
+        },
     };
-    let mut predictions = match &opts.trace_predictions {
-        Some(p) => {
-            let s = TraceShape::for_model(model.config())
-                .map_err(|e| EngineError::Invalid(format!("--trace-predictions: {e}")))?;
-            let shape = TraceShape {
-                first_moe: s.first_moe + 1,
-                top_k: model.routed().experts_per_token() as u32,
-                ..s
-            };
-            if shape.first_moe >= shape.n_layers {
-                return Err(EngineError::Invalid(
-                    "--trace-predictions: the model has one MoE layer, so nothing is predicted".into(),
-                ));
-            }
-            Some((
-                TraceWriter::open(p, shape).map_err(|e| EngineError::Invalid(format!("--trace-predictions: {e}")))?,
-                shape,
-            ))
-        }
-        None => None,
-    };
-    let moe_layers = model.config().moe_layers().count();
     // One forward pass with its time breakdown.
     let measure = |kind: &'static str,
                    f: &mut dyn FnMut() -> Result<(usize, Vec<LayerRoutes>), EngineError>,
@@ -255,146 +363,216 @@ pub fn generate(
         });
         Ok(routes)
     };
-    let t0 = Instant::now();
+    let end = |mut out: LoopOutput, steady: Option<(Instant, usize)>| {
+        let st = &mut out.stats;
+        st.generated_tokens = out.generated_ids.len();
+        // The prefill rate covers the tokens run here, not a reused prefix.
+        st.prefill_tokens_per_s = if st.ttft.is_zero() {
+            0.0
+        } else {
+            rest.len() as f64 / st.ttft.as_secs_f64()
+        };
+        // Steady decode: the tokens chosen after the first decode step (which pays one-off
+        // costs).
+        if let Some((t, from)) = steady {
+            st.steady_decode_time = t.elapsed();
+            st.steady_decode_steps = out.generated_ids.len().saturating_sub(from);
+        }
+        st.experts = diff(model.store().counters(), start_counters);
+        st.peak_rss_bytes = crate::mem::peak_rss_bytes();
+        out
+    };
+
     let mut logits = Vec::new();
     let mut steps = Vec::new();
-    let chunk = prefill_chunk_tokens(model, opts.prefill_chunk, prompt.len());
+    // Distinct (layer, expert) of the tokens prefilled here (not of a reused prefix).
     let mut unique = std::collections::HashSet::new();
-    let mut pos = 0;
-    let c_prefill = model.store().counters();
-    for c in prompt.chunks(chunk) {
-        let routes = measure(
+    for c in rest.chunks(chunk) {
+        if (s.should_stop)() {
+            out.finish = FinishReason::Cancelled;
+            out.stats.steps = steps;
+            return Ok(end(out, None));
+        }
+        let pos = cached.len();
+        let r = measure(
             "prefill",
             &mut || {
-                let mut out = model.forward_batch(cache.as_mut(), c, false)?;
-                logits = out
+                let mut o = model.forward_batch(state.as_mut(), c, false)?;
+                logits = o
                     .logits
                     .pop()
                     .ok_or_else(|| EngineError::Invalid("prefill returned no logits".into()))?;
-                Ok((c.len(), out.routes))
+                Ok((c.len(), o.routes))
             },
             &mut steps,
-        )?;
-        if let Some((w, shape)) = predictions.as_mut() {
-            // A one-token chunk (`--prefill-chunk 1`) predicts as decoding does.
-            let p = model.routed().take_predictions();
-            let want = shape.first_moe as usize..shape.n_layers as usize;
-            if routes.len() == 1 && p.iter().map(|x| x.0).eq(want) {
-                let rr: Vec<&[usize]> = p.iter().map(|(_, x)| x.as_slice()).collect();
-                w.record(pos, &rr)?;
-            }
-        }
+        );
+        let routes = r.map_err(|e| forward_failed(state, cached, e))?;
+        cached.extend_from_slice(c);
+        // A one-token chunk (`--prefill-chunk 1`) predicts as decoding does.
+        traces.record(model, pos, &routes)?;
         for r in &routes {
             for (l, routing) in r {
                 unique.extend(routing.experts.iter().map(|&e| (*l, e)));
             }
-            if let Some(w) = trace.as_mut() {
-                let rr: Vec<&[usize]> = r.iter().map(|(_, x)| x.experts.as_slice()).collect();
-                w.record(pos, &rr)?;
-            }
-            pos += 1;
         }
     }
-    out.stats.prefill_expert_bytes = diff(model.store().counters(), c_prefill).bytes_read_demand;
+    out.stats.prefill_expert_bytes = diff(model.store().counters(), start_counters).bytes_read_demand;
     out.stats.prefill_unique_experts = unique.len();
-    out.stats.moe_layers = moe_layers;
-    out.stats.prefill_chunk = chunk;
-    let mut finish = "length";
-    let mut steady_start: Option<Instant> = None;
-    let mut steady_from = 0;
-    let mut chooser = Sampler::with_prompt(opts.sampling.clone(), prompt);
-    let mut spec = Speculator::new(opts.speculate);
-    let mut context: Vec<u32> = prompt.to_vec();
+
+    let mut sampler = Sampler::with_prompt(s.sampling.clone(), s.prompt);
+    if let Some(g) = s.constraint {
+        sampler.constrain(
+            g.start()
+                .map_err(|e| EngineError::Invalid(format!("the output grammar: {e}")))?,
+        );
+    }
+    let mut steady: Option<(Instant, usize)> = None;
     // Tokens chosen but not yet handed out, with the logits that chose them.
     let mut pending: std::collections::VecDeque<(u32, Vec<f32>)> = Default::default();
-    pending.push_back((chooser.sample(&logits), std::mem::take(&mut logits)));
-    out.stats.ttft = t0.elapsed();
-    'gen: while out.generated_ids.len() < opts.max_new_tokens {
-        if pending.is_empty() {
-            if out.generated_ids.len() >= 2 && steady_start.is_none() {
-                steady_start = Some(Instant::now());
-                steady_from = out.generated_ids.len();
-            }
-            let mut step_out = None;
-            let routes = measure(
-                "decode",
-                &mut || {
-                    spec.set_remaining(opts.max_new_tokens - out.generated_ids.len());
-                    let s = spec.step(model, cache.as_mut(), &context, &mut chooser)?;
-                    let routes = s.routes.clone();
-                    let n = s.tokens.len();
-                    step_out = Some(s);
-                    Ok((n, routes))
-                },
-                &mut steps,
-            )?;
-            let s = step_out.ok_or_else(|| EngineError::Invalid("decode step produced nothing".into()))?;
-            if s.drafted > 0 {
-                if let Some(last) = steps.last_mut() {
-                    last.kind = "verify";
+    pending.push_back((sampler.sample(&logits), std::mem::take(&mut logits)));
+    out.stats.ttft = s.started.elapsed();
+    let mode = spec.mode();
+    let generated = &mut out.generated_ids;
+    let finish = &mut out.finish;
+    let mut decode = || -> Result<(), EngineError> {
+        'gen: while generated.len() < s.max_new_tokens {
+            if pending.is_empty() {
+                if (s.should_stop)() {
+                    *finish = FinishReason::Cancelled;
+                    break;
                 }
-            }
-            let base = context.len() - 1;
-            if let Some(w) = trace.as_mut() {
-                for (i, r) in routes.iter().enumerate() {
-                    let rr: Vec<&[usize]> = r.iter().map(|(_, x)| x.experts.as_slice()).collect();
-                    w.record(base + i, &rr)?;
+                if generated.len() >= 2 && steady.is_none() {
+                    steady = Some((Instant::now(), generated.len()));
                 }
-            }
-            if let Some((w, shape)) = predictions.as_mut() {
-                // One prediction per MoE layer after the first, in layer order, from a one-token
-                // pass; anything else (a verify pass predicts nothing) writes no record.
-                let p = model.routed().take_predictions();
-                let want = shape.first_moe as usize..shape.n_layers as usize;
-                if routes.len() == 1 && p.iter().map(|x| x.0).eq(want) {
-                    let rr: Vec<&[usize]> = p.iter().map(|(_, x)| x.as_slice()).collect();
-                    w.record(base, &rr)?;
+                // The last generated token is not in the state yet: the step runs it first.
+                cached.push(generated[generated.len() - 1]);
+                let pos = cached.len() - 1;
+                spec.set_remaining(s.max_new_tokens - generated.len());
+                let mut step_out = None;
+                let r = measure(
+                    "decode",
+                    &mut || {
+                        let o = spec.step(model, state.as_mut(), cached, &mut sampler)?;
+                        let routes = o.routes.clone();
+                        let n = o.tokens.len();
+                        step_out = Some(o);
+                        Ok((n, routes))
+                    },
+                    &mut steps,
+                );
+                let routes = r.map_err(|e| forward_failed(state, cached, e))?;
+                let o = step_out.ok_or_else(|| EngineError::Invalid("decode step produced nothing".into()))?;
+                if o.drafted > 0 {
+                    if let Some(last) = steps.last_mut() {
+                        last.kind = "verify";
+                    }
                 }
+                cached.extend_from_slice(&o.tokens[..o.tokens.len().saturating_sub(1)]);
+                traces.record(model, pos, &routes)?;
+                pending.extend(o.tokens.into_iter().zip(o.logits));
             }
-            pending.extend(s.tokens.into_iter().zip(s.logits));
-        }
-        while let Some((next, l)) = pending.pop_front() {
-            if opts.record_logits {
-                out.step_logits.push(l);
-            }
-            out.generated_ids.push(next);
-            context.push(next);
-            let keep_going = on_token(next);
-            if !opts.ignore_eos && opts.eos_token_ids.contains(&next) {
-                finish = "eos";
-                break 'gen;
-            }
-            if !keep_going {
-                finish = "stop";
-                break 'gen;
-            }
-            if out.generated_ids.len() >= opts.max_new_tokens {
-                break 'gen;
+            while let Some((id, l)) = pending.pop_front() {
+                if let Some(e) = sampler.take_grammar_error() {
+                    return Err(EngineError::Invalid(format!("constrained decoding failed: {e}")));
+                }
+                generated.push(id);
+                let is_eos = !s.ignore_eos && s.eos_token_ids.contains(&id);
+                if let Some(reason) = on_token(id, l, is_eos)? {
+                    *finish = reason;
+                    break 'gen;
+                }
+                if sampler.grammar_finished_after() == Some(generated.len()) {
+                    *finish = FinishReason::Eos;
+                    break 'gen;
+                }
+                if generated.len() >= s.max_new_tokens {
+                    break 'gen;
+                }
             }
         }
+        Ok(())
+    };
+    if let Err(e) = decode() {
+        // A failed decode leaves the speculator fresh: its adaptive state may be half-updated.
+        *spec = Speculator::new(mode);
+        return Err(e);
     }
     // A verification pass can choose more tokens than were handed out (max_new_tokens, EOS or
     // a stop came first): its step counts only those handed out.
     if let Some(last) = steps.last_mut().filter(|s| s.kind != "prefill") {
         last.tokens = last.tokens.saturating_sub(pending.len());
     }
+    out.stats.steps = steps;
     out.stats.speculation = spec.stats;
     out.stats.speculate = spec.mode().name();
-    // Steady decode: the tokens chosen after the first decode step (which pays one-off costs).
-    if let Some(s) = steady_start {
-        out.stats.steady_decode_time = s.elapsed();
-        out.stats.steady_decode_steps = out.generated_ids.len().saturating_sub(steady_from);
+    Ok(end(out, steady))
+}
+
+/// Generation from `prompt` (non-empty) on a fresh KV cache, greedy unless `opts.sampling` says
+/// otherwise; `on_token` is called with each generated id as soon as it is chosen (for
+/// streaming output) and may stop the generation by returning false.
+///
+/// Errors: empty prompt, token ids outside the vocabulary, sampling settings out of range
+/// ([`SamplingParams::check`]), expert read failures.
+pub fn generate(
+    model: &dyn CausalLm,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    mut on_token: impl FnMut(u32) -> bool,
+) -> Result<GenerateOutput, EngineError> {
+    if prompt.is_empty() {
+        return Err(EngineError::Invalid(
+            "the prompt is empty: at least one token is needed".into(),
+        ));
     }
-    out.stats.prompt_tokens = prompt.len();
-    out.stats.generated_tokens = out.generated_ids.len();
-    out.stats.prefill_tokens_per_s = if out.stats.ttft.is_zero() {
-        0.0
-    } else {
-        prompt.len() as f64 / out.stats.ttft.as_secs_f64()
+    opts.sampling.check(model.vocab_size()).map_err(EngineError::Invalid)?;
+    let mut state = model.new_state();
+    let mut traces = Traces::open(model, opts)?;
+    let settings = LoopSettings {
+        prompt,
+        max_new_tokens: opts.max_new_tokens,
+        eos_token_ids: &opts.eos_token_ids,
+        ignore_eos: opts.ignore_eos,
+        prefill_chunk: opts.prefill_chunk,
+        sampling: &opts.sampling,
+        constraint: None,
+        should_stop: &|| false,
+        started: Instant::now(),
     };
-    out.stats.experts = diff(model.store().counters(), start_counters);
-    out.stats.peak_rss_bytes = crate::mem::peak_rss_bytes();
-    out.stats.finish_reason = finish;
-    out.stats.steps = steps;
-    Ok(out)
+    let mut step_logits = Vec::new();
+    let mut hook = |id: u32, logits: Vec<f32>, is_eos: bool| {
+        if opts.record_logits {
+            step_logits.push(logits);
+        }
+        let keep_going = on_token(id);
+        Ok(if is_eos {
+            Some(FinishReason::Eos)
+        } else if !keep_going {
+            Some(FinishReason::Cancelled)
+        } else {
+            None
+        })
+    };
+    let mut spec = Speculator::new(opts.speculate);
+    let r = decode_loop(
+        model,
+        &mut state,
+        &mut Vec::with_capacity(prompt.len() + opts.max_new_tokens),
+        &mut spec,
+        &mut traces,
+        &settings,
+        &mut hook,
+    )?;
+    let mut stats = r.stats;
+    stats.finish_reason = match r.finish {
+        FinishReason::Eos => "eos",
+        FinishReason::Length => "length",
+        // The caller's callback stopped it (`run`: a stop string or an output error).
+        FinishReason::Cancelled | FinishReason::StopString(_) => "stop",
+    };
+    Ok(GenerateOutput {
+        generated_ids: r.generated_ids,
+        step_logits,
+        stats,
+    })
 }

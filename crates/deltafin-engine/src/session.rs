@@ -17,9 +17,10 @@ use deltafin_tokenizer::{Tokenizer, TokenizerError};
 
 use crate::constraint::Grammar;
 use crate::experts::StoreCounters;
-use crate::generate::{prefill_chunk_tokens, GenerateStats, DEFAULT_SPECULATE};
+pub use crate::generate::FinishReason;
+use crate::generate::{decode_loop, GenerateStats, LoopSettings, Traces, DEFAULT_SPECULATE};
 use crate::model::{CausalLm, DecodeState};
-use crate::sampler::{logprob_of, top_logprobs, Sampler, SamplingParams};
+use crate::sampler::{logprob_of, top_logprobs, SamplingParams};
 use crate::speculate::{SpeculateMode, Speculator};
 use crate::EngineError;
 
@@ -75,19 +76,6 @@ pub struct Delta {
     pub text: String,
     /// The token's log-probability, when requested.
     pub logprob: Option<TokenLogprob>,
-}
-
-/// Why a generation ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-sequence token was produced, or the request's grammar is complete.
-    Eos,
-    /// The text reached a stop string (its index in the request).
-    StopString(usize),
-    /// `max_new_tokens` were produced.
-    Length,
-    /// The caller asked to stop (`should_stop` or the delta callback returned false).
-    Cancelled,
 }
 
 /// What a generation produced.
@@ -199,50 +187,6 @@ impl Session {
         self.cached.clear();
     }
 
-    /// Runs `tokens` at the next positions in one batched pass; returns the last position's
-    /// logits and every position's routes. On failure the cache is reset, because a pass that
-    /// failed midway may have appended to some layers only.
-    fn run_chunk(&mut self, tokens: &[u32]) -> Result<(Vec<f32>, Vec<crate::LayerRoutes>), EngineError> {
-        let r = self
-            .model
-            .forward_batch(self.cache.as_mut(), tokens, false)
-            .and_then(|mut o| {
-                let logits = o
-                    .logits
-                    .pop()
-                    .ok_or_else(|| EngineError::Invalid("forward pass returned no logits".into()))?;
-                Ok((logits, o.routes))
-            });
-        match r {
-            Ok(out) => {
-                self.cached.extend_from_slice(tokens);
-                Ok(out)
-            }
-            Err(e) => {
-                self.reset();
-                Err(e)
-            }
-        }
-    }
-
-    fn token_text(&self, id: u32) -> String {
-        self.tokenizer
-            .decode(&[id], false)
-            .unwrap_or_else(|_| format!("<token {id}>"))
-    }
-
-    fn token_logprob(&self, logits: &[f32], id: u32, n: usize) -> TokenLogprob {
-        TokenLogprob {
-            id,
-            token: self.token_text(id),
-            logprob: logprob_of(logits, id),
-            top: top_logprobs(logits, n)
-                .into_iter()
-                .map(|(t, lp)| (t, self.token_text(t), lp))
-                .collect(),
-        }
-    }
-
     /// Generates from `req.prompt`, reusing the cached prefix it shares with the previous
     /// request. `should_stop` is checked before every forward pass (prefill and decode), so a
     /// cancellation takes effect within one step; `on_delta` receives each step's output and
@@ -278,8 +222,7 @@ impl Session {
                 req.max_new_tokens
             )));
         }
-        let start_counters = self.counters();
-        let t0 = Instant::now();
+        let started = Instant::now();
 
         // Reuse the longest common prefix, but always run the last prompt token: its logits
         // choose the first generated token.
@@ -301,109 +244,23 @@ impl Session {
         }
         self.cached.truncate(reused);
 
-        let mut out = GenerationOutput {
-            text: String::new(),
-            generated_ids: Vec::new(),
-            finish: FinishReason::Length,
-            prompt_tokens: n_prompt,
-            reused_tokens: reused,
-            stats: GenerateStats {
-                prompt_tokens: n_prompt,
-                ..Default::default()
-            },
-        };
-        let mut logits = Vec::new();
-        let rest = &req.prompt[reused..];
-        let chunk = prefill_chunk_tokens(self.model.as_ref(), self.prefill_chunk, rest.len());
-        out.stats.prefill_chunk = chunk;
-        out.stats.moe_layers = self.model.config().moe_layers().count();
-        // Distinct (layer, expert) of the tokens prefilled here (not of a reused prefix).
-        let mut unique = std::collections::HashSet::new();
-        for c in rest.chunks(chunk) {
-            if should_stop() {
-                out.finish = FinishReason::Cancelled;
-                self.finish_stats(&mut out, start_counters, None);
-                return Ok(out);
-            }
-            let (lg, routes) = self.run_chunk(c)?;
-            logits = lg;
-            for r in &routes {
-                for (l, routing) in r {
-                    unique.extend(routing.experts.iter().map(|&e| (*l, e)));
-                }
-            }
-        }
-        out.stats.prefill_expert_bytes = self.counters().since(&start_counters).bytes_read_demand;
-        out.stats.prefill_unique_experts = unique.len();
-
         let tokenizer = Arc::clone(&self.tokenizer);
         let mut decoder = tokenizer.stream_decoder(!req.keep_special_tokens);
         let mut stops = StopMatcher::new(&req.stop);
-        let mut sampler = Sampler::with_prompt(req.sampling.clone(), &req.prompt);
-        if let Some(g) = &req.constraint {
-            sampler.constrain(
-                g.start()
-                    .map_err(|e| EngineError::Invalid(format!("the output grammar: {e}")))?,
-            );
-        }
-        let mut steady_start: Option<Instant> = None;
-        let mut steady_from = 0;
-        let mut finished = false;
-        // Taken for the request and put back at its end (a failed request starts afresh).
-        let mode = self.spec.mode();
-        let mut spec = std::mem::replace(&mut self.spec, Speculator::new(mode));
-        spec.stats = Default::default();
-        // Tokens chosen but not yet handed out, with the logits that chose them.
-        let mut pending: std::collections::VecDeque<(u32, Vec<f32>)> = Default::default();
-        pending.push_back((sampler.sample(&logits), std::mem::take(&mut logits)));
-        out.stats.ttft = t0.elapsed();
-        for _ in 0..req.max_new_tokens {
-            if pending.is_empty() {
-                if should_stop() {
-                    out.finish = FinishReason::Cancelled;
-                    finished = true;
-                    break;
-                }
-                if out.generated_ids.len() >= 2 && steady_start.is_none() {
-                    steady_start = Some(Instant::now());
-                    steady_from = out.generated_ids.len();
-                }
-                let last = out.generated_ids[out.generated_ids.len() - 1];
-                let mut context = self.cached.clone();
-                context.push(last);
-                let model = Arc::clone(&self.model);
-                spec.set_remaining(req.max_new_tokens.saturating_sub(out.generated_ids.len()));
-                let s = match spec.step(model.as_ref(), self.cache.as_mut(), &context, &mut sampler) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        self.reset();
-                        return Err(e);
-                    }
-                };
-                self.cached.push(last);
-                self.cached
-                    .extend_from_slice(&s.tokens[..s.tokens.len().saturating_sub(1)]);
-                pending.extend(s.tokens.into_iter().zip(s.logits));
-            }
-            let Some((id, logits)) = pending.pop_front() else {
-                break;
-            };
-            if let Some(e) = sampler.take_grammar_error() {
-                return Err(EngineError::Invalid(format!("constrained decoding failed: {e}")));
-            }
-            out.generated_ids.push(id);
-            let logprob = req.logprobs.map(|n| self.token_logprob(&logits, id, n));
-            if !req.ignore_eos && self.eos_token_ids.contains(&id) {
-                out.finish = FinishReason::Eos;
-                if !on_delta(Delta {
+        let mut text = String::new();
+        let mut hook = |id: u32, logits: Vec<f32>, is_eos: bool| {
+            let logprob = req.logprobs.map(|n| token_logprob(&tokenizer, &logits, id, n));
+            if is_eos {
+                let delta = Delta {
                     token: Some(id),
                     text: String::new(),
                     logprob,
-                }) {
-                    out.finish = FinishReason::Cancelled;
-                    finished = true;
-                }
-                break;
+                };
+                return Ok(Some(if on_delta(delta) {
+                    FinishReason::Eos
+                } else {
+                    FinishReason::Cancelled
+                }));
             }
             let piece = match decoder.push(id) {
                 Ok(p) => p,
@@ -411,74 +268,100 @@ impl Session {
                 Err(TokenizerError::UnknownTokenId { .. }) => String::new(),
                 Err(e) => return Err(e.into()),
             };
-            let (text, matched) = stops.push(&piece);
-            out.text.push_str(&text);
+            let (piece, matched) = stops.push(&piece);
+            text.push_str(&piece);
             let keep_going = on_delta(Delta {
                 token: Some(id),
-                text,
+                text: piece,
                 logprob,
             });
-            if let Some(i) = matched {
-                out.finish = FinishReason::StopString(i);
-                finished = true;
-                break;
-            }
-            if !keep_going {
-                out.finish = FinishReason::Cancelled;
-                finished = true;
-                break;
-            }
-            if sampler.grammar_finished_after() == Some(out.generated_ids.len()) {
-                // The grammar is complete: flush below, as after an end-of-sequence token.
-                out.finish = FinishReason::Eos;
-                break;
-            }
-        }
-        if !finished {
+            Ok(match matched {
+                Some(i) => Some(FinishReason::StopString(i)),
+                None if !keep_going => Some(FinishReason::Cancelled),
+                None => None,
+            })
+        };
+        let settings = LoopSettings {
+            prompt: &req.prompt,
+            max_new_tokens: req.max_new_tokens,
+            eos_token_ids: &self.eos_token_ids,
+            ignore_eos: req.ignore_eos,
+            prefill_chunk: self.prefill_chunk,
+            sampling: &req.sampling,
+            constraint: req.constraint.as_ref(),
+            should_stop,
+            started,
+        };
+        // Taken for the request and put back at its end (a failed request starts afresh).
+        let mode = self.spec.mode();
+        let mut spec = std::mem::replace(&mut self.spec, Speculator::new(mode));
+        spec.stats = Default::default();
+        let model = Arc::clone(&self.model);
+        let r = decode_loop(
+            model.as_ref(),
+            &mut self.cache,
+            &mut self.cached,
+            &mut spec,
+            &mut Traces::default(),
+            &settings,
+            &mut hook,
+        );
+        // A decode that failed left `spec` fresh (see `decode_loop`).
+        self.spec = spec;
+        let r = r?;
+        let mut finish = r.finish;
+        if matches!(finish, FinishReason::Eos | FinishReason::Length) {
             // Eos or length: flush what the decoder and the stop matcher held back.
             let tail = decoder.finish()?;
-            let (mut text, matched) = stops.push(&tail);
+            let (mut piece, matched) = stops.push(&tail);
             match matched {
-                Some(i) => out.finish = FinishReason::StopString(i),
-                None => text.push_str(&stops.flush()),
+                Some(i) => finish = FinishReason::StopString(i),
+                None => piece.push_str(&stops.flush()),
             }
-            if !text.is_empty() {
-                out.text.push_str(&text);
+            if !piece.is_empty() {
+                text.push_str(&piece);
                 on_delta(Delta {
                     token: None,
-                    text,
+                    text: piece,
                     logprob: None,
                 });
             }
         }
-        out.stats.speculation = spec.stats;
-        out.stats.speculate = spec.mode().name();
-        self.spec = spec;
-        self.finish_stats(&mut out, start_counters, steady_start.map(|t| (t, steady_from)));
-        Ok(out)
-    }
-
-    fn finish_stats(&self, out: &mut GenerationOutput, start: StoreCounters, steady_start: Option<(Instant, usize)>) {
-        let s = &mut out.stats;
-        s.generated_tokens = out.generated_ids.len();
-        let run = out.prompt_tokens - out.reused_tokens;
-        s.prefill_tokens_per_s = if s.ttft.is_zero() {
-            0.0
-        } else {
-            run as f64 / s.ttft.as_secs_f64()
-        };
-        if let Some((t, from)) = steady_start {
-            s.steady_decode_time = t.elapsed();
-            s.steady_decode_steps = out.generated_ids.len().saturating_sub(from);
-        }
-        s.experts = self.counters().since(&start);
-        s.peak_rss_bytes = crate::mem::peak_rss_bytes();
-        s.finish_reason = match out.finish {
+        let mut stats = r.stats;
+        stats.finish_reason = match finish {
             FinishReason::Eos => "eos",
             FinishReason::StopString(_) => "stop",
             FinishReason::Length => "length",
             FinishReason::Cancelled => "cancelled",
         };
+        Ok(GenerationOutput {
+            text,
+            generated_ids: r.generated_ids,
+            finish,
+            prompt_tokens: n_prompt,
+            reused_tokens: reused,
+            stats,
+        })
+    }
+}
+
+/// The text of one token (special tokens spelled out; an unknown id as `<token ID>`).
+fn token_text(tokenizer: &Tokenizer, id: u32) -> String {
+    tokenizer
+        .decode(&[id], false)
+        .unwrap_or_else(|_| format!("<token {id}>"))
+}
+
+/// `id`'s log-probability under `logits` with the `n` most likely alternatives.
+fn token_logprob(tokenizer: &Tokenizer, logits: &[f32], id: u32, n: usize) -> TokenLogprob {
+    TokenLogprob {
+        id,
+        token: token_text(tokenizer, id),
+        logprob: logprob_of(logits, id),
+        top: top_logprobs(logits, n)
+            .into_iter()
+            .map(|(t, lp)| (t, token_text(tokenizer, t), lp))
+            .collect(),
     }
 }
 

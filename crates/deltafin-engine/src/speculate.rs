@@ -41,7 +41,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Instant;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::model::{CausalLm, DecodeState, LayerRoutes};
 use crate::sampler::Sampler;
@@ -110,7 +110,8 @@ pub enum Drafter {
 }
 
 /// Counters of one generation's speculation.
-#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
 pub struct SpecStats {
     /// Plain (one-token) decode steps.
     pub plain_steps: u64,

@@ -15,9 +15,10 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::{json, Value};
 
+use crate::report::{RunReport, Step};
 use crate::size;
 use crate::OutputFile;
 
@@ -80,54 +81,8 @@ pub struct BenchArgs {
     work_dir: Option<PathBuf>,
 }
 
-/// One step of `--stats-json` `steps`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(default)]
-pub struct Step {
-    /// `prefill`, `decode` or `verify` (a speculative pass).
-    pub kind: String,
-    /// Tokens the pass produced (0 in files from before multi-token passes: read as 1).
-    pub tokens: usize,
-    pub seconds: f64,
-    pub io_wait_s: f64,
-    pub expert_compute_s: f64,
-    pub attention_s: f64,
-    pub other_s: f64,
-    pub expert_bytes_read: u64,
-}
-
-/// The `deltafin run --stats-json` document (fields this report uses; unknown ones ignored).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(default)]
-pub struct RunStats {
-    pub generated_ids: Vec<u32>,
-    pub prompt_tokens: usize,
-    pub ttft_s: f64,
-    pub prefill_tokens_per_s: f64,
-    pub steady_decode_tokens_per_s: Option<f64>,
-    pub steady_decode_steps: usize,
-    pub expert_bytes_read_demand: u64,
-    pub expert_bytes_read_speculative: u64,
-    pub expert_hits: u64,
-    pub expert_misses: u64,
-    pub hit_rate: f64,
-    pub peak_rss_bytes: Option<u64>,
-    pub io_mode: Option<String>,
-    pub cache_policy: Option<String>,
-    pub prefetch: Option<bool>,
-    pub non_default_routing: bool,
-    /// `exact` unless `DELTAFIN_BATCH_FORM` chose another batched arithmetic.
-    pub batch_form: Option<String>,
-    pub experts_per_token: Option<usize>,
-    pub ram_budget: Option<u64>,
-    pub prefill_chunk: Option<usize>,
-    pub prefill_expert_bytes: Option<u64>,
-    pub prefill_unique_expert_bytes: Option<u64>,
-    pub speculation: Option<Value>,
-    pub steps: Vec<Step>,
-}
-
-impl RunStats {
+/// What the report reads from each run's `--stats-json`.
+impl RunReport {
     /// Decode steps that count for the steady rate: every decode (or speculative verify) step
     /// but the first.
     fn steady_steps(&self) -> &[Step] {
@@ -165,7 +120,7 @@ struct Run {
     /// 0-based position in the overall order.
     position: usize,
     wall_s: f64,
-    stats: RunStats,
+    stats: RunReport,
     /// with-memory-limit.sh's report (limit, peak usage incl. page cache, OOM kills).
     cgroup: Option<Value>,
 }
@@ -580,7 +535,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 stats_path.display()
             )
         })?;
-        let stats: RunStats =
+        let stats: RunReport =
             serde_json::from_str(&text).with_context(|| format!("parsing {}", stats_path.display()))?;
         let cgroup = std::fs::read_to_string(&cg_path)
             .ok()
@@ -1202,7 +1157,7 @@ mod tests {
             "steps":[{"kind":"prefill","seconds":0.1,"io_wait_s":0.05,"expert_compute_s":0.02,"attention_s":0.01,"other_s":0.02,"expert_bytes_read":100},
                      {"kind":"decode","seconds":0.4,"io_wait_s":0.3,"expert_compute_s":0.05,"attention_s":0.02,"other_s":0.03,"expert_bytes_read":100},
                      {"kind":"decode","seconds":0.5,"io_wait_s":0.4,"expert_compute_s":0.05,"attention_s":0.02,"other_s":0.03,"expert_bytes_read":60}]}"#;
-        let s: RunStats = serde_json::from_str(j).unwrap();
+        let s: RunReport = serde_json::from_str(j).unwrap();
         assert_eq!(s.steady_steps().len(), 1);
         assert_eq!(s.demand_bytes_per_token(), Some(60.0));
         assert_eq!(s.steady_mean(|x| x.io_wait_s), Some(0.4));

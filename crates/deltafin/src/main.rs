@@ -14,6 +14,7 @@ mod model_args;
 mod model_path;
 mod pull_cmd;
 mod replay;
+mod report;
 mod run_cmd;
 mod sampling_args;
 mod serve;

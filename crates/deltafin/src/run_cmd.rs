@@ -13,6 +13,7 @@ use deltafin_tokenizer::Tokenizer;
 
 use crate::model_args::{open_model, ram_budget, PassArgs, StoreArgs, BATCH_FORM_NOTE, NON_DEFAULT_ROUTING};
 use crate::model_path::ModelPath;
+use crate::report::RunReport;
 use crate::{device_args, sampling_args, size, term};
 
 #[derive(clap::Args)]
@@ -246,7 +247,11 @@ pub(crate) fn run(a: &RunArgs) -> Result<()> {
         file.write(&serde_json::to_vec(&json)?)?;
     }
     if let Some(file) = stats_file {
-        file.write(&serde_json::to_vec_pretty(&stats_json(&out, model.as_ref(), budget))?)?;
+        file.write(&serde_json::to_vec_pretty(&RunReport::new(
+            &out,
+            model.as_ref(),
+            budget,
+        ))?)?;
     }
     print_stats("run", &out.stats, model.as_ref(), budget, &dir);
     Ok(())
@@ -298,68 +303,6 @@ impl Drop for OutputFile {
             let _ = std::fs::remove_file(&self.path);
         }
     }
-}
-
-/// The `--stats-json` document (schema in the README, consumed by `deltafin bench`).
-fn stats_json(out: &deltafin_engine::generate::GenerateOutput, model: &dyn CausalLm, budget: u64) -> serde_json::Value {
-    let s = &out.stats;
-    serde_json::json!({
-        "generated_ids": out.generated_ids,
-        "prompt_tokens": s.prompt_tokens,
-        "ttft_s": s.ttft.as_secs_f64(),
-        "prefill_tokens_per_s": s.prefill_tokens_per_s,
-        "steady_decode_tokens_per_s": s.steady_decode_tokens_per_s(),
-        "steady_decode_steps": s.steady_decode_steps,
-        "expert_bytes_read_demand": s.experts.bytes_read_demand,
-        "expert_bytes_read_speculative": s.experts.bytes_read_speculative,
-        "prefetch_issued": s.experts.prefetch_issued,
-        "prefetch_useful": s.experts.prefetch_useful,
-        "prefetch_wasted_bytes": s.experts.prefetch_wasted_bytes,
-        "prefetch_recall": s.experts.prefetch_recall(),
-        "io_wait_s": s.experts.read_wait_ns as f64 * 1e-9,
-        "expert_hits": s.experts.hits,
-        "expert_misses": s.experts.misses,
-        "hit_rate": s.experts.hit_rate(),
-        "peak_rss_bytes": s.peak_rss_bytes,
-        "io_mode": model.store().io_mode().to_string(),
-        "cache_policy": model.store().options().policy.to_string(),
-        "prefetch": model.store().options().prefetch,
-        "non_default_routing": model.routed().non_default_routing(),
-        "batch_form": model.routed().batch_form().name(),
-        "compute_only": model.routed().compute_only(),
-        "experts_per_token": model.routed().experts_per_token(),
-        "ram_budget": budget,
-        "finish_reason": s.finish_reason,
-        "prefill_chunk": s.prefill_chunk,
-        "prefill_expert_bytes": s.prefill_expert_bytes,
-        "prefill_unique_experts": s.prefill_unique_experts,
-        "prefill_unique_expert_bytes": s.prefill_unique_experts as u64 * model.store().record_bytes(),
-        "moe_layers": s.moe_layers,
-        "speculation": {
-            "mode": s.speculate,
-            "stats": s.speculation,
-            "tokens_per_pass": s.speculation.tokens_per_pass(),
-            "acceptance_lookup": s.speculation.acceptance(Drafter::Lookup),
-            "acceptance_self": s.speculation.acceptance(Drafter::SelfDraft),
-            "bytes_per_pass_token": s.speculation.bytes_per_pass_token(),
-        },
-        "steps": s.steps,
-        "gpu_expert_cache": model.gpu_cache_stats().map(gpu_cache_json),
-    })
-}
-
-/// The GPU expert cache's counters in `--stats-json`.
-fn gpu_cache_json(g: deltafin_engine::GpuCacheStats) -> serde_json::Value {
-    serde_json::json!({
-        "budget_bytes": g.budget_bytes,
-        "resident_bytes": g.resident_bytes,
-        "hits": g.hits,
-        "misses": g.misses,
-        "hit_rate": g.hit_rate(),
-        "evictions": g.evictions,
-        "bytes_uploaded": g.bytes_uploaded,
-        "upload_s": g.upload_ns as f64 * 1e-9,
-    })
 }
 
 pub(crate) fn print_stats(title: &str, s: &GenerateStats, model: &dyn CausalLm, budget: u64, dir: &ModelDir) {
