@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Realistic routing at scale (issue 18 part 4): the trained demo model's routing replayed on the
-12.8 GiB `bench` expert pack through the real expert store, cache policies and O_DIRECT I/O
-engine (`deltafin replay --map-experts`), cold start, cache budget 1/3 of the pack. The "At
-scale" subsection of bench/NOTES.md. Standard library only.
+12.8 GiB `bench` expert pack (or the 11.5 GiB `k3-bench` one) through the real expert store,
+cache policies and O_DIRECT I/O engine (`deltafin replay --map-experts`), cold start, cache
+budget 1/3 of the pack. The "At scale" subsections of bench/NOTES.md. Standard library only.
 
     deltafin synth --preset bench --out /tmp/bench
     python3 bench/at_scale.py --deltafin target/release/deltafin \
@@ -17,6 +17,9 @@ scale" subsection of bench/NOTES.md. Standard library only.
    and on, with a stand-in pause for expert compute per layer (`--compute-us`) so speculative
    reads get disk time as in a run.
 3. A pinned-fraction sweep on one pair (code pinned from chat, warmed in idle time).
+
+`--configs lru,lfu` runs only those replays (the k3-bench measurement); `--svg` is then not
+written.
 """
 
 from __future__ import annotations
@@ -113,7 +116,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--svg", type=Path, required=True)
     ap.add_argument("--workloads", default="prose,code,chat,switch")
+    ap.add_argument("--configs", default="lru,lfu,pinned,pinned_warm,prefetch_off,prefetch_on,sweep",
+                    help="which replays to run (the chart needs all but sweep)")
     a = ap.parse_args()
+    configs = set(a.configs.split(","))
     a.work.mkdir(parents=True, exist_ok=True)
     exe = a.deltafin
     t = record(exe, a.demo, a.work)
@@ -128,15 +134,20 @@ def main() -> None:
         pin = ["--cache-policy", "pinned", "--pin-from", other]
         pf = ["--cache-policy", "lru", "--predictions", pred, "--compute-us", str(COMPUTE_US)]
         row = {"pinned_from": OTHER[w]}
-        row["lru"] = replay(exe, a.bench, a.work, f"{w}-lru", [*base, "--cache-policy", "lru", "--predictions", pred])
-        row["lfu"] = replay(exe, a.bench, a.work, f"{w}-lfu", [*base, "--cache-policy", "lfu"])
-        row["pinned"] = replay(exe, a.bench, a.work, f"{w}-pinned", [*base, *pin])
-        row["pinned_warm"] = replay(exe, a.bench, a.work, f"{w}-pinned-warm", [*base, *pin, "--warm-idle"])
-        row["prefetch_off"] = replay(exe, a.bench, a.work, f"{w}-prefetch-off", [*base, *pf])
-        row["prefetch_on"] = replay(exe, a.bench, a.work, f"{w}-prefetch-on", [*base, *pf, "--prefetch", "on"])
+        runs = {
+            "lru": [*base, "--cache-policy", "lru", "--predictions", pred],
+            "lfu": [*base, "--cache-policy", "lfu"],
+            "pinned": [*base, *pin],
+            "pinned_warm": [*base, *pin, "--warm-idle"],
+            "prefetch_off": [*base, *pf],
+            "prefetch_on": [*base, *pf, "--prefetch", "on"],
+        }
+        for c, args in runs.items():
+            if c in configs:
+                row[c] = replay(exe, a.bench, a.work, f"{w}-{c.replace('_', '-')}", args)
         res["workloads"][w] = row
         a.json.write_text(json.dumps(res, indent=1) + "\n")
-    if "code" in res["workloads"]:
+    if "code" in res["workloads"] and "sweep" in configs:
         sweep = {}
         routes = str(t["code"][0])
         for f in ("0.25", "0.75"):
@@ -145,7 +156,8 @@ def main() -> None:
                                "--pin-from", str(t["chat"][0]), "--pinned-fraction", f, "--warm-idle"])
         res["pinned_fraction_sweep_code_from_chat"] = sweep
     a.json.write_text(json.dumps(res, indent=1) + "\n")
-    if len(res["workloads"]) == 4:
+    if len(res["workloads"]) == 4 and all(c in configs for c in ("lru", "lfu", "pinned", "pinned_warm",
+                                                                "prefetch_off", "prefetch_on")):
         svg_chart(res, a.svg)
 
 

@@ -101,7 +101,8 @@ pub(crate) struct StoreArgs {
     /// Expert cache policy: `lfu` (LFU with dynamic aging), `lru`, or `pinned` (a tier filled
     /// from router-trace heat, see --pin-from, plus LRU for the rest). Default `lfu`: with the
     /// trained model's routing on the 12.8 GiB `bench` pack at a third of the pack it read
-    /// 1.4–5.9 points of the no-cache need less than `lru` on every workload (bench/NOTES.md,
+    /// 1.4–5.9 points of the no-cache need less than `lru` on every workload (on the
+    /// `k3-bench` pack: within ±2 points, ahead on code and chat, behind on prose; bench/NOTES.md,
     /// "At scale").
     #[arg(long, default_value = "lfu", value_parser = parse_policy)]
     cache_policy: CachePolicy,

@@ -6,10 +6,11 @@
 //!   `run --compute-only` of the same prompt (no expert reads) and a normal run show how well
 //!   compute hides under I/O;
 //! - cache, pinning, warm-up and prefetch at scale (`--map-experts`): a trace recorded on a
-//!   small trained model (the demo) replayed on a large pack (the `bench` preset), its expert ids
-//!   mapped onto the larger expert set ([`TraceMapper`]), cold start, under the `--ram-budget`
-//!   limit. Reports bytes read per token against the no-cache need (top-k × MoE layers ×
-//!   record), hits, prefetch recall and wasted bytes, and the time spent waiting for reads.
+//!   small trained model (the demo) replayed on a large pack (the `bench` or `k3-bench`
+//!   preset), its expert ids mapped onto the larger expert set ([`TraceMapper`]), cold start,
+//!   under the `--ram-budget` limit. Reports bytes read per token against the no-cache need
+//!   (top-k × MoE layers × record), hits, prefetch recall and wasted bytes, and the time spent
+//!   waiting for reads.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -37,9 +38,11 @@ pub struct ReplayArgs {
     store: StoreArgs,
     /// Replay traces (--trace, --pin-from, --predictions) recorded on a smaller model, their
     /// expert ids mapped onto this model's experts: layer j replays the trace's MoE layer
-    /// j mod L, each trace expert owns a block of (this model's experts ÷ the trace's) experts
-    /// taken in turn, and every token requests this model's top-k per layer (README, "Router
-    /// traces").
+    /// j mod L; each trace expert owns a fixed block of b = max(this model's experts ÷ the
+    /// trace's, ⌈this top-k ÷ the trace's⌉) experts, taken in turn; every token requests this
+    /// model's top-k distinct experts per layer. Where b exceeds the ratio, blocks overlap and
+    /// a member an earlier pick of the token took is replaced by the next free one (README,
+    /// "Router trace format").
     #[arg(long)]
     map_experts: bool,
     /// Next-layer predictions recorded with the trace (`run --trace-predictions`): each layer's

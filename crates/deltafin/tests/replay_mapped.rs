@@ -223,3 +223,56 @@ fn traced_predictions_replay_to_the_runs_recall() {
         u(&s, "tokens") * 2 * u(&s, "record_bytes")
     );
 }
+
+/// A trace whose picks × (target experts ÷ trace experts) fall short of the target's top-k:
+/// 2 MoE layers × 8 experts, top-1, onto `tiny` (8 experts, top-2). Each trace expert owns a
+/// fixed block of ⌈2/1⌉ = 2 target experts (the blocks overlap: 8 × 2 positions on 8 experts),
+/// and every token requests `tiny`'s own 2 × 2 records.
+#[test]
+fn mapped_replay_with_overlapping_blocks() {
+    let t = tempfile::tempdir().unwrap();
+    let (model, w) = (t.path().join("tiny"), t.path());
+    deltafin()
+        .args(["synth", "--preset", "tiny", "--out"])
+        .arg(&model)
+        .assert()
+        .success();
+    // MoE layer 0 alternates experts 0 and 1 (blocks at positions 0–1 and 2–3: disjoint),
+    // MoE layer 1 always picks 5: 2 + 2 + 2 = 6 distinct records.
+    let n = 20u32;
+    let trace = w.join("top1.routes");
+    write_trace(
+        &trace,
+        [3, 1, 8, 1],
+        &(0..n).map(|p| (p, vec![(p % 2) as u16, 5])).collect::<Vec<_>>(),
+    );
+    let tr = trace.to_str().unwrap();
+    let s = replay(&model, w, &["--trace", tr, "--map-experts"]);
+    let rec = u(&s, "record_bytes");
+    assert_eq!(u(&s, "requests_per_token"), 4);
+    assert_eq!(u(&s, "expert_bytes_read_demand"), u64::from(n) * 4 * rec);
+    // A cache of 6 records: each read once.
+    let budget = format!("{}", 6 * rec);
+    let s = replay(&model, w, &["--trace", tr, "--map-experts", "--ram-budget", &budget]);
+    assert_eq!((u(&s, "misses"), u(&s, "hits")), (6, u64::from(n) * 4 - 6));
+    // One record fewer under LRU. A layer's hits are taken before its misses are read, so
+    // after the first two tokens (6 cold misses) a token's layer-0 pair has one record left
+    // from two tokens before (a hit) and misses the other, evicting the record the last token
+    // left: one miss per token, and layer 1's two records always hit.
+    let five = format!("{}", 5 * rec);
+    let s = replay(
+        &model,
+        w,
+        &[
+            "--trace",
+            tr,
+            "--map-experts",
+            "--ram-budget",
+            &five,
+            "--cache-policy",
+            "lru",
+        ],
+    );
+    let misses = 6 + u64::from(n - 2);
+    assert_eq!((u(&s, "misses"), u(&s, "hits")), (misses, u64::from(n) * 4 - misses));
+}
