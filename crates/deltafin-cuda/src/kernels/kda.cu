@@ -211,13 +211,7 @@ extern "C" __global__ void moe_gate_up_situ_mxfp4(MoePtrs gate, MoePtrs up, int 
     const int k = blockIdx.y;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= inter) return;
-    const int nb = (hidden + 31) >> 5;
-    float a[1][1], b[1][1];
-    mx_rows<MX_DEC, 1, 1>(gate.packed[k] + (size_t)row * nb * 16, gate.scales[k] + (size_t)row * nb, 1, hidden, nb,
-                     lut, x, 1, a);
-    mx_rows<MX_DEC, 1, 1>(up.packed[k] + (size_t)row * nb * 16, up.scales[k] + (size_t)row * nb, 1, hidden, nb, lut,
-                     x, 1, b);
-    const float g = warp_sum(a[0][0]);
-    const float u = warp_sum(b[0][0]);
+    float g, u;
+    moe_gate_up_row(gate, up, k, row, hidden, lut, x, &g, &u);
     if ((threadIdx.x & 31) == 0) h[(size_t)k * inter + row] = df_situ(g, u, beta, lbeta, has_lin);
 }

@@ -761,6 +761,22 @@ struct MoeWeights {
     float w[MOE_MAX_K];
 };
 
+// Row `row` of slot k's gate and up matrices ([inter, hidden] MXFP4) dotted with x, as
+// mxfp4_mv_f16_r1 computes each (mx_rows at R = T = 1, then warp_sum): the gate/up kernels of
+// every GLU variant (SwiGLU here, SiTU-GLU in kda.cu) share it.
+__device__ __forceinline__ void moe_gate_up_row(const MoePtrs& gate, const MoePtrs& up, int k, int row, int hidden,
+                                                const float* lut, const float* __restrict__ x, float* g,
+                                                float* u) {
+    const int nb = (hidden + 31) >> 5;
+    float a[1][1], b[1][1];
+    mx_rows<MX_DEC, 1, 1>(gate.packed[k] + (size_t)row * nb * 16, gate.scales[k] + (size_t)row * nb, 1, hidden, nb,
+                          lut, x, 1, a);
+    mx_rows<MX_DEC, 1, 1>(up.packed[k] + (size_t)row * nb * 16, up.scales[k] + (size_t)row * nb, 1, hidden, nb, lut,
+                          x, 1, b);
+    *g = warp_sum(a[0][0]);
+    *u = warp_sum(b[0][0]);
+}
+
 // h[k, r] = silu(gate_k[r] . x) * (up_k[r] . x); gate_k, up_k: [inter, hidden]; one warp a row,
 // blockIdx.y = expert.
 extern "C" __global__ void moe_gate_up_mxfp4(MoePtrs gate, MoePtrs up, int inter, int hidden,
@@ -770,14 +786,8 @@ extern "C" __global__ void moe_gate_up_mxfp4(MoePtrs gate, MoePtrs up, int inter
     const int k = blockIdx.y;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= inter) return;
-    const int nb = (hidden + 31) >> 5;
-    float a[1][1], b[1][1];
-    mx_rows<MX_DEC, 1, 1>(gate.packed[k] + (size_t)row * nb * 16, gate.scales[k] + (size_t)row * nb, 1, hidden, nb,
-                     lut, x, 1, a);
-    mx_rows<MX_DEC, 1, 1>(up.packed[k] + (size_t)row * nb * 16, up.scales[k] + (size_t)row * nb, 1, hidden, nb, lut,
-                     x, 1, b);
-    const float g = warp_sum(a[0][0]);
-    const float u = warp_sum(b[0][0]);
+    float g, u;
+    moe_gate_up_row(gate, up, k, row, hidden, lut, x, &g, &u);
     if ((threadIdx.x & 31) == 0) h[(size_t)k * inter + row] = g / (1.0f + expf(-g)) * u;
 }
 
