@@ -43,6 +43,17 @@ fn replay(model: &Path, work: &Path, args: &[&str]) -> Value {
     serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
 }
 
+/// `synth --preset tiny` into `dir/tiny`; returns that path.
+fn tiny_model(dir: &Path) -> std::path::PathBuf {
+    let model = dir.join("tiny");
+    deltafin()
+        .args(["synth", "--preset", "tiny", "--out"])
+        .arg(&model)
+        .assert()
+        .success();
+    model
+}
+
 fn u(v: &Value, k: &str) -> u64 {
     v[k].as_u64().unwrap_or_else(|| panic!("{k} missing in {v}"))
 }
@@ -50,12 +61,7 @@ fn u(v: &Value, k: &str) -> u64 {
 #[test]
 fn mapped_replay_counts_bytes_hits_pinning_and_recall() {
     let t = tempfile::tempdir().unwrap();
-    let (model, w) = (t.path().join("tiny"), t.path());
-    deltafin()
-        .args(["synth", "--preset", "tiny", "--out"])
-        .arg(&model)
-        .assert()
-        .success();
+    let (model, w) = (tiny_model(t.path()), t.path());
     // Source: 3 layers (MoE from 1: 2 MoE layers) × 4 experts, top-2; every token picks
     // {0, 1} in MoE layer 0 and {2, 3} in MoE layer 1. Mapped onto tiny (8 experts, top-2)
     // each source expert owns 2 target experts used in turn: 2 layers × 2 picks × 2 members
@@ -156,12 +162,7 @@ fn mapped_replay_counts_bytes_hits_pinning_and_recall() {
 #[test]
 fn traced_predictions_replay_to_the_runs_recall() {
     let t = tempfile::tempdir().unwrap();
-    let (model, w) = (t.path().join("tiny"), t.path());
-    deltafin()
-        .args(["synth", "--preset", "tiny", "--out"])
-        .arg(&model)
-        .assert()
-        .success();
+    let (model, w) = (tiny_model(t.path()), t.path());
     let (routes, pred, stats) = (w.join("r.routes"), w.join("r.pred"), w.join("run.json"));
     let run = |extra: &[&std::ffi::OsStr]| {
         let out = deltafin()
@@ -231,12 +232,7 @@ fn traced_predictions_replay_to_the_runs_recall() {
 #[test]
 fn mapped_replay_with_overlapping_blocks() {
     let t = tempfile::tempdir().unwrap();
-    let (model, w) = (t.path().join("tiny"), t.path());
-    deltafin()
-        .args(["synth", "--preset", "tiny", "--out"])
-        .arg(&model)
-        .assert()
-        .success();
+    let (model, w) = (tiny_model(t.path()), t.path());
     // MoE layer 0 alternates experts 0 and 1 (blocks at positions 0–1 and 2–3: disjoint),
     // MoE layer 1 always picks 5: 2 + 2 + 2 = 6 distinct records.
     let n = 20u32;
