@@ -110,8 +110,6 @@ fn main() -> Result<(), CudaError> {
     let t_long = 1000;
     let mut c_kv = up(rand_vec(&mut rng, t_long * kvl))?;
     let mut k_pe = up(rand_vec(&mut rng, t_long * rope))?;
-    let mut scores = z(nh * t_long)?;
-    let pos15 = g.upload(&[15i32])?;
     let shape = MlaShape {
         n_heads: nh,
         nope,
@@ -119,6 +117,9 @@ fn main() -> Result<(), CudaError> {
         v_head_dim: vd,
         kv_lora_rank: kvl,
     };
+    // MLA scratch for a 1,024-position cache (16 splits of 64): a captured step's grid.
+    let mut scores = z(shape.scratch_len(1024))?;
+    let pos15 = g.upload(&[15i32])?;
     let rs = RouterShape {
         n_experts: n_exp,
         top_k: k,
@@ -396,7 +397,7 @@ fn main() -> Result<(), CudaError> {
     row("P f32 matmul router [256, 2048] x 2000", t, 1.0);
     let lat = up(rand_vec(&mut rng, n * kvl))?;
     let kp = up(rand_vec(&mut rng, n * rope))?;
-    let mut sc = z(n * nh * n)?;
+    let mut sc = z(n * shape.scratch_len(n))?;
     let mut ho = z(n * nh * vd)?;
     let t = g.time_ms(3, || {
         g.mla_prefill(shape, &yq, &lat, &kp, &kv_b, 0, n, 0.1, &mut sc, &mut ho)

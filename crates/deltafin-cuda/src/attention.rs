@@ -20,6 +20,34 @@ pub struct MlaShape {
     pub kv_lora_rank: usize,
 }
 
+/// Positions one block of the MLA kernels takes (`MLA_SPLIT` in ops.cu).
+pub const MLA_SPLIT: usize = 64;
+
+impl MlaShape {
+    /// Floats of the per-head completion counters at the start of an MLA scratch buffer.
+    fn counter_floats(&self) -> usize {
+        self.n_heads.div_ceil(4) * 4
+    }
+
+    /// Splits of [`MLA_SPLIT`] positions that `positions` need.
+    fn splits(positions: usize) -> usize {
+        positions.div_ceil(MLA_SPLIT).max(1)
+    }
+
+    /// Floats of scratch one token's MLA needs for up to `max_positions` positions: per-head
+    /// completion counters, then for each head and split the running max, the sum of
+    /// exponentials and the unnormalized latent context (`kv_lora_rank` floats). Allocate it
+    /// zeroed ([`Gpu::zeros`]): the kernels leave the counters at zero.
+    pub fn scratch_len(&self, max_positions: usize) -> usize {
+        self.counter_floats() + self.n_heads * Self::splits(max_positions) * (self.kv_lora_rank + 2)
+    }
+
+    /// The splits a scratch buffer of `len` floats holds per head (the launch's grid height).
+    fn splits_in(&self, len: usize) -> usize {
+        len.saturating_sub(self.counter_floats()) / (self.n_heads * (self.kv_lora_rank + 2)).max(1)
+    }
+}
+
 impl Gpu {
     /// RoPE in place on `n_vec` vectors of `x` (vector stride `stride`, rotary part at
     /// `offset`), with `cs = [cos[half], sin[half]]` for the position computed on the host
@@ -63,9 +91,13 @@ impl Gpu {
     /// §2.1): `q: [n_heads, nope + rope]` (rope part rotated, or rotated by the kernel with
     /// `rope_cs = Some(([cos[rope/2], sin[rope/2]], interleaved))`: [`Gpu::rope`]'s arithmetic),
     /// `ckv: [>= t, kv_lora_rank]` (with `pos_dev`, the kernel reads `t - 1` from that device
-    /// int instead: a captured graph then serves every position; it must hold `t - 1`),
-    /// `kpe: [>= t, rope]`, `kv_b`: `kv_b_proj [n_heads * (nope + v_head_dim), kv_lora_rank]`
-    /// (int8 or f32), `scores: [>= n_heads * t]` scratch, `out: [n_heads * v_head_dim]`.
+    /// int instead: a captured graph then serves every position up to what `scores` was sized
+    /// for), `kpe: [>= t, rope]`, `kv_b`: `kv_b_proj [n_heads * (nope + v_head_dim),
+    /// kv_lora_rank]` (int8 or f32), `scores`: zeroed scratch of at least
+    /// [`MlaShape::scratch_len`]`(t)` floats (size it for the most positions a captured graph
+    /// will see), `out: [n_heads * v_head_dim]`. The positions are split in blocks of
+    /// [`MLA_SPLIT`] (flash-decoding) and the splits combined in order: the bits depend on `t`
+    /// only.
     ///
     /// # Errors
     /// `Shape` for inconsistent lengths or an MXFP4 `kv_b`; a driver error.
@@ -92,18 +124,22 @@ impl Gpu {
             && kpe.len() >= t * s.rope
             && kv_b.rows == s.n_heads * (s.nope + s.v_head_dim)
             && kv_b.cols == kvl
-            && scores.len() >= s.n_heads * t
+            && scores.len() >= s.scratch_len(t)
             && out.len() == s.n_heads * s.v_head_dim;
         if !ok {
             return Err(CudaError::Shape(format!(
                 "mla_decode: operands do not fit {s:?} at {t} positions"
             )));
         }
+        // Every split the scratch holds gets a block (those past T only count themselves), so a
+        // graph captured with the scratch sized for the cache's capacity serves every position.
+        let s_cap = s.splits_in(scores.len()).min(65_535);
         let cfg = LaunchConfig {
-            grid_dim: (s.n_heads as u32, 1, 1),
+            grid_dim: (s.n_heads as u32, s_cap as u32, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: ((2 * kvl + s.rope) * 4) as u32,
+            shared_mem_bytes: ((2 * kvl + s.rope + MLA_SPLIT) * 4) as u32,
         };
+        let s_cap_i = s_cap as i32;
         let (nope, rope, vd, kvl_i, t_i) = (s.nope as i32, s.rope as i32, s.v_head_dim as i32, kvl as i32, t as i32);
         let null: u64 = 0;
         let cs_ptr = rope_cs.map(|(cs, _)| cs.device_ptr(self.stream()).0).unwrap_or(null);
@@ -119,7 +155,7 @@ impl Gpu {
                     .arg(&kvl_i)
                     .arg(&t_i)
                     .arg(&softmax_scale);
-                b.arg(&cs_ptr).arg(&il).arg(&pos_ptr).arg(scores).arg(out);
+                b.arg(&cs_ptr).arg(&il).arg(&pos_ptr).arg(&s_cap_i).arg(scores).arg(out);
                 // SAFETY: matches `mla_decode_i8` in ops.cu; lengths checked above.
                 unsafe { b.launch(cfg) }.ctx("launch mla_decode_i8")?;
             }
@@ -132,7 +168,7 @@ impl Gpu {
                     .arg(&kvl_i)
                     .arg(&t_i)
                     .arg(&softmax_scale);
-                b.arg(&cs_ptr).arg(&il).arg(&pos_ptr).arg(scores).arg(out);
+                b.arg(&cs_ptr).arg(&il).arg(&pos_ptr).arg(&s_cap_i).arg(scores).arg(out);
                 // SAFETY: matches `mla_decode_f32` in ops.cu; lengths checked above.
                 unsafe { b.launch(cfg) }.ctx("launch mla_decode_f32")?;
             }

@@ -4,7 +4,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
-use crate::attention::MlaShape;
+use crate::attention::{MlaShape, MLA_SPLIT};
 use crate::gpu::GpuBuf;
 use crate::mat::{GpuMat, GpuMatData};
 use crate::{CudaError, DriverContext, Gpu};
@@ -68,8 +68,9 @@ impl Gpu {
 
     /// MLA for the `n` tokens of a chunk whose first token sits at position `t0` (their latents
     /// and rope keys already in `ckv`/`kpe`): token `j` attends to positions `0..=t0 + j`,
-    /// exactly as [`Gpu::mla_decode`] of that token. `q: [n, n_heads, nope + rope]`,
-    /// `scores: [>= n * n_heads * (t0 + n)]` scratch, `out: [n, n_heads * v_head_dim]`.
+    /// exactly as [`Gpu::mla_decode`] of that token (bit for bit). `q: [n, n_heads, nope + rope]`,
+    /// `scores`: scratch of at least `n *` [`MlaShape::scratch_len`]`(t0 + n)` floats,
+    /// `out: [n, n_heads * v_head_dim]`.
     ///
     /// # Errors
     /// `Shape` for inconsistent lengths or an MXFP4 `kv_b`; a driver error.
@@ -95,47 +96,68 @@ impl Gpu {
             && kpe.len() >= t * s.rope
             && kv_b.rows == s.n_heads * (s.nope + s.v_head_dim)
             && kv_b.cols == kvl
-            && scores.len() >= n * s.n_heads * t
+            && scores.len() >= n * s.scratch_len(t)
             && out.len() == n * s.n_heads * s.v_head_dim;
         if !ok {
             return Err(CudaError::Shape(format!(
                 "mla_prefill: operands do not fit {s:?} for {n} tokens from position {t0}"
             )));
         }
-        let cfg = LaunchConfig {
+        let s_cap = t.div_ceil(MLA_SPLIT).max(1);
+        if s_cap > 65_535 {
+            return Err(CudaError::Shape(format!(
+                "mla_prefill: {t} positions is past the kernel's grid"
+            )));
+        }
+        let mut qabs = self.zeros(n * s.n_heads * kvl)?;
+        let mut counters = self.stream().alloc_zeros::<i32>(n * s.n_heads).ctx("cuMemAlloc")?;
+        let qcfg = LaunchConfig {
             grid_dim: (s.n_heads as u32, n as u32, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: ((2 * kvl + s.rope) * 4) as u32,
+            shared_mem_bytes: 0,
         };
-        let nh = i32_of("heads", s.n_heads)?;
+        let cfg = LaunchConfig {
+            grid_dim: (s.n_heads as u32, s_cap as u32, n as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: ((2 * kvl + s.rope + MLA_SPLIT) * 4) as u32,
+        };
         let (nope, rope, vd, kvl_i) = (s.nope as i32, s.rope as i32, s.v_head_dim as i32, kvl as i32);
-        let (t0_i, stride) = (i32_of("position", t0)?, i32_of("positions", t)?);
+        let (t0_i, s_cap_i) = (i32_of("position", t0)?, s_cap as i32);
         match &kv_b.data {
             GpuMatData::Int8 { q: w, scales } => {
-                let mut b = self.stream().launch_builder(self.k.get("mla_prefill_i8")?);
-                b.arg(q).arg(ckv).arg(kpe).arg(w).arg(scales);
-                b.arg(&nh)
+                let mut b = self.stream().launch_builder(self.k.get("mla_qabs_i8")?);
+                b.arg(q)
+                    .arg(w)
+                    .arg(scales)
                     .arg(&nope)
                     .arg(&rope)
                     .arg(&vd)
                     .arg(&kvl_i)
-                    .arg(&t0_i)
-                    .arg(&stride);
-                b.arg(&softmax_scale).arg(scores).arg(out);
+                    .arg(&mut qabs);
+                // SAFETY: matches `mla_qabs_i8` in ops.cu; q is [n, nh, qk], qabs [n, nh, kvl].
+                unsafe { b.launch(qcfg) }.ctx("launch mla_qabs_i8")?;
+                let mut b = self.stream().launch_builder(self.k.get("mla_prefill_i8")?);
+                b.arg(q).arg(ckv).arg(kpe).arg(w).arg(scales);
+                b.arg(&nope).arg(&rope).arg(&vd).arg(&kvl_i).arg(&t0_i).arg(&s_cap_i);
+                b.arg(&softmax_scale).arg(&qabs).arg(&mut counters).arg(scores).arg(out);
                 // SAFETY: matches `mla_prefill_i8` in ops.cu; lengths checked above.
                 unsafe { b.launch(cfg) }.ctx("launch mla_prefill_i8")?;
             }
             GpuMatData::F32(w) => {
-                let mut b = self.stream().launch_builder(self.k.get("mla_prefill_f32")?);
-                b.arg(q).arg(ckv).arg(kpe).arg(w);
-                b.arg(&nh)
+                let mut b = self.stream().launch_builder(self.k.get("mla_qabs_f32")?);
+                b.arg(q)
+                    .arg(w)
                     .arg(&nope)
                     .arg(&rope)
                     .arg(&vd)
                     .arg(&kvl_i)
-                    .arg(&t0_i)
-                    .arg(&stride);
-                b.arg(&softmax_scale).arg(scores).arg(out);
+                    .arg(&mut qabs);
+                // SAFETY: matches `mla_qabs_f32` in ops.cu; q is [n, nh, qk], qabs [n, nh, kvl].
+                unsafe { b.launch(qcfg) }.ctx("launch mla_qabs_f32")?;
+                let mut b = self.stream().launch_builder(self.k.get("mla_prefill_f32")?);
+                b.arg(q).arg(ckv).arg(kpe).arg(w);
+                b.arg(&nope).arg(&rope).arg(&vd).arg(&kvl_i).arg(&t0_i).arg(&s_cap_i);
+                b.arg(&softmax_scale).arg(&qabs).arg(&mut counters).arg(scores).arg(out);
                 // SAFETY: matches `mla_prefill_f32` in ops.cu; lengths checked above.
                 unsafe { b.launch(cfg) }.ctx("launch mla_prefill_f32")?;
             }

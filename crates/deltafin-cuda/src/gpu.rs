@@ -59,6 +59,8 @@ pub const ENTRY_POINTS: &[&str] = &[
     "rope_apply",
     "mla_decode_i8",
     "mla_decode_f32",
+    "mla_qabs_i8",
+    "mla_qabs_f32",
     "swiglu",
     "axpy",
     "copy16",

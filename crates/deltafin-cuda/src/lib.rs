@@ -25,7 +25,7 @@ mod kda;
 mod mat;
 mod moe;
 
-pub use attention::MlaShape;
+pub use attention::{MlaShape, MLA_SPLIT};
 /// Device buffers and views of any element type (re-exported from `cudarc`).
 pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use device::{probe, DeviceInfo};

@@ -655,7 +655,7 @@ fn mla_prep_and_rope_inside_decode_equal_the_separate_launches() {
             let mut qr = g.upload(&q).unwrap();
             g.rope(&mut qr, s.n_heads, s.nope + rope, s.nope, &cs, interleaved)
                 .unwrap();
-            let mut sc = g.zeros(s.n_heads * t).unwrap();
+            let mut sc = g.zeros(s.scratch_len(t)).unwrap();
             let mut o1 = g.upload(&vec![f32::NAN; s.n_heads * s.v_head_dim]).unwrap();
             g.mla_decode(s, &qr, &c1, &k1, &kvb, t, 0.3, None, None, &mut sc, &mut o1)
                 .unwrap();
@@ -913,4 +913,121 @@ fn fused_moe_equals_the_unfused_path_bit_for_bit() {
     }
     // Refusals: no experts, more than MOE_MAX_K, mixed shapes.
     assert!(!Gpu::moe_fusable(&[]));
+}
+
+/// MLA decode split over positions (flash-decoding, 64 positions a block) against a float64
+/// reference of the absorbed attention at lengths around the split boundaries, with a scratch
+/// sized for more positions than used (a captured graph's grid); the same bits whatever the
+/// scratch size; and `mla_prefill` of a chunk gives every token the bits of its decode.
+#[test]
+fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
+    use deltafin_cuda::MlaShape;
+    let Some(g) = gpu("mla_decode_splits_match_reference_and_prefill_equals_decode") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(64);
+    let s = MlaShape {
+        n_heads: 3,
+        nope: 24,
+        rope: 10,
+        v_head_dim: 20,
+        kv_lora_rank: 40,
+    };
+    let (nh, nope, rope, vd, kvl) = (s.n_heads, s.nope, s.rope, s.v_head_dim, s.kv_lora_rank);
+    let (qk, tmax, scale) = (nope + rope, 300usize, 0.2f32);
+    let kvb_h = Host::new(&mut rng, nh * (nope + vd), kvl);
+    let ckv = rand_vec(&mut rng, tmax * kvl);
+    let kpe = rand_vec(&mut rng, tmax * rope);
+    let (dc, dk) = (g.upload(&ckv).unwrap(), g.upload(&kpe).unwrap());
+    for (mi, m) in [kvb_h.mats()[0], kvb_h.mats()[1]].into_iter().enumerate() {
+        let wd: Vec<f32> = match mi {
+            0 => kvb_h.f32w.clone(),
+            _ => (0..kvb_h.q.len())
+                .map(|i| kvb_h.qs[i / kvl] * kvb_h.q[i] as f32)
+                .collect(),
+        };
+        let kvb = GpuMat::upload(&g, &m).unwrap();
+        for t in [1usize, 63, 64, 65, 129, 300] {
+            let q = rand_vec(&mut rng, nh * qk);
+            // float64 reference: k_t = W_UK_h c_t, s_t = (q_nope . k_t + q_pe . kpe_t) * scale.
+            let mut want = vec![0f32; nh * vd];
+            for h in 0..nh {
+                let w = |r: usize, c: usize| wd[(h * (nope + vd) + r) * kvl + c] as f64;
+                let sc: Vec<f64> = (0..t)
+                    .map(|p| {
+                        let mut a = 0f64;
+                        for r in 0..nope {
+                            let k: f64 = (0..kvl).map(|c| w(r, c) * ckv[p * kvl + c] as f64).sum();
+                            a += q[h * qk + r] as f64 * k;
+                        }
+                        for i in 0..rope {
+                            a += q[h * qk + nope + i] as f64 * kpe[p * rope + i] as f64;
+                        }
+                        a * scale as f64
+                    })
+                    .collect();
+                let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = sc.iter().map(|v| (v - mx).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for j in 0..vd {
+                    let mut o = 0f64;
+                    for c in 0..kvl {
+                        let ctx: f64 = (0..t).map(|p| e[p] / sum * ckv[p * kvl + c] as f64).sum();
+                        o += w(nope + j, c) * ctx;
+                    }
+                    want[h * vd + j] = o as f32;
+                }
+            }
+            let dq = g.upload(&q).unwrap();
+            let mut outs = Vec::new();
+            for cap in [t, 300, 1000] {
+                let mut sc = g.zeros(s.scratch_len(cap)).unwrap();
+                let mut o = g.upload(&vec![f32::NAN; nh * vd]).unwrap();
+                let pos = g.upload(&[t as i32 - 1]).unwrap();
+                g.mla_decode(s, &dq, &dc, &dk, &kvb, t, scale, None, Some(&pos), &mut sc, &mut o)
+                    .unwrap();
+                // Twice on the same scratch: the counters are left at zero.
+                let mut o2 = g.upload(&vec![f32::NAN; nh * vd]).unwrap();
+                g.mla_decode(s, &dq, &dc, &dk, &kvb, t, scale, None, Some(&pos), &mut sc, &mut o2)
+                    .unwrap();
+                let (o, o2) = (g.download(&o).unwrap(), g.download(&o2).unwrap());
+                assert_eq!(o, o2, "t={t} cap={cap}: second launch differs");
+                outs.push(o);
+            }
+            assert!(outs.iter().all(|o| *o == outs[0]), "t={t}: scratch size changed bits");
+            let err = rel_l2(&outs[0], &want);
+            assert!(err < 1e-5, "{m:?} t={t}: relative L2 {err:e} against float64");
+        }
+        // A chunk of 100 tokens from position 50 (splits 1 to 3) against decoding each.
+        let (t0, n) = (50usize, 100usize);
+        let q = rand_vec(&mut rng, n * nh * qk);
+        let mut sc = g.zeros(n * s.scratch_len(t0 + n)).unwrap();
+        let mut out = g.upload(&vec![f32::NAN; n * nh * vd]).unwrap();
+        g.mla_prefill(
+            s,
+            &g.upload(&q).unwrap(),
+            &dc,
+            &dk,
+            &kvb,
+            t0,
+            n,
+            scale,
+            &mut sc,
+            &mut out,
+        )
+        .unwrap();
+        let out = g.download(&out).unwrap();
+        let mut dsc = g.zeros(s.scratch_len(tmax)).unwrap();
+        for j in 0..n {
+            let dq = g.upload(&q[j * nh * qk..(j + 1) * nh * qk]).unwrap();
+            let mut o = g.upload(&vec![f32::NAN; nh * vd]).unwrap();
+            g.mla_decode(s, &dq, &dc, &dk, &kvb, t0 + j + 1, scale, None, None, &mut dsc, &mut o)
+                .unwrap();
+            assert_eq!(
+                g.download(&o).unwrap(),
+                out[j * nh * vd..(j + 1) * nh * vd].to_vec(),
+                "{m:?}: prefill token {j} differs from its decode"
+            );
+        }
+    }
 }

@@ -42,7 +42,7 @@ __device__ __forceinline__ float mat_row_dot(const Mat& m, int row, const float*
 }
 
 // SwiGLU's expression (swiglu, moe_gate_up_mxfp4): silu(g) * u with silu(v) = v / (1 + exp(-v)).
-__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + exp_f32(-g)) * u; }
 
 // ---- The noaux_tc router (DeepSeek-V3 §2.1.2; transformers DeepseekV3TopkRouter) ------------
 // For one token, by the first warp of a block: scores s_i = 1 / (1 + exp(-logit_i)),
@@ -99,7 +99,7 @@ __device__ void route_token_regs(const float* lg, const float* __restrict__ bias
     float sc[E], ch[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-        sc[e] = 1.0f / (1.0f + expf(-__ldcg(lg + i0 + e)));
+        sc[e] = 1.0f / (1.0f + exp_f32(-__ldcg(lg + i0 + e)));
         ch[e] = sc[e] + bias[i0 + e];
     }
     if (c.n_group > 1) {
@@ -233,7 +233,7 @@ __device__ void route_token_general(const float* lg, const float* __restrict__ b
     const int lane = threadIdx.x & 31;
     const int n = c.n_experts;
     for (int i = lane; i < n; i += 32) {
-        const float s = 1.0f / (1.0f + expf(-__ldcg(lg + i)));
+        const float s = 1.0f / (1.0f + exp_f32(-__ldcg(lg + i)));
         score[i] = s;
         choice[i] = s + bias[i];
         taken[i] = 0;

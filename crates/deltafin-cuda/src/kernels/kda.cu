@@ -8,8 +8,8 @@
 // (__fmul_rn / __fadd_rn: no FMA contraction, as Rust does not contract), so they differ from the
 // CPU only where a libm function (expf, tanhf, logf) differs in the last bit.
 
-__device__ __forceinline__ float df_sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
-__device__ __forceinline__ float df_silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
+__device__ __forceinline__ float df_sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, exp_f32(-x))); }
+__device__ __forceinline__ float df_silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, exp_f32(-x))); }
 
 // SiTU-GLU (K3-SPEC §5, [SITU]): (beta tanh(g / beta) sigmoid(g)) * (lbeta tanh(u / lbeta)); the up
 // branch is u when has_lin == 0. The CPU's expression order (models/kimi_linear.rs `situ`).
@@ -92,10 +92,10 @@ extern "C" __global__ void kda_prepare(const float* __restrict__ conv, const flo
         const float x = __fadd_rn(u[i], dt_bias[i]);
         float g;
         if (gate_kind == 0) {
-            const float sp = x > 20.0f ? x : logf(__fadd_rn(1.0f, expf(x)));
-            g = __fmul_rn(-expf(a), sp);
+            const float sp = x > 20.0f ? x : log_f32(__fadd_rn(1.0f, exp_f32(x)));
+            g = __fmul_rn(-exp_f32(a), sp);
         } else {
-            g = __fmul_rn(lower_bound, df_sigmoid(__fmul_rn(expf(a), x)));
+            g = __fmul_rn(lower_bound, df_sigmoid(__fmul_rn(exp_f32(a), x)));
         }
         g_out[i] = g;
     }
@@ -120,7 +120,7 @@ extern "C" __global__ void kda_delta(const float* src, float* dst, const float* 
     const int h = blockIdx.x;
     const size_t off = (size_t)h * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        e[i] = expf(g[off + i]);
+        e[i] = exp_f32(g[off + i]);
         ks[i] = k[off + i];
         qs[i] = q != nullptr ? q[off + i] : 0.0f;
     }
@@ -184,7 +184,7 @@ extern "C" __global__ void attn_res_mix(const float* __restrict__ bank, int n_ba
         for (int k = 1; k < n; ++k) m = fmaxf(m, alpha[k]);
         float sum = 0.0f;
         for (int k = 0; k < n; ++k) {
-            alpha[k] = expf(__fsub_rn(alpha[k], m));
+            alpha[k] = exp_f32(__fsub_rn(alpha[k], m));
             sum = __fadd_rn(sum, alpha[k]);
         }
         for (int k = 0; k < n; ++k) alpha[k] = __fdiv_rn(alpha[k], sum);

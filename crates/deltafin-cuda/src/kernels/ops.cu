@@ -32,6 +32,14 @@ __device__ __constant__ float E2M1[16] = {
     0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
+// exp and log of an f32, rounded once from double precision: correctly rounded except in
+// cases rarer than 1 in 2^28 (CUDA's double exp and log are within 1 ulp of double), where
+// expf/logf are within 2 ulp. The CPU path's f32::exp / f32::ln (glibc, within 0.51 ulp) then
+// agree with these on almost every input, so SiLU, the router's sigmoid and the softmaxes give
+// the CPU's values and the GPU's logits stay closer to the CPU's (bench/NOTES.md, 2026-12-02).
+__device__ __forceinline__ float exp_f32(float x) { return (float)exp((double)x); }
+__device__ __forceinline__ float log_f32(float x) { return (float)log((double)x); }
+
 __device__ __forceinline__ float e8m0(u8 s) {
     if (s == 255) return __int_as_float(0x7fc00000);
     if (s == 0) return __int_as_float(0x00400000);
@@ -570,7 +578,7 @@ extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* _
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= len) return;
     const float g = gate[i];
-    out[i] = g / (1.0f + expf(-g)) * up[i];
+    out[i] = g / (1.0f + exp_f32(-g)) * up[i];
 }
 
 // y[i] += alpha * x[i] (a multiply, then an add: the CPU `axpy`'s arithmetic).
@@ -621,100 +629,133 @@ __device__ __forceinline__ void rope_pair(float xa, float xb, float c, float s, 
 }
 
 // MLA decode for one token, weight-absorbed (DeepSeek-V2 §2.1, arXiv:2405.04434; the CPU's
-// deepseek_v3.rs `attend_head`): one block of 256 threads per head h.
+// deepseek_v3.rs `attend_head`), split over the positions (flash-decoding): block (h, s) takes
+// head h's positions [64 s, 64 s + 64) of the T = *pos + 1 (device) or T positions, and the
+// block of head h that finishes last combines the splits. Blocks with s >= ceil(T / 64) only
+// count themselves, so one grid (sized for the KV cache's capacity) serves every position of a
+// captured graph.
 //   q: [nh, nope + rope] (rope part already rotated, or rotated here with `cs` = [cos[half],
-//   sin[half]] when cs is not null: rope_apply's arithmetic), ckv: [T, kvl] normalised latents
-//   (T = *pos + 1 when pos is not null: the position read on the device),
+//   sin[half]] when cs is not null: rope_apply's arithmetic), ckv: [T, kvl] normalised latents,
 //   kpe: [T, rope] rotated shared keys, W = kv_b_proj [nh * (nope + vd), kvl] (per head W_UK
-//   rows then W_UV rows), scores: [nh, T] scratch, out: [nh, vd].
+//   rows then W_UV rows), scratch: nh int counters (zero between launches; rounded up to 4) then
+//   [nh, S_cap, kvl + 2] partials, out: [nh, vd]. qabs (optional): q_abs precomputed by
+//   mla_qabs_* (same bits).
 //   q_abs = W_UK_h^T q_nope (sum over the nope rows in order); s_t = (q_abs . c_t + q_pe . k_t) *
-//   scale (warp butterfly sums; a warp takes positions 4 at a time, each with its own sums);
-//   p = softmax(s) (exp(s - max) / sum, sum in a fixed tree; p_t = e_t / sum stored once);
-//   ctx = sum_t p_t c_t (in t order); o_h = W_UV_h ctx (int8: scale * sum, warp butterfly).
-// Dynamic shared memory: 2 * kvl + rope floats.
+//   scale (warp butterfly sums, a warp per position); per split: m = max s_t, e_t = exp(s_t - m),
+//   l = sum e_t (lane l adds e_l, e_{l + 32}, then the butterfly), acc = sum_t e_t c_t in t order;
+//   combine: M = max m_s, f_s = exp(m_s - M), L = sum_s f_s l_s, ctx = (sum_s f_s acc_s) / L in
+//   split order; o_h = W_UV_h ctx (int8: scale * sum, warp butterfly). The result depends on T
+//   only, never on S_cap, so a prompt's chunk (mla_prefill_*) gives each token decode's bits.
+// Dynamic shared memory: 2 * kvl + rope + 64 floats.
+#define MLA_SPLIT 64
+
+// q_abs[c] = sum_r q_nope[r] W_UK_h[r, c] (r in order) into qa, threads over c.
 template <bool I8>
-__device__ __forceinline__ void mla_decode_impl(const float* __restrict__ q, const float* __restrict__ ckv,
-                                                const float* __restrict__ kpe, const void* __restrict__ w,
-                                                const float* __restrict__ wsc, int nope, int rope, int vd,
-                                                int kvl, int T, float scale, const float* __restrict__ cs,
-                                                int interleaved, const int* __restrict__ pos,
-                                                float* __restrict__ scores, float* __restrict__ out) {
+__device__ __forceinline__ void mla_qabs_into(const float* __restrict__ qh, const void* __restrict__ w,
+                                              const float* __restrict__ wsc, int base, int nope, int kvl,
+                                              float* qa) {
+    for (int c = threadIdx.x; c < kvl; c += 256) {
+        float s = 0.0f;
+#pragma unroll 16
+        for (int r = 0; r < nope; ++r) s += qh[r] * kvb<I8>(w, wsc, base + r, c, kvl);
+        qa[c] = s;
+    }
+}
+
+template <bool I8>
+__device__ __forceinline__ void mla_split_impl(const float* __restrict__ q, const float* __restrict__ ckv,
+                                               const float* __restrict__ kpe, const void* __restrict__ w,
+                                               const float* __restrict__ wsc, int nope, int rope, int vd,
+                                               int kvl, int T, float scale, const float* __restrict__ cs,
+                                               int interleaved, const int* __restrict__ pos, int s_cap,
+                                               const float* __restrict__ qabs, int* counters, float* parts,
+                                               float* __restrict__ out) {
     if (pos != nullptr) T = *pos + 1;
     extern __shared__ float sh[];
     float* q_abs = sh;
     float* ctx = sh + kvl;
     float* qpe = sh + 2 * kvl;
-    __shared__ float red[256];
-    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int qk = nope + rope, base = h * (nope + vd);
+    float* sc = sh + 2 * kvl + rope;
+    __shared__ int is_last;
+    const int h = blockIdx.x, sp = blockIdx.y, nh = gridDim.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int qk = nope + rope, base = h * (nope + vd), S = (T + MLA_SPLIT - 1) / MLA_SPLIT;
+    int* counter = counters + h;
+    float* part = parts + (size_t)h * s_cap * (kvl + 2);
     const float* qh = q + (size_t)h * qk;
-    float* sc = scores + (size_t)h * T;
-    if (cs != nullptr) {
-        const int half = rope / 2;
-        for (int i = tid; i < half; i += 256) {
-            const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
-            rope_pair(qh[nope + a], qh[nope + b], cs[i], cs[half + i], &qpe[a], &qpe[b]);
+    if (sp < S) {
+        if (cs != nullptr) {
+            const int half = rope / 2;
+            for (int i = tid; i < half; i += 256) {
+                const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+                rope_pair(qh[nope + a], qh[nope + b], cs[i], cs[half + i], &qpe[a], &qpe[b]);
+            }
+        } else {
+            for (int i = tid; i < rope; i += 256) qpe[i] = qh[nope + i];
         }
-    } else {
-        for (int i = tid; i < rope; i += 256) qpe[i] = qh[nope + i];
-    }
-    for (int c = tid; c < kvl; c += 256) {
-        float s = 0.0f;
-#pragma unroll 16
-        for (int r = 0; r < nope; ++r) s += qh[r] * kvb<I8>(w, wsc, base + r, c, kvl);
-        q_abs[c] = s;
-    }
-    __syncthreads();
-    for (int t0 = warp; t0 < T; t0 += 32) {
-        float a[4], b[4];
+        if (qabs != nullptr) {
+            for (int c = tid; c < kvl; c += 256) q_abs[c] = qabs[(size_t)h * kvl + c];
+        } else {
+            mla_qabs_into<I8>(qh, w, wsc, base, nope, kvl, q_abs);
+        }
+        __syncthreads();
+        const int t0 = sp * MLA_SPLIT, n = min(MLA_SPLIT, T - t0);
+        for (int u = warp; u < n; u += 8) {
+            const int t = t0 + u;
+            float a = 0.0f, b = 0.0f;
+            for (int c = lane; c < kvl; c += 32) a += q_abs[c] * ckv[(size_t)t * kvl + c];
+            for (int c = lane; c < rope; c += 32) b += qpe[c] * kpe[(size_t)t * rope + c];
+            a = warp_sum(a);
+            b = warp_sum(b);
+            if (lane == 0) sc[u] = (a + b) * scale;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            float m = __int_as_float(0xff800000u);
+            for (int u = lane; u < n; u += 32) m = fmaxf(m, sc[u]);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int t = t0 + 8 * u;
-            a[u] = 0.0f;
-            b[u] = 0.0f;
-            if (t < T) {
-                for (int c = lane; c < kvl; c += 32) a[u] += q_abs[c] * ckv[(size_t)t * kvl + c];
-                for (int c = lane; c < rope; c += 32) b[u] += qpe[c] * kpe[(size_t)t * rope + c];
+            for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+            float l = 0.0f;
+            for (int u = lane; u < n; u += 32) {
+                const float e = exp_f32(sc[u] - m);
+                sc[u] = e;
+                l += e;
+            }
+            l = warp_sum(l);
+            if (lane == 0) {
+                part[(size_t)sp * (kvl + 2)] = m;
+                part[(size_t)sp * (kvl + 2) + 1] = l;
             }
         }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            a[u] = warp_sum(a[u]);
-            b[u] = warp_sum(b[u]);
-            if (lane == 0 && t0 + 8 * u < T) sc[t0 + 8 * u] = (a[u] + b[u]) * scale;
+        __syncthreads();
+        for (int c = tid; c < kvl; c += 256) {
+            float a = 0.0f;
+#pragma unroll 8
+            for (int u = 0; u < n; ++u) a = __fadd_rn(a, __fmul_rn(sc[u], ckv[(size_t)(t0 + u) * kvl + c]));
+            part[(size_t)sp * (kvl + 2) + 2 + c] = a;
         }
     }
+    // The block of head h that finishes last combines (last_block's pattern, one counter a head).
+    __threadfence();
     __syncthreads();
-    float m = __int_as_float(0xff800000u);  // -inf
-    for (int t = tid; t < T; t += 256) m = fmaxf(m, sc[t]);
-    red[tid] = m;
+    if (tid == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.y - 1;
     __syncthreads();
-    for (int k = 128; k > 0; k >>= 1) {
-        if (tid < k) red[tid] = fmaxf(red[tid], red[tid + k]);
-        __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    float mm = __int_as_float(0xff800000u);
+    for (int s2 = 0; s2 < S; ++s2) mm = fmaxf(mm, __ldcg(part + (size_t)s2 * (kvl + 2)));
+    float L = 0.0f;
+    for (int s2 = 0; s2 < S; ++s2) {
+        const float* ps = part + (size_t)s2 * (kvl + 2);
+        L = __fadd_rn(L, __fmul_rn(exp_f32(__ldcg(ps) - mm), __ldcg(ps + 1)));
     }
-    m = red[0];
-    __syncthreads();
-    float s = 0.0f;
-    for (int t = tid; t < T; t += 256) {
-        const float e = expf(sc[t] - m);
-        sc[t] = e;
-        s += e;
-    }
-    red[tid] = s;
-    __syncthreads();
-    for (int k = 128; k > 0; k >>= 1) {
-        if (tid < k) red[tid] += red[tid + k];
-        __syncthreads();
-    }
-    const float total = red[0];
-    for (int t = tid; t < T; t += 256) sc[t] = sc[t] / total;
-    __syncthreads();
     for (int c = tid; c < kvl; c += 256) {
         float a = 0.0f;
-#pragma unroll 8
-        for (int t = 0; t < T; ++t) a = __fadd_rn(a, __fmul_rn(sc[t], ckv[(size_t)t * kvl + c]));
-        ctx[c] = a;
+        for (int s2 = 0; s2 < S; ++s2) {
+            const float* ps = part + (size_t)s2 * (kvl + 2);
+            a = __fadd_rn(a, __fmul_rn(exp_f32(__ldcg(ps) - mm), __ldcg(ps + 2 + c)));
+        }
+        ctx[c] = __fdiv_rn(a, L);
     }
     __syncthreads();
     for (int j = warp; j < vd; j += 8) {
@@ -731,20 +772,22 @@ __device__ __forceinline__ void mla_decode_impl(const float* __restrict__ q, con
         }
         if (lane == 0) out[(size_t)h * vd + j] = a;
     }
+    if (tid == 0) *counter = 0;
 }
 
-extern "C" __global__ void mla_decode_i8(const float* q, const float* ckv, const float* kpe, const i8* w,
-                                         const float* wsc, int nope, int rope, int vd, int kvl, int T,
-                                         float scale, const float* cs, int interleaved, const int* pos,
-                                         float* scores, float* out) {
-    mla_decode_impl<true>(q, ckv, kpe, w, wsc, nope, rope, vd, kvl, T, scale, cs, interleaved, pos, scores, out);
+extern "C" __global__ void __launch_bounds__(256)
+    mla_decode_i8(const float* q, const float* ckv, const float* kpe, const i8* w, const float* wsc, int nope,
+                  int rope, int vd, int kvl, int T, float scale, const float* cs, int interleaved, const int* pos,
+                  int s_cap, float* scratch, float* out) {
+    mla_split_impl<true>(q, ckv, kpe, w, wsc, nope, rope, vd, kvl, T, scale, cs, interleaved, pos, s_cap, nullptr,
+                         reinterpret_cast<int*>(scratch), scratch + ((gridDim.x + 3) & ~3u), out);
 }
-extern "C" __global__ void mla_decode_f32(const float* q, const float* ckv, const float* kpe, const float* w,
-                                          int nope, int rope, int vd, int kvl, int T, float scale,
-                                          const float* cs, int interleaved, const int* pos, float* scores,
-                                          float* out) {
-    mla_decode_impl<false>(q, ckv, kpe, w, nullptr, nope, rope, vd, kvl, T, scale, cs, interleaved, pos, scores,
-                           out);
+extern "C" __global__ void __launch_bounds__(256)
+    mla_decode_f32(const float* q, const float* ckv, const float* kpe, const float* w, int nope, int rope, int vd,
+                   int kvl, int T, float scale, const float* cs, int interleaved, const int* pos, int s_cap,
+                   float* scratch, float* out) {
+    mla_split_impl<false>(q, ckv, kpe, w, nullptr, nope, rope, vd, kvl, T, scale, cs, interleaved, pos, s_cap,
+                          nullptr, reinterpret_cast<int*>(scratch), scratch + ((gridDim.x + 3) & ~3u), out);
 }
 
 // ---- Routed experts of one token, fused (decode) ----------------------------------------------
@@ -788,7 +831,7 @@ extern "C" __global__ void moe_gate_up_mxfp4(MoePtrs gate, MoePtrs up, int inter
     if (row >= inter) return;
     float g, u;
     moe_gate_up_row(gate, up, k, row, hidden, lut, x, &g, &u);
-    if ((threadIdx.x & 31) == 0) h[(size_t)k * inter + row] = g / (1.0f + expf(-g)) * u;
+    if ((threadIdx.x & 31) == 0) h[(size_t)k * inter + row] = g / (1.0f + exp_f32(-g)) * u;
 }
 
 // y[k, r] = down_k[r] . h[k]; down_k: [hidden, inter]; one warp a row, blockIdx.y = expert.
@@ -842,29 +885,51 @@ extern "C" __global__ void rope_apply_tokens(float* __restrict__ x, int n_tok, i
     xv[b] = __fadd_rn(__fmul_rn(xb, c), __fmul_rn(xa, s));
 }
 
-// MLA for tokens j = 0 .. gridDim.y - 1 of a chunk whose first token is at position t0 (its
+// MLA for tokens j = 0 .. gridDim.z - 1 of a chunk whose first token is at position t0 (its
 // latents already appended): token j attends to positions 0 ..= t0 + j, exactly as
-// mla_decode_impl for that token. q: [n, nh, qk], scores: [n, nh, score_stride] scratch,
+// mla_decode_* for that token (grid (nh, s_cap, n)). q: [n, nh, qk]; qabs: [n, nh, kvl] from
+// mla_qabs_*; counters: [n, nh] zeroed (left zeroed); parts: [n, nh, s_cap, kvl + 2] partials;
 // out: [n, nh, vd].
 template <bool I8>
 __device__ __forceinline__ void mla_prefill_impl(const float* q, const float* ckv, const float* kpe, const void* w,
-                                                 const float* wsc, int nh, int nope, int rope, int vd, int kvl,
-                                                 int t0, int score_stride, float scale, float* scores,
-                                                 float* out) {
-    const int j = blockIdx.y;
-    mla_decode_impl<I8>(q + (size_t)j * nh * (nope + rope), ckv, kpe, w, wsc, nope, rope, vd, kvl, t0 + j + 1,
-                        scale, nullptr, 0, nullptr, scores + (size_t)j * nh * score_stride, out + (size_t)j * nh * vd);
+                                                 const float* wsc, int nope, int rope, int vd, int kvl, int t0,
+                                                 int s_cap, float scale, const float* qabs, int* counters,
+                                                 float* parts, float* out) {
+    const int j = blockIdx.z, nh = gridDim.x;
+    mla_split_impl<I8>(q + (size_t)j * nh * (nope + rope), ckv, kpe, w, wsc, nope, rope, vd, kvl, t0 + j + 1,
+                       scale, nullptr, 0, nullptr, s_cap, qabs + (size_t)j * nh * kvl, counters + (size_t)j * nh,
+                       parts + (size_t)j * nh * s_cap * (kvl + 2), out + (size_t)j * nh * vd);
 }
-extern "C" __global__ void mla_prefill_i8(const float* q, const float* ckv, const float* kpe, const i8* w,
-                                          const float* wsc, int nh, int nope, int rope, int vd, int kvl, int t0,
-                                          int score_stride, float scale, float* scores, float* out) {
-    mla_prefill_impl<true>(q, ckv, kpe, w, wsc, nh, nope, rope, vd, kvl, t0, score_stride, scale, scores, out);
+extern "C" __global__ void __launch_bounds__(256)
+    mla_prefill_i8(const float* q, const float* ckv, const float* kpe, const i8* w, const float* wsc, int nope,
+                   int rope, int vd, int kvl, int t0, int s_cap, float scale, const float* qabs, int* counters,
+                   float* parts, float* out) {
+    mla_prefill_impl<true>(q, ckv, kpe, w, wsc, nope, rope, vd, kvl, t0, s_cap, scale, qabs, counters, parts, out);
 }
-extern "C" __global__ void mla_prefill_f32(const float* q, const float* ckv, const float* kpe, const float* w,
-                                           int nh, int nope, int rope, int vd, int kvl, int t0, int score_stride,
-                                           float scale, float* scores, float* out) {
-    mla_prefill_impl<false>(q, ckv, kpe, w, nullptr, nh, nope, rope, vd, kvl, t0, score_stride, scale, scores,
+extern "C" __global__ void __launch_bounds__(256)
+    mla_prefill_f32(const float* q, const float* ckv, const float* kpe, const float* w, int nope, int rope, int vd,
+                    int kvl, int t0, int s_cap, float scale, const float* qabs, int* counters, float* parts,
+                    float* out) {
+    mla_prefill_impl<false>(q, ckv, kpe, w, nullptr, nope, rope, vd, kvl, t0, s_cap, scale, qabs, counters, parts,
                             out);
+}
+
+// q_abs of every (token, head) of a chunk for mla_prefill_* (mla_qabs_into's bits): one block
+// a (head, token), grid (nh, n). q: [n, nh, qk], qabs: [n, nh, kvl].
+template <bool I8>
+__device__ __forceinline__ void mla_qabs_impl(const float* q, const void* w, const float* wsc, int nope, int rope,
+                                              int vd, int kvl, float* qabs) {
+    const int h = blockIdx.x, j = blockIdx.y, nh = gridDim.x;
+    mla_qabs_into<I8>(q + ((size_t)j * nh + h) * (nope + rope), w, wsc, h * (nope + vd), nope, kvl,
+                      qabs + ((size_t)j * nh + h) * kvl);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    mla_qabs_i8(const float* q, const i8* w, const float* wsc, int nope, int rope, int vd, int kvl, float* qabs) {
+    mla_qabs_impl<true>(q, w, wsc, nope, rope, vd, kvl, qabs);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    mla_qabs_f32(const float* q, const float* w, int nope, int rope, int vd, int kvl, float* qabs) {
+    mla_qabs_impl<false>(q, w, nullptr, nope, rope, vd, kvl, qabs);
 }
 
 // dst[i, :] = src[idx[off + i], :] for i < m (rows of width dim).

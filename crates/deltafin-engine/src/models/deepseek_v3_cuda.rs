@@ -813,9 +813,17 @@ impl DeepseekV3Cuda {
         g.upload_pinned(&w.x_in, &mut w.x).map_err(cuda)?;
         g.upload_pinned(&w.cs_in, &mut w.cs).map_err(cuda)?;
         g.upload_pinned(&w.pos_in, &mut w.pos).map_err(cuda)?;
-        let nh = c.num_attention_heads;
-        if w.scores.len() < nh * cache.capacity {
-            w.scores = g.zeros(nh * cache.capacity).map_err(cuda)?;
+        let mla = MlaShape {
+            n_heads: c.num_attention_heads,
+            nope: c.qk_nope_head_dim,
+            rope: c.qk_rope_head_dim,
+            v_head_dim: c.v_head_dim,
+            kv_lora_rank: c.kv_lora_rank,
+        };
+        // MLA's scratch sized for the cache's capacity: the grid of a captured step covers
+        // every position the cache can hold (the key below names the capacity).
+        if w.scores.len() < mla.scratch_len(cache.capacity) {
+            w.scores = g.zeros(mla.scratch_len(cache.capacity)).map_err(cuda)?;
         }
         let mut from_table = Vec::new();
         let mut launched = false;
@@ -1053,11 +1061,11 @@ impl DeepseekV3Cuda {
             v_head_dim: c.v_head_dim,
             kv_lora_rank: kvl,
         };
-        // Token groups whose scores fit PREFILL_SCORE_BYTES; each group a launch.
-        let per_token = nh * (t0 + n) * 4;
+        // Token groups whose MLA scratch fits PREFILL_SCORE_BYTES; each group a launch.
+        let per_token = shape.scratch_len(t0 + n) * 4;
         let group = (PREFILL_SCORE_BYTES / per_token.max(1)).clamp(1, 65_535).min(n);
         let mut heads = g.zeros(n * nh * c.v_head_dim)?;
-        let mut scores = g.zeros(group * nh * (t0 + n))?;
+        let mut scores = g.zeros(group * shape.scratch_len(t0 + n))?;
         let mut j0 = 0;
         while j0 < n {
             let m = group.min(n - j0);

@@ -759,8 +759,8 @@ impl KimiLinearCuda {
             v_head_dim: c.v_head_dim,
             kv_lora_rank: kvl,
         };
-        if w.scores.len() < nh * (pos + 1) {
-            w.scores = g.zeros(nh * (pos + 1).next_power_of_two())?;
+        if w.scores.len() < shape.scratch_len(pos + 1) {
+            w.scores = g.zeros(shape.scratch_len((pos + 1).next_power_of_two()))?;
         }
         g.mla_decode(
             shape,
