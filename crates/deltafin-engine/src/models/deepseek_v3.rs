@@ -15,9 +15,10 @@
 //! which equal the reference's expanded form up to f32 summation order. [MLA_ABSORB]
 
 use deltafin_format::{DeepseekV3Config, ModelConfig, ModelDir, Rope};
-use deltafin_kernels::{rms_norm, softmax_inplace, MatRef};
-use rayon::prelude::*;
+use deltafin_kernels::{rms_norm, MatRef};
 
+use crate::blocked_attention::{MlaQuery, MlaShape};
+use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaWeights};
 use crate::experts::StoreOptions;
 use crate::model::{
     one_or_chunk, state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts,
@@ -28,9 +29,7 @@ use crate::EngineError;
 
 use deltafin_format::model_dir::Backbone;
 
-/// eps of `q_a_layernorm` and `kv_a_layernorm`: the reference constructs them with the
-/// `DeepseekV3RMSNorm` default (1e-6) whatever `rms_norm_eps` says. [LATENT_NORM_EPS]
-pub(crate) const LATENT_NORM_EPS: f32 = 1e-6;
+pub(crate) use crate::blocks::mla::LATENT_NORM_EPS;
 
 /// Tensor names of one decoder layer, as in the Hugging Face checkpoint.
 pub(crate) struct LayerNames {
@@ -294,107 +293,51 @@ impl DeepseekV3 {
         Ok((logits, routes))
     }
 
-    /// MLA for one token at position `pos`; appends this token's latent and rope key to the
-    /// cache. xn: `[hidden]` → `[hidden]`.
-    fn attention(&self, l: usize, xn: &[f32], pos: usize, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
-        let c = &self.cfg;
+    /// Layer `l`'s MLA weights ([`crate::blocks::mla`]).
+    fn mla_weights(&self, l: usize) -> Result<MlaWeights<'_>, EngineError> {
         let n = &self.names[l];
-        let (nh, nope, rope, kvl) = (
-            c.num_attention_heads,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.kv_lora_rank,
-        );
-        let qk = nope + rope;
-        // q: [n_heads, qk_head_dim]
-        let mut q = vec![0f32; nh * qk];
-        match c.q_lora_rank {
-            Some(r) => {
-                // q = q_b_proj(q_a_layernorm(q_a_proj(x)))
-                let mut qa = vec![0f32; r];
-                self.m(&n.q_a_proj)?.matvec(xn, &mut qa);
-                let mut qan = vec![0f32; r];
-                rms_norm(&qa, self.v(&n.q_a_layernorm)?, LATENT_NORM_EPS, &mut qan);
-                self.m(&n.q_b_proj)?.matvec(&qan, &mut q);
-            }
-            None => self.m(&n.q_proj)?.matvec(xn, &mut q),
-        }
-        // compressed_kv: [kv_lora_rank + qk_rope_head_dim] = kv_a_proj_with_mqa(x)
-        let mut ckv = vec![0f32; kvl + rope];
-        self.m(&n.kv_a_proj_with_mqa)?.matvec(xn, &mut ckv);
-        let mut latent = vec![0f32; kvl];
-        rms_norm(&ckv[..kvl], self.v(&n.kv_a_layernorm)?, LATENT_NORM_EPS, &mut latent);
-        let mut k_pe = ckv[kvl..].to_vec();
-        self.rope.apply(&mut k_pe, pos);
-        cache.c_kv[l].extend_from_slice(&latent);
-        cache.k_pe[l].extend_from_slice(&k_pe);
-        let kv_b = self.m(&n.kv_b_proj)?;
-        // out: [n_heads, v_head_dim]
-        let heads: Vec<Vec<f32>> = (0..nh)
-            .into_par_iter()
-            .map(|hh| {
-                self.attend_head(
-                    kv_b,
-                    hh,
-                    &q[hh * qk..(hh + 1) * qk],
-                    pos,
-                    &cache.c_kv[l],
-                    &cache.k_pe[l],
-                )
-            })
-            .collect();
-        let flat: Vec<f32> = heads.concat();
-        let mut out = vec![0f32; c.hidden_size];
-        self.m(&n.o_proj)?.matvec(&flat, &mut out);
-        Ok(out)
+        Ok(MlaWeights {
+            query: match self.cfg.q_lora_rank {
+                Some(_) => MlaQuery::Lora {
+                    a: self.m(&n.q_a_proj)?,
+                    norm: self.v(&n.q_a_layernorm)?,
+                    b: self.m(&n.q_b_proj)?,
+                },
+                None => MlaQuery::Plain(self.m(&n.q_proj)?),
+            },
+            kv_a_proj_with_mqa: self.m(&n.kv_a_proj_with_mqa)?,
+            kv_a_layernorm: self.v(&n.kv_a_layernorm)?,
+            kv_b_proj: self.m(&n.kv_b_proj)?,
+            o_proj: self.m(&n.o_proj)?,
+            g_proj: None,
+        })
     }
 
-    /// One head of MLA for the query at position `pos` over cached positions `0..=pos`
-    /// (causal): `q_head: [qk_head_dim]` (before rope) → `[v_head_dim]`. Shared by the one-token
-    /// and the batched pass, so both compute every head with the same operations. [MLA_ABSORB]
-    fn attend_head(
-        &self,
-        kv_b: MatRef<'_>,
-        hh: usize,
-        q_head: &[f32],
-        pos: usize,
-        ckv: &[f32],
-        kpe: &[f32],
-    ) -> Vec<f32> {
+    /// The MLA shape: RoPE (YaRN) on the shared-key part.
+    fn mla_shape(&self) -> MlaShape<'_> {
         let c = &self.cfg;
-        let (nope, rope, vd, kvl) = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
-        let mut q_pe = q_head[nope..].to_vec();
-        self.rope.apply(&mut q_pe, pos);
-        // kv_b_proj: [n_heads * (nope + v), kv_lora_rank]; per head: W_UK rows then W_UV rows.
-        let base = hh * (nope + vd);
-        // q_abs = W_UK_h^T q_nope: [kv_lora_rank]
-        let mut q_abs = vec![0f32; kvl];
-        kv_b.rows(base, base + nope).matvec_t(&q_head[..nope], &mut q_abs);
-        // scores[t] = (q_abs · c_t + q_pe · k_pe_t) · scale, t ≤ pos (causal)
-        let mut scores: Vec<f32> = (0..=pos)
-            .map(|t| {
-                let s = deltafin_kernels::dot(&q_abs, &ckv[t * kvl..(t + 1) * kvl])
-                    + deltafin_kernels::dot(&q_pe, &kpe[t * rope..(t + 1) * rope]);
-                s * self.softmax_scale
-            })
-            .collect();
-        softmax_inplace(&mut scores);
-        // ctx = Σ_t p_t c_t: [kv_lora_rank]; o_h = W_UV_h ctx: [v_head_dim]
-        let mut ctx = vec![0f32; kvl];
-        for (t, p) in scores.iter().enumerate() {
-            deltafin_kernels::axpy(*p, &ckv[t * kvl..(t + 1) * kvl], &mut ctx);
+        MlaShape {
+            n_heads: c.num_attention_heads,
+            nope: c.qk_nope_head_dim,
+            rope: c.qk_rope_head_dim,
+            v_head_dim: c.v_head_dim,
+            kv_lora_rank: c.kv_lora_rank,
+            scale: self.softmax_scale,
+            rotary: Some(&self.rope),
         }
-        let mut o = vec![0f32; vd];
-        kv_b.rows(base + nope, base + nope + vd).matvec(&ctx, &mut o);
-        o
     }
 
-    /// MLA for a chunk of `nt` tokens at positions `pos0..pos0 + nt`: the projections as
-    /// matrix-matrix products, the chunk's latents and rope keys appended to the cache, then
-    /// every (token, head) attends causally over the cached prefix and the chunk up to itself,
-    /// tiles of tokens in parallel through the blocked kernel
-    /// ([`crate::blocked_attention::mla_tile`]). Each token's result equals [`Self::attention`] bit for bit (same per-row kernels, same
-    /// per-head operations). xn: `[nt, hidden]` → `[nt, hidden]`.
+    /// MLA of layer `l` for one token at position `pos` ([`mla_token`]). xn: `[hidden]` →
+    /// `[hidden]`.
+    fn attention(&self, l: usize, xn: &[f32], pos: usize, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
+        let w = self.mla_weights(l)?;
+        let (c_kv, k_pe) = (&mut cache.c_kv[l], &mut cache.k_pe[l]);
+        Ok(mla_token(&self.mla_shape(), &w, LATENT_NORM_EPS, xn, pos, c_kv, k_pe))
+    }
+
+    /// MLA of layer `l` for a chunk of `nt` tokens at positions `pos0..pos0 + nt`
+    /// ([`mla_chunk_layer`]); each token's result equals [`Self::attention`] bit for bit in the
+    /// exact batch form. xn: `[nt, hidden]` → `[nt, hidden]`.
     fn attention_batch(
         &self,
         l: usize,
@@ -403,61 +346,20 @@ impl DeepseekV3 {
         pos0: usize,
         cache: &mut KvCache,
     ) -> Result<Vec<f32>, EngineError> {
-        let c = &self.cfg;
-        let n = &self.names[l];
-        let (nh, nope, rope, kvl) = (
-            c.num_attention_heads,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.kv_lora_rank,
-        );
-        // q: [nt, n_heads * qk_head_dim]
-        let query = match c.q_lora_rank {
-            Some(_) => crate::blocked_attention::MlaQuery::Lora {
-                a: self.m(&n.q_a_proj)?,
-                norm: self.v(&n.q_a_layernorm)?,
-                b: self.m(&n.q_b_proj)?,
-            },
-            None => crate::blocked_attention::MlaQuery::Plain(self.m(&n.q_proj)?),
-        };
-        let q = query.project(xn, nt, LATENT_NORM_EPS);
-        // compressed_kv: [nt, kv_lora_rank + qk_rope_head_dim]
-        let mut ckv = vec![0f32; nt * (kvl + rope)];
-        self.m(&n.kv_a_proj_with_mqa)?.matmul(xn, nt, &mut ckv);
-        let w = self.v(&n.kv_a_layernorm)?;
-        let mut latent = vec![0f32; kvl];
-        for (i, row) in ckv.chunks(kvl + rope).enumerate() {
-            rms_norm(&row[..kvl], w, LATENT_NORM_EPS, &mut latent);
-            let mut k_pe = row[kvl..].to_vec();
-            self.rope.apply(&mut k_pe, pos0 + i);
-            cache.c_kv[l].extend_from_slice(&latent);
-            cache.k_pe[l].extend_from_slice(&k_pe);
-        }
-        let kv_b = self.m(&n.kv_b_proj)?;
-        let (ckv_cache, kpe_cache) = (&cache.c_kv[l], &cache.k_pe[l]);
-        // flat: [nt, n_heads * v_head_dim], token-major (the one-token layout per token).
-        let vd = c.v_head_dim;
-        let mla = crate::blocked_attention::MlaShape {
-            n_heads: nh,
-            nope,
-            rope,
-            v_head_dim: vd,
-            kv_lora_rank: kvl,
-            scale: self.softmax_scale,
-            rotary: Some(&self.rope),
-        };
-        let flat = crate::blocked_attention::mla_chunk(
-            &mla,
-            kv_b,
-            &q,
+        let w = self.mla_weights(l)?;
+        let (c_kv, k_pe) = (&mut cache.c_kv[l], &mut cache.k_pe[l]);
+        let form = self.routed.batch_form().mla();
+        Ok(mla_chunk_layer(
+            &self.mla_shape(),
+            &w,
+            LATENT_NORM_EPS,
+            xn,
+            nt,
             pos0,
-            ckv_cache,
-            kpe_cache,
-            self.routed.batch_form().mla(),
-        );
-        let mut out = vec![0f32; nt * c.hidden_size];
-        self.m(&n.o_proj)?.matmul(&flat, nt, &mut out);
-        Ok(out)
+            c_kv,
+            k_pe,
+            form,
+        ))
     }
 
     /// The router of MoE layer `l` with the current `--experts-per-token`.

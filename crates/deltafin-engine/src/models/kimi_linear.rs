@@ -28,11 +28,12 @@ use deltafin_format::kimi_linear::{GluActivation, KimiLinearConfig, MixerKind};
 use deltafin_format::model_dir::Backbone;
 use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::{rms_norm, sigmoid, silu, softmax_inplace, MatData, MatRef};
-use rayon::prelude::*;
 
+use crate::blocked_attention::{MlaQuery, MlaShape};
 use crate::blocks::kda::{
     DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, KdaWeights, OutputGate, DEFAULT_CHUNK_SIZE,
 };
+use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaWeights};
 use crate::experts::{Expert, StoreOptions};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, Numerics, RoutedExperts};
 use crate::moe::{route, route_masked, RouterConfig, Routing};
@@ -42,7 +43,7 @@ use crate::EngineError;
 /// `KimiLinearRMSNorm` default 1e-6 whatever `rms_norm_eps` says, and the K3 spec prefers 1e-6
 /// too (§4: Moonshot-derived ports use 1e-6; llama.cpp uses `rms_norm_eps`, which
 /// [`Numerics::LlamaCppCpu`] follows). [KL_LATENT_NORM_EPS]
-pub(crate) const LATENT_NORM_EPS: f32 = 1e-6;
+pub(crate) use crate::blocks::mla::LATENT_NORM_EPS;
 
 /// Tokens a KDA state can roll back without recomputation (speculative decoding drafts are
 /// shorter); further back, the session starts over.
@@ -627,11 +628,54 @@ impl KimiLinear {
         Ok((out, routings))
     }
 
-    /// NoPE MLA for one token at position `pos` in its absorbed form (as in `deepseek_v3.rs`,
-    /// [MLA_ABSORB]), without rotary embeddings (`mla_use_nope`: the `qk_rope_head_dim` part is a
-    /// plain shared-key dot product), with K3's output gate `o ⊙ σ(x W_g^T)` when configured
-    /// (K3-SPEC §4). Appends this token's latent and key part to the cache. xn: `[hidden]` →
-    /// `[hidden]`.
+    /// Layer `l`'s MLA weights ([`crate::blocks::mla`]), with K3's output gate when configured.
+    fn mla_weights(&self, l: usize) -> Result<MlaWeights<'_>, EngineError> {
+        let c = &self.cfg;
+        let n = &self.names[l];
+        Ok(MlaWeights {
+            query: match c.q_lora_rank {
+                Some(_) => MlaQuery::Lora {
+                    a: self.m(&n.q_a_proj)?,
+                    norm: self.v(&n.q_a_layernorm)?,
+                    b: self.m(&n.q_b_proj)?,
+                },
+                None => MlaQuery::Plain(self.m(&n.q_proj)?),
+            },
+            kv_a_proj_with_mqa: self.m(&n.kv_a_proj_with_mqa)?,
+            kv_a_layernorm: self.v(&n.kv_a_layernorm)?,
+            kv_b_proj: self.m(&n.kv_b_proj)?,
+            o_proj: self.m(&n.o_proj)?,
+            g_proj: if c.mla_use_output_gate {
+                Some(self.m(&n.g_proj)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// The NoPE MLA shape (`mla_use_nope`: the `qk_rope_head_dim` part is a plain shared-key dot
+    /// product) and the latent norms' eps for these numerics.
+    fn mla_shape(&self) -> (MlaShape<'_>, f32) {
+        let c = &self.cfg;
+        let eps = match self.numerics {
+            Numerics::Reference => LATENT_NORM_EPS,
+            Numerics::LlamaCppCpu => c.rms_norm_eps,
+        };
+        let shape = MlaShape {
+            n_heads: c.num_attention_heads,
+            nope: c.qk_nope_head_dim,
+            rope: c.qk_rope_head_dim,
+            v_head_dim: c.v_head_dim,
+            kv_lora_rank: c.kv_lora_rank,
+            scale: self.softmax_scale,
+            rotary: None,
+        };
+        (shape, eps)
+    }
+
+    /// NoPE MLA of layer `l` for one token at position `pos` ([`mla_token`]; K3's output gate
+    /// `o ⊙ σ(x W_gᵀ)` when configured, K3-SPEC §4). Appends this token's latent and key part to
+    /// the cache. xn: `[hidden]` → `[hidden]`.
     fn mla(
         &self,
         l: usize,
@@ -640,89 +684,14 @@ impl KimiLinear {
         c_kv: &mut Vec<f32>,
         k_pe_cache: &mut Vec<f32>,
     ) -> Result<Vec<f32>, EngineError> {
-        let c = &self.cfg;
-        let n = &self.names[l];
-        let (nh, nope, rope, vd, kvl) = (
-            c.num_attention_heads,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-            c.kv_lora_rank,
-        );
-        let qk = nope + rope;
-        let latent_eps = match self.numerics {
-            Numerics::Reference => LATENT_NORM_EPS,
-            Numerics::LlamaCppCpu => c.rms_norm_eps,
-        };
-        // q: [n_heads, qk_head_dim]
-        let mut q = vec![0f32; nh * qk];
-        match c.q_lora_rank {
-            Some(r) => {
-                let mut qa = vec![0f32; r];
-                self.m(&n.q_a_proj)?.matvec(xn, &mut qa);
-                let mut qan = vec![0f32; r];
-                rms_norm(&qa, self.v(&n.q_a_layernorm)?, latent_eps, &mut qan);
-                self.m(&n.q_b_proj)?.matvec(&qan, &mut q);
-            }
-            None => self.m(&n.q_proj)?.matvec(xn, &mut q),
-        }
-        // compressed_kv: [kv_lora_rank + qk_rope_head_dim]; the latent is normalised, k_pe is not.
-        let mut ckv = vec![0f32; kvl + rope];
-        self.m(&n.kv_a_proj_with_mqa)?.matvec(xn, &mut ckv);
-        let mut latent = vec![0f32; kvl];
-        rms_norm(&ckv[..kvl], self.v(&n.kv_a_layernorm)?, latent_eps, &mut latent);
-        c_kv.extend_from_slice(&latent);
-        k_pe_cache.extend_from_slice(&ckv[kvl..]);
-        let t_len = pos + 1;
-        let (ckv_cache, kpe_cache) = (&*c_kv, &*k_pe_cache);
-        let kv_b = self.m(&n.kv_b_proj)?;
-        let scale = self.softmax_scale;
-        // out: [n_heads, v_head_dim]
-        let heads: Vec<Vec<f32>> = (0..nh)
-            .into_par_iter()
-            .map(|hh| {
-                let qh = &q[hh * qk..(hh + 1) * qk];
-                let base = hh * (nope + vd);
-                // q_abs = W_UK_h^T q_nope: [kv_lora_rank]
-                let mut q_abs = vec![0f32; kvl];
-                kv_b.rows(base, base + nope).matvec_t(&qh[..nope], &mut q_abs);
-                let mut scores: Vec<f32> = (0..t_len)
-                    .map(|t| {
-                        let s = deltafin_kernels::dot(&q_abs, &ckv_cache[t * kvl..(t + 1) * kvl])
-                            + deltafin_kernels::dot(&qh[nope..], &kpe_cache[t * rope..(t + 1) * rope]);
-                        s * scale
-                    })
-                    .collect();
-                softmax_inplace(&mut scores);
-                let mut ctx = vec![0f32; kvl];
-                for (t, p) in scores.iter().enumerate() {
-                    deltafin_kernels::axpy(*p, &ckv_cache[t * kvl..(t + 1) * kvl], &mut ctx);
-                }
-                let mut o = vec![0f32; vd];
-                kv_b.rows(base + nope, base + nope + vd).matvec(&ctx, &mut o);
-                o
-            })
-            .collect();
-        let mut flat: Vec<f32> = heads.concat();
-        if c.mla_use_output_gate {
-            // o ⊙ σ(x W_g^T), W_g: [n_heads * v_head_dim, hidden]
-            let mut g = vec![0f32; nh * vd];
-            self.m(&n.g_proj)?.matvec(xn, &mut g);
-            for (o, gi) in flat.iter_mut().zip(&g) {
-                *o *= sigmoid(*gi);
-            }
-        }
-        let mut out = vec![0f32; c.hidden_size];
-        self.m(&n.o_proj)?.matvec(&flat, &mut out);
-        Ok(out)
+        let w = self.mla_weights(l)?;
+        let (shape, eps) = self.mla_shape();
+        Ok(mla_token(&shape, &w, eps, xn, pos, c_kv, k_pe_cache))
     }
 
-    /// [`Self::mla`] for a chunk of `nt` tokens at positions `pos0..pos0 + nt`: the projections
-    /// as matrix-matrix products, the chunk's latents and key parts appended to the cache, then
-    /// tiles of tokens (all heads) in parallel through the blocked kernel
-    /// ([`crate::blocked_attention::mla_tile`], no rotation). Each token's result equals
-    /// [`Self::mla`]'s bit for bit (`matmul` rows equal `matvec`, the same per-(token, head)
-    /// operations). xn: `[nt, hidden]` → `[nt, hidden]`.
+    /// [`Self::mla`] for a chunk of `nt` tokens at positions `pos0..pos0 + nt`
+    /// ([`mla_chunk_layer`]); each token's result equals [`Self::mla`]'s bit for bit in the exact
+    /// batch form. xn: `[nt, hidden]` → `[nt, hidden]`.
     fn mla_batch(
         &self,
         l: usize,
@@ -732,71 +701,10 @@ impl KimiLinear {
         c_kv: &mut Vec<f32>,
         k_pe_cache: &mut Vec<f32>,
     ) -> Result<Vec<f32>, EngineError> {
-        let c = &self.cfg;
-        let n = &self.names[l];
-        let (nh, nope, rope, vd, kvl) = (
-            c.num_attention_heads,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-            c.kv_lora_rank,
-        );
-        let latent_eps = match self.numerics {
-            Numerics::Reference => LATENT_NORM_EPS,
-            Numerics::LlamaCppCpu => c.rms_norm_eps,
-        };
-        // q: [nt, n_heads * qk_head_dim]
-        let query = match c.q_lora_rank {
-            Some(_) => crate::blocked_attention::MlaQuery::Lora {
-                a: self.m(&n.q_a_proj)?,
-                norm: self.v(&n.q_a_layernorm)?,
-                b: self.m(&n.q_b_proj)?,
-            },
-            None => crate::blocked_attention::MlaQuery::Plain(self.m(&n.q_proj)?),
-        };
-        let q = query.project(xn, nt, latent_eps);
-        // compressed_kv: [nt, kv_lora_rank + qk_rope_head_dim]; the latent is normalised.
-        let mut ckv = vec![0f32; nt * (kvl + rope)];
-        self.m(&n.kv_a_proj_with_mqa)?.matmul(xn, nt, &mut ckv);
-        let w = self.v(&n.kv_a_layernorm)?;
-        let mut latent = vec![0f32; kvl];
-        for row in ckv.chunks_exact(kvl + rope) {
-            rms_norm(&row[..kvl], w, latent_eps, &mut latent);
-            c_kv.extend_from_slice(&latent);
-            k_pe_cache.extend_from_slice(&row[kvl..]);
-        }
-        let kv_b = self.m(&n.kv_b_proj)?;
-        let (ckv_cache, kpe_cache) = (&*c_kv, &*k_pe_cache);
-        let mla = crate::blocked_attention::MlaShape {
-            n_heads: nh,
-            nope,
-            rope,
-            v_head_dim: vd,
-            kv_lora_rank: kvl,
-            scale: self.softmax_scale,
-            rotary: None,
-        };
-        // flat: [nt, n_heads * v_head_dim]
-        let mut flat = crate::blocked_attention::mla_chunk(
-            &mla,
-            kv_b,
-            &q,
-            pos0,
-            ckv_cache,
-            kpe_cache,
-            self.routed.batch_form().mla(),
-        );
-        if c.mla_use_output_gate {
-            // o ⊙ σ(x W_g^T), W_g: [n_heads * v_head_dim, hidden]
-            let mut g = vec![0f32; nt * nh * vd];
-            self.m(&n.g_proj)?.matmul(xn, nt, &mut g);
-            for (o, gi) in flat.iter_mut().zip(&g) {
-                *o *= sigmoid(*gi);
-            }
-        }
-        let mut out = vec![0f32; nt * c.hidden_size];
-        self.m(&n.o_proj)?.matmul(&flat, nt, &mut out);
-        Ok(out)
+        let w = self.mla_weights(l)?;
+        let (shape, eps) = self.mla_shape();
+        let form = self.routed.batch_form().mla();
+        Ok(mla_chunk_layer(&shape, &w, eps, xn, nt, pos0, c_kv, k_pe_cache, form))
     }
 
     /// MoE block (K3-SPEC §5; transformers `KimiLinearMoE`): routed experts through the store,
