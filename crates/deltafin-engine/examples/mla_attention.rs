@@ -7,7 +7,7 @@
 //! cargo run --release -p deltafin-engine --example mla_attention -- [TOKENS]
 //! ```
 
-use deltafin_engine::blocked_attention::{mla_chunk, MlaShape};
+use deltafin_engine::blocks::mla::{mla_chunk, MlaShape};
 use deltafin_engine::rope::RotaryEmbedding;
 use deltafin_engine::MlaForm;
 use deltafin_kernels::{MatData, MatRef};

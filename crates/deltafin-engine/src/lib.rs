@@ -77,7 +77,7 @@ pub enum EngineError {
     Invalid(String),
 }
 
-pub use blocked_attention::MlaForm;
+pub use blocks::mla::MlaForm;
 pub use device::{load_model_on, Device, GpuOptions};
 pub use gpu_experts::GpuCacheStats;
 pub use model::BatchForm;

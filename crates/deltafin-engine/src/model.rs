@@ -15,7 +15,7 @@ use std::time::Instant;
 use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::{silu, MatRef};
 
-use crate::blocked_attention::MlaForm;
+use crate::blocks::mla::MlaForm;
 use crate::experts::{Expert, ExpertStore, StoreOptions};
 use crate::moe::{route_softmax, route_softmax_masked, Routing};
 use crate::EngineError;
@@ -375,7 +375,7 @@ pub enum BatchForm {
     /// one-token path computes it). The default.
     #[default]
     Exact,
-    /// Prompt chunks of at least [`crate::blocked_attention::DECOMPRESSED_MIN_TOKENS`] tokens
+    /// Prompt chunks of at least [`crate::blocks::mla::DECOMPRESSED_MIN_TOKENS`] tokens
     /// compute MLA in the decompressed form where it needs fewer multiply-adds
     /// ([`MlaForm::Auto`]): logits within f32 rounding of token at a time, not bit for bit, so a
     /// near-tied router choice can fall the other way and greedy ids can differ. Verification

@@ -52,7 +52,7 @@ pub const MAX_DRAFT: usize = 8;
 // A verification pass (at most `MAX_DRAFT + 1` tokens) must stay below the chunk length from
 // which a fast batch form may switch MLA to its decompressed form, so that verification stays
 // bit-identical to token-at-a-time decoding and speculation never changes greedy output.
-const _: () = assert!(crate::blocked_attention::DECOMPRESSED_MIN_TOKENS > MAX_DRAFT + 1);
+const _: () = assert!(crate::blocks::mla::DECOMPRESSED_MIN_TOKENS > MAX_DRAFT + 1);
 
 /// `--speculate`: which drafter proposes tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

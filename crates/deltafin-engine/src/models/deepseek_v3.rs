@@ -17,8 +17,7 @@
 use deltafin_format::{DeepseekV3Config, ModelConfig, ModelDir, Rope};
 use deltafin_kernels::{rms_norm, MatRef};
 
-use crate::blocked_attention::{MlaQuery, MlaShape};
-use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaWeights};
+use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaQuery, MlaShape, MlaWeights};
 use crate::experts::StoreOptions;
 use crate::model::{
     one_or_chunk, state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts,

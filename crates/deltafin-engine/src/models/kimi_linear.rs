@@ -29,11 +29,10 @@ use deltafin_format::model_dir::Backbone;
 use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::{rms_norm, sigmoid, silu, softmax_inplace, MatData, MatRef};
 
-use crate::blocked_attention::{MlaQuery, MlaShape};
 use crate::blocks::kda::{
     DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, KdaWeights, OutputGate, DEFAULT_CHUNK_SIZE,
 };
-use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaWeights};
+use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaQuery, MlaShape, MlaWeights};
 use crate::experts::{Expert, StoreOptions};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, Numerics, RoutedExperts};
 use crate::moe::{route, route_masked, RouterConfig, Routing};
