@@ -1031,3 +1031,263 @@ fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
         }
     }
 }
+
+/// Grouped-query attention in float64 for token `pos` with query `q: [nh, hd]` over
+/// `k, v: [>= pos + 1, nkv, hd]`: the CPU's gqa.rs formula (window, sinks). Returns `[nh, hd]`.
+#[allow(clippy::too_many_arguments)]
+fn gqa_f64(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (nh, nkv, hd): (usize, usize, usize),
+    pos: usize,
+    window: Option<usize>,
+    scale: f32,
+    sinks: Option<&[f32]>,
+) -> Vec<f32> {
+    let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    let kvd = nkv * hd;
+    let mut out = Vec::with_capacity(nh * hd);
+    for h in 0..nh {
+        let g = h / (nh / nkv);
+        let qh = &q[h * hd..(h + 1) * hd];
+        let s: Vec<f64> = (lo..=pos)
+            .map(|t| {
+                let kr = &k[t * kvd + g * hd..t * kvd + (g + 1) * hd];
+                qh.iter().zip(kr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
+            })
+            .collect();
+        let sink = sinks.map(|s| s[h] as f64);
+        let m = s.iter().copied().fold(sink.unwrap_or(f64::NEG_INFINITY), f64::max);
+        let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+        let total: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |x| (x - m).exp());
+        for d in 0..hd {
+            let o: f64 = e
+                .iter()
+                .enumerate()
+                .map(|(i, p)| p / total * v[(lo + i) * kvd + g * hd + d] as f64)
+                .sum();
+            out.push(o as f32);
+        }
+    }
+    out
+}
+
+/// `gqa_attend` against float64 on awkward shapes (head widths not multiples of 32, groups of
+/// 1 to 4 query heads, windows shorter and longer than the context, sinks, more positions than
+/// the block's 128 threads), and a chunk's tokens bit-identical to launching each token alone.
+#[test]
+fn gqa_attend_matches_reference_and_a_chunk_equals_its_tokens() {
+    let Some(g) = gpu("gqa_attend_matches_reference_and_a_chunk_equals_its_tokens") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(31);
+    // (n_heads, n_kv_heads, head_dim, window, sinks, t0, n)
+    type Case = (usize, usize, usize, Option<usize>, bool, usize, usize);
+    let cases: &[Case] = &[
+        (6, 2, 20, None, false, 5, 7),
+        (4, 1, 40, Some(6), true, 3, 9),
+        (3, 3, 33, Some(1), false, 0, 4),
+        (8, 2, 128, None, true, 37, 170),
+        (5, 5, 72, Some(131), false, 150, 3),
+    ];
+    for &(nh, nkv, hd, window, with_sinks, t0, n) in cases {
+        let shape = deltafin_cuda::GqaShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            window,
+        };
+        let what = format!("{shape:?} t0={t0} n={n} sinks={with_sinks}");
+        let total = t0 + n;
+        let k = rand_vec(&mut rng, total * nkv * hd);
+        let v = rand_vec(&mut rng, total * nkv * hd);
+        let q: Vec<f32> = rand_vec(&mut rng, n * nh * hd).iter().map(|x| 3.0 * x).collect();
+        let sinks: Vec<f32> = rand_vec(&mut rng, nh).iter().map(|x| 2.0 * x).collect();
+        let scale = (hd as f32).powf(-0.5);
+        let (dk, dv) = (g.upload(&k).unwrap(), g.upload(&v).unwrap());
+        let dsinks = g.upload(&sinks).unwrap();
+        let sk = with_sinks.then_some(&dsinks);
+        let mut scratch = g.upload(&vec![f32::NAN; n * nh * shape.span(t0, n)]).unwrap();
+        let mut out = g.upload(&vec![f32::NAN; n * nh * hd]).unwrap();
+        g.gqa_attend(
+            shape,
+            &g.upload(&q).unwrap(),
+            &dk,
+            &dv,
+            t0,
+            n,
+            scale,
+            sk,
+            &mut scratch,
+            &mut out,
+        )
+        .unwrap();
+        let got = g.download(&out).unwrap();
+        let mut want = Vec::new();
+        for j in 0..n {
+            let qj = &q[j * nh * hd..(j + 1) * nh * hd];
+            want.extend(gqa_f64(
+                qj,
+                &k,
+                &v,
+                (nh, nkv, hd),
+                t0 + j,
+                window,
+                scale,
+                with_sinks.then_some(&sinks[..]),
+            ));
+        }
+        let err = rel_l2(&got, &want);
+        assert!(err < TOL, "{what}: relative L2 {err:e} against float64");
+        for j in [0, n / 2, n - 1] {
+            let dq = g.upload(&q[j * nh * hd..(j + 1) * nh * hd]).unwrap();
+            let mut sc = g.zeros(nh * shape.span(t0 + j, 1)).unwrap();
+            let mut o = g.upload(&vec![f32::NAN; nh * hd]).unwrap();
+            g.gqa_attend(shape, &dq, &dk, &dv, t0 + j, 1, scale, sk, &mut sc, &mut o)
+                .unwrap();
+            assert_eq!(
+                g.download(&o).unwrap(),
+                got[j * nh * hd..(j + 1) * nh * hd].to_vec(),
+                "{what}: token {j} alone differs from its row of the chunk"
+            );
+        }
+    }
+    // Too small a scratch, or heads that do not group, are errors.
+    let s = deltafin_cuda::GqaShape {
+        n_heads: 3,
+        n_kv_heads: 2,
+        head_dim: 4,
+        window: None,
+    };
+    let (q, kv) = (g.zeros(12).unwrap(), g.zeros(8).unwrap());
+    let (mut sc, mut o) = (g.zeros(3).unwrap(), g.zeros(12).unwrap());
+    assert!(g.gqa_attend(s, &q, &kv, &kv, 0, 1, 1.0, None, &mut sc, &mut o).is_err());
+}
+
+/// The CPU routers' arithmetic (deltafin-engine `moe::route_softmax`, `route_topk_softmax`),
+/// restated: ids ascending with their weights.
+fn route_cpu(logits: &[f32], k: usize, router: deltafin_cuda::SoftmaxRouter) -> (Vec<i32>, Vec<f32>) {
+    let softmax = |x: &mut [f32]| {
+        let m = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut s = 0.0f32;
+        for v in x.iter_mut() {
+            *v = (*v - m).exp();
+            s += *v;
+        }
+        for v in x.iter_mut() {
+            *v /= s;
+        }
+    };
+    let top = |v: &[f32]| {
+        let mut idx: Vec<usize> = (0..v.len()).collect();
+        idx.sort_by(|&a, &b| v[b].partial_cmp(&v[a]).unwrap().then(a.cmp(&b)));
+        idx.truncate(k);
+        idx
+    };
+    let (chosen, mut w) = match router {
+        deltafin_cuda::SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob } => {
+            let mut p = logits.to_vec();
+            softmax(&mut p);
+            let c = top(&p);
+            let mut w: Vec<f32> = c.iter().map(|&e| p[e]).collect();
+            if norm_topk_prob {
+                let d: f32 = w.iter().sum();
+                w.iter_mut().for_each(|x| *x /= d);
+            }
+            (c, w)
+        }
+        deltafin_cuda::SoftmaxRouter::TopKThenSoftmax => {
+            let c = top(logits);
+            let mut w: Vec<f32> = c.iter().map(|&e| logits[e]).collect();
+            softmax(&mut w);
+            (c, w)
+        }
+    };
+    let mut pairs: Vec<(usize, f32)> = chosen.into_iter().zip(w.drain(..)).collect();
+    pairs.sort_by_key(|p| p.0);
+    (
+        pairs.iter().map(|p| p.0 as i32).collect(),
+        pairs.iter().map(|p| p.1).collect(),
+    )
+}
+
+/// `route_softmax_topk` chooses the CPU router's experts (ties to the lower id, planted on
+/// purpose) with its weights to float32 rounding, for both routers, with and without
+/// renormalisation, on expert counts that are not multiples of 32 and k up to 16.
+#[test]
+fn route_softmax_topk_chooses_as_the_cpu_routers() {
+    let Some(g) = gpu("route_softmax_topk_chooses_as_the_cpu_routers") else {
+        return;
+    };
+    use deltafin_cuda::SoftmaxRouter;
+    let mut rng = StdRng::seed_from_u64(32);
+    for (e_n, k, n) in [
+        (8usize, 2usize, 1usize),
+        (12, 3, 37),
+        (33, 8, 5),
+        (128, 8, 70),
+        (61, 16, 3),
+    ] {
+        let mut logits: Vec<f32> = rand_vec(&mut rng, n * e_n).iter().map(|x| 4.0 * x).collect();
+        // Ties: every token's expert e_n - 1 copies expert 1's logit, expert 5 % e_n expert 0's.
+        for t in 0..n {
+            logits[t * e_n + e_n - 1] = logits[t * e_n + 1];
+            logits[t * e_n + 5 % e_n] = logits[t * e_n];
+        }
+        for router in [
+            SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob: true },
+            SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob: false },
+            SoftmaxRouter::TopKThenSoftmax,
+        ] {
+            let mut probs = g.zeros(n * e_n).unwrap();
+            let mut ids = g.upload(&vec![-7i32; n * k]).unwrap();
+            let mut w = g.upload(&vec![f32::NAN; n * k]).unwrap();
+            g.route_softmax_topk(
+                router,
+                &g.upload(&logits).unwrap(),
+                n,
+                e_n,
+                k,
+                &mut probs,
+                &mut ids,
+                &mut w,
+            )
+            .unwrap();
+            let (ids, w) = (g.download(&ids).unwrap(), g.download(&w).unwrap());
+            for t in 0..n {
+                let (want_ids, want_w) = route_cpu(&logits[t * e_n..(t + 1) * e_n], k, router);
+                assert_eq!(
+                    &ids[t * k..(t + 1) * k],
+                    &want_ids[..],
+                    "{router:?} E={e_n} k={k} token {t}"
+                );
+                let err = rel_l2(&w[t * k..(t + 1) * k], &want_w);
+                assert!(err < 1e-6, "{router:?} E={e_n} k={k} token {t}: weights {err:e}");
+            }
+        }
+    }
+    let (l, mut p) = (g.zeros(8).unwrap(), g.zeros(8).unwrap());
+    let (mut i, mut w) = (g.upload(&[0i32; 17]).unwrap(), g.zeros(17).unwrap());
+    let r = SoftmaxRouter::TopKThenSoftmax;
+    assert!(
+        g.route_softmax_topk(r, &l, 1, 8, 17, &mut p, &mut i, &mut w).is_err(),
+        "k > 16"
+    );
+}
+
+/// `add_bias_rows` is the CPU's add, bit for bit, on rows of awkward width.
+#[test]
+fn add_bias_rows_is_the_cpu_add() {
+    let Some(g) = gpu("add_bias_rows_is_the_cpu_add") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(33);
+    for (n, dim) in [(1usize, 7usize), (5, 33), (3, 2880)] {
+        let (y, b) = (rand_vec(&mut rng, n * dim), rand_vec(&mut rng, dim));
+        let mut dy = g.upload(&y).unwrap();
+        g.add_bias_rows(&mut dy, &g.upload(&b).unwrap(), n).unwrap();
+        let want: Vec<f32> = y.iter().enumerate().map(|(i, v)| v + b[i % dim]).collect();
+        assert_eq!(g.download(&dy).unwrap(), want, "n={n} dim={dim}");
+    }
+}
