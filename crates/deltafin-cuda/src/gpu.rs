@@ -95,6 +95,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "gqa_attend",
     "route_softmax_topk",
     "add_bias_rows",
+    "clamped_swiglu",
 ];
 
 pub(crate) struct Kernels(std::collections::HashMap<&'static str, CudaFunction>);

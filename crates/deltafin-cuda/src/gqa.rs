@@ -231,4 +231,41 @@ impl Gpu {
         unsafe { b.launch(LaunchConfig::for_num_elems(total)) }.ctx("launch add_bias_rows")?;
         Ok(())
     }
+
+    /// gpt-oss' clamped SwiGLU of `n` tokens on the interleaved gate/up projection
+    /// `gu: [n, 2 * inter]` with its bias `bias: [2 * inter]` → `h: [n, inter]`:
+    /// `gate = min(gu[2j] + b[2j], limit)`, `up = clamp(gu[2j+1] + b[2j+1], ±limit)`,
+    /// `h[j] = (up + 1) · gate · sigmoid(alpha · gate)` (transformers `GptOssExperts`,
+    /// [CLAMPED_SWIGLU]; the CPU's `clamped_swiglu_expert` step by step).
+    ///
+    /// # Errors
+    /// `Shape` when lengths disagree; a driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn clamped_swiglu(
+        &self,
+        gu: &GpuBuf,
+        bias: &GpuBuf,
+        n: usize,
+        alpha: f32,
+        limit: f32,
+        h: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        let inter = bias.len() / 2;
+        if n == 0 || inter == 0 || bias.len() != 2 * inter || gu.len() != n * 2 * inter || h.len() != n * inter {
+            return Err(CudaError::Shape(format!(
+                "clamped_swiglu: gu {}, bias {}, h {} elements for {n} tokens",
+                gu.len(),
+                bias.len(),
+                h.len()
+            )));
+        }
+        let (n_i, i_i) = (i32_of("tokens", n)?, i32_of("inter", inter)?);
+        let total = u32::try_from(n * inter)
+            .map_err(|_| CudaError::Shape(format!("clamped_swiglu: {} elements in one launch", n * inter)))?;
+        let mut b = self.stream().launch_builder(self.k.get("clamped_swiglu")?);
+        b.arg(gu).arg(bias).arg(&n_i).arg(&i_i).arg(&alpha).arg(&limit).arg(h);
+        // SAFETY: matches `clamped_swiglu` in gqa.cu; gu holds n rows of 2 * inter, h n of inter.
+        unsafe { b.launch(LaunchConfig::for_num_elems(total)) }.ctx("launch clamped_swiglu")?;
+        Ok(())
+    }
 }

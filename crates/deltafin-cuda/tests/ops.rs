@@ -1291,3 +1291,32 @@ fn add_bias_rows_is_the_cpu_add() {
         assert_eq!(g.download(&dy).unwrap(), want, "n={n} dim={dim}");
     }
 }
+
+/// `clamped_swiglu` against the CPU's gpt-oss formula (`gpt_oss.rs`
+/// `clamped_swiglu_expert`, restated here) on widths that are not multiples of 32, with inputs
+/// on both sides of the clamp limit.
+#[test]
+fn clamped_swiglu_matches_the_cpu_formula() {
+    let Some(g) = gpu("clamped_swiglu_matches_the_cpu_formula") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(34);
+    let (alpha, limit) = (1.702f32, 7.0f32);
+    for (n, inter) in [(1usize, 5usize), (3, 33), (7, 2880)] {
+        let gu: Vec<f32> = rand_vec(&mut rng, n * 2 * inter).iter().map(|x| 12.0 * x).collect();
+        let b = rand_vec(&mut rng, 2 * inter);
+        let mut h = g.upload(&vec![f32::NAN; n * inter]).unwrap();
+        g.clamped_swiglu(&g.upload(&gu).unwrap(), &g.upload(&b).unwrap(), n, alpha, limit, &mut h)
+            .unwrap();
+        let mut want = Vec::with_capacity(n * inter);
+        for row in gu.chunks_exact(2 * inter) {
+            for (v, bb) in row.chunks_exact(2).zip(b.chunks_exact(2)) {
+                let gate = (v[0] + bb[0]).min(limit);
+                let up = (v[1] + bb[1]).clamp(-limit, limit);
+                want.push((up + 1.0) * (gate * deltafin_kernels::sigmoid(gate * alpha)));
+            }
+        }
+        let err = rel_l2(&g.download(&h).unwrap(), &want);
+        assert!(err < 1e-6, "n={n} inter={inter}: relative L2 {err:e}");
+    }
+}

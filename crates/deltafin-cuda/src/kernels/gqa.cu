@@ -177,3 +177,21 @@ extern "C" __global__ void add_bias_rows(float* __restrict__ y, const float* __r
     if (e >= (size_t)n * dim) return;
     y[e] = __fadd_rn(y[e], b[e % dim]);
 }
+
+// gpt-oss' clamped SwiGLU on the interleaved gate/up projection of n tokens (transformers
+// GptOssExperts._apply_gate; the CPU's gpt_oss.rs `clamped_swiglu_expert`, [CLAMPED_SWIGLU]):
+//   gate = min(gu[t, 2j] + b[2j], limit), up = clamp(gu[t, 2j + 1] + b[2j + 1], -limit, limit)
+//   h[t, j] = (up + 1) * (gate * sigmoid(gate * alpha)),  sigmoid(v) = 1 / (1 + exp(-v))
+// gu: [n, 2 * inter], b: [2 * inter], h: [n, inter].
+extern "C" __global__ void clamped_swiglu(const float* __restrict__ gu, const float* __restrict__ b, int n,
+                                          int inter, float alpha, float limit, float* __restrict__ h) {
+    const size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (e >= (size_t)n * inter) return;
+    const size_t t = e / inter;
+    const int j = (int)(e % inter);
+    const float* r = gu + t * 2 * inter;
+    const float gate = fminf(__fadd_rn(r[2 * j], b[2 * j]), limit);
+    const float up = fminf(fmaxf(__fadd_rn(r[2 * j + 1], b[2 * j + 1]), -limit), limit);
+    const float sg = __fdiv_rn(1.0f, __fadd_rn(1.0f, exp_f32(-__fmul_rn(gate, alpha))));
+    h[e] = __fmul_rn(__fadd_rn(up, 1.0f), __fmul_rn(gate, sg));
+}
