@@ -230,6 +230,41 @@ fn gqa_cuda_chunked_prefill_equals_token_at_a_time_bit_for_bit() {
     chunked_prefill_equals_token_at_a_time("gpt_oss");
 }
 
+/// The GQA families' KV cache on the GPU: 80 tokens fed one at a time (the cache grows past its
+/// first 64 positions, copying them) give the bits of the same 80 in one chunk, and a rolled back
+/// continuation followed by the true tokens gives the bits of a fresh state (speculative
+/// verification's pattern), in the default layout of each family's first case.
+#[test]
+fn gqa_cuda_cache_growth_and_rollback_change_no_bit() {
+    if !gpu_or_skip("gqa_cuda_cache_growth_and_rollback_change_no_bit") {
+        return;
+    }
+    for family in ["qwen3_moe", "mixtral", "gpt_oss"] {
+        let case = &cases(family)[0];
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = convert_case(case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("q"));
+        let (model, _) =
+            load_model_on(&dir, StoreOptions::new(1 << 30), Device::Cuda(0), GpuOptions::default()).unwrap();
+        let tokens: Vec<u32> = (3..83).collect();
+        let mut a = model.new_state();
+        let chunk = model.forward_batch(a.as_mut(), &tokens, true).unwrap().logits;
+        let mut b = model.new_state();
+        for (i, &t) in tokens.iter().enumerate() {
+            let (logits, _) = model.forward(b.as_mut(), t).unwrap();
+            assert_eq!(logits, chunk[i], "{family}: position {i} of 80 token at a time");
+        }
+        let (prompt, tail) = tokens.split_at(50);
+        let mut c = model.new_state();
+        model.forward_batch(c.as_mut(), prompt, false).unwrap();
+        model.forward_batch(c.as_mut(), &[5, 6, 8, 9], true).unwrap();
+        assert!(model.rollback(c.as_mut(), prompt.len()));
+        let after = model.forward_batch(c.as_mut(), tail, true).unwrap().logits;
+        for (i, l) in after.iter().enumerate() {
+            assert_eq!(l, &chunk[50 + i], "{family}: position {} after a rollback", 50 + i);
+        }
+    }
+}
+
 /// Every fixture case of `family`, lossless and default layouts, GPU expert cache unbounded
 /// and of two records: a prompt in one chunk gives each position the bits (logits, routing)
 /// of feeding it token at a time, and so does the next token after it.
