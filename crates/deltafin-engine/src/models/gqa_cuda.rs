@@ -42,7 +42,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use deltafin_cuda::{CudaError, Gpu, GpuBuf, GpuMat, GpuMatData, GqaShape, SoftmaxRouter, MOE_MAX_K};
+use deltafin_cuda::{
+    CudaError, CudaSlice, ExpertTable, Gpu, GpuBuf, GpuMat, GpuMatData, GqaShape, MoeDown, SoftmaxRouter, MOE_MAX_K,
+};
 use deltafin_format::model_dir::Backbone;
 use deltafin_format::{ModelConfig, ModelDir};
 
@@ -232,6 +234,15 @@ impl DecodeState for GpuGqaCache {
     }
 }
 
+/// A one-token MoE block's device work ([`Gpu::moe_table_with`]): the token's experts by slot,
+/// the slot ids `0..MOE_MAX_K`, the intermediates `[MOE_MAX_K, inter]`.
+struct SlotTable {
+    table: ExpertTable,
+    slot_ids: CudaSlice<i32>,
+    h: GpuBuf,
+    inter: usize,
+}
+
 /// Most bytes of attention scores one `gqa_attend` launch of a chunk may use (the chunk's
 /// tokens are split into groups that stay within it).
 const PREFILL_SCORE_BYTES: usize = 256 << 20;
@@ -249,6 +260,8 @@ pub struct GqaCuda {
     eps: f32,
     /// Routed experts resident on the device (the tier above the host cache).
     experts: Mutex<GpuExpertCache<GqaExpert>>,
+    /// The one-token MoE path's table (made at the first decode step, for the experts' shape).
+    slots: Mutex<Option<SlotTable>>,
 }
 
 impl GqaCuda {
@@ -348,6 +361,7 @@ impl GqaCuda {
             expert_kind,
             eps,
             experts: Mutex::new(GpuExpertCache::new(budget)),
+            slots: Mutex::new(None),
         };
         if gpu_opts.preload {
             model.preload()?;
@@ -651,6 +665,58 @@ impl GqaCuda {
         }
     }
 
+    /// The routed SwiGLU experts of one token, `experts[j]` in slot `j` with weight `w[j]`,
+    /// added to `x: [hidden]` ([`Gpu::moe_table_with`]: gate/up with SiLU in one launch, the
+    /// down projections and the weighted sum from zero in slot order with the residual add in
+    /// another; the bits of the expert-major path's `swiglu` products and
+    /// `moe_combine_tokens` for that token, as the DeepSeek path's decode and prefill agree).
+    fn moe_one_token(
+        &self,
+        experts: &[GqaExpert],
+        w: &GpuBuf,
+        k: usize,
+        xn: &GpuBuf,
+        x: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        let g = &self.gpu;
+        let refs = experts
+            .iter()
+            .map(|e| <&[GpuMat; 3]>::try_from(&e[..]))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| CudaError::Shape("a SwiGLU expert record without three matrices".into()))?;
+        let (Some(first), true) = (refs.first(), refs.len() == k) else {
+            return Err(CudaError::Shape(format!("{} experts for {k} slots", refs.len())));
+        };
+        let (inter, hidden) = (first[0].rows, first[0].cols);
+        let mut guard = self
+            .slots
+            .lock()
+            .map_err(|_| CudaError::Shape("MoE slot table lock poisoned".into()))?;
+        if guard.as_ref().is_none_or(|s| s.inter != inter) {
+            *guard = Some(SlotTable {
+                table: g.expert_table(MOE_MAX_K, inter, hidden)?,
+                slot_ids: g.upload(&(0..MOE_MAX_K as i32).collect::<Vec<_>>())?,
+                h: g.zeros(MOE_MAX_K * inter)?,
+                inter,
+            });
+        }
+        let Some(st) = guard.as_mut() else {
+            return Err(CudaError::Shape("MoE slot table missing".into()));
+        };
+        st.table.set(g, 0, &refs)?;
+        g.moe_table_with(
+            MoeDown::Fused,
+            &st.table,
+            &st.slot_ids.slice(..k),
+            &w.slice(..k),
+            k,
+            xn,
+            &mut st.h,
+            None,
+            x,
+        )
+    }
+
     /// The MoE block of layer `l` for the `n` tokens of a chunk (`xn: [n, hidden]`), added to
     /// `x: [n, hidden]`; returns each token's routing. Router logits for the chunk in one
     /// product, the router on the device ([`Gpu::route_softmax_topk`]), the ids and weights read
@@ -728,6 +794,12 @@ impl GqaCuda {
         let src_d = g.upload(&src_idx).map_err(cuda)?;
         let dst_d = g.upload(&dst_idx).map_err(cuda)?;
         let experts = self.experts_of(l, &union)?;
+        if n == 1 && self.expert_kind == ExpertKind::SwiGlu {
+            // One token: its experts (ascending id = router order = `experts`) in two launches.
+            self.moe_one_token(&experts, &w_d, k, xn, x).map_err(cuda)?;
+            drop(experts);
+            return Ok(routings);
+        }
         // y: [n, k, hidden], every (token, slot) written by its expert.
         let mut y = g.zeros(n * k * h).map_err(cuda)?;
         let mut off = 0;
