@@ -623,3 +623,56 @@ fn k3_tiny_on_cuda_matches_the_cpu_and_rolls_back_exactly() {
         "a 2-record GPU expert cache changes bits"
     );
 }
+
+/// `deltafin run --device cuda` on converted GQA fixtures (default layout): the greedy ids of
+/// `--device cpu`, with and without prompt-lookup speculation on the GPU (its verification
+/// passes are chunks with every position's logits, rolled back on a miss).
+#[test]
+fn gqa_run_on_cuda_gives_the_cpu_ids() {
+    if !gpu_or_skip("gqa_run_on_cuda_gives_the_cpu_ids") {
+        return;
+    }
+    for family in ["qwen3_moe", "mixtral", "gpt_oss"] {
+        let case = &cases(family)[0];
+        let tmp = tempfile::tempdir().unwrap();
+        let m = tmp.path().join("q");
+        convert_case(case, StoredDtype::Int8, StoredDtype::Mxfp4, &m);
+        let stats = tmp.path().join("s.json");
+        let generated = |extra: &[&str]| -> Vec<u64> {
+            assert_cmd::Command::new(assert_cmd::cargo::cargo_bin!("deltafin"))
+                .args(["run", "--model"])
+                .arg(&m)
+                .args([
+                    "--prompt-ids",
+                    "3,9,4,9,4,9,4,9,4,9,4,9",
+                    "--max-new-tokens",
+                    "24",
+                    "--ignore-eos",
+                ])
+                .args(extra)
+                .arg("--stats-json")
+                .arg(&stats)
+                .assert()
+                .success();
+            let s: Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+            s["generated_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect()
+        };
+        let cpu = generated(&["--device", "cpu", "--speculate", "off"]);
+        assert_eq!(cpu.len(), 24, "{family}");
+        assert_eq!(
+            generated(&["--device", "cuda", "--speculate", "off"]),
+            cpu,
+            "{family}: cuda vs cpu"
+        );
+        assert_eq!(
+            generated(&["--device", "cuda", "--speculate", "lookup"]),
+            cpu,
+            "{family}: cuda with lookup speculation vs cpu"
+        );
+    }
+}

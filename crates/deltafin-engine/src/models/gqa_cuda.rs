@@ -31,7 +31,9 @@
 //!
 //! One pass serves decoding and prefill: a single token is a chunk of one, and every kernel
 //! computes a token of a chunk with the arithmetic it uses for that token alone, so a prompt
-//! processed in chunks gives the bits of token-at-a-time decoding (logits and routing).
+//! processed in chunks gives the bits of token-at-a-time decoding (logits and routing). Only a
+//! single token's SwiGLU MoE block takes another route, two fused launches (`moe_table`) in
+//! place of the expert-major gather/products/scatter/combine, with the same bits.
 //!
 //! Numerics: f32 everywhere, fixed reduction orders (deltafin-cuda's kernels), so output is
 //! deterministic run to run and agrees with the CPU path to f32 rounding (greedy ids equal,
