@@ -1320,3 +1320,65 @@ fn clamped_swiglu_matches_the_cpu_formula() {
         assert!(err < 1e-6, "n={n} inter={inter}: relative L2 {err:e}");
     }
 }
+
+/// `rope_tokens` (each token its own cos/sin row) is the CPU's rotation bit for bit
+/// (deltafin-engine `RotaryEmbedding::apply`, restated: `xa c - xb s`, `xb c + xa s`), in the
+/// rotate-half layout of the GQA families over whole heads of awkward widths and in the
+/// interleaved layout over a rotary part at an offset (MLA's).
+#[test]
+fn rope_tokens_is_the_cpu_rotation_bit_for_bit() {
+    let Some(g) = gpu("rope_tokens_is_the_cpu_rotation_bit_for_bit") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(35);
+    // (tokens, vectors a token, stride, offset, half, interleaved)
+    for (n, v, stride, offset, half, interleaved) in [
+        (5usize, 3usize, 22usize, 0usize, 11usize, false),
+        (9, 6, 128, 0, 64, false),
+        (1, 1, 8, 0, 4, false),
+        (4, 2, 40, 24, 8, true),
+    ] {
+        let x = rand_vec(&mut rng, n * v * stride);
+        let cs: Vec<f32> = (0..n)
+            .flat_map(|t| {
+                let ang: Vec<f32> = (0..half).map(|i| (t as f32 + 3.0) * (1.0 / (1.0 + i as f32))).collect();
+                let c: Vec<f32> = ang.iter().map(|a| a.cos()).collect();
+                let s: Vec<f32> = ang.iter().map(|a| a.sin()).collect();
+                c.into_iter().chain(s)
+            })
+            .collect();
+        let mut dx = g.upload(&x).unwrap();
+        g.rope_tokens(
+            &mut dx,
+            n,
+            v,
+            stride,
+            offset,
+            &g.upload(&cs).unwrap(),
+            half,
+            interleaved,
+        )
+        .unwrap();
+        let mut want = x.clone();
+        for t in 0..n {
+            let (c, s) = (
+                &cs[t * 2 * half..t * 2 * half + half],
+                &cs[t * 2 * half + half..(t + 1) * 2 * half],
+            );
+            for j in 0..v {
+                let xv = &mut want[(t * v + j) * stride + offset..];
+                for i in 0..half {
+                    let (a, b) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
+                    let (xa, xb) = (xv[a], xv[b]);
+                    xv[a] = xa * c[i] - xb * s[i];
+                    xv[b] = xb * c[i] + xa * s[i];
+                }
+            }
+        }
+        assert_eq!(
+            g.download(&dx).unwrap(),
+            want,
+            "n={n} v={v} stride={stride} offset={offset} half={half} interleaved={interleaved}"
+        );
+    }
+}
