@@ -796,7 +796,10 @@ impl GqaCuda {
         let src_d = g.upload(&src_idx).map_err(cuda)?;
         let dst_d = g.upload(&dst_idx).map_err(cuda)?;
         let experts = self.experts_of(l, &union)?;
-        if n == 1 && self.expert_kind == ExpertKind::SwiGlu {
+        // The fused launches read each slot's intermediate row with 16-byte loads: a width that
+        // is a multiple of 4 floats keeps every row aligned.
+        let aligned = experts.first().is_some_and(|e| e[0].rows % 4 == 0);
+        if n == 1 && self.expert_kind == ExpertKind::SwiGlu && aligned {
             // One token: its experts (ascending id = router order = `experts`) in two launches.
             self.moe_one_token(&experts, &w_d, k, xn, x).map_err(cuda)?;
             drop(experts);
