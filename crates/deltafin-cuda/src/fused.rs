@@ -328,6 +328,9 @@ unsafe impl ValidAsZeroBits for ExpertDesc {}
 /// (the device frees memory in stream order, so dropping a handle after queuing is enough).
 pub struct ExpertTable {
     buf: CudaSlice<ExpertDesc>,
+    /// Whether entry i holds an expert whose three matrices are MXFP4 (what
+    /// [`Gpu::moe_grouped`] takes).
+    mxfp4: Vec<bool>,
     inter: usize,
     hidden: usize,
 }
@@ -357,7 +360,7 @@ impl ExpertTable {
             )));
         }
         let mut descs = Vec::with_capacity(experts.len());
-        for e in experts {
+        for (slot, e) in experts.iter().enumerate() {
             let (i, h) = (self.inter, self.hidden);
             if e[0].rows != i || e[0].cols != h || e[1].rows != i || e[1].cols != h || e[2].rows != h || e[2].cols != i
             {
@@ -366,6 +369,7 @@ impl ExpertTable {
                     e[0].rows, e[0].cols, e[1].rows, e[1].cols, e[2].rows, e[2].cols
                 )));
             }
+            self.mxfp4[first + slot] = e.iter().all(|m| matches!(m.data, GpuMatData::Mxfp4 { .. }));
             descs.push(ExpertDesc {
                 gate: e[0].desc(gpu),
                 up: e[1].desc(gpu),
@@ -390,6 +394,7 @@ impl ExpertTable {
                 self.buf.len()
             )));
         }
+        self.mxfp4[i] = false;
         let mut dst = self.buf.slice_mut(i..i + 1);
         gpu.stream().memset_zeros(&mut dst).ctx("cuMemsetD8")
     }
@@ -403,6 +408,7 @@ impl Gpu {
     pub fn expert_table(&self, n: usize, inter: usize, hidden: usize) -> Result<ExpertTable, CudaError> {
         Ok(ExpertTable {
             buf: self.stream().alloc_zeros::<ExpertDesc>(n.max(1)).ctx("cuMemAlloc")?,
+            mxfp4: vec![false; n.max(1)],
             inter,
             hidden,
         })
@@ -792,4 +798,231 @@ impl Gpu {
         unsafe { b.launch(grid(hidden, 1)) }.ctx("launch moe_down_combine_tab")?;
         Ok(())
     }
+}
+
+/// A shape of the grouped expert kernels (`moe_gate_up_grouped_*`, `moe_down_grouped_*` in
+/// fused.cu). Every shape gives the same bits; they differ only in speed (`examples/
+/// grouped_bench.rs`, bench/NOTES.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupedShape {
+    /// Most (token, slot) pairs a tile holds: 4, 8 or 16.
+    pub tokens: usize,
+    /// Rows of gate and of up one warp computes: 1, 2 or 4.
+    pub gate_up_rows: usize,
+    /// Unroll of the gate/up kernel's MX-block loop: 1 or 2.
+    pub gate_up_unroll: usize,
+    /// Rows of down one warp computes: 1, 2 or 4.
+    pub down_rows: usize,
+}
+
+impl GroupedShape {
+    /// The shape the engine uses: the fastest measured on the H200 (`grouped_bench`, 2,000 and
+    /// 512 tokens of the `bench` preset's experts: 21.8 / 5.97 ms against 24.5 / 6.79 ms for
+    /// the next; bench/NOTES.md).
+    pub const DEFAULT: Self = Self::new(8, 1, 1, 2);
+
+    /// Every shape that has kernels.
+    pub const ALL: [Self; 16] = [
+        Self::new(8, 2, 1, 4),
+        Self::new(8, 2, 1, 2),
+        Self::new(8, 2, 1, 1),
+        Self::new(8, 2, 2, 4),
+        Self::new(8, 2, 2, 2),
+        Self::new(8, 1, 1, 4),
+        Self::new(8, 1, 1, 2),
+        Self::new(8, 1, 1, 1),
+        Self::new(8, 1, 2, 4),
+        Self::new(8, 1, 2, 2),
+        Self::new(16, 1, 1, 2),
+        Self::new(4, 2, 1, 4),
+        Self::new(4, 2, 1, 2),
+        Self::new(4, 4, 1, 4),
+        Self::new(4, 4, 1, 2),
+        Self::new(8, 2, 2, 1),
+    ];
+
+    const fn new(tokens: usize, gate_up_rows: usize, gate_up_unroll: usize, down_rows: usize) -> Self {
+        Self {
+            tokens,
+            gate_up_rows,
+            gate_up_unroll,
+            down_rows,
+        }
+    }
+
+    /// The two kernels' names.
+    fn names(&self) -> Result<(&'static str, &'static str), CudaError> {
+        let gu = match (self.gate_up_rows, self.tokens, self.gate_up_unroll) {
+            (2, 8, 1) => "moe_gate_up_grouped_r2t8",
+            (2, 8, 2) => "moe_gate_up_grouped_r2t8u2",
+            (1, 8, 1) => "moe_gate_up_grouped_r1t8",
+            (1, 8, 2) => "moe_gate_up_grouped_r1t8u2",
+            (1, 16, 1) => "moe_gate_up_grouped_r1t16",
+            (2, 4, 1) => "moe_gate_up_grouped_r2t4",
+            (4, 4, 1) => "moe_gate_up_grouped_r4t4",
+            _ => return Err(CudaError::Shape(format!("no grouped gate/up kernel for {self:?}"))),
+        };
+        let dn = match (self.down_rows, self.tokens) {
+            (4, 8) => "moe_down_grouped_r4t8",
+            (2, 8) => "moe_down_grouped_r2t8",
+            (1, 8) => "moe_down_grouped_r1t8",
+            (2, 16) => "moe_down_grouped_r2t16",
+            (4, 4) => "moe_down_grouped_r4t4",
+            (2, 4) => "moe_down_grouped_r2t4",
+            _ => return Err(CudaError::Shape(format!("no grouped down kernel for {self:?}"))),
+        };
+        Ok((gu, dn))
+    }
+}
+
+/// Most (token, slot) pairs one tile of [`Gpu::moe_grouped`] takes.
+pub const GROUP_T: usize = GroupedShape::DEFAULT.tokens;
+
+/// Most tiles one grouped launch takes (the grid's y extent).
+const MAX_TILES_PER_LAUNCH: usize = 65_535;
+
+impl Gpu {
+    /// The routed experts of a prefill chunk, expert-major, in two launches for all experts
+    /// (instead of five launches and three allocations per expert):
+    /// `h[p] = silu(gate_e · xg[p]) ⊙ (up_e · xg[p])`, then `y[dst[p]] = down_e · h[p]` for every
+    /// (token, slot) pair `p`, where `e` is the entry of `table` of the tile holding `p`.
+    ///
+    /// - `xg: [pairs, hidden]`: the pairs' inputs, sorted so that each expert's pairs are
+    ///   consecutive (the "gathered order");
+    /// - `tiles[i] = [entry, first, count]`: pairs `first .. first + count` (1 ≤ count ≤
+    ///   [`GROUP_T`]) use table entry `entry`; every pair in exactly one tile;
+    /// - `dst[p]`: the row of `y: [rows, hidden]` that pair `p`'s output goes to, all distinct;
+    /// - `h: [pairs, inter]`: work space.
+    ///
+    /// Every output is the one-token kernels' dot product for that row and token (`mx_rows`,
+    /// then `warp_sum`), so the result equals `GpuMat::matmul` of gate and up, `Gpu::swiglu`,
+    /// `GpuMat::matmul` of down and a scatter, bit for bit (test `grouped_experts_equal_…`).
+    ///
+    /// # Errors
+    /// `Shape` when a tile names an entry that is not an MXFP4 expert of the table, the tiles
+    /// do not cover the pairs once, a destination is out of range or repeated, or lengths
+    /// disagree; a driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_grouped(
+        &self,
+        table: &ExpertTable,
+        tiles: &[[i32; 3]],
+        xg: &GpuBuf,
+        dst: &[i32],
+        h: &mut GpuBuf,
+        y: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        self.moe_grouped_with(GroupedShape::DEFAULT, table, tiles, xg, dst, h, y)
+    }
+
+    /// [`Gpu::moe_grouped`] with the kernels' shape chosen (tiles of at most `shape.tokens`
+    /// pairs). Every shape gives the same bits.
+    ///
+    /// # Errors
+    /// As [`Gpu::moe_grouped`], and `Shape` for a shape without kernels.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_grouped_with(
+        &self,
+        shape: GroupedShape,
+        table: &ExpertTable,
+        tiles: &[[i32; 3]],
+        xg: &GpuBuf,
+        dst: &[i32],
+        h: &mut GpuBuf,
+        y: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        let (gu_name, dn_name) = shape.names()?;
+        let tmax = shape.tokens;
+        let (inter, hidden) = (table.inter, table.hidden);
+        let pairs = dst.len();
+        let bad = |why: String| Err(CudaError::Shape(format!("moe_grouped: {why}")));
+        if pairs == 0
+            || hidden == 0
+            || inter == 0
+            || xg.len() != pairs * hidden
+            || h.len() != pairs * inter
+            || !y.len().is_multiple_of(hidden)
+        {
+            return bad(format!(
+                "{pairs} pairs of [{inter}, {hidden}] experts with xg {}, h {}, y {}",
+                xg.len(),
+                h.len(),
+                y.len()
+            ));
+        }
+        let y_rows = y.len() / hidden;
+        let mut covered = 0usize;
+        for (i, &[e, first, count]) in tiles.iter().enumerate() {
+            let ok_entry = usize::try_from(e).is_ok_and(|e| mxfp4_entry(table, e));
+            if !ok_entry {
+                return bad(format!("tile {i} names entry {e}, not an MXFP4 expert of the table"));
+            }
+            if first as usize != covered || count < 1 || count as usize > tmax {
+                return bad(format!(
+                    "tile {i} covers pairs {first}..+{count}; expected {covered}..+1..={tmax}"
+                ));
+            }
+            covered += count as usize;
+        }
+        if covered != pairs {
+            return bad(format!("the tiles cover {covered} of {pairs} pairs"));
+        }
+        let mut seen = vec![false; y_rows];
+        for (p, &d) in dst.iter().enumerate() {
+            match usize::try_from(d).ok().filter(|&d| d < y_rows) {
+                Some(d) if !seen[d] => seen[d] = true,
+                _ => {
+                    return bad(format!(
+                        "pair {p} goes to row {d} of {y_rows} (out of range or repeated)"
+                    ))
+                }
+            }
+        }
+        let (inter_i, hidden_i) = (inter as i32, hidden as i32);
+        let flat: Vec<i32> = tiles.iter().flatten().copied().collect();
+        let tiles_d = self.upload(&flat)?;
+        let dst_d = self.upload(dst)?;
+        for tile0 in (0..tiles.len()).step_by(MAX_TILES_PER_LAUNCH) {
+            let nt = (tiles.len() - tile0).min(MAX_TILES_PER_LAUNCH) as u32;
+            let t0 = tile0 as i32;
+            let cfg = |rows: usize| LaunchConfig {
+                grid_dim: (rows.div_ceil(WARPS as usize * shape.gate_up_rows) as u32, nt, 1),
+                block_dim: (32 * WARPS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = self.stream().launch_builder(self.k.get(gu_name)?);
+            b.arg(&table.buf)
+                .arg(&tiles_d)
+                .arg(&t0)
+                .arg(&inter_i)
+                .arg(&hidden_i)
+                .arg(xg)
+                .arg(&mut *h);
+            // SAFETY: matches `moe_gate_up_grouped` in fused.cu; every tile names a filled MXFP4
+            // entry of [inter, hidden] gate/up (checked above and by ExpertTable::set) and pairs
+            // inside xg and h.
+            unsafe { b.launch(cfg(inter)) }.ctx("launch moe_gate_up_grouped_*")?;
+        }
+        for tile0 in (0..tiles.len()).step_by(MAX_TILES_PER_LAUNCH) {
+            let nt = (tiles.len() - tile0).min(MAX_TILES_PER_LAUNCH) as u32;
+            let t0 = tile0 as i32;
+            let cfg = LaunchConfig {
+                grid_dim: (hidden.div_ceil(WARPS as usize * shape.down_rows) as u32, nt, 1),
+                block_dim: (32 * WARPS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = self.stream().launch_builder(self.k.get(dn_name)?);
+            b.arg(&table.buf).arg(&tiles_d).arg(&t0).arg(&hidden_i).arg(&inter_i);
+            b.arg(&*h).arg(&dst_d).arg(&mut *y);
+            // SAFETY: matches `moe_down_grouped`; down is [hidden, inter] per the table, every
+            // destination row is inside y and distinct (checked above).
+            unsafe { b.launch(cfg) }.ctx("launch moe_down_grouped_*")?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether entry `e` of `table` holds an MXFP4 expert.
+fn mxfp4_entry(table: &ExpertTable, e: usize) -> bool {
+    table.mxfp4.get(e).copied().unwrap_or(false)
 }

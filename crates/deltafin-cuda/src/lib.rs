@@ -31,7 +31,8 @@ pub use attention::{MlaShape, MLA_SPLIT};
 pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use device::{probe, DeviceInfo};
 pub use fused::{
-    ExpertDesc, ExpertTable, MatDesc, MlaPrepArg, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape, MAX_JOBS,
+    ExpertDesc, ExpertTable, GroupedShape, MatDesc, MlaPrepArg, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg,
+    RouterShape, GROUP_T, MAX_JOBS,
 };
 pub use gpu::{compile_ptx, ptx_cache_dir, Gpu, GpuBuf, ENTRY_POINTS};
 pub use gqa::{GqaShape, SoftmaxRouter};

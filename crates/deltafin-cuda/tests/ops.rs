@@ -1382,3 +1382,144 @@ fn rope_tokens_is_the_cpu_rotation_bit_for_bit() {
         );
     }
 }
+
+/// The grouped prefill experts (`Gpu::moe_grouped`, two launches for every expert of a chunk):
+/// each (token, slot) output equal, bit for bit, to the per-expert path (gate and up `matmul`,
+/// `swiglu`, down `matmul`, then a scatter), with tiles of 1 to `GROUP_T` pairs, experts with no
+/// pair, shapes that are not multiples of 32, and destination rows in shuffled order (rows no
+/// pair names stay untouched); malformed tiles, destinations and non-MXFP4 entries are refused.
+#[test]
+fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
+    use deltafin_cuda::{GroupedShape, GROUP_T};
+    use rand::seq::SliceRandom;
+    let Some(g) = gpu("grouped_experts_equal_the_per_expert_matmuls_bit_for_bit") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(71);
+    for (inter, hidden, counts) in [
+        (33usize, 64usize, vec![1usize, 8, 9]),
+        (96, 200, vec![17, 0, 3, 8, 2]),
+        (70, 257, vec![5, 12]),
+    ] {
+        let n_exp = counts.len();
+        let hosts: Vec<[Host; 3]> = (0..n_exp)
+            .map(|_| {
+                [
+                    Host::new(&mut rng, inter, hidden),
+                    Host::new(&mut rng, inter, hidden),
+                    Host::new(&mut rng, hidden, inter),
+                ]
+            })
+            .collect();
+        let experts: Vec<[GpuMat; 3]> = hosts
+            .iter()
+            .map(|h| [0, 1, 2].map(|i| GpuMat::upload(&g, &h[i].mats()[2]).unwrap()))
+            .collect();
+        let mut table = g.expert_table(n_exp, inter, hidden).unwrap();
+        let all: Vec<&[GpuMat; 3]> = experts.iter().collect();
+        table.set(&g, 0, &all).unwrap();
+        let pairs: usize = counts.iter().sum();
+        let y_rows = pairs + 3;
+        let mut rows: Vec<i32> = (0..y_rows as i32).collect();
+        rows.shuffle(&mut rng);
+        let dst: Vec<i32> = rows[..pairs].to_vec();
+        let tiles_of = |tmax: usize| {
+            let mut tiles = Vec::new();
+            let mut off = 0usize;
+            for (e, &m) in counts.iter().enumerate() {
+                for t0 in (0..m).step_by(tmax) {
+                    tiles.push([e as i32, (off + t0) as i32, (m - t0).min(tmax) as i32]);
+                }
+                off += m;
+            }
+            tiles
+        };
+        let tiles = tiles_of(GROUP_T);
+        let xg_host = rand_vec(&mut rng, pairs * hidden);
+        let xg = g.upload(&xg_host).unwrap();
+        let mut h = g.upload(&vec![f32::NAN; pairs * inter]).unwrap();
+        let mut y = g.upload(&vec![7.0f32; y_rows * hidden]).unwrap();
+        g.moe_grouped(&table, &tiles, &xg, &dst, &mut h, &mut y).unwrap();
+        let got = g.download(&y).unwrap();
+        // The per-expert path.
+        let mut want = vec![7.0f32; y_rows * hidden];
+        let mut off = 0usize;
+        for (e, &m) in counts.iter().enumerate() {
+            if m == 0 {
+                continue;
+            }
+            let xe = g.copy_range(&xg, off * hidden, m * hidden).unwrap();
+            let (mut a, mut b, mut hh, mut o) = (
+                g.zeros(m * inter).unwrap(),
+                g.zeros(m * inter).unwrap(),
+                g.zeros(m * inter).unwrap(),
+                g.zeros(m * hidden).unwrap(),
+            );
+            experts[e][0].matmul(&g, &xe, m, &mut a).unwrap();
+            experts[e][1].matmul(&g, &xe, m, &mut b).unwrap();
+            g.swiglu(&a, &b, &mut hh).unwrap();
+            experts[e][2].matmul(&g, &hh, m, &mut o).unwrap();
+            let o = g.download(&o).unwrap();
+            for j in 0..m {
+                let d = dst[off + j] as usize;
+                want[d * hidden..(d + 1) * hidden].copy_from_slice(&o[j * hidden..(j + 1) * hidden]);
+            }
+            off += m;
+        }
+        let diff = got
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(diff, 0, "[{inter}, {hidden}] counts {counts:?}: {diff} values differ");
+        // Every kernel shape gives the same bits.
+        for shape in GroupedShape::ALL {
+            let mut h = g.upload(&vec![f32::NAN; pairs * inter]).unwrap();
+            let mut y = g.upload(&vec![7.0f32; y_rows * hidden]).unwrap();
+            g.moe_grouped_with(shape, &table, &tiles_of(shape.tokens), &xg, &dst, &mut h, &mut y)
+                .unwrap();
+            let got = g.download(&y).unwrap();
+            let diff = got
+                .iter()
+                .zip(&want)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(
+                diff, 0,
+                "{shape:?} [{inter}, {hidden}] counts {counts:?}: {diff} values differ"
+            );
+        }
+        // Refusals, each one line, nothing launched.
+        let refused =
+            |tiles: &[[i32; 3]], dst: &[i32], h: &mut deltafin_cuda::GpuBuf, y: &mut deltafin_cuda::GpuBuf| {
+                let e = g.moe_grouped(&table, tiles, &xg, dst, h, y).unwrap_err().to_string();
+                assert!(!e.contains('\n') && e.contains("moe_grouped"), "{e}");
+            };
+        let mut bad = tiles.clone();
+        bad[0][0] = n_exp as i32;
+        refused(&bad, &dst, &mut h, &mut y);
+        refused(&tiles[1..], &dst, &mut h, &mut y);
+        let mut bad_dst = dst.clone();
+        bad_dst[pairs - 1] = bad_dst[0];
+        refused(&tiles, &bad_dst, &mut h, &mut y);
+        bad_dst[pairs - 1] = y_rows as i32;
+        refused(&tiles, &bad_dst, &mut h, &mut y);
+    }
+    // An int8 expert in the table is not taken.
+    let (inter, hidden) = (40usize, 48usize);
+    let host = [
+        Host::new(&mut rng, inter, hidden),
+        Host::new(&mut rng, inter, hidden),
+        Host::new(&mut rng, hidden, inter),
+    ];
+    let e8: [GpuMat; 3] = [0, 1, 2].map(|i| GpuMat::upload(&g, &host[i].mats()[1]).unwrap());
+    let mut table = g.expert_table(1, inter, hidden).unwrap();
+    table.set(&g, 0, &[&e8]).unwrap();
+    let xg = g.upload(&rand_vec(&mut rng, hidden)).unwrap();
+    let (mut h, mut y) = (g.zeros(inter).unwrap(), g.zeros(hidden).unwrap());
+    let e = g
+        .moe_grouped(&table, &[[0, 0, 1]], &xg, &[0], &mut h, &mut y)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not an MXFP4 expert"), "{e}");
+}

@@ -20,44 +20,12 @@
 //! arXiv:2205.14135, Alg. 1) without its online softmax (which would change the summation
 //! order): the full score row is kept, `[rows, window]` f32 per call.
 
+pub use deltafin_kernels::attention::Values;
+use deltafin_kernels::attention::{accumulate4, pv_block, qk_block, DKB, DRB};
 use deltafin_kernels::{axpy, dot, dot_2x2, rms_norm, softmax_inplace, MatRef};
 use rayon::prelude::*;
 
 use crate::rope::RotaryEmbedding;
-
-/// `fn $name(args)` running `$body(args)` compiled for AVX-512F + FMA or AVX2 + FMA when the CPU
-/// has them (checked at run time), else as plain code. `$body` is `#[inline(always)]` scalar
-/// code whose loops the compiler vectorises for each target; every version performs the same
-/// operations in the same order, so the results do not depend on the version.
-macro_rules! simd_versions {
-    ($(#[$m:meta])* fn $name:ident($($a:ident: $t:ty),* $(,)?) => $body:ident) => {
-        $(#[$m])*
-        fn $name($($a: $t),*) {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,fma")]
-                $(#[$m])*
-                unsafe fn v512($($a: $t),*) {
-                    $body($($a),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                $(#[$m])*
-                unsafe fn v256($($a: $t),*) {
-                    $body($($a),*)
-                }
-                if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
-                    // SAFETY: the features were detected at run time just above.
-                    return unsafe { v512($($a),*) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                    // SAFETY: as above.
-                    return unsafe { v256($($a),*) };
-                }
-            }
-            $body($($a),*)
-        }
-    };
-}
 
 /// Key positions per tile: 64 GQA keys of 128 f32 (32 KiB) or 64 MLA latents of 512 f32
 /// (128 KiB) stay in L2 while every query row of the call uses them.
@@ -450,10 +418,6 @@ pub fn decode_w_uk(shape: &MlaShape<'_>, kv_b: MatRef<'_>) -> Vec<f32> {
     w
 }
 
-/// Keys per score block of [`mla_decompressed`] (lanes of the score kernel).
-const DKB: usize = 32;
-/// Query rows per register block of [`mla_decompressed`].
-const DRB: usize = 4;
 /// Tokens per work item of [`mla_decompressed`].
 const DQT: usize = 32;
 
@@ -567,91 +531,6 @@ pub fn mla_decompressed(
         });
 }
 
-simd_versions! {
-    /// Scores of `rn ≤ DRB` query rows `q: [rn, dk]` against keys `0..w` of `kt: [dk, n_pad]`
-    /// (transposed keys): `s[r · wpad + t] = (Σ_d q[r][d] · k_t[d]) · scale`, each sum an FMA chain
-    /// in ascending `d` starting from 0; keys `w..` of the last block are computed too (padding).
-    #[allow(clippy::too_many_arguments)]
-    fn qk_block(q: &[f32], dk: usize, kt: &[f32], n_pad: usize, w: usize, wpad: usize, scale: f32, s: &mut [f32]) => qk_block_body
-}
-
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn qk_block_body(q: &[f32], dk: usize, kt: &[f32], n_pad: usize, w: usize, wpad: usize, scale: f32, s: &mut [f32]) {
-    let rn = q.len() / dk;
-    assert!(rn <= DRB && w <= n_pad && w <= wpad && s.len() >= rn * wpad && kt.len() >= dk * n_pad);
-    let mut k0 = 0;
-    while k0 < w {
-        let mut acc = [[0f32; DKB]; DRB];
-        for d in 0..dk {
-            let kv: &[f32; DKB] = kt[d * n_pad + k0..d * n_pad + k0 + DKB].try_into().expect("DKB keys");
-            for (r, a) in acc.iter_mut().enumerate().take(rn) {
-                let qv = q[r * dk + d];
-                for (x, &k) in a.iter_mut().zip(kv) {
-                    *x = qv.mul_add(k, *x);
-                }
-            }
-        }
-        for (r, a) in acc.iter().enumerate().take(rn) {
-            for (dst, &x) in s[r * wpad + k0..r * wpad + k0 + DKB].iter_mut().zip(a) {
-                *dst = x * scale;
-            }
-        }
-        k0 += DKB;
-    }
-}
-
-simd_versions! {
-    /// `ctx[r] += Σ_{t < w} p[r · wpad + t] · v_t` for `rn ≤ DRB` rows, `v: [.., vd_pad]`,
-    /// `ctx: [rn, vd_pad]`; each element an FMA chain in ascending `t`.
-    fn pv_block(p: &[f32], wpad: usize, rn: usize, v: &[f32], vd_pad: usize, w: usize, ctx: &mut [f32]) => pv_block_body
-}
-
-#[inline(always)]
-fn pv_block_body(p: &[f32], wpad: usize, rn: usize, v: &[f32], vd_pad: usize, w: usize, ctx: &mut [f32]) {
-    const VB: usize = 16;
-    assert!(rn <= DRB && w <= wpad && p.len() >= rn * wpad && v.len() >= w * vd_pad);
-    assert_eq!(ctx.len(), rn * vd_pad);
-    let mut j = 0;
-    // Four 16-lane blocks per pass where the width allows (16 accumulators), else one.
-    while j + 4 * VB <= vd_pad {
-        pv_lanes::<{ 4 * VB }>(p, wpad, rn, v, vd_pad, w, j, ctx);
-        j += 4 * VB;
-    }
-    while j < vd_pad {
-        pv_lanes::<VB>(p, wpad, rn, v, vd_pad, w, j, ctx);
-        j += VB;
-    }
-}
-
-/// [`pv_block_body`] for value elements `j..j + L`.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn pv_lanes<const L: usize>(
-    p: &[f32],
-    wpad: usize,
-    rn: usize,
-    v: &[f32],
-    vd_pad: usize,
-    w: usize,
-    j: usize,
-    ctx: &mut [f32],
-) {
-    let mut acc = [[0f32; L]; DRB];
-    for t in 0..w {
-        let vt: &[f32; L] = v[t * vd_pad + j..t * vd_pad + j + L].try_into().expect("lanes");
-        for (r, a) in acc.iter_mut().enumerate().take(rn) {
-            let pr = p[r * wpad + t];
-            for (x, &y) in a.iter_mut().zip(vt) {
-                *x = pr.mul_add(y, *x);
-            }
-        }
-    }
-    for (r, a) in acc.iter().enumerate().take(rn) {
-        ctx[r * vd_pad + j..r * vd_pad + j + L].copy_from_slice(a);
-    }
-}
-
 /// Weight-absorbed MLA logits: row `r`'s `(q_abs_r · c_t + q_pe_r · k_pe_t) · scale`, the
 /// one-token path's formula (`dot` of each part, then the sum, then the scale); pairs of rows
 /// and keys through [`deltafin_kernels::dot_2x2`], which equals those `dot`s bit for bit.
@@ -691,77 +570,6 @@ impl RowScorer for AbsorbedScores<'_> {
             &self.kpe[(t + 1) * rope..(t + 2) * rope],
         );
         [0, 1, 2, 3].map(|i| (c[i] + p[i]) * self.scale)
-    }
-}
-
-/// Value vectors at a fixed stride: position `t`'s is `data[t * stride + offset ..][..width]`
-/// (GQA: one key/value head's slice of `[n_tokens, n_kv_heads * head_dim]`; MLA: the latents
-/// `[n_tokens, kv_lora_rank]`).
-#[derive(Debug, Clone, Copy)]
-pub struct Values<'a> {
-    pub data: &'a [f32],
-    pub stride: usize,
-    pub offset: usize,
-    pub width: usize,
-}
-
-impl<'a> Values<'a> {
-    /// Position `t`'s vector `[width]`.
-    ///
-    /// # Panics
-    /// If it lies outside `data`.
-    #[inline]
-    pub fn row(&self, t: usize) -> &'a [f32] {
-        let o = t * self.stride + self.offset;
-        &self.data[o..o + self.width]
-    }
-}
-
-simd_versions! {
-    /// `ctx[i] += Σ_{t ∈ a..b} p[i][t - s] · values.row(t)` for four rows `ctx: [4, width]`,
-    /// every element accumulated in ascending `t` as a multiply then an add — exactly the
-    /// sequence of [`axpy`] calls it replaces (which is "multiply, then add" on every SIMD
-    /// level), so the bits are the same; each value load serves the four rows. Plain Rust
-    /// compiled per level (no FMA contraction: Rust never fuses `a * b + c`).
-    fn accumulate4(p: [&[f32]; 4], values: &Values<'_>, s: usize, a: usize, b: usize, ctx: &mut [f32]) => accumulate4_body
-}
-
-#[inline(always)]
-fn accumulate4_body(p: [&[f32]; 4], values: &Values<'_>, s: usize, a: usize, b: usize, ctx: &mut [f32]) {
-    const CB: usize = 16;
-    let dv = values.width;
-    assert_eq!(ctx.len(), 4 * dv);
-    for pi in &p {
-        assert!(b <= s + pi.len() && a >= s);
-    }
-    let mut j = 0;
-    while j + CB <= dv {
-        let mut acc = [[0f32; CB]; 4];
-        for (i, ai) in acc.iter_mut().enumerate() {
-            ai.copy_from_slice(&ctx[i * dv + j..i * dv + j + CB]);
-        }
-        for t in a..b {
-            let v: &[f32; CB] = values.row(t)[j..j + CB].try_into().expect("CB columns");
-            let ps = [p[0][t - s], p[1][t - s], p[2][t - s], p[3][t - s]];
-            for (ai, &pi) in acc.iter_mut().zip(&ps) {
-                for k in 0..CB {
-                    ai[k] += pi * v[k];
-                }
-            }
-        }
-        for (i, ai) in acc.iter().enumerate() {
-            ctx[i * dv + j..i * dv + j + CB].copy_from_slice(ai);
-        }
-        j += CB;
-    }
-    for jj in j..dv {
-        for (i, pi) in p.iter().enumerate() {
-            let mut x = ctx[i * dv + jj];
-            for t in a..b {
-                x += pi[t - s] * values.row(t)[jj];
-            }
-            ctx[i * dv + jj] = x;
-        }
     }
 }
 

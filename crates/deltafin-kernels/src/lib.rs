@@ -15,6 +15,7 @@ mod kernels;
 mod matrix;
 mod ops;
 
+pub mod attention;
 pub mod int8;
 pub mod mxfp4;
 pub mod q8_0;

@@ -105,3 +105,66 @@ pub fn matvec_t(m: &MatRef, x: &[f32], y: &mut [f32]) {
         }
     }
 }
+
+/// [`crate::attention::qk_block`]'s definition: for rows `r < q.len() / dk` and keys
+/// `t < ⌈w / DKB⌉ · DKB`, `s[r · wpad + t] = (Σ_d q[r][d] · kt[d · n_pad + t]) · scale` with the
+/// sum a fused multiply-add chain in ascending `d` from 0.
+///
+/// # Panics
+/// If a slice is too short for those indices.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_block(q: &[f32], dk: usize, kt: &[f32], n_pad: usize, w: usize, wpad: usize, scale: f32, s: &mut [f32]) {
+    let rn = q.len() / dk.max(1);
+    let keys = w.div_ceil(crate::attention::DKB) * crate::attention::DKB;
+    for r in 0..rn {
+        for t in 0..keys {
+            let mut acc = 0.0f32;
+            for d in 0..dk {
+                acc = q[r * dk + d].mul_add(kt[d * n_pad + t], acc);
+            }
+            s[r * wpad + t] = acc * scale;
+        }
+    }
+}
+
+/// [`crate::attention::pv_block`]'s definition: `ctx[r · vd_pad + j] = Σ_{t < w} p[r · wpad + t]
+/// · v[t · vd_pad + j]`, a fused multiply-add chain in ascending `t` from 0, for `r < rn`,
+/// `j < vd_pad`.
+///
+/// # Panics
+/// If a slice is too short for those indices.
+pub fn pv_block(p: &[f32], wpad: usize, rn: usize, v: &[f32], vd_pad: usize, w: usize, ctx: &mut [f32]) {
+    for r in 0..rn {
+        for j in 0..vd_pad {
+            let mut acc = 0.0f32;
+            for t in 0..w {
+                acc = p[r * wpad + t].mul_add(v[t * vd_pad + j], acc);
+            }
+            ctx[r * vd_pad + j] = acc;
+        }
+    }
+}
+
+/// [`crate::attention::accumulate4`]'s definition: for each row `i < 4` and each `t` in `a..b`
+/// in order, `ctx[i] += p[i][t - s] · values.row(t)` element by element, a multiply then an add.
+///
+/// # Panics
+/// If a slice is too short for those indices.
+pub fn accumulate4(
+    p: [&[f32]; 4],
+    values: &crate::attention::Values<'_>,
+    s: usize,
+    a: usize,
+    b: usize,
+    ctx: &mut [f32],
+) {
+    let dv = values.width;
+    for (i, pi) in p.iter().enumerate() {
+        for t in a..b {
+            let pt = pi[t - s];
+            for (c, &v) in ctx[i * dv..(i + 1) * dv].iter_mut().zip(values.row(t)) {
+                *c += pt * v;
+            }
+        }
+    }
+}

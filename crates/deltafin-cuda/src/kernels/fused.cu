@@ -635,3 +635,160 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     if (threadIdx.x == 0) *counter = 0;
 }
+
+// ---- Routed experts of a prefill chunk, grouped (expert-major) --------------------------------
+// The chunk's (token, slot) pairs sorted by expert (the "gathered order", row i of xg is the
+// input of pair i): tile i covers gathered rows tiles[3i + 1] .. tiles[3i + 1] + tiles[3i + 2]
+// (at most GROUP_T) of expert table[tiles[3i]]. Every (row, pair) output is mx_rows' result for
+// that row and that token at any R, T, then warp_sum: what mxfp4_mm computes for it, so these
+// two launches give the bits of the per-expert matmul + swiglu + matmul path (and of decoding).
+// blockIdx.y + tile0 = tile; one warp GROUP_R consecutive rows. MXFP4 experts only (the host
+// checks every entry's layout and shape).
+template <int R, int T, int U>
+__device__ __forceinline__ void mx_rows_pair(const u8* __restrict__ ga, const u8* __restrict__ gs,
+                                             const u8* __restrict__ ua, const u8* __restrict__ us, int nr, int cols,
+                                             int nb, const float* __restrict__ x, int nt, float accg[R][T],
+                                             float accu[R][T]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int full = (cols & 3) == 0 ? cols >> 5 : 0;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t) accg[r][t] = accu[r][t] = 0.0f;
+#pragma unroll U
+    for (int b = g; b < nb; b += 8) {
+        u32 wg[R], wu[R];
+        float sg[R], su[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const size_t o = ((size_t)r * nb + b) * 16 + 4 * q;
+            wg[r] = r < nr ? *reinterpret_cast<const u32*>(ga + o) : 0u;
+            wu[r] = r < nr ? *reinterpret_cast<const u32*>(ua + o) : 0u;
+            sg[r] = r < nr ? e8m0(gs[(size_t)r * nb + b]) * Dec<MX_DEC>::SCALE : 0.0f;
+            su[r] = r < nr ? e8m0(us[(size_t)r * nb + b]) * Dec<MX_DEC>::SCALE : 0.0f;
+        }
+        float vg[R][8], vu[R][8];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            Dec<MX_DEC>::run(wg[r], nullptr, vg[r]);
+            Dec<MX_DEC>::run(wu[r], nullptr, vu[r]);
+        }
+        const int base = b * 32 + 8 * q;
+        if (b < full) {
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                if (t >= nt) continue;
+                const float4 a = *reinterpret_cast<const float4*>(x + (size_t)t * cols + base);
+                const float4 c = *reinterpret_cast<const float4*>(x + (size_t)t * cols + base + 4);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    accg[r][t] += mx_dot8(vg[r], a, c) * sg[r];
+                    accu[r][t] += mx_dot8(vu[r], a, c) * su[r];
+                }
+            }
+        } else {
+            const int valid = cols - base;
+            if (valid <= 0) continue;
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                if (t >= nt) continue;
+                const float* xt = x + (size_t)t * cols + base;
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    accg[r][t] += mx_dot8_tail(vg[r], xt, valid) * sg[r];
+                    accu[r][t] += mx_dot8_tail(vu[r], xt, valid) * su[r];
+                }
+            }
+        }
+    }
+}
+
+// Tile i of the grouped kernels: the pairs and expert it covers.
+__device__ __forceinline__ void grouped_tile(const int* __restrict__ tiles, int tile0, int* e, int* off, int* nt) {
+    const int* tl = tiles + 3 * (size_t)(tile0 + blockIdx.y);
+    *e = tl[0];
+    *off = tl[1];
+    *nt = tl[2];
+}
+
+// h[p, r] = silu(gate_e[r] . xg[p]) * (up_e[r] . xg[p]) for the pairs p of each tile (expert e,
+// at most T pairs); xg: [pairs, hidden], h: [pairs, inter]; a warp R rows of gate and of up.
+template <int R, int T, int U>
+__device__ __forceinline__ void moe_gate_up_grouped_impl(const Expert* __restrict__ table, const int* __restrict__ tiles,
+                                                         int tile0, int inter, int hidden, const float* __restrict__ xg,
+                                                         float* __restrict__ h) {
+    int e, off, nt;
+    grouped_tile(tiles, tile0, &e, &off, &nt);
+    const int row0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;
+    if (row0 >= inter) return;
+    const int nr = min(R, inter - row0);
+    const Mat g = table[e].gate, u = table[e].up;
+    const int nb = (hidden + 31) >> 5;
+    float ag[R][T], au[R][T];
+    mx_rows_pair<R, T, U>(reinterpret_cast<const u8*>(g.w) + (size_t)row0 * nb * 16,
+                          reinterpret_cast<const u8*>(g.s) + (size_t)row0 * nb,
+                          reinterpret_cast<const u8*>(u.w) + (size_t)row0 * nb * 16,
+                          reinterpret_cast<const u8*>(u.s) + (size_t)row0 * nb, nr, hidden, nb,
+                          xg + (size_t)off * hidden, nt, ag, au);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            const float gv = warp_sum(ag[r][t]);
+            const float uv = warp_sum(au[r][t]);
+            if ((threadIdx.x & 31) == 0 && r < nr && t < nt) h[(size_t)(off + t) * inter + row0 + r] = silu_mul(gv, uv);
+        }
+}
+
+// y[dst[p], r] = down_e[r] . h[p] for the pairs p of each tile (expert e, at most T pairs);
+// h: [pairs, inter], y: rows of hidden, dst[p] distinct; a warp R rows.
+template <int R, int T>
+__device__ __forceinline__ void moe_down_grouped_impl(const Expert* __restrict__ table, const int* __restrict__ tiles,
+                                                      int tile0, int hidden, int inter, const float* __restrict__ h,
+                                                      const int* __restrict__ dst, float* __restrict__ y) {
+    int e, off, nt;
+    grouped_tile(tiles, tile0, &e, &off, &nt);
+    const int row0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;
+    if (row0 >= hidden) return;
+    const int nr = min(R, hidden - row0);
+    const Mat d = table[e].down;
+    const int nb = (inter + 31) >> 5;
+    float a[R][T];
+    mx_rows<MX_DEC, R, T>(reinterpret_cast<const u8*>(d.w) + (size_t)row0 * nb * 16,
+                          reinterpret_cast<const u8*>(d.s) + (size_t)row0 * nb, nr, inter, nb, nullptr,
+                          h + (size_t)off * inter, nt, a);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            const float v = warp_sum(a[r][t]);
+            if ((threadIdx.x & 31) == 0 && r < nr && t < nt) y[(size_t)dst[off + t] * hidden + row0 + r] = v;
+        }
+}
+
+// The shapes (rows a warp R, pairs a tile T, block-loop unroll U): every one gives the same bits.
+#define GU_GROUPED(NAME, R, T, U)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256)                                                 \
+        NAME(const Expert* __restrict__ table, const int* __restrict__ tiles, int tile0, int inter,   \
+             int hidden, const float* __restrict__ xg, float* __restrict__ h) {                       \
+        moe_gate_up_grouped_impl<R, T, U>(table, tiles, tile0, inter, hidden, xg, h);                \
+    }
+#define DN_GROUPED(NAME, R, T)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256)                                                 \
+        NAME(const Expert* __restrict__ table, const int* __restrict__ tiles, int tile0, int hidden,  \
+             int inter, const float* __restrict__ h, const int* __restrict__ dst, float* __restrict__ y) { \
+        moe_down_grouped_impl<R, T>(table, tiles, tile0, hidden, inter, h, dst, y);                   \
+    }
+GU_GROUPED(moe_gate_up_grouped_r2t8, 2, 8, 1)
+GU_GROUPED(moe_gate_up_grouped_r2t8u2, 2, 8, 2)
+GU_GROUPED(moe_gate_up_grouped_r1t8, 1, 8, 1)
+GU_GROUPED(moe_gate_up_grouped_r1t8u2, 1, 8, 2)
+GU_GROUPED(moe_gate_up_grouped_r1t16, 1, 16, 1)
+GU_GROUPED(moe_gate_up_grouped_r2t4, 2, 4, 1)
+GU_GROUPED(moe_gate_up_grouped_r4t4, 4, 4, 1)
+DN_GROUPED(moe_down_grouped_r4t8, 4, 8)
+DN_GROUPED(moe_down_grouped_r2t8, 2, 8)
+DN_GROUPED(moe_down_grouped_r1t8, 1, 8)
+DN_GROUPED(moe_down_grouped_r2t16, 2, 16)
+DN_GROUPED(moe_down_grouped_r4t4, 4, 4)
+DN_GROUPED(moe_down_grouped_r2t4, 2, 4)

@@ -28,8 +28,8 @@
 use std::sync::{Arc, Mutex};
 
 use deltafin_cuda::{
-    CudaError, ExpertTable, Gpu, GpuBuf, GpuMat, Graph, MlaPrepArg, MlaShape, MoeDown, MvJob, MvKind, Pinned, PreNorm,
-    RouteTailArg, RouterShape, MOE_MAX_K,
+    CudaError, ExpertTable, Gpu, GpuBuf, GpuMat, GpuMatData, Graph, MlaPrepArg, MlaShape, MoeDown, MvJob, MvKind,
+    Pinned, PreNorm, RouteTailArg, RouterShape, GROUP_T, MOE_MAX_K,
 };
 use deltafin_format::{ModelConfig, ModelDir};
 
@@ -1160,9 +1160,37 @@ impl DeepseekV3Cuda {
             }
         }
         let src_d = g.upload(&src_idx).map_err(cuda)?;
-        let dst_d = g.upload(&dst_idx).map_err(cuda)?;
         let experts = self.experts_of(l, &union)?;
         let mut y = g.zeros(n * k * h).map_err(cuda)?;
+        if experts
+            .iter()
+            .all(|e| e.iter().all(|m| matches!(m.data, GpuMatData::Mxfp4 { .. })))
+        {
+            // MXFP4 experts (the default layout): every expert of the chunk in two launches
+            // (`Gpu::moe_grouped`), the same bits as the per-expert path below.
+            let pairs = src_idx.len();
+            let inter = experts[0][0].rows;
+            let mut table = g.expert_table(experts.len(), inter, h).map_err(cuda)?;
+            let refs: Vec<&[GpuMat; 3]> = experts.iter().map(|e| &**e).collect();
+            table.set(g, 0, &refs).map_err(cuda)?;
+            let mut tiles = Vec::with_capacity(pairs / GROUP_T + experts.len());
+            let mut off = 0usize;
+            for (u, m) in members.iter().enumerate() {
+                for t0 in (0..m.len()).step_by(GROUP_T) {
+                    tiles.push([u as i32, (off + t0) as i32, (m.len() - t0).min(GROUP_T) as i32]);
+                }
+                off += m.len();
+            }
+            let mut xg = g.zeros(pairs * h).map_err(cuda)?;
+            g.gather_rows(xn, &src_d, 0, pairs, h, &mut xg).map_err(cuda)?;
+            let mut hh = g.zeros(pairs * inter).map_err(cuda)?;
+            g.moe_grouped(&table, &tiles, &xg, &dst_idx, &mut hh, &mut y)
+                .map_err(cuda)?;
+            g.moe_combine_tokens(&y, &w_d, k, h, n, shared_out.as_ref(), x)
+                .map_err(cuda)?;
+            return Ok(routings);
+        }
+        let dst_d = g.upload(&dst_idx).map_err(cuda)?;
         let mut off = 0;
         for (e, m) in experts.iter().zip(&members) {
             let rows = m.len();
