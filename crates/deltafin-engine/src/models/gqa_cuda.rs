@@ -31,9 +31,10 @@
 //!
 //! One pass serves decoding and prefill: a single token is a chunk of one, and every kernel
 //! computes a token of a chunk with the arithmetic it uses for that token alone, so a prompt
-//! processed in chunks gives the bits of token-at-a-time decoding (logits and routing). Only a
-//! single token's SwiGLU MoE block takes another route, two fused launches (`moe_table`) in
-//! place of the expert-major gather/products/scatter/combine, with the same bits.
+//! processed in chunks gives the bits of token-at-a-time decoding (logits and routing). SwiGLU
+//! experts take shorter routes with the same bits: a single token's in two fused launches
+//! (`moe_table`), a chunk's MXFP4 experts all in two grouped launches (`moe_grouped`), in place
+//! of the per-expert gather, products and scatter.
 //!
 //! Numerics: f32 everywhere, fixed reduction orders (deltafin-cuda's kernels), so output is
 //! deterministic run to run and agrees with the CPU path to f32 rounding (greedy ids equal,
@@ -45,7 +46,8 @@
 use std::sync::{Arc, Mutex};
 
 use deltafin_cuda::{
-    CudaError, CudaSlice, ExpertTable, Gpu, GpuBuf, GpuMat, GpuMatData, GqaShape, MoeDown, SoftmaxRouter, MOE_MAX_K,
+    CudaError, CudaSlice, ExpertTable, Gpu, GpuBuf, GpuMat, GpuMatData, GqaShape, MoeDown, SoftmaxRouter, GROUP_T,
+    MOE_MAX_K,
 };
 use deltafin_format::model_dir::Backbone;
 use deltafin_format::{ModelConfig, ModelDir};
@@ -719,6 +721,46 @@ impl GqaCuda {
         )
     }
 
+    /// The SwiGLU MXFP4 experts of a chunk in two launches ([`Gpu::moe_grouped`]): `experts[u]`
+    /// applied to the rows `src[..]` of `xn` of its members `members[u]` (`(token, slot)`, in
+    /// the gathered order of `src` and `dst`), each output written to row `dst[p]` of
+    /// `y: [n * k, hidden]`.
+    fn moe_grouped_chunk(
+        &self,
+        experts: &[GqaExpert],
+        members: &[Vec<(usize, usize)>],
+        src: &CudaSlice<i32>,
+        dst: &[i32],
+        xn: &GpuBuf,
+        y: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        let g = &self.gpu;
+        let refs = experts
+            .iter()
+            .map(|e| <&[GpuMat; 3]>::try_from(&e[..]))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| CudaError::Shape("a SwiGLU expert record without three matrices".into()))?;
+        let Some(first) = refs.first() else {
+            return Ok(());
+        };
+        let (inter, hidden, pairs) = (first[0].rows, first[0].cols, dst.len());
+        let mut table = g.expert_table(refs.len(), inter, hidden)?;
+        table.set(g, 0, &refs)?;
+        // tiles[i] = [entry, first pair, pairs]: each expert's pairs, GROUP_T at a time.
+        let mut tiles = Vec::with_capacity(pairs / GROUP_T + refs.len());
+        let mut off = 0usize;
+        for (u, m) in members.iter().enumerate() {
+            for t0 in (0..m.len()).step_by(GROUP_T) {
+                tiles.push([u as i32, (off + t0) as i32, (m.len() - t0).min(GROUP_T) as i32]);
+            }
+            off += m.len();
+        }
+        let mut xg = g.zeros(pairs * hidden)?;
+        g.gather_rows(xn, src, 0, pairs, hidden, &mut xg)?;
+        let mut hh = g.zeros(pairs * inter)?;
+        g.moe_grouped(&table, &tiles, &xg, dst, &mut hh, y)
+    }
+
     /// The MoE block of layer `l` for the `n` tokens of a chunk (`xn: [n, hidden]`), added to
     /// `x: [n, hidden]`; returns each token's routing. Router logits for the chunk in one
     /// product, the router on the device ([`Gpu::route_softmax_topk`]), the ids and weights read
@@ -794,7 +836,6 @@ impl GqaCuda {
             }
         }
         let src_d = g.upload(&src_idx).map_err(cuda)?;
-        let dst_d = g.upload(&dst_idx).map_err(cuda)?;
         let experts = self.experts_of(l, &union)?;
         // The fused launches read each slot's intermediate row with 16-byte loads: a width that
         // is a multiple of 4 floats keeps every row aligned.
@@ -807,6 +848,19 @@ impl GqaCuda {
         }
         // y: [n, k, hidden], every (token, slot) written by its expert.
         let mut y = g.zeros(n * k * h).map_err(cuda)?;
+        let mxfp4 = experts
+            .iter()
+            .all(|e| e.iter().all(|m| matches!(m.data, GpuMatData::Mxfp4 { .. })));
+        if self.expert_kind == ExpertKind::SwiGlu && mxfp4 && aligned {
+            // MXFP4 SwiGLU experts (the default layout): every expert of the chunk in two
+            // launches (`Gpu::moe_grouped`), the bits of the per-expert path below.
+            self.moe_grouped_chunk(&experts, &members, &src_d, &dst_idx, xn, &mut y)
+                .map_err(cuda)?;
+            g.moe_combine_tokens(&y, &w_d, k, h, n, None, x).map_err(cuda)?;
+            drop(experts);
+            return Ok(routings);
+        }
+        let dst_d = g.upload(&dst_idx).map_err(cuda)?;
         let mut off = 0;
         for (e, m) in experts.iter().zip(&members) {
             let rows = m.len();
