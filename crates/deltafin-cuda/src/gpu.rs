@@ -9,13 +9,16 @@ use std::sync::Arc;
 
 /// The kernels' CUDA C source (compiled at run time by NVRTC): the one-operation kernels
 /// (`ops.cu`), the fused launches and the device router built on their helpers (`fused.cu`),
-/// then Kimi Linear / K3's (`kda.cu`, which uses `ops.cu`'s MXFP4 helpers).
+/// then Kimi Linear / K3's (`kda.cu`, which uses `ops.cu`'s MXFP4 helpers), then grouped-query
+/// attention and the softmax top-k routers (`gqa.cu`).
 const SOURCE: &str = concat!(
     include_str!("kernels/ops.cu"),
     "\n",
     include_str!("kernels/fused.cu"),
     "\n",
-    include_str!("kernels/kda.cu")
+    include_str!("kernels/kda.cu"),
+    "\n",
+    include_str!("kernels/gqa.cu")
 );
 
 /// Warps per thread block of the matrix kernels (one warp per output row).
@@ -27,7 +30,7 @@ pub(crate) const TOKEN_TILE: u32 = 8;
 /// A device-resident f32 activation buffer (`[len]`, or `[n, dim]` row-major).
 pub type GpuBuf = CudaSlice<f32>;
 
-/// Every kernel entry point of `ops.cu` and `kda.cu` (all loaded when a [`Gpu`] opens).
+/// Every kernel entry point of `ops.cu`, `fused.cu`, `kda.cu` and `gqa.cu` (all loaded when a [`Gpu`] opens).
 pub const ENTRY_POINTS: &[&str] = &[
     "mxfp4_mv_const_r1",
     "mxfp4_mv_lds_r1",
@@ -101,6 +104,11 @@ pub const ENTRY_POINTS: &[&str] = &[
     "kda_delta",
     "attn_res_mix",
     "moe_gate_up_situ_mxfp4",
+    // gqa.cu
+    "gqa_attend",
+    "route_softmax_topk",
+    "add_bias_rows",
+    "clamped_swiglu",
 ];
 
 pub(crate) struct Kernels(std::collections::HashMap<&'static str, CudaFunction>);

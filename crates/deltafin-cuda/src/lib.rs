@@ -7,7 +7,7 @@
 //! toolkit. [`probe`] never panics: where `libcuda` or a device is missing it says why in one
 //! line, and GPU tests skip with that line.
 //!
-//! Kernels are CUDA C (`src/kernels/ops.cu`, then `fused.cu`), compiled by NVRTC for the device's compute
+//! Kernels are CUDA C (`src/kernels/ops.cu`, then `fused.cu`, `kda.cu`, `gqa.cu`), compiled by NVRTC for the device's compute
 //! capability the first time a [`Gpu`] opens and cached on disk as PTX (see [`ptx_cache_dir`]).
 //!
 //! Numerics (issue #16, "the product's promise"): f32 activations and accumulation, weights
@@ -20,6 +20,7 @@ mod batch;
 mod device;
 mod fused;
 mod gpu;
+mod gqa;
 mod graph;
 mod kda;
 mod mat;
@@ -34,6 +35,7 @@ pub use fused::{
     RouterShape, GROUP_T, MAX_JOBS,
 };
 pub use gpu::{compile_ptx, ptx_cache_dir, Gpu, GpuBuf, ENTRY_POINTS};
+pub use gqa::{GqaShape, SoftmaxRouter};
 pub use graph::{Graph, Pinned};
 pub use kda::{KdaGate, ATTN_RES_MAX_BANK};
 pub use mat::{Decode, GpuMat, GpuMatData, Kernel};

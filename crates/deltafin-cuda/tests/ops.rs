@@ -1032,6 +1032,357 @@ fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
     }
 }
 
+/// Grouped-query attention in float64 for token `pos` with query `q: [nh, hd]` over
+/// `k, v: [>= pos + 1, nkv, hd]`: the CPU's gqa.rs formula (window, sinks). Returns `[nh, hd]`.
+#[allow(clippy::too_many_arguments)]
+fn gqa_f64(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (nh, nkv, hd): (usize, usize, usize),
+    pos: usize,
+    window: Option<usize>,
+    scale: f32,
+    sinks: Option<&[f32]>,
+) -> Vec<f32> {
+    let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    let kvd = nkv * hd;
+    let mut out = Vec::with_capacity(nh * hd);
+    for h in 0..nh {
+        let g = h / (nh / nkv);
+        let qh = &q[h * hd..(h + 1) * hd];
+        let s: Vec<f64> = (lo..=pos)
+            .map(|t| {
+                let kr = &k[t * kvd + g * hd..t * kvd + (g + 1) * hd];
+                qh.iter().zip(kr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
+            })
+            .collect();
+        let sink = sinks.map(|s| s[h] as f64);
+        let m = s.iter().copied().fold(sink.unwrap_or(f64::NEG_INFINITY), f64::max);
+        let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+        let total: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |x| (x - m).exp());
+        for d in 0..hd {
+            let o: f64 = e
+                .iter()
+                .enumerate()
+                .map(|(i, p)| p / total * v[(lo + i) * kvd + g * hd + d] as f64)
+                .sum();
+            out.push(o as f32);
+        }
+    }
+    out
+}
+
+/// `gqa_attend` against float64 on awkward shapes (head widths not multiples of 32, groups of
+/// 1 to 4 query heads, windows shorter and longer than the context, sinks, more positions than
+/// the block's 128 threads), and a chunk's tokens bit-identical to launching each token alone.
+#[test]
+fn gqa_attend_matches_reference_and_a_chunk_equals_its_tokens() {
+    let Some(g) = gpu("gqa_attend_matches_reference_and_a_chunk_equals_its_tokens") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(31);
+    // (n_heads, n_kv_heads, head_dim, window, sinks, t0, n)
+    type Case = (usize, usize, usize, Option<usize>, bool, usize, usize);
+    let cases: &[Case] = &[
+        (6, 2, 20, None, false, 5, 7),
+        (4, 1, 40, Some(6), true, 3, 9),
+        (3, 3, 33, Some(1), false, 0, 4),
+        (8, 2, 128, None, true, 37, 170),
+        (5, 5, 72, Some(131), false, 150, 3),
+    ];
+    for &(nh, nkv, hd, window, with_sinks, t0, n) in cases {
+        let shape = deltafin_cuda::GqaShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            window,
+        };
+        let what = format!("{shape:?} t0={t0} n={n} sinks={with_sinks}");
+        let total = t0 + n;
+        let k = rand_vec(&mut rng, total * nkv * hd);
+        let v = rand_vec(&mut rng, total * nkv * hd);
+        let q: Vec<f32> = rand_vec(&mut rng, n * nh * hd).iter().map(|x| 3.0 * x).collect();
+        let sinks: Vec<f32> = rand_vec(&mut rng, nh).iter().map(|x| 2.0 * x).collect();
+        let scale = (hd as f32).powf(-0.5);
+        let (dk, dv) = (g.upload(&k).unwrap(), g.upload(&v).unwrap());
+        let dsinks = g.upload(&sinks).unwrap();
+        let sk = with_sinks.then_some(&dsinks);
+        let mut scratch = g.upload(&vec![f32::NAN; n * nh * shape.span(t0, n)]).unwrap();
+        let mut out = g.upload(&vec![f32::NAN; n * nh * hd]).unwrap();
+        g.gqa_attend(
+            shape,
+            &g.upload(&q).unwrap(),
+            &dk,
+            &dv,
+            t0,
+            n,
+            scale,
+            sk,
+            &mut scratch,
+            &mut out,
+        )
+        .unwrap();
+        let got = g.download(&out).unwrap();
+        let mut want = Vec::new();
+        for j in 0..n {
+            let qj = &q[j * nh * hd..(j + 1) * nh * hd];
+            want.extend(gqa_f64(
+                qj,
+                &k,
+                &v,
+                (nh, nkv, hd),
+                t0 + j,
+                window,
+                scale,
+                with_sinks.then_some(&sinks[..]),
+            ));
+        }
+        let err = rel_l2(&got, &want);
+        assert!(err < TOL, "{what}: relative L2 {err:e} against float64");
+        for j in [0, n / 2, n - 1] {
+            let dq = g.upload(&q[j * nh * hd..(j + 1) * nh * hd]).unwrap();
+            let mut sc = g.zeros(nh * shape.span(t0 + j, 1)).unwrap();
+            let mut o = g.upload(&vec![f32::NAN; nh * hd]).unwrap();
+            g.gqa_attend(shape, &dq, &dk, &dv, t0 + j, 1, scale, sk, &mut sc, &mut o)
+                .unwrap();
+            assert_eq!(
+                g.download(&o).unwrap(),
+                got[j * nh * hd..(j + 1) * nh * hd].to_vec(),
+                "{what}: token {j} alone differs from its row of the chunk"
+            );
+        }
+    }
+    // Too small a scratch, or heads that do not group, are errors.
+    let s = deltafin_cuda::GqaShape {
+        n_heads: 3,
+        n_kv_heads: 2,
+        head_dim: 4,
+        window: None,
+    };
+    let (q, kv) = (g.zeros(12).unwrap(), g.zeros(8).unwrap());
+    let (mut sc, mut o) = (g.zeros(3).unwrap(), g.zeros(12).unwrap());
+    assert!(g.gqa_attend(s, &q, &kv, &kv, 0, 1, 1.0, None, &mut sc, &mut o).is_err());
+}
+
+/// The CPU routers' arithmetic (deltafin-engine `moe::route_softmax`, `route_topk_softmax`),
+/// restated: ids ascending with their weights.
+fn route_cpu(logits: &[f32], k: usize, router: deltafin_cuda::SoftmaxRouter) -> (Vec<i32>, Vec<f32>) {
+    let softmax = |x: &mut [f32]| {
+        let m = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut s = 0.0f32;
+        for v in x.iter_mut() {
+            *v = (*v - m).exp();
+            s += *v;
+        }
+        for v in x.iter_mut() {
+            *v /= s;
+        }
+    };
+    let top = |v: &[f32]| {
+        let mut idx: Vec<usize> = (0..v.len()).collect();
+        idx.sort_by(|&a, &b| v[b].partial_cmp(&v[a]).unwrap().then(a.cmp(&b)));
+        idx.truncate(k);
+        idx
+    };
+    let (chosen, mut w) = match router {
+        deltafin_cuda::SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob } => {
+            let mut p = logits.to_vec();
+            softmax(&mut p);
+            let c = top(&p);
+            let mut w: Vec<f32> = c.iter().map(|&e| p[e]).collect();
+            if norm_topk_prob {
+                let d: f32 = w.iter().sum();
+                w.iter_mut().for_each(|x| *x /= d);
+            }
+            (c, w)
+        }
+        deltafin_cuda::SoftmaxRouter::TopKThenSoftmax => {
+            let c = top(logits);
+            let mut w: Vec<f32> = c.iter().map(|&e| logits[e]).collect();
+            softmax(&mut w);
+            (c, w)
+        }
+    };
+    let mut pairs: Vec<(usize, f32)> = chosen.into_iter().zip(w.drain(..)).collect();
+    pairs.sort_by_key(|p| p.0);
+    (
+        pairs.iter().map(|p| p.0 as i32).collect(),
+        pairs.iter().map(|p| p.1).collect(),
+    )
+}
+
+/// `route_softmax_topk` chooses the CPU router's experts (ties to the lower id, planted on
+/// purpose) with its weights to float32 rounding, for both routers, with and without
+/// renormalisation, on expert counts that are not multiples of 32 and k up to 16.
+#[test]
+fn route_softmax_topk_chooses_as_the_cpu_routers() {
+    let Some(g) = gpu("route_softmax_topk_chooses_as_the_cpu_routers") else {
+        return;
+    };
+    use deltafin_cuda::SoftmaxRouter;
+    let mut rng = StdRng::seed_from_u64(32);
+    for (e_n, k, n) in [
+        (8usize, 2usize, 1usize),
+        (12, 3, 37),
+        (33, 8, 5),
+        (128, 8, 70),
+        (61, 16, 3),
+    ] {
+        let mut logits: Vec<f32> = rand_vec(&mut rng, n * e_n).iter().map(|x| 4.0 * x).collect();
+        // Ties: every token's expert e_n - 1 copies expert 1's logit, expert 5 % e_n expert 0's.
+        for t in 0..n {
+            logits[t * e_n + e_n - 1] = logits[t * e_n + 1];
+            logits[t * e_n + 5 % e_n] = logits[t * e_n];
+        }
+        for router in [
+            SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob: true },
+            SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob: false },
+            SoftmaxRouter::TopKThenSoftmax,
+        ] {
+            let mut probs = g.zeros(n * e_n).unwrap();
+            let mut ids = g.upload(&vec![-7i32; n * k]).unwrap();
+            let mut w = g.upload(&vec![f32::NAN; n * k]).unwrap();
+            g.route_softmax_topk(
+                router,
+                &g.upload(&logits).unwrap(),
+                n,
+                e_n,
+                k,
+                &mut probs,
+                &mut ids,
+                &mut w,
+            )
+            .unwrap();
+            let (ids, w) = (g.download(&ids).unwrap(), g.download(&w).unwrap());
+            for t in 0..n {
+                let (want_ids, want_w) = route_cpu(&logits[t * e_n..(t + 1) * e_n], k, router);
+                assert_eq!(
+                    &ids[t * k..(t + 1) * k],
+                    &want_ids[..],
+                    "{router:?} E={e_n} k={k} token {t}"
+                );
+                let err = rel_l2(&w[t * k..(t + 1) * k], &want_w);
+                assert!(err < 1e-6, "{router:?} E={e_n} k={k} token {t}: weights {err:e}");
+            }
+        }
+    }
+    let (l, mut p) = (g.zeros(8).unwrap(), g.zeros(8).unwrap());
+    let (mut i, mut w) = (g.upload(&[0i32; 17]).unwrap(), g.zeros(17).unwrap());
+    let r = SoftmaxRouter::TopKThenSoftmax;
+    assert!(
+        g.route_softmax_topk(r, &l, 1, 8, 17, &mut p, &mut i, &mut w).is_err(),
+        "k > 16"
+    );
+}
+
+/// `add_bias_rows` is the CPU's add, bit for bit, on rows of awkward width.
+#[test]
+fn add_bias_rows_is_the_cpu_add() {
+    let Some(g) = gpu("add_bias_rows_is_the_cpu_add") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(33);
+    for (n, dim) in [(1usize, 7usize), (5, 33), (3, 2880)] {
+        let (y, b) = (rand_vec(&mut rng, n * dim), rand_vec(&mut rng, dim));
+        let mut dy = g.upload(&y).unwrap();
+        g.add_bias_rows(&mut dy, &g.upload(&b).unwrap(), n).unwrap();
+        let want: Vec<f32> = y.iter().enumerate().map(|(i, v)| v + b[i % dim]).collect();
+        assert_eq!(g.download(&dy).unwrap(), want, "n={n} dim={dim}");
+    }
+}
+
+/// `clamped_swiglu` against the CPU's gpt-oss formula (`gpt_oss.rs`
+/// `clamped_swiglu_expert`, restated here) on widths that are not multiples of 32, with inputs
+/// on both sides of the clamp limit.
+#[test]
+fn clamped_swiglu_matches_the_cpu_formula() {
+    let Some(g) = gpu("clamped_swiglu_matches_the_cpu_formula") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(34);
+    let (alpha, limit) = (1.702f32, 7.0f32);
+    for (n, inter) in [(1usize, 5usize), (3, 33), (7, 2880)] {
+        let gu: Vec<f32> = rand_vec(&mut rng, n * 2 * inter).iter().map(|x| 12.0 * x).collect();
+        let b = rand_vec(&mut rng, 2 * inter);
+        let mut h = g.upload(&vec![f32::NAN; n * inter]).unwrap();
+        g.clamped_swiglu(&g.upload(&gu).unwrap(), &g.upload(&b).unwrap(), n, alpha, limit, &mut h)
+            .unwrap();
+        let mut want = Vec::with_capacity(n * inter);
+        for row in gu.chunks_exact(2 * inter) {
+            for (v, bb) in row.chunks_exact(2).zip(b.chunks_exact(2)) {
+                let gate = (v[0] + bb[0]).min(limit);
+                let up = (v[1] + bb[1]).clamp(-limit, limit);
+                want.push((up + 1.0) * (gate * deltafin_kernels::sigmoid(gate * alpha)));
+            }
+        }
+        let err = rel_l2(&g.download(&h).unwrap(), &want);
+        assert!(err < 1e-6, "n={n} inter={inter}: relative L2 {err:e}");
+    }
+}
+
+/// `rope_tokens` (each token its own cos/sin row) is the CPU's rotation bit for bit
+/// (deltafin-engine `RotaryEmbedding::apply`, restated: `xa c - xb s`, `xb c + xa s`), in the
+/// rotate-half layout of the GQA families over whole heads of awkward widths and in the
+/// interleaved layout over a rotary part at an offset (MLA's).
+#[test]
+fn rope_tokens_is_the_cpu_rotation_bit_for_bit() {
+    let Some(g) = gpu("rope_tokens_is_the_cpu_rotation_bit_for_bit") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(35);
+    // (tokens, vectors a token, stride, offset, half, interleaved)
+    for (n, v, stride, offset, half, interleaved) in [
+        (5usize, 3usize, 22usize, 0usize, 11usize, false),
+        (9, 6, 128, 0, 64, false),
+        (1, 1, 8, 0, 4, false),
+        (4, 2, 40, 24, 8, true),
+    ] {
+        let x = rand_vec(&mut rng, n * v * stride);
+        let cs: Vec<f32> = (0..n)
+            .flat_map(|t| {
+                let ang: Vec<f32> = (0..half).map(|i| (t as f32 + 3.0) * (1.0 / (1.0 + i as f32))).collect();
+                let c: Vec<f32> = ang.iter().map(|a| a.cos()).collect();
+                let s: Vec<f32> = ang.iter().map(|a| a.sin()).collect();
+                c.into_iter().chain(s)
+            })
+            .collect();
+        let mut dx = g.upload(&x).unwrap();
+        g.rope_tokens(
+            &mut dx,
+            n,
+            v,
+            stride,
+            offset,
+            &g.upload(&cs).unwrap(),
+            half,
+            interleaved,
+        )
+        .unwrap();
+        let mut want = x.clone();
+        for t in 0..n {
+            let (c, s) = (
+                &cs[t * 2 * half..t * 2 * half + half],
+                &cs[t * 2 * half + half..(t + 1) * 2 * half],
+            );
+            for j in 0..v {
+                let xv = &mut want[(t * v + j) * stride + offset..];
+                for i in 0..half {
+                    let (a, b) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
+                    let (xa, xb) = (xv[a], xv[b]);
+                    xv[a] = xa * c[i] - xb * s[i];
+                    xv[b] = xb * c[i] + xa * s[i];
+                }
+            }
+        }
+        assert_eq!(
+            g.download(&dx).unwrap(),
+            want,
+            "n={n} v={v} stride={stride} offset={offset} half={half} interleaved={interleaved}"
+        );
+    }
+}
+
 /// The grouped prefill experts (`Gpu::moe_grouped`, two launches for every expert of a chunk):
 /// each (token, slot) output equal, bit for bit, to the per-expert path (gate and up `matmul`,
 /// `swiglu`, down `matmul`, then a scatter), with tiles of 1 to `GROUP_T` pairs, experts with no

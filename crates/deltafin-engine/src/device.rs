@@ -60,13 +60,17 @@ pub struct GpuOptions {
 }
 
 /// Why `config`'s family cannot run on CUDA yet, or `None` when it can (DeepSeek-V3 / Kimi K2,
-/// Kimi Linear / Kimi K3; a configuration of those the GPU path does not take is refused at load
-/// with its own line).
+/// Kimi Linear / Kimi K3, Qwen3-MoE, Mixtral, gpt-oss; a configuration of those the GPU path does not
+/// take is refused at load with its own line).
 pub fn cuda_unsupported(config: &ModelConfig) -> Option<String> {
     match config {
-        ModelConfig::DeepseekV3(_) | ModelConfig::KimiLinear(_) => None,
+        ModelConfig::DeepseekV3(_)
+        | ModelConfig::KimiLinear(_)
+        | ModelConfig::Qwen3Moe(_)
+        | ModelConfig::Mixtral(_)
+        | ModelConfig::GptOss(_) => None,
         other => Some(format!(
-            "the {} family does not run on CUDA yet (DeepSeek-V3 / Kimi K2 and Kimi Linear / Kimi K3 do); use --device cpu",
+            "the {} family does not run on CUDA yet (DeepSeek-V3 / Kimi K2, Kimi Linear / Kimi K3, Qwen3-MoE, Mixtral and gpt-oss do); use --device cpu",
             other.family()
         )),
     }
@@ -107,6 +111,9 @@ pub fn load_model_on(
             let m: Box<dyn CausalLm> = match config {
                 ModelConfig::KimiLinear(_) => {
                     Box::new(crate::models::KimiLinearCuda::load_with(dir, opts, n, gpu).map_err(on_device)?)
+                }
+                ModelConfig::Qwen3Moe(_) | ModelConfig::Mixtral(_) | ModelConfig::GptOss(_) => {
+                    Box::new(crate::models::GqaCuda::load_with(dir, opts, n, gpu).map_err(on_device)?)
                 }
                 _ => Box::new(crate::models::DeepseekV3Cuda::load_with(dir, opts, n, gpu).map_err(on_device)?),
             };

@@ -240,6 +240,21 @@ impl GqaAttention {
         }
     }
 
+    /// The rotary tables (rotate-half layout over the whole head).
+    pub fn rope(&self) -> &RotaryEmbedding {
+        &self.rope
+    }
+
+    /// The score scale `head_dim^-0.5`.
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// eps of the per-head q/k RMSNorm.
+    pub fn qk_norm_eps(&self) -> f32 {
+        self.qk_norm_eps
+    }
+
     /// Activation bytes a batched pass holds per token of its chunk: the residual stream and
     /// its normalised copy, block outputs, q/k/v and attention context (f32), plus `extra` f32
     /// of the family's MLP (router logits, dense-MLP activations); for

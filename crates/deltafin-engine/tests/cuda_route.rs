@@ -98,3 +98,71 @@ fn device_router_chooses_what_the_host_router_chooses() {
         .to_string();
     assert!(e.contains("route_noaux"), "{e}");
 }
+
+/// The device's softmax top-k routers (`deltafin_cuda::Gpu::route_softmax_topk`, what
+/// `--device cuda` routes Mixtral, Qwen3-MoE and gpt-oss with) against the host's
+/// `moe::route_softmax` / `moe::route_topk_softmax` (the CPU path's routers) on the same
+/// logits: the same experts always (ties included: to the lower id), the same weights up to the
+/// last bits of `exp`.
+#[test]
+fn device_softmax_routers_choose_what_the_host_routers_choose() {
+    use deltafin_cuda::SoftmaxRouter;
+    use deltafin_engine::moe::{route_softmax, route_topk_softmax};
+    let g = match Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED device_softmax_routers_choose_what_the_host_routers_choose: {e}");
+            return;
+        }
+    };
+    // (experts, top_k): Mixtral, the Qwen3-MoE fixtures, Qwen3-MoE 30B-A3B, gpt-oss 20b / 120b,
+    // and odd counts up to k = 16.
+    let cases = [(8usize, 2usize), (12, 3), (128, 8), (32, 4), (128, 4), (61, 16), (5, 5)];
+    for (ci, &(e, k)) in cases.iter().enumerate() {
+        let n = 33;
+        // Logits on a coarse grid (many exact ties) for half the tokens, fine for the rest.
+        let mut logits = values(ci as u64 + 7, n * e, 4.0);
+        for v in logits[..(n / 2) * e].iter_mut() {
+            *v = (*v * 2.0).round() / 2.0;
+        }
+        for router in [
+            SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob: true },
+            SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob: false },
+            SoftmaxRouter::TopKThenSoftmax,
+        ] {
+            let mut probs = g.zeros(n * e).unwrap();
+            let mut ids = g.upload(&vec![-2i32; n * k]).unwrap();
+            let mut w = g.upload(&vec![f32::NAN; n * k]).unwrap();
+            g.route_softmax_topk(
+                router,
+                &g.upload(&logits).unwrap(),
+                n,
+                e,
+                k,
+                &mut probs,
+                &mut ids,
+                &mut w,
+            )
+            .unwrap();
+            let (ids, w) = (g.download(&ids).unwrap(), g.download(&w).unwrap());
+            let mut scratch = Vec::new();
+            for t in 0..n {
+                let row = &logits[t * e..(t + 1) * e];
+                let want = match router {
+                    SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob } => {
+                        route_softmax(row, k, norm_topk_prob, &mut scratch)
+                    }
+                    SoftmaxRouter::TopKThenSoftmax => route_topk_softmax(row, k),
+                };
+                let got: Vec<usize> = ids[t * k..(t + 1) * k].iter().map(|&v| v as usize).collect();
+                assert_eq!(got, want.experts, "case {ci} {router:?} token {t}: experts");
+                for (a, b) in w[t * k..(t + 1) * k].iter().zip(&want.weights) {
+                    assert!(
+                        (a - b).abs() <= 4.0 * f32::EPSILON * b.abs(),
+                        "case {ci} {router:?} token {t}: weight {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -8,8 +8,8 @@ use deltafin_format::ModelDir;
 /// Where a model computes and how much device memory its routed experts may take.
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct DeviceArgs {
-    /// Where to compute: `cpu` (the default), `cuda` or `cuda:N` (DeepSeek-V3 / Kimi K2 and Kimi
-    /// Linear / Kimi K3 so far; other families are refused), or `auto` (cuda:0 when a CUDA
+    /// Where to compute: `cpu` (the default), `cuda` or `cuda:N` (DeepSeek-V3 / Kimi K2, Kimi
+    /// Linear / Kimi K3, Qwen3-MoE and Mixtral so far; other families are refused), or `auto` (cuda:0 when a CUDA
     /// device is present and the family runs there, else the CPU, with a note saying why).
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: Device,

@@ -448,6 +448,47 @@ impl CausalLm for GptOss {
     }
 }
 
+impl crate::models::gqa_cuda::GqaFamily for GptOss {
+    fn backbone(&self) -> &Backbone {
+        &self.backbone
+    }
+
+    fn attention(&self) -> &GqaAttention {
+        &self.attn
+    }
+
+    fn layer_specs(&self) -> Vec<crate::models::gqa_cuda::GqaLayerSpec> {
+        use crate::models::gqa_cuda::{GqaLayerSpec, MlpSpec};
+        self.names
+            .iter()
+            .map(|n| GqaLayerSpec {
+                input_layernorm: n.input_layernorm.clone(),
+                post_attention_layernorm: n.post_attention_layernorm.clone(),
+                attn: n.attn.clone(),
+                mlp: MlpSpec::Moe {
+                    router: n.router.clone(),
+                    router_bias: Some(n.router_bias.clone()),
+                },
+            })
+            .collect()
+    }
+
+    fn softmax_router(&self) -> deltafin_cuda::SoftmaxRouter {
+        deltafin_cuda::SoftmaxRouter::TopKThenSoftmax
+    }
+
+    fn rms_norm_eps(&self) -> f32 {
+        self.cfg.rms_norm_eps
+    }
+
+    fn expert_kind(&self) -> crate::models::gqa_cuda::ExpertKind {
+        crate::models::gqa_cuda::ExpertKind::ClampedSwiGlu {
+            alpha: self.cfg.swiglu_alpha,
+            limit: self.cfg.swiglu_limit,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

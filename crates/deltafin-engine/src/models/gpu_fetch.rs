@@ -8,9 +8,9 @@ use deltafin_cuda::GpuMat;
 use crate::gpu_experts::{GpuExpert, GpuExpertCache};
 
 /// What [`fetch_gpu_experts`] changed in the cache, for device tables that name experts.
-pub enum CacheChange<'a> {
+pub enum CacheChange<'a, T = GpuExpert> {
     /// `(layer, expert)` became resident with these device weights.
-    Inserted(usize, usize, &'a GpuExpert),
+    Inserted(usize, usize, &'a T),
     /// `(layer, expert)` left the device.
     Evicted(usize, usize),
 }
@@ -31,10 +31,38 @@ pub fn fetch_gpu_experts(
     ids: &[usize],
     on_change: &mut dyn FnMut(CacheChange) -> Result<(), crate::EngineError>,
 ) -> Result<Vec<GpuExpert>, crate::EngineError> {
+    let upload = |record: &crate::experts::Expert| -> Result<(GpuExpert, u64), deltafin_cuda::CudaError> {
+        let mats = [
+            GpuMat::upload(gpu, &record.matrix(0))?,
+            GpuMat::upload(gpu, &record.matrix(1))?,
+            GpuMat::upload(gpu, &record.matrix(2))?,
+        ];
+        let bytes: u64 = mats.iter().map(|m| m.nbytes() as u64).sum();
+        Ok((Arc::new(mats), bytes))
+    };
+    fetch_gpu_experts_with(cache, routed, l, ids, &upload, on_change)
+}
+
+/// Makes the device copy of an expert record: its handle and the device bytes it takes.
+pub type UploadRecord<'a, T> = dyn Fn(&crate::experts::Expert) -> Result<(T, u64), deltafin_cuda::CudaError> + 'a;
+
+/// [`fetch_gpu_experts`] with the device copy of a record made by `upload` (its handle and its
+/// device bytes), for records that are not three matrices (gpt-oss: two matrices and their
+/// f32 biases).
+///
+/// Errors: expert read or checksum failures; the first error of `upload` or `on_change`.
+pub fn fetch_gpu_experts_with<T: Clone>(
+    cache: &mut GpuExpertCache<T>,
+    routed: &crate::model::RoutedExperts,
+    l: usize,
+    ids: &[usize],
+    upload: &UploadRecord<'_, T>,
+    on_change: &mut dyn FnMut(CacheChange<'_, T>) -> Result<(), crate::EngineError>,
+) -> Result<Vec<T>, crate::EngineError> {
     use crate::EngineError;
     let cuda = |e: deltafin_cuda::CudaError| EngineError::Invalid(format!("CUDA: {e}"));
     let stand_in = routed.compute_only();
-    let mut out: Vec<Option<GpuExpert>> = Vec::with_capacity(ids.len());
+    let mut out: Vec<Option<T>> = Vec::with_capacity(ids.len());
     let mut missing: Vec<usize> = Vec::new();
     for &e in ids {
         let e = if stand_in { 0 } else { e };
@@ -48,14 +76,8 @@ pub fn fetch_gpu_experts(
         for r in routed.store.fetch(l, &missing)? {
             let (i, record) = r?;
             let t0 = std::time::Instant::now();
-            let mats = [
-                GpuMat::upload(gpu, &record.matrix(0)).map_err(cuda)?,
-                GpuMat::upload(gpu, &record.matrix(1)).map_err(cuda)?,
-                GpuMat::upload(gpu, &record.matrix(2)).map_err(cuda)?,
-            ];
-            let bytes: u64 = mats.iter().map(|m| m.nbytes() as u64).sum();
+            let (dev, bytes) = upload(&record).map_err(cuda)?;
             cache.count_upload(bytes, t0.elapsed().as_nanos() as u64);
-            let dev: GpuExpert = Arc::new(mats);
             let id = missing[i];
             for (el, ee) in cache.insert(l, id, dev.clone(), bytes) {
                 on_change(CacheChange::Evicted(el, ee))?;

@@ -266,3 +266,38 @@ impl CausalLm for Mixtral {
         self.backbone.bytes()
     }
 }
+
+impl crate::models::gqa_cuda::GqaFamily for Mixtral {
+    fn backbone(&self) -> &Backbone {
+        &self.backbone
+    }
+
+    fn attention(&self) -> &GqaAttention {
+        &self.attn
+    }
+
+    fn layer_specs(&self) -> Vec<crate::models::gqa_cuda::GqaLayerSpec> {
+        use crate::models::gqa_cuda::{GqaLayerSpec, MlpSpec};
+        self.names
+            .iter()
+            .map(|n| GqaLayerSpec {
+                input_layernorm: n.input_layernorm.clone(),
+                post_attention_layernorm: n.post_attention_layernorm.clone(),
+                attn: n.attn.clone(),
+                mlp: MlpSpec::Moe {
+                    router: n.router.clone(),
+                    router_bias: None,
+                },
+            })
+            .collect()
+    }
+
+    fn softmax_router(&self) -> deltafin_cuda::SoftmaxRouter {
+        // Mixtral always renormalises the chosen probabilities (`softmax_moe(.., true, ..)`).
+        deltafin_cuda::SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob: true }
+    }
+
+    fn rms_norm_eps(&self) -> f32 {
+        self.cfg.rms_norm_eps
+    }
+}

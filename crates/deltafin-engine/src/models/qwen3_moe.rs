@@ -314,3 +314,44 @@ impl CausalLm for Qwen3Moe {
         self.backbone.bytes()
     }
 }
+
+impl crate::models::gqa_cuda::GqaFamily for Qwen3Moe {
+    fn backbone(&self) -> &Backbone {
+        &self.backbone
+    }
+
+    fn attention(&self) -> &GqaAttention {
+        &self.attn
+    }
+
+    fn layer_specs(&self) -> Vec<crate::models::gqa_cuda::GqaLayerSpec> {
+        use crate::models::gqa_cuda::{GqaLayerSpec, MlpSpec};
+        self.names
+            .iter()
+            .enumerate()
+            .map(|(l, n)| GqaLayerSpec {
+                input_layernorm: n.input_layernorm.clone(),
+                post_attention_layernorm: n.post_attention_layernorm.clone(),
+                attn: n.attn.clone(),
+                mlp: if self.cfg.is_moe_layer(l) {
+                    MlpSpec::Moe {
+                        router: n.router.clone(),
+                        router_bias: None,
+                    }
+                } else {
+                    MlpSpec::Dense([n.gate_proj.clone(), n.up_proj.clone(), n.down_proj.clone()])
+                },
+            })
+            .collect()
+    }
+
+    fn softmax_router(&self) -> deltafin_cuda::SoftmaxRouter {
+        deltafin_cuda::SoftmaxRouter::SoftmaxThenTopK {
+            norm_topk_prob: self.cfg.norm_topk_prob,
+        }
+    }
+
+    fn rms_norm_eps(&self) -> f32 {
+        self.cfg.rms_norm_eps
+    }
+}
