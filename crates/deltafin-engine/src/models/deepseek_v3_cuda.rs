@@ -38,7 +38,7 @@ use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
-use crate::models::gpu_fetch::{fetch_gpu_experts, CacheChange};
+use crate::models::gpu_fetch::{fetch_gpu_experts, gpu_expert_budget, open_gpu_for, CacheChange};
 use crate::models::DeepseekV3;
 use crate::moe::RouterConfig;
 use crate::EngineError;
@@ -246,9 +246,7 @@ pub struct DeepseekV3Cuda {
     experts: Mutex<GpuExperts>,
 }
 
-/// Device memory left out of the default GPU expert budget: the KV cache, the work buffers,
-/// the driver's own needs and other processes' headroom.
-pub const GPU_MARGIN_BYTES: u64 = 2 << 30;
+pub use crate::models::gpu_fetch::GPU_MARGIN_BYTES;
 
 impl DeepseekV3Cuda {
     /// Loads the model as [`DeepseekV3::load_with`] does, then opens `cuda:ordinal`, uploads
@@ -265,14 +263,8 @@ impl DeepseekV3Cuda {
         gpu_opts: GpuOptions,
     ) -> Result<Self, EngineError> {
         let cpu = DeepseekV3::load_with(dir, opts)?;
-        let gpu = Arc::new(Gpu::open(ordinal).map_err(cuda)?);
         let backbone = cpu.backbone_bytes() as u64;
-        let total = gpu.info().total_bytes as u64;
-        if backbone > total {
-            return Err(EngineError::Invalid(format!(
-                "the backbone ({backbone} bytes) does not fit in cuda:{ordinal}'s {total} bytes"
-            )));
-        }
+        let gpu = open_gpu_for(ordinal, backbone)?;
         let c = cpu.cfg.clone();
         let up = |name: &str| -> Result<GpuMat, EngineError> { GpuMat::upload(&gpu, &cpu.m(name)?).map_err(cuda) };
         let vec = |name: &str| -> Result<GpuBuf, EngineError> { gpu.upload(cpu.v(name)?).map_err(cuda) };
@@ -376,16 +368,7 @@ impl DeepseekV3Cuda {
                 None
             });
         }
-        let free = gpu.free_bytes().map_err(cuda)?;
-        let budget = match gpu_opts.budget {
-            Some(b) if b > free => {
-                return Err(EngineError::Invalid(format!(
-                    "--gpu-budget {b} bytes: cuda:{ordinal} has {free} bytes free after the backbone ({backbone} bytes)"
-                )))
-            }
-            Some(b) => b,
-            None => free.saturating_sub(GPU_MARGIN_BYTES),
-        };
+        let budget = gpu_expert_budget(&gpu, ordinal, gpu_opts.budget, backbone)?;
         let model = Self {
             cpu,
             gpu,

@@ -3,9 +3,46 @@
 
 use std::sync::Arc;
 
-use deltafin_cuda::GpuMat;
+use deltafin_cuda::{Gpu, GpuMat};
 
 use crate::gpu_experts::{GpuExpert, GpuExpertCache};
+use crate::EngineError;
+
+/// Device memory every family's GPU path leaves free by default beyond the backbone and the
+/// GPU expert cache: KV caches, recurrent states, work buffers, CUDA graphs, bytes.
+pub const GPU_MARGIN_BYTES: u64 = 2 << 30;
+
+/// Opens `cuda:ordinal` for a model whose backbone takes `backbone` bytes.
+///
+/// Errors: no such device, or a driver failure; a backbone larger than the device's memory
+/// (both sizes named: streaming backbone layers through the GPU is not there yet).
+pub fn open_gpu_for(ordinal: usize, backbone: u64) -> Result<Arc<Gpu>, EngineError> {
+    let gpu = Arc::new(Gpu::open(ordinal).map_err(|e| EngineError::Invalid(format!("CUDA: {e}")))?);
+    let total = gpu.info().total_bytes as u64;
+    if backbone > total {
+        return Err(EngineError::Invalid(format!(
+            "the backbone ({backbone} bytes) does not fit in cuda:{ordinal}'s {total} bytes"
+        )));
+    }
+    Ok(gpu)
+}
+
+/// The GPU expert cache's byte budget once the backbone (`backbone` bytes) is on the device:
+/// `requested` (`--gpu-budget`), or by default the free memory less [`GPU_MARGIN_BYTES`].
+///
+/// Errors: `requested` above the free memory (both named); a driver failure.
+pub fn gpu_expert_budget(gpu: &Gpu, ordinal: usize, requested: Option<u64>, backbone: u64) -> Result<u64, EngineError> {
+    let free = gpu
+        .free_bytes()
+        .map_err(|e| EngineError::Invalid(format!("CUDA: {e}")))?;
+    match requested {
+        Some(b) if b > free => Err(EngineError::Invalid(format!(
+            "--gpu-budget {b} bytes: cuda:{ordinal} has {free} bytes free after the backbone ({backbone} bytes)"
+        ))),
+        Some(b) => Ok(b),
+        None => Ok(free.saturating_sub(GPU_MARGIN_BYTES)),
+    }
+}
 
 /// What [`fetch_gpu_experts`] changed in the cache, for device tables that name experts.
 pub enum CacheChange<'a, T = GpuExpert> {

@@ -58,8 +58,7 @@ use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpertCache};
 use crate::gqa::{GqaAttention, GqaNames};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
-use crate::models::deepseek_v3_cuda::GPU_MARGIN_BYTES;
-use crate::models::gpu_fetch::fetch_gpu_experts_with;
+use crate::models::gpu_fetch::{fetch_gpu_experts_with, gpu_expert_budget, open_gpu_for};
 use crate::moe::Routing;
 use crate::EngineError;
 
@@ -272,7 +271,7 @@ impl GqaCuda {
     /// Loads the model in `dir` (Qwen3-MoE, Mixtral or gpt-oss) as its CPU family does, then opens
     /// `cuda:ordinal`, uploads the backbone and sizes the GPU expert cache: `gpu_opts.budget`
     /// bytes, or by default what the device has free after the backbone less
-    /// [`GPU_MARGIN_BYTES`]; with `gpu_opts.preload` fills it in file order.
+    /// [`GPU_MARGIN_BYTES`](crate::models::gpu_fetch::GPU_MARGIN_BYTES); with `gpu_opts.preload` fills it in file order.
     ///
     /// Errors: everything the CPU family's load refuses; another family; no such device; a
     /// backbone larger than the device memory (both sizes named); a budget larger than the free
@@ -301,14 +300,8 @@ impl GqaCuda {
                 "the CUDA path routes at most {MOE_MAX_K} experts a token (this model: {k})"
             )));
         }
-        let gpu = Arc::new(Gpu::open(ordinal).map_err(cuda)?);
         let backbone = cpu.backbone_bytes() as u64;
-        let total = gpu.info().total_bytes as u64;
-        if backbone > total {
-            return Err(EngineError::Invalid(format!(
-                "the backbone ({backbone} bytes) does not fit in cuda:{ordinal}'s {total} bytes"
-            )));
-        }
+        let gpu = open_gpu_for(ordinal, backbone)?;
         let bb = cpu.backbone();
         let up = |name: &str| -> Result<GpuMat, EngineError> { GpuMat::upload(&gpu, &bb.matrix(name)?).map_err(cuda) };
         let vec = |name: &str| -> Result<GpuBuf, EngineError> { gpu.upload(bb.vector(name)?).map_err(cuda) };
@@ -344,16 +337,7 @@ impl GqaCuda {
         }
         let norm = vec("model.norm.weight")?;
         let lm_head = up("lm_head.weight")?;
-        let free = gpu.free_bytes().map_err(cuda)?;
-        let budget = match gpu_opts.budget {
-            Some(b) if b > free => {
-                return Err(EngineError::Invalid(format!(
-                    "--gpu-budget {b} bytes: cuda:{ordinal} has {free} bytes free after the backbone ({backbone} bytes)"
-                )))
-            }
-            Some(b) => b,
-            None => free.saturating_sub(GPU_MARGIN_BYTES),
-        };
+        let budget = gpu_expert_budget(&gpu, ordinal, gpu_opts.budget, backbone)?;
         let (router, expert_kind, eps) = (cpu.softmax_router(), cpu.expert_kind(), cpu.rms_norm_eps());
         let model = Self {
             cpu,

@@ -51,8 +51,7 @@ use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
-use crate::models::deepseek_v3_cuda::GPU_MARGIN_BYTES;
-use crate::models::gpu_fetch::fetch_gpu_experts;
+use crate::models::gpu_fetch::{fetch_gpu_experts, gpu_expert_budget, open_gpu_for};
 use crate::models::kimi_linear::{KimiLinear, LayerNames, KDA_ROLLBACK_WINDOW, LATENT_NORM_EPS};
 use crate::moe::{route, RouterConfig, Routing};
 use crate::EngineError;
@@ -375,7 +374,7 @@ fn unsupported(cpu: &KimiLinear) -> Option<String> {
 impl KimiLinearCuda {
     /// Loads the model as [`KimiLinear::load_with`] does, then opens `cuda:ordinal`, uploads the
     /// backbone and sizes the GPU expert cache: `gpu_budget` bytes, or by default what the device
-    /// has free after the backbone less [`GPU_MARGIN_BYTES`] (which also covers the per-sequence
+    /// has free after the backbone less [`GPU_MARGIN_BYTES`](crate::models::gpu_fetch::GPU_MARGIN_BYTES) (which also covers the per-sequence
     /// state: KDA states and logs, MLA caches).
     ///
     /// Errors: everything `KimiLinear::load_with` refuses; a configuration the GPU path does not
@@ -392,14 +391,8 @@ impl KimiLinearCuda {
         if let Some(why) = unsupported(&cpu) {
             return Err(EngineError::Invalid(why));
         }
-        let gpu = Arc::new(Gpu::open(ordinal).map_err(cuda)?);
         let backbone = cpu.backbone_bytes() as u64;
-        let total = gpu.info().total_bytes as u64;
-        if backbone > total {
-            return Err(EngineError::Invalid(format!(
-                "the backbone ({backbone} bytes) does not fit in cuda:{ordinal}'s {total} bytes"
-            )));
-        }
+        let gpu = open_gpu_for(ordinal, backbone)?;
         let c = cpu.cfg.clone();
         let up = |name: &str| -> Result<GpuMat, EngineError> { GpuMat::upload(&gpu, &cpu.m(name)?).map_err(cuda) };
         let vec = |name: &str| -> Result<GpuBuf, EngineError> { gpu.upload(cpu.v(name)?).map_err(cuda) };
@@ -561,16 +554,7 @@ impl KimiLinearCuda {
             router_host: vec![0.0; c.num_experts.max(1)],
             logits: z(lm_head.rows)?,
         };
-        let free = gpu.free_bytes().map_err(cuda)?;
-        let budget = match gpu_opts.budget {
-            Some(b) if b > free => {
-                return Err(EngineError::Invalid(format!(
-                    "--gpu-budget {b} bytes: cuda:{ordinal} has {free} bytes free after the backbone ({backbone} bytes)"
-                )))
-            }
-            Some(b) => b,
-            None => free.saturating_sub(GPU_MARGIN_BYTES),
-        };
+        let budget = gpu_expert_budget(&gpu, ordinal, gpu_opts.budget, backbone)?;
         let model = Self {
             cpu,
             gpu,
