@@ -38,7 +38,10 @@ use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
-use crate::models::gpu_fetch::{fetch_gpu_experts, gpu_expert_budget, open_gpu_for, CacheChange};
+use crate::models::gpu_fetch::{
+    fetch_gpu_experts, gpu_expert_budget, grow_layer_bufs, grown_capacity, open_gpu_for, preload_in_file_order,
+    CacheChange,
+};
 use crate::models::DeepseekV3;
 use crate::moe::RouterConfig;
 use crate::EngineError;
@@ -132,22 +135,9 @@ impl GpuKvCache {
         if n <= self.capacity {
             return Ok(());
         }
-        let cap = n.max(2 * self.capacity).max(64);
+        let cap = grown_capacity(n, self.capacity);
         for (bufs, width) in [(&mut self.c_kv, self.kvl), (&mut self.k_pe, self.rope)] {
-            let mut grown = Vec::with_capacity(self.layers);
-            for l in 0..self.layers {
-                let mut nb = self.gpu.zeros(cap * width)?;
-                if let Some(old) = bufs.get(l).filter(|_| self.len > 0) {
-                    let old = old.slice(..self.len * width);
-                    let mut dst = nb.slice_mut(..self.len * width);
-                    self.gpu
-                        .stream()
-                        .memcpy_dtod(&old, &mut dst)
-                        .map_err(|e| CudaError::Shape(format!("KV cache growth: {e}")))?;
-                }
-                grown.push(nb);
-            }
-            *bufs = grown;
+            grow_layer_bufs(&self.gpu, bufs, self.layers, width, self.len, cap)?;
         }
         self.capacity = cap;
         Ok(())
@@ -398,19 +388,14 @@ impl DeepseekV3Cuda {
     pub fn preload(&self) -> Result<usize, EngineError> {
         let c = &self.cpu.cfg;
         let record = self.cpu.routed.store.record_bytes();
-        let mut n = 0;
-        for l in (0..c.num_hidden_layers).filter(|&l| c.is_moe_layer(l)) {
-            for first in (0..c.n_routed_experts).step_by(32) {
-                let s = self.gpu_cache_stats_now()?;
-                let room = (s.budget_bytes.saturating_sub(s.resident_bytes) / record.max(1)) as usize;
-                let ids: Vec<usize> = (first..(first + 32).min(c.n_routed_experts)).take(room).collect();
-                if ids.is_empty() {
-                    return Ok(n);
-                }
-                n += self.experts_of(l, &ids)?.len();
-            }
-        }
-        Ok(n)
+        let layers = (0..c.num_hidden_layers)
+            .filter(|&l| c.is_moe_layer(l))
+            .map(|l| (l, c.n_routed_experts));
+        let room = || {
+            let s = self.gpu_cache_stats_now()?;
+            Ok((s.budget_bytes.saturating_sub(s.resident_bytes) / record.max(1)) as usize)
+        };
+        preload_in_file_order(layers, room, |l, ids| Ok(self.experts_of(l, ids)?.len()))
     }
 
     fn gpu_cache_stats_now(&self) -> Result<GpuCacheStats, EngineError> {

@@ -1,9 +1,11 @@
-//! Looking routed experts up for a GPU forward pass: hits from the GPU expert cache, misses
-//! read through the CPU model's expert store and copied to the device (every family's GPU path).
+//! What every family's GPU path shares: opening the device with the backbone's size checked,
+//! the GPU expert cache's budget, looking routed experts up for a forward pass (hits from the GPU
+//! expert cache, misses read through the CPU model's expert store and copied to the device),
+//! filling the cache at start, and growing per-layer KV buffers.
 
 use std::sync::Arc;
 
-use deltafin_cuda::{Gpu, GpuMat};
+use deltafin_cuda::{CudaError, Gpu, GpuBuf, GpuMat};
 
 use crate::gpu_experts::{GpuExpert, GpuExpertCache};
 use crate::EngineError;
@@ -133,4 +135,62 @@ pub fn fetch_gpu_experts_with<T: Clone>(
     out.into_iter()
         .map(|e| e.ok_or_else(|| EngineError::Invalid(format!("layer {l}: an expert fetch ended early"))))
         .collect()
+}
+
+/// Positions a per-layer KV buffer holds after growing to fit `n` (capacity now `capacity`):
+/// doubling, at least 64.
+pub fn grown_capacity(n: usize, capacity: usize) -> usize {
+    n.max(2 * capacity).max(64)
+}
+
+/// Replaces each of `layers` buffers of `bufs` (`[capacity, width]` each, or none yet) by one of
+/// `[cap, width]` holding the first `len` positions of the old one (the rest zero).
+///
+/// Errors: a driver failure (out of device memory).
+pub fn grow_layer_bufs(
+    gpu: &Gpu,
+    bufs: &mut Vec<GpuBuf>,
+    layers: usize,
+    width: usize,
+    len: usize,
+    cap: usize,
+) -> Result<(), CudaError> {
+    let mut grown = Vec::with_capacity(layers);
+    for l in 0..layers {
+        let mut nb = gpu.zeros(cap * width)?;
+        if let Some(old) = bufs.get(l).filter(|_| len > 0) {
+            let old = old.slice(..len * width);
+            let mut dst = nb.slice_mut(..len * width);
+            gpu.stream()
+                .memcpy_dtod(&old, &mut dst)
+                .map_err(|e| CudaError::Shape(format!("KV cache growth: {e}")))?;
+        }
+        grown.push(nb);
+    }
+    *bufs = grown;
+    Ok(())
+}
+
+/// Fills a GPU expert cache at start (`--gpu-preload`): for each `(layer, n_experts)` of `layers`,
+/// the layer's routed experts in file order (ascending id), 32 a fetch, while `room()` (records
+/// that still fit in the budget) allows; `fetch(l, ids)` makes them resident and returns how many
+/// it did. Returns the number of experts made resident.
+///
+/// Errors: the first error of `room` or `fetch`.
+pub fn preload_in_file_order(
+    layers: impl IntoIterator<Item = (usize, usize)>,
+    mut room: impl FnMut() -> Result<usize, EngineError>,
+    mut fetch: impl FnMut(usize, &[usize]) -> Result<usize, EngineError>,
+) -> Result<usize, EngineError> {
+    let mut n = 0;
+    for (l, n_experts) in layers {
+        for first in (0..n_experts).step_by(32) {
+            let ids: Vec<usize> = (first..(first + 32).min(n_experts)).take(room()?).collect();
+            if ids.is_empty() {
+                return Ok(n);
+            }
+            n += fetch(l, &ids)?;
+        }
+    }
+    Ok(n)
 }

@@ -58,7 +58,9 @@ use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpertCache};
 use crate::gqa::{GqaAttention, GqaNames};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
-use crate::models::gpu_fetch::{fetch_gpu_experts_with, gpu_expert_budget, open_gpu_for};
+use crate::models::gpu_fetch::{
+    fetch_gpu_experts_with, gpu_expert_budget, grow_layer_bufs, grown_capacity, open_gpu_for, preload_in_file_order,
+};
 use crate::moe::Routing;
 use crate::EngineError;
 
@@ -195,22 +197,9 @@ impl GpuGqaCache {
         if n <= self.capacity {
             return Ok(());
         }
-        let cap = n.max(2 * self.capacity).max(64);
+        let cap = grown_capacity(n, self.capacity);
         for bufs in [&mut self.k, &mut self.v] {
-            let mut grown = Vec::with_capacity(self.layers);
-            for l in 0..self.layers {
-                let mut nb = self.gpu.zeros(cap * self.kv_dim)?;
-                if let Some(old) = bufs.get(l).filter(|_| self.len > 0) {
-                    let old = old.slice(..self.len * self.kv_dim);
-                    let mut dst = nb.slice_mut(..self.len * self.kv_dim);
-                    self.gpu
-                        .stream()
-                        .memcpy_dtod(&old, &mut dst)
-                        .map_err(|e| CudaError::Shape(format!("KV cache growth: {e}")))?;
-                }
-                grown.push(nb);
-            }
-            *bufs = grown;
+            grow_layer_bufs(&self.gpu, bufs, self.layers, self.kv_dim, self.len, cap)?;
         }
         self.capacity = cap;
         Ok(())
@@ -367,24 +356,18 @@ impl GqaCuda {
     /// Errors: expert read or checksum failures; a driver error.
     pub fn preload(&self) -> Result<usize, EngineError> {
         let record = self.cpu.routed().store.record_bytes();
-        let mut n = 0;
-        for (l, lw) in self.layers.iter().enumerate() {
-            let Mlp::Moe { router, .. } = &lw.mlp else { continue };
-            for first in (0..router.rows).step_by(32) {
-                let s = self
-                    .experts
-                    .lock()
-                    .map(|c| c.stats())
-                    .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
-                let room = (s.budget_bytes.saturating_sub(s.resident_bytes) / record.max(1)) as usize;
-                let ids: Vec<usize> = (first..(first + 32).min(router.rows)).take(room).collect();
-                if ids.is_empty() {
-                    return Ok(n);
-                }
-                n += self.experts_of(l, &ids)?.len();
-            }
-        }
-        Ok(n)
+        let layers = self.layers.iter().enumerate().filter_map(|(l, lw)| match &lw.mlp {
+            Mlp::Moe { router, .. } => Some((l, router.rows)),
+            Mlp::Dense(_) => None,
+        });
+        let room = || {
+            self.experts
+                .lock()
+                .map(|c| c.stats())
+                .map(|s| (s.budget_bytes.saturating_sub(s.resident_bytes) / record.max(1)) as usize)
+                .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))
+        };
+        preload_in_file_order(layers, room, |l, ids| Ok(self.experts_of(l, ids)?.len()))
     }
 
     /// The device copies of experts `ids` of layer `l`, in that order

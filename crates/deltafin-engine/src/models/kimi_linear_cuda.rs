@@ -51,7 +51,7 @@ use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
-use crate::models::gpu_fetch::{fetch_gpu_experts, gpu_expert_budget, open_gpu_for};
+use crate::models::gpu_fetch::{fetch_gpu_experts, gpu_expert_budget, open_gpu_for, preload_in_file_order};
 use crate::models::kimi_linear::{KimiLinear, LayerNames, KDA_ROLLBACK_WINDOW, LATENT_NORM_EPS};
 use crate::moe::{route, RouterConfig, Routing};
 use crate::EngineError;
@@ -583,23 +583,17 @@ impl KimiLinearCuda {
     pub fn preload(&self) -> Result<usize, EngineError> {
         let c = &self.cpu.cfg;
         let record = self.cpu.routed.store.record_bytes();
-        let mut n = 0;
-        for l in (0..c.num_hidden_layers).filter(|&l| c.is_moe_layer(l)) {
-            for first in (0..c.num_experts).step_by(32) {
-                let s = self
-                    .experts
-                    .lock()
-                    .map(|c| c.stats())
-                    .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
-                let room = (s.budget_bytes.saturating_sub(s.resident_bytes) / record.max(1)) as usize;
-                let ids: Vec<usize> = (first..(first + 32).min(c.num_experts)).take(room).collect();
-                if ids.is_empty() {
-                    return Ok(n);
-                }
-                n += self.experts_of(l, &ids)?.len();
-            }
-        }
-        Ok(n)
+        let layers = (0..c.num_hidden_layers)
+            .filter(|&l| c.is_moe_layer(l))
+            .map(|l| (l, c.num_experts));
+        let room = || {
+            self.experts
+                .lock()
+                .map(|c| c.stats())
+                .map(|s| (s.budget_bytes.saturating_sub(s.resident_bytes) / record.max(1)) as usize)
+                .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))
+        };
+        preload_in_file_order(layers, room, |l, ids| Ok(self.experts_of(l, ids)?.len()))
     }
 
     fn experts_of(&self, l: usize, ids: &[usize]) -> Result<Vec<GpuExpert>, EngineError> {
