@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 
 use deltafin_cuda::{
     CudaError, ExpertTable, Gpu, GpuBuf, GpuMat, GpuMatData, Graph, MlaPrepArg, MlaShape, MoeDown, MvJob, MvKind,
-    Pinned, PreNorm, RouteTailArg, RouterShape, GROUP_T, MOE_MAX_K,
+    Pinned, PreNorm, RouteTailArg, RouterShape, MOE_MAX_K,
 };
 use deltafin_format::{ModelConfig, ModelDir};
 
@@ -39,8 +39,8 @@ use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
 use crate::models::gpu_fetch::{
-    fetch_gpu_experts, gpu_expert_budget, grow_layer_bufs, grown_capacity, open_gpu_for, preload_in_file_order,
-    CacheChange,
+    fetch_gpu_experts, gpu_expert_budget, grouped_swiglu_experts, grow_layer_bufs, grown_capacity, open_gpu_for,
+    preload_in_file_order, CacheChange, ExpertMajor,
 };
 use crate::models::DeepseekV3;
 use crate::moe::RouterConfig;
@@ -1107,60 +1107,25 @@ impl DeepseekV3Cuda {
                 weights: w.to_vec(),
             })
             .collect();
-        // The union of chosen experts (ascending id) and, per expert, its (token, slot)s.
-        let mut union: Vec<usize> = routings.iter().flat_map(|r| r.experts.iter().copied()).collect();
-        union.sort_unstable();
-        union.dedup();
-        let mut members: Vec<Vec<(usize, usize)>> = vec![Vec::new(); union.len()];
-        for (t, r) in routings.iter().enumerate() {
-            for (slot, e) in r.experts.iter().enumerate() {
-                if let Ok(u) = union.binary_search(e) {
-                    members[u].push((t, slot));
-                }
-            }
-        }
-        let mut src_idx: Vec<i32> = Vec::with_capacity(n * k);
-        let mut dst_idx: Vec<i32> = Vec::with_capacity(n * k);
-        for m in &members {
-            for &(t, slot) in m {
-                src_idx.push(t as i32);
-                dst_idx.push((t * k + slot) as i32);
-            }
-        }
-        let src_d = g.upload(&src_idx).map_err(cuda)?;
-        let experts = self.experts_of(l, &union)?;
+        let em = ExpertMajor::new(&routings, k);
+        let src_d = g.upload(&em.src).map_err(cuda)?;
+        let experts = self.experts_of(l, &em.union)?;
         let mut y = g.zeros(n * k * h).map_err(cuda)?;
         if experts
             .iter()
             .all(|e| e.iter().all(|m| matches!(m.data, GpuMatData::Mxfp4 { .. })))
         {
-            // MXFP4 experts (the default layout): every expert of the chunk in two launches
-            // (`Gpu::moe_grouped`), the same bits as the per-expert path below.
-            let pairs = src_idx.len();
-            let inter = experts[0][0].rows;
-            let mut table = g.expert_table(experts.len(), inter, h).map_err(cuda)?;
+            // MXFP4 experts (the default layout): every expert of the chunk in two launches,
+            // the same bits as the per-expert path below.
             let refs: Vec<&[GpuMat; 3]> = experts.iter().map(|e| &**e).collect();
-            table.set(g, 0, &refs).map_err(cuda)?;
-            let mut tiles = Vec::with_capacity(pairs / GROUP_T + experts.len());
-            let mut off = 0usize;
-            for (u, m) in members.iter().enumerate() {
-                for t0 in (0..m.len()).step_by(GROUP_T) {
-                    tiles.push([u as i32, (off + t0) as i32, (m.len() - t0).min(GROUP_T) as i32]);
-                }
-                off += m.len();
-            }
-            let mut xg = g.zeros(pairs * h).map_err(cuda)?;
-            g.gather_rows(xn, &src_d, 0, pairs, h, &mut xg).map_err(cuda)?;
-            let mut hh = g.zeros(pairs * inter).map_err(cuda)?;
-            g.moe_grouped(&table, &tiles, &xg, &dst_idx, &mut hh, &mut y)
-                .map_err(cuda)?;
+            grouped_swiglu_experts(g, &refs, &em, &src_d, xn, &mut y).map_err(cuda)?;
             g.moe_combine_tokens(&y, &w_d, k, h, n, shared_out.as_ref(), x)
                 .map_err(cuda)?;
             return Ok(routings);
         }
-        let dst_d = g.upload(&dst_idx).map_err(cuda)?;
+        let dst_d = g.upload(&em.dst).map_err(cuda)?;
         let mut off = 0;
-        for (e, m) in experts.iter().zip(&members) {
+        for (e, m) in experts.iter().zip(&em.members) {
             let rows = m.len();
             let mut xe = g.zeros(rows * h).map_err(cuda)?;
             g.gather_rows(xn, &src_d, off, rows, h, &mut xe).map_err(cuda)?;

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use deltafin_cuda::{CudaError, Gpu, GpuBuf, GpuMat};
+use deltafin_cuda::{CudaError, CudaSlice, Gpu, GpuBuf, GpuMat, GROUP_T};
 
 use crate::gpu_experts::{GpuExpert, GpuExpertCache};
 use crate::EngineError;
@@ -193,4 +193,83 @@ pub fn preload_in_file_order(
         }
     }
     Ok(n)
+}
+
+/// A chunk's routing grouped by expert (what expert-major MoE needs): the chosen experts'
+/// `union` in ascending id, per union entry its `(token, slot)` pairs in token order, and for
+/// every pair in that order (the "gathered order") its input row `src` (the token) and its output
+/// row `dst = token * k + slot`.
+pub struct ExpertMajor {
+    pub union: Vec<usize>,
+    pub members: Vec<Vec<(usize, usize)>>,
+    pub src: Vec<i32>,
+    pub dst: Vec<i32>,
+}
+
+impl ExpertMajor {
+    /// Groups `routings` (one per token, `k` experts each).
+    pub fn new(routings: &[crate::moe::Routing], k: usize) -> Self {
+        let mut union: Vec<usize> = routings.iter().flat_map(|r| r.experts.iter().copied()).collect();
+        union.sort_unstable();
+        union.dedup();
+        let mut members: Vec<Vec<(usize, usize)>> = vec![Vec::new(); union.len()];
+        for (t, r) in routings.iter().enumerate() {
+            for (slot, e) in r.experts.iter().enumerate() {
+                if let Ok(u) = union.binary_search(e) {
+                    members[u].push((t, slot));
+                }
+            }
+        }
+        let (mut src, mut dst) = (
+            Vec::with_capacity(routings.len() * k),
+            Vec::with_capacity(routings.len() * k),
+        );
+        for m in &members {
+            for &(t, slot) in m {
+                src.push(t as i32);
+                dst.push((t * k + slot) as i32);
+            }
+        }
+        ExpertMajor {
+            union,
+            members,
+            src,
+            dst,
+        }
+    }
+}
+
+/// The SwiGLU experts of a chunk, MXFP4 `[gate_proj, up_proj, down_proj]` each (`experts[u]` for
+/// `em.union[u]`), in two grouped launches ([`Gpu::moe_grouped`]): `y[dst[p]] = down(silu(gate
+/// xn[src[p]]) ⊙ up xn[src[p]])` for every pair `p`; `src_d` is `em.src` on the device, `xn:
+/// [n, hidden]`, `y: [n * k, hidden]`. The bits of the per-expert matmuls.
+///
+/// Errors: `Shape` for experts of different shapes or layouts; a driver failure.
+pub fn grouped_swiglu_experts(
+    g: &Gpu,
+    experts: &[&[GpuMat; 3]],
+    em: &ExpertMajor,
+    src_d: &CudaSlice<i32>,
+    xn: &GpuBuf,
+    y: &mut GpuBuf,
+) -> Result<(), CudaError> {
+    let Some(first) = experts.first() else {
+        return Ok(());
+    };
+    let (inter, hidden, pairs) = (first[0].rows, first[0].cols, em.dst.len());
+    let mut table = g.expert_table(experts.len(), inter, hidden)?;
+    table.set(g, 0, experts)?;
+    // tiles[i] = [entry, first pair, pairs]: each expert's pairs, GROUP_T at a time.
+    let mut tiles = Vec::with_capacity(pairs / GROUP_T + experts.len());
+    let mut off = 0usize;
+    for (u, m) in em.members.iter().enumerate() {
+        for t0 in (0..m.len()).step_by(GROUP_T) {
+            tiles.push([u as i32, (off + t0) as i32, (m.len() - t0).min(GROUP_T) as i32]);
+        }
+        off += m.len();
+    }
+    let mut xg = g.zeros(pairs * hidden)?;
+    g.gather_rows(xn, src_d, 0, pairs, hidden, &mut xg)?;
+    let mut hh = g.zeros(pairs * inter)?;
+    g.moe_grouped(&table, &tiles, &xg, &em.dst, &mut hh, y)
 }

@@ -46,8 +46,7 @@
 use std::sync::{Arc, Mutex};
 
 use deltafin_cuda::{
-    CudaError, CudaSlice, ExpertTable, Gpu, GpuBuf, GpuMat, GpuMatData, GqaShape, MoeDown, SoftmaxRouter, GROUP_T,
-    MOE_MAX_K,
+    CudaError, CudaSlice, ExpertTable, Gpu, GpuBuf, GpuMat, GpuMatData, GqaShape, MoeDown, SoftmaxRouter, MOE_MAX_K,
 };
 use deltafin_format::model_dir::Backbone;
 use deltafin_format::{ModelConfig, ModelDir};
@@ -59,7 +58,8 @@ use crate::gpu_experts::{GpuCacheStats, GpuExpertCache};
 use crate::gqa::{GqaAttention, GqaNames};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
 use crate::models::gpu_fetch::{
-    fetch_gpu_experts_with, gpu_expert_budget, grow_layer_bufs, grown_capacity, open_gpu_for, preload_in_file_order,
+    fetch_gpu_experts_with, gpu_expert_budget, grouped_swiglu_experts, grow_layer_bufs, grown_capacity, open_gpu_for,
+    preload_in_file_order, ExpertMajor,
 };
 use crate::moe::Routing;
 use crate::EngineError;
@@ -688,46 +688,6 @@ impl GqaCuda {
         )
     }
 
-    /// The SwiGLU MXFP4 experts of a chunk in two launches ([`Gpu::moe_grouped`]): `experts[u]`
-    /// applied to the rows `src[..]` of `xn` of its members `members[u]` (`(token, slot)`, in
-    /// the gathered order of `src` and `dst`), each output written to row `dst[p]` of
-    /// `y: [n * k, hidden]`.
-    fn moe_grouped_chunk(
-        &self,
-        experts: &[GqaExpert],
-        members: &[Vec<(usize, usize)>],
-        src: &CudaSlice<i32>,
-        dst: &[i32],
-        xn: &GpuBuf,
-        y: &mut GpuBuf,
-    ) -> Result<(), CudaError> {
-        let g = &self.gpu;
-        let refs = experts
-            .iter()
-            .map(|e| <&[GpuMat; 3]>::try_from(&e[..]))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|_| CudaError::Shape("a SwiGLU expert record without three matrices".into()))?;
-        let Some(first) = refs.first() else {
-            return Ok(());
-        };
-        let (inter, hidden, pairs) = (first[0].rows, first[0].cols, dst.len());
-        let mut table = g.expert_table(refs.len(), inter, hidden)?;
-        table.set(g, 0, &refs)?;
-        // tiles[i] = [entry, first pair, pairs]: each expert's pairs, GROUP_T at a time.
-        let mut tiles = Vec::with_capacity(pairs / GROUP_T + refs.len());
-        let mut off = 0usize;
-        for (u, m) in members.iter().enumerate() {
-            for t0 in (0..m.len()).step_by(GROUP_T) {
-                tiles.push([u as i32, (off + t0) as i32, (m.len() - t0).min(GROUP_T) as i32]);
-            }
-            off += m.len();
-        }
-        let mut xg = g.zeros(pairs * hidden)?;
-        g.gather_rows(xn, src, 0, pairs, hidden, &mut xg)?;
-        let mut hh = g.zeros(pairs * inter)?;
-        g.moe_grouped(&table, &tiles, &xg, dst, &mut hh, y)
-    }
-
     /// The MoE block of layer `l` for the `n` tokens of a chunk (`xn: [n, hidden]`), added to
     /// `x: [n, hidden]`; returns each token's routing. Router logits for the chunk in one
     /// product, the router on the device ([`Gpu::route_softmax_topk`]), the ids and weights read
@@ -782,28 +742,9 @@ impl GqaCuda {
                 weights: w.to_vec(),
             })
             .collect();
-        // The union of chosen experts (ascending id) and, per expert, its (token, slot)s.
-        let mut union: Vec<usize> = routings.iter().flat_map(|r| r.experts.iter().copied()).collect();
-        union.sort_unstable();
-        union.dedup();
-        let mut members: Vec<Vec<(usize, usize)>> = vec![Vec::new(); union.len()];
-        for (t, r) in routings.iter().enumerate() {
-            for (slot, e) in r.experts.iter().enumerate() {
-                if let Ok(u) = union.binary_search(e) {
-                    members[u].push((t, slot));
-                }
-            }
-        }
-        let mut src_idx: Vec<i32> = Vec::with_capacity(n * k);
-        let mut dst_idx: Vec<i32> = Vec::with_capacity(n * k);
-        for m in &members {
-            for &(t, slot) in m {
-                src_idx.push(t as i32);
-                dst_idx.push((t * k + slot) as i32);
-            }
-        }
-        let src_d = g.upload(&src_idx).map_err(cuda)?;
-        let experts = self.experts_of(l, &union)?;
+        let em = ExpertMajor::new(&routings, k);
+        let src_d = g.upload(&em.src).map_err(cuda)?;
+        let experts = self.experts_of(l, &em.union)?;
         // The fused launches read each slot's intermediate row with 16-byte loads: a width that
         // is a multiple of 4 floats keeps every row aligned.
         let aligned = experts.first().is_some_and(|e| e[0].rows % 4 == 0);
@@ -821,15 +762,19 @@ impl GqaCuda {
         if self.expert_kind == ExpertKind::SwiGlu && mxfp4 && aligned {
             // MXFP4 SwiGLU experts (the default layout): every expert of the chunk in two
             // launches (`Gpu::moe_grouped`), the bits of the per-expert path below.
-            self.moe_grouped_chunk(&experts, &members, &src_d, &dst_idx, xn, &mut y)
-                .map_err(cuda)?;
+            let refs = experts
+                .iter()
+                .map(|e| <&[GpuMat; 3]>::try_from(&e[..]))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| EngineError::Invalid("a SwiGLU expert record without three matrices".into()))?;
+            grouped_swiglu_experts(g, &refs, &em, &src_d, xn, &mut y).map_err(cuda)?;
             g.moe_combine_tokens(&y, &w_d, k, h, n, None, x).map_err(cuda)?;
             drop(experts);
             return Ok(routings);
         }
-        let dst_d = g.upload(&dst_idx).map_err(cuda)?;
+        let dst_d = g.upload(&em.dst).map_err(cuda)?;
         let mut off = 0;
-        for (e, m) in experts.iter().zip(&members) {
+        for (e, m) in experts.iter().zip(&em.members) {
             let rows = m.len();
             let mut xe = g.zeros(rows * h).map_err(cuda)?;
             g.gather_rows(xn, &src_d, off, rows, h, &mut xe).map_err(cuda)?;
