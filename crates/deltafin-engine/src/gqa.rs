@@ -68,10 +68,10 @@ pub struct GqaNames {
 }
 
 impl GqaNames {
-    /// Names under `{prefix}.self_attn` (`prefix` = `model.layers.{l}`), with `q_norm`/`k_norm`
+    /// Names of layer `l`'s attention, `model.layers.{l}.self_attn.*`, with `q_norm`/`k_norm`
     /// when `qk_norm`.
-    pub fn new(prefix: &str, qk_norm: bool) -> Self {
-        let a = format!("{prefix}.self_attn");
+    pub fn new(l: usize, qk_norm: bool) -> Self {
+        let a = format!("model.layers.{l}.self_attn");
         GqaNames {
             q_proj: format!("{a}.q_proj.weight"),
             k_proj: format!("{a}.k_proj.weight"),
@@ -85,15 +85,15 @@ impl GqaNames {
         }
     }
 
-    /// gpt-oss names: projections with biases (`{q,k,v,o}_proj.bias`), `self_attn.sinks`, and
-    /// the layer's window (`Some(w)` for `sliding_attention` layers).
-    pub fn with_biases_and_sinks(prefix: &str, sliding_window: Option<usize>) -> Self {
-        let a = format!("{prefix}.self_attn");
+    /// gpt-oss names of layer `l`: projections with biases (`{q,k,v,o}_proj.bias`),
+    /// `self_attn.sinks`, and the layer's window (`Some(w)` for `sliding_attention` layers).
+    pub fn with_biases_and_sinks(l: usize, sliding_window: Option<usize>) -> Self {
+        let a = format!("model.layers.{l}.self_attn");
         GqaNames {
             biases: Some(["q", "k", "v", "o"].map(|p| format!("{a}.{p}_proj.bias"))),
             sinks: Some(format!("{a}.sinks")),
             sliding_window,
-            ..Self::new(prefix, false)
+            ..Self::new(l, false)
         }
     }
 

@@ -23,10 +23,10 @@ use deltafin_format::{GptOssConfig, ModelDir, StoredDtype};
 use deltafin_kernels::{sigmoid, MatRef};
 
 use crate::experts::{Expert, StoreOptions};
-use crate::gqa::{Buffers, GqaDims, GqaNames};
+use crate::gqa::{Buffers, GqaNames};
 use crate::model::{gather_rows, RoutedExperts};
 use crate::models::gqa_cuda::{ExpertKind, MlpSpec};
-use crate::models::gqa_lm::{DecoderShape, GqaLm, GqaMlp, MlpStep};
+use crate::models::gqa_lm::{decoder_shape, GqaLm, GqaMlp, MlpStep};
 use crate::moe::{route_topk_softmax, route_topk_softmax_masked, Routing};
 use crate::EngineError;
 
@@ -74,25 +74,11 @@ impl GptOss {
                 dir.path.display()
             )));
         }
-        let layers = 0..cfg.num_hidden_layers;
-        let shape = DecoderShape {
-            dims: GqaDims {
-                hidden: cfg.hidden_size,
-                n_heads: cfg.num_attention_heads,
-                n_kv_heads: cfg.num_key_value_heads,
-                head_dim: cfg.head_dim,
-                // Per layer (`layer_types`), in the attention names.
-                sliding_window: None,
-            },
-            rope: &cfg.rope,
-            attn: layers
-                .clone()
-                .map(|l| GqaNames::with_biases_and_sinks(&format!("model.layers.{l}"), cfg.layer_window(l)))
-                .collect(),
-            vocab_size: cfg.vocab_size,
-            rms_norm_eps: cfg.rms_norm_eps,
-        };
-        let router = layers
+        // The window is per layer (`layer_types`), in the attention names.
+        let shape = decoder_shape!(&cfg, sliding_window: None, attn: |l| {
+            GqaNames::with_biases_and_sinks(l, cfg.layer_window(l))
+        });
+        let router = (0..cfg.num_hidden_layers)
             .map(|l| ["weight", "bias"].map(|p| format!("model.layers.{l}.mlp.router.{p}")))
             .collect();
         GqaLm::load(

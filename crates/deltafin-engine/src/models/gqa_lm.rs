@@ -115,6 +115,30 @@ pub struct DecoderShape<'a> {
     pub rms_norm_eps: f32,
 }
 
+/// The [`DecoderShape`] of a family config `$cfg` with the Llama-style fields (`hidden_size`,
+/// `num_attention_heads`, `num_key_value_heads`, `head_dim`, `rope`, `num_hidden_layers`,
+/// `vocab_size`, `rms_norm_eps`): the model-wide window `$window`, layer `l`'s attention names
+/// `$attn(l)`. A macro because each family's config is its own type.
+macro_rules! decoder_shape {
+    ($cfg:expr, sliding_window: $window:expr, attn: $attn:expr $(,)?) => {{
+        let cfg = $cfg;
+        $crate::models::gqa_lm::DecoderShape {
+            dims: $crate::gqa::GqaDims {
+                hidden: cfg.hidden_size,
+                n_heads: cfg.num_attention_heads,
+                n_kv_heads: cfg.num_key_value_heads,
+                head_dim: cfg.head_dim,
+                sliding_window: $window,
+            },
+            rope: &cfg.rope,
+            attn: (0..cfg.num_hidden_layers).map($attn).collect(),
+            vocab_size: cfg.vocab_size,
+            rms_norm_eps: cfg.rms_norm_eps,
+        }
+    }};
+}
+pub(crate) use decoder_shape;
+
 /// Names of one layer's norms and attention, `model.layers.{l}.*`.
 struct LayerNames {
     input_layernorm: String,

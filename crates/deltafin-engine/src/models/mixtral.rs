@@ -19,10 +19,10 @@ use deltafin_format::{MixtralConfig, ModelDir};
 use deltafin_kernels::MatRef;
 
 use crate::experts::StoreOptions;
-use crate::gqa::{Buffers, GqaDims, GqaNames};
+use crate::gqa::{Buffers, GqaNames};
 use crate::model::{softmax_moe, softmax_moe_batch, RoutedExperts};
 use crate::models::gqa_cuda::MlpSpec;
-use crate::models::gqa_lm::{DecoderShape, GqaLm, GqaMlp, MlpStep};
+use crate::models::gqa_lm::{decoder_shape, GqaLm, GqaMlp, MlpStep};
 use crate::moe::Routing;
 use crate::EngineError;
 
@@ -48,24 +48,8 @@ impl Mixtral {
             .as_mixtral()
             .ok_or_else(|| EngineError::Invalid(format!("{}: not a mixtral model", dir.path.display())))?
             .clone();
-        let layers = 0..cfg.num_hidden_layers;
-        let shape = DecoderShape {
-            dims: GqaDims {
-                hidden: cfg.hidden_size,
-                n_heads: cfg.num_attention_heads,
-                n_kv_heads: cfg.num_key_value_heads,
-                head_dim: cfg.head_dim,
-                sliding_window: cfg.sliding_window,
-            },
-            rope: &cfg.rope,
-            attn: layers
-                .clone()
-                .map(|l| GqaNames::new(&format!("model.layers.{l}"), false))
-                .collect(),
-            vocab_size: cfg.vocab_size,
-            rms_norm_eps: cfg.rms_norm_eps,
-        };
-        let gate = layers
+        let shape = decoder_shape!(&cfg, sliding_window: cfg.sliding_window, attn: |l| GqaNames::new(l, false));
+        let gate = (0..cfg.num_hidden_layers)
             .map(|l| format!("model.layers.{l}.block_sparse_moe.gate.weight"))
             .collect();
         let moe = MixtralMoe { cfg: cfg.clone(), gate };

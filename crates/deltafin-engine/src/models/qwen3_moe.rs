@@ -20,10 +20,10 @@ use deltafin_format::{ModelDir, Qwen3MoeConfig};
 use deltafin_kernels::MatRef;
 
 use crate::experts::StoreOptions;
-use crate::gqa::{Buffers, GqaDims, GqaNames};
+use crate::gqa::{Buffers, GqaNames};
 use crate::model::{softmax_moe, softmax_moe_batch, swiglu_batch, swiglu_into, RoutedExperts};
 use crate::models::gqa_cuda::MlpSpec;
-use crate::models::gqa_lm::{DecoderShape, GqaLm, GqaMlp, MlpStep};
+use crate::models::gqa_lm::{decoder_shape, GqaLm, GqaMlp, MlpStep};
 use crate::moe::Routing;
 use crate::EngineError;
 
@@ -72,23 +72,8 @@ impl Qwen3Moe {
             .as_qwen3_moe()
             .ok_or_else(|| EngineError::Invalid(format!("{}: not a qwen3_moe model", dir.path.display())))?
             .clone();
+        let shape = decoder_shape!(&cfg, sliding_window: cfg.sliding_window, attn: |l| GqaNames::new(l, true));
         let layers = 0..cfg.num_hidden_layers;
-        let shape = DecoderShape {
-            dims: GqaDims {
-                hidden: cfg.hidden_size,
-                n_heads: cfg.num_attention_heads,
-                n_kv_heads: cfg.num_key_value_heads,
-                head_dim: cfg.head_dim,
-                sliding_window: cfg.sliding_window,
-            },
-            rope: &cfg.rope,
-            attn: layers
-                .clone()
-                .map(|l| GqaNames::new(&format!("model.layers.{l}"), true))
-                .collect(),
-            vocab_size: cfg.vocab_size,
-            rms_norm_eps: cfg.rms_norm_eps,
-        };
         let names = layers
             .clone()
             .map(|l| {
