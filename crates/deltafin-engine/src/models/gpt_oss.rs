@@ -258,11 +258,7 @@ pub fn clamped_swiglu_expert(
     let h: Vec<f32> = gu
         .chunks_exact(2)
         .zip(gate_up_bias.chunks_exact(2))
-        .map(|(v, b)| {
-            let gate = (v[0] + b[0]).min(limit);
-            let up = (v[1] + b[1]).clamp(-limit, limit);
-            (up + 1.0) * (gate * sigmoid(gate * alpha))
-        })
+        .map(|(v, b)| clamped_glu(v, b, alpha, limit))
         .collect();
     let mut out = vec![0f32; down.rows];
     down.matvec(&h, &mut out);
@@ -270,6 +266,15 @@ pub fn clamped_swiglu_expert(
         *o += b;
     }
     out
+}
+
+/// One unit of the clamped SwiGLU: `v = [gate, up]` (an interleaved pair of `gate_up_proj`'s
+/// output) plus its bias `b` → `(up + 1) * gate * sigmoid(alpha * gate)` after the clamps.
+/// [CLAMPED_SWIGLU]
+fn clamped_glu(v: &[f32], b: &[f32], alpha: f32, limit: f32) -> f32 {
+    let gate = (v[0] + b[0]).min(limit);
+    let up = (v[1] + b[1]).clamp(-limit, limit);
+    (up + 1.0) * (gate * sigmoid(gate * alpha))
 }
 
 /// [`clamped_swiglu_expert`] for `n` tokens at once (matrix-matrix products): `x: [n, hidden]`
@@ -291,11 +296,9 @@ pub fn clamped_swiglu_expert_batch(
     let h: Vec<f32> = gu
         .chunks_exact(gate_up.rows)
         .flat_map(|row| {
-            row.chunks_exact(2).zip(gate_up_bias.chunks_exact(2)).map(|(v, b)| {
-                let gate = (v[0] + b[0]).min(limit);
-                let up = (v[1] + b[1]).clamp(-limit, limit);
-                (up + 1.0) * (gate * sigmoid(gate * alpha))
-            })
+            row.chunks_exact(2)
+                .zip(gate_up_bias.chunks_exact(2))
+                .map(|(v, b)| clamped_glu(v, b, alpha, limit))
         })
         .collect();
     let mut out = vec![0f32; n * down.rows];
