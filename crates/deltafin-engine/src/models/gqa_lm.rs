@@ -256,14 +256,13 @@ impl<F: GqaMlp> GqaLm<F> {
             // h = x + self_attn(input_layernorm(x))
             rms_norm(&b.x, lw.input_layernorm, eps, &mut b.xn);
             let mut out = std::mem::take(&mut b.out);
-            let xn = std::mem::take(&mut b.xn);
+            let mut xn = std::mem::take(&mut b.xn);
             self.routed
                 .time_attention(|| self.attn.forward(&lw.attn, l, &xn, cache, &mut b, &mut out));
             for (a, o) in b.x.iter_mut().zip(&out) {
                 *a += o;
             }
             // x = h + mlp(post_attention_layernorm(h))
-            let mut xn = xn;
             rms_norm(&b.x, lw.post_attention_layernorm, eps, &mut xn);
             let step = MlpStep {
                 routed: &self.routed,
