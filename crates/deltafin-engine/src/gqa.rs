@@ -29,11 +29,10 @@
 
 use deltafin_format::model_dir::Backbone;
 use deltafin_format::Rope;
-use deltafin_kernels::{dot, rms_norm, rms_norm_inplace, softmax_inplace};
+use deltafin_kernels::{dot, rms_norm_inplace, softmax_inplace, MatRef};
 use rayon::prelude::*;
 
-use crate::model::{BatchOutput, DecodeState, LayerRoutes, RoutedExperts};
-use crate::moe::Routing;
+use crate::model::DecodeState;
 use crate::rope::RotaryEmbedding;
 use crate::EngineError;
 
@@ -69,10 +68,10 @@ pub struct GqaNames {
 }
 
 impl GqaNames {
-    /// Names under `{prefix}.self_attn` (`prefix` = `model.layers.{l}`), with `q_norm`/`k_norm`
+    /// Names of layer `l`'s attention, `model.layers.{l}.self_attn.*`, with `q_norm`/`k_norm`
     /// when `qk_norm`.
-    pub fn new(prefix: &str, qk_norm: bool) -> Self {
-        let a = format!("{prefix}.self_attn");
+    pub fn new(l: usize, qk_norm: bool) -> Self {
+        let a = format!("model.layers.{l}.self_attn");
         GqaNames {
             q_proj: format!("{a}.q_proj.weight"),
             k_proj: format!("{a}.k_proj.weight"),
@@ -86,34 +85,66 @@ impl GqaNames {
         }
     }
 
-    /// gpt-oss names: projections with biases (`{q,k,v,o}_proj.bias`), `self_attn.sinks`, and
-    /// the layer's window (`Some(w)` for `sliding_attention` layers).
-    pub fn with_biases_and_sinks(prefix: &str, sliding_window: Option<usize>) -> Self {
-        let a = format!("{prefix}.self_attn");
+    /// gpt-oss names of layer `l`: projections with biases (`{q,k,v,o}_proj.bias`),
+    /// `self_attn.sinks`, and the layer's window (`Some(w)` for `sliding_attention` layers).
+    pub fn with_biases_and_sinks(l: usize, sliding_window: Option<usize>) -> Self {
+        let a = format!("model.layers.{l}.self_attn");
         GqaNames {
             biases: Some(["q", "k", "v", "o"].map(|p| format!("{a}.{p}_proj.bias"))),
             sinks: Some(format!("{a}.sinks")),
             sliding_window,
-            ..Self::new(prefix, false)
+            ..Self::new(l, false)
         }
     }
 
-    /// Checks that every tensor exists with the expected kind (matrices, f32 vectors), so a bad
-    /// model directory fails at load.
+    /// Resolves the named tensors in `bb` into typed views, checking their kinds (matrices, f32
+    /// vectors), so a bad model directory fails at load and a forward pass looks nothing up.
     ///
     /// Errors: a missing or malformed tensor (named).
-    pub fn check(&self, bb: &Backbone) -> Result<(), EngineError> {
-        for m in [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj] {
-            bb.matrix(m)?;
-        }
-        for v in [&self.q_norm, &self.k_norm, &self.sinks].into_iter().flatten() {
-            bb.vector(v)?;
-        }
-        for v in self.biases.iter().flatten() {
-            bb.vector(v)?;
-        }
-        Ok(())
+    pub fn weights<'a>(&self, bb: &'a Backbone) -> Result<GqaWeights<'a>, EngineError> {
+        let vector = |n: &Option<String>| -> Result<Option<&'a [f32]>, EngineError> {
+            Ok(match n {
+                Some(n) => Some(bb.vector(n)?),
+                None => None,
+            })
+        };
+        Ok(GqaWeights {
+            q_proj: bb.matrix(&self.q_proj)?,
+            k_proj: bb.matrix(&self.k_proj)?,
+            v_proj: bb.matrix(&self.v_proj)?,
+            o_proj: bb.matrix(&self.o_proj)?,
+            q_norm: vector(&self.q_norm)?,
+            k_norm: vector(&self.k_norm)?,
+            biases: match &self.biases {
+                Some([q, k, v, o]) => Some([bb.vector(q)?, bb.vector(k)?, bb.vector(v)?, bb.vector(o)?]),
+                None => None,
+            },
+            sinks: vector(&self.sinks)?,
+            sliding_window: self.sliding_window,
+        })
     }
+}
+
+/// One layer's attention weights, borrowed from the backbone ([`GqaNames::weights`]); shapes as
+/// in the checkpoint (`[out, in]`).
+#[derive(Clone, Copy)]
+pub struct GqaWeights<'a> {
+    /// `[n_heads * head_dim, hidden]`.
+    pub q_proj: MatRef<'a>,
+    /// `[n_kv_heads * head_dim, hidden]` each.
+    pub k_proj: MatRef<'a>,
+    pub v_proj: MatRef<'a>,
+    /// `[hidden, n_heads * head_dim]`.
+    pub o_proj: MatRef<'a>,
+    /// Per-head RMSNorm weights `[head_dim]` (Qwen3).
+    pub q_norm: Option<&'a [f32]>,
+    pub k_norm: Option<&'a [f32]>,
+    /// Biases of q, k, v, o (gpt-oss).
+    pub biases: Option<[&'a [f32]; 4]>,
+    /// Per-head sink logits `[n_heads]` (gpt-oss). [ATTN_SINKS]
+    pub sinks: Option<&'a [f32]>,
+    /// The layer's window when it differs from [`GqaDims::sliding_window`].
+    pub sliding_window: Option<usize>,
 }
 
 /// Per-token work buffers of a decoder layer, kept in the decode state so decoding does not
@@ -216,8 +247,8 @@ impl DecodeState for KvCache {
     }
 }
 
-/// The grouped-query attention of one model (shared by its layers; weights are looked up by
-/// name per layer).
+/// The grouped-query attention of one model (shared by its layers; each call takes its layer's
+/// [`GqaWeights`]).
 #[derive(Debug, Clone)]
 pub struct GqaAttention {
     pub dims: GqaDims,
@@ -267,39 +298,34 @@ impl GqaAttention {
     /// Runs layer `layer`'s attention for the token at `cache.pos()` and appends its key and
     /// value to the cache. `xn: [hidden]` (after `input_layernorm`) → `out: [hidden]`; `buf`
     /// holds the work buffers (taken out of `cache`).
-    ///
-    /// Errors: a missing or malformed tensor.
-    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
-        bb: &Backbone,
-        names: &GqaNames,
+        w: &GqaWeights<'_>,
         layer: usize,
         xn: &[f32],
         cache: &mut KvCache,
         buf: &mut Buffers,
         out: &mut [f32],
-    ) -> Result<(), EngineError> {
+    ) {
         let d = &self.dims;
         let (nh, kv_dim) = (d.n_heads, d.n_kv_heads * d.head_dim);
         let pos = cache.pos();
         buf.q.resize(nh * d.head_dim, 0.0);
         buf.k.resize(kv_dim, 0.0);
         buf.v.resize(kv_dim, 0.0);
-        bb.matrix(&names.q_proj)?.matvec(xn, &mut buf.q);
-        bb.matrix(&names.k_proj)?.matvec(xn, &mut buf.k);
-        bb.matrix(&names.v_proj)?.matvec(xn, &mut buf.v);
-        self.finish_qkv(bb, names, pos, 1, &mut buf.q, &mut buf.k, &mut buf.v)?;
+        w.q_proj.matvec(xn, &mut buf.q);
+        w.k_proj.matvec(xn, &mut buf.k);
+        w.v_proj.matvec(xn, &mut buf.v);
+        self.finish_qkv(w, pos, 1, &mut buf.q, &mut buf.k, &mut buf.v);
         cache.k[layer].extend_from_slice(&buf.k);
         cache.v[layer].extend_from_slice(&buf.v);
         buf.ctx.clear();
         buf.ctx.resize(nh * d.head_dim, 0.0);
-        self.attend(bb, names, layer, &buf.q, pos, 1, cache, &mut buf.scores, &mut buf.ctx)?;
-        bb.matrix(&names.o_proj)?.matvec(&buf.ctx, out);
-        if let Some([.., bo]) = &names.biases {
-            add_bias(out, bb.vector(bo)?);
+        self.attend(w, layer, &buf.q, pos, 1, cache, &mut buf.scores, &mut buf.ctx);
+        w.o_proj.matvec(&buf.ctx, out);
+        if let Some([.., bo]) = w.biases {
+            add_bias(out, bo);
         }
-        Ok(())
     }
 
     /// Runs layer `layer`'s attention for a chunk of `nt` tokens at positions
@@ -310,80 +336,60 @@ impl GqaAttention {
     /// blocked kernel ([`crate::blocked_attention`]). `xn: [nt, hidden]` → `out: [nt, hidden]`.
     /// Each token's result equals [`Self::forward`] bit for bit (`matmul` equals `matvec` row
     /// by row, and attention performs the same operations per (token, head)).
-    ///
-    /// Errors: a missing or malformed tensor.
-    #[allow(clippy::too_many_arguments)]
     pub fn forward_batch(
         &self,
-        bb: &Backbone,
-        names: &GqaNames,
+        w: &GqaWeights<'_>,
         layer: usize,
         xn: &[f32],
         nt: usize,
         cache: &mut KvCache,
         out: &mut [f32],
-    ) -> Result<(), EngineError> {
+    ) {
         let d = &self.dims;
         let (nh, kv_dim) = (d.n_heads, d.n_kv_heads * d.head_dim);
         let pos0 = cache.pos();
         let mut q = vec![0f32; nt * nh * d.head_dim];
         let mut k = vec![0f32; nt * kv_dim];
         let mut v = vec![0f32; nt * kv_dim];
-        bb.matrix(&names.q_proj)?.matmul(xn, nt, &mut q);
-        bb.matrix(&names.k_proj)?.matmul(xn, nt, &mut k);
-        bb.matrix(&names.v_proj)?.matmul(xn, nt, &mut v);
-        self.finish_qkv(bb, names, pos0, nt, &mut q, &mut k, &mut v)?;
+        w.q_proj.matmul(xn, nt, &mut q);
+        w.k_proj.matmul(xn, nt, &mut k);
+        w.v_proj.matmul(xn, nt, &mut v);
+        self.finish_qkv(w, pos0, nt, &mut q, &mut k, &mut v);
         cache.k[layer].extend_from_slice(&k);
         cache.v[layer].extend_from_slice(&v);
         drop((k, v));
         let mut ctx = vec![0f32; nt * nh * d.head_dim];
         let mut scratch = Vec::new();
-        self.attend(bb, names, layer, &q, pos0, nt, cache, &mut scratch, &mut ctx)?;
+        self.attend(w, layer, &q, pos0, nt, cache, &mut scratch, &mut ctx);
         drop(q);
-        bb.matrix(&names.o_proj)?.matmul(&ctx, nt, out);
-        if let Some([.., bo]) = &names.biases {
-            let bo = bb.vector(bo)?;
+        w.o_proj.matmul(&ctx, nt, out);
+        if let Some([.., bo]) = w.biases {
             out.chunks_exact_mut(d.hidden).for_each(|o| add_bias(o, bo));
         }
-        Ok(())
     }
 
     /// Biases, per-head q/k norms and RoPE of `nt` tokens at positions `pos0..`: `q: [nt,
     /// n_heads * head_dim]`, `k, v: [nt, n_kv_heads * head_dim]`, in place, row by row.
-    #[allow(clippy::too_many_arguments)]
-    fn finish_qkv(
-        &self,
-        bb: &Backbone,
-        names: &GqaNames,
-        pos0: usize,
-        nt: usize,
-        q: &mut [f32],
-        k: &mut [f32],
-        v: &mut [f32],
-    ) -> Result<(), EngineError> {
+    fn finish_qkv(&self, w: &GqaWeights<'_>, pos0: usize, nt: usize, q: &mut [f32], k: &mut [f32], v: &mut [f32]) {
         let hd = self.dims.head_dim;
         let (qd, kd) = (q.len() / nt, k.len() / nt);
-        if let Some([bq, bk, bv, _]) = &names.biases {
-            for (y, b, w) in [(&mut *q, bq, qd), (&mut *k, bk, kd), (&mut *v, bv, kd)] {
-                let b = bb.vector(b)?;
-                y.chunks_exact_mut(w).for_each(|row| add_bias(row, b));
+        if let Some([bq, bk, bv, _]) = w.biases {
+            for (y, b, width) in [(&mut *q, bq, qd), (&mut *k, bk, kd), (&mut *v, bv, kd)] {
+                y.chunks_exact_mut(width).for_each(|row| add_bias(row, b));
             }
         }
-        if let Some(n) = &names.q_norm {
-            let w = bb.vector(n)?;
+        if let Some(n) = w.q_norm {
             q.chunks_exact_mut(hd)
-                .for_each(|h| rms_norm_inplace(h, w, self.qk_norm_eps));
+                .for_each(|h| rms_norm_inplace(h, n, self.qk_norm_eps));
         }
-        if let Some(n) = &names.k_norm {
-            let w = bb.vector(n)?;
+        if let Some(n) = w.k_norm {
             k.chunks_exact_mut(hd)
-                .for_each(|h| rms_norm_inplace(h, w, self.qk_norm_eps));
+                .for_each(|h| rms_norm_inplace(h, n, self.qk_norm_eps));
         }
         for (i, (qr, kr)) in q.chunks_exact_mut(qd).zip(k.chunks_exact_mut(kd)).enumerate() {
             qr.chunks_exact_mut(hd).for_each(|h| self.rope.apply(h, pos0 + i));
             kr.chunks_exact_mut(hd).for_each(|h| self.rope.apply(h, pos0 + i));
         }
-        Ok(())
     }
 
     /// The attention core of `nt` tokens at positions `pos0..pos0 + nt` whose keys and values
@@ -396,8 +402,7 @@ impl GqaAttention {
     #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
-        bb: &Backbone,
-        names: &GqaNames,
+        w: &GqaWeights<'_>,
         layer: usize,
         q: &[f32],
         pos0: usize,
@@ -405,17 +410,14 @@ impl GqaAttention {
         cache: &KvCache,
         scratch: &mut Vec<f32>,
         ctx: &mut [f32],
-    ) -> Result<(), EngineError> {
+    ) {
         let d = &self.dims;
         let (nh, nkv, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         let kv_dim = nkv * hd;
         let group = nh / nkv;
-        let window = names.sliding_window.or(d.sliding_window);
+        let window = w.sliding_window.or(d.sliding_window);
         let (keys, values) = (&cache.k[layer], &cache.v[layer]);
-        let sinks = match &names.sinks {
-            Some(n) => Some(bb.vector(n)?),
-            None => None,
-        };
+        let sinks = w.sinks;
         let scale = self.scale;
         let span = |p: usize| match window {
             Some(w) => ((p + 1).saturating_sub(w), p + 1),
@@ -482,114 +484,6 @@ impl GqaAttention {
                 }
             }
         }
-        Ok(())
-    }
-}
-
-/// The shared parts of a Llama-style decoder (Mixtral, Qwen3-MoE, gpt-oss): token embedding
-/// `model.embed_tokens`, per layer `h = x + attn(input_layernorm(x))`,
-/// `x = h + mlp(post_attention_layernorm(h))`, then `lm_head(model.norm(x))`.
-pub struct GqaDecoder<'a> {
-    pub backbone: &'a Backbone,
-    pub attn: &'a GqaAttention,
-    pub routed: &'a RoutedExperts,
-    pub n_layers: usize,
-    pub vocab_size: usize,
-    pub rms_norm_eps: f32,
-}
-
-/// Checkpoint names of one layer's norms and attention, for [`GqaDecoder::forward_chunk`].
-pub struct GqaLayer<'a> {
-    /// `input_layernorm.weight [hidden]`.
-    pub input_layernorm: &'a str,
-    /// `post_attention_layernorm.weight [hidden]`.
-    pub post_attention_layernorm: &'a str,
-    pub attn: &'a GqaNames,
-}
-
-/// The MLP block of layer `l` over a chunk, for [`GqaDecoder::forward_chunk`]: `(l, xn: [nt,
-/// hidden], nt)` → `([nt, hidden]`, the routing of every token when the layer is MoE).
-pub type ChunkMlp<'f> = dyn Fn(usize, &[f32], usize) -> Result<(Vec<f32>, Option<Vec<Routing>>), EngineError> + 'f;
-
-impl GqaDecoder<'_> {
-    /// Runs `tokens` (a chunk) at the next positions of `cache` with batched attention
-    /// ([`GqaAttention::forward_batch`]) and the family's batched MLP `mlp` (expert-major MoE);
-    /// returns the logits of every position (`all_logits`) or of the last one, and every
-    /// position's routing. Each position's logits equal the family's one-token pass bit for bit
-    /// when `mlp` equals its one-token block row by row.
-    ///
-    /// Errors: a token outside the vocabulary, a cache of another model, a missing tensor,
-    /// expert read failures.
-    pub fn forward_chunk<'n>(
-        &self,
-        layer: &dyn Fn(usize) -> GqaLayer<'n>,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        all_logits: bool,
-        mlp: &ChunkMlp<'_>,
-    ) -> Result<BatchOutput, EngineError> {
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.vocab_size) {
-            return Err(EngineError::TokenOutOfRange {
-                id,
-                vocab_size: self.vocab_size,
-            });
-        }
-        cache.check(self.n_layers, &self.attn.dims)?;
-        let nt = tokens.len();
-        if nt == 0 {
-            return Ok(BatchOutput::default());
-        }
-        let (bb, eps) = (self.backbone, self.rms_norm_eps);
-        let h = self.attn.dims.hidden;
-        // x: [nt, hidden]
-        let mut x = vec![0f32; nt * h];
-        let embed = bb.matrix("model.embed_tokens.weight")?;
-        for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
-            embed.row_into(t as usize, row);
-        }
-        let mut xn = vec![0f32; nt * h];
-        let mut out = vec![0f32; nt * h];
-        let mut routes: Vec<LayerRoutes> = vec![Vec::new(); nt];
-        for l in 0..self.n_layers {
-            let n = layer(l);
-            let w = bb.vector(n.input_layernorm)?;
-            for (a, b) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
-                rms_norm(a, w, eps, b);
-            }
-            self.routed
-                .time_attention(|| self.attn.forward_batch(bb, n.attn, l, &xn, nt, cache, &mut out))?;
-            for (a, o) in x.iter_mut().zip(&out) {
-                *a += o;
-            }
-            let w = bb.vector(n.post_attention_layernorm)?;
-            for (a, b) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
-                rms_norm(a, w, eps, b);
-            }
-            let (y, rs) = self.routed.time_mlp(|| mlp(l, &xn, nt))?;
-            if let Some(rs) = rs {
-                for (r, routing) in routes.iter_mut().zip(rs) {
-                    r.push((l, routing));
-                }
-            }
-            for (a, o) in x.iter_mut().zip(&y) {
-                *a += o;
-            }
-        }
-        cache.advance_by(nt);
-        for _ in 0..nt {
-            self.routed.count_forward();
-        }
-        let norm = bb.vector("model.norm.weight")?;
-        let lm = bb.matrix("lm_head.weight")?;
-        let first = if all_logits { 0 } else { nt - 1 };
-        let mut logits = Vec::with_capacity(nt - first);
-        for t in first..nt {
-            rms_norm(&x[t * h..(t + 1) * h], norm, eps, &mut xn[..h]);
-            let mut lg = vec![0f32; lm.rows];
-            lm.matvec(&xn[..h], &mut lg);
-            logits.push(lg);
-        }
-        Ok(BatchOutput { logits, routes })
     }
 }
 

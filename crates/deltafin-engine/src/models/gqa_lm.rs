@@ -1,0 +1,477 @@
+//! The Llama-style decoder that Qwen3-MoE, Mixtral and gpt-oss share, written once: token
+//! embedding `model.embed_tokens`, per layer
+//! ```text
+//! h = x + self_attn(input_layernorm(x))        # grouped-query attention, crate::gqa
+//! x = h + mlp(post_attention_layernorm(h))     # the family's block: GqaMlp
+//! ```
+//! then `logits = lm_head(model.norm(x))`, one token at a time ([`GqaLm`]'s `forward`) or a
+//! chunk at once (batched attention, expert-major MoE; bit-identical to token at a time). [`GqaLm`]
+//! owns what the families share: the backbone, the attention, the KV-cache decode state, the
+//! routed-expert runtime and the [`CausalLm`] implementation. A family file implements
+//! [`GqaMlp`] (what its feed-forward block computes, in the checkpoint's names) and says its
+//! config-derived shape ([`DecoderShape`]).
+//!
+//! Weights: the tensor names are digested once at load ([`GqaNames`] and the family's names)
+//! and every tensor is resolved into typed views ([`LayerWeights`], [`GqaMlp::Weights`]) once
+//! per forward pass, one lookup per tensor per pass rather than one per use. The views borrow the
+//! backbone's bytes, which the model itself owns; holding them in the model would make it
+//! self-referential (unsafe code or a self-referencing crate), and tensor ids resolved at load
+//! would need an unchecked or fallible read of the backbone on every use. A view per pass keeps
+//! the code safe and plain and costs a few map lookups per token, against the matrix-vector
+//! products of the same pass. The load resolves the views once too, so a missing or malformed
+//! tensor fails there with its name.
+
+use deltafin_cuda::SoftmaxRouter;
+use deltafin_format::model_dir::Backbone;
+use deltafin_format::{ModelConfig, ModelDir, Rope};
+use deltafin_kernels::{rms_norm, MatRef};
+
+use crate::experts::StoreOptions;
+use crate::gqa::{Buffers, GqaAttention, GqaDims, GqaNames, GqaWeights, KvCache};
+use crate::model::{one_or_chunk, state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::models::gqa_cuda::{ExpertKind, GqaFamily, GqaLayerSpec, MlpSpec};
+use crate::moe::Routing;
+use crate::EngineError;
+
+/// The feed-forward block of a GQA family (MoE or dense per layer), the part of a decoder layer
+/// that differs between Qwen3-MoE, Mixtral and gpt-oss.
+pub trait GqaMlp: Send + Sync + 'static {
+    /// One layer's feed-forward weights, borrowed from the backbone.
+    type Weights<'a>: Sync;
+
+    /// Resolves layer `l`'s feed-forward tensors in `bb`, checking their kinds.
+    ///
+    /// Errors: a missing or malformed tensor (named).
+    fn weights<'a>(&self, bb: &'a Backbone, l: usize) -> Result<Self::Weights<'a>, EngineError>;
+
+    /// Layer `step.layer`'s block on one token: `xn: [hidden]` (after
+    /// `post_attention_layernorm`) → `out: [hidden]`; returns the routing when the layer is
+    /// MoE. `layers` holds every layer's weights (the prefetch predicts a later layer's experts);
+    /// `buf`'s router and MLP buffers are free to use.
+    ///
+    /// Errors: expert read or checksum failures.
+    fn forward(
+        &self,
+        step: MlpStep<'_>,
+        layers: &[Self::Weights<'_>],
+        xn: &[f32],
+        buf: &mut Buffers,
+        out: &mut [f32],
+    ) -> Result<Option<Routing>, EngineError>;
+
+    /// Layer `l`'s block on a chunk: `xn: [nt, hidden]` → `[nt, hidden]` and, when the layer is
+    /// MoE, every token's routing; each row equal to [`Self::forward`]'s bit for bit.
+    ///
+    /// Errors: expert read or checksum failures.
+    fn forward_chunk(
+        &self,
+        routed: &RoutedExperts,
+        w: &Self::Weights<'_>,
+        l: usize,
+        xn: &[f32],
+        nt: usize,
+    ) -> Result<(Vec<f32>, Option<Vec<Routing>>), EngineError>;
+
+    /// f32 values per token a chunk's block holds besides the attention's (router logits,
+    /// dense-MLP activations), for [`CausalLm::batch_bytes_per_token`].
+    fn batch_f32_per_token(&self) -> usize;
+
+    /// Layer `l`'s block for the CUDA path (tensor names).
+    fn cuda_spec(&self, l: usize) -> MlpSpec;
+
+    /// The MoE layers' router for the CUDA path.
+    fn softmax_router(&self) -> SoftmaxRouter;
+
+    /// What a routed expert computes, for the CUDA path.
+    fn expert_kind(&self) -> ExpertKind {
+        ExpertKind::SwiGlu
+    }
+}
+
+/// What a one-token feed-forward block runs on besides its weights.
+#[derive(Clone, Copy)]
+pub struct MlpStep<'a> {
+    /// The routed-expert runtime.
+    pub routed: &'a RoutedExperts,
+    /// The layer.
+    pub layer: usize,
+    /// Self-drafting: route among the experts resident in the cache, read nothing
+    /// ([`RoutedExperts::run_draft`]).
+    pub draft: bool,
+}
+
+/// A family's decoder shape, from its config.
+pub struct DecoderShape<'a> {
+    /// The attention's shape (`hidden_size`, heads, `head_dim`, model-wide window).
+    pub dims: GqaDims,
+    /// Rotary embedding of the attention.
+    pub rope: &'a Rope,
+    /// Each layer's attention names, `model.layers.{l}.self_attn.*` (the list's length is
+    /// `num_hidden_layers`).
+    pub attn: Vec<GqaNames>,
+    /// `vocab_size`.
+    pub vocab_size: usize,
+    /// eps of every RMSNorm (`rms_norm_eps`), the per-head q/k norms included.
+    pub rms_norm_eps: f32,
+}
+
+/// The [`DecoderShape`] of a family config `$cfg` with the Llama-style fields (`hidden_size`,
+/// `num_attention_heads`, `num_key_value_heads`, `head_dim`, `rope`, `num_hidden_layers`,
+/// `vocab_size`, `rms_norm_eps`): the model-wide window `$window`, layer `l`'s attention names
+/// `$attn(l)`. A macro because each family's config is its own type.
+macro_rules! decoder_shape {
+    ($cfg:expr, sliding_window: $window:expr, attn: $attn:expr $(,)?) => {{
+        let cfg = $cfg;
+        $crate::models::gqa_lm::DecoderShape {
+            dims: $crate::gqa::GqaDims {
+                hidden: cfg.hidden_size,
+                n_heads: cfg.num_attention_heads,
+                n_kv_heads: cfg.num_key_value_heads,
+                head_dim: cfg.head_dim,
+                sliding_window: $window,
+            },
+            rope: &cfg.rope,
+            attn: (0..cfg.num_hidden_layers).map($attn).collect(),
+            vocab_size: cfg.vocab_size,
+            rms_norm_eps: cfg.rms_norm_eps,
+        }
+    }};
+}
+pub(crate) use decoder_shape;
+
+/// Names of one layer's norms and attention, `model.layers.{l}.*`.
+struct LayerNames {
+    input_layernorm: String,
+    post_attention_layernorm: String,
+    attn: GqaNames,
+}
+
+/// One layer's norms and attention, borrowed from the backbone.
+pub struct LayerWeights<'a> {
+    /// `input_layernorm.weight [hidden]`.
+    pub input_layernorm: &'a [f32],
+    /// `post_attention_layernorm.weight [hidden]`.
+    pub post_attention_layernorm: &'a [f32],
+    pub attn: GqaWeights<'a>,
+}
+
+/// Every weight of a forward pass, borrowed from the backbone.
+pub struct Weights<'a, M> {
+    /// `model.embed_tokens.weight [vocab_size, hidden]`.
+    pub embed_tokens: MatRef<'a>,
+    pub layers: Vec<LayerWeights<'a>>,
+    /// The feed-forward block of each layer.
+    pub mlp: Vec<M>,
+    /// `model.norm.weight [hidden]`.
+    pub norm: &'a [f32],
+    /// `lm_head.weight [vocab_size, hidden]`.
+    pub lm_head: MatRef<'a>,
+}
+
+/// A loaded GQA-family model: resident backbone, the family's block `F`, the routed-expert
+/// store.
+pub struct GqaLm<F> {
+    config: ModelConfig,
+    /// The family: its config and feed-forward block.
+    pub family: F,
+    backbone: Backbone,
+    layers: Vec<LayerNames>,
+    attn: GqaAttention,
+    vocab_size: usize,
+    rms_norm_eps: f32,
+    routed: RoutedExperts,
+}
+
+impl<F: GqaMlp> GqaLm<F> {
+    /// Loads the backbone of `dir` into memory, checks every tensor the forward pass uses, and
+    /// opens the expert store with `opts`.
+    ///
+    /// Errors: a missing or malformed tensor in the backbone, unreadable files, O_DIRECT refused.
+    pub fn load(dir: &ModelDir, opts: StoreOptions, shape: DecoderShape<'_>, family: F) -> Result<Self, EngineError> {
+        let backbone = dir.load_backbone()?;
+        let layers: Vec<LayerNames> = shape
+            .attn
+            .into_iter()
+            .enumerate()
+            .map(|(l, attn)| LayerNames {
+                input_layernorm: format!("model.layers.{l}.input_layernorm.weight"),
+                post_attention_layernorm: format!("model.layers.{l}.post_attention_layernorm.weight"),
+                attn,
+            })
+            .collect();
+        // Every tensor the forward pass uses, once, so a bad directory fails at load.
+        resolve(&backbone, &layers, &family)?;
+        let routed = RoutedExperts::open(dir, opts)?;
+        Ok(GqaLm {
+            config: dir.manifest.config.clone(),
+            family,
+            backbone,
+            layers,
+            attn: GqaAttention::new(shape.dims, shape.rope, shape.rms_norm_eps),
+            vocab_size: shape.vocab_size,
+            rms_norm_eps: shape.rms_norm_eps,
+            routed,
+        })
+    }
+
+    /// Every weight of a forward pass (see the module docs).
+    ///
+    /// Errors: a missing or malformed tensor (checked at load, so not in a forward pass).
+    fn weights(&self) -> Result<Weights<'_, F::Weights<'_>>, EngineError> {
+        resolve(&self.backbone, &self.layers, &self.family)
+    }
+
+    fn check_state(&self, cache: &KvCache, tokens: &[u32]) -> Result<(), EngineError> {
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(EngineError::TokenOutOfRange {
+                id,
+                vocab_size: self.vocab_size,
+            });
+        }
+        cache.check(self.layers.len(), &self.attn.dims)
+    }
+
+    /// Runs one token at the next position of `cache`; returns the logits `[vocab_size]` and
+    /// the routing of every MoE layer. `draft`: self-drafting ([`MlpStep::draft`]).
+    ///
+    /// Errors: token id outside the vocabulary, a cache of another model, expert read or
+    /// checksum failures.
+    fn forward_token(
+        &self,
+        cache: &mut KvCache,
+        token: u32,
+        draft: bool,
+    ) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        self.check_state(cache, &[token])?;
+        let w = self.weights()?;
+        let (h, eps) = (self.attn.dims.hidden, self.rms_norm_eps);
+        let mut b = std::mem::take(&mut cache.buffers);
+        b.x.resize(h, 0.0);
+        b.xn.resize(h, 0.0);
+        b.out.resize(h, 0.0);
+        // x = embed_tokens(token): [hidden]
+        w.embed_tokens.row_into(token as usize, &mut b.x);
+        let mut routes = Vec::with_capacity(w.layers.len());
+        for (l, lw) in w.layers.iter().enumerate() {
+            // h = x + self_attn(input_layernorm(x))
+            rms_norm(&b.x, lw.input_layernorm, eps, &mut b.xn);
+            let mut out = std::mem::take(&mut b.out);
+            let mut xn = std::mem::take(&mut b.xn);
+            self.routed
+                .time_attention(|| self.attn.forward(&lw.attn, l, &xn, cache, &mut b, &mut out));
+            for (a, o) in b.x.iter_mut().zip(&out) {
+                *a += o;
+            }
+            // x = h + mlp(post_attention_layernorm(h))
+            rms_norm(&b.x, lw.post_attention_layernorm, eps, &mut xn);
+            let step = MlpStep {
+                routed: &self.routed,
+                layer: l,
+                draft,
+            };
+            let r = self
+                .routed
+                .time_mlp(|| self.family.forward(step, &w.mlp, &xn, &mut b, &mut out));
+            b.xn = xn;
+            if let Some(r) = r? {
+                routes.push((l, r));
+            }
+            for (a, o) in b.x.iter_mut().zip(&out) {
+                *a += o;
+            }
+            b.out = out;
+        }
+        cache.advance();
+        self.routed.count_forward();
+        // logits = lm_head(norm(x))
+        rms_norm(&b.x, w.norm, eps, &mut b.xn);
+        let mut logits = vec![0f32; w.lm_head.rows];
+        w.lm_head.matvec(&b.xn, &mut logits);
+        cache.buffers = b;
+        Ok((logits, routes))
+    }
+
+    /// Runs `tokens` (a chunk) at the next positions of `cache` with batched attention
+    /// ([`GqaAttention::forward_batch`]) and the family's batched block
+    /// ([`GqaMlp::forward_chunk`], expert-major MoE); returns the logits of every position
+    /// (`all_logits`) or of the last one, and every position's routing. Each position's logits
+    /// equal [`Self::forward_token`]'s bit for bit.
+    ///
+    /// Errors: a token outside the vocabulary, a cache of another model, expert read failures.
+    fn forward_chunk(&self, cache: &mut KvCache, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError> {
+        self.check_state(cache, tokens)?;
+        let nt = tokens.len();
+        if nt == 0 {
+            return Ok(BatchOutput::default());
+        }
+        let w = self.weights()?;
+        let (h, eps) = (self.attn.dims.hidden, self.rms_norm_eps);
+        // x: [nt, hidden]
+        let mut x = vec![0f32; nt * h];
+        for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
+            w.embed_tokens.row_into(t as usize, row);
+        }
+        let mut xn = vec![0f32; nt * h];
+        let mut out = vec![0f32; nt * h];
+        let mut routes: Vec<LayerRoutes> = vec![Vec::new(); nt];
+        for (l, (lw, mw)) in w.layers.iter().zip(&w.mlp).enumerate() {
+            // h = x + self_attn(input_layernorm(x))
+            for (a, b) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
+                rms_norm(a, lw.input_layernorm, eps, b);
+            }
+            self.routed
+                .time_attention(|| self.attn.forward_batch(&lw.attn, l, &xn, nt, cache, &mut out));
+            for (a, o) in x.iter_mut().zip(&out) {
+                *a += o;
+            }
+            // x = h + mlp(post_attention_layernorm(h))
+            for (a, b) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
+                rms_norm(a, lw.post_attention_layernorm, eps, b);
+            }
+            let (y, rs) = self
+                .routed
+                .time_mlp(|| self.family.forward_chunk(&self.routed, mw, l, &xn, nt))?;
+            if let Some(rs) = rs {
+                for (r, routing) in routes.iter_mut().zip(rs) {
+                    r.push((l, routing));
+                }
+            }
+            for (a, o) in x.iter_mut().zip(&y) {
+                *a += o;
+            }
+        }
+        cache.advance_by(nt);
+        for _ in 0..nt {
+            self.routed.count_forward();
+        }
+        // logits = lm_head(norm(x)) of the positions asked for
+        let first = if all_logits { 0 } else { nt - 1 };
+        let mut logits = Vec::with_capacity(nt - first);
+        for t in first..nt {
+            rms_norm(&x[t * h..(t + 1) * h], w.norm, eps, &mut xn[..h]);
+            let mut lg = vec![0f32; w.lm_head.rows];
+            w.lm_head.matvec(&xn[..h], &mut lg);
+            logits.push(lg);
+        }
+        Ok(BatchOutput { logits, routes })
+    }
+}
+
+/// Resolves every weight of a forward pass in `bb`: the shared tensors by their checkpoint
+/// names, `layers`' norms and attention, and `family`'s blocks.
+///
+/// Errors: a missing or malformed tensor (named).
+fn resolve<'a, F: GqaMlp>(
+    bb: &'a Backbone,
+    layers: &[LayerNames],
+    family: &F,
+) -> Result<Weights<'a, F::Weights<'a>>, EngineError> {
+    let embed_tokens = bb.matrix("model.embed_tokens.weight")?;
+    let lm_head = bb.matrix("lm_head.weight")?;
+    let norm = bb.vector("model.norm.weight")?;
+    let mut lws = Vec::with_capacity(layers.len());
+    let mut mlp = Vec::with_capacity(layers.len());
+    for (l, n) in layers.iter().enumerate() {
+        lws.push(LayerWeights {
+            input_layernorm: bb.vector(&n.input_layernorm)?,
+            post_attention_layernorm: bb.vector(&n.post_attention_layernorm)?,
+            attn: n.attn.weights(bb)?,
+        });
+        mlp.push(family.weights(bb, l)?);
+    }
+    Ok(Weights {
+        embed_tokens,
+        layers: lws,
+        mlp,
+        norm,
+        lm_head,
+    })
+}
+
+impl<F: GqaMlp> CausalLm for GqaLm<F> {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn new_state(&self) -> Box<dyn DecodeState> {
+        Box::new(KvCache::new(self.layers.len(), &self.attn.dims))
+    }
+
+    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        self.forward_token(state_as::<KvCache>(state)?, token, false)
+    }
+
+    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        Ok(Some(self.forward_token(state_as::<KvCache>(state)?, token, true)?.0))
+    }
+
+    fn supports_draft(&self) -> bool {
+        true
+    }
+
+    fn forward_batch(
+        &self,
+        state: &mut dyn DecodeState,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        one_or_chunk::<KvCache>(
+            state,
+            tokens,
+            all_logits,
+            |c, t| self.forward_token(c, t, false),
+            |c, t, a| self.forward_chunk(c, t, a),
+        )
+    }
+
+    fn batch_bytes_per_token(&self) -> usize {
+        self.attn.batch_bytes_per_token(self.family.batch_f32_per_token())
+    }
+
+    fn routed(&self) -> &RoutedExperts {
+        &self.routed
+    }
+
+    fn routed_mut(&mut self) -> &mut RoutedExperts {
+        &mut self.routed
+    }
+
+    fn backbone_bytes(&self) -> usize {
+        self.backbone.bytes()
+    }
+}
+
+impl<F: GqaMlp> GqaFamily for GqaLm<F> {
+    fn backbone(&self) -> &Backbone {
+        &self.backbone
+    }
+
+    fn attention(&self) -> &GqaAttention {
+        &self.attn
+    }
+
+    fn layer_specs(&self) -> Vec<GqaLayerSpec> {
+        self.layers
+            .iter()
+            .enumerate()
+            .map(|(l, n)| GqaLayerSpec {
+                input_layernorm: n.input_layernorm.clone(),
+                post_attention_layernorm: n.post_attention_layernorm.clone(),
+                attn: n.attn.clone(),
+                mlp: self.family.cuda_spec(l),
+            })
+            .collect()
+    }
+
+    fn softmax_router(&self) -> SoftmaxRouter {
+        self.family.softmax_router()
+    }
+
+    fn rms_norm_eps(&self) -> f32 {
+        self.rms_norm_eps
+    }
+
+    fn expert_kind(&self) -> ExpertKind {
+        self.family.expert_kind()
+    }
+}
