@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 15's "no behaviour change" check: every reference fixture (tests/fixtures/*/*_?/) in the
 # default layout (int8 backbone, MXFP4 experts) and the lossless one (f32/f32), prompt of 37
-# tokens, 6 new tokens, token at a time (--prefill-chunk 1) and chunked (default), run by two
-# deltafin binaries; prints one line per case and "all identical" when every --logits-out file is
-# byte-identical.
+# tokens, 6 new tokens, token at a time (--prefill-chunk 1), chunked (default), and with
+# self-speculation and prefetch (--speculate self --prefetch on: the draft and prediction paths
+# run; greedy logits are the same by design), run by two deltafin binaries; prints one line per
+# case and "all identical" when every --logits-out file is byte-identical.
 #
 #   bash bench/same_logits.sh OLD_DELTAFIN NEW_DELTAFIN [WORK_DIR]
 set -uo pipefail
@@ -21,11 +22,15 @@ for case in "$ROOT"/tests/fixtures/*/*_[a-z]/; do
     set -- $layout
     m="$W/$(echo "$name" | tr / _)_$1_$2"
     "$NEW" convert --backbone "$1" --experts "$2" --force "$case" "$m" >/dev/null 2>&1 || { echo "$name $1/$2: convert failed"; continue; }
-    for chunk in 1 0; do
+    for chunk in 1 0 spec; do
       rm -f "$W/OLD.json" "$W/NEW.json"
+      case $chunk in
+        spec) mode=(--speculate self --prefetch on) ;;
+        *) mode=(--prefill-chunk "$chunk") ;;
+      esac
       for b in OLD NEW; do
         "${!b}" run --model "$m" --prompt-ids "$P" --max-new-tokens 6 --ignore-eos --allow-context-overflow \
-          --prefill-chunk $chunk --logits-out "$W/$b.json" >/dev/null 2>"$W/$b.err" || echo "$name $1/$2 chunk $chunk: $b failed: $(tail -1 "$W/$b.err")"
+          "${mode[@]}" --logits-out "$W/$b.json" >/dev/null 2>"$W/$b.err" || echo "$name $1/$2 chunk $chunk: $b failed: $(tail -1 "$W/$b.err")"
       done
       n=$((n + 1))
       if cmp -s "$W/OLD.json" "$W/NEW.json"; then echo "$name $1/$2 chunk $chunk: identical"; else echo "$name $1/$2 chunk $chunk: DIFFERENT"; bad=$((bad + 1)); fi
