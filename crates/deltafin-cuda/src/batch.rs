@@ -110,19 +110,20 @@ impl Gpu {
             )));
         }
         let mut qabs = self.zeros(n * s.n_heads * kvl)?;
-        let mut counters = self.stream().alloc_zeros::<i32>(n * s.n_heads).ctx("cuMemAlloc")?;
+        let mut counters = self.stream().alloc_zeros::<i32>(n).ctx("cuMemAlloc")?;
         let qcfg = LaunchConfig {
             grid_dim: (s.n_heads as u32, n as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
+        // One block a (split, token), every head in it: a latent row is read once for all heads.
         let cfg = LaunchConfig {
-            grid_dim: (s.n_heads as u32, s_cap as u32, n as u32),
+            grid_dim: (s_cap as u32, n as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: ((2 * kvl + s.rope + MLA_SPLIT) * 4) as u32,
         };
         let (nope, rope, vd, kvl_i) = (s.nope as i32, s.rope as i32, s.v_head_dim as i32, kvl as i32);
-        let (t0_i, s_cap_i) = (i32_of("position", t0)?, s_cap as i32);
+        let (t0_i, s_cap_i, nh) = (i32_of("position", t0)?, s_cap as i32, s.n_heads as i32);
         match &kv_b.data {
             GpuMatData::Int8 { q: w, scales } => {
                 let mut b = self.stream().launch_builder(self.k.get("mla_qabs_i8")?);
@@ -138,7 +139,7 @@ impl Gpu {
                 unsafe { b.launch(qcfg) }.ctx("launch mla_qabs_i8")?;
                 let mut b = self.stream().launch_builder(self.k.get("mla_prefill_i8")?);
                 b.arg(q).arg(ckv).arg(kpe).arg(w).arg(scales);
-                b.arg(&nope).arg(&rope).arg(&vd).arg(&kvl_i).arg(&t0_i).arg(&s_cap_i);
+                b.arg(&nh).arg(&nope).arg(&rope).arg(&vd).arg(&kvl_i).arg(&t0_i).arg(&s_cap_i);
                 b.arg(&softmax_scale).arg(&qabs).arg(&mut counters).arg(scores).arg(out);
                 // SAFETY: matches `mla_prefill_i8` in ops.cu; lengths checked above.
                 unsafe { b.launch(cfg) }.ctx("launch mla_prefill_i8")?;
@@ -156,7 +157,7 @@ impl Gpu {
                 unsafe { b.launch(qcfg) }.ctx("launch mla_qabs_f32")?;
                 let mut b = self.stream().launch_builder(self.k.get("mla_prefill_f32")?);
                 b.arg(q).arg(ckv).arg(kpe).arg(w);
-                b.arg(&nope).arg(&rope).arg(&vd).arg(&kvl_i).arg(&t0_i).arg(&s_cap_i);
+                b.arg(&nh).arg(&nope).arg(&rope).arg(&vd).arg(&kvl_i).arg(&t0_i).arg(&s_cap_i);
                 b.arg(&softmax_scale).arg(&qabs).arg(&mut counters).arg(scores).arg(out);
                 // SAFETY: matches `mla_prefill_f32` in ops.cu; lengths checked above.
                 unsafe { b.launch(cfg) }.ctx("launch mla_prefill_f32")?;

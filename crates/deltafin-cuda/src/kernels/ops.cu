@@ -662,86 +662,83 @@ __device__ __forceinline__ void mla_qabs_into(const float* __restrict__ qh, cons
     }
 }
 
+// Head h's partial over split sp of a query at positions 0..T-1 (positions sp * MLA_SPLIT ..):
+// part[sp] = (m, l, acc[kvl]) as described above. qh: the head's query [nope + rope] (RoPE by
+// cs when not null), qabs_h: its q_abs (or null: computed here). sh: the dynamic shared memory.
+// Ends with a __syncthreads, so the caller may start another head.
 template <bool I8>
-__device__ __forceinline__ void mla_split_impl(const float* __restrict__ q, const float* __restrict__ ckv,
-                                               const float* __restrict__ kpe, const void* __restrict__ w,
-                                               const float* __restrict__ wsc, int nope, int rope, int vd,
-                                               int kvl, int T, float scale, const float* __restrict__ cs,
-                                               int interleaved, const int* __restrict__ pos, int s_cap,
-                                               const float* __restrict__ qabs, int* counters, float* parts,
-                                               float* __restrict__ out) {
-    if (pos != nullptr) T = *pos + 1;
-    extern __shared__ float sh[];
+__device__ __forceinline__ void mla_part(const float* __restrict__ qh, const float* __restrict__ ckv,
+                                         const float* __restrict__ kpe, const void* __restrict__ w,
+                                         const float* __restrict__ wsc, int nope, int rope, int vd, int kvl, int T,
+                                         int sp, int h, float scale, const float* __restrict__ cs, int interleaved,
+                                         const float* __restrict__ qabs_h, float* part, float* sh) {
     float* q_abs = sh;
-    float* ctx = sh + kvl;
     float* qpe = sh + 2 * kvl;
     float* sc = sh + 2 * kvl + rope;
-    __shared__ int is_last;
-    const int h = blockIdx.x, sp = blockIdx.y, nh = gridDim.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int qk = nope + rope, base = h * (nope + vd), S = (T + MLA_SPLIT - 1) / MLA_SPLIT;
-    int* counter = counters + h;
-    float* part = parts + (size_t)h * s_cap * (kvl + 2);
-    const float* qh = q + (size_t)h * qk;
-    if (sp < S) {
-        if (cs != nullptr) {
-            const int half = rope / 2;
-            for (int i = tid; i < half; i += 256) {
-                const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
-                rope_pair(qh[nope + a], qh[nope + b], cs[i], cs[half + i], &qpe[a], &qpe[b]);
-            }
-        } else {
-            for (int i = tid; i < rope; i += 256) qpe[i] = qh[nope + i];
+    const int base = h * (nope + vd);
+    if (cs != nullptr) {
+        const int half = rope / 2;
+        for (int i = tid; i < half; i += 256) {
+            const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+            rope_pair(qh[nope + a], qh[nope + b], cs[i], cs[half + i], &qpe[a], &qpe[b]);
         }
-        if (qabs != nullptr) {
-            for (int c = tid; c < kvl; c += 256) q_abs[c] = qabs[(size_t)h * kvl + c];
-        } else {
-            mla_qabs_into<I8>(qh, w, wsc, base, nope, kvl, q_abs);
-        }
-        __syncthreads();
-        const int t0 = sp * MLA_SPLIT, n = min(MLA_SPLIT, T - t0);
-        for (int u = warp; u < n; u += 8) {
-            const int t = t0 + u;
-            float a = 0.0f, b = 0.0f;
-            for (int c = lane; c < kvl; c += 32) a += q_abs[c] * ckv[(size_t)t * kvl + c];
-            for (int c = lane; c < rope; c += 32) b += qpe[c] * kpe[(size_t)t * rope + c];
-            a = warp_sum(a);
-            b = warp_sum(b);
-            if (lane == 0) sc[u] = (a + b) * scale;
-        }
-        __syncthreads();
-        if (warp == 0) {
-            float m = __int_as_float(0xff800000u);
-            for (int u = lane; u < n; u += 32) m = fmaxf(m, sc[u]);
+    } else {
+        for (int i = tid; i < rope; i += 256) qpe[i] = qh[nope + i];
+    }
+    if (qabs_h != nullptr) {
+        for (int c = tid; c < kvl; c += 256) q_abs[c] = qabs_h[c];
+    } else {
+        mla_qabs_into<I8>(qh, w, wsc, base, nope, kvl, q_abs);
+    }
+    __syncthreads();
+    const int t0 = sp * MLA_SPLIT, n = min(MLA_SPLIT, T - t0);
+    for (int u = warp; u < n; u += 8) {
+        const int t = t0 + u;
+        float a = 0.0f, b = 0.0f;
+        for (int c = lane; c < kvl; c += 32) a += q_abs[c] * ckv[(size_t)t * kvl + c];
+        for (int c = lane; c < rope; c += 32) b += qpe[c] * kpe[(size_t)t * rope + c];
+        a = warp_sum(a);
+        b = warp_sum(b);
+        if (lane == 0) sc[u] = (a + b) * scale;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float m = __int_as_float(0xff800000u);
+        for (int u = lane; u < n; u += 32) m = fmaxf(m, sc[u]);
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-            float l = 0.0f;
-            for (int u = lane; u < n; u += 32) {
-                const float e = exp_f32(sc[u] - m);
-                sc[u] = e;
-                l += e;
-            }
-            l = warp_sum(l);
-            if (lane == 0) {
-                part[(size_t)sp * (kvl + 2)] = m;
-                part[(size_t)sp * (kvl + 2) + 1] = l;
-            }
+        for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        float l = 0.0f;
+        for (int u = lane; u < n; u += 32) {
+            const float e = exp_f32(sc[u] - m);
+            sc[u] = e;
+            l += e;
         }
-        __syncthreads();
-        for (int c = tid; c < kvl; c += 256) {
-            float a = 0.0f;
-#pragma unroll 8
-            for (int u = 0; u < n; ++u) a = __fadd_rn(a, __fmul_rn(sc[u], ckv[(size_t)(t0 + u) * kvl + c]));
-            part[(size_t)sp * (kvl + 2) + 2 + c] = a;
+        l = warp_sum(l);
+        if (lane == 0) {
+            part[(size_t)sp * (kvl + 2)] = m;
+            part[(size_t)sp * (kvl + 2) + 1] = l;
         }
     }
-    // The block of head h that finishes last combines (last_block's pattern, one counter a head).
-    __threadfence();
     __syncthreads();
-    if (tid == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.y - 1;
+    for (int c = tid; c < kvl; c += 256) {
+        float a = 0.0f;
+#pragma unroll 8
+        for (int u = 0; u < n; ++u) a = __fadd_rn(a, __fmul_rn(sc[u], ckv[(size_t)(t0 + u) * kvl + c]));
+        part[(size_t)sp * (kvl + 2) + 2 + c] = a;
+    }
     __syncthreads();
-    if (!is_last) return;
-    __threadfence();
+}
+
+// Head h's output from its S partials (written by other blocks: read with __ldcg):
+// out_h[vd] = W_UV_h ctx as described above. ctx: kvl floats of shared memory. Ends with a
+// __syncthreads.
+template <bool I8>
+__device__ __forceinline__ void mla_combine(int S, const float* part, const void* __restrict__ w,
+                                            const float* __restrict__ wsc, int nope, int vd, int kvl, int h,
+                                            float* ctx, float* __restrict__ out_h) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int base = h * (nope + vd);
     float mm = __int_as_float(0xff800000u);
     for (int s2 = 0; s2 < S; ++s2) mm = fmaxf(mm, __ldcg(part + (size_t)s2 * (kvl + 2)));
     float L = 0.0f;
@@ -770,9 +767,38 @@ __device__ __forceinline__ void mla_split_impl(const float* __restrict__ q, cons
             for (int c = lane; c < kvl; c += 32) a += wr[c] * ctx[c];
             a = warp_sum(a);
         }
-        if (lane == 0) out[(size_t)h * vd + j] = a;
+        if (lane == 0) out_h[j] = a;
     }
-    if (tid == 0) *counter = 0;
+    __syncthreads();
+}
+
+template <bool I8>
+__device__ __forceinline__ void mla_split_impl(const float* __restrict__ q, const float* __restrict__ ckv,
+                                               const float* __restrict__ kpe, const void* __restrict__ w,
+                                               const float* __restrict__ wsc, int nope, int rope, int vd,
+                                               int kvl, int T, float scale, const float* __restrict__ cs,
+                                               int interleaved, const int* __restrict__ pos, int s_cap,
+                                               const float* __restrict__ qabs, int* counters, float* parts,
+                                               float* __restrict__ out) {
+    if (pos != nullptr) T = *pos + 1;
+    extern __shared__ float sh[];
+    __shared__ int is_last;
+    const int h = blockIdx.x, sp = blockIdx.y;
+    const int qk = nope + rope, S = (T + MLA_SPLIT - 1) / MLA_SPLIT;
+    int* counter = counters + h;
+    float* part = parts + (size_t)h * s_cap * (kvl + 2);
+    if (sp < S)
+        mla_part<I8>(q + (size_t)h * qk, ckv, kpe, w, wsc, nope, rope, vd, kvl, T, sp, h, scale, cs, interleaved,
+                     qabs != nullptr ? qabs + (size_t)h * kvl : nullptr, part, sh);
+    // The block of head h that finishes last combines (last_block's pattern, one counter a head).
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.y - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    mla_combine<I8>(S, part, w, wsc, nope, vd, kvl, h, sh + kvl, out + (size_t)h * vd);
+    if (threadIdx.x == 0) *counter = 0;
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -890,28 +916,50 @@ extern "C" __global__ void rope_apply_tokens(float* __restrict__ x, int n_tok, i
 // mla_decode_* for that token (grid (nh, s_cap, n)). q: [n, nh, qk]; qabs: [n, nh, kvl] from
 // mla_qabs_*; counters: [n, nh] zeroed (left zeroed); parts: [n, nh, s_cap, kvl + 2] partials;
 // out: [n, nh, vd].
+// Token j = blockIdx.y of a chunk at positions t0 + j, split sp = blockIdx.x, every head in one
+// block (head after head: each latent row of the split is read once from L2 for all heads and
+// served from L1 to the others), each head with mla_decode's operations, so a chunk gives every
+// token its decode bits. The block of token j that finishes last combines all its heads.
+// Grid (s_cap, n); counters: one a token (zero between launches).
 template <bool I8>
 __device__ __forceinline__ void mla_prefill_impl(const float* q, const float* ckv, const float* kpe, const void* w,
-                                                 const float* wsc, int nope, int rope, int vd, int kvl, int t0,
-                                                 int s_cap, float scale, const float* qabs, int* counters,
+                                                 const float* wsc, int nh, int nope, int rope, int vd, int kvl,
+                                                 int t0, int s_cap, float scale, const float* qabs, int* counters,
                                                  float* parts, float* out) {
-    const int j = blockIdx.z, nh = gridDim.x;
-    mla_split_impl<I8>(q + (size_t)j * nh * (nope + rope), ckv, kpe, w, wsc, nope, rope, vd, kvl, t0 + j + 1,
-                       scale, nullptr, 0, nullptr, s_cap, qabs + (size_t)j * nh * kvl, counters + (size_t)j * nh,
-                       parts + (size_t)j * nh * s_cap * (kvl + 2), out + (size_t)j * nh * vd);
+    extern __shared__ float sh[];
+    __shared__ int is_last;
+    const int sp = blockIdx.x, j = blockIdx.y, qk = nope + rope;
+    const int T = t0 + j + 1, S = (T + MLA_SPLIT - 1) / MLA_SPLIT;
+    float* tparts = parts + (size_t)j * nh * s_cap * (kvl + 2);
+    if (sp < S) {
+        for (int h = 0; h < nh; ++h)
+            mla_part<I8>(q + ((size_t)j * nh + h) * qk, ckv, kpe, w, wsc, nope, rope, vd, kvl, T, sp, h, scale,
+                         nullptr, 0, qabs + ((size_t)j * nh + h) * kvl, tparts + (size_t)h * s_cap * (kvl + 2), sh);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counters + j, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int h = 0; h < nh; ++h)
+        mla_combine<I8>(S, tparts + (size_t)h * s_cap * (kvl + 2), w, wsc, nope, vd, kvl, h, sh + kvl,
+                        out + ((size_t)j * nh + h) * vd);
+    if (threadIdx.x == 0) counters[j] = 0;
 }
 extern "C" __global__ void __launch_bounds__(256)
-    mla_prefill_i8(const float* q, const float* ckv, const float* kpe, const i8* w, const float* wsc, int nope,
-                   int rope, int vd, int kvl, int t0, int s_cap, float scale, const float* qabs, int* counters,
-                   float* parts, float* out) {
-    mla_prefill_impl<true>(q, ckv, kpe, w, wsc, nope, rope, vd, kvl, t0, s_cap, scale, qabs, counters, parts, out);
+    mla_prefill_i8(const float* q, const float* ckv, const float* kpe, const i8* w, const float* wsc, int nh,
+                   int nope, int rope, int vd, int kvl, int t0, int s_cap, float scale, const float* qabs,
+                   int* counters, float* parts, float* out) {
+    mla_prefill_impl<true>(q, ckv, kpe, w, wsc, nh, nope, rope, vd, kvl, t0, s_cap, scale, qabs, counters, parts,
+                           out);
 }
 extern "C" __global__ void __launch_bounds__(256)
-    mla_prefill_f32(const float* q, const float* ckv, const float* kpe, const float* w, int nope, int rope, int vd,
-                    int kvl, int t0, int s_cap, float scale, const float* qabs, int* counters, float* parts,
+    mla_prefill_f32(const float* q, const float* ckv, const float* kpe, const float* w, int nh, int nope, int rope,
+                    int vd, int kvl, int t0, int s_cap, float scale, const float* qabs, int* counters, float* parts,
                     float* out) {
-    mla_prefill_impl<false>(q, ckv, kpe, w, nullptr, nope, rope, vd, kvl, t0, s_cap, scale, qabs, counters, parts,
-                            out);
+    mla_prefill_impl<false>(q, ckv, kpe, w, nullptr, nh, nope, rope, vd, kvl, t0, s_cap, scale, qabs, counters,
+                            parts, out);
 }
 
 // q_abs of every (token, head) of a chunk for mla_prefill_* (mla_qabs_into's bits): one block
