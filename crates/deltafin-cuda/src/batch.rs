@@ -139,7 +139,13 @@ impl Gpu {
                 unsafe { b.launch(qcfg) }.ctx("launch mla_qabs_i8")?;
                 let mut b = self.stream().launch_builder(self.k.get("mla_prefill_i8")?);
                 b.arg(q).arg(ckv).arg(kpe).arg(w).arg(scales);
-                b.arg(&nh).arg(&nope).arg(&rope).arg(&vd).arg(&kvl_i).arg(&t0_i).arg(&s_cap_i);
+                b.arg(&nh)
+                    .arg(&nope)
+                    .arg(&rope)
+                    .arg(&vd)
+                    .arg(&kvl_i)
+                    .arg(&t0_i)
+                    .arg(&s_cap_i);
                 b.arg(&softmax_scale).arg(&qabs).arg(&mut counters).arg(scores).arg(out);
                 // SAFETY: matches `mla_prefill_i8` in ops.cu; lengths checked above.
                 unsafe { b.launch(cfg) }.ctx("launch mla_prefill_i8")?;
@@ -157,7 +163,13 @@ impl Gpu {
                 unsafe { b.launch(qcfg) }.ctx("launch mla_qabs_f32")?;
                 let mut b = self.stream().launch_builder(self.k.get("mla_prefill_f32")?);
                 b.arg(q).arg(ckv).arg(kpe).arg(w);
-                b.arg(&nh).arg(&nope).arg(&rope).arg(&vd).arg(&kvl_i).arg(&t0_i).arg(&s_cap_i);
+                b.arg(&nh)
+                    .arg(&nope)
+                    .arg(&rope)
+                    .arg(&vd)
+                    .arg(&kvl_i)
+                    .arg(&t0_i)
+                    .arg(&s_cap_i);
                 b.arg(&softmax_scale).arg(&qabs).arg(&mut counters).arg(scores).arg(out);
                 // SAFETY: matches `mla_prefill_f32` in ops.cu; lengths checked above.
                 unsafe { b.launch(cfg) }.ctx("launch mla_prefill_f32")?;
