@@ -41,6 +41,13 @@ pub struct GpuCacheStats {
 }
 
 impl GpuCacheStats {
+    /// Records of `record_bytes` that still fit in the budget.
+    pub fn records_free(&self, record_bytes: u64) -> usize {
+        (self.budget_bytes.saturating_sub(self.resident_bytes) / record_bytes.max(1)) as usize
+    }
+}
+
+impl GpuCacheStats {
     /// hits / (hits + misses), or 0 when nothing was asked.
     pub fn hit_rate(&self) -> f64 {
         let n = self.hits + self.misses;

@@ -391,10 +391,7 @@ impl DeepseekV3Cuda {
         let layers = (0..c.num_hidden_layers)
             .filter(|&l| c.is_moe_layer(l))
             .map(|l| (l, c.n_routed_experts));
-        let room = || {
-            let s = self.gpu_cache_stats_now()?;
-            Ok((s.budget_bytes.saturating_sub(s.resident_bytes) / record.max(1)) as usize)
-        };
+        let room = || Ok(self.gpu_cache_stats_now()?.records_free(record));
         preload_in_file_order(layers, room, |l, ids| Ok(self.experts_of(l, ids)?.len()))
     }
 

@@ -363,8 +363,7 @@ impl GqaCuda {
         let room = || {
             self.experts
                 .lock()
-                .map(|c| c.stats())
-                .map(|s| (s.budget_bytes.saturating_sub(s.resident_bytes) / record.max(1)) as usize)
+                .map(|c| c.stats().records_free(record))
                 .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))
         };
         preload_in_file_order(layers, room, |l, ids| Ok(self.experts_of(l, ids)?.len()))
