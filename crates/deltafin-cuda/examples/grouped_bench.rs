@@ -118,11 +118,20 @@ fn main() {
             .unwrap();
         let got = g.download(&y).unwrap();
         let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+        let form = if shape.staged {
+            format!(
+                "staged, {} rows, {} blocks/SM{}",
+                shape.cta_rows,
+                shape.blocks_per_sm,
+                if shape.prefetch { ", prefetch" } else { "" }
+            )
+        } else {
+            format!("through L1, U={}", shape.gate_up_unroll)
+        };
         println!(
-            "grouped T={:<2} gate/up R={} U={} down R={}   {ms:>8.3} ms  {:>6.2} TFLOP/s  bits equal: {same}",
+            "grouped T={:<2} gate/up R={} down R={:<2} {form:<24} {ms:>8.3} ms  {:>6.2} TFLOP/s  bits equal: {same}",
             shape.tokens,
             shape.gate_up_rows,
-            shape.gate_up_unroll,
             shape.down_rows,
             flop / (ms as f64 * 1e-3) / 1e12
         );

@@ -9,6 +9,31 @@ use crate::gpu::GpuBuf;
 use crate::mat::{GpuMat, GpuMatData};
 use crate::{CudaError, DriverContext, Gpu};
 
+/// The kernel form of [`Gpu::mla_prefill_with`]; both give every token its decode bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlaPrefillForm {
+    /// One block a (split, token), every head in it (`mla_prefill_*` in ops.cu).
+    PerToken,
+    /// One block a (split, group of tokens), about 32 query-heads in registers sharing each
+    /// latent row (`mla_prefill_tiled_*`); needs `kv_lora_rank` <= 512 and rope <= 64.
+    Tiled,
+}
+
+impl MlaPrefillForm {
+    /// Tiled where the shape allows it (faster on the H200: bench/NOTES.md), else per token.
+    pub fn best(s: MlaShape) -> Self {
+        if Self::tiled_fits(s) {
+            Self::Tiled
+        } else {
+            Self::PerToken
+        }
+    }
+
+    fn tiled_fits(s: MlaShape) -> bool {
+        s.kv_lora_rank <= 512 && s.rope <= 64 && s.n_heads <= 128
+    }
+}
+
 fn i32_of(what: &str, v: usize) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| CudaError::Shape(format!("{what} = {v} is too large for the CUDA kernels")))
 }
@@ -88,7 +113,36 @@ impl Gpu {
         scores: &mut GpuBuf,
         out: &mut GpuBuf,
     ) -> Result<(), CudaError> {
+        let form = MlaPrefillForm::best(s);
+        self.mla_prefill_with(form, s, q, ckv, kpe, kv_b, t0, n, softmax_scale, scores, out)
+    }
+
+    /// [`Gpu::mla_prefill`] in a chosen kernel form; every form gives the same bits.
+    ///
+    /// # Errors
+    /// As [`Gpu::mla_prefill`], and `Shape` for [`MlaPrefillForm::Tiled`] on a shape it does not
+    /// take (`kv_lora_rank` > 512 or `qk_rope_head_dim` > 64).
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_prefill_with(
+        &self,
+        form: MlaPrefillForm,
+        s: MlaShape,
+        q: &GpuBuf,
+        ckv: &GpuBuf,
+        kpe: &GpuBuf,
+        kv_b: &GpuMat,
+        t0: usize,
+        n: usize,
+        softmax_scale: f32,
+        scores: &mut GpuBuf,
+        out: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
         let (kvl, t) = (s.kv_lora_rank, t0 + n);
+        if form == MlaPrefillForm::Tiled && !MlaPrefillForm::tiled_fits(s) {
+            return Err(CudaError::Shape(format!(
+                "mla_prefill: the tiled form takes kv_lora_rank <= 512 and rope <= 64, not {s:?}"
+            )));
+        }
         let ok = n > 0
             && n <= 65_535
             && q.len() == n * s.n_heads * (s.nope + s.rope)
@@ -110,35 +164,54 @@ impl Gpu {
             )));
         }
         let mut qabs = self.zeros(n * s.n_heads * kvl)?;
-        let mut counters = self.stream().alloc_zeros::<i32>(n).ctx("cuMemAlloc")?;
+        let (nope, rope, vd, kvl_i) = (s.nope as i32, s.rope as i32, s.v_head_dim as i32, kvl as i32);
+        let (t0_i, s_cap_i, nh) = (i32_of("position", t0)?, s_cap as i32, s.n_heads as i32);
+        let (w, wsc) = match &kv_b.data {
+            GpuMatData::Int8 { q: w, scales } => (w.device_ptr(self.stream()).0, Some(scales)),
+            GpuMatData::F32(w) => (w.device_ptr(self.stream()).0, None),
+            GpuMatData::Mxfp4 { .. } => {
+                return Err(CudaError::Shape(
+                    "mla_prefill: an MXFP4 kv_b_proj is not supported".into(),
+                ))
+            }
+        };
+        // q_abs of every (token, head): one block each.
+        let mut b =
+            self.stream()
+                .launch_builder(self.k.get(if wsc.is_some() { "mla_qabs_i8" } else { "mla_qabs_f32" })?);
+        b.arg(q).arg(&w);
+        if let Some(sc) = wsc {
+            b.arg(sc);
+        }
+        b.arg(&nope).arg(&rope).arg(&vd).arg(&kvl_i).arg(&mut qabs);
         let qcfg = LaunchConfig {
             grid_dim: (s.n_heads as u32, n as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // One block a (split, token), every head in it: a latent row is read once for all heads.
-        let cfg = LaunchConfig {
-            grid_dim: (s_cap as u32, n as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: ((2 * kvl + s.rope + MLA_SPLIT) * 4) as u32,
-        };
-        let (nope, rope, vd, kvl_i) = (s.nope as i32, s.rope as i32, s.v_head_dim as i32, kvl as i32);
-        let (t0_i, s_cap_i, nh) = (i32_of("position", t0)?, s_cap as i32, s.n_heads as i32);
-        match &kv_b.data {
-            GpuMatData::Int8 { q: w, scales } => {
-                let mut b = self.stream().launch_builder(self.k.get("mla_qabs_i8")?);
-                b.arg(q)
-                    .arg(w)
-                    .arg(scales)
-                    .arg(&nope)
-                    .arg(&rope)
-                    .arg(&vd)
-                    .arg(&kvl_i)
-                    .arg(&mut qabs);
-                // SAFETY: matches `mla_qabs_i8` in ops.cu; q is [n, nh, qk], qabs [n, nh, kvl].
-                unsafe { b.launch(qcfg) }.ctx("launch mla_qabs_i8")?;
-                let mut b = self.stream().launch_builder(self.k.get("mla_prefill_i8")?);
-                b.arg(q).arg(ckv).arg(kpe).arg(w).arg(scales);
+        // SAFETY: matches `mla_qabs_*` in ops.cu: q is [n, nh, qk], kv_b [nh * (nope + vd), kvl]
+        // (checked above) with its row scales when int8, qabs [n, nh, kvl].
+        unsafe { b.launch(qcfg) }.ctx("launch mla_qabs")?;
+        match form {
+            MlaPrefillForm::PerToken => {
+                // One block a (split, token), every head in it (a latent row is read once for all
+                // heads); the token's last block combines.
+                let mut counters = self.stream().alloc_zeros::<i32>(n).ctx("cuMemAlloc")?;
+                let cfg = LaunchConfig {
+                    grid_dim: (s_cap as u32, n as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: ((2 * kvl + s.rope + MLA_SPLIT) * 4) as u32,
+                };
+                let name = if wsc.is_some() {
+                    "mla_prefill_i8"
+                } else {
+                    "mla_prefill_f32"
+                };
+                let mut b = self.stream().launch_builder(self.k.get(name)?);
+                b.arg(q).arg(ckv).arg(kpe).arg(&w);
+                if let Some(sc) = wsc {
+                    b.arg(sc);
+                }
                 b.arg(&nh)
                     .arg(&nope)
                     .arg(&rope)
@@ -147,37 +220,65 @@ impl Gpu {
                     .arg(&t0_i)
                     .arg(&s_cap_i);
                 b.arg(&softmax_scale).arg(&qabs).arg(&mut counters).arg(scores).arg(out);
-                // SAFETY: matches `mla_prefill_i8` in ops.cu; lengths checked above.
-                unsafe { b.launch(cfg) }.ctx("launch mla_prefill_i8")?;
+                // SAFETY: matches `mla_prefill_*` in ops.cu; lengths checked above; the dynamic
+                // shared memory is 2 kvl + rope + MLA_SPLIT floats as the kernel indexes it.
+                unsafe { b.launch(cfg) }.ctx("launch mla_prefill")?;
             }
-            GpuMatData::F32(w) => {
-                let mut b = self.stream().launch_builder(self.k.get("mla_qabs_f32")?);
+            MlaPrefillForm::Tiled => {
+                // One block a (split, group of qt tokens): qt * n_heads query-heads (about 32)
+                // sharing each latent row; then one block a (head, token) combines.
+                let qt = (32 / s.n_heads).max(1);
+                let nqp = (qt * s.n_heads).next_multiple_of(4);
+                let smem = (MLA_SPLIT * nqp + 32) * 4;
+                if smem > 48 * 1024 {
+                    return Err(CudaError::Shape(format!(
+                        "mla_prefill: {s:?} needs {smem} bytes of shared memory a block (at most 48 KiB)"
+                    )));
+                }
+                let (n_i, qt_i) = (n as i32, qt as i32);
+                let mut b = self.stream().launch_builder(self.k.get("mla_prefill_tiled")?);
                 b.arg(q)
-                    .arg(w)
+                    .arg(ckv)
+                    .arg(kpe)
+                    .arg(&nh)
                     .arg(&nope)
                     .arg(&rope)
-                    .arg(&vd)
                     .arg(&kvl_i)
-                    .arg(&mut qabs);
-                // SAFETY: matches `mla_qabs_f32` in ops.cu; q is [n, nh, qk], qabs [n, nh, kvl].
-                unsafe { b.launch(qcfg) }.ctx("launch mla_qabs_f32")?;
-                let mut b = self.stream().launch_builder(self.k.get("mla_prefill_f32")?);
-                b.arg(q).arg(ckv).arg(kpe).arg(w);
-                b.arg(&nh)
-                    .arg(&nope)
-                    .arg(&rope)
-                    .arg(&vd)
-                    .arg(&kvl_i)
-                    .arg(&t0_i)
-                    .arg(&s_cap_i);
-                b.arg(&softmax_scale).arg(&qabs).arg(&mut counters).arg(scores).arg(out);
-                // SAFETY: matches `mla_prefill_f32` in ops.cu; lengths checked above.
-                unsafe { b.launch(cfg) }.ctx("launch mla_prefill_f32")?;
-            }
-            GpuMatData::Mxfp4 { .. } => {
-                return Err(CudaError::Shape(
-                    "mla_prefill: an MXFP4 kv_b_proj is not supported".into(),
-                ))
+                    .arg(&t0_i);
+                b.arg(&n_i)
+                    .arg(&qt_i)
+                    .arg(&s_cap_i)
+                    .arg(&softmax_scale)
+                    .arg(&qabs)
+                    .arg(&mut *scores);
+                let cfg = LaunchConfig {
+                    grid_dim: (s_cap as u32, n.div_ceil(qt) as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: smem as u32,
+                };
+                // SAFETY: matches `mla_prefill_tiled` in ops.cu; q, ckv, kpe, qabs and the
+                // partials in `scores` ([n, nh, s_cap, kvl + 2]) checked above; shared memory
+                // MLA_SPLIT * nqp + 32 floats as the kernel indexes it.
+                unsafe { b.launch(cfg) }.ctx("launch mla_prefill_tiled")?;
+                let name = if wsc.is_some() {
+                    "mla_prefill_combine_i8"
+                } else {
+                    "mla_prefill_combine_f32"
+                };
+                let mut b = self.stream().launch_builder(self.k.get(name)?);
+                b.arg(&*scores).arg(&w);
+                if let Some(sc) = wsc {
+                    b.arg(sc);
+                }
+                b.arg(&nope).arg(&vd).arg(&kvl_i).arg(&t0_i).arg(&s_cap_i).arg(out);
+                let cfg = LaunchConfig {
+                    grid_dim: (s.n_heads as u32, n as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: (kvl * 4) as u32,
+                };
+                // SAFETY: matches `mla_prefill_combine_*`: the partials written just before on
+                // this stream, kv_b as checked, out [n, nh, vd]; kvl floats of shared memory.
+                unsafe { b.launch(cfg) }.ctx("launch mla_prefill_combine")?;
             }
         }
         Ok(())

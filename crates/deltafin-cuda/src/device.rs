@@ -16,6 +16,10 @@ pub struct DeviceInfo {
     pub total_bytes: usize,
     /// Streaming multiprocessors (sizes the grids of the persistent kernels).
     pub multiprocessors: u32,
+    /// Most shared memory one block may use, in bytes, once it opts in
+    /// (`CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`: 227 KiB on Hopper, 99 KiB on
+    /// Ada); the kernels that stage a tile in shared memory are used only where it fits.
+    pub shared_bytes_optin: usize,
 }
 
 /// Lists the CUDA devices, or says in one line why there are none.
@@ -45,7 +49,7 @@ fn info(ordinal: usize) -> Result<DeviceInfo, CudaError> {
         |what: &str, e: result::DriverError| CudaError::Unavailable(format!("cuda:{ordinal}: {what} failed: {e}"));
     let dev = result::device::get(ordinal as i32).map_err(|e| unavailable("cuDeviceGet", e))?;
     // SAFETY: `dev` is a valid device handle from cuDeviceGet after cuInit.
-    let (name, total, major, minor, sms) = unsafe {
+    let (name, total, major, minor, sms, smem) = unsafe {
         let name = result::device::get_name(dev).map_err(|e| unavailable("cuDeviceGetName", e))?;
         let total = result::device::total_mem(dev).map_err(|e| unavailable("cuDeviceTotalMem", e))?;
         let major = result::device::get_attribute(
@@ -60,7 +64,12 @@ fn info(ordinal: usize) -> Result<DeviceInfo, CudaError> {
         .map_err(|e| unavailable("cuDeviceGetAttribute", e))?;
         let sms = result::device::get_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| unavailable("cuDeviceGetAttribute", e))?;
-        (name, total, major, minor, sms)
+        let smem = result::device::get_attribute(
+            dev,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )
+        .map_err(|e| unavailable("cuDeviceGetAttribute", e))?;
+        (name, total, major, minor, sms, smem)
     };
     Ok(DeviceInfo {
         ordinal,
@@ -68,5 +77,6 @@ fn info(ordinal: usize) -> Result<DeviceInfo, CudaError> {
         compute_capability: (major, minor),
         total_bytes: total,
         multiprocessors: sms.max(1) as u32,
+        shared_bytes_optin: smem.max(0) as usize,
     })
 }

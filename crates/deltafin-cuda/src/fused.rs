@@ -800,29 +800,49 @@ impl Gpu {
     }
 }
 
-/// A shape of the grouped expert kernels (`moe_gate_up_grouped_*`, `moe_down_grouped_*` in
+/// A shape of the grouped expert kernels (`moe_gate_up_grouped_*` / `moe_down_grouped_*`, and
+/// with `staged` the `*_staged_*` kernels that stage a tile's inputs in shared memory, in
 /// fused.cu). Every shape gives the same bits; they differ only in speed (`examples/
 /// grouped_bench.rs`, bench/NOTES.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupedShape {
     /// Most (token, slot) pairs a tile holds: 4, 8 or 16.
     pub tokens: usize,
-    /// Rows of gate and of up one warp computes: 1, 2 or 4.
+    /// Rows of gate and of up one warp computes: 1, 2, 4 or 8.
     pub gate_up_rows: usize,
-    /// Unroll of the gate/up kernel's MX-block loop: 1 or 2.
+    /// Unroll of the gate/up kernel's MX-block loop: 1 or 2 (unstaged kernels only).
     pub gate_up_unroll: usize,
-    /// Rows of down one warp computes: 1, 2 or 4.
+    /// Rows of down one warp computes: 1, 2, 4, 8 or 16.
     pub down_rows: usize,
+    /// Whether a block of 4 warps stages the tile's inputs in shared memory and covers
+    /// `cta_rows` rows (its warps `*_rows` at a time in turn); otherwise blocks of 8 warps read
+    /// the inputs through L1, one pass of rows a warp.
+    pub staged: bool,
+    /// Rows a block covers (staged kernels only).
+    pub cta_rows: usize,
+    /// Blocks an SM the staged kernels' registers are capped for: 3 (168 registers a thread,
+    /// a few spilled) or 2 (none spilled); 0 for unstaged shapes.
+    pub blocks_per_sm: usize,
+    /// Whether the staged kernels load the next MX block's codes before this block's
+    /// arithmetic.
+    pub prefetch: bool,
 }
 
 impl GroupedShape {
-    /// The shape the engine uses: the fastest measured on the H200 (`grouped_bench`, 2,000 and
-    /// 512 tokens of the `bench` preset's experts: 21.8 / 5.97 ms against 24.5 / 6.79 ms for
-    /// the next; bench/NOTES.md).
+    /// The shape the engine uses where the staged kernels' shared memory does not fit the
+    /// device (see [`Gpu::grouped_shape`]): the fastest unstaged shape measured on the H200
+    /// (`grouped_bench`, 2,000 and 512 tokens of the `bench` preset's experts: 21.8 / 5.97 ms
+    /// against 24.5 / 6.79 ms for the next; bench/NOTES.md).
     pub const DEFAULT: Self = Self::new(8, 1, 1, 2);
 
+    /// The shape the engine uses where it fits (see [`Gpu::grouped_shape`]): the fastest
+    /// measured on the H200 (`grouped_bench`, the `bench` preset's experts: 3.51 ms at 512
+    /// tokens and 11.86 ms at 2,000, against 5.83 / 21.22 ms for [`GroupedShape::DEFAULT`] in
+    /// the same run; bench/NOTES.md).
+    pub const DEFAULT_STAGED: Self = Self::staged(8, 4, 8, 256, 2, true);
+
     /// Every shape that has kernels.
-    pub const ALL: [Self; 16] = [
+    pub const ALL: [Self; 22] = [
         Self::new(8, 2, 1, 4),
         Self::new(8, 2, 1, 2),
         Self::new(8, 2, 1, 1),
@@ -839,6 +859,12 @@ impl GroupedShape {
         Self::new(4, 4, 1, 4),
         Self::new(4, 4, 1, 2),
         Self::new(8, 2, 2, 1),
+        Self::staged(8, 4, 8, 256, 3, false),
+        Self::staged(8, 4, 8, 128, 3, false),
+        Self::staged(8, 4, 8, 256, 3, true),
+        Self::staged(8, 4, 8, 128, 3, true),
+        Self::staged(8, 4, 8, 256, 2, true),
+        Self::staged(8, 4, 8, 128, 2, true),
     ];
 
     const fn new(tokens: usize, gate_up_rows: usize, gate_up_unroll: usize, down_rows: usize) -> Self {
@@ -847,11 +873,57 @@ impl GroupedShape {
             gate_up_rows,
             gate_up_unroll,
             down_rows,
+            staged: false,
+            cta_rows: 0,
+            blocks_per_sm: 0,
+            prefetch: false,
+        }
+    }
+
+    const fn staged(
+        tokens: usize,
+        gate_up_rows: usize,
+        down_rows: usize,
+        cta_rows: usize,
+        blocks_per_sm: usize,
+        prefetch: bool,
+    ) -> Self {
+        Self {
+            tokens,
+            gate_up_rows,
+            gate_up_unroll: 1,
+            down_rows,
+            staged: true,
+            cta_rows,
+            blocks_per_sm,
+            prefetch,
         }
     }
 
     /// The two kernels' names.
     fn names(&self) -> Result<(&'static str, &'static str), CudaError> {
+        let no = |which: &str| Err(CudaError::Shape(format!("no grouped {which} kernel for {self:?}")));
+        if self.staged {
+            if self.cta_rows == 0
+                || !self.cta_rows.is_multiple_of(4 * self.gate_up_rows)
+                || !self.cta_rows.is_multiple_of(4 * self.down_rows)
+            {
+                return no("staged");
+            }
+            let gu = match (self.gate_up_rows, self.tokens, self.blocks_per_sm, self.prefetch) {
+                (4, 8, 3, false) => "moe_gate_up_staged_r4t8b3",
+                (4, 8, 3, true) => "moe_gate_up_staged_r4t8b3p",
+                (4, 8, 2, true) => "moe_gate_up_staged_r4t8b2p",
+                _ => return no("staged gate/up"),
+            };
+            let dn = match (self.down_rows, self.tokens, self.blocks_per_sm, self.prefetch) {
+                (8, 8, 3, false) => "moe_down_staged_r8t8b3",
+                (8, 8, 3, true) => "moe_down_staged_r8t8b3p",
+                (8, 8, 2, true) => "moe_down_staged_r8t8b2p",
+                _ => return no("staged down"),
+            };
+            return Ok((gu, dn));
+        }
         let gu = match (self.gate_up_rows, self.tokens, self.gate_up_unroll) {
             (2, 8, 1) => "moe_gate_up_grouped_r2t8",
             (2, 8, 2) => "moe_gate_up_grouped_r2t8u2",
@@ -860,7 +932,7 @@ impl GroupedShape {
             (1, 16, 1) => "moe_gate_up_grouped_r1t16",
             (2, 4, 1) => "moe_gate_up_grouped_r2t4",
             (4, 4, 1) => "moe_gate_up_grouped_r4t4",
-            _ => return Err(CudaError::Shape(format!("no grouped gate/up kernel for {self:?}"))),
+            _ => return no("gate/up"),
         };
         let dn = match (self.down_rows, self.tokens) {
             (4, 8) => "moe_down_grouped_r4t8",
@@ -869,19 +941,42 @@ impl GroupedShape {
             (2, 16) => "moe_down_grouped_r2t16",
             (4, 4) => "moe_down_grouped_r4t4",
             (2, 4) => "moe_down_grouped_r2t4",
-            _ => return Err(CudaError::Shape(format!("no grouped down kernel for {self:?}"))),
+            _ => return no("down"),
         };
         Ok((gu, dn))
     }
-}
 
-/// Most (token, slot) pairs one tile of [`Gpu::moe_grouped`] takes.
-pub const GROUP_T: usize = GroupedShape::DEFAULT.tokens;
+    /// Shared memory of the staged kernels for `cols` input columns: the tile's inputs, each MX
+    /// block of 32 floats padded to 36 (`SX` in fused.cu). Zero for unstaged shapes.
+    pub fn shared_bytes(&self, cols: usize) -> usize {
+        if self.staged {
+            self.tokens * cols.div_ceil(32) * 36 * 4
+        } else {
+            0
+        }
+    }
+}
 
 /// Most tiles one grouped launch takes (the grid's y extent).
 const MAX_TILES_PER_LAUNCH: usize = 65_535;
 
+/// Warps a block of the staged grouped kernels (`__launch_bounds__(128, …)` in fused.cu).
+const STAGED_WARPS: u32 = 4;
+
 impl Gpu {
+    /// The shape [`Gpu::moe_grouped`] uses for `table`'s experts: [`GroupedShape::DEFAULT_STAGED`]
+    /// when its shared memory fits this device for both projections, else
+    /// [`GroupedShape::DEFAULT`]. Tiles for `moe_grouped` hold at most its `tokens` pairs.
+    pub fn grouped_shape(&self, table: &ExpertTable) -> GroupedShape {
+        let s = GroupedShape::DEFAULT_STAGED;
+        let need = s.shared_bytes(table.hidden).max(s.shared_bytes(table.inter));
+        if need <= self.info().shared_bytes_optin {
+            s
+        } else {
+            GroupedShape::DEFAULT
+        }
+    }
+
     /// The routed experts of a prefill chunk, expert-major, in two launches for all experts
     /// (instead of five launches and three allocations per expert):
     /// `h[p] = silu(gate_e · xg[p]) ⊙ (up_e · xg[p])`, then `y[dst[p]] = down_e · h[p]` for every
@@ -890,7 +985,7 @@ impl Gpu {
     /// - `xg: [pairs, hidden]`: the pairs' inputs, sorted so that each expert's pairs are
     ///   consecutive (the "gathered order");
     /// - `tiles[i] = [entry, first, count]`: pairs `first .. first + count` (1 ≤ count ≤
-    ///   [`GROUP_T`]) use table entry `entry`; every pair in exactly one tile;
+    ///   [`Gpu::grouped_shape`]`.tokens`) use table entry `entry`; every pair in exactly one tile;
     /// - `dst[p]`: the row of `y: [rows, hidden]` that pair `p`'s output goes to, all distinct;
     /// - `h: [pairs, inter]`: work space.
     ///
@@ -912,14 +1007,15 @@ impl Gpu {
         h: &mut GpuBuf,
         y: &mut GpuBuf,
     ) -> Result<(), CudaError> {
-        self.moe_grouped_with(GroupedShape::DEFAULT, table, tiles, xg, dst, h, y)
+        self.moe_grouped_with(self.grouped_shape(table), table, tiles, xg, dst, h, y)
     }
 
     /// [`Gpu::moe_grouped`] with the kernels' shape chosen (tiles of at most `shape.tokens`
     /// pairs). Every shape gives the same bits.
     ///
     /// # Errors
-    /// As [`Gpu::moe_grouped`], and `Shape` for a shape without kernels.
+    /// As [`Gpu::moe_grouped`], and `Shape` for a shape without kernels or whose shared memory
+    /// does not fit this device.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_grouped_with(
         &self,
@@ -948,6 +1044,14 @@ impl Gpu {
                 xg.len(),
                 h.len(),
                 y.len()
+            ));
+        }
+        let (smem_gu, smem_dn) = (shape.shared_bytes(hidden), shape.shared_bytes(inter));
+        if smem_gu.max(smem_dn) > self.info().shared_bytes_optin {
+            return bad(format!(
+                "{shape:?} needs {} bytes of shared memory a block; this device allows {}",
+                smem_gu.max(smem_dn),
+                self.info().shared_bytes_optin
             ));
         }
         let y_rows = y.len() / hidden;
@@ -982,41 +1086,58 @@ impl Gpu {
         let flat: Vec<i32> = tiles.iter().flatten().copied().collect();
         let tiles_d = self.upload(&flat)?;
         let dst_d = self.upload(dst)?;
+        let (gu, dn) = (self.k.get(gu_name)?, self.k.get(dn_name)?);
+        // Launch shape: (blocks over rows, tiles); staged kernels opt in to their shared memory.
+        let cfg = |rows: usize, rows_a_warp: usize, smem: usize, nt: u32| {
+            if shape.staged {
+                LaunchConfig {
+                    grid_dim: (rows.div_ceil(shape.cta_rows) as u32, nt, 1),
+                    block_dim: (32 * STAGED_WARPS, 1, 1),
+                    shared_mem_bytes: smem as u32,
+                }
+            } else {
+                LaunchConfig {
+                    grid_dim: (rows.div_ceil(WARPS as usize * rows_a_warp) as u32, nt, 1),
+                    block_dim: (32 * WARPS, 1, 1),
+                    shared_mem_bytes: 0,
+                }
+            }
+        };
+        if shape.staged {
+            let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            gu.set_attribute(attr, smem_gu as i32)
+                .ctx("cuFuncSetAttribute (gate/up)")?;
+            dn.set_attribute(attr, smem_dn as i32)
+                .ctx("cuFuncSetAttribute (down)")?;
+        }
+        let cta_rows = shape.cta_rows as i32;
         for tile0 in (0..tiles.len()).step_by(MAX_TILES_PER_LAUNCH) {
             let nt = (tiles.len() - tile0).min(MAX_TILES_PER_LAUNCH) as u32;
             let t0 = tile0 as i32;
-            let cfg = |rows: usize| LaunchConfig {
-                grid_dim: (rows.div_ceil(WARPS as usize * shape.gate_up_rows) as u32, nt, 1),
-                block_dim: (32 * WARPS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut b = self.stream().launch_builder(self.k.get(gu_name)?);
-            b.arg(&table.buf)
-                .arg(&tiles_d)
-                .arg(&t0)
-                .arg(&inter_i)
-                .arg(&hidden_i)
-                .arg(xg)
-                .arg(&mut *h);
-            // SAFETY: matches `moe_gate_up_grouped` in fused.cu; every tile names a filled MXFP4
-            // entry of [inter, hidden] gate/up (checked above and by ExpertTable::set) and pairs
-            // inside xg and h.
-            unsafe { b.launch(cfg(inter)) }.ctx("launch moe_gate_up_grouped_*")?;
+            let mut b = self.stream().launch_builder(gu);
+            b.arg(&table.buf).arg(&tiles_d).arg(&t0).arg(&inter_i).arg(&hidden_i);
+            if shape.staged {
+                b.arg(&cta_rows);
+            }
+            b.arg(xg).arg(&mut *h);
+            // SAFETY: matches `moe_gate_up_grouped_*` / `moe_gate_up_staged_*` in fused.cu;
+            // every tile names a filled MXFP4 entry of [inter, hidden] gate/up (checked above and
+            // by ExpertTable::set) and pairs inside xg and h; the staged kernels' shared memory
+            // is what they index (tokens × blocks × 36 floats) and was allowed above.
+            unsafe { b.launch(cfg(inter, shape.gate_up_rows, smem_gu, nt)) }.ctx("launch grouped gate/up")?;
         }
         for tile0 in (0..tiles.len()).step_by(MAX_TILES_PER_LAUNCH) {
             let nt = (tiles.len() - tile0).min(MAX_TILES_PER_LAUNCH) as u32;
             let t0 = tile0 as i32;
-            let cfg = LaunchConfig {
-                grid_dim: (hidden.div_ceil(WARPS as usize * shape.down_rows) as u32, nt, 1),
-                block_dim: (32 * WARPS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut b = self.stream().launch_builder(self.k.get(dn_name)?);
+            let mut b = self.stream().launch_builder(dn);
             b.arg(&table.buf).arg(&tiles_d).arg(&t0).arg(&hidden_i).arg(&inter_i);
+            if shape.staged {
+                b.arg(&cta_rows);
+            }
             b.arg(&*h).arg(&dst_d).arg(&mut *y);
-            // SAFETY: matches `moe_down_grouped`; down is [hidden, inter] per the table, every
-            // destination row is inside y and distinct (checked above).
-            unsafe { b.launch(cfg) }.ctx("launch moe_down_grouped_*")?;
+            // SAFETY: matches `moe_down_grouped_*` / `moe_down_staged_*`; down is [hidden, inter]
+            // per the table, every destination row is inside y and distinct (checked above).
+            unsafe { b.launch(cfg(hidden, shape.down_rows, smem_dn, nt)) }.ctx("launch grouped down")?;
         }
         Ok(())
     }

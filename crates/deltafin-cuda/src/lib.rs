@@ -27,12 +27,13 @@ mod mat;
 mod moe;
 
 pub use attention::{MlaShape, MLA_SPLIT};
+pub use batch::MlaPrefillForm;
 /// Device buffers and views of any element type (re-exported from `cudarc`).
 pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use device::{probe, DeviceInfo};
 pub use fused::{
     ExpertDesc, ExpertTable, GroupedShape, MatDesc, MlaPrepArg, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg,
-    RouterShape, GROUP_T, MAX_JOBS,
+    RouterShape, MAX_JOBS,
 };
 pub use gpu::{compile_ptx, ptx_cache_dir, Gpu, GpuBuf, ENTRY_POINTS};
 pub use gqa::{GqaShape, SoftmaxRouter};

@@ -1032,6 +1032,73 @@ fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
     }
 }
 
+/// Both MLA prefill forms give every token of a chunk the bits of its decode, on awkward shapes
+/// (3 heads, latent rank 40: lanes with one and two latent columns, 10 rope dims, 30 query-heads
+/// a tiled block) and on the `bench` preset's (16 heads, rank 512, rope 64), with int8 and f32
+/// `kv_b_proj`, chunks that start at 0 and mid-split and end mid-split.
+#[test]
+fn mla_prefill_forms_equal_decode() {
+    use deltafin_cuda::{MlaPrefillForm, MlaShape};
+    let Some(g) = gpu("mla_prefill_forms_equal_decode") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(65);
+    for s in [
+        MlaShape {
+            n_heads: 3,
+            nope: 24,
+            rope: 10,
+            v_head_dim: 20,
+            kv_lora_rank: 40,
+        },
+        MlaShape {
+            n_heads: 16,
+            nope: 128,
+            rope: 64,
+            v_head_dim: 128,
+            kv_lora_rank: 512,
+        },
+    ] {
+        let (nh, qk, vd, kvl) = (s.n_heads, s.nope + s.rope, s.v_head_dim, s.kv_lora_rank);
+        let tmax = 200usize;
+        let kvb_h = Host::new(&mut rng, nh * (s.nope + vd), kvl);
+        let dc = g.upload(&rand_vec(&mut rng, tmax * kvl)).unwrap();
+        let dk = g.upload(&rand_vec(&mut rng, tmax * s.rope)).unwrap();
+        for (mi, m) in [kvb_h.mats()[0], kvb_h.mats()[1]].into_iter().enumerate() {
+            let kvb = GpuMat::upload(&g, &m).unwrap();
+            let wname = ["f32", "int8"][mi];
+            for (t0, n) in [(0usize, 70usize), (50, 150), (130, 1)] {
+                let q = rand_vec(&mut rng, n * nh * qk);
+                let dq = g.upload(&q).unwrap();
+                let mut outs = Vec::new();
+                for form in [MlaPrefillForm::PerToken, MlaPrefillForm::Tiled] {
+                    let mut sc = g.zeros(n * s.scratch_len(t0 + n)).unwrap();
+                    let mut out = g.upload(&vec![f32::NAN; n * nh * vd]).unwrap();
+                    g.mla_prefill_with(form, s, &dq, &dc, &dk, &kvb, t0, n, 0.125, &mut sc, &mut out)
+                        .unwrap();
+                    outs.push(g.download(&out).unwrap());
+                }
+                let mut dsc = g.zeros(s.scratch_len(tmax)).unwrap();
+                for j in 0..n {
+                    let dqj = g.upload(&q[j * nh * qk..(j + 1) * nh * qk]).unwrap();
+                    let mut o = g.upload(&vec![f32::NAN; nh * vd]).unwrap();
+                    g.mla_decode(s, &dqj, &dc, &dk, &kvb, t0 + j + 1, 0.125, None, None, &mut dsc, &mut o)
+                        .unwrap();
+                    let o = g.download(&o).unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    for (f, out) in outs.iter().enumerate() {
+                        assert_eq!(
+                            bits(&o),
+                            bits(&out[j * nh * vd..(j + 1) * nh * vd]),
+                            "{s:?} {wname} chunk {t0}+{n}, form {f}: token {j} differs from its decode"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Grouped-query attention in float64 for token `pos` with query `q: [nh, hd]` over
 /// `k, v: [>= pos + 1, nkv, hd]`: the CPU's gqa.rs formula (window, sinks). Returns `[nh, hd]`.
 #[allow(clippy::too_many_arguments)]
@@ -1385,12 +1452,12 @@ fn rope_tokens_is_the_cpu_rotation_bit_for_bit() {
 
 /// The grouped prefill experts (`Gpu::moe_grouped`, two launches for every expert of a chunk):
 /// each (token, slot) output equal, bit for bit, to the per-expert path (gate and up `matmul`,
-/// `swiglu`, down `matmul`, then a scatter), with tiles of 1 to `GROUP_T` pairs, experts with no
+/// `swiglu`, down `matmul`, then a scatter), with tiles of 1 to `Gpu::grouped_shape(..).tokens` pairs, experts with no
 /// pair, shapes that are not multiples of 32, and destination rows in shuffled order (rows no
 /// pair names stay untouched); malformed tiles, destinations and non-MXFP4 entries are refused.
 #[test]
 fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
-    use deltafin_cuda::{GroupedShape, GROUP_T};
+    use deltafin_cuda::GroupedShape;
     use rand::seq::SliceRandom;
     let Some(g) = gpu("grouped_experts_equal_the_per_expert_matmuls_bit_for_bit") else {
         return;
@@ -1434,7 +1501,7 @@ fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
             }
             tiles
         };
-        let tiles = tiles_of(GROUP_T);
+        let tiles = tiles_of(g.grouped_shape(&table).tokens);
         let xg_host = rand_vec(&mut rng, pairs * hidden);
         let xg = g.upload(&xg_host).unwrap();
         let mut h = g.upload(&vec![f32::NAN; pairs * inter]).unwrap();

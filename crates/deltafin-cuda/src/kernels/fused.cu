@@ -639,7 +639,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // ---- Routed experts of a prefill chunk, grouped (expert-major) --------------------------------
 // The chunk's (token, slot) pairs sorted by expert (the "gathered order", row i of xg is the
 // input of pair i): tile i covers gathered rows tiles[3i + 1] .. tiles[3i + 1] + tiles[3i + 2]
-// (at most GROUP_T) of expert table[tiles[3i]]. Every (row, pair) output is mx_rows' result for
+// (at most the shape's T) of expert table[tiles[3i]]. Every (row, pair) output is mx_rows' result for
 // that row and that token at any R, T, then warp_sum: what mxfp4_mm computes for it, so these
 // two launches give the bits of the per-expert matmul + swiglu + matmul path (and of decoding).
 // blockIdx.y + tile0 = tile; one warp GROUP_R consecutive rows. MXFP4 experts only (the host
@@ -792,3 +792,202 @@ DN_GROUPED(moe_down_grouped_r1t8, 1, 8)
 DN_GROUPED(moe_down_grouped_r2t16, 2, 16)
 DN_GROUPED(moe_down_grouped_r4t4, 4, 4)
 DN_GROUPED(moe_down_grouped_r2t4, 2, 4)
+
+// ---- Grouped experts, the tile's activations staged in shared memory -------------------------
+// The same outputs as the kernels above, bit for bit, with a different split of the work: a
+// block of W warps stages its tile's T inputs in shared memory once (instead of every warp
+// re-reading them through L1), and each warp computes R rows (gate/up: R rows of gate and R of
+// up) for all T tokens of the tile at once, so each x load serves 2R (or R) rows and each decoded
+// code T tokens. A lane still does mx_rows' operations in mx_rows' order for every (row, token):
+// group g = lane / 4 takes blocks g, g + 8, ..., quarter q = lane % 4 its 8 elements in index
+// order, times the block scale, into its own accumulator. The 32 partials of each output are
+// then combined by warp_reduce_scatter, whose tree is warp_sum's (shfl_xor 16, 8, 4, 2, 1, own
+// value + partner's), so every output has warp_sum's bits; each lane ends holding two outputs
+// instead of every lane holding all of them (62 shuffles for 64 outputs instead of 320).
+//
+// Shared layout: token t, MX block b at xs[(t * nb + b) * SX]: 32 floats and 4 of padding, so
+// the lanes of one LDS.128 (eight groups, four quarters) fall on distinct banks.
+#define SX 36
+
+// Stages rows 0..nt of src ([*, cols], row stride cols) into xs for T tokens: zeros past cols
+// and for tokens nt..T (their outputs are computed and dropped).
+template <int T>
+__device__ __forceinline__ void stage_tile(const float* __restrict__ src, int cols, int nb, int nt,
+                                           float* __restrict__ xs) {
+    if ((cols & 3) == 0) {
+        const int per_tok = nb * 8;  // float4s a token, padded to whole blocks
+        for (int i = threadIdx.x; i < T * per_tok; i += blockDim.x) {
+            const int t = i / per_tok, c4 = i - t * per_tok, c = 4 * c4;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (t < nt && c < cols) v = *reinterpret_cast<const float4*>(src + (size_t)t * cols + c);
+            *reinterpret_cast<float4*>(xs + ((size_t)t * nb + (c >> 5)) * SX + (c & 31)) = v;
+        }
+    } else {
+        const int per_tok = nb * 32;
+        for (int i = threadIdx.x; i < T * per_tok; i += blockDim.x) {
+            const int t = i / per_tok, c = i - t * per_tok;
+            xs[((size_t)t * nb + (c >> 5)) * SX + (c & 31)] = t < nt && c < cols ? src[(size_t)t * cols + c] : 0.0f;
+        }
+    }
+    __syncthreads();
+}
+
+// mx_dot8_tail's operations with the loop unrolled (constant indices keep v in registers).
+__device__ __forceinline__ float mx_dot8_tail_unrolled(const float v[8], const float* __restrict__ xt, int valid) {
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (j < valid) s += v[j] * xt[j];
+    return s;
+}
+
+// NM matrices' R consecutive rows (codes pk[m], scales sc_[m], row stride nb blocks; nr <= R
+// rows exist) against the T staged tokens: acc[(r * T + t) * NM + m], mx_rows' per-lane partials.
+// With PF, the next block's codes and scale bytes are loaded before this block's arithmetic
+// (the same values and operations, issued earlier).
+template <int NM, int R, int T, bool PF>
+__device__ __forceinline__ void mx_rows_staged(const u8* const (&pk)[NM], const u8* const (&sk)[NM], int nr,
+                                               int cols, int nb, const float* __restrict__ xs,
+                                               float (&acc)[NM * R * T]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int full = (cols & 3) == 0 ? cols >> 5 : 0;
+#pragma unroll
+    for (int i = 0; i < NM * R * T; ++i) acc[i] = 0.0f;
+    u32 wn[NM][R];
+    u8 sn[NM][R];
+    auto fetch = [&](int b) {
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const bool ok = r < nr && b < nb;
+                wn[m][r] = ok ? *reinterpret_cast<const u32*>(pk[m] + ((size_t)r * nb + b) * 16 + 4 * q) : 0u;
+                sn[m][r] = ok ? sk[m][(size_t)r * nb + b] : (u8)0;
+            }
+    };
+    if (PF) fetch(g);
+    for (int b = g; b < nb; b += 8) {
+        u32 w[NM][R];
+        float sc[NM][R];
+        if (!PF) fetch(b);
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                w[m][r] = wn[m][r];
+                sc[m][r] = r < nr ? e8m0(sn[m][r]) * Dec<MX_DEC>::SCALE : 0.0f;
+            }
+        if (PF) fetch(b + 8);
+        float v[NM][R][8];
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+            for (int r = 0; r < R; ++r) Dec<MX_DEC>::run(w[m][r], nullptr, v[m][r]);
+        const float* xb = xs + (size_t)b * SX + 8 * q;
+        if (b < full) {
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                const float4 a = *reinterpret_cast<const float4*>(xb + (size_t)t * nb * SX);
+                const float4 c = *reinterpret_cast<const float4*>(xb + (size_t)t * nb * SX + 4);
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int m = 0; m < NM; ++m) acc[(r * T + t) * NM + m] += mx_dot8(v[m][r], a, c) * sc[m][r];
+            }
+        } else {
+            const int valid = cols - (b * 32 + 8 * q);
+            if (valid <= 0) continue;
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int m = 0; m < NM; ++m)
+                        acc[(r * T + t) * NM + m] += mx_dot8_tail_unrolled(v[m][r], xb + (size_t)t * nb * SX, valid) * sc[m][r];
+        }
+    }
+}
+
+// h[p, r] = silu(gate_e[r] . xg[p]) * (up_e[r] . xg[p]) (moe_gate_up_grouped's outputs): block
+// (blockIdx.x, tile blockIdx.y + tile0) covers rows blockIdx.x * cta_rows .. + cta_rows, its
+// warps taking R rows at a time in turn.
+template <int R, int T, bool PF>
+__device__ __forceinline__ void moe_gate_up_staged_impl(const Expert* __restrict__ table, const int* __restrict__ tiles,
+                                                        int tile0, int inter, int hidden, int cta_rows,
+                                                        const float* __restrict__ xg, float* __restrict__ h) {
+    static_assert(2 * R * T == 64, "two outputs a lane");
+    extern __shared__ float xs[];
+    int e, off, nt;
+    grouped_tile(tiles, tile0, &e, &off, &nt);
+    const int nb = (hidden + 31) >> 5;
+    stage_tile<T>(xg + (size_t)off * hidden, hidden, nb, nt, xs);
+    const Mat gm = table[e].gate, um = table[e].up;
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int end = min(inter, (blockIdx.x + 1) * cta_rows);
+    for (int row0 = blockIdx.x * cta_rows + (threadIdx.x >> 5) * R; row0 < end; row0 += warps * R) {
+        const int nr = min(R, end - row0);
+        const u8* const pk[2] = {reinterpret_cast<const u8*>(gm.w) + (size_t)row0 * nb * 16,
+                                 reinterpret_cast<const u8*>(um.w) + (size_t)row0 * nb * 16};
+        const u8* const sk[2] = {reinterpret_cast<const u8*>(gm.s) + (size_t)row0 * nb,
+                                 reinterpret_cast<const u8*>(um.s) + (size_t)row0 * nb};
+        float acc[2 * R * T];
+        mx_rows_staged<2, R, T, PF>(pk, sk, nr, hidden, nb, xs, acc);
+        warp_reduce_scatter<2 * R * T>(acc);
+        // Lane l holds gate (acc[0]) and up (acc[1]) of output l = r * T + t.
+        const int r = lane / T, t = lane % T;
+        if (r < nr && t < nt) h[(size_t)(off + t) * inter + row0 + r] = silu_mul(acc[0], acc[1]);
+    }
+}
+
+// y[dst[p], r] = down_e[r] . h[p] (moe_down_grouped's outputs), split as above.
+template <int R, int T, bool PF>
+__device__ __forceinline__ void moe_down_staged_impl(const Expert* __restrict__ table, const int* __restrict__ tiles,
+                                                     int tile0, int hidden, int inter, int cta_rows,
+                                                     const float* __restrict__ h, const int* __restrict__ dst,
+                                                     float* __restrict__ y) {
+    static_assert(R * T == 64 && T % 2 == 0, "two outputs a lane, of one row");
+    extern __shared__ float xs[];
+    int e, off, nt;
+    grouped_tile(tiles, tile0, &e, &off, &nt);
+    const int nb = (inter + 31) >> 5;
+    stage_tile<T>(h + (size_t)off * inter, inter, nb, nt, xs);
+    const Mat d = table[e].down;
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int end = min(hidden, (blockIdx.x + 1) * cta_rows);
+    for (int row0 = blockIdx.x * cta_rows + (threadIdx.x >> 5) * R; row0 < end; row0 += warps * R) {
+        const int nr = min(R, end - row0);
+        const u8* const pk[1] = {reinterpret_cast<const u8*>(d.w) + (size_t)row0 * nb * 16};
+        const u8* const sk[1] = {reinterpret_cast<const u8*>(d.s) + (size_t)row0 * nb};
+        float acc[R * T];
+        mx_rows_staged<1, R, T, PF>(pk, sk, nr, inter, nb, xs, acc);
+        warp_reduce_scatter<R * T>(acc);
+        // Lane l holds outputs 2l and 2l + 1: row r = 2l / T, tokens t and t + 1.
+        const int r = (2 * lane) / T, t = (2 * lane) % T;
+        if (r < nr) {
+            if (t < nt) y[(size_t)dst[off + t] * hidden + row0 + r] = acc[0];
+            if (t + 1 < nt) y[(size_t)dst[off + t + 1] * hidden + row0 + r] = acc[1];
+        }
+    }
+}
+
+#define GU_STAGED(NAME, R, T, MINB, PF)                                                               \
+    extern "C" __global__ void __launch_bounds__(128, MINB)                                           \
+        NAME(const Expert* __restrict__ table, const int* __restrict__ tiles, int tile0, int inter,    \
+             int hidden, int cta_rows, const float* __restrict__ xg, float* __restrict__ h) {          \
+        moe_gate_up_staged_impl<R, T, PF>(table, tiles, tile0, inter, hidden, cta_rows, xg, h);       \
+    }
+#define DN_STAGED(NAME, R, T, MINB, PF)                                                               \
+    extern "C" __global__ void __launch_bounds__(128, MINB)                                           \
+        NAME(const Expert* __restrict__ table, const int* __restrict__ tiles, int tile0, int hidden,   \
+             int inter, int cta_rows, const float* __restrict__ h, const int* __restrict__ dst,        \
+             float* __restrict__ y) {                                                                 \
+        moe_down_staged_impl<R, T, PF>(table, tiles, tile0, hidden, inter, cta_rows, h, dst, y);      \
+    }
+// Name: rows a warp R, tokens T, blocks an SM the registers are capped for (b3: 168 registers,
+// a few spilled; b2: up to 255), p: the next block's codes loaded ahead.
+GU_STAGED(moe_gate_up_staged_r4t8b3, 4, 8, 3, false)
+GU_STAGED(moe_gate_up_staged_r4t8b3p, 4, 8, 3, true)
+GU_STAGED(moe_gate_up_staged_r4t8b2p, 4, 8, 2, true)
+DN_STAGED(moe_down_staged_r8t8b3, 8, 8, 3, false)
+DN_STAGED(moe_down_staged_r8t8b3p, 8, 8, 3, true)
+DN_STAGED(moe_down_staged_r8t8b2p, 8, 8, 2, true)

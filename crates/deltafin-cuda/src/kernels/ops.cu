@@ -55,6 +55,39 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// The 32 lanes' partials of V outputs (V = 32 * 2^k) summed by warp_sum's tree (own value +
+// partner's at shfl_xor 16, 8, 4, 2, 1; every lane of a pair gets the same sum), scattered:
+// afterwards lane l holds outputs V/32 * l .. V/32 * (l + 1) - 1 in a[0 .. V/32].
+// The selects are PTX selp on values already in registers: written as `up ? a[i] : a[i + half]`
+// the compiler turns them into a load from a selected address, which puts the whole array in
+// local memory (ptxas: a 256-byte stack frame for 64 outputs).
+__device__ __forceinline__ float selp(bool c, float x, float y) {
+    float r;
+    asm("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %3, 0;\n\tselp.f32 %0, %1, %2, p;\n\t}"
+        : "=f"(r) : "f"(x), "f"(y), "r"((u32)c));
+    return r;
+}
+// One stage: lanes l and l ^ OFF each keep one half of the first 2 HALF values (the upper lane
+// the upper half) and add the partner's copy of it.
+template <int HALF, int OFF, int V>
+__device__ __forceinline__ void reduce_scatter_stage(float (&a)[V], bool up) {
+#pragma unroll
+    for (int i = 0; i < HALF; ++i) {
+        const float lo = a[i], hi = a[i + HALF];
+        a[i] = selp(up, hi, lo) + __shfl_xor_sync(0xffffffffu, selp(up, lo, hi), OFF);
+    }
+}
+template <int V>
+__device__ __forceinline__ void warp_reduce_scatter(float (&a)[V]) {
+    static_assert(V >= 32 && (V & (V - 1)) == 0, "V = 32 * 2^k");
+    const int lane = threadIdx.x & 31;
+    reduce_scatter_stage<V / 2, 16>(a, (lane & 16) != 0);
+    reduce_scatter_stage<V / 4, 8>(a, (lane & 8) != 0);
+    reduce_scatter_stage<V / 8, 4>(a, (lane & 4) != 0);
+    reduce_scatter_stage<V / 16, 2>(a, (lane & 2) != 0);
+    reduce_scatter_stage<V / 32, 1>(a, (lane & 1) != 0);
+}
+
 // E2M1 decoders. Each gives the exact E2M1 value of a code, or that value times a power of two
 // that the caller folds back into the block scale (`DEC_SCALE`): products and sums then round
 // exactly as with the plain values (scaling by 2^k commutes with f32 rounding in the normal
@@ -1011,4 +1044,171 @@ extern "C" __global__ void moe_combine_tokens(const float* __restrict__ y, const
         acc = __fadd_rn(acc, __fmul_rn(w[(size_t)t * k + j], y[((size_t)t * k + j) * hidden + i]));
     if (shared != nullptr) acc = __fadd_rn(acc, __fmul_rn(1.0f, shared[e]));
     x[e] = __fadd_rn(x[e], __fmul_rn(1.0f, acc));
+}
+
+// ---- MLA prefill, tiled: several tokens and every head in one block --------------------------
+// The partials and outputs of mla_prefill_* (so each token still gets its decode bits), with the
+// work split for reuse: block (split sp, token group jg) takes tokens jg * qt .. + qt of the chunk
+// and all their heads, "query-heads" idx = jj * nh + h (jj the token in the group).
+//   Scores: a warp holds MLA_QH query-heads' q_abs and rope queries in registers (lane l: the
+//   columns c = l, l + 32, ..., the lanes' order in mla_part) and streams the split's latent rows
+//   through, four positions at a time; each (query-head, position) lane partial is mla_part's
+//   (a += q_abs[c] ckv[t, c] over the lane's columns in order, b likewise for the rope part), and
+//   the 32 partials are summed by warp_reduce_scatter (warp_sum's tree), then (a + b) * scale.
+//   Softmax: a warp a query-head, mla_part's max, exp and sum (lane l adds e_l then e_{l+32}).
+//   Values: thread i owns columns i and i + 256 for 32 query-heads at a time and adds
+//   e_u * ckv[t_u, c] for u in order (mla_part's __fadd_rn / __fmul_rn), skipping the positions
+//   a token does not see (only at the end of its split).
+// mla_prefill_combine_* then combines every (token, head) (mla_combine), one block each. The
+// partials do not depend on kv_b_proj, so this kernel has one form. Needs kvl <= 512 and
+// rope <= 64 (the host uses mla_prefill_* otherwise). Dynamic shared memory:
+// MLA_SPLIT * nqp + 32 floats, nqp = qt * nh rounded up to 4.
+#define MLA_QH 4
+
+__device__ __forceinline__ void mla_prefill_tiled_impl(const float* __restrict__ q, const float* __restrict__ ckv,
+                                                       const float* __restrict__ kpe, int nh, int nope, int rope,
+                                                       int kvl, int t0, int n, int qt, int s_cap,
+                                                       float scale, const float* __restrict__ qabs, float* parts) {
+    extern __shared__ float sh[];
+    const int sp = blockIdx.x, jg = blockIdx.y;
+    const int j0 = jg * qt, nj = min(qt, n - j0), nqh = nj * nh, nqp = (nqh + 3) & ~3;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int ts = sp * MLA_SPLIT, qk = nope + rope;
+    const int nmax = min(MLA_SPLIT, t0 + j0 + nj - ts);  // positions the group's last token sees
+    const int kvn = (kvl - lane + 31) >> 5, rpn = (rope - lane + 31) >> 5;  // this lane's columns
+    float* es = sh;  // [MLA_SPLIT, nqp]: scores, then their exps
+    if (nmax > 0) {
+        for (int g0 = warp * MLA_QH; g0 < nqh; g0 += 8 * MLA_QH) {
+            float qa[MLA_QH][16], qp[MLA_QH][2];
+#pragma unroll
+            for (int i = 0; i < MLA_QH; ++i) {
+                const int idx = g0 + i;
+                const int jj = idx / nh, h = idx - jj * nh;
+                const size_t row = (size_t)(j0 + jj) * nh + h;
+#pragma unroll
+                for (int k = 0; k < 16; ++k) qa[i][k] = idx < nqh && k < kvn ? qabs[row * kvl + lane + 32 * k] : 0.0f;
+#pragma unroll
+                for (int k = 0; k < 2; ++k) qp[i][k] = idx < nqh && k < rpn ? q[row * qk + nope + lane + 32 * k] : 0.0f;
+            }
+            for (int u0 = 0; u0 < nmax; u0 += 4) {
+                float r[32];  // r[uu * MLA_QH + i]: a of (u0 + uu, g0 + i); r[16 + ...]: its b
+#pragma unroll
+                for (int uu = 0; uu < 4; ++uu) {
+                    const int t = ts + min(u0 + uu, nmax - 1);
+                    float kv[16], kp[2];
+#pragma unroll
+                    for (int k = 0; k < 16; ++k) kv[k] = k < kvn ? ckv[(size_t)t * kvl + lane + 32 * k] : 0.0f;
+#pragma unroll
+                    for (int k = 0; k < 2; ++k) kp[k] = k < rpn ? kpe[(size_t)t * rope + lane + 32 * k] : 0.0f;
+#pragma unroll
+                    for (int i = 0; i < MLA_QH; ++i) {
+                        float a = 0.0f, b = 0.0f;
+#pragma unroll
+                        for (int k = 0; k < 16; ++k)
+                            if (k < kvn) a += qa[i][k] * kv[k];
+#pragma unroll
+                        for (int k = 0; k < 2; ++k)
+                            if (k < rpn) b += qp[i][k] * kp[k];
+                        r[uu * MLA_QH + i] = a;
+                        r[16 + uu * MLA_QH + i] = b;
+                    }
+                }
+                warp_reduce_scatter<32>(r);
+                const float b = __shfl_down_sync(0xffffffffu, r[0], 16);
+                if (lane < 16) {
+                    const int u = u0 + lane / MLA_QH, idx = g0 + lane % MLA_QH;
+                    if (u < nmax && idx < nqh) es[u * nqp + idx] = (r[0] + b) * scale;
+                }
+            }
+        }
+        __syncthreads();
+        for (int idx = warp; idx < nqh; idx += 8) {
+            const int jj = idx / nh, h = idx - jj * nh;
+            const int nu = min(MLA_SPLIT, t0 + j0 + jj + 1 - ts);
+            if (nu <= 0) continue;
+            float m = __int_as_float(0xff800000u);
+            for (int u = lane; u < nu; u += 32) m = fmaxf(m, es[u * nqp + idx]);
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+            float l = 0.0f;
+            for (int u = lane; u < nu; u += 32) {
+                const float e = exp_f32(es[u * nqp + idx] - m);
+                es[u * nqp + idx] = e;
+                l += e;
+            }
+            l = warp_sum(l);
+            if (lane == 0) {
+                float* part = parts + (((size_t)(j0 + jj) * nh + h) * s_cap + sp) * (kvl + 2);
+                part[0] = m;
+                part[1] = l;
+            }
+        }
+        __syncthreads();
+        // Token jj sees position u of the split when jj >= u + ts - t0 - j0.
+        for (int i0 = 0; i0 < nqh; i0 += 32) {
+            float acc[32][2];
+#pragma unroll
+            for (int i = 0; i < 32; ++i) acc[i][0] = acc[i][1] = 0.0f;
+            const int c0 = tid, c1 = tid + 256;
+            for (int u = 0; u < nmax; ++u) {
+                const size_t t = (size_t)(ts + u);
+                const float k0 = c0 < kvl ? ckv[t * kvl + c0] : 0.0f;
+                const float k1 = c1 < kvl ? ckv[t * kvl + c1] : 0.0f;
+                const int thr = max(0, u + ts - t0 - j0) * nh;  // first query-head that sees u
+                const float* eu = es + u * nqp + i0;
+#pragma unroll
+                for (int i4 = 0; i4 < 8; ++i4) {
+                    const float4 e4 = *reinterpret_cast<const float4*>(eu + 4 * i4);
+                    const float ev[4] = {e4.x, e4.y, e4.z, e4.w};
+#pragma unroll
+                    for (int z = 0; z < 4; ++z) {
+                        const int i = 4 * i4 + z;
+                        if (i0 + i >= thr) {
+                            acc[i][0] = __fadd_rn(acc[i][0], __fmul_rn(ev[z], k0));
+                            acc[i][1] = __fadd_rn(acc[i][1], __fmul_rn(ev[z], k1));
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                const int idx = i0 + i;
+                if (idx >= nqh) break;
+                const int jj = idx / nh, h = idx - jj * nh;
+                if (t0 + j0 + jj + 1 - ts <= 0) continue;
+                float* part = parts + (((size_t)(j0 + jj) * nh + h) * s_cap + sp) * (kvl + 2);
+                if (c0 < kvl) part[2 + c0] = acc[i][0];
+                if (c1 < kvl) part[2 + c1] = acc[i][1];
+            }
+        }
+    }
+}
+
+// The combine of mla_prefill_tiled_*: one block a (head h = blockIdx.x, token j = blockIdx.y),
+// mla_combine over the token's S = ceil((t0 + j + 1) / 64) partials (its own launch, so the
+// (token, head) combines run in parallel rather than one after another in a last block).
+template <bool I8>
+__device__ __forceinline__ void mla_prefill_combine_impl(const float* parts, const void* __restrict__ w,
+                                                         const float* __restrict__ wsc, int nope, int vd, int kvl,
+                                                         int t0, int s_cap, float* __restrict__ out) {
+    extern __shared__ float sh[];
+    const int h = blockIdx.x, j = blockIdx.y, nh = gridDim.x;
+    const int S = (t0 + j + 1 + MLA_SPLIT - 1) / MLA_SPLIT;
+    mla_combine<I8>(S, parts + ((size_t)j * nh + h) * s_cap * (kvl + 2), w, wsc, nope, vd, kvl, h, sh,
+                    out + ((size_t)j * nh + h) * vd);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    mla_prefill_combine_i8(const float* parts, const i8* w, const float* wsc, int nope, int vd, int kvl, int t0,
+                           int s_cap, float* out) {
+    mla_prefill_combine_impl<true>(parts, w, wsc, nope, vd, kvl, t0, s_cap, out);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    mla_prefill_combine_f32(const float* parts, const float* w, int nope, int vd, int kvl, int t0, int s_cap,
+                            float* out) {
+    mla_prefill_combine_impl<false>(parts, w, nullptr, nope, vd, kvl, t0, s_cap, out);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+    mla_prefill_tiled(const float* q, const float* ckv, const float* kpe, int nh, int nope, int rope, int kvl,
+                      int t0, int n, int qt, int s_cap, float scale, const float* qabs, float* parts) {
+    mla_prefill_tiled_impl(q, ckv, kpe, nh, nope, rope, kvl, t0, n, qt, s_cap, scale, qabs, parts);
 }

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use deltafin_cuda::{CudaError, CudaSlice, Gpu, GpuBuf, GpuMat, GROUP_T};
+use deltafin_cuda::{CudaError, CudaSlice, Gpu, GpuBuf, GpuMat};
 
 use crate::gpu_experts::{GpuExpert, GpuExpertCache};
 use crate::EngineError;
@@ -259,12 +259,13 @@ pub fn grouped_swiglu_experts(
     let (inter, hidden, pairs) = (first[0].rows, first[0].cols, em.dst.len());
     let mut table = g.expert_table(experts.len(), inter, hidden)?;
     table.set(g, 0, experts)?;
-    // tiles[i] = [entry, first pair, pairs]: each expert's pairs, GROUP_T at a time.
-    let mut tiles = Vec::with_capacity(pairs / GROUP_T + experts.len());
+    // tiles[i] = [entry, first pair, pairs]: each expert's pairs, `tmax` at a time.
+    let tmax = g.grouped_shape(&table).tokens;
+    let mut tiles = Vec::with_capacity(pairs / tmax + experts.len());
     let mut off = 0usize;
     for (u, m) in em.members.iter().enumerate() {
-        for t0 in (0..m.len()).step_by(GROUP_T) {
-            tiles.push([u as i32, (off + t0) as i32, (m.len() - t0).min(GROUP_T) as i32]);
+        for t0 in (0..m.len()).step_by(tmax) {
+            tiles.push([u as i32, (off + t0) as i32, (m.len() - t0).min(tmax) as i32]);
         }
         off += m.len();
     }

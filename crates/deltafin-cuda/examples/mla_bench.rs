@@ -1,0 +1,93 @@
+//! MLA over the chunks of a 2,000-token prompt on the GPU in both kernel forms of
+//! [`Gpu::mla_prefill_with`] (one block a (split, token); tiled: one block a (split, group of
+//! tokens)), on the `bench` preset's attention (16 heads, latent rank 256, nope 64, rope 32,
+//! v 64, int8 `kv_b_proj`) and DeepSeek-V3's (rank 512, nope 128, rope 64, v 128). Checks that
+//! both forms give the same bits and prints each chunk's time (median of CUDA-event timings)
+//! and the ratio (issue #16 target 2).
+//!
+//! `cargo run --release -p deltafin-cuda --example mla_bench [TOKENS] [CHUNK]` on a GPU machine.
+
+use deltafin_cuda::{Gpu, GpuMat, MlaPrefillForm, MlaShape};
+use deltafin_kernels::{int8, MatData, MatRef};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+fn main() {
+    let g = match Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("mla_bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    let arg = |i: usize, d: usize| std::env::args().nth(i).and_then(|a| a.parse().ok()).unwrap_or(d);
+    let (total, chunk) = (arg(1, 2000), arg(2, 507));
+    let mut rng = StdRng::seed_from_u64(9);
+    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
+    for (label, s) in [
+        (
+            "bench preset",
+            MlaShape {
+                n_heads: 16,
+                nope: 64,
+                rope: 32,
+                v_head_dim: 64,
+                kv_lora_rank: 256,
+            },
+        ),
+        (
+            "DeepSeek-V3 dims, 16 heads",
+            MlaShape {
+                n_heads: 16,
+                nope: 128,
+                rope: 64,
+                v_head_dim: 128,
+                kv_lora_rank: 512,
+            },
+        ),
+    ] {
+        let (nh, qk, kvl) = (s.n_heads, s.nope + s.rope, s.kv_lora_rank);
+        let rows = nh * (s.nope + s.v_head_dim);
+        let w = rand(rows * kvl);
+        let (mut q8, mut sc8) = (vec![0i8; rows * kvl], vec![0f32; rows]);
+        int8::quantize(&w, rows, kvl, &mut q8, &mut sc8);
+        let kvb = GpuMat::upload(
+            &g,
+            &MatRef::new(rows, kvl, MatData::Int8 { q: &q8, scales: &sc8 }).unwrap(),
+        )
+        .unwrap();
+        let ckv = g.upload(&rand(total * kvl)).unwrap();
+        let kpe = g.upload(&rand(total * s.rope)).unwrap();
+        println!("{label}: {s:?}, {total} tokens in chunks of {chunk}");
+        let (mut sum_a, mut sum_b) = (0f32, 0f32);
+        for t0 in (0..total).step_by(chunk) {
+            let n = chunk.min(total - t0);
+            let q = g.upload(&rand(n * nh * qk)).unwrap();
+            let mut sc = g.zeros(n * s.scratch_len(t0 + n)).unwrap();
+            let mut outs = Vec::new();
+            let mut times = Vec::new();
+            for form in [MlaPrefillForm::PerToken, MlaPrefillForm::Tiled] {
+                let mut out = g.zeros(n * nh * s.v_head_dim).unwrap();
+                let ms = g
+                    .time_ms(5, || {
+                        g.mla_prefill_with(form, s, &q, &ckv, &kpe, &kvb, t0, n, 0.1, &mut sc, &mut out)
+                    })
+                    .unwrap();
+                times.push(ms);
+                outs.push(g.download(&out).unwrap());
+            }
+            let same = outs[0].iter().zip(&outs[1]).all(|(a, b)| a.to_bits() == b.to_bits());
+            println!(
+                "  chunk {t0:>5}+{n:<4} per token {:>8.3} ms   tiled {:>8.3} ms   {:>5.2}x   bits equal: {same}",
+                times[0],
+                times[1],
+                times[0] / times[1]
+            );
+            sum_a += times[0];
+            sum_b += times[1];
+        }
+        println!(
+            "  whole prompt: per token {sum_a:.3} ms, tiled {sum_b:.3} ms, {:.2}x",
+            sum_a / sum_b
+        );
+    }
+}
