@@ -13,6 +13,10 @@
 //! `k_pe: [qk_rope_head_dim]`, never per-head keys and values. For head h,
 //! `q_nope_h · (W_UK_h c_t) = (W_UK_h^T q_nope_h) · c_t` and `Σ_t p_t W_UV_h c_t = W_UV_h Σ_t p_t c_t`,
 //! which equal the reference's expanded form up to f32 summation order. [MLA_ABSORB]
+//!
+//! Weights: every tensor is resolved once at load into `Weights` (handles named as in the
+//! checkpoint; a missing or malformed tensor fails there with its name) and read with the
+//! infallible [`Backbone::mat`] / [`Backbone::vec`]: a forward pass looks nothing up by name.
 
 use deltafin_format::{DeepseekV3Config, ModelConfig, ModelDir, Rope};
 use deltafin_kernels::{rms_norm, MatRef};

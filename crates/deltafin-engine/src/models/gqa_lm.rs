@@ -22,7 +22,7 @@
 use deltafin_cuda::SoftmaxRouter;
 use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
 use deltafin_format::{ModelConfig, ModelDir, Rope};
-use deltafin_kernels::rms_norm;
+use deltafin_kernels::{rms_norm, MatRef};
 
 use crate::experts::StoreOptions;
 use crate::gqa::{Buffers, GqaAttention, GqaDims, GqaNames, GqaWeights, KvCache};
@@ -448,6 +448,10 @@ impl<F: GqaMlp> CausalLm for GqaLm<F> {
 impl<F: GqaMlp> GqaFamily for GqaLm<F> {
     fn backbone(&self) -> &Backbone {
         &self.backbone
+    }
+
+    fn embed_tokens(&self) -> MatRef<'_> {
+        self.backbone.mat(&self.weights.embed_tokens)
     }
 
     fn attention(&self) -> &GqaAttention {

@@ -23,6 +23,10 @@
 //! LatentMoE the routed experts run on `routed_expert_down_proj(x)`, their weighted sum is
 //! RMS-normalised (`routed_expert_norm`) and projected back (`routed_expert_up_proj`); the
 //! shared experts read the full-width `x`. SiTU-GLU or SwiGLU everywhere, per `hidden_act`.
+//!
+//! Weights: every tensor is resolved once at load into `Weights` (handles named as in the
+//! checkpoint, each KDA layer's shapes checked there too) and read with the infallible
+//! [`Backbone::mat`] / [`Backbone::vec`]: a forward pass looks nothing up by name.
 
 use deltafin_format::kimi_linear::{GluActivation, KimiLinearConfig, MixerKind};
 use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
