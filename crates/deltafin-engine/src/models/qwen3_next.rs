@@ -54,20 +54,23 @@ const _: () = assert!(GDN_ROLLBACK_WINDOW > crate::speculate::MAX_DRAFT);
 /// checkpoint) and read with [`Backbone::mat`] / [`Backbone::vec`].
 enum Mixer {
     /// `self_attn.*` (`Qwen3NextAttention`).
-    Attention {
-        /// `[n_heads · 2 · head_dim, hidden]`: per head `[query | gate]`.
-        q_proj: MatHandle,
-        /// `[n_kv_heads · head_dim, hidden]` each.
-        k_proj: MatHandle,
-        v_proj: MatHandle,
-        /// `[hidden, n_heads · head_dim]`.
-        o_proj: MatHandle,
-        /// `1 + q_norm.weight`, `1 + k_norm.weight`: `[head_dim]`.
-        q_norm: Vec<f32>,
-        k_norm: Vec<f32>,
-    },
+    Attention(AttentionTensors),
     /// `linear_attn.*` (`Qwen3NextGatedDeltaNet`).
     DeltaNet(DeltaNetTensors),
+}
+
+/// One gated attention's tensors.
+struct AttentionTensors {
+    /// `[n_heads · 2 · head_dim, hidden]`: per head `[query | gate]`.
+    q_proj: MatHandle,
+    /// `[n_kv_heads · head_dim, hidden]` each.
+    k_proj: MatHandle,
+    v_proj: MatHandle,
+    /// `[hidden, n_heads · head_dim]`.
+    o_proj: MatHandle,
+    /// `1 + q_norm.weight`, `1 + k_norm.weight`: `[head_dim]`.
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
 }
 
 /// One gated DeltaNet's tensors ([`GdnWeights`] as handles).
@@ -220,14 +223,14 @@ impl Qwen3Next {
             let mixer = match cfg.mixers[l] {
                 Qwen3NextMixer::Attention => {
                     let a = format!("{p}.self_attn");
-                    Mixer::Attention {
+                    Mixer::Attention(AttentionTensors {
                         q_proj: bb.matrix_handle(&format!("{a}.q_proj.weight"))?,
                         k_proj: bb.matrix_handle(&format!("{a}.k_proj.weight"))?,
                         v_proj: bb.matrix_handle(&format!("{a}.v_proj.weight"))?,
                         o_proj: bb.matrix_handle(&format!("{a}.o_proj.weight"))?,
                         q_norm: centred(&bb, &format!("{a}.q_norm.weight"))?,
                         k_norm: centred(&bb, &format!("{a}.k_norm.weight"))?,
-                    }
+                    })
                 }
                 Qwen3NextMixer::GatedDeltaNet => {
                     let a = format!("{p}.linear_attn");
@@ -343,30 +346,25 @@ impl Qwen3Next {
         }
     }
 
-    /// Gated attention of layer `l` (its [`Mixer::Attention`] weights) for `n` tokens
-    /// `xn: [n, hidden]` at positions `pos0..`, appending their keys and values; returns
-    /// `[n, hidden]`. [QWEN3_NEXT_ATTENTION]
-    #[allow(clippy::too_many_arguments)]
+    /// Gated attention (weights `w`) for `n` tokens `xn: [n, hidden]` at positions `pos0..`,
+    /// appending their keys and values; returns `[n, hidden]`. [QWEN3_NEXT_ATTENTION]
     fn attention(
         &self,
-        l: usize,
+        w: &AttentionTensors,
         xn: &[f32],
         n: usize,
         pos0: usize,
         kc: &mut Vec<f32>,
         vc: &mut Vec<f32>,
-    ) -> Result<Vec<f32>, EngineError> {
-        let Mixer::Attention {
+    ) -> Vec<f32> {
+        let AttentionTensors {
             q_proj,
             k_proj,
             v_proj,
             o_proj,
             q_norm,
             k_norm,
-        } = &self.layers[l].mixer
-        else {
-            return Err(EngineError::Invalid(format!("layer {l} is not an attention layer")));
-        };
+        } = w;
         let bb = &self.backbone;
         let c = &self.cfg;
         let (nh, nkv, hd, rd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim);
@@ -409,7 +407,7 @@ impl Qwen3Next {
         }
         let mut out = vec![0f32; n * c.hidden_size];
         bb.mat(o_proj).matmul(&ctx, n, &mut out);
-        Ok(out)
+        out
     }
 
     /// The MLP of layer `l` for `n` tokens `xn: [n, hidden]` → `[n, hidden]`, with the routing
@@ -553,7 +551,7 @@ impl Qwen3Next {
             }
             let out = self.routed.time_attention(|| -> Result<Vec<f32>, EngineError> {
                 match (&layer.mixer, &mut st.layers[l]) {
-                    (Mixer::Attention { .. }, MixerState::Kv { k, v }) => self.attention(l, &xn, n, pos0, k, v),
+                    (Mixer::Attention(w), MixerState::Kv { k, v }) => Ok(self.attention(w, &xn, n, pos0, k, v)),
                     (Mixer::DeltaNet(w), MixerState::DeltaNet(s)) => {
                         let mut out = vec![0f32; n * h];
                         self.deltanet(w).forward(s, &xn, n, &mut out, chunked);
