@@ -27,9 +27,9 @@
 //! `models/gpt_oss/modeling_gpt_oss.py` `eager_attention_forward`: the sink is concatenated as an
 //! extra column, the max subtracted, softmaxed, and the column dropped). [ATTN_SINKS]
 
-use deltafin_format::model_dir::Backbone;
+use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
 use deltafin_format::Rope;
-use deltafin_kernels::{dot, rms_norm_inplace, softmax_inplace, MatRef};
+use deltafin_kernels::{dot, rms_norm_inplace, softmax_inplace};
 use rayon::prelude::*;
 
 use crate::model::DecodeState;
@@ -97,26 +97,31 @@ impl GqaNames {
         }
     }
 
-    /// Resolves the named tensors in `bb` into typed views, checking their kinds (matrices, f32
-    /// vectors), so a bad model directory fails at load and a forward pass looks nothing up.
+    /// Resolves the named tensors in `bb` once, checking their kinds (matrices, f32 vectors),
+    /// so a bad model directory fails at load and a forward pass looks nothing up.
     ///
     /// Errors: a missing or malformed tensor (named).
-    pub fn weights<'a>(&self, bb: &'a Backbone) -> Result<GqaWeights<'a>, EngineError> {
-        let vector = |n: &Option<String>| -> Result<Option<&'a [f32]>, EngineError> {
+    pub fn weights(&self, bb: &Backbone) -> Result<GqaWeights, EngineError> {
+        let vector = |n: &Option<String>| -> Result<Option<VecHandle>, EngineError> {
             Ok(match n {
-                Some(n) => Some(bb.vector(n)?),
+                Some(n) => Some(bb.vector_handle(n)?),
                 None => None,
             })
         };
         Ok(GqaWeights {
-            q_proj: bb.matrix(&self.q_proj)?,
-            k_proj: bb.matrix(&self.k_proj)?,
-            v_proj: bb.matrix(&self.v_proj)?,
-            o_proj: bb.matrix(&self.o_proj)?,
+            q_proj: bb.matrix_handle(&self.q_proj)?,
+            k_proj: bb.matrix_handle(&self.k_proj)?,
+            v_proj: bb.matrix_handle(&self.v_proj)?,
+            o_proj: bb.matrix_handle(&self.o_proj)?,
             q_norm: vector(&self.q_norm)?,
             k_norm: vector(&self.k_norm)?,
             biases: match &self.biases {
-                Some([q, k, v, o]) => Some([bb.vector(q)?, bb.vector(k)?, bb.vector(v)?, bb.vector(o)?]),
+                Some([q, k, v, o]) => Some([
+                    bb.vector_handle(q)?,
+                    bb.vector_handle(k)?,
+                    bb.vector_handle(v)?,
+                    bb.vector_handle(o)?,
+                ]),
                 None => None,
             },
             sinks: vector(&self.sinks)?,
@@ -125,24 +130,25 @@ impl GqaNames {
     }
 }
 
-/// One layer's attention weights, borrowed from the backbone ([`GqaNames::weights`]); shapes as
-/// in the checkpoint (`[out, in]`).
-#[derive(Clone, Copy)]
-pub struct GqaWeights<'a> {
+/// One layer's attention weights, resolved in the backbone once at load
+/// ([`GqaNames::weights`]) and read with [`Backbone::mat`] / [`Backbone::vec`]; shapes as in
+/// the checkpoint (`[out, in]`).
+#[derive(Debug, Clone, Copy)]
+pub struct GqaWeights {
     /// `[n_heads * head_dim, hidden]`.
-    pub q_proj: MatRef<'a>,
+    pub q_proj: MatHandle,
     /// `[n_kv_heads * head_dim, hidden]` each.
-    pub k_proj: MatRef<'a>,
-    pub v_proj: MatRef<'a>,
+    pub k_proj: MatHandle,
+    pub v_proj: MatHandle,
     /// `[hidden, n_heads * head_dim]`.
-    pub o_proj: MatRef<'a>,
+    pub o_proj: MatHandle,
     /// Per-head RMSNorm weights `[head_dim]` (Qwen3).
-    pub q_norm: Option<&'a [f32]>,
-    pub k_norm: Option<&'a [f32]>,
+    pub q_norm: Option<VecHandle>,
+    pub k_norm: Option<VecHandle>,
     /// Biases of q, k, v, o (gpt-oss).
-    pub biases: Option<[&'a [f32]; 4]>,
+    pub biases: Option<[VecHandle; 4]>,
     /// Per-head sink logits `[n_heads]` (gpt-oss). [ATTN_SINKS]
-    pub sinks: Option<&'a [f32]>,
+    pub sinks: Option<VecHandle>,
     /// The layer's window when it differs from [`GqaDims::sliding_window`].
     pub sliding_window: Option<usize>,
 }
@@ -295,12 +301,14 @@ impl GqaAttention {
         4 * (8 * d.hidden + 2 * d.n_heads * d.head_dim + 2 * d.n_kv_heads * d.head_dim + extra)
     }
 
-    /// Runs layer `layer`'s attention for the token at `cache.pos()` and appends its key and
-    /// value to the cache. `xn: [hidden]` (after `input_layernorm`) → `out: [hidden]`; `buf`
-    /// holds the work buffers (taken out of `cache`).
+    /// Runs layer `layer`'s attention (weights `w` in `bb`) for the token at `cache.pos()` and
+    /// appends its key and value to the cache. `xn: [hidden]` (after `input_layernorm`) →
+    /// `out: [hidden]`; `buf` holds the work buffers (taken out of `cache`).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
-        w: &GqaWeights<'_>,
+        bb: &Backbone,
+        w: &GqaWeights,
         layer: usize,
         xn: &[f32],
         cache: &mut KvCache,
@@ -313,18 +321,18 @@ impl GqaAttention {
         buf.q.resize(nh * d.head_dim, 0.0);
         buf.k.resize(kv_dim, 0.0);
         buf.v.resize(kv_dim, 0.0);
-        w.q_proj.matvec(xn, &mut buf.q);
-        w.k_proj.matvec(xn, &mut buf.k);
-        w.v_proj.matvec(xn, &mut buf.v);
-        self.finish_qkv(w, pos, 1, &mut buf.q, &mut buf.k, &mut buf.v);
+        bb.mat(&w.q_proj).matvec(xn, &mut buf.q);
+        bb.mat(&w.k_proj).matvec(xn, &mut buf.k);
+        bb.mat(&w.v_proj).matvec(xn, &mut buf.v);
+        self.finish_qkv(bb, w, pos, 1, &mut buf.q, &mut buf.k, &mut buf.v);
         cache.k[layer].extend_from_slice(&buf.k);
         cache.v[layer].extend_from_slice(&buf.v);
         buf.ctx.clear();
         buf.ctx.resize(nh * d.head_dim, 0.0);
-        self.attend(w, layer, &buf.q, pos, 1, cache, &mut buf.scores, &mut buf.ctx);
-        w.o_proj.matvec(&buf.ctx, out);
-        if let Some([.., bo]) = w.biases {
-            add_bias(out, bo);
+        self.attend(bb, w, layer, &buf.q, pos, 1, cache, &mut buf.scores, &mut buf.ctx);
+        bb.mat(&w.o_proj).matvec(&buf.ctx, out);
+        if let Some([.., bo]) = &w.biases {
+            add_bias(out, bb.vec(bo));
         }
     }
 
@@ -336,9 +344,11 @@ impl GqaAttention {
     /// blocked kernel ([`crate::blocked_attention`]). `xn: [nt, hidden]` → `out: [nt, hidden]`.
     /// Each token's result equals [`Self::forward`] bit for bit (`matmul` equals `matvec` row
     /// by row, and attention performs the same operations per (token, head)).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_batch(
         &self,
-        w: &GqaWeights<'_>,
+        bb: &Backbone,
+        w: &GqaWeights,
         layer: usize,
         xn: &[f32],
         nt: usize,
@@ -351,38 +361,52 @@ impl GqaAttention {
         let mut q = vec![0f32; nt * nh * d.head_dim];
         let mut k = vec![0f32; nt * kv_dim];
         let mut v = vec![0f32; nt * kv_dim];
-        w.q_proj.matmul(xn, nt, &mut q);
-        w.k_proj.matmul(xn, nt, &mut k);
-        w.v_proj.matmul(xn, nt, &mut v);
-        self.finish_qkv(w, pos0, nt, &mut q, &mut k, &mut v);
+        bb.mat(&w.q_proj).matmul(xn, nt, &mut q);
+        bb.mat(&w.k_proj).matmul(xn, nt, &mut k);
+        bb.mat(&w.v_proj).matmul(xn, nt, &mut v);
+        self.finish_qkv(bb, w, pos0, nt, &mut q, &mut k, &mut v);
         cache.k[layer].extend_from_slice(&k);
         cache.v[layer].extend_from_slice(&v);
         drop((k, v));
         let mut ctx = vec![0f32; nt * nh * d.head_dim];
         let mut scratch = Vec::new();
-        self.attend(w, layer, &q, pos0, nt, cache, &mut scratch, &mut ctx);
+        self.attend(bb, w, layer, &q, pos0, nt, cache, &mut scratch, &mut ctx);
         drop(q);
-        w.o_proj.matmul(&ctx, nt, out);
-        if let Some([.., bo]) = w.biases {
+        bb.mat(&w.o_proj).matmul(&ctx, nt, out);
+        if let Some([.., bo]) = &w.biases {
+            let bo = bb.vec(bo);
             out.chunks_exact_mut(d.hidden).for_each(|o| add_bias(o, bo));
         }
     }
 
     /// Biases, per-head q/k norms and RoPE of `nt` tokens at positions `pos0..`: `q: [nt,
     /// n_heads * head_dim]`, `k, v: [nt, n_kv_heads * head_dim]`, in place, row by row.
-    fn finish_qkv(&self, w: &GqaWeights<'_>, pos0: usize, nt: usize, q: &mut [f32], k: &mut [f32], v: &mut [f32]) {
+    #[allow(clippy::too_many_arguments)]
+    fn finish_qkv(
+        &self,
+        bb: &Backbone,
+        w: &GqaWeights,
+        pos0: usize,
+        nt: usize,
+        q: &mut [f32],
+        k: &mut [f32],
+        v: &mut [f32],
+    ) {
         let hd = self.dims.head_dim;
         let (qd, kd) = (q.len() / nt, k.len() / nt);
-        if let Some([bq, bk, bv, _]) = w.biases {
+        if let Some([bq, bk, bv, _]) = &w.biases {
             for (y, b, width) in [(&mut *q, bq, qd), (&mut *k, bk, kd), (&mut *v, bv, kd)] {
+                let b = bb.vec(b);
                 y.chunks_exact_mut(width).for_each(|row| add_bias(row, b));
             }
         }
-        if let Some(n) = w.q_norm {
+        if let Some(n) = &w.q_norm {
+            let n = bb.vec(n);
             q.chunks_exact_mut(hd)
                 .for_each(|h| rms_norm_inplace(h, n, self.qk_norm_eps));
         }
-        if let Some(n) = w.k_norm {
+        if let Some(n) = &w.k_norm {
+            let n = bb.vec(n);
             k.chunks_exact_mut(hd)
                 .for_each(|h| rms_norm_inplace(h, n, self.qk_norm_eps));
         }
@@ -402,7 +426,8 @@ impl GqaAttention {
     #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
-        w: &GqaWeights<'_>,
+        bb: &Backbone,
+        w: &GqaWeights,
         layer: usize,
         q: &[f32],
         pos0: usize,
@@ -417,7 +442,7 @@ impl GqaAttention {
         let group = nh / nkv;
         let window = w.sliding_window.or(d.sliding_window);
         let (keys, values) = (&cache.k[layer], &cache.v[layer]);
-        let sinks = w.sinks;
+        let sinks = w.sinks.as_ref().map(|s| bb.vec(s));
         let scale = self.scale;
         let span = |p: usize| match window {
             Some(w) => ((p + 1).saturating_sub(w), p + 1),

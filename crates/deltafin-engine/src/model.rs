@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
+use deltafin_format::model_dir::{Backbone, MatHandle};
 use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::{silu, MatRef};
 
@@ -1076,6 +1077,34 @@ pub fn swiglu_into(
         *a = silu(*a) * b;
     }
     down.matvec(gate_buf, out);
+}
+
+/// A gated feed-forward block's weights (SwiGLU or SiTU-GLU: dense MLP, shared experts),
+/// resolved in the backbone once at load: `gate_proj`, `up_proj` `[intermediate, hidden]`,
+/// `down_proj` `[hidden, intermediate]`.
+#[derive(Debug, Clone, Copy)]
+pub struct GluTensors {
+    pub gate_proj: MatHandle,
+    pub up_proj: MatHandle,
+    pub down_proj: MatHandle,
+}
+
+impl GluTensors {
+    /// Resolves the matrices named `[gate_proj, up_proj, down_proj]` in `bb`.
+    ///
+    /// Errors: a missing or malformed tensor (named).
+    pub fn resolve(bb: &Backbone, [gate_proj, up_proj, down_proj]: [&str; 3]) -> Result<Self, EngineError> {
+        Ok(GluTensors {
+            gate_proj: bb.matrix_handle(gate_proj)?,
+            up_proj: bb.matrix_handle(up_proj)?,
+            down_proj: bb.matrix_handle(down_proj)?,
+        })
+    }
+
+    /// `[gate_proj, up_proj, down_proj]` as views into `bb`, the backbone that resolved them.
+    pub fn view<'a>(&self, bb: &'a Backbone) -> [MatRef<'a>; 3] {
+        [bb.mat(&self.gate_proj), bb.mat(&self.up_proj), bb.mat(&self.down_proj)]
+    }
 }
 
 /// SwiGLU feed-forward (dense MLP, shared and routed experts of most families):

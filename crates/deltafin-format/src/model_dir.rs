@@ -307,6 +307,7 @@ impl ModelDir {
             path: p,
             buf,
             index: self.manifest.backbone.tensors.clone(),
+            serial: next_backbone_serial(),
         })
     }
 }
@@ -474,16 +475,180 @@ pub fn read_full_at(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()
 }
 
 /// The resident backbone: `backbone.bin` in memory plus its tensor index.
+///
+/// Tensors are read two ways: by name ([`Backbone::matrix`], [`Backbone::vector`],
+/// [`Backbone::f32_tensor`]: a map lookup and the checks on every call, for load-time code), or
+/// through a handle resolved and checked once at load ([`Backbone::matrix_handle`],
+/// [`Backbone::vector_handle`], [`Backbone::f32_handle`]) and read with the infallible
+/// [`Backbone::mat`] / [`Backbone::vec`] in the forward passes.
 pub struct Backbone {
     path: PathBuf,
     buf: AlignedBuf,
     index: BTreeMap<String, TensorRecord>,
+    /// This backbone's identity, unique in the process, stamped into its handles.
+    serial: u64,
+}
+
+/// A new [`Backbone::serial`], never handed out before in this process.
+fn next_backbone_serial() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A 2-D backbone tensor resolved once ([`Backbone::matrix_handle`]): its dtype, shape
+/// `[rows, cols]` and the byte ranges of its values and scales in the backbone, all checked.
+/// Read it with [`Backbone::mat`] on the backbone that made it. Small and `Copy`: a model keeps
+/// one per weight, next to the backbone it owns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatHandle {
+    backbone: u64,
+    dtype: StoredDtype,
+    rows: usize,
+    cols: usize,
+    /// `[start, end)` in bytes of the values, then of the scales (empty for f32/bf16).
+    values: (usize, usize),
+    scales: (usize, usize),
+}
+
+impl MatHandle {
+    /// Output features (`shape[0]`).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features (`shape[1]`).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// How the weights are stored.
+    pub fn dtype(&self) -> StoredDtype {
+        self.dtype
+    }
+}
+
+/// An f32 backbone tensor resolved once ([`Backbone::vector_handle`], [`Backbone::f32_handle`]):
+/// the element range of its values, checked. Read it with [`Backbone::vec`] on the backbone
+/// that made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VecHandle {
+    backbone: u64,
+    /// Byte offset of the first value.
+    start: usize,
+    /// Values (f32 elements).
+    len: usize,
+}
+
+impl VecHandle {
+    /// Number of f32 values (the product of the tensor's shape).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the tensor holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }
 
 impl Backbone {
     /// Bytes held in memory.
     pub fn bytes(&self) -> usize {
         self.buf.len()
+    }
+
+    /// Resolves the 2-D weight `name` once: runs every check of [`Backbone::matrix`] and
+    /// returns a handle that [`Backbone::mat`] reads without looking anything up.
+    ///
+    /// Errors: the tensor is missing, not 2-D, or its bytes do not match its shape (named).
+    pub fn matrix_handle(&self, name: &str) -> Result<MatHandle, FormatError> {
+        let m = self.matrix(name)?;
+        let r = self.rec(name)?;
+        let start = r.offset as usize;
+        let vb = r.dtype.value_bytes(m.rows, m.cols);
+        let s_at = start + r.scales_offset.map_or(vb, |s| (s - r.offset) as usize);
+        Ok(MatHandle {
+            backbone: self.serial,
+            dtype: r.dtype,
+            rows: m.rows,
+            cols: m.cols,
+            values: (start, start + vb),
+            scales: (s_at, s_at + r.dtype.scale_bytes(m.rows, m.cols)),
+        })
+    }
+
+    /// Resolves the 1-D f32 tensor `name` once (the checks of [`Backbone::vector`]).
+    ///
+    /// Errors: the tensor is missing or not an f32 vector (named).
+    pub fn vector_handle(&self, name: &str) -> Result<VecHandle, FormatError> {
+        let v = self.vector(name)?;
+        Ok(self.vec_handle(name, v.len()))
+    }
+
+    /// Resolves the f32 tensor `name` of any rank once, as a flat row-major slice (the checks
+    /// of [`Backbone::f32_tensor`]); its shape is the second value.
+    ///
+    /// Errors: the tensor is missing or not stored as f32 (named).
+    pub fn f32_handle(&self, name: &str) -> Result<(VecHandle, Vec<usize>), FormatError> {
+        let (v, shape) = self.f32_tensor(name)?;
+        Ok((self.vec_handle(name, v.len()), shape.to_vec()))
+    }
+
+    /// The handle of a tensor already checked as `len` f32 values.
+    fn vec_handle(&self, name: &str, len: usize) -> VecHandle {
+        let start = self.index.get(name).map_or(0, |r| r.offset as usize);
+        VecHandle {
+            backbone: self.serial,
+            start,
+            len,
+        }
+    }
+
+    /// The matrix of handle `h` (no lookup; the checks ran when `h` was made). Equal to
+    /// [`Backbone::matrix`] of its name.
+    ///
+    /// # Panics
+    /// If `h` was made by another backbone (a programming error; slicing is bounds-checked
+    /// anyway, so a foreign handle could never read outside this backbone's bytes).
+    pub fn mat(&self, h: &MatHandle) -> MatRef<'_> {
+        self.check_serial(h.backbone);
+        let buf = self.buf.as_slice();
+        let vals = &buf[h.values.0..h.values.1];
+        let scales = &buf[h.scales.0..h.scales.1];
+        let data = match h.dtype {
+            StoredDtype::F32 => MatData::F32(bytemuck::cast_slice(vals)),
+            StoredDtype::Bf16 => MatData::Bf16(bytemuck::cast_slice(vals)),
+            StoredDtype::Int8 => MatData::Int8 {
+                q: bytemuck::cast_slice(vals),
+                scales: bytemuck::cast_slice(scales),
+            },
+            StoredDtype::Mxfp4 => MatData::Mxfp4 { packed: vals, scales },
+        };
+        MatRef {
+            rows: h.rows,
+            cols: h.cols,
+            data,
+        }
+    }
+
+    /// The f32 values of handle `h` (no lookup; the checks ran when `h` was made). Equal to
+    /// [`Backbone::vector`] / the slice of [`Backbone::f32_tensor`] of its name.
+    ///
+    /// # Panics
+    /// If `h` was made by another backbone (as [`Backbone::mat`]).
+    pub fn vec(&self, h: &VecHandle) -> &[f32] {
+        self.check_serial(h.backbone);
+        bytemuck::cast_slice(&self.buf.as_slice()[h.start..h.start + 4 * h.len])
+    }
+
+    fn check_serial(&self, serial: u64) {
+        assert!(
+            serial == self.serial,
+            "a tensor handle of backbone #{serial} used on backbone #{} ({})",
+            self.serial,
+            self.path.display()
+        );
     }
 
     fn rec(&self, name: &str) -> Result<&TensorRecord, FormatError> {
@@ -595,6 +760,97 @@ pub fn matrix_from_bytes(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The storage a matrix view borrows: (address, length) of each slice.
+    fn parts(m: &MatRef<'_>) -> Vec<(usize, usize)> {
+        match m.data {
+            MatData::F32(w) => vec![(w.as_ptr() as usize, w.len())],
+            MatData::Bf16(w) => vec![(w.as_ptr() as usize, w.len())],
+            MatData::F16(w) => vec![(w.as_ptr() as usize, w.len())],
+            MatData::Int8 { q, scales } => {
+                vec![(q.as_ptr() as usize, q.len()), (scales.as_ptr() as usize, scales.len())]
+            }
+            MatData::Mxfp4 { packed, scales } => vec![
+                (packed.as_ptr() as usize, packed.len()),
+                (scales.as_ptr() as usize, scales.len()),
+            ],
+        }
+    }
+
+    /// A backbone of one tensor per stored dtype, a vector and a 3-D f32 tensor.
+    fn small_backbone() -> Backbone {
+        let mut index = BTreeMap::new();
+        let mut at = 0u64;
+        let mut add = |name: &str, dtype: StoredDtype, shape: Vec<usize>, bytes: u64, scales: Option<u64>| {
+            index.insert(
+                name.to_string(),
+                TensorRecord {
+                    dtype,
+                    shape,
+                    offset: at,
+                    bytes,
+                    scales_offset: scales.map(|s| at + s),
+                    xxh3: String::new(),
+                },
+            );
+            at = (at + bytes).div_ceil(TENSOR_ALIGN) * TENSOR_ALIGN;
+        };
+        add("f32", StoredDtype::F32, vec![2, 3], 24, None);
+        add("bf16", StoredDtype::Bf16, vec![3, 2], 12, None);
+        add("int8", StoredDtype::Int8, vec![2, 4], 8 + 8, Some(8));
+        add("mxfp4", StoredDtype::Mxfp4, vec![2, 32], 32 + 2, Some(32));
+        add("vec", StoredDtype::F32, vec![5], 20, None);
+        add("conv", StoredDtype::F32, vec![2, 1, 3], 24, None);
+        let mut buf = AlignedBuf::zeroed(at as usize, 4096);
+        for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
+            *b = (i * 37 % 61) as u8;
+        }
+        Backbone {
+            path: PathBuf::from("backbone.bin"),
+            buf,
+            index,
+            serial: next_backbone_serial(),
+        }
+    }
+
+    /// A handle reads exactly the storage the by-name view borrows, for every dtype; a missing
+    /// or malformed tensor fails when the handle is made, with its name.
+    #[test]
+    fn handles_read_what_names_read() {
+        let bb = small_backbone();
+        for name in ["f32", "bf16", "int8", "mxfp4"] {
+            let h = bb.matrix_handle(name).unwrap();
+            let (a, b) = (bb.mat(&h), bb.matrix(name).unwrap());
+            assert_eq!((a.rows, a.cols), (b.rows, b.cols), "{name}");
+            assert_eq!(parts(&a), parts(&b), "{name}");
+            assert_eq!((h.rows(), h.cols()), (b.rows, b.cols), "{name}");
+        }
+        let v = bb.vector_handle("vec").unwrap();
+        assert_eq!(bb.vec(&v).as_ptr(), bb.vector("vec").unwrap().as_ptr());
+        assert_eq!(v.len(), 5);
+        let (c, shape) = bb.f32_handle("conv").unwrap();
+        let (want, want_shape) = bb.f32_tensor("conv").unwrap();
+        assert_eq!((bb.vec(&c).as_ptr(), bb.vec(&c).len()), (want.as_ptr(), want.len()));
+        assert_eq!(shape, want_shape);
+        for (bad, err) in [
+            (bb.matrix_handle("nope").err(), "nope"),
+            (bb.matrix_handle("vec").err(), "vec"),
+            (bb.vector_handle("int8").err(), "int8"),
+            (bb.f32_handle("bf16").err(), "bf16"),
+        ] {
+            let e = bad.expect(err).to_string();
+            assert!(e.contains(err) && !e.contains('\n'), "{e}");
+        }
+    }
+
+    /// A handle of one backbone used on another is refused, not read.
+    #[test]
+    #[should_panic(expected = "tensor handle of backbone")]
+    fn foreign_handle_panics() {
+        let (a, b) = (small_backbone(), small_backbone());
+        let h = a.matrix_handle("f32").unwrap();
+        let _ = b.mat(&h);
+    }
 
     /// Many segments (a segment size of a few tensors), one damaged tensor, one without a
     /// checksum and one overlapping another (checked after the read): the check finds exactly

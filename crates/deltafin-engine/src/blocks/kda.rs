@@ -25,6 +25,8 @@
 //! recurrence one token at a time ([`Kda::step`]). The state per sequence ([`KdaState`]) has a fixed
 //! size and supports rollback to any length since the last [`KdaState::commit`] ([KDA_ROLLBACK]).
 
+use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
+use deltafin_format::FormatError;
 use deltafin_kernels::{rms_norm_inplace, sigmoid, silu, MatRef};
 use rayon::prelude::*;
 
@@ -172,6 +174,99 @@ pub struct KdaWeights<'a> {
     pub o_norm: &'a [f32],
     /// `[hidden, P]`.
     pub o_proj: MatRef<'a>,
+}
+
+/// [`OutputGate`]'s tensors as handles.
+#[derive(Debug, Clone, Copy)]
+pub enum OutputGateTensors {
+    /// Kimi Linear: `g_a_proj` `[head_dim, hidden]`, `g_b_proj` `[P, head_dim]`.
+    LowRank { g_a_proj: MatHandle, g_b_proj: MatHandle },
+    /// Kimi K3: `g_proj` `[P, hidden]`.
+    FullRank { g_proj: MatHandle },
+}
+
+/// [`KdaWeights`] resolved in the backbone once at load ([`KdaTensors::resolve`]): the same
+/// tensors as handles, viewed for a pass with the infallible [`KdaTensors::view`] (no lookup).
+#[derive(Debug, Clone, Copy)]
+pub struct KdaTensors {
+    pub q_proj: MatHandle,
+    pub k_proj: MatHandle,
+    pub v_proj: MatHandle,
+    /// `[P, 1, K]` each, flat.
+    pub q_conv1d: VecHandle,
+    pub k_conv1d: VecHandle,
+    pub v_conv1d: VecHandle,
+    pub f_a_proj: MatHandle,
+    pub f_b_proj: MatHandle,
+    /// `A_log`, flat (`[1, 1, num_heads, 1]` or `[num_heads]`).
+    pub a_log: VecHandle,
+    pub dt_bias: VecHandle,
+    pub b_proj: MatHandle,
+    pub output_gate: OutputGateTensors,
+    pub o_norm: VecHandle,
+    pub o_proj: MatHandle,
+}
+
+impl KdaTensors {
+    /// Resolves the tensors `n` names in `bb`: the conv kernels, `A_log` and `dt_bias` as flat
+    /// f32 tensors of any rank, `o_norm` as an f32 vector, the rest as matrices; the output gate
+    /// full-rank (`g_proj`) when `full_rank_gate`, else low-rank.
+    ///
+    /// Errors: a missing or malformed tensor (named).
+    pub fn resolve(bb: &Backbone, n: &KdaTensorNames, full_rank_gate: bool) -> Result<Self, FormatError> {
+        let flat = |name: &str| -> Result<VecHandle, FormatError> { Ok(bb.f32_handle(name)?.0) };
+        Ok(KdaTensors {
+            q_proj: bb.matrix_handle(&n.q_proj)?,
+            k_proj: bb.matrix_handle(&n.k_proj)?,
+            v_proj: bb.matrix_handle(&n.v_proj)?,
+            q_conv1d: flat(&n.q_conv1d)?,
+            k_conv1d: flat(&n.k_conv1d)?,
+            v_conv1d: flat(&n.v_conv1d)?,
+            f_a_proj: bb.matrix_handle(&n.f_a_proj)?,
+            f_b_proj: bb.matrix_handle(&n.f_b_proj)?,
+            a_log: flat(&n.a_log)?,
+            dt_bias: flat(&n.dt_bias)?,
+            b_proj: bb.matrix_handle(&n.b_proj)?,
+            output_gate: if full_rank_gate {
+                OutputGateTensors::FullRank {
+                    g_proj: bb.matrix_handle(&n.g_proj)?,
+                }
+            } else {
+                OutputGateTensors::LowRank {
+                    g_a_proj: bb.matrix_handle(&n.g_a_proj)?,
+                    g_b_proj: bb.matrix_handle(&n.g_b_proj)?,
+                }
+            },
+            o_norm: bb.vector_handle(&n.o_norm)?,
+            o_proj: bb.matrix_handle(&n.o_proj)?,
+        })
+    }
+
+    /// The weights as views into `bb`, the backbone that resolved them.
+    pub fn view<'a>(&self, bb: &'a Backbone) -> KdaWeights<'a> {
+        KdaWeights {
+            q_proj: bb.mat(&self.q_proj),
+            k_proj: bb.mat(&self.k_proj),
+            v_proj: bb.mat(&self.v_proj),
+            q_conv: bb.vec(&self.q_conv1d),
+            k_conv: bb.vec(&self.k_conv1d),
+            v_conv: bb.vec(&self.v_conv1d),
+            f_a_proj: bb.mat(&self.f_a_proj),
+            f_b_proj: bb.mat(&self.f_b_proj),
+            a_log: bb.vec(&self.a_log),
+            dt_bias: bb.vec(&self.dt_bias),
+            b_proj: bb.mat(&self.b_proj),
+            output_gate: match &self.output_gate {
+                OutputGateTensors::LowRank { g_a_proj, g_b_proj } => OutputGate::LowRank {
+                    a: bb.mat(g_a_proj),
+                    b: bb.mat(g_b_proj),
+                },
+                OutputGateTensors::FullRank { g_proj } => OutputGate::FullRank(bb.mat(g_proj)),
+            },
+            o_norm: bb.vec(&self.o_norm),
+            o_proj: bb.mat(&self.o_proj),
+        }
+    }
 }
 
 /// Checkpoint tensor names of one KDA layer (`{prefix}` is `model.layers.{l}.self_attn`; K3

@@ -17,6 +17,7 @@
 //! [`crate::blocked_attention`] (or its decompressed form when the batch form allows), so a
 //! prompt processed in chunks gives every token the one-token bits.
 
+use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
 use deltafin_kernels::{dot, dot_2x2, rms_norm, sigmoid, softmax_inplace, MatRef};
 use rayon::prelude::*;
 
@@ -44,6 +45,63 @@ pub struct MlaWeights<'a> {
     pub o_proj: MatRef<'a>,
     /// K3's output gate `g_proj`: `[n_heads · v_head_dim, hidden]` (None: no gate).
     pub g_proj: Option<MatRef<'a>>,
+}
+
+/// [`MlaWeights`] resolved in the backbone once at load: the same tensors as handles, viewed
+/// for a layer's pass with the infallible [`MlaTensors::view`] (no lookup).
+#[derive(Debug, Clone, Copy)]
+pub struct MlaTensors {
+    /// `q_a_proj` + `q_a_layernorm` + `q_b_proj`, or `q_proj`.
+    pub query: MlaQueryTensors,
+    /// `kv_a_proj_with_mqa`: `[kv_lora_rank + qk_rope_head_dim, hidden]`.
+    pub kv_a_proj_with_mqa: MatHandle,
+    /// `kv_a_layernorm.weight`: `[kv_lora_rank]`.
+    pub kv_a_layernorm: VecHandle,
+    /// `kv_b_proj`: `[n_heads · (qk_nope_head_dim + v_head_dim), kv_lora_rank]`.
+    pub kv_b_proj: MatHandle,
+    /// `o_proj`: `[hidden, n_heads · v_head_dim]`.
+    pub o_proj: MatHandle,
+    /// K3's output gate `g_proj`: `[n_heads · v_head_dim, hidden]` (None: no gate).
+    pub g_proj: Option<MatHandle>,
+}
+
+/// [`MlaQuery`]'s tensors as handles.
+#[derive(Debug, Clone, Copy)]
+pub enum MlaQueryTensors {
+    /// `q_a_proj` `[q_lora_rank, hidden]`, `q_a_layernorm` `[q_lora_rank]`, `q_b_proj`
+    /// `[n_heads · qk_head_dim, q_lora_rank]`.
+    Lora {
+        q_a_proj: MatHandle,
+        q_a_layernorm: VecHandle,
+        q_b_proj: MatHandle,
+    },
+    /// `q_proj` `[n_heads · qk_head_dim, hidden]`.
+    Plain { q_proj: MatHandle },
+}
+
+impl MlaTensors {
+    /// The weights as views into `bb`, the backbone that resolved them.
+    pub fn view<'a>(&self, bb: &'a Backbone) -> MlaWeights<'a> {
+        MlaWeights {
+            query: match &self.query {
+                MlaQueryTensors::Lora {
+                    q_a_proj,
+                    q_a_layernorm,
+                    q_b_proj,
+                } => MlaQuery::Lora {
+                    a: bb.mat(q_a_proj),
+                    norm: bb.vec(q_a_layernorm),
+                    b: bb.mat(q_b_proj),
+                },
+                MlaQueryTensors::Plain { q_proj } => MlaQuery::Plain(bb.mat(q_proj)),
+            },
+            kv_a_proj_with_mqa: bb.mat(&self.kv_a_proj_with_mqa),
+            kv_a_layernorm: bb.vec(&self.kv_a_layernorm),
+            kv_b_proj: bb.mat(&self.kv_b_proj),
+            o_proj: bb.mat(&self.o_proj),
+            g_proj: self.g_proj.as_ref().map(|g| bb.mat(g)),
+        }
+    }
 }
 
 /// MLA of one token at position `pos` (the cache holds positions `0..pos`): appends its latent

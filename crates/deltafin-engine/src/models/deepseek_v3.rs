@@ -13,20 +13,25 @@
 //! `k_pe: [qk_rope_head_dim]`, never per-head keys and values. For head h,
 //! `q_nope_h · (W_UK_h c_t) = (W_UK_h^T q_nope_h) · c_t` and `Σ_t p_t W_UV_h c_t = W_UV_h Σ_t p_t c_t`,
 //! which equal the reference's expanded form up to f32 summation order. [MLA_ABSORB]
+//!
+//! Weights: every tensor is resolved once at load into `Weights` (handles named as in the
+//! checkpoint; a missing or malformed tensor fails there with its name) and read with the
+//! infallible [`Backbone::mat`] / [`Backbone::vec`]: a forward pass looks nothing up by name.
 
 use deltafin_format::{DeepseekV3Config, ModelConfig, ModelDir, Rope};
 use deltafin_kernels::{rms_norm, MatRef};
 
-use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaQuery, MlaShape, MlaWeights};
+use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaQueryTensors, MlaShape, MlaTensors};
 use crate::experts::StoreOptions;
 use crate::model::{
-    one_or_chunk, state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts,
+    one_or_chunk, state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, GluTensors, LayerRoutes,
+    RoutedExperts,
 };
 use crate::moe::{route, route_masked, RouterConfig, Routing};
 use crate::rope::{yarn_mscale, RotaryEmbedding};
 use crate::EngineError;
 
-use deltafin_format::model_dir::Backbone;
+use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
 
 pub(crate) use crate::blocks::mla::LATENT_NORM_EPS;
 
@@ -80,6 +85,100 @@ impl LayerNames {
     }
 }
 
+/// Every weight of the forward pass, resolved in the backbone once at load ([`Weights::resolve`])
+/// and read with [`Backbone::mat`] / [`Backbone::vec`]: no name lookup in a forward pass.
+pub(crate) struct Weights {
+    /// `model.embed_tokens.weight [vocab_size, hidden]`.
+    pub(crate) embed_tokens: MatHandle,
+    pub(crate) layers: Vec<LayerWeights>,
+    /// `model.norm.weight [hidden]`.
+    pub(crate) norm: VecHandle,
+    /// `lm_head.weight [vocab_size, hidden]`.
+    pub(crate) lm_head: MatHandle,
+}
+
+/// One decoder layer's weights (`model.layers.{l}.*`).
+pub(crate) struct LayerWeights {
+    /// `input_layernorm.weight [hidden]`.
+    pub(crate) input_layernorm: VecHandle,
+    /// `post_attention_layernorm.weight [hidden]`.
+    pub(crate) post_attention_layernorm: VecHandle,
+    pub(crate) self_attn: MlaTensors,
+    pub(crate) mlp: Mlp,
+}
+
+/// One layer's `mlp`.
+pub(crate) enum Mlp {
+    /// `DeepseekV3MLP` (layers below `first_k_dense_replace`): `mlp.{gate,up,down}_proj`.
+    Dense(GluTensors),
+    /// `DeepseekV3MoE`: the routed experts come from the expert store.
+    Moe {
+        /// The router `mlp.gate.weight [n_routed_experts, hidden]`.
+        gate: MatHandle,
+        /// `mlp.gate.e_score_correction_bias [n_routed_experts]`.
+        e_score_correction_bias: VecHandle,
+        /// `mlp.shared_experts.{gate,up,down}_proj` (None when `n_shared_experts` is 0).
+        shared_experts: Option<GluTensors>,
+    },
+}
+
+impl Weights {
+    /// Resolves every tensor the forward pass of `cfg` reads, named by `names`, in `bb`.
+    ///
+    /// Errors: a missing or malformed tensor (named).
+    fn resolve(bb: &Backbone, cfg: &DeepseekV3Config, names: &[LayerNames]) -> Result<Self, EngineError> {
+        let mut layers = Vec::with_capacity(names.len());
+        for (l, n) in names.iter().enumerate() {
+            let query = if cfg.q_lora_rank.is_some() {
+                MlaQueryTensors::Lora {
+                    q_a_proj: bb.matrix_handle(&n.q_a_proj)?,
+                    q_a_layernorm: bb.vector_handle(&n.q_a_layernorm)?,
+                    q_b_proj: bb.matrix_handle(&n.q_b_proj)?,
+                }
+            } else {
+                MlaQueryTensors::Plain {
+                    q_proj: bb.matrix_handle(&n.q_proj)?,
+                }
+            };
+            let mlp = if cfg.is_moe_layer(l) {
+                Mlp::Moe {
+                    gate: bb.matrix_handle(&n.router)?,
+                    e_score_correction_bias: bb.vector_handle(&n.router_bias)?,
+                    shared_experts: if cfg.n_shared_experts > 0 {
+                        Some(GluTensors::resolve(
+                            bb,
+                            [&n.shared_gate_proj, &n.shared_up_proj, &n.shared_down_proj],
+                        )?)
+                    } else {
+                        None
+                    },
+                }
+            } else {
+                Mlp::Dense(GluTensors::resolve(bb, [&n.gate_proj, &n.up_proj, &n.down_proj])?)
+            };
+            layers.push(LayerWeights {
+                input_layernorm: bb.vector_handle(&n.input_layernorm)?,
+                post_attention_layernorm: bb.vector_handle(&n.post_attention_layernorm)?,
+                self_attn: MlaTensors {
+                    query,
+                    kv_a_proj_with_mqa: bb.matrix_handle(&n.kv_a_proj_with_mqa)?,
+                    kv_a_layernorm: bb.vector_handle(&n.kv_a_layernorm)?,
+                    kv_b_proj: bb.matrix_handle(&n.kv_b_proj)?,
+                    o_proj: bb.matrix_handle(&n.o_proj)?,
+                    g_proj: None,
+                },
+                mlp,
+            });
+        }
+        Ok(Weights {
+            embed_tokens: bb.matrix_handle("model.embed_tokens.weight")?,
+            layers,
+            norm: bb.vector_handle("model.norm.weight")?,
+            lm_head: bb.matrix_handle("lm_head.weight")?,
+        })
+    }
+}
+
 /// Per-sequence decode state: the MLA latent KV cache of every layer.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
@@ -125,6 +224,9 @@ pub struct DeepseekV3 {
     config: ModelConfig,
     pub cfg: DeepseekV3Config,
     backbone: Backbone,
+    /// Every weight, as handles into `backbone`.
+    pub(crate) w: Weights,
+    /// The names behind `w`, for the CUDA path's upload.
     pub(crate) names: Vec<LayerNames>,
     pub(crate) rope: RotaryEmbedding,
     /// Softmax scale `qk_head_dim^-0.5 · mscale²`. [YARN_MSCALE]
@@ -154,38 +256,8 @@ impl DeepseekV3 {
             .clone();
         let backbone = dir.load_backbone()?;
         let names: Vec<LayerNames> = (0..cfg.num_hidden_layers).map(LayerNames::new).collect();
-        // Check every tensor the forward pass uses once, so a bad directory fails at load.
-        backbone.matrix("model.embed_tokens.weight")?;
-        backbone.matrix("lm_head.weight")?;
-        backbone.vector("model.norm.weight")?;
-        for (l, n) in names.iter().enumerate() {
-            backbone.vector(&n.input_layernorm)?;
-            backbone.vector(&n.post_attention_layernorm)?;
-            if cfg.q_lora_rank.is_some() {
-                backbone.matrix(&n.q_a_proj)?;
-                backbone.vector(&n.q_a_layernorm)?;
-                backbone.matrix(&n.q_b_proj)?;
-            } else {
-                backbone.matrix(&n.q_proj)?;
-            }
-            backbone.matrix(&n.kv_a_proj_with_mqa)?;
-            backbone.vector(&n.kv_a_layernorm)?;
-            backbone.matrix(&n.kv_b_proj)?;
-            backbone.matrix(&n.o_proj)?;
-            if cfg.is_moe_layer(l) {
-                backbone.matrix(&n.router)?;
-                backbone.vector(&n.router_bias)?;
-                if cfg.n_shared_experts > 0 {
-                    backbone.matrix(&n.shared_gate_proj)?;
-                    backbone.matrix(&n.shared_up_proj)?;
-                    backbone.matrix(&n.shared_down_proj)?;
-                }
-            } else {
-                backbone.matrix(&n.gate_proj)?;
-                backbone.matrix(&n.up_proj)?;
-                backbone.matrix(&n.down_proj)?;
-            }
-        }
+        // Every tensor the forward pass uses, resolved once, so a bad directory fails at load.
+        let w = Weights::resolve(&backbone, &cfg, &names)?;
         let rope = RotaryEmbedding::new(&cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave);
         let mut softmax_scale = (cfg.qk_head_dim() as f64).powf(-0.5);
         if let Rope::Yarn {
@@ -210,6 +282,7 @@ impl DeepseekV3 {
             config,
             cfg,
             backbone,
+            w,
             names,
             rope,
             softmax_scale: softmax_scale as f32,
@@ -218,12 +291,24 @@ impl DeepseekV3 {
         })
     }
 
+    /// The matrix `name`, looked up by name: for load-time code (the CUDA upload), not for a
+    /// forward pass (which reads [`Self::w`]).
+    ///
+    /// Errors: a missing or malformed tensor (named).
     pub(crate) fn m(&self, name: &str) -> Result<MatRef<'_>, EngineError> {
         Ok(self.backbone.matrix(name)?)
     }
 
+    /// The f32 vector `name`, looked up by name (load-time code, as [`Self::m`]).
+    ///
+    /// Errors: a missing or malformed tensor (named).
     pub(crate) fn v(&self, name: &str) -> Result<&[f32], EngineError> {
         Ok(self.backbone.vector(name)?)
+    }
+
+    /// `model.embed_tokens.weight [vocab_size, hidden]`.
+    pub(crate) fn embed_tokens(&self) -> MatRef<'_> {
+        self.backbone.mat(&self.w.embed_tokens)
     }
 
     /// Runs one token at the next position of `cache`; returns the logits `[vocab_size]` and
@@ -249,34 +334,33 @@ impl DeepseekV3 {
         let pos = cache.len;
         let h = c.hidden_size;
         // x: [hidden]
+        let bb = &self.backbone;
         let mut x = vec![0f32; h];
-        self.m("model.embed_tokens.weight")?.row_into(token as usize, &mut x);
+        bb.mat(&self.w.embed_tokens).row_into(token as usize, &mut x);
         let mut xn = vec![0f32; h];
         let mut routes = Vec::new();
-        for l in 0..c.num_hidden_layers {
-            let n = &self.names[l];
-            rms_norm(&x, self.v(&n.input_layernorm)?, c.rms_norm_eps, &mut xn);
-            let attn = self.routed.time_attention(|| self.attention(l, &xn, pos, cache))?;
+        for (l, lw) in self.w.layers.iter().enumerate() {
+            rms_norm(&x, bb.vec(&lw.input_layernorm), c.rms_norm_eps, &mut xn);
+            let attn = self.routed.time_attention(|| self.attention(l, &xn, pos, cache));
             for (a, b) in x.iter_mut().zip(&attn) {
                 *a += b;
             }
-            rms_norm(&x, self.v(&n.post_attention_layernorm)?, c.rms_norm_eps, &mut xn);
+            rms_norm(&x, bb.vec(&lw.post_attention_layernorm), c.rms_norm_eps, &mut xn);
             let mlp = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
-                if c.is_moe_layer(l) {
-                    let (out, r) = if draft {
-                        self.moe_draft(l, &xn)?
-                    } else {
-                        self.moe(l, &xn)?
-                    };
-                    routes.push((l, r));
-                    Ok(out)
-                } else {
-                    Ok(swiglu(
-                        self.m(&n.gate_proj)?,
-                        self.m(&n.up_proj)?,
-                        self.m(&n.down_proj)?,
-                        &xn,
-                    ))
+                match &lw.mlp {
+                    Mlp::Moe { .. } => {
+                        let (out, r) = if draft {
+                            self.moe_draft(l, &xn)
+                        } else {
+                            self.moe(l, &xn)?
+                        };
+                        routes.push((l, r));
+                        Ok(out)
+                    }
+                    Mlp::Dense(d) => {
+                        let [g, u, d] = d.view(bb);
+                        Ok(swiglu(g, u, d, &xn))
+                    }
                 }
             })?;
             for (a, b) in x.iter_mut().zip(&mlp) {
@@ -285,31 +369,11 @@ impl DeepseekV3 {
         }
         cache.len += 1;
         self.routed.count_forward();
-        rms_norm(&x.clone(), self.v("model.norm.weight")?, c.rms_norm_eps, &mut x);
-        let lm = self.m("lm_head.weight")?;
+        rms_norm(&x.clone(), bb.vec(&self.w.norm), c.rms_norm_eps, &mut x);
+        let lm = bb.mat(&self.w.lm_head);
         let mut logits = vec![0f32; lm.rows];
         lm.matvec(&x, &mut logits);
         Ok((logits, routes))
-    }
-
-    /// Layer `l`'s MLA weights ([`crate::blocks::mla`]).
-    fn mla_weights(&self, l: usize) -> Result<MlaWeights<'_>, EngineError> {
-        let n = &self.names[l];
-        Ok(MlaWeights {
-            query: match self.cfg.q_lora_rank {
-                Some(_) => MlaQuery::Lora {
-                    a: self.m(&n.q_a_proj)?,
-                    norm: self.v(&n.q_a_layernorm)?,
-                    b: self.m(&n.q_b_proj)?,
-                },
-                None => MlaQuery::Plain(self.m(&n.q_proj)?),
-            },
-            kv_a_proj_with_mqa: self.m(&n.kv_a_proj_with_mqa)?,
-            kv_a_layernorm: self.v(&n.kv_a_layernorm)?,
-            kv_b_proj: self.m(&n.kv_b_proj)?,
-            o_proj: self.m(&n.o_proj)?,
-            g_proj: None,
-        })
     }
 
     /// The MLA shape: RoPE (YaRN) on the shared-key part.
@@ -328,37 +392,20 @@ impl DeepseekV3 {
 
     /// MLA of layer `l` for one token at position `pos` ([`mla_token`]). xn: `[hidden]` →
     /// `[hidden]`.
-    fn attention(&self, l: usize, xn: &[f32], pos: usize, cache: &mut KvCache) -> Result<Vec<f32>, EngineError> {
-        let w = self.mla_weights(l)?;
+    fn attention(&self, l: usize, xn: &[f32], pos: usize, cache: &mut KvCache) -> Vec<f32> {
+        let w = self.w.layers[l].self_attn.view(&self.backbone);
         let (c_kv, k_pe) = (&mut cache.c_kv[l], &mut cache.k_pe[l]);
-        Ok(mla_token(&self.mla_shape(), &w, LATENT_NORM_EPS, xn, pos, c_kv, k_pe))
+        mla_token(&self.mla_shape(), &w, LATENT_NORM_EPS, xn, pos, c_kv, k_pe)
     }
 
     /// MLA of layer `l` for a chunk of `nt` tokens at positions `pos0..pos0 + nt`
     /// ([`mla_chunk_layer`]); each token's result equals [`Self::attention`] bit for bit in the
     /// exact batch form. xn: `[nt, hidden]` → `[nt, hidden]`.
-    fn attention_batch(
-        &self,
-        l: usize,
-        xn: &[f32],
-        nt: usize,
-        pos0: usize,
-        cache: &mut KvCache,
-    ) -> Result<Vec<f32>, EngineError> {
-        let w = self.mla_weights(l)?;
+    fn attention_batch(&self, l: usize, xn: &[f32], nt: usize, pos0: usize, cache: &mut KvCache) -> Vec<f32> {
+        let w = self.w.layers[l].self_attn.view(&self.backbone);
         let (c_kv, k_pe) = (&mut cache.c_kv[l], &mut cache.k_pe[l]);
         let form = self.routed.batch_form().mla();
-        Ok(mla_chunk_layer(
-            &self.mla_shape(),
-            &w,
-            LATENT_NORM_EPS,
-            xn,
-            nt,
-            pos0,
-            c_kv,
-            k_pe,
-            form,
-        ))
+        mla_chunk_layer(&self.mla_shape(), &w, LATENT_NORM_EPS, xn, nt, pos0, c_kv, k_pe, form)
     }
 
     /// The router of MoE layer `l` with the current `--experts-per-token`.
@@ -369,17 +416,25 @@ impl DeepseekV3 {
         }
     }
 
-    /// The shared experts of layer `l` as matrices (None without shared experts).
-    fn shared_mats(&self, l: usize) -> Result<Option<[MatRef<'_>; 3]>, EngineError> {
-        let n = &self.names[l];
-        if self.cfg.n_shared_experts == 0 {
-            return Ok(None);
+    /// MoE layer `l`'s router `gate`, its `e_score_correction_bias` and its shared experts'
+    /// matrices (None without shared experts).
+    ///
+    /// # Panics
+    /// If layer `l` is dense (callers route only MoE layers).
+    fn moe_weights(&self, l: usize) -> (MatRef<'_>, &[f32], Option<[MatRef<'_>; 3]>) {
+        let bb = &self.backbone;
+        match &self.w.layers[l].mlp {
+            Mlp::Moe {
+                gate,
+                e_score_correction_bias,
+                shared_experts,
+            } => (
+                bb.mat(gate),
+                bb.vec(e_score_correction_bias),
+                shared_experts.as_ref().map(|s| s.view(bb)),
+            ),
+            Mlp::Dense(_) => panic!("layer {l} is dense, not MoE"),
         }
-        Ok(Some([
-            self.m(&n.shared_gate_proj)?,
-            self.m(&n.shared_up_proj)?,
-            self.m(&n.shared_down_proj)?,
-        ]))
     }
 
     /// MoE block for a chunk of `nt` tokens, expert-major ([`RoutedExperts::run_batch`]): each
@@ -389,16 +444,12 @@ impl DeepseekV3 {
     fn moe_batch(&self, l: usize, xn: &[f32], nt: usize) -> Result<(Vec<f32>, Vec<Routing>), EngineError> {
         let c = &self.cfg;
         let h = c.hidden_size;
-        let n = &self.names[l];
-        let gate = self.m(&n.router)?;
+        let (gate, bias, shared) = self.moe_weights(l);
         let mut logits = vec![0f32; nt * gate.rows];
         gate.matmul(xn, nt, &mut logits);
         let router = self.router_cfg();
-        let bias = self.v(&n.router_bias)?;
         let routings: Vec<Routing> = logits.chunks(gate.rows).map(|lg| route(&router, lg, bias)).collect();
-        let shared = self
-            .shared_mats(l)?
-            .map(|[g, u, d]| move || swiglu_batch(g, u, d, xn, nt));
+        let shared = shared.map(|[g, u, d]| move || swiglu_batch(g, u, d, xn, nt));
         let (mut out, shared_out) = self.routed.run_batch(
             l,
             &routings,
@@ -423,15 +474,13 @@ impl DeepseekV3 {
     /// MoE block of a self-drafting pass: the router restricted to the experts of layer `l`
     /// resident in the cache ([`route_masked`]), computed with those records (no reads), plus
     /// the shared experts. x: `[hidden]` → `[hidden]`.
-    fn moe_draft(&self, l: usize, xn: &[f32]) -> Result<(Vec<f32>, Routing), EngineError> {
+    fn moe_draft(&self, l: usize, xn: &[f32]) -> (Vec<f32>, Routing) {
         let c = &self.cfg;
-        let n = &self.names[l];
-        let gate = self.m(&n.router)?;
+        let (gate, bias, shared) = self.moe_weights(l);
         let mut logits = vec![0f32; gate.rows];
         gate.matvec(xn, &mut logits);
-        let bias = self.v(&n.router_bias)?;
         let router = self.router_cfg();
-        let shared = self.shared_mats(l)?.map(|[g, u, d]| move || swiglu(g, u, d, xn));
+        let shared = shared.map(|[g, u, d]| move || swiglu(g, u, d, xn));
         let (mut out, shared_out, routing) = self.routed.run_draft(
             l,
             c.n_routed_experts,
@@ -445,7 +494,7 @@ impl DeepseekV3 {
                 *a += b;
             }
         }
-        Ok((out, routing))
+        (out, routing)
     }
 
     /// Runs a chunk of tokens at the next positions of `cache` (batched attention, expert-major
@@ -468,45 +517,43 @@ impl DeepseekV3 {
         let pos0 = cache.len;
         let h = c.hidden_size;
         // x: [nt, hidden]
+        let bb = &self.backbone;
         let mut x = vec![0f32; nt * h];
-        let embed = self.m("model.embed_tokens.weight")?;
+        let embed = bb.mat(&self.w.embed_tokens);
         for (row, &t) in x.chunks_mut(h).zip(tokens) {
             embed.row_into(t as usize, row);
         }
         let mut xn = vec![0f32; nt * h];
         let mut routes: Vec<LayerRoutes> = vec![Vec::new(); nt];
-        for l in 0..c.num_hidden_layers {
-            let n = &self.names[l];
-            let w = self.v(&n.input_layernorm)?;
+        for (l, lw) in self.w.layers.iter().enumerate() {
+            let w = bb.vec(&lw.input_layernorm);
             for (a, b) in x.chunks(h).zip(xn.chunks_mut(h)) {
                 rms_norm(a, w, c.rms_norm_eps, b);
             }
             let attn = self
                 .routed
-                .time_attention(|| self.attention_batch(l, &xn, nt, pos0, cache))?;
+                .time_attention(|| self.attention_batch(l, &xn, nt, pos0, cache));
             for (a, b) in x.iter_mut().zip(&attn) {
                 *a += b;
             }
             drop(attn);
-            let w = self.v(&n.post_attention_layernorm)?;
+            let w = bb.vec(&lw.post_attention_layernorm);
             for (a, b) in x.chunks(h).zip(xn.chunks_mut(h)) {
                 rms_norm(a, w, c.rms_norm_eps, b);
             }
             let mlp = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
-                if c.is_moe_layer(l) {
-                    let (out, rs) = self.moe_batch(l, &xn, nt)?;
-                    for (r, routing) in routes.iter_mut().zip(rs) {
-                        r.push((l, routing));
+                match &lw.mlp {
+                    Mlp::Moe { .. } => {
+                        let (out, rs) = self.moe_batch(l, &xn, nt)?;
+                        for (r, routing) in routes.iter_mut().zip(rs) {
+                            r.push((l, routing));
+                        }
+                        Ok(out)
                     }
-                    Ok(out)
-                } else {
-                    Ok(swiglu_batch(
-                        self.m(&n.gate_proj)?,
-                        self.m(&n.up_proj)?,
-                        self.m(&n.down_proj)?,
-                        &xn,
-                        nt,
-                    ))
+                    Mlp::Dense(d) => {
+                        let [g, u, d] = d.view(bb);
+                        Ok(swiglu_batch(g, u, d, &xn, nt))
+                    }
                 }
             })?;
             for (a, b) in x.iter_mut().zip(&mlp) {
@@ -517,8 +564,8 @@ impl DeepseekV3 {
         for _ in 0..nt {
             self.routed.count_forward();
         }
-        let norm = self.v("model.norm.weight")?;
-        let lm = self.m("lm_head.weight")?;
+        let norm = bb.vec(&self.w.norm);
+        let lm = bb.mat(&self.w.lm_head);
         let first = if all_logits { 0 } else { nt - 1 };
         let mut logits = Vec::with_capacity(nt - first);
         let mut xf = vec![0f32; h];
@@ -535,35 +582,22 @@ impl DeepseekV3 {
     /// the shared experts. x: `[hidden]` → `[hidden]`.
     fn moe(&self, l: usize, xn: &[f32]) -> Result<(Vec<f32>, Routing), EngineError> {
         let c = &self.cfg;
-        let n = &self.names[l];
         // router_logits = x · W_gate^T in f32: [n_routed_experts]
-        let gate = self.m(&n.router)?;
+        let (gate, bias, shared) = self.moe_weights(l);
         let mut logits = vec![0f32; gate.rows];
         gate.matvec(xn, &mut logits);
         let router = self.router_cfg();
-        let routing = route(&router, &logits, self.v(&n.router_bias)?);
-        let shared = if c.n_shared_experts > 0 {
-            let (g, u, d) = (
-                self.m(&n.shared_gate_proj)?,
-                self.m(&n.shared_up_proj)?,
-                self.m(&n.shared_down_proj)?,
-            );
-            Some(move || swiglu(g, u, d, xn))
-        } else {
-            None
-        };
+        let routing = route(&router, &logits, bias);
+        let shared = shared.map(|[g, u, d]| move || swiglu(g, u, d, xn));
         // Next MoE layer's experts predicted by applying its router to this hidden state.
         let predict = || -> Result<Option<(usize, Vec<usize>)>, EngineError> {
             let Some(next) = (l + 1..c.num_hidden_layers).find(|&k| c.is_moe_layer(k)) else {
                 return Ok(None);
             };
-            let nn = &self.names[next];
+            let (next_gate, next_bias, _) = self.moe_weights(next);
             let mut next_logits = vec![0f32; c.n_routed_experts];
-            self.m(&nn.router)?.matvec(xn, &mut next_logits);
-            Ok(Some((
-                next,
-                route(&router, &next_logits, self.v(&nn.router_bias)?).experts,
-            )))
+            next_gate.matvec(xn, &mut next_logits);
+            Ok(Some((next, route(&router, &next_logits, next_bias).experts)))
         };
         let (mut out, shared_out) = self.routed.run(
             l,

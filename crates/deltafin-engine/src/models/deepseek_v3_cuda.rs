@@ -769,9 +769,7 @@ impl DeepseekV3Cuda {
             .map_err(|_| EngineError::Invalid("CUDA work buffers lock poisoned".into()))?;
         let w = &mut *guard;
         let mut x_host = vec![0f32; c.hidden_size];
-        self.cpu
-            .m("model.embed_tokens.weight")?
-            .row_into(token as usize, &mut x_host);
+        self.cpu.embed_tokens().row_into(token as usize, &mut x_host);
         w.x_in.write(&x_host).map_err(cuda)?;
         w.cs_in.write(&self.rope_table(cache.len)).map_err(cuda)?;
         w.pos_in.write(&[cache.len as i32]).map_err(cuda)?;
@@ -896,7 +894,7 @@ impl DeepseekV3Cuda {
         let t0 = cache.len;
         cache.reserve(t0 + n).map_err(cuda)?;
         let h = c.hidden_size;
-        let emb = self.cpu.m("model.embed_tokens.weight")?;
+        let emb = self.cpu.embed_tokens();
         let mut x_host = vec![0f32; n * h];
         for (t, &tok) in tokens.iter().enumerate() {
             emb.row_into(tok as usize, &mut x_host[t * h..(t + 1) * h]);

@@ -18,7 +18,7 @@
 //! [`clamped_swiglu_expert`]; the block output is `Σ_i w_i · expert_i(xn)`. No shared expert.
 
 use deltafin_cuda::SoftmaxRouter;
-use deltafin_format::model_dir::Backbone;
+use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
 use deltafin_format::{GptOssConfig, ModelDir, StoredDtype};
 use deltafin_kernels::{sigmoid, MatRef};
 
@@ -42,11 +42,11 @@ pub struct GptOssMlp {
 }
 
 /// One layer's router, `mlp.router.weight` `[num_local_experts, hidden]` and `mlp.router.bias`
-/// `[num_local_experts]`.
-#[derive(Clone, Copy)]
-pub struct Router<'a> {
-    pub weight: MatRef<'a>,
-    pub bias: &'a [f32],
+/// `[num_local_experts]`, resolved in the backbone at load.
+#[derive(Debug, Clone, Copy)]
+pub struct Router {
+    pub weight: MatHandle,
+    pub bias: VecHandle,
 }
 
 impl GptOss {
@@ -93,25 +93,26 @@ impl GptOss {
     }
 }
 
-impl Router<'_> {
-    /// `weight · xn + bias` `[num_local_experts]`.
-    fn logits(&self, xn: &[f32], logits: &mut Vec<f32>) {
-        logits.resize(self.weight.rows, 0.0);
-        self.weight.matvec(xn, logits);
-        for (a, b) in logits.iter_mut().zip(self.bias) {
+impl Router {
+    /// `weight · xn + bias` `[num_local_experts]`, the weights read in `bb`.
+    fn logits(&self, bb: &Backbone, xn: &[f32], logits: &mut Vec<f32>) {
+        let weight = bb.mat(&self.weight);
+        logits.resize(weight.rows, 0.0);
+        weight.matvec(xn, logits);
+        for (a, b) in logits.iter_mut().zip(bb.vec(&self.bias)) {
             *a += b;
         }
     }
 }
 
 impl GqaMlp for GptOssMlp {
-    type Weights<'a> = Router<'a>;
+    type Weights = Router;
 
-    fn weights<'a>(&self, bb: &'a Backbone, l: usize) -> Result<Router<'a>, EngineError> {
+    fn weights(&self, bb: &Backbone, l: usize) -> Result<Router, EngineError> {
         let [weight, bias] = &self.router[l];
         Ok(Router {
-            weight: bb.matrix(weight)?,
-            bias: bb.vector(bias)?,
+            weight: bb.matrix_handle(weight)?,
+            bias: bb.vector_handle(bias)?,
         })
     }
 
@@ -121,15 +122,15 @@ impl GqaMlp for GptOssMlp {
     fn forward(
         &self,
         step: MlpStep<'_>,
-        router: &[Router<'_>],
+        router: &[Router],
         xn: &[f32],
         buf: &mut Buffers,
         out: &mut [f32],
     ) -> Result<Option<Routing>, EngineError> {
-        let (l, routed) = (step.layer, step.routed);
+        let (l, routed, bb) = (step.layer, step.routed, step.backbone);
         let k = routed.experts_per_token();
         let logits = &mut buf.router;
-        router[l].logits(xn, logits);
+        router[l].logits(bb, xn, logits);
         let (alpha, limit) = (self.cfg.swiglu_alpha, self.cfg.swiglu_limit);
         let expert = |e: &Expert| {
             clamped_swiglu_expert(e.matrix(0), e.f32_part(1), e.matrix(2), e.f32_part(3), alpha, limit, xn)
@@ -150,7 +151,7 @@ impl GqaMlp for GptOssMlp {
             let predict = || -> Result<Option<(usize, Vec<usize>)>, EngineError> {
                 Ok(router.get(l + 1).map(|next| {
                     let mut nl = Vec::new();
-                    next.logits(xn, &mut nl);
+                    next.logits(bb, xn, &mut nl);
                     (l + 1, route_topk_softmax(&nl, k).experts)
                 }))
             };
@@ -167,20 +168,21 @@ impl GqaMlp for GptOssMlp {
     fn forward_chunk(
         &self,
         routed: &RoutedExperts,
-        router: &Router<'_>,
+        bb: &Backbone,
+        router: &Router,
         l: usize,
         xn: &[f32],
         nt: usize,
     ) -> Result<(Vec<f32>, Option<Vec<Routing>>), EngineError> {
         let k = routed.experts_per_token();
         let h = self.cfg.hidden_size;
-        let w = router.weight;
+        let (w, bias) = (bb.mat(&router.weight), bb.vec(&router.bias));
         let mut logits = vec![0f32; nt * w.rows];
         w.matmul(xn, nt, &mut logits);
         let routings: Vec<Routing> = logits
             .chunks_exact_mut(w.rows)
             .map(|lg| {
-                for (a, b) in lg.iter_mut().zip(router.bias) {
+                for (a, b) in lg.iter_mut().zip(bias) {
                     *a += b;
                 }
                 route_topk_softmax(lg, k)

@@ -50,6 +50,7 @@ use deltafin_cuda::{
 };
 use deltafin_format::model_dir::Backbone;
 use deltafin_format::{ModelConfig, ModelDir};
+use deltafin_kernels::MatRef;
 
 use crate::device::GpuOptions;
 use crate::experts::Expert;
@@ -140,6 +141,8 @@ fn f32_part(m: &GpuMat) -> Result<&GpuBuf, CudaError> {
 pub trait GqaFamily: CausalLm {
     /// The resident backbone.
     fn backbone(&self) -> &Backbone;
+    /// `model.embed_tokens.weight [vocab_size, hidden]` (resolved at load).
+    fn embed_tokens(&self) -> MatRef<'_>;
     /// The attention block's shape and RoPE.
     fn attention(&self) -> &GqaAttention;
     /// Every layer's names and block kinds, in order.
@@ -430,7 +433,7 @@ impl GqaCuda {
         cache.reserve(t0 + n).map_err(cuda)?;
         let h = self.cpu.attention().dims.hidden;
         // x = embed_tokens(tokens): [n, hidden]
-        let emb = self.cpu.backbone().matrix("model.embed_tokens.weight")?;
+        let emb = self.cpu.embed_tokens();
         let mut x_host = vec![0f32; n * h];
         for (row, &tok) in x_host.chunks_exact_mut(h).zip(tokens) {
             emb.row_into(tok as usize, row);

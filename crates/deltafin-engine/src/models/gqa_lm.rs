@@ -12,17 +12,15 @@
 //! config-derived shape ([`DecoderShape`]).
 //!
 //! Weights: the tensor names are digested once at load ([`GqaNames`] and the family's names)
-//! and every tensor is resolved into typed views ([`LayerWeights`], [`GqaMlp::Weights`]) once
-//! per forward pass, one lookup per tensor per pass rather than one per use. The views borrow the
-//! backbone's bytes, which the model itself owns; holding them in the model would make it
-//! self-referential (unsafe code or a self-referencing crate), and tensor ids resolved at load
-//! would need an unchecked or fallible read of the backbone on every use. A view per pass keeps
-//! the code safe and plain and costs a few map lookups per token, against the matrix-vector
-//! products of the same pass. The load resolves the views once too, so a missing or malformed
-//! tensor fails there with its name.
+//! and every tensor is resolved there, once, into a typed handle ([`LayerWeights`],
+//! [`GqaMlp::Weights`]: [`MatHandle`] / [`VecHandle`] fields named as in the checkpoint), so a
+//! missing or malformed tensor fails at load with its name. The model holds the handles next to
+//! the backbone they index (a handle is an owned, checked byte range, not a borrow, so nothing is
+//! self-referential), and a forward pass reads each weight with the infallible
+//! [`Backbone::mat`] / [`Backbone::vec`]: no name lookup and no error path per use.
 
 use deltafin_cuda::SoftmaxRouter;
-use deltafin_format::model_dir::Backbone;
+use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
 use deltafin_format::{ModelConfig, ModelDir, Rope};
 use deltafin_kernels::{rms_norm, MatRef};
 
@@ -36,37 +34,40 @@ use crate::EngineError;
 /// The feed-forward block of a GQA family (MoE or dense per layer), the part of a decoder layer
 /// that differs between Qwen3-MoE, Mixtral and gpt-oss.
 pub trait GqaMlp: Send + Sync + 'static {
-    /// One layer's feed-forward weights, borrowed from the backbone.
-    type Weights<'a>: Sync;
+    /// One layer's feed-forward weights: handles into the backbone, resolved once at load.
+    type Weights: Send + Sync + 'static;
 
-    /// Resolves layer `l`'s feed-forward tensors in `bb`, checking their kinds.
+    /// Resolves layer `l`'s feed-forward tensors in `bb` (at load), checking their kinds.
     ///
     /// Errors: a missing or malformed tensor (named).
-    fn weights<'a>(&self, bb: &'a Backbone, l: usize) -> Result<Self::Weights<'a>, EngineError>;
+    fn weights(&self, bb: &Backbone, l: usize) -> Result<Self::Weights, EngineError>;
 
     /// Layer `step.layer`'s block on one token: `xn: [hidden]` (after
     /// `post_attention_layernorm`) → `out: [hidden]`; returns the routing when the layer is
-    /// MoE. `layers` holds every layer's weights (the prefetch predicts a later layer's experts);
-    /// `buf`'s router and MLP buffers are free to use.
+    /// MoE. `layers` holds every layer's weights, read in `step.backbone` (the prefetch
+    /// predicts a later layer's experts); `buf`'s router and MLP buffers are free to use.
     ///
     /// Errors: expert read or checksum failures.
     fn forward(
         &self,
         step: MlpStep<'_>,
-        layers: &[Self::Weights<'_>],
+        layers: &[Self::Weights],
         xn: &[f32],
         buf: &mut Buffers,
         out: &mut [f32],
     ) -> Result<Option<Routing>, EngineError>;
 
-    /// Layer `l`'s block on a chunk: `xn: [nt, hidden]` → `[nt, hidden]` and, when the layer is
-    /// MoE, every token's routing; each row equal to [`Self::forward`]'s bit for bit.
+    /// Layer `l`'s block (weights `w` in `bb`) on a chunk: `xn: [nt, hidden]` → `[nt, hidden]`
+    /// and, when the layer is MoE, every token's routing; each row equal to [`Self::forward`]'s
+    /// bit for bit.
     ///
     /// Errors: expert read or checksum failures.
+    #[allow(clippy::too_many_arguments)]
     fn forward_chunk(
         &self,
         routed: &RoutedExperts,
-        w: &Self::Weights<'_>,
+        bb: &Backbone,
+        w: &Self::Weights,
         l: usize,
         xn: &[f32],
         nt: usize,
@@ -93,6 +94,8 @@ pub trait GqaMlp: Send + Sync + 'static {
 pub struct MlpStep<'a> {
     /// The routed-expert runtime.
     pub routed: &'a RoutedExperts,
+    /// The backbone the weights' handles index.
+    pub backbone: &'a Backbone,
     /// The layer.
     pub layer: usize,
     /// Self-drafting: route among the experts resident in the cache, read nothing
@@ -146,35 +149,40 @@ struct LayerNames {
     attn: GqaNames,
 }
 
-/// One layer's norms and attention, borrowed from the backbone.
-pub struct LayerWeights<'a> {
+/// One layer's norms and attention, resolved in the backbone at load.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerWeights {
     /// `input_layernorm.weight [hidden]`.
-    pub input_layernorm: &'a [f32],
+    pub input_layernorm: VecHandle,
     /// `post_attention_layernorm.weight [hidden]`.
-    pub post_attention_layernorm: &'a [f32],
-    pub attn: GqaWeights<'a>,
+    pub post_attention_layernorm: VecHandle,
+    pub attn: GqaWeights,
 }
 
-/// Every weight of a forward pass, borrowed from the backbone.
-pub struct Weights<'a, M> {
+/// Every weight of a forward pass, resolved in the backbone at load; `M` is the family's
+/// [`GqaMlp::Weights`].
+pub struct Weights<M> {
     /// `model.embed_tokens.weight [vocab_size, hidden]`.
-    pub embed_tokens: MatRef<'a>,
-    pub layers: Vec<LayerWeights<'a>>,
+    pub embed_tokens: MatHandle,
+    pub layers: Vec<LayerWeights>,
     /// The feed-forward block of each layer.
     pub mlp: Vec<M>,
     /// `model.norm.weight [hidden]`.
-    pub norm: &'a [f32],
+    pub norm: VecHandle,
     /// `lm_head.weight [vocab_size, hidden]`.
-    pub lm_head: MatRef<'a>,
+    pub lm_head: MatHandle,
 }
 
 /// A loaded GQA-family model: resident backbone, the family's block `F`, the routed-expert
 /// store.
-pub struct GqaLm<F> {
+pub struct GqaLm<F: GqaMlp> {
     config: ModelConfig,
     /// The family: its config and feed-forward block.
     pub family: F,
     backbone: Backbone,
+    /// Every weight, as handles into `backbone`.
+    weights: Weights<F::Weights>,
+    /// The names behind `weights`, for the CUDA path's upload.
     layers: Vec<LayerNames>,
     attn: GqaAttention,
     vocab_size: usize,
@@ -200,25 +208,19 @@ impl<F: GqaMlp> GqaLm<F> {
             })
             .collect();
         // Every tensor the forward pass uses, once, so a bad directory fails at load.
-        resolve(&backbone, &layers, &family)?;
+        let weights = resolve(&backbone, &layers, &family)?;
         let routed = RoutedExperts::open(dir, opts)?;
         Ok(GqaLm {
             config: dir.manifest.config.clone(),
             family,
             backbone,
+            weights,
             layers,
             attn: GqaAttention::new(shape.dims, shape.rope, shape.rms_norm_eps),
             vocab_size: shape.vocab_size,
             rms_norm_eps: shape.rms_norm_eps,
             routed,
         })
-    }
-
-    /// Every weight of a forward pass (see the module docs).
-    ///
-    /// Errors: a missing or malformed tensor (checked at load, so not in a forward pass).
-    fn weights(&self) -> Result<Weights<'_, F::Weights<'_>>, EngineError> {
-        resolve(&self.backbone, &self.layers, &self.family)
     }
 
     fn check_state(&self, cache: &KvCache, tokens: &[u32]) -> Result<(), EngineError> {
@@ -243,29 +245,30 @@ impl<F: GqaMlp> GqaLm<F> {
         draft: bool,
     ) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         self.check_state(cache, &[token])?;
-        let w = self.weights()?;
+        let (bb, w) = (&self.backbone, &self.weights);
         let (h, eps) = (self.attn.dims.hidden, self.rms_norm_eps);
         let mut b = std::mem::take(&mut cache.buffers);
         b.x.resize(h, 0.0);
         b.xn.resize(h, 0.0);
         b.out.resize(h, 0.0);
         // x = embed_tokens(token): [hidden]
-        w.embed_tokens.row_into(token as usize, &mut b.x);
+        bb.mat(&w.embed_tokens).row_into(token as usize, &mut b.x);
         let mut routes = Vec::with_capacity(w.layers.len());
         for (l, lw) in w.layers.iter().enumerate() {
             // h = x + self_attn(input_layernorm(x))
-            rms_norm(&b.x, lw.input_layernorm, eps, &mut b.xn);
+            rms_norm(&b.x, bb.vec(&lw.input_layernorm), eps, &mut b.xn);
             let mut out = std::mem::take(&mut b.out);
             let mut xn = std::mem::take(&mut b.xn);
             self.routed
-                .time_attention(|| self.attn.forward(&lw.attn, l, &xn, cache, &mut b, &mut out));
+                .time_attention(|| self.attn.forward(bb, &lw.attn, l, &xn, cache, &mut b, &mut out));
             for (a, o) in b.x.iter_mut().zip(&out) {
                 *a += o;
             }
             // x = h + mlp(post_attention_layernorm(h))
-            rms_norm(&b.x, lw.post_attention_layernorm, eps, &mut xn);
+            rms_norm(&b.x, bb.vec(&lw.post_attention_layernorm), eps, &mut xn);
             let step = MlpStep {
                 routed: &self.routed,
+                backbone: bb,
                 layer: l,
                 draft,
             };
@@ -284,9 +287,10 @@ impl<F: GqaMlp> GqaLm<F> {
         cache.advance();
         self.routed.count_forward();
         // logits = lm_head(norm(x))
-        rms_norm(&b.x, w.norm, eps, &mut b.xn);
-        let mut logits = vec![0f32; w.lm_head.rows];
-        w.lm_head.matvec(&b.xn, &mut logits);
+        rms_norm(&b.x, bb.vec(&w.norm), eps, &mut b.xn);
+        let lm_head = bb.mat(&w.lm_head);
+        let mut logits = vec![0f32; lm_head.rows];
+        lm_head.matvec(&b.xn, &mut logits);
         cache.buffers = b;
         Ok((logits, routes))
     }
@@ -304,33 +308,36 @@ impl<F: GqaMlp> GqaLm<F> {
         if nt == 0 {
             return Ok(BatchOutput::default());
         }
-        let w = self.weights()?;
+        let (bb, w) = (&self.backbone, &self.weights);
         let (h, eps) = (self.attn.dims.hidden, self.rms_norm_eps);
         // x: [nt, hidden]
         let mut x = vec![0f32; nt * h];
+        let embed_tokens = bb.mat(&w.embed_tokens);
         for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
-            w.embed_tokens.row_into(t as usize, row);
+            embed_tokens.row_into(t as usize, row);
         }
         let mut xn = vec![0f32; nt * h];
         let mut out = vec![0f32; nt * h];
         let mut routes: Vec<LayerRoutes> = vec![Vec::new(); nt];
         for (l, (lw, mw)) in w.layers.iter().zip(&w.mlp).enumerate() {
             // h = x + self_attn(input_layernorm(x))
+            let norm = bb.vec(&lw.input_layernorm);
             for (a, b) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
-                rms_norm(a, lw.input_layernorm, eps, b);
+                rms_norm(a, norm, eps, b);
             }
             self.routed
-                .time_attention(|| self.attn.forward_batch(&lw.attn, l, &xn, nt, cache, &mut out));
+                .time_attention(|| self.attn.forward_batch(bb, &lw.attn, l, &xn, nt, cache, &mut out));
             for (a, o) in x.iter_mut().zip(&out) {
                 *a += o;
             }
             // x = h + mlp(post_attention_layernorm(h))
+            let norm = bb.vec(&lw.post_attention_layernorm);
             for (a, b) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
-                rms_norm(a, lw.post_attention_layernorm, eps, b);
+                rms_norm(a, norm, eps, b);
             }
             let (y, rs) = self
                 .routed
-                .time_mlp(|| self.family.forward_chunk(&self.routed, mw, l, &xn, nt))?;
+                .time_mlp(|| self.family.forward_chunk(&self.routed, bb, mw, l, &xn, nt))?;
             if let Some(rs) = rs {
                 for (r, routing) in routes.iter_mut().zip(rs) {
                     r.push((l, routing));
@@ -347,34 +354,31 @@ impl<F: GqaMlp> GqaLm<F> {
         // logits = lm_head(norm(x)) of the positions asked for
         let first = if all_logits { 0 } else { nt - 1 };
         let mut logits = Vec::with_capacity(nt - first);
+        let (norm, lm_head) = (bb.vec(&w.norm), bb.mat(&w.lm_head));
         for t in first..nt {
-            rms_norm(&x[t * h..(t + 1) * h], w.norm, eps, &mut xn[..h]);
-            let mut lg = vec![0f32; w.lm_head.rows];
-            w.lm_head.matvec(&xn[..h], &mut lg);
+            rms_norm(&x[t * h..(t + 1) * h], norm, eps, &mut xn[..h]);
+            let mut lg = vec![0f32; lm_head.rows];
+            lm_head.matvec(&xn[..h], &mut lg);
             logits.push(lg);
         }
         Ok(BatchOutput { logits, routes })
     }
 }
 
-/// Resolves every weight of a forward pass in `bb`: the shared tensors by their checkpoint
-/// names, `layers`' norms and attention, and `family`'s blocks.
+/// Resolves every weight of a forward pass in `bb` (at load): the shared tensors by their
+/// checkpoint names, `layers`' norms and attention, and `family`'s blocks.
 ///
 /// Errors: a missing or malformed tensor (named).
-fn resolve<'a, F: GqaMlp>(
-    bb: &'a Backbone,
-    layers: &[LayerNames],
-    family: &F,
-) -> Result<Weights<'a, F::Weights<'a>>, EngineError> {
-    let embed_tokens = bb.matrix("model.embed_tokens.weight")?;
-    let lm_head = bb.matrix("lm_head.weight")?;
-    let norm = bb.vector("model.norm.weight")?;
+fn resolve<F: GqaMlp>(bb: &Backbone, layers: &[LayerNames], family: &F) -> Result<Weights<F::Weights>, EngineError> {
+    let embed_tokens = bb.matrix_handle("model.embed_tokens.weight")?;
+    let lm_head = bb.matrix_handle("lm_head.weight")?;
+    let norm = bb.vector_handle("model.norm.weight")?;
     let mut lws = Vec::with_capacity(layers.len());
     let mut mlp = Vec::with_capacity(layers.len());
     for (l, n) in layers.iter().enumerate() {
         lws.push(LayerWeights {
-            input_layernorm: bb.vector(&n.input_layernorm)?,
-            post_attention_layernorm: bb.vector(&n.post_attention_layernorm)?,
+            input_layernorm: bb.vector_handle(&n.input_layernorm)?,
+            post_attention_layernorm: bb.vector_handle(&n.post_attention_layernorm)?,
             attn: n.attn.weights(bb)?,
         });
         mlp.push(family.weights(bb, l)?);
@@ -444,6 +448,10 @@ impl<F: GqaMlp> CausalLm for GqaLm<F> {
 impl<F: GqaMlp> GqaFamily for GqaLm<F> {
     fn backbone(&self) -> &Backbone {
         &self.backbone
+    }
+
+    fn embed_tokens(&self) -> MatRef<'_> {
+        self.backbone.mat(&self.weights.embed_tokens)
     }
 
     fn attention(&self) -> &GqaAttention {

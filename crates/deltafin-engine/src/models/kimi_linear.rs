@@ -23,18 +23,20 @@
 //! LatentMoE the routed experts run on `routed_expert_down_proj(x)`, their weighted sum is
 //! RMS-normalised (`routed_expert_norm`) and projected back (`routed_expert_up_proj`); the
 //! shared experts read the full-width `x`. SiTU-GLU or SwiGLU everywhere, per `hidden_act`.
+//!
+//! Weights: every tensor is resolved once at load into `Weights` (handles named as in the
+//! checkpoint, each KDA layer's shapes checked there too) and read with the infallible
+//! [`Backbone::mat`] / [`Backbone::vec`]: a forward pass looks nothing up by name.
 
 use deltafin_format::kimi_linear::{GluActivation, KimiLinearConfig, MixerKind};
-use deltafin_format::model_dir::Backbone;
+use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
 use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::{rms_norm, sigmoid, silu, softmax_inplace, MatData, MatRef};
 
-use crate::blocks::kda::{
-    DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, KdaWeights, OutputGate, DEFAULT_CHUNK_SIZE,
-};
-use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaQuery, MlaShape, MlaWeights};
+use crate::blocks::kda::{DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, KdaTensors, DEFAULT_CHUNK_SIZE};
+use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaQueryTensors, MlaShape, MlaTensors};
 use crate::experts::{Expert, StoreOptions};
-use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, Numerics, RoutedExperts};
+use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, GluTensors, LayerRoutes, Numerics, RoutedExperts};
 use crate::moe::{route, route_masked, RouterConfig, Routing};
 use crate::EngineError;
 
@@ -119,6 +121,168 @@ impl LayerNames {
     }
 }
 
+/// Every weight of the forward pass, resolved in the backbone once at load ([`Weights::resolve`])
+/// and read with [`Backbone::mat`] / [`Backbone::vec`]: no name lookup in a forward pass.
+pub(crate) struct Weights {
+    /// `model.embed_tokens.weight [vocab_size, hidden]`.
+    pub(crate) embed_tokens: MatHandle,
+    pub(crate) layers: Vec<LayerWeights>,
+    /// `model.norm.weight [hidden]`.
+    pub(crate) norm: VecHandle,
+    /// `lm_head.weight [vocab_size, hidden]`.
+    pub(crate) lm_head: MatHandle,
+}
+
+/// One decoder layer's weights (`model.layers.{l}.*`).
+pub(crate) struct LayerWeights {
+    /// `input_layernorm.weight [hidden]`.
+    pub(crate) input_layernorm: VecHandle,
+    /// `post_attention_layernorm.weight [hidden]`.
+    pub(crate) post_attention_layernorm: VecHandle,
+    pub(crate) self_attn: Mixer,
+    pub(crate) ffn: Ffn,
+}
+
+/// One layer's token mixer, `self_attn.*`.
+// Built once per layer at load and never moved afterwards: boxing the larger variant would
+// only add an indirection.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Mixer {
+    /// Kimi Delta Attention, with its hyperparameters (checked with the weights at load).
+    Kda { cfg: KdaConfig, w: KdaTensors },
+    /// NoPE MLA (K3's output gate in `g_proj` when configured).
+    Mla(MlaTensors),
+}
+
+/// One layer's feed-forward block.
+// Built once per layer at load and never moved afterwards: boxing the larger variant would
+// only add an indirection.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Ffn {
+    /// `mlp.{gate,up,down}_proj` (layers below `first_k_dense_replace`).
+    Dense(GluTensors),
+    /// `block_sparse_moe.*`.
+    Moe(MoeTensors),
+}
+
+/// One MoE layer's backbone tensors, `block_sparse_moe.*` (the routed experts come from the
+/// expert store).
+pub(crate) struct MoeTensors {
+    /// The router `gate.weight [num_experts, hidden]`.
+    pub(crate) gate: MatHandle,
+    /// `gate.e_score_correction_bias [num_experts]`.
+    pub(crate) e_score_correction_bias: VecHandle,
+    /// LatentMoE (`routed_expert_hidden_size` set).
+    pub(crate) latent: Option<LatentTensors>,
+    /// `shared_experts.{gate,up,down}_proj` (None when `num_shared_experts` is 0).
+    pub(crate) shared_experts: Option<GluTensors>,
+}
+
+/// LatentMoE's projections around the routed experts (K3-SPEC §5).
+pub(crate) struct LatentTensors {
+    /// `routed_expert_down_proj.weight [latent, hidden]`.
+    pub(crate) routed_expert_down_proj: MatHandle,
+    /// `routed_expert_norm.weight [latent]` (with `latent_moe_use_norm`).
+    pub(crate) routed_expert_norm: Option<VecHandle>,
+    /// `routed_expert_up_proj.weight [hidden, latent]`.
+    pub(crate) routed_expert_up_proj: MatHandle,
+}
+
+impl Weights {
+    /// Resolves every tensor the forward pass of `cfg` reads, named by `names`, in `bb`; each
+    /// KDA layer's shapes are checked against its hyperparameters ([`Kda::new`]).
+    ///
+    /// Errors: a missing or malformed tensor (named), a KDA layer whose shapes do not fit.
+    fn resolve(bb: &Backbone, cfg: &KimiLinearConfig, names: &[LayerNames]) -> Result<Self, EngineError> {
+        let c = cfg;
+        let mut layers = Vec::with_capacity(names.len());
+        for (l, n) in names.iter().enumerate() {
+            let self_attn = match c.mixers[l] {
+                MixerKind::Kda => {
+                    let kda_cfg = KdaConfig {
+                        layer: l,
+                        hidden_size: c.hidden_size,
+                        num_heads: c.kda_num_heads,
+                        head_dim: c.kda_head_dim,
+                        conv_kernel_size: c.short_conv_kernel_size,
+                        norm_eps: c.rms_norm_eps,
+                        decay_gate: match c.gate_lower_bound {
+                            Some(lower_bound) => DecayGate::ScaledSigmoid { lower_bound },
+                            None => DecayGate::Softplus,
+                        },
+                        chunk_size: DEFAULT_CHUNK_SIZE,
+                    };
+                    let w = KdaTensors::resolve(bb, &n.kda, c.use_full_rank_gate)?;
+                    Kda::new(kda_cfg, w.view(bb)).map_err(|e| EngineError::Invalid(e.to_string()))?;
+                    Mixer::Kda { cfg: kda_cfg, w }
+                }
+                MixerKind::Mla => Mixer::Mla(MlaTensors {
+                    query: if c.q_lora_rank.is_some() {
+                        MlaQueryTensors::Lora {
+                            q_a_proj: bb.matrix_handle(&n.q_a_proj)?,
+                            q_a_layernorm: bb.vector_handle(&n.q_a_layernorm)?,
+                            q_b_proj: bb.matrix_handle(&n.q_b_proj)?,
+                        }
+                    } else {
+                        MlaQueryTensors::Plain {
+                            q_proj: bb.matrix_handle(&n.q_proj)?,
+                        }
+                    },
+                    kv_a_proj_with_mqa: bb.matrix_handle(&n.kv_a_proj_with_mqa)?,
+                    kv_a_layernorm: bb.vector_handle(&n.kv_a_layernorm)?,
+                    kv_b_proj: bb.matrix_handle(&n.kv_b_proj)?,
+                    o_proj: bb.matrix_handle(&n.o_proj)?,
+                    g_proj: if c.mla_use_output_gate {
+                        Some(bb.matrix_handle(&n.g_proj)?)
+                    } else {
+                        None
+                    },
+                }),
+            };
+            let ffn = if c.is_moe_layer(l) {
+                Ffn::Moe(MoeTensors {
+                    gate: bb.matrix_handle(&n.router)?,
+                    e_score_correction_bias: bb.vector_handle(&n.router_bias)?,
+                    latent: match c.routed_expert_hidden_size {
+                        Some(_) => Some(LatentTensors {
+                            routed_expert_down_proj: bb.matrix_handle(&n.latent_down)?,
+                            routed_expert_norm: if c.latent_moe_use_norm {
+                                Some(bb.vector_handle(&n.latent_norm)?)
+                            } else {
+                                None
+                            },
+                            routed_expert_up_proj: bb.matrix_handle(&n.latent_up)?,
+                        }),
+                        None => None,
+                    },
+                    shared_experts: if c.num_shared_experts > 0 {
+                        Some(GluTensors::resolve(
+                            bb,
+                            [&n.shared_gate_proj, &n.shared_up_proj, &n.shared_down_proj],
+                        )?)
+                    } else {
+                        None
+                    },
+                })
+            } else {
+                Ffn::Dense(GluTensors::resolve(bb, [&n.gate_proj, &n.up_proj, &n.down_proj])?)
+            };
+            layers.push(LayerWeights {
+                input_layernorm: bb.vector_handle(&n.input_layernorm)?,
+                post_attention_layernorm: bb.vector_handle(&n.post_attention_layernorm)?,
+                self_attn,
+                ffn,
+            });
+        }
+        Ok(Weights {
+            embed_tokens: bb.matrix_handle("model.embed_tokens.weight")?,
+            layers,
+            norm: bb.vector_handle("model.norm.weight")?,
+            lm_head: bb.matrix_handle("lm_head.weight")?,
+        })
+    }
+}
+
 /// Decode state of one layer's token mixer.
 #[derive(Debug, Clone)]
 enum MixerState {
@@ -180,6 +344,9 @@ pub struct KimiLinear {
     config: ModelConfig,
     pub cfg: KimiLinearConfig,
     pub(crate) backbone: Backbone,
+    /// Every weight, as handles into `backbone`.
+    pub(crate) w: Weights,
+    /// The names behind `w`, for the CUDA path's upload.
     pub(crate) names: Vec<LayerNames>,
     /// Fused attention-residual score vectors `norm ⊙ proj` per layer: (pre-attention,
     /// pre-MLP), and the output site's. Empty without attention residuals. [ATTN_RES]
@@ -232,6 +399,8 @@ impl KimiLinear {
             }
             out_res_score = fused("model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight")?;
         }
+        // Every tensor the forward pass reads, resolved once (KDA shapes checked).
+        let w = Weights::resolve(&backbone, &cfg, &names)?;
         let router = RouterConfig {
             n_routed_experts: cfg.num_experts,
             top_k: cfg.num_experts_per_token,
@@ -246,6 +415,7 @@ impl KimiLinear {
             config,
             cfg,
             backbone,
+            w,
             names,
             res_scores,
             out_res_score,
@@ -255,71 +425,57 @@ impl KimiLinear {
             routed,
             numerics: Numerics::Reference,
         };
-        // Building each KDA block checks its shapes once.
-        let mut empty = Vec::with_capacity(model.cfg.num_hidden_layers);
-        for l in 0..model.cfg.num_hidden_layers {
-            empty.push(match model.cfg.mixers[l] {
-                MixerKind::Kda => MixerState::Kda(model.kda(l)?.new_state(KDA_ROLLBACK_WINDOW)),
-                MixerKind::Mla => MixerState::Mla {
+        let empty = model
+            .w
+            .layers
+            .iter()
+            .map(|lw| match &lw.self_attn {
+                Mixer::Kda { cfg, w } => MixerState::Kda(model.kda(cfg, w).new_state(KDA_ROLLBACK_WINDOW)),
+                Mixer::Mla(_) => MixerState::Mla {
                     c_kv: Vec::new(),
                     k_pe: Vec::new(),
                 },
-            });
-        }
+            })
+            .collect();
         model.empty_states = empty;
         Ok(model)
     }
 
+    /// The matrix `name`, looked up by name: for load-time code (the CUDA upload), not for a
+    /// forward pass (which reads [`Self::w`]).
+    ///
+    /// Errors: a missing or malformed tensor (named).
     pub(crate) fn m(&self, name: &str) -> Result<MatRef<'_>, EngineError> {
         Ok(self.backbone.matrix(name)?)
     }
 
+    /// The f32 vector `name`, looked up by name (load-time code, as [`Self::m`]).
+    ///
+    /// Errors: a missing or malformed tensor (named).
     pub(crate) fn v(&self, name: &str) -> Result<&[f32], EngineError> {
         Ok(self.backbone.vector(name)?)
     }
 
-    /// The KDA block of layer `l` over the resident weights (shapes checked).
-    fn kda(&self, l: usize) -> Result<Kda<'_>, EngineError> {
-        let c = &self.cfg;
-        let n = &self.names[l].kda;
-        let flat = |name: &str| -> Result<&[f32], EngineError> { Ok(self.backbone.f32_tensor(name)?.0) };
-        let cfg = KdaConfig {
-            layer: l,
-            hidden_size: c.hidden_size,
-            num_heads: c.kda_num_heads,
-            head_dim: c.kda_head_dim,
-            conv_kernel_size: c.short_conv_kernel_size,
-            norm_eps: c.rms_norm_eps,
-            decay_gate: match c.gate_lower_bound {
-                Some(lower_bound) => DecayGate::ScaledSigmoid { lower_bound },
-                None => DecayGate::Softplus,
-            },
-            chunk_size: DEFAULT_CHUNK_SIZE,
-        };
-        let w = KdaWeights {
-            q_proj: self.m(&n.q_proj)?,
-            k_proj: self.m(&n.k_proj)?,
-            v_proj: self.m(&n.v_proj)?,
-            q_conv: flat(&n.q_conv1d)?,
-            k_conv: flat(&n.k_conv1d)?,
-            v_conv: flat(&n.v_conv1d)?,
-            f_a_proj: self.m(&n.f_a_proj)?,
-            f_b_proj: self.m(&n.f_b_proj)?,
-            a_log: flat(&n.a_log)?,
-            dt_bias: flat(&n.dt_bias)?,
-            b_proj: self.m(&n.b_proj)?,
-            output_gate: if c.use_full_rank_gate {
-                OutputGate::FullRank(self.m(&n.g_proj)?)
-            } else {
-                OutputGate::LowRank {
-                    a: self.m(&n.g_a_proj)?,
-                    b: self.m(&n.g_b_proj)?,
-                }
-            },
-            o_norm: self.v(&n.o_norm)?,
-            o_proj: self.m(&n.o_proj)?,
-        };
-        Kda::new(cfg, w).map_err(|e| EngineError::Invalid(e.to_string()))
+    /// `model.embed_tokens.weight [vocab_size, hidden]`.
+    pub(crate) fn embed_tokens(&self) -> MatRef<'_> {
+        self.backbone.mat(&self.w.embed_tokens)
+    }
+
+    /// Layer `l`'s router `e_score_correction_bias [num_experts]` (None for a dense layer).
+    pub(crate) fn router_bias(&self, l: usize) -> Option<&[f32]> {
+        match &self.w.layers.get(l)?.ffn {
+            Ffn::Moe(m) => Some(self.backbone.vec(&m.e_score_correction_bias)),
+            Ffn::Dense(_) => None,
+        }
+    }
+
+    /// A KDA block over the resident weights `w` with hyperparameters `cfg` (the pair that
+    /// [`Weights::resolve`] checked with [`Kda::new`], so it is built here without checks).
+    fn kda<'a>(&'a self, cfg: &KdaConfig, w: &KdaTensors) -> Kda<'a> {
+        Kda {
+            cfg: *cfg,
+            w: w.view(&self.backbone),
+        }
     }
 
     /// The start of layer `l` for one position (K3-SPEC §1 steps 1–2): the mixer's input before
@@ -371,47 +527,46 @@ impl KimiLinear {
         let pos = st.len;
         let h = c.hidden_size;
         // x: [hidden] = embed_tokens[token]
+        let bb = &self.backbone;
         let mut x = vec![0f32; h];
-        self.m("model.embed_tokens.weight")?.row_into(token as usize, &mut x);
+        bb.mat(&self.w.embed_tokens).row_into(token as usize, &mut x);
         let mut xn = vec![0f32; h];
         let mut routes = Vec::new();
         // Attention-residual bank of this position: [n_entries][hidden]. [ATTN_RES]
         let mut bank: Vec<Vec<f32>> = Vec::new();
-        for l in 0..c.num_hidden_layers {
-            let n = &self.names[l];
+        for (l, lw) in self.w.layers.iter().enumerate() {
             // a_in: the mixer's input before its norm; s: the running sum the mixer adds to.
             let (a_in, mut s) = self.enter_layer(l, &mut bank, std::mem::take(&mut x));
-            rms_norm(&a_in, self.v(&n.input_layernorm)?, c.rms_norm_eps, &mut xn);
+            rms_norm(&a_in, bb.vec(&lw.input_layernorm), c.rms_norm_eps, &mut xn);
             let mixed = self.routed.time_attention(|| -> Result<Vec<f32>, EngineError> {
-                match &mut st.layers[l] {
-                    MixerState::Kda(ks) => {
+                match (&lw.self_attn, &mut st.layers[l]) {
+                    (Mixer::Kda { cfg, w }, MixerState::Kda(ks)) => {
                         let mut out = vec![0f32; h];
-                        self.kda(l)?
+                        self.kda(cfg, w)
                             .step(ks, &xn, &mut out)
                             .map_err(|e| EngineError::Invalid(e.to_string()))?;
                         Ok(out)
                     }
-                    MixerState::Mla { c_kv, k_pe } => self.mla(l, &xn, pos, c_kv, k_pe),
+                    (Mixer::Mla(w), MixerState::Mla { c_kv, k_pe }) => Ok(self.mla(w, &xn, pos, c_kv, k_pe)),
+                    _ => Err(other_state(l)),
                 }
             })?;
             for (a, b) in s.iter_mut().zip(&mixed) {
                 *a += b;
             }
             let f_in = self.ffn_input(l, &bank, &s);
-            rms_norm(&f_in, self.v(&n.post_attention_layernorm)?, c.rms_norm_eps, &mut xn);
+            rms_norm(&f_in, bb.vec(&lw.post_attention_layernorm), c.rms_norm_eps, &mut xn);
             let ffn = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
-                if c.is_moe_layer(l) {
-                    let (out, r) = self.moe(l, &xn, draft)?;
-                    routes.push((l, r));
-                    Ok(out)
-                } else {
-                    Ok(glu_mlp(
-                        c.activation,
-                        self.m(&n.gate_proj)?,
-                        self.m(&n.up_proj)?,
-                        self.m(&n.down_proj)?,
-                        &xn,
-                    ))
+                match &lw.ffn {
+                    Ffn::Moe(m) => {
+                        let (out, r) = self.moe(l, m, &xn, draft)?;
+                        routes.push((l, r));
+                        Ok(out)
+                    }
+                    Ffn::Dense(d) => {
+                        let [g, u, d] = d.view(bb);
+                        Ok(glu_mlp(c.activation, g, u, d, &xn))
+                    }
                 }
             })?;
             for (a, b) in s.iter_mut().zip(&ffn) {
@@ -426,8 +581,8 @@ impl KimiLinear {
             None => x,
         };
         let mut y = vec![0f32; h];
-        rms_norm(&z, self.v("model.norm.weight")?, c.rms_norm_eps, &mut y);
-        let lm = self.m("lm_head.weight")?;
+        rms_norm(&z, bb.vec(&self.w.norm), c.rms_norm_eps, &mut y);
+        let lm = bb.mat(&self.w.lm_head);
         let mut logits = vec![0f32; lm.rows];
         lm.matvec(&y, &mut logits);
         Ok((logits, routes))
@@ -454,7 +609,8 @@ impl KimiLinear {
             });
         }
         let pos0 = st.len;
-        let embed = self.m("model.embed_tokens.weight")?;
+        let bb = &self.backbone;
+        let embed = bb.mat(&self.w.embed_tokens);
         // xs: [nt][hidden], the residual stream of each position.
         let mut xs: Vec<Vec<f32>> = tokens
             .iter()
@@ -468,32 +624,29 @@ impl KimiLinear {
         let mut routes: Vec<LayerRoutes> = vec![Vec::new(); nt];
         // xn: [nt, hidden], normalised inputs of the current block.
         let mut xn = vec![0f32; nt * h];
-        for l in 0..c.num_hidden_layers {
-            let n = &self.names[l];
+        for (l, lw) in self.w.layers.iter().enumerate() {
             let mut sums = Vec::with_capacity(nt);
+            let input_layernorm = bb.vec(&lw.input_layernorm);
             for t in 0..nt {
                 let x = std::mem::take(&mut xs[t]);
                 let (a_in, s) = self.enter_layer(l, &mut banks[t], x);
-                rms_norm(
-                    &a_in,
-                    self.v(&n.input_layernorm)?,
-                    c.rms_norm_eps,
-                    &mut xn[t * h..(t + 1) * h],
-                );
+                rms_norm(&a_in, input_layernorm, c.rms_norm_eps, &mut xn[t * h..(t + 1) * h]);
                 sums.push(s);
             }
             let mixed = self.routed.time_attention(|| -> Result<Vec<f32>, EngineError> {
-                match &mut st.layers[l] {
-                    MixerState::Kda(ks) => {
+                match (&lw.self_attn, &mut st.layers[l]) {
+                    (Mixer::Kda { cfg, w }, MixerState::Kda(ks)) => {
                         let mut out = vec![0f32; nt * h];
-                        self.kda(l)?
+                        self.kda(cfg, w)
                             .prefill(ks, &xn, &mut out)
                             .map_err(|e| EngineError::Invalid(e.to_string()))?;
                         Ok(out)
                     }
-                    MixerState::Mla { c_kv, k_pe } => self.mla_batch(l, &xn, nt, pos0, c_kv, k_pe),
+                    (Mixer::Mla(w), MixerState::Mla { c_kv, k_pe }) => Ok(self.mla_batch(w, &xn, nt, pos0, c_kv, k_pe)),
+                    _ => Err(other_state(l)),
                 }
             })?;
+            let post_attention_layernorm = bb.vec(&lw.post_attention_layernorm);
             for (t, s) in sums.iter_mut().enumerate() {
                 for (a, b) in s.iter_mut().zip(&mixed[t * h..(t + 1) * h]) {
                     *a += b;
@@ -501,27 +654,24 @@ impl KimiLinear {
                 let f_in = self.ffn_input(l, &banks[t], s);
                 rms_norm(
                     &f_in,
-                    self.v(&n.post_attention_layernorm)?,
+                    post_attention_layernorm,
                     c.rms_norm_eps,
                     &mut xn[t * h..(t + 1) * h],
                 );
             }
             let ffn = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
-                if c.is_moe_layer(l) {
-                    let (out, rs) = self.moe_batch(l, &xn, nt)?;
-                    for (r, routing) in routes.iter_mut().zip(rs) {
-                        r.push((l, routing));
+                match &lw.ffn {
+                    Ffn::Moe(m) => {
+                        let (out, rs) = self.moe_batch(l, m, &xn, nt)?;
+                        for (r, routing) in routes.iter_mut().zip(rs) {
+                            r.push((l, routing));
+                        }
+                        Ok(out)
                     }
-                    Ok(out)
-                } else {
-                    Ok(glu_mlp_batch(
-                        c.activation,
-                        self.m(&n.gate_proj)?,
-                        self.m(&n.up_proj)?,
-                        self.m(&n.down_proj)?,
-                        &xn,
-                        nt,
-                    ))
+                    Ffn::Dense(d) => {
+                        let [g, u, d] = d.view(bb);
+                        Ok(glu_mlp_batch(c.activation, g, u, d, &xn, nt))
+                    }
                 }
             })?;
             for (t, mut s) in sums.into_iter().enumerate() {
@@ -535,8 +685,8 @@ impl KimiLinear {
         for _ in 0..nt {
             self.routed.count_forward();
         }
-        let norm = self.v("model.norm.weight")?;
-        let lm = self.m("lm_head.weight")?;
+        let norm = bb.vec(&self.w.norm);
+        let lm = bb.mat(&self.w.lm_head);
         let first = if all_logits { 0 } else { nt - 1 };
         let mut logits = Vec::with_capacity(nt - first);
         let mut y = vec![0f32; h];
@@ -553,41 +703,42 @@ impl KimiLinear {
         Ok(BatchOutput { logits, routes })
     }
 
-    /// Expert-major MoE block for `nt` tokens (see [`Self::moe`] for one token):
-    /// xn: `[nt, hidden]` → `[nt, hidden]`, plus each token's routing.
-    fn moe_batch(&self, l: usize, xn: &[f32], nt: usize) -> Result<(Vec<f32>, Vec<Routing>), EngineError> {
+    /// Expert-major MoE block of layer `l` (weights `m`) for `nt` tokens (see [`Self::moe`] for
+    /// one token): xn: `[nt, hidden]` → `[nt, hidden]`, plus each token's routing.
+    fn moe_batch(
+        &self,
+        l: usize,
+        m: &MoeTensors,
+        xn: &[f32],
+        nt: usize,
+    ) -> Result<(Vec<f32>, Vec<Routing>), EngineError> {
         let c = &self.cfg;
+        let bb = &self.backbone;
         let (h, w) = (c.hidden_size, c.expert_width());
-        let n = &self.names[l];
-        let gate = self.m(&n.router)?;
+        let gate = bb.mat(&m.gate);
         let mut logits = vec![0f32; nt * gate.rows];
         gate.matmul(xn, nt, &mut logits);
         let router = RouterConfig {
             top_k: self.routed.experts_per_token(),
             ..self.router
         };
-        let bias = self.v(&n.router_bias)?;
+        let bias = bb.vec(&m.e_score_correction_bias);
         let routings: Vec<Routing> = logits.chunks(gate.rows).map(|lg| route(&router, lg, bias)).collect();
         // xl: [nt, expert_width]
-        let xl = match c.routed_expert_hidden_size {
-            Some(lat) => {
-                let mut xl = vec![0f32; nt * lat];
-                self.m(&n.latent_down)?.matmul(xn, nt, &mut xl);
+        let xl = match &m.latent {
+            // expert_width() is the latent width with LatentMoE.
+            Some(lt) => {
+                let mut xl = vec![0f32; nt * w];
+                bb.mat(&lt.routed_expert_down_proj).matmul(xn, nt, &mut xl);
                 xl
             }
             None => xn.to_vec(),
         };
         let act = c.activation;
-        let shared = if c.num_shared_experts > 0 {
-            let (g, u, d) = (
-                self.m(&n.shared_gate_proj)?,
-                self.m(&n.shared_up_proj)?,
-                self.m(&n.shared_down_proj)?,
-            );
-            Some(move || glu_mlp_batch(act, g, u, d, xn, nt))
-        } else {
-            None
-        };
+        let shared = m.shared_experts.as_ref().map(|s| {
+            let [g, u, d] = s.view(bb);
+            move || glu_mlp_batch(act, g, u, d, xn, nt)
+        });
         let xl_ref = &xl;
         let (routed, shared_out) = self.routed.run_batch(
             l,
@@ -602,11 +753,12 @@ impl KimiLinear {
             },
             shared,
         )?;
-        let mut out = match c.routed_expert_hidden_size {
-            Some(lat) => {
+        let mut out = match &m.latent {
+            Some(lt) => {
+                let lat = w;
                 let mut y = routed;
-                if c.latent_moe_use_norm {
-                    let norm = self.v(&n.latent_norm)?;
+                if let Some(norm) = &lt.routed_expert_norm {
+                    let norm = bb.vec(norm);
                     let mut yn = vec![0f32; lat];
                     for row in y.chunks_mut(lat) {
                         rms_norm(row, norm, c.rms_norm_eps, &mut yn);
@@ -614,7 +766,7 @@ impl KimiLinear {
                     }
                 }
                 let mut up = vec![0f32; nt * h];
-                self.m(&n.latent_up)?.matmul(&y, nt, &mut up);
+                bb.mat(&lt.routed_expert_up_proj).matmul(&y, nt, &mut up);
                 up
             }
             None => routed,
@@ -625,31 +777,6 @@ impl KimiLinear {
             }
         }
         Ok((out, routings))
-    }
-
-    /// Layer `l`'s MLA weights ([`crate::blocks::mla`]), with K3's output gate when configured.
-    fn mla_weights(&self, l: usize) -> Result<MlaWeights<'_>, EngineError> {
-        let c = &self.cfg;
-        let n = &self.names[l];
-        Ok(MlaWeights {
-            query: match c.q_lora_rank {
-                Some(_) => MlaQuery::Lora {
-                    a: self.m(&n.q_a_proj)?,
-                    norm: self.v(&n.q_a_layernorm)?,
-                    b: self.m(&n.q_b_proj)?,
-                },
-                None => MlaQuery::Plain(self.m(&n.q_proj)?),
-            },
-            kv_a_proj_with_mqa: self.m(&n.kv_a_proj_with_mqa)?,
-            kv_a_layernorm: self.v(&n.kv_a_layernorm)?,
-            kv_b_proj: self.m(&n.kv_b_proj)?,
-            o_proj: self.m(&n.o_proj)?,
-            g_proj: if c.mla_use_output_gate {
-                Some(self.m(&n.g_proj)?)
-            } else {
-                None
-            },
-        })
     }
 
     /// The NoPE MLA shape (`mla_use_nope`: the `qk_rope_head_dim` part is a plain shared-key dot
@@ -672,20 +799,12 @@ impl KimiLinear {
         (shape, eps)
     }
 
-    /// NoPE MLA of layer `l` for one token at position `pos` ([`mla_token`]; K3's output gate
-    /// `o ⊙ σ(x W_gᵀ)` when configured, K3-SPEC §4). Appends this token's latent and key part to
-    /// the cache. xn: `[hidden]` → `[hidden]`.
-    fn mla(
-        &self,
-        l: usize,
-        xn: &[f32],
-        pos: usize,
-        c_kv: &mut Vec<f32>,
-        k_pe_cache: &mut Vec<f32>,
-    ) -> Result<Vec<f32>, EngineError> {
-        let w = self.mla_weights(l)?;
+    /// NoPE MLA of a layer (weights `w`) for one token at position `pos` ([`mla_token`]; K3's
+    /// output gate `o ⊙ σ(x W_gᵀ)` when configured, K3-SPEC §4). Appends this token's latent and
+    /// key part to the cache. xn: `[hidden]` → `[hidden]`.
+    fn mla(&self, w: &MlaTensors, xn: &[f32], pos: usize, c_kv: &mut Vec<f32>, k_pe_cache: &mut Vec<f32>) -> Vec<f32> {
         let (shape, eps) = self.mla_shape();
-        Ok(mla_token(&shape, &w, eps, xn, pos, c_kv, k_pe_cache))
+        mla_token(&shape, &w.view(&self.backbone), eps, xn, pos, c_kv, k_pe_cache)
     }
 
     /// [`Self::mla`] for a chunk of `nt` tokens at positions `pos0..pos0 + nt`
@@ -693,68 +812,70 @@ impl KimiLinear {
     /// batch form. xn: `[nt, hidden]` → `[nt, hidden]`.
     fn mla_batch(
         &self,
-        l: usize,
+        w: &MlaTensors,
         xn: &[f32],
         nt: usize,
         pos0: usize,
         c_kv: &mut Vec<f32>,
         k_pe_cache: &mut Vec<f32>,
-    ) -> Result<Vec<f32>, EngineError> {
-        let w = self.mla_weights(l)?;
+    ) -> Vec<f32> {
         let (shape, eps) = self.mla_shape();
         let form = self.routed.batch_form().mla();
-        Ok(mla_chunk_layer(&shape, &w, eps, xn, nt, pos0, c_kv, k_pe_cache, form))
+        let w = w.view(&self.backbone);
+        mla_chunk_layer(&shape, &w, eps, xn, nt, pos0, c_kv, k_pe_cache, form)
     }
 
     /// MoE block (K3-SPEC §5; transformers `KimiLinearMoE`): routed experts through the store,
     /// in the latent width with LatentMoE, plus the shared experts on the full width. `draft`:
     /// the router restricted to the experts resident in the cache ([`route_masked`]), computed
-    /// with those records (no reads). x: `[hidden]` → `[hidden]`.
-    fn moe(&self, l: usize, xn: &[f32], draft: bool) -> Result<(Vec<f32>, Routing), EngineError> {
+    /// with those records (no reads). Layer `l`, weights `m`. x: `[hidden]` → `[hidden]`.
+    fn moe(&self, l: usize, m: &MoeTensors, xn: &[f32], draft: bool) -> Result<(Vec<f32>, Routing), EngineError> {
         let c = &self.cfg;
-        let n = &self.names[l];
+        let bb = &self.backbone;
         // router_logits = x · W_gate^T in f32: [num_experts]
-        let gate = self.m(&n.router)?;
+        let gate = bb.mat(&m.gate);
         let mut logits = vec![0f32; gate.rows];
         gate.matvec(xn, &mut logits);
         let router = RouterConfig {
             top_k: self.routed.experts_per_token(),
             ..self.router
         };
+        let bias = bb.vec(&m.e_score_correction_bias);
         let routing = if draft {
             Routing::default()
         } else {
-            route(&router, &logits, self.v(&n.router_bias)?)
+            route(&router, &logits, bias)
         };
         // xl: [expert_width] = routed_expert_down_proj(x) with LatentMoE, else x.
-        let xl = match c.routed_expert_hidden_size {
-            Some(lat) => {
-                let mut xl = vec![0f32; lat];
-                self.m(&n.latent_down)?.matvec(xn, &mut xl);
+        let xl = match &m.latent {
+            Some(lt) => {
+                let mut xl = vec![0f32; c.expert_width()];
+                bb.mat(&lt.routed_expert_down_proj).matvec(xn, &mut xl);
                 xl
             }
             None => xn.to_vec(),
         };
-        let shared = if c.num_shared_experts > 0 {
-            let (g, u, d) = (
-                self.m(&n.shared_gate_proj)?,
-                self.m(&n.shared_up_proj)?,
-                self.m(&n.shared_down_proj)?,
-            );
-            Some(move || glu_mlp(c.activation, g, u, d, xn))
-        } else {
-            None
-        };
+        let shared = m.shared_experts.as_ref().map(|s| {
+            let [g, u, d] = s.view(bb);
+            move || glu_mlp(c.activation, g, u, d, xn)
+        });
         let predict = || -> Result<Option<(usize, Vec<usize>)>, EngineError> {
-            let Some(next) = (l + 1..c.num_hidden_layers).find(|&k| c.is_moe_layer(k)) else {
+            // The next MoE layer's router on this hidden state predicts its experts.
+            let next = self.w.layers[l + 1..]
+                .iter()
+                .enumerate()
+                .find_map(|(i, lw)| match &lw.ffn {
+                    Ffn::Moe(nm) => Some((l + 1 + i, nm)),
+                    Ffn::Dense(_) => None,
+                });
+            let Some((next, nm)) = next else {
                 return Ok(None);
             };
-            let nn = &self.names[next];
             let mut next_logits = vec![0f32; c.num_experts];
-            self.m(&nn.router)?.matvec(xn, &mut next_logits);
+            bb.mat(&nm.gate).matvec(xn, &mut next_logits);
             Ok(Some((
                 next,
-                route(&router, &next_logits, self.v(&nn.router_bias)?).experts,
+                route(&router, &next_logits, bb.vec(&nm.e_score_correction_bias)).experts,
             )))
         };
         let act = c.activation;
@@ -762,7 +883,6 @@ impl KimiLinear {
         let xl_ref = &xl;
         let expert = |e: &Expert| glu_mlp_with(act, e.matrix(0), e.matrix(1), e.matrix(2), xl_ref, q8_0_inputs);
         let (routed, shared_out, routing) = if draft {
-            let bias = self.v(&n.router_bias)?;
             self.routed.run_draft(
                 l,
                 c.num_experts,
@@ -777,17 +897,17 @@ impl KimiLinear {
                 .run(l, &routing, c.expert_width(), expert, shared, predict)?;
             (routed, shared_out, routing)
         };
-        let mut out = match c.routed_expert_hidden_size {
-            Some(lat) => {
+        let mut out = match &m.latent {
+            Some(lt) => {
                 // y_r = up(rms(Σ w_i e_i; routed_expert_norm)) with latent_moe_use_norm.
                 let mut y = routed;
-                if c.latent_moe_use_norm {
-                    let mut yn = vec![0f32; lat];
-                    rms_norm(&y, self.v(&n.latent_norm)?, c.rms_norm_eps, &mut yn);
+                if let Some(norm) = &lt.routed_expert_norm {
+                    let mut yn = vec![0f32; c.expert_width()];
+                    rms_norm(&y, bb.vec(norm), c.rms_norm_eps, &mut yn);
                     y = yn;
                 }
                 let mut up = vec![0f32; c.hidden_size];
-                self.m(&n.latent_up)?.matvec(&y, &mut up);
+                bb.mat(&lt.routed_expert_up_proj).matvec(&y, &mut up);
                 up
             }
             None => routed,
@@ -799,6 +919,14 @@ impl KimiLinear {
         }
         Ok((out, routing))
     }
+}
+
+/// The error of a decode state whose layer `l` does not fit this model's mixer there (a state
+/// of another model).
+fn other_state(l: usize) -> EngineError {
+    EngineError::Invalid(format!(
+        "layer {l}: the decode state is not this model's (another mixer kind)"
+    ))
 }
 
 /// Attention-residual depth mix (K3-SPEC §2, [ATTN_RES]): scores `s_k = <v_k / rms(v_k), w>` for
@@ -982,8 +1110,10 @@ impl CausalLm for KimiLinear {
         for (l, s) in st.layers.iter_mut().enumerate() {
             match s {
                 MixerState::Kda(k) => {
-                    let Ok(kda) = self.kda(l) else { return false };
-                    if k.rollback(&kda, len).is_err() {
+                    let Some(Mixer::Kda { cfg, w }) = self.w.layers.get(l).map(|lw| &lw.self_attn) else {
+                        return false;
+                    };
+                    if k.rollback(&self.kda(cfg, w), len).is_err() {
                         return false;
                     }
                 }

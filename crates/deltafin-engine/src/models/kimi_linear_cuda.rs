@@ -780,7 +780,11 @@ impl KimiLinearCuda {
             top_k: self.cpu.routed.experts_per_token(),
             ..self.cpu.router
         };
-        let routing = route(&rcfg, &w.router_host, self.cpu.v(&self.cpu.names[l].router_bias)?);
+        let bias = self
+            .cpu
+            .router_bias(l)
+            .ok_or_else(|| EngineError::Invalid(format!("layer {l} is not a MoE layer")))?;
+        let routing = route(&rcfg, &w.router_host, bias);
         // xl: the experts' input, routed_expert_down_proj(x) with LatentMoE, else x.
         let xin: &GpuBuf = match latent {
             Some((down, _, _)) => {
@@ -909,9 +913,7 @@ impl KimiLinearCuda {
         let w = &mut *guard;
         let h = c.hidden_size;
         let mut x_host = vec![0f32; h];
-        self.cpu
-            .m("model.embed_tokens.weight")?
-            .row_into(token as usize, &mut x_host);
+        self.cpu.embed_tokens().row_into(token as usize, &mut x_host);
         g.upload_into(&x_host, &mut w.x).map_err(cuda)?;
         let pos = st.len;
         let slot = st.len - st.base_len;

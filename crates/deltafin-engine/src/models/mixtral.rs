@@ -14,9 +14,8 @@
 //! [GQA_ATTENTION] without q/k norms, window `sliding_window` when the config sets one.
 
 use deltafin_cuda::SoftmaxRouter;
-use deltafin_format::model_dir::Backbone;
+use deltafin_format::model_dir::{Backbone, MatHandle};
 use deltafin_format::{MixtralConfig, ModelDir};
-use deltafin_kernels::MatRef;
 
 use crate::experts::StoreOptions;
 use crate::gqa::{Buffers, GqaNames};
@@ -59,27 +58,27 @@ impl Mixtral {
 
 impl GqaMlp for MixtralMoe {
     /// The router `gate`.
-    type Weights<'a> = MatRef<'a>;
+    type Weights = MatHandle;
 
-    fn weights<'a>(&self, bb: &'a Backbone, l: usize) -> Result<MatRef<'a>, EngineError> {
-        Ok(bb.matrix(&self.gate[l])?)
+    fn weights(&self, bb: &Backbone, l: usize) -> Result<MatHandle, EngineError> {
+        Ok(bb.matrix_handle(&self.gate[l])?)
     }
 
     fn forward(
         &self,
         step: MlpStep<'_>,
-        gate: &[MatRef<'_>],
+        gate: &[MatHandle],
         xn: &[f32],
         buf: &mut Buffers,
         out: &mut [f32],
     ) -> Result<Option<Routing>, EngineError> {
-        let l = step.layer;
+        let (l, bb) = (step.layer, step.backbone);
         // Prefetch: the next layer's router on this hidden state predicts its experts.
-        let next = gate.get(l + 1).map(|&g| (l + 1, g));
+        let next = gate.get(l + 1).map(|g| (l + 1, bb.mat(g)));
         let (y, routing) = softmax_moe(
             step.routed,
             l,
-            gate[l],
+            bb.mat(&gate[l]),
             next,
             true,
             xn,
@@ -94,12 +93,13 @@ impl GqaMlp for MixtralMoe {
     fn forward_chunk(
         &self,
         routed: &RoutedExperts,
-        gate: &MatRef<'_>,
+        bb: &Backbone,
+        gate: &MatHandle,
         l: usize,
         xn: &[f32],
         nt: usize,
     ) -> Result<(Vec<f32>, Option<Vec<Routing>>), EngineError> {
-        let (y, routings) = softmax_moe_batch(routed, l, *gate, true, xn, nt)?;
+        let (y, routings) = softmax_moe_batch(routed, l, bb.mat(gate), true, xn, nt)?;
         Ok((y, Some(routings)))
     }
 

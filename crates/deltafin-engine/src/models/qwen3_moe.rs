@@ -15,9 +15,8 @@
 //! (RMSNorm over each head's `head_dim`, eps `rms_norm_eps`) applied to q and k before RoPE.
 
 use deltafin_cuda::SoftmaxRouter;
-use deltafin_format::model_dir::Backbone;
+use deltafin_format::model_dir::{Backbone, MatHandle};
 use deltafin_format::{ModelDir, Qwen3MoeConfig};
-use deltafin_kernels::MatRef;
 
 use crate::experts::StoreOptions;
 use crate::gqa::{Buffers, GqaNames};
@@ -47,16 +46,17 @@ enum MlpNames {
     Dense([String; 3]),
 }
 
-/// One layer's `mlp` weights.
-pub enum Qwen3MoeMlpWeights<'a> {
+/// One layer's `mlp` weights, resolved in the backbone at load.
+#[derive(Debug, Clone, Copy)]
+pub enum Qwen3MoeMlpWeights {
     /// The router `gate` `[num_experts, hidden]`.
-    Sparse { gate: MatRef<'a> },
+    Sparse { gate: MatHandle },
     /// `gate_proj`, `up_proj` `[intermediate_size, hidden]`, `down_proj`
     /// `[hidden, intermediate_size]`.
     Dense {
-        gate_proj: MatRef<'a>,
-        up_proj: MatRef<'a>,
-        down_proj: MatRef<'a>,
+        gate_proj: MatHandle,
+        up_proj: MatHandle,
+        down_proj: MatHandle,
     },
 }
 
@@ -100,15 +100,17 @@ impl Qwen3Moe {
 }
 
 impl GqaMlp for Qwen3MoeMlp {
-    type Weights<'a> = Qwen3MoeMlpWeights<'a>;
+    type Weights = Qwen3MoeMlpWeights;
 
-    fn weights<'a>(&self, bb: &'a Backbone, l: usize) -> Result<Qwen3MoeMlpWeights<'a>, EngineError> {
+    fn weights(&self, bb: &Backbone, l: usize) -> Result<Qwen3MoeMlpWeights, EngineError> {
         Ok(match &self.names[l] {
-            MlpNames::Sparse { gate } => Qwen3MoeMlpWeights::Sparse { gate: bb.matrix(gate)? },
+            MlpNames::Sparse { gate } => Qwen3MoeMlpWeights::Sparse {
+                gate: bb.matrix_handle(gate)?,
+            },
             MlpNames::Dense([g, u, d]) => Qwen3MoeMlpWeights::Dense {
-                gate_proj: bb.matrix(g)?,
-                up_proj: bb.matrix(u)?,
-                down_proj: bb.matrix(d)?,
+                gate_proj: bb.matrix_handle(g)?,
+                up_proj: bb.matrix_handle(u)?,
+                down_proj: bb.matrix_handle(d)?,
             },
         })
     }
@@ -116,23 +118,23 @@ impl GqaMlp for Qwen3MoeMlp {
     fn forward(
         &self,
         step: MlpStep<'_>,
-        layers: &[Qwen3MoeMlpWeights<'_>],
+        layers: &[Qwen3MoeMlpWeights],
         xn: &[f32],
         buf: &mut Buffers,
         out: &mut [f32],
     ) -> Result<Option<Routing>, EngineError> {
-        let l = step.layer;
+        let (l, bb) = (step.layer, step.backbone);
         match &layers[l] {
             Qwen3MoeMlpWeights::Sparse { gate } => {
                 // Prefetch: the next MoE layer's router on this hidden state predicts its experts.
                 let next = self.next_moe[l].and_then(|k| match &layers[k] {
-                    Qwen3MoeMlpWeights::Sparse { gate } => Some((k, *gate)),
+                    Qwen3MoeMlpWeights::Sparse { gate } => Some((k, bb.mat(gate))),
                     Qwen3MoeMlpWeights::Dense { .. } => None,
                 });
                 let (y, routing) = softmax_moe(
                     step.routed,
                     l,
-                    *gate,
+                    bb.mat(gate),
                     next,
                     self.cfg.norm_topk_prob,
                     xn,
@@ -148,7 +150,8 @@ impl GqaMlp for Qwen3MoeMlp {
                 up_proj,
                 down_proj,
             } => {
-                swiglu_into(*gate_proj, *up_proj, *down_proj, xn, &mut buf.gate, &mut buf.up, out);
+                let (g, u, d) = (bb.mat(gate_proj), bb.mat(up_proj), bb.mat(down_proj));
+                swiglu_into(g, u, d, xn, &mut buf.gate, &mut buf.up, out);
                 Ok(None)
             }
         }
@@ -157,21 +160,25 @@ impl GqaMlp for Qwen3MoeMlp {
     fn forward_chunk(
         &self,
         routed: &RoutedExperts,
-        w: &Qwen3MoeMlpWeights<'_>,
+        bb: &Backbone,
+        w: &Qwen3MoeMlpWeights,
         l: usize,
         xn: &[f32],
         nt: usize,
     ) -> Result<(Vec<f32>, Option<Vec<Routing>>), EngineError> {
         match w {
             Qwen3MoeMlpWeights::Sparse { gate } => {
-                let (y, routings) = softmax_moe_batch(routed, l, *gate, self.cfg.norm_topk_prob, xn, nt)?;
+                let (y, routings) = softmax_moe_batch(routed, l, bb.mat(gate), self.cfg.norm_topk_prob, xn, nt)?;
                 Ok((y, Some(routings)))
             }
             Qwen3MoeMlpWeights::Dense {
                 gate_proj,
                 up_proj,
                 down_proj,
-            } => Ok((swiglu_batch(*gate_proj, *up_proj, *down_proj, xn, nt), None)),
+            } => {
+                let (g, u, d) = (bb.mat(gate_proj), bb.mat(up_proj), bb.mat(down_proj));
+                Ok((swiglu_batch(g, u, d, xn, nt), None))
+            }
         }
     }
 

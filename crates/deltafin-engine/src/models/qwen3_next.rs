@@ -25,15 +25,21 @@
 //! Decode state: keys and values of the attention layers, and per DeltaNet layer its
 //! convolution rows and recurrent state, which roll back within a window for speculative
 //! decoding ([`GdnState`]).
+//!
+//! Weights: every tensor is resolved once at load into each `Layer` (handles named as in the
+//! checkpoint, zero-centred norms precomputed) and read with the infallible [`Backbone::mat`] /
+//! [`Backbone::vec`]: a forward pass looks nothing up by name.
 
-use deltafin_format::model_dir::Backbone;
+use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
 use deltafin_format::qwen3_next::Qwen3NextMixer;
 use deltafin_format::{ModelConfig, ModelDir, Qwen3NextConfig};
-use deltafin_kernels::{axpy, dot, rms_norm, rms_norm_inplace, sigmoid, silu, softmax_inplace, MatRef};
+use deltafin_kernels::{axpy, dot, rms_norm, rms_norm_inplace, sigmoid, silu, softmax_inplace};
 
 use crate::blocks::gated_deltanet::{GatedDeltaNet, GdnDims, GdnProj, GdnState, GdnWeights};
 use crate::experts::{Expert, StoreOptions};
-use crate::model::{state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::model::{
+    state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, GluTensors, LayerRoutes, RoutedExperts,
+};
 use crate::moe::{route_softmax, route_softmax_masked, Routing};
 use crate::rope::RotaryEmbedding;
 use crate::EngineError;
@@ -44,38 +50,82 @@ const GDN_ROLLBACK_WINDOW: usize = 32;
 // A self-drafting run and its verification pass each fit in the rollback window.
 const _: () = assert!(GDN_ROLLBACK_WINDOW > crate::speculate::MAX_DRAFT);
 
-/// Tensor names of one token mixer.
-enum MixerNames {
-    Attention {
-        q_proj: String,
-        k_proj: String,
-        v_proj: String,
-        o_proj: String,
-        /// `1 + q_norm.weight`, `1 + k_norm.weight`: `[head_dim]`.
-        q_norm: Vec<f32>,
-        k_norm: Vec<f32>,
+/// One token mixer's weights, resolved in the backbone once at load (names as in the
+/// checkpoint) and read with [`Backbone::mat`] / [`Backbone::vec`].
+enum Mixer {
+    /// `self_attn.*` (`Qwen3NextAttention`).
+    Attention(AttentionTensors),
+    /// `linear_attn.*` (`Qwen3NextGatedDeltaNet`).
+    DeltaNet(DeltaNetTensors),
+}
+
+/// One gated attention's tensors.
+struct AttentionTensors {
+    /// `[n_heads · 2 · head_dim, hidden]`: per head `[query | gate]`.
+    q_proj: MatHandle,
+    /// `[n_kv_heads · head_dim, hidden]` each.
+    k_proj: MatHandle,
+    v_proj: MatHandle,
+    /// `[hidden, n_heads · head_dim]`.
+    o_proj: MatHandle,
+    /// `1 + q_norm.weight`, `1 + k_norm.weight`: `[head_dim]`.
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+}
+
+/// One gated DeltaNet's tensors ([`GdnWeights`] as handles).
+struct DeltaNetTensors {
+    proj: ProjTensors,
+    /// `conv1d.weight [conv_dim, 1, K]`, flat.
+    conv1d: VecHandle,
+    /// `dt_bias [nv]`.
+    dt_bias: VecHandle,
+    /// `A_log [nv]`.
+    a_log: VecHandle,
+    /// `norm.weight [dv]`.
+    norm: VecHandle,
+    /// `out_proj.weight [hidden, value_dim]`.
+    out_proj: MatHandle,
+}
+
+/// [`GdnProj`] as handles.
+enum ProjTensors {
+    /// Qwen3-Next: `in_proj_qkvz`, `in_proj_ba`.
+    Fused {
+        in_proj_qkvz: MatHandle,
+        in_proj_ba: MatHandle,
     },
-    DeltaNet {
-        /// `in_proj_qkvz`, `in_proj_ba` (Qwen3-Next) or `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
-        /// `in_proj_a` (Qwen3.5).
-        proj: Vec<String>,
-        conv1d: String,
-        dt_bias: String,
-        a_log: String,
-        norm: String,
-        out_proj: String,
+    /// Qwen3.5: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    Split {
+        in_proj_qkv: MatHandle,
+        in_proj_z: MatHandle,
+        in_proj_b: MatHandle,
+        in_proj_a: MatHandle,
     },
 }
 
-/// Names and precomputed norm weights of one decoder layer.
+/// One layer's `mlp`.
+enum Mlp {
+    /// `Qwen3NextMLP`: `mlp.{gate,up,down}_proj`.
+    Dense(GluTensors),
+    /// `Qwen3NextSparseMoeBlock` (the routed experts come from the expert store).
+    Moe {
+        /// The router `mlp.gate.weight [num_experts, hidden]`.
+        gate: MatHandle,
+        /// `mlp.shared_expert.{gate,up,down}_proj`.
+        shared_expert: GluTensors,
+        /// `mlp.shared_expert_gate.weight [1, hidden]`.
+        shared_expert_gate: MatHandle,
+    },
+}
+
+/// One decoder layer: its weights and precomputed norm weights.
 struct Layer {
     /// `1 + input_layernorm.weight`, `1 + post_attention_layernorm.weight`: `[hidden]`.
     input_ln: Vec<f32>,
     post_ln: Vec<f32>,
-    mixer: MixerNames,
-    /// MoE: `gate`, `shared_expert.{gate,up,down}_proj`, `shared_expert_gate`; dense:
-    /// `{gate,up,down}_proj`.
-    mlp: Vec<String>,
+    mixer: Mixer,
+    mlp: Mlp,
 }
 
 /// Decode state of one layer's token mixer.
@@ -137,6 +187,10 @@ pub struct Qwen3Next {
     pub cfg: Qwen3NextConfig,
     backbone: Backbone,
     layers: Vec<Layer>,
+    /// `embed_tokens.weight [vocab_size, hidden]` (under the config's prefix).
+    embed_tokens: MatHandle,
+    /// `lm_head.weight [vocab_size, hidden]`.
+    lm_head: MatHandle,
     /// `1 + norm.weight`.
     final_norm: Vec<f32>,
     rope: RotaryEmbedding,
@@ -169,91 +223,55 @@ impl Qwen3Next {
             let mixer = match cfg.mixers[l] {
                 Qwen3NextMixer::Attention => {
                     let a = format!("{p}.self_attn");
-                    let m = MixerNames::Attention {
-                        q_proj: format!("{a}.q_proj.weight"),
-                        k_proj: format!("{a}.k_proj.weight"),
-                        v_proj: format!("{a}.v_proj.weight"),
-                        o_proj: format!("{a}.o_proj.weight"),
+                    Mixer::Attention(AttentionTensors {
+                        q_proj: bb.matrix_handle(&format!("{a}.q_proj.weight"))?,
+                        k_proj: bb.matrix_handle(&format!("{a}.k_proj.weight"))?,
+                        v_proj: bb.matrix_handle(&format!("{a}.v_proj.weight"))?,
+                        o_proj: bb.matrix_handle(&format!("{a}.o_proj.weight"))?,
                         q_norm: centred(&bb, &format!("{a}.q_norm.weight"))?,
                         k_norm: centred(&bb, &format!("{a}.k_norm.weight"))?,
-                    };
-                    if let MixerNames::Attention {
-                        q_proj,
-                        k_proj,
-                        v_proj,
-                        o_proj,
-                        ..
-                    } = &m
-                    {
-                        for n in [q_proj, k_proj, v_proj, o_proj] {
-                            bb.matrix(n)?;
-                        }
-                    }
-                    m
+                    })
                 }
                 Qwen3NextMixer::GatedDeltaNet => {
                     let a = format!("{p}.linear_attn");
-                    let proj: Vec<String> = if cfg.fused_linear_proj {
-                        ["in_proj_qkvz", "in_proj_ba"]
-                            .iter()
-                            .map(|n| format!("{a}.{n}.weight"))
-                            .collect()
-                    } else {
-                        ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
-                            .iter()
-                            .map(|n| format!("{a}.{n}.weight"))
-                            .collect()
-                    };
-                    for n in &proj {
-                        bb.matrix(n)?;
-                    }
-                    let m = MixerNames::DeltaNet {
-                        proj,
-                        conv1d: format!("{a}.conv1d.weight"),
-                        dt_bias: format!("{a}.dt_bias"),
-                        a_log: format!("{a}.A_log"),
-                        norm: format!("{a}.norm.weight"),
-                        out_proj: format!("{a}.out_proj.weight"),
-                    };
-                    if let MixerNames::DeltaNet {
-                        conv1d,
-                        dt_bias,
-                        a_log,
-                        norm,
-                        out_proj,
-                        ..
-                    } = &m
-                    {
-                        bb.f32_tensor(conv1d)?;
-                        for n in [dt_bias, a_log, norm] {
-                            bb.vector(n)?;
+                    let m = |n: &str| bb.matrix_handle(&format!("{a}.{n}.weight"));
+                    let proj = if cfg.fused_linear_proj {
+                        ProjTensors::Fused {
+                            in_proj_qkvz: m("in_proj_qkvz")?,
+                            in_proj_ba: m("in_proj_ba")?,
                         }
-                        bb.matrix(out_proj)?;
-                    }
-                    m
+                    } else {
+                        ProjTensors::Split {
+                            in_proj_qkv: m("in_proj_qkv")?,
+                            in_proj_z: m("in_proj_z")?,
+                            in_proj_b: m("in_proj_b")?,
+                            in_proj_a: m("in_proj_a")?,
+                        }
+                    };
+                    Mixer::DeltaNet(DeltaNetTensors {
+                        proj,
+                        conv1d: bb.f32_handle(&format!("{a}.conv1d.weight"))?.0,
+                        dt_bias: bb.vector_handle(&format!("{a}.dt_bias"))?,
+                        a_log: bb.vector_handle(&format!("{a}.A_log"))?,
+                        norm: bb.vector_handle(&format!("{a}.norm.weight"))?,
+                        out_proj: m("out_proj")?,
+                    })
                 }
             };
             let mp = format!("{p}.mlp");
-            let mlp: Vec<String> = if cfg.is_moe_layer(l) {
-                [
-                    "gate",
-                    "shared_expert.gate_proj",
-                    "shared_expert.up_proj",
-                    "shared_expert.down_proj",
-                    "shared_expert_gate",
-                ]
-                .iter()
-                .map(|n| format!("{mp}.{n}.weight"))
-                .collect()
-            } else {
-                ["gate_proj", "up_proj", "down_proj"]
-                    .iter()
-                    .map(|n| format!("{mp}.{n}.weight"))
-                    .collect()
+            let glu = |pre: &str| -> Result<GluTensors, EngineError> {
+                let [g, u, d] = ["gate_proj", "up_proj", "down_proj"].map(|n| format!("{mp}.{pre}{n}.weight"));
+                GluTensors::resolve(&bb, [&g, &u, &d])
             };
-            for n in &mlp {
-                bb.matrix(n)?;
-            }
+            let mlp = if cfg.is_moe_layer(l) {
+                Mlp::Moe {
+                    gate: bb.matrix_handle(&format!("{mp}.gate.weight"))?,
+                    shared_expert: glu("shared_expert.")?,
+                    shared_expert_gate: bb.matrix_handle(&format!("{mp}.shared_expert_gate.weight"))?,
+                }
+            } else {
+                Mlp::Dense(glu("")?)
+            };
             layers.push(Layer {
                 input_ln: centred(&bb, &format!("{p}.input_layernorm.weight"))?,
                 post_ln: centred(&bb, &format!("{p}.post_attention_layernorm.weight"))?,
@@ -261,8 +279,8 @@ impl Qwen3Next {
                 mlp,
             });
         }
-        bb.matrix(&cfg.name("embed_tokens.weight"))?;
-        bb.matrix("lm_head.weight")?;
+        let embed_tokens = bb.matrix_handle(&cfg.name("embed_tokens.weight"))?;
+        let lm_head = bb.matrix_handle("lm_head.weight")?;
         let final_norm = centred(&bb, &cfg.name("norm.weight"))?;
         let gdn = GdnDims {
             hidden: cfg.hidden_size,
@@ -283,6 +301,8 @@ impl Qwen3Next {
             cfg,
             backbone: bb,
             layers,
+            embed_tokens,
+            lm_head,
             final_norm,
             gdn,
             next_moe,
@@ -290,84 +310,71 @@ impl Qwen3Next {
         })
     }
 
-    fn m(&self, name: &str) -> Result<MatRef<'_>, EngineError> {
-        Ok(self.backbone.matrix(name)?)
-    }
-
-    /// The gated DeltaNet of layer `l` with its weights borrowed from the backbone.
-    fn deltanet(&self, l: usize) -> Result<GatedDeltaNet<'_>, EngineError> {
-        let MixerNames::DeltaNet {
-            proj,
-            conv1d,
-            dt_bias,
-            a_log,
-            norm,
-            out_proj,
-        } = &self.layers[l].mixer
-        else {
-            return Err(EngineError::Invalid(format!(
-                "layer {l} is not a linear-attention layer"
-            )));
-        };
+    /// The gated DeltaNet `w` with its weights viewed in the backbone.
+    fn deltanet(&self, w: &DeltaNetTensors) -> GatedDeltaNet<'_> {
         let bb = &self.backbone;
-        let proj = if self.cfg.fused_linear_proj {
-            GdnProj::Fused {
-                qkvz: bb.matrix(&proj[0])?,
-                ba: bb.matrix(&proj[1])?,
-            }
-        } else {
-            GdnProj::Split {
-                qkv: bb.matrix(&proj[0])?,
-                z: bb.matrix(&proj[1])?,
-                b: bb.matrix(&proj[2])?,
-                a: bb.matrix(&proj[3])?,
-            }
+        let proj = match &w.proj {
+            ProjTensors::Fused {
+                in_proj_qkvz,
+                in_proj_ba,
+            } => GdnProj::Fused {
+                qkvz: bb.mat(in_proj_qkvz),
+                ba: bb.mat(in_proj_ba),
+            },
+            ProjTensors::Split {
+                in_proj_qkv,
+                in_proj_z,
+                in_proj_b,
+                in_proj_a,
+            } => GdnProj::Split {
+                qkv: bb.mat(in_proj_qkv),
+                z: bb.mat(in_proj_z),
+                b: bb.mat(in_proj_b),
+                a: bb.mat(in_proj_a),
+            },
         };
-        Ok(GatedDeltaNet {
+        GatedDeltaNet {
             dims: self.gdn,
             w: GdnWeights {
                 proj,
-                conv: bb.f32_tensor(conv1d)?.0,
-                dt_bias: bb.vector(dt_bias)?,
-                a_log: bb.vector(a_log)?,
-                norm: bb.vector(norm)?,
-                out_proj: bb.matrix(out_proj)?,
+                conv: bb.vec(&w.conv1d),
+                dt_bias: bb.vec(&w.dt_bias),
+                a_log: bb.vec(&w.a_log),
+                norm: bb.vec(&w.norm),
+                out_proj: bb.mat(&w.out_proj),
             },
-        })
+        }
     }
 
-    /// Gated attention of layer `l` for `n` tokens `xn: [n, hidden]` at positions `pos0..`,
+    /// Gated attention (weights `w`) for `n` tokens `xn: [n, hidden]` at positions `pos0..`,
     /// appending their keys and values; returns `[n, hidden]`. [QWEN3_NEXT_ATTENTION]
-    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
-        l: usize,
+        w: &AttentionTensors,
         xn: &[f32],
         n: usize,
         pos0: usize,
         kc: &mut Vec<f32>,
         vc: &mut Vec<f32>,
-    ) -> Result<Vec<f32>, EngineError> {
-        let MixerNames::Attention {
+    ) -> Vec<f32> {
+        let AttentionTensors {
             q_proj,
             k_proj,
             v_proj,
             o_proj,
             q_norm,
             k_norm,
-        } = &self.layers[l].mixer
-        else {
-            return Err(EngineError::Invalid(format!("layer {l} is not an attention layer")));
-        };
+        } = w;
+        let bb = &self.backbone;
         let c = &self.cfg;
         let (nh, nkv, hd, rd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim);
         let (kv_dim, group, scale) = (nkv * hd, nh / nkv, (hd as f32).powf(-0.5));
         let mut qg = vec![0f32; n * 2 * nh * hd];
         let mut k = vec![0f32; n * kv_dim];
         let mut v = vec![0f32; n * kv_dim];
-        self.m(q_proj)?.matmul(xn, n, &mut qg);
-        self.m(k_proj)?.matmul(xn, n, &mut k);
-        self.m(v_proj)?.matmul(xn, n, &mut v);
+        bb.mat(q_proj).matmul(xn, n, &mut qg);
+        bb.mat(k_proj).matmul(xn, n, &mut k);
+        bb.mat(v_proj).matmul(xn, n, &mut v);
         let mut ctx = vec![0f32; n * nh * hd];
         for t in 0..n {
             let pos = pos0 + t;
@@ -399,8 +406,8 @@ impl Qwen3Next {
             }
         }
         let mut out = vec![0f32; n * c.hidden_size];
-        self.m(o_proj)?.matmul(&ctx, n, &mut out);
-        Ok(out)
+        bb.mat(o_proj).matmul(&ctx, n, &mut out);
+        out
     }
 
     /// The MLP of layer `l` for `n` tokens `xn: [n, hidden]` → `[n, hidden]`, with the routing
@@ -409,15 +416,22 @@ impl Qwen3Next {
     /// [QWEN3_NEXT_MOE]
     fn mlp(&self, l: usize, xn: &[f32], n: usize, draft: bool) -> Result<(Vec<f32>, Vec<Routing>), EngineError> {
         let c = &self.cfg;
+        let bb = &self.backbone;
         let h = c.hidden_size;
-        let names = &self.layers[l].mlp;
-        if !c.is_moe_layer(l) {
-            let y = swiglu_batch(self.m(&names[0])?, self.m(&names[1])?, self.m(&names[2])?, xn, n);
-            return Ok((y, Vec::new()));
-        }
-        let router = self.m(&names[0])?;
-        let (sg, su, sd) = (self.m(&names[1])?, self.m(&names[2])?, self.m(&names[3])?);
-        let shared_gate = self.m(&names[4])?;
+        let (gate, shared_expert, shared_expert_gate) = match &self.layers[l].mlp {
+            Mlp::Dense(d) => {
+                let [g, u, d] = d.view(bb);
+                return Ok((swiglu_batch(g, u, d, xn, n), Vec::new()));
+            }
+            Mlp::Moe {
+                gate,
+                shared_expert,
+                shared_expert_gate,
+            } => (gate, shared_expert, shared_expert_gate),
+        };
+        let router = bb.mat(gate);
+        let [sg, su, sd] = shared_expert.view(bb);
+        let shared_gate = bb.mat(shared_expert_gate);
         let k = self.routed.experts_per_token();
         let mut logits = vec![0f32; n * router.rows];
         router.matmul(xn, n, &mut logits);
@@ -444,7 +458,10 @@ impl Qwen3Next {
         } else if n == 1 {
             let predict = || -> Result<Option<(usize, Vec<usize>)>, EngineError> {
                 let Some(next) = self.next_moe[l] else { return Ok(None) };
-                let r = self.m(&self.layers[next].mlp[0])?;
+                let Mlp::Moe { gate: next_gate, .. } = &self.layers[next].mlp else {
+                    return Ok(None);
+                };
+                let r = bb.mat(next_gate);
                 let mut lg = vec![0f32; r.rows];
                 r.matvec(xn, &mut lg);
                 let mut p = Vec::new();
@@ -506,7 +523,8 @@ impl Qwen3Next {
         if foreign || st.layers.len() != c.num_hidden_layers || st.kv_dim != c.num_key_value_heads * c.head_dim {
             return Err(EngineError::Invalid("decode state belongs to another model".into()));
         }
-        let embed = self.m(&c.name("embed_tokens.weight"))?;
+        let bb = &self.backbone;
+        let embed = bb.mat(&self.embed_tokens);
         let mut x = vec![0f32; n * h];
         for (t, &tok) in tokens.iter().enumerate() {
             if tok as usize >= c.vocab_size {
@@ -532,13 +550,16 @@ impl Qwen3Next {
                 );
             }
             let out = self.routed.time_attention(|| -> Result<Vec<f32>, EngineError> {
-                match &mut st.layers[l] {
-                    MixerState::Kv { k, v } => self.attention(l, &xn, n, pos0, k, v),
-                    MixerState::DeltaNet(s) => {
+                match (&layer.mixer, &mut st.layers[l]) {
+                    (Mixer::Attention(w), MixerState::Kv { k, v }) => Ok(self.attention(w, &xn, n, pos0, k, v)),
+                    (Mixer::DeltaNet(w), MixerState::DeltaNet(s)) => {
                         let mut out = vec![0f32; n * h];
-                        self.deltanet(l)?.forward(s, &xn, n, &mut out, chunked);
+                        self.deltanet(w).forward(s, &xn, n, &mut out, chunked);
                         Ok(out)
                     }
+                    _ => Err(EngineError::Invalid(format!(
+                        "layer {l}: the decode state is not this model's (another mixer kind)"
+                    ))),
                 }
             })?;
             for (a, o) in x.iter_mut().zip(&out) {
@@ -566,7 +587,7 @@ impl Qwen3Next {
             self.routed.count_forward();
         }
         // logits = lm_head(norm(x))
-        let lm = self.m("lm_head.weight")?;
+        let lm = bb.mat(&self.lm_head);
         let mut out = BatchOutput {
             logits: Vec::new(),
             routes,
