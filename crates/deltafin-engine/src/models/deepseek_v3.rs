@@ -27,6 +27,7 @@ use crate::model::{
     one_or_chunk, state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, GluTensors, LayerRoutes,
     RoutedExperts,
 };
+use crate::models::decoder::DecoderWeights;
 use crate::moe::{route, route_masked, RouterConfig, Routing};
 use crate::rope::{yarn_mscale, RotaryEmbedding};
 use crate::EngineError;
@@ -85,27 +86,9 @@ impl LayerNames {
     }
 }
 
-/// Every weight of the forward pass, resolved in the backbone once at load ([`Weights::resolve`])
-/// and read with [`Backbone::mat`] / [`Backbone::vec`]: no name lookup in a forward pass.
-pub(crate) struct Weights {
-    /// `model.embed_tokens.weight [vocab_size, hidden]`.
-    pub(crate) embed_tokens: MatHandle,
-    pub(crate) layers: Vec<LayerWeights>,
-    /// `model.norm.weight [hidden]`.
-    pub(crate) norm: VecHandle,
-    /// `lm_head.weight [vocab_size, hidden]`.
-    pub(crate) lm_head: MatHandle,
-}
-
-/// One decoder layer's weights (`model.layers.{l}.*`).
-pub(crate) struct LayerWeights {
-    /// `input_layernorm.weight [hidden]`.
-    pub(crate) input_layernorm: VecHandle,
-    /// `post_attention_layernorm.weight [hidden]`.
-    pub(crate) post_attention_layernorm: VecHandle,
-    pub(crate) self_attn: MlaTensors,
-    pub(crate) mlp: Mlp,
-}
+/// Every weight of the forward pass, resolved in the backbone once at load ([`resolve`]): MLA
+/// token mixers and dense / MoE feed-forward blocks.
+pub(crate) type Weights = DecoderWeights<MlaTensors, Mlp>;
 
 /// One layer's `mlp`.
 pub(crate) enum Mlp {
@@ -122,61 +105,55 @@ pub(crate) enum Mlp {
     },
 }
 
-impl Weights {
-    /// Resolves every tensor the forward pass of `cfg` reads, named by `names`, in `bb`.
-    ///
-    /// Errors: a missing or malformed tensor (named).
-    fn resolve(bb: &Backbone, cfg: &DeepseekV3Config, names: &[LayerNames]) -> Result<Self, EngineError> {
-        let mut layers = Vec::with_capacity(names.len());
-        for (l, n) in names.iter().enumerate() {
-            let query = if cfg.q_lora_rank.is_some() {
-                MlaQueryTensors::Lora {
-                    q_a_proj: bb.matrix_handle(&n.q_a_proj)?,
-                    q_a_layernorm: bb.vector_handle(&n.q_a_layernorm)?,
-                    q_b_proj: bb.matrix_handle(&n.q_b_proj)?,
-                }
-            } else {
-                MlaQueryTensors::Plain {
-                    q_proj: bb.matrix_handle(&n.q_proj)?,
-                }
-            };
-            let mlp = if cfg.is_moe_layer(l) {
-                Mlp::Moe {
-                    gate: bb.matrix_handle(&n.router)?,
-                    e_score_correction_bias: bb.vector_handle(&n.router_bias)?,
-                    shared_experts: if cfg.n_shared_experts > 0 {
-                        Some(GluTensors::resolve(
-                            bb,
-                            [&n.shared_gate_proj, &n.shared_up_proj, &n.shared_down_proj],
-                        )?)
-                    } else {
-                        None
-                    },
-                }
-            } else {
-                Mlp::Dense(GluTensors::resolve(bb, [&n.gate_proj, &n.up_proj, &n.down_proj])?)
-            };
-            layers.push(LayerWeights {
-                input_layernorm: bb.vector_handle(&n.input_layernorm)?,
-                post_attention_layernorm: bb.vector_handle(&n.post_attention_layernorm)?,
-                self_attn: MlaTensors {
-                    query,
-                    kv_a_proj_with_mqa: bb.matrix_handle(&n.kv_a_proj_with_mqa)?,
-                    kv_a_layernorm: bb.vector_handle(&n.kv_a_layernorm)?,
-                    kv_b_proj: bb.matrix_handle(&n.kv_b_proj)?,
-                    o_proj: bb.matrix_handle(&n.o_proj)?,
-                    g_proj: None,
+/// Resolves every tensor the forward pass of `cfg` reads, named by `names`, in `bb`.
+///
+/// Errors: a missing or malformed tensor (named).
+fn resolve(bb: &Backbone, cfg: &DeepseekV3Config, names: &[LayerNames]) -> Result<Weights, EngineError> {
+    let norms = |l: usize| {
+        (
+            names[l].input_layernorm.as_str(),
+            names[l].post_attention_layernorm.as_str(),
+        )
+    };
+    Weights::resolve(bb, names.len(), norms, |l| {
+        let n = &names[l];
+        let query = if cfg.q_lora_rank.is_some() {
+            MlaQueryTensors::Lora {
+                q_a_proj: bb.matrix_handle(&n.q_a_proj)?,
+                q_a_layernorm: bb.vector_handle(&n.q_a_layernorm)?,
+                q_b_proj: bb.matrix_handle(&n.q_b_proj)?,
+            }
+        } else {
+            MlaQueryTensors::Plain {
+                q_proj: bb.matrix_handle(&n.q_proj)?,
+            }
+        };
+        let mlp = if cfg.is_moe_layer(l) {
+            Mlp::Moe {
+                gate: bb.matrix_handle(&n.router)?,
+                e_score_correction_bias: bb.vector_handle(&n.router_bias)?,
+                shared_experts: if cfg.n_shared_experts > 0 {
+                    Some(GluTensors::resolve(
+                        bb,
+                        [&n.shared_gate_proj, &n.shared_up_proj, &n.shared_down_proj],
+                    )?)
+                } else {
+                    None
                 },
-                mlp,
-            });
-        }
-        Ok(Weights {
-            embed_tokens: bb.matrix_handle("model.embed_tokens.weight")?,
-            layers,
-            norm: bb.vector_handle("model.norm.weight")?,
-            lm_head: bb.matrix_handle("lm_head.weight")?,
-        })
-    }
+            }
+        } else {
+            Mlp::Dense(GluTensors::resolve(bb, [&n.gate_proj, &n.up_proj, &n.down_proj])?)
+        };
+        let self_attn = MlaTensors {
+            query,
+            kv_a_proj_with_mqa: bb.matrix_handle(&n.kv_a_proj_with_mqa)?,
+            kv_a_layernorm: bb.vector_handle(&n.kv_a_layernorm)?,
+            kv_b_proj: bb.matrix_handle(&n.kv_b_proj)?,
+            o_proj: bb.matrix_handle(&n.o_proj)?,
+            g_proj: None,
+        };
+        Ok((self_attn, mlp))
+    })
 }
 
 /// Per-sequence decode state: the MLA latent KV cache of every layer.
@@ -257,7 +234,7 @@ impl DeepseekV3 {
         let backbone = dir.load_backbone()?;
         let names: Vec<LayerNames> = (0..cfg.num_hidden_layers).map(LayerNames::new).collect();
         // Every tensor the forward pass uses, resolved once, so a bad directory fails at load.
-        let w = Weights::resolve(&backbone, &cfg, &names)?;
+        let w = resolve(&backbone, &cfg, &names)?;
         let rope = RotaryEmbedding::new(&cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave);
         let mut softmax_scale = (cfg.qk_head_dim() as f64).powf(-0.5);
         if let Rope::Yarn {

@@ -37,6 +37,7 @@ use crate::blocks::kda::{DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, Kd
 use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaQueryTensors, MlaShape, MlaTensors};
 use crate::experts::{Expert, StoreOptions};
 use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, GluTensors, LayerRoutes, Numerics, RoutedExperts};
+use crate::models::decoder::DecoderWeights;
 use crate::moe::{route, route_masked, RouterConfig, Routing};
 use crate::EngineError;
 
@@ -121,27 +122,9 @@ impl LayerNames {
     }
 }
 
-/// Every weight of the forward pass, resolved in the backbone once at load ([`Weights::resolve`])
-/// and read with [`Backbone::mat`] / [`Backbone::vec`]: no name lookup in a forward pass.
-pub(crate) struct Weights {
-    /// `model.embed_tokens.weight [vocab_size, hidden]`.
-    pub(crate) embed_tokens: MatHandle,
-    pub(crate) layers: Vec<LayerWeights>,
-    /// `model.norm.weight [hidden]`.
-    pub(crate) norm: VecHandle,
-    /// `lm_head.weight [vocab_size, hidden]`.
-    pub(crate) lm_head: MatHandle,
-}
-
-/// One decoder layer's weights (`model.layers.{l}.*`).
-pub(crate) struct LayerWeights {
-    /// `input_layernorm.weight [hidden]`.
-    pub(crate) input_layernorm: VecHandle,
-    /// `post_attention_layernorm.weight [hidden]`.
-    pub(crate) post_attention_layernorm: VecHandle,
-    pub(crate) self_attn: Mixer,
-    pub(crate) ffn: Ffn,
-}
+/// Every weight of the forward pass, resolved in the backbone once at load ([`resolve`]): KDA or
+/// MLA token mixers and dense / MoE feed-forward blocks.
+pub(crate) type Weights = DecoderWeights<Mixer, Ffn>;
 
 /// One layer's token mixer, `self_attn.*`.
 // Built once per layer at load and never moved afterwards: boxing the larger variant would
@@ -188,99 +171,92 @@ pub(crate) struct LatentTensors {
     pub(crate) routed_expert_up_proj: MatHandle,
 }
 
-impl Weights {
-    /// Resolves every tensor the forward pass of `cfg` reads, named by `names`, in `bb`; each
-    /// KDA layer's shapes are checked against its hyperparameters ([`Kda::new`]).
-    ///
-    /// Errors: a missing or malformed tensor (named), a KDA layer whose shapes do not fit.
-    fn resolve(bb: &Backbone, cfg: &KimiLinearConfig, names: &[LayerNames]) -> Result<Self, EngineError> {
-        let c = cfg;
-        let mut layers = Vec::with_capacity(names.len());
-        for (l, n) in names.iter().enumerate() {
-            let self_attn = match c.mixers[l] {
-                MixerKind::Kda => {
-                    let kda_cfg = KdaConfig {
-                        layer: l,
-                        hidden_size: c.hidden_size,
-                        num_heads: c.kda_num_heads,
-                        head_dim: c.kda_head_dim,
-                        conv_kernel_size: c.short_conv_kernel_size,
-                        norm_eps: c.rms_norm_eps,
-                        decay_gate: match c.gate_lower_bound {
-                            Some(lower_bound) => DecayGate::ScaledSigmoid { lower_bound },
-                            None => DecayGate::Softplus,
+/// Resolves every tensor the forward pass of `cfg` reads, named by `names`, in `bb`; each KDA
+/// layer's shapes are checked against its hyperparameters ([`Kda::new`]).
+///
+/// Errors: a missing or malformed tensor (named), a KDA layer whose shapes do not fit.
+fn resolve(bb: &Backbone, cfg: &KimiLinearConfig, names: &[LayerNames]) -> Result<Weights, EngineError> {
+    let c = cfg;
+    let norms = |l: usize| {
+        (
+            names[l].input_layernorm.as_str(),
+            names[l].post_attention_layernorm.as_str(),
+        )
+    };
+    Weights::resolve(bb, names.len(), norms, |l| {
+        let n = &names[l];
+        let self_attn = match c.mixers[l] {
+            MixerKind::Kda => {
+                let kda_cfg = KdaConfig {
+                    layer: l,
+                    hidden_size: c.hidden_size,
+                    num_heads: c.kda_num_heads,
+                    head_dim: c.kda_head_dim,
+                    conv_kernel_size: c.short_conv_kernel_size,
+                    norm_eps: c.rms_norm_eps,
+                    decay_gate: match c.gate_lower_bound {
+                        Some(lower_bound) => DecayGate::ScaledSigmoid { lower_bound },
+                        None => DecayGate::Softplus,
+                    },
+                    chunk_size: DEFAULT_CHUNK_SIZE,
+                };
+                let w = KdaTensors::resolve(bb, &n.kda, c.use_full_rank_gate)?;
+                Kda::new(kda_cfg, w.view(bb)).map_err(|e| EngineError::Invalid(e.to_string()))?;
+                Mixer::Kda { cfg: kda_cfg, w }
+            }
+            MixerKind::Mla => Mixer::Mla(MlaTensors {
+                query: if c.q_lora_rank.is_some() {
+                    MlaQueryTensors::Lora {
+                        q_a_proj: bb.matrix_handle(&n.q_a_proj)?,
+                        q_a_layernorm: bb.vector_handle(&n.q_a_layernorm)?,
+                        q_b_proj: bb.matrix_handle(&n.q_b_proj)?,
+                    }
+                } else {
+                    MlaQueryTensors::Plain {
+                        q_proj: bb.matrix_handle(&n.q_proj)?,
+                    }
+                },
+                kv_a_proj_with_mqa: bb.matrix_handle(&n.kv_a_proj_with_mqa)?,
+                kv_a_layernorm: bb.vector_handle(&n.kv_a_layernorm)?,
+                kv_b_proj: bb.matrix_handle(&n.kv_b_proj)?,
+                o_proj: bb.matrix_handle(&n.o_proj)?,
+                g_proj: if c.mla_use_output_gate {
+                    Some(bb.matrix_handle(&n.g_proj)?)
+                } else {
+                    None
+                },
+            }),
+        };
+        let ffn = if c.is_moe_layer(l) {
+            Ffn::Moe(MoeTensors {
+                gate: bb.matrix_handle(&n.router)?,
+                e_score_correction_bias: bb.vector_handle(&n.router_bias)?,
+                latent: match c.routed_expert_hidden_size {
+                    Some(_) => Some(LatentTensors {
+                        routed_expert_down_proj: bb.matrix_handle(&n.latent_down)?,
+                        routed_expert_norm: if c.latent_moe_use_norm {
+                            Some(bb.vector_handle(&n.latent_norm)?)
+                        } else {
+                            None
                         },
-                        chunk_size: DEFAULT_CHUNK_SIZE,
-                    };
-                    let w = KdaTensors::resolve(bb, &n.kda, c.use_full_rank_gate)?;
-                    Kda::new(kda_cfg, w.view(bb)).map_err(|e| EngineError::Invalid(e.to_string()))?;
-                    Mixer::Kda { cfg: kda_cfg, w }
-                }
-                MixerKind::Mla => Mixer::Mla(MlaTensors {
-                    query: if c.q_lora_rank.is_some() {
-                        MlaQueryTensors::Lora {
-                            q_a_proj: bb.matrix_handle(&n.q_a_proj)?,
-                            q_a_layernorm: bb.vector_handle(&n.q_a_layernorm)?,
-                            q_b_proj: bb.matrix_handle(&n.q_b_proj)?,
-                        }
-                    } else {
-                        MlaQueryTensors::Plain {
-                            q_proj: bb.matrix_handle(&n.q_proj)?,
-                        }
-                    },
-                    kv_a_proj_with_mqa: bb.matrix_handle(&n.kv_a_proj_with_mqa)?,
-                    kv_a_layernorm: bb.vector_handle(&n.kv_a_layernorm)?,
-                    kv_b_proj: bb.matrix_handle(&n.kv_b_proj)?,
-                    o_proj: bb.matrix_handle(&n.o_proj)?,
-                    g_proj: if c.mla_use_output_gate {
-                        Some(bb.matrix_handle(&n.g_proj)?)
-                    } else {
-                        None
-                    },
-                }),
-            };
-            let ffn = if c.is_moe_layer(l) {
-                Ffn::Moe(MoeTensors {
-                    gate: bb.matrix_handle(&n.router)?,
-                    e_score_correction_bias: bb.vector_handle(&n.router_bias)?,
-                    latent: match c.routed_expert_hidden_size {
-                        Some(_) => Some(LatentTensors {
-                            routed_expert_down_proj: bb.matrix_handle(&n.latent_down)?,
-                            routed_expert_norm: if c.latent_moe_use_norm {
-                                Some(bb.vector_handle(&n.latent_norm)?)
-                            } else {
-                                None
-                            },
-                            routed_expert_up_proj: bb.matrix_handle(&n.latent_up)?,
-                        }),
-                        None => None,
-                    },
-                    shared_experts: if c.num_shared_experts > 0 {
-                        Some(GluTensors::resolve(
-                            bb,
-                            [&n.shared_gate_proj, &n.shared_up_proj, &n.shared_down_proj],
-                        )?)
-                    } else {
-                        None
-                    },
-                })
-            } else {
-                Ffn::Dense(GluTensors::resolve(bb, [&n.gate_proj, &n.up_proj, &n.down_proj])?)
-            };
-            layers.push(LayerWeights {
-                input_layernorm: bb.vector_handle(&n.input_layernorm)?,
-                post_attention_layernorm: bb.vector_handle(&n.post_attention_layernorm)?,
-                self_attn,
-                ffn,
-            });
-        }
-        Ok(Weights {
-            embed_tokens: bb.matrix_handle("model.embed_tokens.weight")?,
-            layers,
-            norm: bb.vector_handle("model.norm.weight")?,
-            lm_head: bb.matrix_handle("lm_head.weight")?,
-        })
-    }
+                        routed_expert_up_proj: bb.matrix_handle(&n.latent_up)?,
+                    }),
+                    None => None,
+                },
+                shared_experts: if c.num_shared_experts > 0 {
+                    Some(GluTensors::resolve(
+                        bb,
+                        [&n.shared_gate_proj, &n.shared_up_proj, &n.shared_down_proj],
+                    )?)
+                } else {
+                    None
+                },
+            })
+        } else {
+            Ffn::Dense(GluTensors::resolve(bb, [&n.gate_proj, &n.up_proj, &n.down_proj])?)
+        };
+        Ok((self_attn, ffn))
+    })
 }
 
 /// Decode state of one layer's token mixer.
@@ -400,7 +376,7 @@ impl KimiLinear {
             out_res_score = fused("model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight")?;
         }
         // Every tensor the forward pass reads, resolved once (KDA shapes checked).
-        let w = Weights::resolve(&backbone, &cfg, &names)?;
+        let w = resolve(&backbone, &cfg, &names)?;
         let router = RouterConfig {
             n_routed_experts: cfg.num_experts,
             top_k: cfg.num_experts_per_token,
@@ -463,14 +439,14 @@ impl KimiLinear {
 
     /// Layer `l`'s router `e_score_correction_bias [num_experts]` (None for a dense layer).
     pub(crate) fn router_bias(&self, l: usize) -> Option<&[f32]> {
-        match &self.w.layers.get(l)?.ffn {
+        match &self.w.layers.get(l)?.mlp {
             Ffn::Moe(m) => Some(self.backbone.vec(&m.e_score_correction_bias)),
             Ffn::Dense(_) => None,
         }
     }
 
     /// A KDA block over the resident weights `w` with hyperparameters `cfg` (the pair that
-    /// [`Weights::resolve`] checked with [`Kda::new`], so it is built here without checks).
+    /// [`resolve`] checked with [`Kda::new`], so it is built here without checks).
     fn kda<'a>(&'a self, cfg: &KdaConfig, w: &KdaTensors) -> Kda<'a> {
         Kda {
             cfg: *cfg,
@@ -557,7 +533,7 @@ impl KimiLinear {
             let f_in = self.ffn_input(l, &bank, &s);
             rms_norm(&f_in, bb.vec(&lw.post_attention_layernorm), c.rms_norm_eps, &mut xn);
             let ffn = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
-                match &lw.ffn {
+                match &lw.mlp {
                     Ffn::Moe(m) => {
                         let (out, r) = self.moe(l, m, &xn, draft)?;
                         routes.push((l, r));
@@ -660,7 +636,7 @@ impl KimiLinear {
                 );
             }
             let ffn = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
-                match &lw.ffn {
+                match &lw.mlp {
                     Ffn::Moe(m) => {
                         let (out, rs) = self.moe_batch(l, m, &xn, nt)?;
                         for (r, routing) in routes.iter_mut().zip(rs) {
@@ -864,7 +840,7 @@ impl KimiLinear {
             let next = self.w.layers[l + 1..]
                 .iter()
                 .enumerate()
-                .find_map(|(i, lw)| match &lw.ffn {
+                .find_map(|(i, lw)| match &lw.mlp {
                     Ffn::Moe(nm) => Some((l + 1 + i, nm)),
                     Ffn::Dense(_) => None,
                 });

@@ -1,5 +1,6 @@
 //! Model families, one file each, all behind [`crate::model::CausalLm`].
 
+pub(crate) mod decoder;
 pub mod deepseek_v3;
 pub mod deepseek_v3_cuda;
 pub mod gpt_oss;
