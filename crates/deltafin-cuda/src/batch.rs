@@ -15,7 +15,8 @@ pub enum MlaPrefillForm {
     /// One block a (split, token), every head in it (`mla_prefill_*` in ops.cu).
     PerToken,
     /// One block a (split, group of tokens), about 32 query-heads in registers sharing each
-    /// latent row (`mla_prefill_tiled_*`); needs `kv_lora_rank` <= 512 and rope <= 64.
+    /// latent row (`mla_prefill_tiled`, then `mla_prefill_combine_*`); needs `kv_lora_rank` <=
+    /// 512, rope <= 64 and at most 128 heads.
     Tiled,
 }
 
@@ -121,7 +122,7 @@ impl Gpu {
     ///
     /// # Errors
     /// As [`Gpu::mla_prefill`], and `Shape` for [`MlaPrefillForm::Tiled`] on a shape it does not
-    /// take (`kv_lora_rank` > 512 or `qk_rope_head_dim` > 64).
+    /// take (`kv_lora_rank` > 512, `qk_rope_head_dim` > 64 or more than 128 heads).
     #[allow(clippy::too_many_arguments)]
     pub fn mla_prefill_with(
         &self,
@@ -140,7 +141,7 @@ impl Gpu {
         let (kvl, t) = (s.kv_lora_rank, t0 + n);
         if form == MlaPrefillForm::Tiled && !MlaPrefillForm::tiled_fits(s) {
             return Err(CudaError::Shape(format!(
-                "mla_prefill: the tiled form takes kv_lora_rank <= 512 and rope <= 64, not {s:?}"
+                "mla_prefill: the tiled form takes kv_lora_rank <= 512, rope <= 64 and at most 128 heads, not {s:?}"
             )));
         }
         let ok = n > 0

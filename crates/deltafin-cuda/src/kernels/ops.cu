@@ -1060,8 +1060,8 @@ extern "C" __global__ void moe_combine_tokens(const float* __restrict__ y, const
 //   e_u * ckv[t_u, c] for u in order (mla_part's __fadd_rn / __fmul_rn), skipping the positions
 //   a token does not see (only at the end of its split).
 // mla_prefill_combine_* then combines every (token, head) (mla_combine), one block each. The
-// partials do not depend on kv_b_proj, so this kernel has one form. Needs kvl <= 512 and
-// rope <= 64 (the host uses mla_prefill_* otherwise). Dynamic shared memory:
+// partials do not depend on kv_b_proj, so this kernel has one form. Needs kvl <= 512, rope <= 64
+// and at most 128 heads (the host uses mla_prefill_* otherwise). Dynamic shared memory:
 // MLA_SPLIT * nqp + 32 floats, nqp = qt * nh rounded up to 4.
 #define MLA_QH 4
 
@@ -1184,7 +1184,7 @@ __device__ __forceinline__ void mla_prefill_tiled_impl(const float* __restrict__
     }
 }
 
-// The combine of mla_prefill_tiled_*: one block a (head h = blockIdx.x, token j = blockIdx.y),
+// The combine of mla_prefill_tiled: one block a (head h = blockIdx.x, token j = blockIdx.y),
 // mla_combine over the token's S = ceil((t0 + j + 1) / 64) partials (its own launch, so the
 // (token, head) combines run in parallel rather than one after another in a last block).
 template <bool I8>
