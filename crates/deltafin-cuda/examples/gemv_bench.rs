@@ -58,11 +58,13 @@ fn main() {
 
     let mut rng = StdRng::seed_from_u64(4);
     let mut row = |label: &str, m: &GpuMat, decode: Decode, r: u32, n: usize| {
-        // r = 0 stands for the x-stationary kernels.
+        // r = 0 stands for the x-stationary kernels; a label starting "pipelined" for the
+        // pipelined matvec.
         let kernel = Kernel {
             decode,
             rows_per_warp: r.max(1),
             stationary_x: r == 0,
+            pipelined: label.starts_with("pipelined"),
         };
         let x: Vec<f32> = (0..n * m.cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
         let dx = g.upload(&x).unwrap();
@@ -111,6 +113,16 @@ fn main() {
     for r in [1, 2, 4] {
         row("mxfp4 matvec, byte permutes", &mx, Decode::BytePermute, r, 1);
     }
+    for r in [1, 2] {
+        row("mxfp4 matvec, mixed", &mx, Decode::Mixed, r, 1);
+    }
+    for r in [1, 2] {
+        row("pipelined mxfp4, f16 bits", &mx, Decode::F16Bits, r, 1);
+        row("pipelined mxfp4, byte permutes", &mx, Decode::BytePermute, r, 1);
+    }
+    for r in [1, 2, 4] {
+        row("pipelined mxfp4, mixed", &mx, Decode::Mixed, r, 1);
+    }
     for n in [8usize, 64] {
         for r in [1, 2, 4, 0] {
             row("mxfp4 matmul, f16 bits", &mx, Decode::F16Bits, r, n);
@@ -118,6 +130,7 @@ fn main() {
         for r in [1, 2, 4] {
             row("mxfp4 matmul, byte permutes", &mx, Decode::BytePermute, r, n);
         }
+        row("mxfp4 matmul, mixed", &mx, Decode::Mixed, 2, n);
     }
     drop(mx);
     // int8 rows: 16 Ki rows x 7168 = 117 MB.

@@ -6,6 +6,10 @@ use crate::gpu::{GpuBuf, TOKEN_TILE, WARPS};
 const XS_THREADS: u32 = 256;
 const XS_ROWS: u32 = 4;
 const XS_TOKENS: u32 = 2;
+/// The pipelined matvec's warps a block, stage width (MX blocks) and stages (`ops.cu`).
+const MVP_WARPS: u32 = 8;
+const MVP_CH: u32 = 32;
+const MVP_S: u32 = 4;
 use crate::{CudaError, DriverContext, Gpu};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use deltafin_kernels::{MatData, MatRef};
@@ -56,6 +60,10 @@ pub enum Decode {
     /// Codes looked up by byte permutes and turned into floats by an add (`Dec<3>`: no
     /// conversion unit, every shape and form).
     BytePermute,
+    /// Half the codes as [`Decode::F16Bits`] (conversion unit), half by byte permutes
+    /// (integer unit), so neither pipe alone bounds the decode (`Dec<4>`). Matrix-vector at 1
+    /// and 2 rows a warp and the pipelined kernels; matrix-matrix at 2 rows a warp.
+    Mixed,
 }
 
 /// Which kernel runs a product: the E2M1 decoder (MXFP4 only) and how many consecutive rows
@@ -72,6 +80,11 @@ pub struct Kernel {
     /// reduction order differs from the one-warp-a-row kernels, so this choice changes bits;
     /// matvec and matmul with the same choice still agree bit for bit.
     pub stationary_x: bool,
+    /// MXFP4 matrix-vector only: the pipelined kernels (`mxfp4_mvp_*`: each warp streams its
+    /// rows' codes and scales through a 4-stage shared-memory ring with `cp.async`, so three
+    /// stages of 512 bytes a row are in flight; persistent warps). Same bits as every other
+    /// matvec. Needs `cols % 128 == 0`; 1, 2 or 4 rows a warp (4 with [`Decode::Mixed`] only).
+    pub pipelined: bool,
 }
 
 impl Kernel {
@@ -89,6 +102,7 @@ impl Kernel {
             decode: Decode::F16Bits,
             rows_per_warp,
             stationary_x: false,
+            pipelined: false,
         }
     }
 
@@ -111,6 +125,26 @@ impl Kernel {
                 _ => Err(CudaError::Shape(format!(
                     "no x-stationary kernel for {cols} columns of this format (MXFP4 up to 16,384)"
                 ))),
+            };
+        }
+        if self.pipelined {
+            let refused = || {
+                CudaError::Shape(format!(
+                    "no pipelined kernel for {self:?} on {cols} columns (MXFP4 matvec, cols % 128 == 0)"
+                ))
+            };
+            if matmul || !matches!(data, GpuMatData::Mxfp4 { .. }) || !cols.is_multiple_of(128) {
+                return Err(refused());
+            }
+            return match (self.decode, r) {
+                (Decode::F16Bits, 1) => Ok("mxfp4_mvp_f16_r1"),
+                (Decode::F16Bits, 2) => Ok("mxfp4_mvp_f16_r2"),
+                (Decode::BytePermute, 1) => Ok("mxfp4_mvp_prmt_r1"),
+                (Decode::BytePermute, 2) => Ok("mxfp4_mvp_prmt_r2"),
+                (Decode::Mixed, 1) => Ok("mxfp4_mvp_mix_r1"),
+                (Decode::Mixed, 2) => Ok("mxfp4_mvp_mix_r2"),
+                (Decode::Mixed, 4) => Ok("mxfp4_mvp_mix_r4"),
+                _ => Err(refused()),
             };
         }
         let name = match (data, matmul, self.decode, r) {
@@ -136,6 +170,9 @@ impl Kernel {
             (GpuMatData::Mxfp4 { .. }, true, Decode::BytePermute, 1) => "mxfp4_mm_prmt_r1",
             (GpuMatData::Mxfp4 { .. }, true, Decode::BytePermute, 2) => "mxfp4_mm_prmt_r2",
             (GpuMatData::Mxfp4 { .. }, true, Decode::BytePermute, 4) => "mxfp4_mm_prmt_r4",
+            (GpuMatData::Mxfp4 { .. }, false, Decode::Mixed, 1) => "mxfp4_mv_mix_r1",
+            (GpuMatData::Mxfp4 { .. }, false, Decode::Mixed, 2) => "mxfp4_mv_mix_r2",
+            (GpuMatData::Mxfp4 { .. }, true, Decode::Mixed, 2) => "mxfp4_mm_mix_r2",
             _ => {
                 return Err(CudaError::Shape(format!(
                     "no {} kernel for {self:?}",
@@ -271,7 +308,30 @@ impl GpuMat {
                 "matmul: {n} tokens is more than one launch takes"
             )));
         }
-        let cfg = if kernel.stationary_x {
+        let cfg = if kernel.pipelined && !kernel.stationary_x {
+            // Persistent warps, each with its own ring of MVP_S stages (ops.cu).
+            let r = kernel.rows_per_warp;
+            let smem = MVP_WARPS * MVP_S * r * (MVP_CH * 16 + MVP_CH);
+            if smem as usize > gpu.info().shared_bytes_optin {
+                return Err(CudaError::Shape(format!(
+                    "pipelined matvec at {r} rows a warp wants {smem} bytes of shared memory; the device has {}",
+                    gpu.info().shared_bytes_optin
+                )));
+            }
+            let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(attr, smem as i32).ctx("cuFuncSetAttribute")?;
+            let groups = (self.rows as u32).div_ceil(r);
+            let per_sm = (gpu.info().shared_bytes_optin as u32 / smem).clamp(1, 8);
+            LaunchConfig {
+                grid_dim: (
+                    groups.div_ceil(MVP_WARPS).min(gpu.info().multiprocessors * per_sm),
+                    1,
+                    1,
+                ),
+                block_dim: (32 * MVP_WARPS, 1, 1),
+                shared_mem_bytes: smem,
+            }
+        } else if kernel.stationary_x {
             // Persistent over rows: a few blocks per multiprocessor, each streaming row groups.
             let groups = (self.rows as u32).div_ceil(XS_ROWS);
             let tiles = if matmul { (n as u32).div_ceil(XS_TOKENS) } else { 1 };

@@ -57,18 +57,39 @@ fn matvec_kernels(m: &MatRef) -> Vec<Kernel> {
         decode,
         rows_per_warp,
         stationary_x: false,
+        pipelined: false,
+    };
+    let p = |decode, rows_per_warp| Kernel {
+        pipelined: true,
+        ..k(decode, rows_per_warp)
     };
     match m.data {
-        MatData::Mxfp4 { .. } => vec![
-            k(Decode::ConstTable, 1),
-            k(Decode::SharedTable, 1),
-            k(Decode::F16Bits, 1),
-            k(Decode::F16Bits, 2),
-            k(Decode::F16Bits, 4),
-            k(Decode::BytePermute, 1),
-            k(Decode::BytePermute, 2),
-            k(Decode::BytePermute, 4),
-        ],
+        MatData::Mxfp4 { .. } => {
+            let mut v = vec![
+                k(Decode::ConstTable, 1),
+                k(Decode::SharedTable, 1),
+                k(Decode::F16Bits, 1),
+                k(Decode::F16Bits, 2),
+                k(Decode::F16Bits, 4),
+                k(Decode::BytePermute, 1),
+                k(Decode::BytePermute, 2),
+                k(Decode::BytePermute, 4),
+                k(Decode::Mixed, 1),
+                k(Decode::Mixed, 2),
+            ];
+            if m.cols.is_multiple_of(128) {
+                v.extend([
+                    p(Decode::F16Bits, 1),
+                    p(Decode::F16Bits, 2),
+                    p(Decode::BytePermute, 1),
+                    p(Decode::BytePermute, 2),
+                    p(Decode::Mixed, 1),
+                    p(Decode::Mixed, 2),
+                    p(Decode::Mixed, 4),
+                ]);
+            }
+            v
+        }
         MatData::Int8 { .. } => vec![k(Decode::F16Bits, 1), k(Decode::F16Bits, 2), k(Decode::F16Bits, 4)],
         _ => vec![k(Decode::F16Bits, 1)],
     }
@@ -82,6 +103,9 @@ const SHAPES: &[(usize, usize)] = &[
     (100, 1000),
     (257, 2048),
     (31, 7168),
+    (3, 128),
+    (1000, 640),
+    (20_000, 256),
 ];
 
 struct Host {
@@ -185,12 +209,15 @@ fn matmul_rows_equal_matvec_bit_for_bit() {
                 dm.matmul(&g, &dx, n, &mut dy).unwrap();
                 let got = g.download(&dy).unwrap();
                 if !matches!(m.data, MatData::F32(_)) {
+                    let mixed = matches!(m.data, MatData::Mxfp4 { .. }).then_some((Decode::Mixed, 2));
                     for (decode, r) in [1, 2, 4]
                         .into_iter()
                         .flat_map(|r| [(Decode::F16Bits, r), (Decode::BytePermute, r)])
+                        .chain(mixed)
                     {
                         let k = Kernel {
                             stationary_x: false,
+                            pipelined: false,
                             decode,
                             rows_per_warp: r,
                         };
@@ -328,6 +355,7 @@ fn x_stationary_mxfp4_matches_reference_and_its_matmul() {
         decode: Decode::F16Bits,
         rows_per_warp: 1,
         stationary_x: true,
+        pipelined: false,
     };
     for (rows, cols) in [
         (1usize, 32usize),

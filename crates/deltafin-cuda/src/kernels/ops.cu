@@ -165,6 +165,38 @@ template <> struct Dec<3> {
     }
 };
 
+//   DEC 4: both pipes at once. Codes 0, 4, 1, 5 as DEC 2 (f16 bits through the conversion
+//          unit), codes 2, 3, 6, 7 by byte permutes (integer unit): DEC 3's lookup, with the
+//          byte put into the low mantissa byte of 256.0 instead of 2^23, so that subtracting
+//          256 + 64 * 2^-15 (exact: both in [256, 512)) leaves 2v * 2^-15 = v * 2^-14, DEC 2's
+//          scaling. The conversion unit (16 lanes a clock per SM on sm_90) then carries half
+//          the codes, so neither pipe alone bounds the decode.
+template <> struct Dec<4> {
+    static constexpr float SCALE = 16384.0f;  // 2^14, as DEC 2
+    __device__ __forceinline__ static void run(u32 w, const float*, float v[8]) {
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const u32 c = w >> (4 * k);
+            const u32 h = ((c << 9) & 0x0E000E00u) | ((c << 12) & 0x80008000u);
+            float lo, hi;
+            asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+                : "=f"(lo), "=f"(hi) : "r"(h));
+            v[k] = lo;
+            v[k + 4] = hi;
+        }
+        const u32 a_lo = 0x43424140u, a_hi = 0x4C484644u;
+        const u32 b_lo = 0x3D3E3F40u, b_hi = 0x34383A3Cu;
+        const u32 f = w ^ 0x88888888u;
+        const u32 p0 = prmt(a_lo, a_hi, w) | prmt(b_lo, b_hi, f);
+        const u32 p1 = prmt(a_lo, a_hi, w >> 16) | prmt(b_lo, b_hi, f >> 16);
+#pragma unroll
+        for (int j = 2; j < 4; ++j) {
+            v[j] = __int_as_float(prmt(p0, 0x43800000u, 0x7650u + j)) - 256.001953125f;
+            v[j + 4] = __int_as_float(prmt(p1, 0x43800000u, 0x7650u + j)) - 256.001953125f;
+        }
+    }
+};
+
 // The decoder of the fused launches and the x-stationary kernels (fused.cu, kda.cu): any gives
 // the same bits; f16 bits (2) measured fastest on the H200, byte permutes (3) within 5 % of it
 // and slower in the x-stationary kernel (bench/NOTES.md, 2026-12-02).
@@ -293,6 +325,131 @@ MX_KERNEL(mxfp4_mv_prmt_r4, 3, 4, 1)
 MX_KERNEL(mxfp4_mm_prmt_r1, 3, 1, 8)
 MX_KERNEL(mxfp4_mm_prmt_r2, 3, 2, 8)
 MX_KERNEL(mxfp4_mm_prmt_r4, 3, 4, 8)
+
+// ---- pipelined MXFP4 matrix-vector --------------------------------------------------------
+// The one-warp-a-row matvec keeps only a few 4-byte code loads in flight per warp, too few bytes
+// to cover the memory latency. Here each warp streams its R rows through a private ring of
+// MVP_S stages in shared memory with cp.async (16 bytes a lane a row a stage: MVP_CH = 32 MX
+// blocks = 512 bytes of codes and their 32 scale bytes), so MVP_S - 1 stages are always in
+// flight, and computes from shared memory with mx_rows' lane mapping and order: lane (g, q)
+// takes blocks g, g + 8, ... of the row, elements 8q .. 8q + 7, adds dot8 * scale to its
+// accumulator in increasing block order, and the warp sums by warp_sum. Same bits as every
+// other matvec. Warps are persistent: warp w of W takes row groups w, w + W, ... and its ring
+// runs on across them. Needs nb % 4 == 0 (4-byte scale copies) and cols % 4 == 0; the caller
+// takes the one-warp-a-row kernel otherwise.
+#define MVP_WARPS 8
+#define MVP_CH 32
+#define MVP_S 4
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int src_bytes) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_stages() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(MVP_S - 2));
+}
+
+template <int DEC, int R>
+__device__ __forceinline__ void mxfp4_mvp(const u8* __restrict__ packed, const u8* __restrict__ scales,
+                                          int rows, int cols, const float* __restrict__ x,
+                                          float* __restrict__ y) {
+    constexpr int STAGE = R * (MVP_CH * 16 + MVP_CH);  // bytes of one stage: codes then scales
+    extern __shared__ __align__(16) u8 mvp_smem[];
+    u8* ring = mvp_smem + (threadIdx.x >> 5) * (MVP_S * STAGE);
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int nb = cols >> 5;
+    const int nch = (nb + MVP_CH - 1) / MVP_CH;
+    const int groups = (rows + R - 1) / R;
+    const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int nwarps = gridDim.x * (blockDim.x >> 5);
+    const int my_groups = warp < groups ? (groups - 1 - warp) / nwarps + 1 : 0;
+    const int items = my_groups * nch;
+    // Stage `it` of this warp: row group warp + (it / nch) * nwarps, chunk it % nch.
+    auto issue = [&](int it) {
+        if (it < items) {
+            u8* st = ring + (it % MVP_S) * STAGE;
+            const int rg = warp + (it / nch) * nwarps, c = it % nch;
+            const int b = c * MVP_CH + lane;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int row = rg * R + r;
+                const bool ok = row < rows && b < nb;
+                const size_t off = ok ? ((size_t)row * nb + b) * 16 : 0;
+                cp_async16(st + r * (MVP_CH * 16) + lane * 16, packed + off, ok ? 16 : 0);
+                if (lane < MVP_CH / 4) {
+                    const int sb = c * MVP_CH + 4 * lane;
+                    const bool sok = row < rows && sb < nb;
+                    const size_t soff = sok ? (size_t)row * nb + sb : 0;
+                    cp_async4(st + R * (MVP_CH * 16) + r * MVP_CH + 4 * lane, scales + soff, sok ? 4 : 0);
+                }
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < MVP_S - 1; ++s) issue(s);
+    float acc[R];
+    for (int it = 0; it < items; ++it) {
+        cp_async_wait_stages();
+        __syncwarp();
+        issue(it + MVP_S - 1);  // into the slot every lane finished reading at it - 1
+        const u8* st = ring + (it % MVP_S) * STAGE;
+        const int rg = warp + (it / nch) * nwarps, c = it % nch;
+        if (c == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < MVP_CH / 8; ++i) {
+            const int bl = g + 8 * i, b = c * MVP_CH + bl;
+            if (b < nb) {
+                const int base = b * 32 + 8 * q;
+                const float4 a = *reinterpret_cast<const float4*>(x + base);
+                const float4 d = *reinterpret_cast<const float4*>(x + base + 4);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const u32 w = *reinterpret_cast<const u32*>(st + r * (MVP_CH * 16) + bl * 16 + 4 * q);
+                    const float sc = e8m0(st[R * (MVP_CH * 16) + r * MVP_CH + bl]) * Dec<DEC>::SCALE;
+                    float v[8];
+                    Dec<DEC>::run(w, nullptr, v);
+                    acc[r] += mx_dot8(v, a, d) * sc;
+                }
+            }
+        }
+        if (c == nch - 1) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const float s = warp_sum(acc[r]);
+                if (lane == 0 && rg * R + r < rows) y[rg * R + r] = s;
+            }
+        }
+    }
+    cp_async_wait_all();
+}
+
+#define MVP_KERNEL(NAME, DEC, R)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * MVP_WARPS)                                      \
+        NAME(const u8* __restrict__ packed, const u8* __restrict__ scales, int rows, int cols,       \
+             const float* __restrict__ x, int n, float* __restrict__ y) {                            \
+        mxfp4_mvp<DEC, R>(packed, scales, rows, cols, x, y);                                         \
+    }
+MVP_KERNEL(mxfp4_mvp_f16_r1, 2, 1)
+MVP_KERNEL(mxfp4_mvp_f16_r2, 2, 2)
+MVP_KERNEL(mxfp4_mvp_prmt_r1, 3, 1)
+MVP_KERNEL(mxfp4_mvp_prmt_r2, 3, 2)
+MVP_KERNEL(mxfp4_mvp_mix_r1, 4, 1)
+MVP_KERNEL(mxfp4_mvp_mix_r2, 4, 2)
+MVP_KERNEL(mxfp4_mvp_mix_r4, 4, 4)
+// The one-warp-a-row matvec with the mixed decoder, for comparison.
+MX_KERNEL(mxfp4_mv_mix_r1, 4, 1, 1)
+MX_KERNEL(mxfp4_mv_mix_r2, 4, 2, 1)
+MX_KERNEL(mxfp4_mm_mix_r2, 4, 2, 8)
 
 // ---- x-stationary MXFP4 products ------------------------------------------------------------
 // A block of 256 threads holds the activations in registers and streams rows through: thread i
