@@ -140,3 +140,71 @@ impl Gpu {
         self.stream().memcpy_dtoh(src, &mut dst.0).ctx("cuMemcpyDtoHAsync")
     }
 }
+
+/// A point in the stream's queue ([`Gpu::mark`]): wait for everything queued before it.
+pub struct StreamMark(cudarc::driver::CudaEvent);
+
+impl StreamMark {
+    /// Blocks until everything queued before the mark has run.
+    ///
+    /// # Errors
+    /// A driver error, including one raised by the queued work.
+    pub fn wait(&self) -> Result<(), CudaError> {
+        self.0.synchronize().ctx("cuEventSynchronize")
+    }
+
+    /// Whether everything queued before the mark has run (does not wait).
+    ///
+    /// # Errors
+    /// A driver error, including one raised by the queued work.
+    pub fn passed(&self) -> Result<bool, CudaError> {
+        self.0.try_is_complete().ctx("cuEventQuery")
+    }
+}
+
+impl Gpu {
+    /// Page-locks (`cuMemHostRegister`, portable to every context) the `len` host bytes at
+    /// `ptr`, so that copies from them run by DMA without waiting for the host: a copy queued
+    /// from page-locked memory returns at once, and the memory must stay unchanged until the
+    /// copy has run (see [`Gpu::mark`]).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be mapped host memory that stays mapped until
+    /// [`Gpu::unregister_host`] of `ptr`.
+    ///
+    /// # Errors
+    /// A driver error (the system's page-locked memory limit, an address already registered).
+    pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), CudaError> {
+        self.bind_to_thread()?;
+        let flags = cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // SAFETY: the caller keeps the range mapped until it is unregistered.
+        let r = unsafe { cudarc::driver::sys::cuMemHostRegister_v2(ptr.cast(), len, flags) };
+        r.result().ctx("cuMemHostRegister")
+    }
+
+    /// Releases a [`Gpu::register_host`] registration.
+    ///
+    /// # Safety
+    /// No queued copy may still read the memory.
+    ///
+    /// # Errors
+    /// A driver error (`ptr` was not registered).
+    pub unsafe fn unregister_host(&self, ptr: *mut u8) -> Result<(), CudaError> {
+        self.bind_to_thread()?;
+        // SAFETY: registered by `register_host` (else the driver returns an error).
+        let r = unsafe { cudarc::driver::sys::cuMemHostUnregister(ptr.cast()) };
+        r.result().ctx("cuMemHostUnregister")
+    }
+
+    /// Marks the stream's queue as it is now (an event recorded on it).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn mark(&self) -> Result<StreamMark, CudaError> {
+        let ev = self
+            .stream()
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .ctx("cuEventRecord")?;
+        Ok(StreamMark(ev))
+    }
+}

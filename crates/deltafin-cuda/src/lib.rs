@@ -37,7 +37,7 @@ pub use fused::{
 };
 pub use gpu::{compile_ptx, ptx_cache_dir, Gpu, GpuBuf, ENTRY_POINTS};
 pub use gqa::{GqaShape, SoftmaxRouter};
-pub use graph::{Graph, Pinned};
+pub use graph::{Graph, Pinned, StreamMark};
 pub use kda::{KdaGate, ATTN_RES_MAX_BANK};
 pub use mat::{Decode, GpuMat, GpuMatData, Kernel};
 pub use moe::MOE_MAX_K;

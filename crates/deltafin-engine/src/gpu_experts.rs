@@ -14,7 +14,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use deltafin_cuda::GpuMat;
+use deltafin_cuda::{CudaError, GpuMat, StreamMark};
+
+use crate::experts::Expert;
 
 /// One routed expert on the device: `[gate_proj, up_proj, down_proj]` as in the record.
 pub type GpuExpert = Arc<[GpuMat; 3]>;
@@ -74,6 +76,18 @@ pub struct GpuExpertCache<T = GpuExpert> {
     per_layer: HashMap<u32, usize>,
     tick: u64,
     stats: GpuCacheStats,
+    /// Host records whose copies to the device may still be running (page-locked buffers copy
+    /// asynchronously), each batch with a mark of the stream after its copies.
+    held: std::collections::VecDeque<(StreamMark, Arc<Expert>)>,
+}
+
+impl<T> Drop for GpuExpertCache<T> {
+    fn drop(&mut self) {
+        // No record buffer goes back to the store while a copy may still read it.
+        for (mark, _) in &self.held {
+            let _ = mark.wait();
+        }
+    }
 }
 
 impl<T: Clone> GpuExpertCache<T> {
@@ -87,7 +101,42 @@ impl<T: Clone> GpuExpertCache<T> {
                 budget_bytes,
                 ..Default::default()
             },
+            held: std::collections::VecDeque::new(),
         }
+    }
+
+    /// Keeps `record` (the host side of copies queued before `mark`) until the stream is past
+    /// `mark` ([`Self::release_passed`], [`Self::release_copied`]).
+    pub fn hold(&mut self, mark: StreamMark, record: Arc<Expert>) {
+        self.held.push_back((mark, record));
+    }
+
+    /// Drops the held records whose copies the stream has passed, oldest first, without
+    /// waiting; the store may then reuse their buffers.
+    ///
+    /// # Errors
+    /// A driver error raised by the copies.
+    pub fn release_passed(&mut self) -> Result<(), CudaError> {
+        while let Some((mark, _)) = self.held.front() {
+            if !mark.passed()? {
+                break;
+            }
+            self.held.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Waits until the stream has passed every held mark (normally already so: a step reads the
+    /// router's choice back before it fetches) and drops the held records.
+    ///
+    /// # Errors
+    /// A driver error raised by the copies.
+    pub fn release_copied(&mut self) -> Result<(), CudaError> {
+        while let Some((mark, _)) = self.held.front() {
+            mark.wait()?;
+            self.held.pop_front();
+        }
+        Ok(())
     }
 
     /// The expert `(layer, expert)` when resident (counted as a hit and marked used), else

@@ -62,7 +62,7 @@ use std::path::Path;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -218,7 +218,7 @@ impl Default for StoreOptions {
 /// One routed expert's record in memory.
 pub struct Expert {
     /// The record, padded to a multiple of 4 KiB.
-    buf: AlignedBuf,
+    buf: RecordBuf,
     /// Record length (data bytes).
     len: usize,
     layout: Arc<[ExpertTensorLayout]>,
@@ -229,10 +229,75 @@ pub struct Expert {
 impl Drop for Expert {
     fn drop(&mut self) {
         if let Some(pool) = &self.pool {
-            pool.put(std::mem::replace(
-                &mut self.buf,
-                AlignedBuf::zeroed(0, io::DIRECT_ALIGN),
-            ));
+            pool.put(std::mem::replace(&mut self.buf, RecordBuf::empty()));
+        }
+    }
+}
+
+/// Page-locks record buffers for a device's asynchronous copies: a GPU backend sets one on the
+/// store ([`ExpertStore::set_host_pin`]) so that a record's host-to-device copy runs by DMA
+/// straight from the buffer the disk read landed in, with no CPU copy (pageable memory is
+/// copied by the driver through its own staging buffers at a few GB/s, one record at a time).
+pub trait HostPin: Send + Sync {
+    /// Page-locks the `len` bytes at `ptr`, a new record buffer; returns whether it did (a
+    /// buffer it did not pin still works, copied as pageable memory).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` is mapped and stays mapped until [`HostPin::unpin`] of `ptr`.
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> bool;
+    /// Releases what [`HostPin::pin`] locked at `ptr`; called before the memory is unmapped.
+    ///
+    /// # Safety
+    /// `ptr` was pinned by this hook, and nothing (no queued device copy) still reads it.
+    unsafe fn unpin(&self, ptr: *mut u8);
+}
+
+/// A record buffer: page-aligned memory, page-locked by the store's [`HostPin`] when one was
+/// set before it was made (unlocked again before it is unmapped).
+pub(crate) struct RecordBuf {
+    buf: AlignedBuf,
+    pinned: Option<Arc<dyn HostPin>>,
+}
+
+impl RecordBuf {
+    /// An empty buffer (a placeholder; nothing mapped, nothing pinned).
+    pub(crate) fn empty() -> Self {
+        RecordBuf {
+            buf: AlignedBuf::zeroed(0, io::DIRECT_ALIGN),
+            pinned: None,
+        }
+    }
+
+    fn new(len: usize, pin: Option<&Arc<dyn HostPin>>) -> Self {
+        let mut buf = AlignedBuf::zeroed(len, io::DIRECT_ALIGN);
+        // SAFETY: the mapping lives in `buf` until this RecordBuf drops, which unpins it first.
+        let pinned = match pin {
+            Some(p) if len > 0 && unsafe { p.pin(buf.as_mut_slice().as_mut_ptr(), len) } => Some(p.clone()),
+            _ => None,
+        };
+        RecordBuf { buf, pinned }
+    }
+}
+
+impl std::ops::Deref for RecordBuf {
+    type Target = AlignedBuf;
+    fn deref(&self) -> &AlignedBuf {
+        &self.buf
+    }
+}
+
+impl std::ops::DerefMut for RecordBuf {
+    fn deref_mut(&mut self) -> &mut AlignedBuf {
+        &mut self.buf
+    }
+}
+
+impl Drop for RecordBuf {
+    fn drop(&mut self) {
+        if let Some(p) = self.pinned.take() {
+            // SAFETY: pinned by `p` in `new`; a record's buffer is dropped only when no copy
+            // reads it (the GPU path holds copied records until the stream passed the copies).
+            unsafe { p.unpin(self.buf.as_mut_slice().as_mut_ptr()) };
         }
     }
 }
@@ -242,22 +307,24 @@ impl Drop for Expert {
 /// GB read (page clearing, faults in `get_user_pages`, unmapping), most of the store's CPU time.
 /// At most `max` buffers wait here (memory outside the budget; see the module docs).
 struct BufPool {
-    free: Mutex<Vec<AlignedBuf>>,
+    free: Mutex<Vec<RecordBuf>>,
     max: usize,
+    /// Pins every buffer made after it is set.
+    pin: OnceLock<Arc<dyn HostPin>>,
 }
 
 impl BufPool {
     /// A buffer of `len` bytes (page-aligned; contents unspecified when reused).
-    fn take(&self, len: usize) -> AlignedBuf {
+    fn take(&self, len: usize) -> RecordBuf {
         let mut free = self.free.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(i) = free.iter().rposition(|b| b.len() == len) {
             return free.swap_remove(i);
         }
         drop(free);
-        AlignedBuf::zeroed(len, io::DIRECT_ALIGN)
+        RecordBuf::new(len, self.pin.get())
     }
 
-    fn put(&self, buf: AlignedBuf) {
+    fn put(&self, buf: RecordBuf) {
         if buf.is_empty() {
             return;
         }
@@ -569,6 +636,7 @@ impl ExpertStore {
             pool: Arc::new(BufPool {
                 free: Mutex::new(Vec::new()),
                 max: readers,
+                pin: OnceLock::new(),
             }),
             state: Mutex::new(State::new(cache)),
             work: Condvar::new(),
@@ -611,6 +679,23 @@ impl ExpertStore {
     /// The I/O mode in use (never changed after open).
     pub fn io_mode(&self) -> IoMode {
         self.opts.io
+    }
+
+    /// Page-locks record buffers made from now on with `pin` (a GPU backend's hook, see
+    /// [`HostPin`]); free buffers made before are dropped so that reads take pinned ones.
+    /// Returns false (and changes nothing) when a hook was already set.
+    pub fn set_host_pin(&self, pin: Arc<dyn HostPin>) -> bool {
+        let set = self.shared.pool.pin.set(pin).is_ok();
+        if set {
+            // Buffers made before are not pinned: let new ones replace them.
+            self.shared
+                .pool
+                .free
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clear();
+        }
+        set
     }
 
     /// The options the store was opened with.

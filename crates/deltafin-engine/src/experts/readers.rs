@@ -23,11 +23,9 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
-use deltafin_format::AlignedBuf;
-
 use super::cache::{Cache, Insert};
-use super::io::{round_up, ReadFailure, DIRECT_ALIGN};
-use super::{Expert, Key, Shared};
+use super::io::{round_up, ReadFailure};
+use super::{Expert, Key, RecordBuf, Shared};
 
 /// A demand read split into chunks that readers take in order.
 pub(crate) struct Chunked {
@@ -37,7 +35,7 @@ pub(crate) struct Chunked {
     padded: usize,
     /// Allocated when the first chunk is handed out (from the buffer pool, or the buffer of a
     /// promoted speculative read).
-    buf: Option<AlignedBuf>,
+    buf: Option<RecordBuf>,
     /// Start of `buf`, taken once when `buf` is set, so readers never form a reference to the
     /// whole buffer while others write their chunks.
     base: *mut u8,
@@ -59,7 +57,7 @@ unsafe impl Send for Chunked {}
 impl Chunked {
     /// A demand read of `length` bytes at `offset`, continuing a speculative read that had read
     /// `done` bytes into `buf` (`None`, 0 for a fresh read).
-    pub(crate) fn new(offset: u64, length: usize, buf: Option<AlignedBuf>, done: usize, spec_bytes: u64) -> Self {
+    pub(crate) fn new(offset: u64, length: usize, buf: Option<RecordBuf>, done: usize, spec_bytes: u64) -> Self {
         let mut c = Chunked {
             offset,
             length,
@@ -82,7 +80,7 @@ impl Chunked {
         Chunked::new(job.offset, length, job.buf.take(), job.done, job.spec_bytes)
     }
 
-    fn set_buf(&mut self, mut b: AlignedBuf) {
+    fn set_buf(&mut self, mut b: RecordBuf) {
         self.base = b.as_mut_slice().as_mut_ptr();
         self.buf = Some(b);
     }
@@ -138,7 +136,7 @@ pub(crate) struct InFlight {
 pub(crate) struct Job {
     pub(crate) key: Key,
     pub(crate) offset: u64,
-    buf: Option<AlignedBuf>,
+    buf: Option<RecordBuf>,
     /// Bytes read so far.
     done: usize,
     /// Of those, bytes read while the job was speculative.
@@ -448,7 +446,7 @@ fn run_chunk(sh: &Shared, t: ChunkTask) {
 }
 
 /// Checks the record's XXH3-64 the first time it is read.
-fn verify(sh: &Shared, key: Key, buf: Option<&AlignedBuf>, length: usize) -> Result<(), ReadFailure> {
+fn verify(sh: &Shared, key: Key, buf: Option<&RecordBuf>, length: usize) -> Result<(), ReadFailure> {
     let rec = &sh.records[key.0 as usize][key.1 as usize];
     if rec.verified.load(Ordering::Acquire) {
         return Ok(());
@@ -470,11 +468,11 @@ fn finish_job(sh: &Shared, mut job: Job, result: Result<(), ReadFailure>) {
 
 /// Finishes a read: caches the record, hands it (or the failure) to every waiter, updates the
 /// speculative-waste counter, and wakes readers that may now start speculative work.
-fn complete(sh: &Shared, key: Key, mut buf: Option<AlignedBuf>, spec_bytes: u64, result: Result<(), ReadFailure>) {
+fn complete(sh: &Shared, key: Key, mut buf: Option<RecordBuf>, spec_bytes: u64, result: Result<(), ReadFailure>) {
     let (layer, expert) = (key.0 as usize, key.1 as usize);
     let delivery: Result<Arc<Expert>, ReadFailure> = result.map(|()| {
         Arc::new(Expert {
-            buf: buf.take().unwrap_or_else(|| AlignedBuf::zeroed(0, DIRECT_ALIGN)),
+            buf: buf.take().unwrap_or_else(RecordBuf::empty),
             len: sh.records[layer][expert].length as usize,
             layout: sh.layout.clone(),
             pool: Some(sh.pool.clone()),

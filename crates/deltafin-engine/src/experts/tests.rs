@@ -8,7 +8,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
-use deltafin_format::{AlignedBuf, ModelDir};
+use deltafin_format::ModelDir;
 
 use super::cache::{Cache, Insert};
 use super::*;
@@ -269,6 +269,79 @@ fn every_policy_and_budget_returns_identical_bytes() {
     }
 }
 
+/// A [`HostPin`] that records what it pinned (refusing every third buffer, as a driver out of
+/// page-locked memory would) and checks each unpin against a live pin.
+#[derive(Default)]
+struct CountingPin {
+    live: Mutex<std::collections::HashMap<usize, usize>>,
+    pins: AtomicUsize,
+    unpins: AtomicUsize,
+    asked: AtomicUsize,
+}
+
+impl HostPin for CountingPin {
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> bool {
+        assert_eq!(ptr as usize % 4096, 0, "record buffers are page-aligned");
+        if self.asked.fetch_add(1, Ordering::SeqCst) % 3 == 2 {
+            return false;
+        }
+        assert!(
+            self.live.lock().unwrap().insert(ptr as usize, len).is_none(),
+            "pinned twice"
+        );
+        self.pins.fetch_add(1, Ordering::SeqCst);
+        true
+    }
+    unsafe fn unpin(&self, ptr: *mut u8) {
+        assert!(
+            self.live.lock().unwrap().remove(&(ptr as usize)).is_some(),
+            "unpinned what was not pinned"
+        );
+        self.unpins.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn pinned_record_buffers_are_unpinned_exactly_once_and_bytes_stay_right() {
+    let (_tmp, path) = convert_fixture();
+    let dir = ModelDir::open(&path).unwrap();
+    let want = reference(&dir);
+    for io in modes(&dir) {
+        let pin = Arc::new(CountingPin::default());
+        {
+            let store = ExpertStore::open(&dir, opts(RECORD * 5, io, CachePolicy::Lru)).unwrap();
+            assert!(store.set_host_pin(pin.clone()));
+            assert!(!store.set_host_pin(pin.clone()), "a second hook is refused");
+            let mut rng = Rng(0xB1A5);
+            let mut held = Vec::new();
+            for step in 0..80 {
+                let layer = MOE_LAYERS[rng.below(3)];
+                let experts = rng.experts(4);
+                for r in store.fetch(layer, &experts).unwrap() {
+                    let (i, e) = r.unwrap();
+                    assert!(
+                        e.as_bytes() == want[&(layer, experts[i])].as_slice(),
+                        "{io}: bytes differ"
+                    );
+                    // Keep some records past later reads, as a device copy in flight would.
+                    if step % 7 == 0 {
+                        held.push(e);
+                    }
+                }
+            }
+            assert!(pin.pins.load(Ordering::SeqCst) > 0, "{io}: nothing was pinned");
+            drop(held);
+        }
+        // Store and records gone: every pinned buffer was unpinned before it was unmapped.
+        assert_eq!(
+            pin.pins.load(Ordering::SeqCst),
+            pin.unpins.load(Ordering::SeqCst),
+            "{io}"
+        );
+        assert!(pin.live.lock().unwrap().is_empty());
+    }
+}
+
 #[test]
 fn direct_and_buffered_return_identical_bytes() {
     let (_tmp, path) = convert_fixture();
@@ -402,7 +475,7 @@ fn checksum_failure_names_layer_and_expert() {
 
 fn fake(n: u32) -> (Key, Arc<Expert>) {
     let e = Expert {
-        buf: AlignedBuf::zeroed(4096, 4096),
+        buf: RecordBuf::new(4096, None),
         len: 4096,
         layout: Arc::from(Vec::new()),
         pool: None,

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use deltafin_cuda::{CudaError, CudaSlice, Gpu, GpuBuf, GpuMat};
 
+use crate::experts::{ExpertStore, HostPin};
 use crate::gpu_experts::{GpuExpert, GpuExpertCache};
 use crate::EngineError;
 
@@ -14,11 +15,13 @@ use crate::EngineError;
 /// GPU expert cache: KV caches, recurrent states, work buffers, CUDA graphs, bytes.
 pub const GPU_MARGIN_BYTES: u64 = 2 << 30;
 
-/// Opens `cuda:ordinal` for a model whose backbone takes `backbone` bytes.
+/// Opens `cuda:ordinal` for a model whose backbone takes `backbone` bytes, and page-locks the
+/// record buffers of its expert store from now on ([`CudaHostPin`]) so that misses are copied
+/// to the device by DMA straight from the buffer each read landed in.
 ///
 /// Errors: no such device, or a driver failure; a backbone larger than the device's memory
 /// (both sizes named: streaming backbone layers through the GPU is not there yet).
-pub fn open_gpu_for(ordinal: usize, backbone: u64) -> Result<Arc<Gpu>, EngineError> {
+pub fn open_gpu_for(ordinal: usize, backbone: u64, store: &ExpertStore) -> Result<Arc<Gpu>, EngineError> {
     let gpu = Arc::new(Gpu::open(ordinal).map_err(|e| EngineError::Invalid(format!("CUDA: {e}")))?);
     let total = gpu.info().total_bytes as u64;
     if backbone > total {
@@ -26,7 +29,26 @@ pub fn open_gpu_for(ordinal: usize, backbone: u64) -> Result<Arc<Gpu>, EngineErr
             "the backbone ({backbone} bytes) does not fit in cuda:{ordinal}'s {total} bytes"
         )));
     }
+    store.set_host_pin(Arc::new(CudaHostPin(gpu.clone())));
     Ok(gpu)
+}
+
+/// The expert store's [`HostPin`] on a CUDA device: `cuMemHostRegister` when a record buffer is
+/// made, `cuMemHostUnregister` before it is unmapped. A buffer the driver refuses to lock (the
+/// system's page-locked memory limit) stays pageable and is copied synchronously, as before.
+pub struct CudaHostPin(pub Arc<Gpu>);
+
+impl HostPin for CudaHostPin {
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> bool {
+        // SAFETY: the caller keeps the range mapped until `unpin`.
+        unsafe { self.0.register_host(ptr, len) }.is_ok()
+    }
+
+    unsafe fn unpin(&self, ptr: *mut u8) {
+        // SAFETY: the caller guarantees no copy still reads it: the GPU path keeps the records
+        // it copied until the stream has passed those copies (`GpuExpertCache::hold`).
+        let _ = unsafe { self.0.unregister_host(ptr) };
+    }
 }
 
 /// The GPU expert cache's byte budget once the backbone (`backbone` bytes) is on the device:
@@ -79,7 +101,7 @@ pub fn fetch_gpu_experts(
         let bytes: u64 = mats.iter().map(|m| m.nbytes() as u64).sum();
         Ok((Arc::new(mats), bytes))
     };
-    fetch_gpu_experts_with(cache, routed, l, ids, &upload, on_change)
+    fetch_gpu_experts_with(gpu, cache, routed, l, ids, &upload, on_change)
 }
 
 /// Makes the device copy of an expert record: its handle and the device bytes it takes.
@@ -87,10 +109,13 @@ pub type UploadRecord<'a, T> = dyn Fn(&crate::experts::Expert) -> Result<(T, u64
 
 /// [`fetch_gpu_experts`] with the device copy of a record made by `upload` (its handle and its
 /// device bytes), for records that are not three matrices (gpt-oss: two matrices and their
-/// f32 biases).
+/// f32 biases). Copies from page-locked record buffers run asynchronously on `gpu`'s stream: each
+/// record copied is kept (with a mark of the stream after its copies) until the stream is past
+/// that mark, so no buffer is reused while a copy still reads it.
 ///
 /// Errors: expert read or checksum failures; the first error of `upload` or `on_change`.
 pub fn fetch_gpu_experts_with<T: Clone>(
+    gpu: &Gpu,
     cache: &mut GpuExpertCache<T>,
     routed: &crate::model::RoutedExperts,
     l: usize,
@@ -101,6 +126,7 @@ pub fn fetch_gpu_experts_with<T: Clone>(
     use crate::EngineError;
     let cuda = |e: deltafin_cuda::CudaError| EngineError::Invalid(format!("CUDA: {e}"));
     let stand_in = routed.compute_only();
+    cache.release_copied().map_err(cuda)?;
     let mut out: Vec<Option<T>> = Vec::with_capacity(ids.len());
     let mut missing: Vec<usize> = Vec::new();
     for &e in ids {
@@ -115,8 +141,21 @@ pub fn fetch_gpu_experts_with<T: Clone>(
         for r in routed.store.fetch(l, &missing)? {
             let (i, record) = r?;
             let t0 = std::time::Instant::now();
-            let (dev, bytes) = upload(&record).map_err(cuda)?;
+            let uploaded = upload(&record);
+            // Copies from a page-locked buffer run on after the call: the record is kept until
+            // the stream has passed them, whether or not the upload succeeded.
+            match gpu.mark() {
+                Ok(mark) => cache.hold(mark, record),
+                Err(e) => {
+                    let _ = gpu.synchronize();
+                    return Err(cuda(e));
+                }
+            }
+            let (dev, bytes) = uploaded.map_err(cuda)?;
             cache.count_upload(bytes, t0.elapsed().as_nanos() as u64);
+            // Buffers whose copies are done go back to the store for the reads still to come
+            // (a prefill chunk fetches far more records than the store keeps buffers).
+            cache.release_passed().map_err(cuda)?;
             let id = missing[i];
             for (el, ee) in cache.insert(l, id, dev.clone(), bytes) {
                 on_change(CacheChange::Evicted(el, ee))?;

@@ -293,7 +293,7 @@ impl GqaCuda {
             )));
         }
         let backbone = cpu.backbone_bytes() as u64;
-        let gpu = open_gpu_for(ordinal, backbone)?;
+        let gpu = open_gpu_for(ordinal, backbone, &cpu.routed().store)?;
         let bb = cpu.backbone();
         let up = |name: &str| -> Result<GpuMat, EngineError> { GpuMat::upload(&gpu, &bb.matrix(name)?).map_err(cuda) };
         let vec = |name: &str| -> Result<GpuBuf, EngineError> { gpu.upload(bb.vector(name)?).map_err(cuda) };
@@ -387,7 +387,9 @@ impl GqaCuda {
             let bytes = mats.iter().map(|m| m.nbytes() as u64).sum();
             Ok((Arc::new(mats), bytes))
         };
-        fetch_gpu_experts_with(&mut cache, self.cpu.routed(), l, ids, &upload, &mut |_| Ok(()))
+        fetch_gpu_experts_with(&self.gpu, &mut cache, self.cpu.routed(), l, ids, &upload, &mut |_| {
+            Ok(())
+        })
     }
 
     /// RoPE cos/sin of `pos` over the head, `[cos[half], sin[half]]`, with the CPU's arithmetic

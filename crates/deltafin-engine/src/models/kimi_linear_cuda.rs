@@ -392,7 +392,7 @@ impl KimiLinearCuda {
             return Err(EngineError::Invalid(why));
         }
         let backbone = cpu.backbone_bytes() as u64;
-        let gpu = open_gpu_for(ordinal, backbone)?;
+        let gpu = open_gpu_for(ordinal, backbone, &cpu.routed.store)?;
         let c = cpu.cfg.clone();
         let up = |name: &str| -> Result<GpuMat, EngineError> { GpuMat::upload(&gpu, &cpu.m(name)?).map_err(cuda) };
         let vec = |name: &str| -> Result<GpuBuf, EngineError> { gpu.upload(cpu.v(name)?).map_err(cuda) };
