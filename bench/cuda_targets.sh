@@ -59,6 +59,15 @@ per_tok = (t["expert_bytes_read_demand"] - t["prefill_expert_bytes"]) / steps
 s_tok = 1 / t["steady_decode_tokens_per_s"]
 print(f"3 cold: {t['steady_decode_tokens_per_s']:.2f} tok/s = {s_tok:.3f} s/token, demand {per_tok / 1e6:.1f} MB/token; "
       f"disk {rates} GB/s (dd before/after)")
+dec = [x for x in t["steps"] if x["kind"] == "decode"][1:]
+if dec:
+    n = len(dec)
+    mean = lambda k: sum(x[k] for x in dec) / n
+    gc = t.get("gpu_expert_cache") or {}
+    print(f"3   per decode step: {mean('seconds') * 1e3:.1f} ms = io wait {mean('io_wait_s') * 1e3:.1f} + experts "
+          f"{mean('expert_compute_s') * 1e3:.1f} + attention {mean('attention_s') * 1e3:.1f} + other "
+          f"{mean('other_s') * 1e3:.1f} ms; {mean('expert_bytes_read') / 1e6:.1f} MB read; GPU cache uploads "
+          f"{gc.get('upload_s', 0):.2f} s for {gc.get('bytes_uploaded', 0) / 1e9:.2f} GB in the run")
 for g in rates:
     floor = per_tok / (g * 1e9)
     print(f"3   at {g} GB/s: floor {floor:.3f} s/token, measured/floor {s_tok / floor:.2f} (target <= 1.1); "
