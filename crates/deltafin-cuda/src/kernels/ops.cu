@@ -498,6 +498,34 @@ I8_KERNEL(int8_mm_r1, 1, 8)
 I8_KERNEL(int8_mm_r2, 2, 8)
 I8_KERNEL(int8_mm_r4, 4, 8)
 
+// ---- A token tile staged in shared memory (the staged grouped experts in fused.cu) -----------
+// Shared layout: token t, MX block b at xs[(t * nb + b) * SX]: 32 floats and 4 of padding, so
+// the lanes of one LDS.128 (eight groups, four quarters) fall on distinct banks.
+#define SX 36
+
+// Stages rows 0..nt of src ([*, cols], row stride cols) into xs for T tokens: zeros past cols
+// and for tokens nt..T (their outputs are computed and dropped).
+template <int T>
+__device__ __forceinline__ void stage_tile(const float* __restrict__ src, int cols, int nb, int nt,
+                                           float* __restrict__ xs) {
+    if ((cols & 3) == 0) {
+        const int per_tok = nb * 8;  // float4s a token, padded to whole blocks
+        for (int i = threadIdx.x; i < T * per_tok; i += blockDim.x) {
+            const int t = i / per_tok, c4 = i - t * per_tok, c = 4 * c4;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (t < nt && c < cols) v = *reinterpret_cast<const float4*>(src + (size_t)t * cols + c);
+            *reinterpret_cast<float4*>(xs + ((size_t)t * nb + (c >> 5)) * SX + (c & 31)) = v;
+        }
+    } else {
+        const int per_tok = nb * 32;
+        for (int i = threadIdx.x; i < T * per_tok; i += blockDim.x) {
+            const int t = i / per_tok, c = i - t * per_tok;
+            xs[((size_t)t * nb + (c >> 5)) * SX + (c & 31)] = t < nt && c < cols ? src[(size_t)t * cols + c] : 0.0f;
+        }
+    }
+    __syncthreads();
+}
+
 // One f32 row against up to T tokens: lane l takes columns 4 l + 128 k .. +3, k in order.
 template <int T>
 __device__ __forceinline__ void f32_row(const float* __restrict__ w, int cols, const float* __restrict__ x,
