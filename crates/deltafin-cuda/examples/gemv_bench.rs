@@ -5,7 +5,9 @@
 //! `cargo run --release -p deltafin-cuda --example gemv_bench` (or the built binary on the GPU
 //! machine). Bytes counted: a copy moves its buffer twice (read + write); a matvec reads the
 //! weights (codes + scales) once, plus x, and writes y. Every matrix is far larger than L2 so
-//! the weights come from device memory on every run.
+//! the weights come from device memory on every run. The last section (prefill-sized int8
+//! matmul, issue #16 target 2) is compute-bound: its weights fit L2 and are re-read per tile of
+//! 8 tokens; it compares the staged kernel with `int8_mm_r4` on the same inputs, bits included.
 
 use deltafin_cuda::{Decode, Gpu, GpuMat, Kernel};
 use deltafin_kernels::{int8, mxfp4, MatData, MatRef};
@@ -65,6 +67,7 @@ fn main() {
             rows_per_warp: r.max(1),
             stationary_x: r == 0,
             pipelined: label.starts_with("pipelined"),
+            staged: false,
         };
         let x: Vec<f32> = (0..n * m.cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
         let dx = g.upload(&x).unwrap();
@@ -148,6 +151,55 @@ fn main() {
     }
     for r in [1, 2, 4] {
         row("int8 matmul", &m8, Decode::F16Bits, r, 8);
+    }
+    drop(m8);
+
+    // Prefill-sized int8 matmul: [2048, 2048] (the `bench` preset's largest projections) against
+    // n tokens, int8_mm_r4 against the staged kernels on the same x; "bits equal" compares each
+    // output with int8_mm_r4's.
+    let (rows, cols) = (2048usize, 2048usize);
+    let mut q = vec![0i8; rows * cols];
+    let mut qs = vec![0f32; rows];
+    int8::quantize(&w[..rows * cols], rows, cols, &mut q, &mut qs);
+    let m = GpuMat::upload(
+        &g,
+        &MatRef::new(rows, cols, MatData::Int8 { q: &q, scales: &qs }).unwrap(),
+    )
+    .unwrap();
+    let kernel = |rows_per_warp, staged| Kernel {
+        decode: Decode::F16Bits,
+        rows_per_warp,
+        stationary_x: false,
+        pipelined: false,
+        staged,
+    };
+    for n in [2000usize, 512, 64, 8] {
+        let x: Vec<f32> = (0..n * cols).map(|_| rng_f32()).collect();
+        let dx = g.upload(&x).unwrap();
+        let best = Kernel::best_for(&m, n, g.info());
+        let mut base: Option<Vec<u32>> = None;
+        for (label, k) in [
+            ("int8_mm_r4", kernel(4, false)),
+            ("int8_mm_staged_r8t8b2", kernel(8, true)),
+            ("int8_mm_staged_r4t8b3", kernel(4, true)),
+        ] {
+            let mut dy = g.zeros(n * rows).unwrap();
+            let ms = g.time_ms(reps, || m.matmul_with(&g, k, &dx, n, &mut dy)).unwrap();
+            let out: Vec<u32> = g.download(&dy).unwrap().iter().map(|v| v.to_bits()).collect();
+            let same = match &base {
+                None => {
+                    base = Some(out);
+                    "reference"
+                }
+                Some(b) if *b == out => "bits equal",
+                Some(_) => "BITS DIFFER",
+            };
+            let flops = 2.0 * (rows * cols * n) as f64 / (ms as f64 * 1e-3) / 1e12;
+            println!(
+                "int8 prefill {label:<22} [{rows}, {cols}] n={n:<4} {ms:>8.3} ms  {flops:>6.2} TFLOP/s  {same}{}",
+                if k == best { "  (default)" } else { "" }
+            );
+        }
     }
 }
 

@@ -66,6 +66,8 @@ pub const ENTRY_POINTS: &[&str] = &[
     "int8_mm_r1",
     "int8_mm_r2",
     "int8_mm_r4",
+    "int8_mm_staged_r8t8b2",
+    "int8_mm_staged_r4t8b3",
     "f32_matvec",
     "f32_matmul",
     "rms_norm",

@@ -10,7 +10,15 @@ const XS_TOKENS: u32 = 2;
 const MVP_WARPS: u32 = 8;
 const MVP_CH: u32 = 32;
 const MVP_S: u32 = 4;
-use crate::{CudaError, DriverContext, Gpu};
+/// Warps of a block of the staged int8 kernels (`__launch_bounds__(128, …)` in ops.cu).
+const STAGED_WARPS: u32 = 4;
+/// Most passes of a staged block's warps over its rows (a block covers at most this many times
+/// `4 × rows_per_warp` rows, so staging its tile is paid once for up to 256 rows).
+const STAGED_MAX_PASSES: usize = 8;
+/// Fewest tokens for which [`Kernel::best_for`] takes the staged int8 kernel: it computes all 8
+/// tokens of a tile whatever `n`, where `int8_mm_r4` skips the absent ones.
+const STAGED_MIN_TOKENS: usize = TOKEN_TILE as usize;
+use crate::{CudaError, DeviceInfo, DriverContext, Gpu};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use deltafin_kernels::{MatData, MatRef};
 
@@ -66,14 +74,16 @@ pub enum Decode {
     Mixed,
 }
 
-/// Which kernel runs a product: the E2M1 decoder (MXFP4 only) and how many consecutive rows
-/// one warp computes (1, 2 or 4: each x load then serves that many rows). The result's bits do
-/// not depend on the choice.
+/// Which kernel runs a product: the E2M1 decoder (MXFP4 only), how many consecutive rows one
+/// warp computes (each x load then serves that many rows), and for int8 matmul whether the
+/// token tile is staged in shared memory. The result's bits do not depend on the choice (except
+/// `stationary_x`, see there).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Kernel {
     /// E2M1 decoder (ignored for int8 and f32).
     pub decode: Decode,
-    /// Rows per warp: 1, 2 or 4 (f32 always uses 1; ignored with `stationary_x`).
+    /// Rows per warp: 1, 2 or 4 (f32 always uses 1; ignored with `stationary_x`); 4 or 8 with
+    /// `staged`.
     pub rows_per_warp: u32,
     /// MXFP4 only: the x-stationary kernels (`mxfp4_xs_*`: a block of 256 threads keeps x in
     /// registers and streams rows through with 16-byte loads; up to 16,384 columns). Their
@@ -85,6 +95,13 @@ pub struct Kernel {
     /// stages of 512 bytes a row are in flight; persistent warps). Same bits as every other
     /// matvec. Needs `cols % 128 == 0`; 1, 2 or 4 rows a warp (4 with [`Decode::Mixed`] only).
     pub pipelined: bool,
+    /// int8 matmul only: the staged kernels (`int8_mm_staged_*` in ops.cu): a block of 4 warps
+    /// copies its tile of 8 tokens (every column) into shared memory once and each warp computes
+    /// `rows_per_warp` rows (8, or 4) for all 8 tokens, so one 16-byte load of x serves 8 rows.
+    /// Same bits as the other int8 kernels. Needs `cols % 16 == 0` and
+    /// `8 × ceil(cols / 32) × 144` bytes of shared memory a block
+    /// ([`Kernel::staged_shared_bytes`]).
+    pub staged: bool,
 }
 
 impl Kernel {
@@ -103,7 +120,36 @@ impl Kernel {
             rows_per_warp,
             stationary_x: false,
             pipelined: false,
+            staged: false,
         }
+    }
+
+    /// The kernel [`GpuMat::matmul`] runs for `n` tokens of `m` on device `info`: the staged int8
+    /// kernel at 8 rows a warp when `m` is int8, `n >= 8` (one full tile: it computes all 8
+    /// tokens of a tile whatever `n`) and its shape allows it (`cols % 16 == 0`, and the staged
+    /// tile fits two blocks an SM in shared memory: `int8_mm_staged_r8t8b2`'s registers are
+    /// capped for two, and one block of 4 warps an SM would leave each scheduler one warp);
+    /// otherwise [`Kernel::best`]'s matmul choice (`int8_mm_r4` for int8).
+    pub fn best_for(m: &GpuMat, n: usize, info: &DeviceInfo) -> Self {
+        let staged = Self {
+            rows_per_warp: 8,
+            staged: true,
+            ..Self::best(&m.data, true)
+        };
+        // Each block also holds 1 KiB the system reserves; an SM has the opt-in limit plus that.
+        let fits = |bytes: usize| 2 * (bytes + 1024) <= info.shared_bytes_optin + 1024;
+        match (&m.data, Self::staged_shared_bytes(m.cols)) {
+            (GpuMatData::Int8 { .. }, Some(bytes)) if n >= STAGED_MIN_TOKENS && fits(bytes) => staged,
+            _ => Self::best(&m.data, true),
+        }
+    }
+
+    /// Dynamic shared memory of a staged int8 block for `cols` columns, bytes: the tile's 8
+    /// tokens, each 32 columns padded to 36 floats (`SX` in ops.cu); `None` when `cols % 16 != 0`
+    /// (the staged kernels' 16-byte loads of codes and x need it).
+    pub fn staged_shared_bytes(cols: usize) -> Option<usize> {
+        cols.is_multiple_of(16)
+            .then(|| TOKEN_TILE as usize * cols.div_ceil(32) * 36 * 4)
     }
 
     /// MX blocks of x each of the 256 threads of an x-stationary kernel holds.
@@ -116,6 +162,16 @@ impl Kernel {
 
     fn name(&self, data: &GpuMatData, matmul: bool, cols: usize) -> Result<&'static str, CudaError> {
         let r = self.rows_per_warp;
+        if self.staged {
+            return match (data, matmul, r, self.stationary_x) {
+                (GpuMatData::Int8 { .. }, true, 8, false) => Ok("int8_mm_staged_r8t8b2"),
+                (GpuMatData::Int8 { .. }, true, 4, false) => Ok("int8_mm_staged_r4t8b3"),
+                _ => Err(CudaError::Shape(format!(
+                    "no staged kernel for {self:?} ({}; int8 matmul at 4 or 8 rows a warp only)",
+                    if matmul { "matmul" } else { "matvec" }
+                ))),
+            };
+        }
         if self.stationary_x {
             return match (data, matmul, self.x_blocks_per_thread(cols)) {
                 (GpuMatData::Mxfp4 { .. }, false, Some(1)) => Ok("mxfp4_xs_np1_t1"),
@@ -268,12 +324,13 @@ impl GpuMat {
 
     /// `Y = X Wᵀ` for `n` tokens: `x: [n, cols]`, `y: [n, rows]`; the weights are decoded once
     /// per tile of 8 tokens, and each token's row is bit-identical to [`GpuMat::matvec`] of that
-    /// token (the expert-major form used for prefill and speculative verification).
+    /// token (the expert-major form used for prefill and speculative verification), with
+    /// [`Kernel::best_for`].
     ///
     /// # Errors
     /// `Shape` when lengths disagree; a driver error.
     pub fn matmul(&self, gpu: &Gpu, x: &GpuBuf, n: usize, y: &mut GpuBuf) -> Result<(), CudaError> {
-        self.launch(gpu, Kernel::best(&self.data, true), x, n, true, y)
+        self.launch(gpu, Kernel::best_for(self, n, gpu.info()), x, n, true, y)
     }
 
     /// [`GpuMat::matmul`] with the kernel chosen.
@@ -307,6 +364,9 @@ impl GpuMat {
             return Err(CudaError::Shape(format!(
                 "matmul: {n} tokens is more than one launch takes"
             )));
+        }
+        if kernel.staged {
+            return self.launch_staged(gpu, f, kernel, x, n, y);
         }
         let cfg = if kernel.pipelined && !kernel.stationary_x {
             // Persistent warps, each with its own ring of MVP_S stages (ops.cu).
@@ -364,4 +424,74 @@ impl GpuMat {
         unsafe { b.launch(cfg) }.ctx("launch matrix kernel")?;
         Ok(())
     }
+
+    /// Launches `int8_mm_staged_*` (see [`Kernel::staged`]): blocks of 4 warps over
+    /// (row blocks of [`staged_cta_rows`] rows, tiles of 8 tokens), the tile's staged inputs as
+    /// dynamic shared memory.
+    fn launch_staged(
+        &self,
+        gpu: &Gpu,
+        f: &cudarc::driver::CudaFunction,
+        kernel: Kernel,
+        x: &GpuBuf,
+        n: usize,
+        y: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        let GpuMatData::Int8 { q, scales } = &self.data else {
+            return Err(CudaError::Shape("staged matmul: int8 matrices only".into()));
+        };
+        let optin = gpu.info().shared_bytes_optin;
+        let smem = match Kernel::staged_shared_bytes(self.cols) {
+            None => {
+                return Err(CudaError::Shape(format!(
+                    "staged matmul: [{}, {}] has cols % 16 != 0 (no 16-byte loads)",
+                    self.rows, self.cols
+                )))
+            }
+            Some(b) if b > optin => {
+                return Err(CudaError::Shape(format!(
+                    "staged matmul: [{}, {}] needs {b} bytes of shared memory a block; this device allows {optin}",
+                    self.rows, self.cols
+                )))
+            }
+            Some(b) => b,
+        };
+        let tiles = n.div_ceil(TOKEN_TILE as usize); // at most 65,535: checked by the caller
+        let pass = (STAGED_WARPS * kernel.rows_per_warp) as usize;
+        let cta_rows = staged_cta_rows(self.rows, tiles, pass, gpu.info().multiprocessors as usize);
+        let cfg = LaunchConfig {
+            grid_dim: (self.rows.div_ceil(cta_rows) as u32, tiles as u32, 1),
+            block_dim: (32 * STAGED_WARPS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        f.set_attribute(attr, smem as i32)
+            .ctx("cuFuncSetAttribute (staged int8)")?;
+        let (rows, cols, cta, n_i) = (self.rows as i32, self.cols as i32, cta_rows as i32, n as i32);
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(q)
+            .arg(scales)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&cta)
+            .arg(x)
+            .arg(&n_i)
+            .arg(y);
+        // SAFETY: the arguments follow `int8_mm_staged_*` in ops.cu (q, scales, rows, cols,
+        // cta_rows, x, n, y); lengths were checked against the shape, cols % 16 == 0 (16-byte
+        // aligned rows of codes and of x), and the shared memory is what the kernel indexes
+        // (8 tokens × ceil(cols / 32) × 36 floats), allowed above.
+        unsafe { b.launch(cfg) }.ctx("launch staged int8 matmul")?;
+        Ok(())
+    }
+}
+
+/// Rows a block of the staged int8 kernels covers: whole passes of its warps (`pass` rows each),
+/// at most [`STAGED_MAX_PASSES`], fewer where the grid would otherwise have under 4 blocks an SM
+/// (few tokens or rows), and balanced so that the row blocks differ by at most one pass.
+fn staged_cta_rows(rows: usize, tiles: usize, pass: usize, sms: usize) -> usize {
+    let passes = rows.div_ceil(pass);
+    let per_block = (passes * tiles).div_ceil(4 * sms.max(1)).clamp(1, STAGED_MAX_PASSES);
+    let blocks = passes.div_ceil(per_block);
+    passes.div_ceil(blocks) * pass
 }

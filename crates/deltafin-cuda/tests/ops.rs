@@ -58,6 +58,7 @@ fn matvec_kernels(m: &MatRef) -> Vec<Kernel> {
         rows_per_warp,
         stationary_x: false,
         pipelined: false,
+        staged: false,
     };
     let p = |decode, rows_per_warp| Kernel {
         pipelined: true,
@@ -220,6 +221,7 @@ fn matmul_rows_equal_matvec_bit_for_bit() {
                             pipelined: false,
                             decode,
                             rows_per_warp: r,
+                            staged: false,
                         };
                         let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
                         dm.matmul_with(&g, k, &dx, n, &mut dy).unwrap();
@@ -342,6 +344,136 @@ fn kernels_compile_with_nvrtc() {
     }
 }
 
+/// The bits of a slice of f32, so that comparisons see NaN payloads and the sign of zero.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The staged int8 matmul (`int8_mm_staged_*`: the token tile in shared memory, 8 or 4 rows a
+/// warp) gives `int8_mm_r4`'s bits, and each token's row is the matvec of that token, on awkward
+/// shapes (rows 1..=37 against blocks of 32 or 16 rows, columns that are multiples of 16 but
+/// not of 32 or 512, token counts that are not multiples of the tile of 8) and the `bench`
+/// preset's projections at 2,000 tokens; zero rows and signed zeros in x included. A matrix
+/// with cols % 16 != 0 is refused; `GpuMat::matmul` takes the staged kernel where
+/// `Kernel::best_for` says so.
+#[test]
+fn int8_staged_matmul_equals_int8_mm_r4_bit_for_bit() {
+    let Some(g) = gpu("int8_staged_matmul_equals_int8_mm_r4_bit_for_bit") else {
+        return;
+    };
+    let k = |rows_per_warp, staged| Kernel {
+        decode: Decode::F16Bits,
+        rows_per_warp,
+        stationary_x: false,
+        pipelined: false,
+        staged,
+    };
+    let (r4, staged8, staged4) = (k(4, false), k(8, true), k(4, true));
+    let mut rng = StdRng::seed_from_u64(23);
+    // (rows, cols, tokens, tokens whose matvec is compared)
+    let mut cases: Vec<(usize, usize, usize, usize)> = Vec::new();
+    for rows in 1..=37 {
+        for cols in [16, 48, 528, 2064] {
+            for n in [1, 7, 9, 33] {
+                cases.push((rows, cols, n, n));
+            }
+        }
+    }
+    for (rows, cols) in [(512, 2048), (1536, 512), (288, 2048), (2048, 1024), (1024, 2048)] {
+        cases.push((rows, cols, 2000, 24));
+        cases.push((rows, cols, 13, 13));
+    }
+    for (case, &(rows, cols, n, checked)) in cases.iter().enumerate() {
+        let mut f32w = rand_vec(&mut rng, rows * cols);
+        if case % 5 == 0 {
+            // A zero row (scale 0, codes 0).
+            f32w[..cols].iter_mut().for_each(|v| *v = 0.0);
+        }
+        let (mut q, mut qs) = (vec![0i8; rows * cols], vec![0f32; rows]);
+        int8::quantize(&f32w, rows, cols, &mut q, &mut qs);
+        let m = MatRef::new(rows, cols, MatData::Int8 { q: &q, scales: &qs }).unwrap();
+        let dm = GpuMat::upload(&g, &m).unwrap();
+        let mut x = rand_vec(&mut rng, n * cols);
+        for v in x.iter_mut().step_by(7) {
+            *v = if case % 2 == 0 { -0.0 } else { 0.0 };
+        }
+        let dx = g.upload(&x).unwrap();
+        let run = |kernel: Kernel| {
+            let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
+            dm.matmul_with(&g, kernel, &dx, n, &mut dy).unwrap();
+            bits(&g.download(&dy).unwrap())
+        };
+        let want = run(r4);
+        assert!(
+            want.iter().all(|b| f32::from_bits(*b).is_finite()),
+            "[{rows}, {cols}] n={n}: int8_mm_r4 left an output unwritten"
+        );
+        for kernel in [staged8, staged4] {
+            let got = run(kernel);
+            let diff = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                diff,
+                0,
+                "[{rows}, {cols}] n={n} {kernel:?}: {diff} of {} outputs differ from int8_mm_r4",
+                want.len()
+            );
+        }
+        let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
+        dm.matmul(&g, &dx, n, &mut dy).unwrap();
+        assert_eq!(
+            bits(&g.download(&dy).unwrap()),
+            want,
+            "[{rows}, {cols}] n={n}: the default matmul"
+        );
+        // The matvec of each token (the last tokens always; the first ones up to `checked`).
+        let mut dyt = g.upload(&vec![f32::NAN; rows]).unwrap();
+        for t in (0..checked.min(n)).chain(n.saturating_sub(2).max(checked)..n) {
+            let dxt = g.upload(&x[t * cols..(t + 1) * cols]).unwrap();
+            dm.matvec(&g, &dxt, &mut dyt).unwrap();
+            assert_eq!(
+                bits(&g.download(&dyt).unwrap()),
+                want[t * rows..(t + 1) * rows],
+                "[{rows}, {cols}] n={n} token {t}: matmul row differs from matvec"
+            );
+        }
+    }
+    // Where the staged kernel is the default: int8, a full tile, a shape whose tile fits two
+    // blocks an SM (every `bench` projection on a Hopper's 227 KiB).
+    let host = |rows: usize, cols: usize| {
+        let mut rng = StdRng::seed_from_u64(24);
+        let w = rand_vec(&mut rng, rows * cols);
+        let (mut q, mut qs) = (vec![0i8; rows * cols], vec![0f32; rows]);
+        int8::quantize(&w, rows, cols, &mut q, &mut qs);
+        (q, qs)
+    };
+    let (q, qs) = host(64, 2048);
+    let dm = GpuMat::upload(
+        &g,
+        &MatRef::new(64, 2048, MatData::Int8 { q: &q, scales: &qs }).unwrap(),
+    )
+    .unwrap();
+    let info = g.info();
+    let fits = 2 * (Kernel::staged_shared_bytes(2048).unwrap() + 1024) <= info.shared_bytes_optin + 1024;
+    assert_eq!(Kernel::best_for(&dm, 2000, info).staged, fits, "{info:?}");
+    assert!(!Kernel::best_for(&dm, 7, info).staged, "fewer tokens than a tile");
+    // cols % 16 != 0: refused in one line, nothing launched.
+    let (q, qs) = host(5, 40);
+    let dm = GpuMat::upload(&g, &MatRef::new(5, 40, MatData::Int8 { q: &q, scales: &qs }).unwrap()).unwrap();
+    assert!(!Kernel::best_for(&dm, 2000, info).staged);
+    let mut dy = g.zeros(9 * 5).unwrap();
+    let e = dm
+        .matmul_with(&g, staged8, &g.zeros(9 * 40).unwrap(), 9, &mut dy)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cols % 16 != 0") && !e.contains('\n'), "{e}");
+    // A staged kernel for a format or form that has none.
+    let e = dm
+        .matvec_with(&g, staged8, &g.zeros(40).unwrap(), &mut g.zeros(5).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("staged"), "{e}");
+}
+
 /// The x-stationary MXFP4 kernels: within the bound of a float64 reference, deterministic, and
 /// a matmul row equal to the matvec of that token (their own reduction order), on shapes that
 /// need one and two MX blocks per thread and partial blocks.
@@ -356,6 +488,7 @@ fn x_stationary_mxfp4_matches_reference_and_its_matmul() {
         rows_per_warp: 1,
         stationary_x: true,
         pipelined: false,
+        staged: false,
     };
     for (rows, cols) in [
         (1usize, 32usize),

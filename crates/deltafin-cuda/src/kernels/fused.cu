@@ -805,32 +805,8 @@ DN_GROUPED(moe_down_grouped_r2t4, 2, 4)
 // value + partner's), so every output has warp_sum's bits; each lane ends holding two outputs
 // instead of every lane holding all of them (62 shuffles for 64 outputs instead of 320).
 //
-// Shared layout: token t, MX block b at xs[(t * nb + b) * SX]: 32 floats and 4 of padding, so
-// the lanes of one LDS.128 (eight groups, four quarters) fall on distinct banks.
-#define SX 36
-
-// Stages rows 0..nt of src ([*, cols], row stride cols) into xs for T tokens: zeros past cols
-// and for tokens nt..T (their outputs are computed and dropped).
-template <int T>
-__device__ __forceinline__ void stage_tile(const float* __restrict__ src, int cols, int nb, int nt,
-                                           float* __restrict__ xs) {
-    if ((cols & 3) == 0) {
-        const int per_tok = nb * 8;  // float4s a token, padded to whole blocks
-        for (int i = threadIdx.x; i < T * per_tok; i += blockDim.x) {
-            const int t = i / per_tok, c4 = i - t * per_tok, c = 4 * c4;
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (t < nt && c < cols) v = *reinterpret_cast<const float4*>(src + (size_t)t * cols + c);
-            *reinterpret_cast<float4*>(xs + ((size_t)t * nb + (c >> 5)) * SX + (c & 31)) = v;
-        }
-    } else {
-        const int per_tok = nb * 32;
-        for (int i = threadIdx.x; i < T * per_tok; i += blockDim.x) {
-            const int t = i / per_tok, c = i - t * per_tok;
-            xs[((size_t)t * nb + (c >> 5)) * SX + (c & 31)] = t < nt && c < cols ? src[(size_t)t * cols + c] : 0.0f;
-        }
-    }
-    __syncthreads();
-}
+// The tile is staged by ops.cu's stage_tile (layout SX: each MX block of 32 floats padded to 36,
+// so that the lanes of one LDS.128 (eight groups, four quarters) fall on distinct banks).
 
 // mx_dot8_tail's operations with the loop unrolled (constant indices keep v in registers).
 __device__ __forceinline__ float mx_dot8_tail_unrolled(const float v[8], const float* __restrict__ xt, int valid) {

@@ -655,6 +655,167 @@ I8_KERNEL(int8_mm_r1, 1, 8)
 I8_KERNEL(int8_mm_r2, 2, 8)
 I8_KERNEL(int8_mm_r4, 4, 8)
 
+// ---- A token tile staged in shared memory (int8_mm_staged below, the staged grouped experts in
+// fused.cu) ------------------------------------------------------------------------------------
+// Shared layout: token t, MX block b at xs[(t * nb + b) * SX]: 32 floats and 4 of padding, so
+// the lanes of one LDS.128 that read 8 consecutive floats each (mx_rows' eight groups, four
+// quarters) or 16 each (i8_rows' lanes) fall on distinct banks.
+#define SX 36
+
+// Stages rows 0..nt of src ([*, cols], row stride cols) into xs for T tokens: zeros past cols
+// and for tokens nt..T (their outputs are computed and dropped).
+template <int T>
+__device__ __forceinline__ void stage_tile(const float* __restrict__ src, int cols, int nb, int nt,
+                                           float* __restrict__ xs) {
+    if ((cols & 3) == 0) {
+        const int per_tok = nb * 8;  // float4s a token, padded to whole blocks
+        for (int i = threadIdx.x; i < T * per_tok; i += blockDim.x) {
+            const int t = i / per_tok, c4 = i - t * per_tok, c = 4 * c4;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (t < nt && c < cols) v = *reinterpret_cast<const float4*>(src + (size_t)t * cols + c);
+            *reinterpret_cast<float4*>(xs + ((size_t)t * nb + (c >> 5)) * SX + (c & 31)) = v;
+        }
+    } else {
+        const int per_tok = nb * 32;
+        for (int i = threadIdx.x; i < T * per_tok; i += blockDim.x) {
+            const int t = i / per_tok, c = i - t * per_tok;
+            xs[((size_t)t * nb + (c >> 5)) * SX + (c & 31)] = t < nt && c < cols ? src[(size_t)t * cols + c] : 0.0f;
+        }
+    }
+    __syncthreads();
+}
+
+// ---- int8 matrix-matrix, the token tile staged in shared memory ------------------------------
+// The outputs of int8_mm above, bit for bit, with the data moved differently: a block of 4 warps
+// stages its tile of T tokens (all columns) in shared memory once, and each warp computes R rows
+// for all T tokens at a time, so one 16-byte load of x from shared memory serves R rows (R / 4
+// FMAs a byte instead of int8_mm_r4's 1 a byte from L1) and one decoded weight T tokens. A lane
+// still runs i8_rows' vector path for every (row, token): columns c0 + 16 l .. +16 for c0 in
+// steps of 512, the 16 products summed in index order from +0 into s, then acc += s. It walks
+// each 16 columns in four quarters of 4 (one LDS.128 a token and quarter) and keeps the R * T
+// partial sums s between quarters; each s still sees its 16 products in index order, so only the
+// interleaving between different (row, token) pairs changes, which no result depends on. The 32
+// lane partials of the R * T outputs are then summed by warp_reduce_scatter (warp_sum's tree)
+// and the row scale multiplies the sum, as in int8_mm.
+//
+// Shared layout (SX): token t, column c at xs[(t * nb + c / 32) * SX + c % 32]. Lane l's 16
+// columns of a step are half of MX block 16 step + l / 2, so the 8 lanes of one phase of an
+// LDS.128 start at banks (4 (l / 2) + 16 (l % 2) + 4 k) mod 32 for quarter k, all distinct.
+//
+// Registers (ptxas, sm_90): r8t8b2 255 a thread, r4t8b3 168, neither with a stack frame or
+// spills. Rows past the matrix (or the block) get zero codes and tokens past n zero inputs;
+// their outputs are computed and dropped.
+
+// One quarter (columns 4 K .. 4 K + 3 of the lane's 16) of R rows' codes w against the T staged
+// tokens (xq: the lane's first column of token 0; token stride ts floats), into the partial sums
+// s[t * R + r] (set from +0 at K = 0). One instance a quarter keeps every index a constant.
+template <int K, int R, int T>
+__device__ __forceinline__ void i8_quarter(const uint4 (&w)[R], const float* __restrict__ xq, int ts,
+                                           float (&s)[R * T]) {
+    float f[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const u32 v = (K == 0 ? w[r].x : K == 1 ? w[r].y : K == 2 ? w[r].z : w[r].w) ^ 0x80808080u;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) f[r][j] = i8f(v, j);
+    }
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+        const float4 a = *reinterpret_cast<const float4*>(xq + (size_t)t * ts + 4 * K);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float p = K == 0 ? 0.0f : s[t * R + r];
+            p += f[r][0] * a.x;
+            p += f[r][1] * a.y;
+            p += f[r][2] * a.z;
+            p += f[r][3] * a.w;
+            s[t * R + r] = p;
+        }
+    }
+}
+
+// Y[t, r] = scales[r] * sum_c q[r, c] X[t, c] (int8_mm's outputs) for cols % 16 == 0: block
+// (blockIdx.x, blockIdx.y) covers rows blockIdx.x * cta_rows .. + cta_rows of tokens
+// T blockIdx.y .. + T, its warps taking R rows at a time in turn. Each lane walks (row group,
+// step) pairs in one loop and loads the next pair's R codes (16 bytes a row) before this pair's
+// arithmetic, also across row groups, so a matrix of one step (cols <= 512) still has loads in
+// flight.
+template <int R, int T>
+__device__ __forceinline__ void int8_mm_staged_impl(const i8* __restrict__ q, const float* __restrict__ scales,
+                                                    int rows, int cols, int cta_rows, const float* __restrict__ x,
+                                                    int n, float* __restrict__ y) {
+    static_assert(R * T >= 32 && ((R * T) & (R * T - 1)) == 0, "R * T = 32 * 2^k outputs a warp");
+    constexpr int PER_LANE = R * T / 32;
+    extern __shared__ float xs[];
+    const int nb = (cols + 31) >> 5;
+    const int t0 = blockIdx.y * T;
+    const int nt = min(T, n - t0);
+    stage_tile<T>(x + (size_t)t0 * cols, cols, nb, nt, xs);
+    const int lane = threadIdx.x & 31, stride = (blockDim.x >> 5) * R;
+    const int end = min(rows, (blockIdx.x + 1) * cta_rows);
+    const int steps = (cols + 511) >> 9;
+    const int ts = nb * SX;  // token stride in xs
+    // Codes of (row group fr, step fk), zeros for rows past `end` and columns past cols.
+    uint4 wn[R];
+    auto fetch = [&](int fr, int fk) {
+        const int c0 = 512 * fk + 16 * lane;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            wn[r] = fr + r < end && c0 < cols ? *reinterpret_cast<const uint4*>(q + (size_t)(fr + r) * cols + c0)
+                                              : make_uint4(0u, 0u, 0u, 0u);
+    };
+    int row0 = blockIdx.x * cta_rows + (threadIdx.x >> 5) * R, k = 0;
+    int fr = row0, fk = 0;
+    fetch(fr, fk);
+    float acc[R * T];
+#pragma unroll
+    for (int i = 0; i < R * T; ++i) acc[i] = 0.0f;
+    while (row0 < end) {
+        uint4 w[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) w[r] = wn[r];
+        if (++fk == steps) {
+            fk = 0;
+            fr += stride;
+        }
+        fetch(fr, fk);
+        const int c0 = 512 * k + 16 * lane;
+        if (c0 < cols) {
+            const float* xq = xs + (size_t)(c0 >> 5) * SX + (c0 & 31);
+            float s[R * T];
+            i8_quarter<0, R, T>(w, xq, ts, s);
+            i8_quarter<1, R, T>(w, xq, ts, s);
+            i8_quarter<2, R, T>(w, xq, ts, s);
+            i8_quarter<3, R, T>(w, xq, ts, s);
+#pragma unroll
+            for (int i = 0; i < R * T; ++i) acc[i] += s[i];
+        }
+        if (++k == steps) {
+            warp_reduce_scatter<R * T>(acc);
+            // Lane l holds outputs PER_LANE l .. + PER_LANE: output o is token o / R, row o % R.
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) {
+                const int o = PER_LANE * lane + i, t = o / R, r = o % R;
+                if (row0 + r < end && t < nt) y[(size_t)(t0 + t) * rows + row0 + r] = scales[row0 + r] * acc[i];
+            }
+#pragma unroll
+            for (int i = 0; i < R * T; ++i) acc[i] = 0.0f;
+            k = 0;
+            row0 += stride;
+        }
+    }
+}
+
+#define I8_STAGED(NAME, R, T, MINB)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128, MINB)                                         \
+        NAME(const i8* __restrict__ q, const float* __restrict__ scales, int rows, int cols,        \
+             int cta_rows, const float* __restrict__ x, int n, float* __restrict__ y) {             \
+        int8_mm_staged_impl<R, T>(q, scales, rows, cols, cta_rows, x, n, y);                        \
+    }
+// Name: rows a warp R, tokens T, blocks an SM the registers are capped for.
+I8_STAGED(int8_mm_staged_r8t8b2, 8, 8, 2)
+I8_STAGED(int8_mm_staged_r4t8b3, 4, 8, 3)
+
 // One f32 row against up to T tokens: lane l takes columns 4 l + 128 k .. +3, k in order.
 template <int T>
 __device__ __forceinline__ void f32_row(const float* __restrict__ w, int cols, const float* __restrict__ x,
