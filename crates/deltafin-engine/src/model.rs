@@ -1089,15 +1089,36 @@ pub struct GluTensors {
     pub down_proj: MatHandle,
 }
 
+/// Tensor names of a gated feed-forward block, as in the Hugging Face checkpoint:
+/// `{prefix}.{gate,up,down}_proj.weight` under a prefix such as `model.layers.3.mlp` (a dense
+/// MLP) or `model.layers.3.mlp.shared_experts` (shared experts).
+#[derive(Debug, Clone)]
+pub struct GluTensorNames {
+    pub gate_proj: String,
+    pub up_proj: String,
+    pub down_proj: String,
+}
+
+impl GluTensorNames {
+    /// Names under `prefix` (for example `model.layers.3.mlp.shared_experts`).
+    pub fn new(prefix: &str) -> Self {
+        GluTensorNames {
+            gate_proj: format!("{prefix}.gate_proj.weight"),
+            up_proj: format!("{prefix}.up_proj.weight"),
+            down_proj: format!("{prefix}.down_proj.weight"),
+        }
+    }
+}
+
 impl GluTensors {
-    /// Resolves the matrices named `[gate_proj, up_proj, down_proj]` in `bb`.
+    /// Resolves the matrices named by `n` in `bb`.
     ///
-    /// Errors: a missing or malformed tensor (named).
-    pub fn resolve(bb: &Backbone, [gate_proj, up_proj, down_proj]: [&str; 3]) -> Result<Self, EngineError> {
+    /// Errors: a missing or malformed tensor (named; the name carries the layer).
+    pub fn resolve(bb: &Backbone, n: &GluTensorNames) -> Result<Self, EngineError> {
         Ok(GluTensors {
-            gate_proj: bb.matrix_handle(gate_proj)?,
-            up_proj: bb.matrix_handle(up_proj)?,
-            down_proj: bb.matrix_handle(down_proj)?,
+            gate_proj: bb.matrix_handle(&n.gate_proj)?,
+            up_proj: bb.matrix_handle(&n.up_proj)?,
+            down_proj: bb.matrix_handle(&n.down_proj)?,
         })
     }
 

@@ -18,6 +18,7 @@
 //! prompt processed in chunks gives every token the one-token bits.
 
 use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
+use deltafin_format::FormatError;
 use deltafin_kernels::{dot, dot_2x2, rms_norm, sigmoid, softmax_inplace, MatRef};
 use rayon::prelude::*;
 
@@ -79,7 +80,82 @@ pub enum MlaQueryTensors {
     Plain { q_proj: MatHandle },
 }
 
+/// Tensor names of one layer's MLA block, as in the Hugging Face checkpoint: `{prefix}.q_proj.weight`
+/// and so on under a prefix such as `model.layers.3.self_attn` (DeepSeek-V3 / Kimi K2, and the MLA
+/// layers of Kimi Linear / K3).
+#[derive(Debug, Clone)]
+pub struct MlaTensorNames {
+    /// `q_proj.weight` (without q-LoRA).
+    pub q_proj: String,
+    /// `q_a_proj.weight`, then `q_a_layernorm.weight` and `q_b_proj.weight` (with q-LoRA).
+    pub q_a_proj: String,
+    pub q_a_layernorm: String,
+    pub q_b_proj: String,
+    pub kv_a_proj_with_mqa: String,
+    pub kv_a_layernorm: String,
+    pub kv_b_proj: String,
+    /// K3's output gate `g_proj.weight` (`mla_use_output_gate`).
+    pub g_proj: String,
+    pub o_proj: String,
+}
+
+impl MlaTensorNames {
+    /// Names under `prefix` (for example `model.layers.3.self_attn`).
+    pub fn new(prefix: &str) -> Self {
+        let n = |s: &str| format!("{prefix}.{s}");
+        MlaTensorNames {
+            q_proj: n("q_proj.weight"),
+            q_a_proj: n("q_a_proj.weight"),
+            q_a_layernorm: n("q_a_layernorm.weight"),
+            q_b_proj: n("q_b_proj.weight"),
+            kv_a_proj_with_mqa: n("kv_a_proj_with_mqa.weight"),
+            kv_a_layernorm: n("kv_a_layernorm.weight"),
+            kv_b_proj: n("kv_b_proj.weight"),
+            g_proj: n("g_proj.weight"),
+            o_proj: n("o_proj.weight"),
+        }
+    }
+}
+
+/// Which of MLA's optional tensors a layer has, as its config says.
+#[derive(Debug, Clone, Copy)]
+pub struct MlaVariant {
+    /// `q_lora_rank` is set: the query goes through `q_a_proj`, `q_a_layernorm` and `q_b_proj`;
+    /// else through `q_proj`.
+    pub q_lora: bool,
+    /// K3's `mla_use_output_gate`: the output is gated by `g_proj`.
+    pub output_gate: bool,
+}
+
 impl MlaTensors {
+    /// Resolves the tensors named by `n` that `variant` reads, in `bb`, once at load.
+    ///
+    /// Errors: a missing or malformed tensor (named; the name carries the layer).
+    pub fn resolve(bb: &Backbone, n: &MlaTensorNames, variant: MlaVariant) -> Result<Self, FormatError> {
+        Ok(MlaTensors {
+            query: if variant.q_lora {
+                MlaQueryTensors::Lora {
+                    q_a_proj: bb.matrix_handle(&n.q_a_proj)?,
+                    q_a_layernorm: bb.vector_handle(&n.q_a_layernorm)?,
+                    q_b_proj: bb.matrix_handle(&n.q_b_proj)?,
+                }
+            } else {
+                MlaQueryTensors::Plain {
+                    q_proj: bb.matrix_handle(&n.q_proj)?,
+                }
+            },
+            kv_a_proj_with_mqa: bb.matrix_handle(&n.kv_a_proj_with_mqa)?,
+            kv_a_layernorm: bb.vector_handle(&n.kv_a_layernorm)?,
+            kv_b_proj: bb.matrix_handle(&n.kv_b_proj)?,
+            o_proj: bb.matrix_handle(&n.o_proj)?,
+            g_proj: if variant.output_gate {
+                Some(bb.matrix_handle(&n.g_proj)?)
+            } else {
+                None
+            },
+        })
+    }
+
     /// The weights as views into `bb`, the backbone that resolved them.
     pub fn view<'a>(&self, bb: &'a Backbone) -> MlaWeights<'a> {
         MlaWeights {

@@ -21,11 +21,11 @@
 use deltafin_format::{DeepseekV3Config, ModelConfig, ModelDir, Rope};
 use deltafin_kernels::{rms_norm, MatRef};
 
-use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaQueryTensors, MlaShape, MlaTensors};
+use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaShape, MlaTensorNames, MlaTensors, MlaVariant};
 use crate::experts::StoreOptions;
 use crate::model::{
-    one_or_chunk, state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, GluTensors, LayerRoutes,
-    RoutedExperts,
+    one_or_chunk, state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, GluTensorNames, GluTensors,
+    LayerRoutes, RoutedExperts,
 };
 use crate::models::decoder::DecoderWeights;
 use crate::moe::{route, route_masked, RouterConfig, Routing};
@@ -40,48 +40,28 @@ pub(crate) use crate::blocks::mla::LATENT_NORM_EPS;
 pub(crate) struct LayerNames {
     pub(crate) input_layernorm: String,
     pub(crate) post_attention_layernorm: String,
-    pub(crate) q_proj: String,
-    pub(crate) q_a_proj: String,
-    pub(crate) q_a_layernorm: String,
-    pub(crate) q_b_proj: String,
-    pub(crate) kv_a_proj_with_mqa: String,
-    pub(crate) kv_a_layernorm: String,
-    pub(crate) kv_b_proj: String,
-    pub(crate) o_proj: String,
-    pub(crate) gate_proj: String,
-    pub(crate) up_proj: String,
-    pub(crate) down_proj: String,
+    /// `self_attn.*`.
+    pub(crate) self_attn: MlaTensorNames,
+    /// `mlp.{gate,up,down}_proj` of a dense layer.
+    pub(crate) mlp: GluTensorNames,
     pub(crate) router: String,
     pub(crate) router_bias: String,
-    pub(crate) shared_gate_proj: String,
-    pub(crate) shared_up_proj: String,
-    pub(crate) shared_down_proj: String,
+    /// `mlp.shared_experts.{gate,up,down}_proj` of an MoE layer.
+    pub(crate) shared_experts: GluTensorNames,
 }
 
 impl LayerNames {
     pub(crate) fn new(l: usize) -> Self {
         let p = format!("model.layers.{l}");
-        let a = format!("{p}.self_attn");
         let m = format!("{p}.mlp");
         LayerNames {
             input_layernorm: format!("{p}.input_layernorm.weight"),
             post_attention_layernorm: format!("{p}.post_attention_layernorm.weight"),
-            q_proj: format!("{a}.q_proj.weight"),
-            q_a_proj: format!("{a}.q_a_proj.weight"),
-            q_a_layernorm: format!("{a}.q_a_layernorm.weight"),
-            q_b_proj: format!("{a}.q_b_proj.weight"),
-            kv_a_proj_with_mqa: format!("{a}.kv_a_proj_with_mqa.weight"),
-            kv_a_layernorm: format!("{a}.kv_a_layernorm.weight"),
-            kv_b_proj: format!("{a}.kv_b_proj.weight"),
-            o_proj: format!("{a}.o_proj.weight"),
-            gate_proj: format!("{m}.gate_proj.weight"),
-            up_proj: format!("{m}.up_proj.weight"),
-            down_proj: format!("{m}.down_proj.weight"),
+            self_attn: MlaTensorNames::new(&format!("{p}.self_attn")),
+            mlp: GluTensorNames::new(&m),
             router: format!("{m}.gate.weight"),
             router_bias: format!("{m}.gate.e_score_correction_bias"),
-            shared_gate_proj: format!("{m}.shared_experts.gate_proj.weight"),
-            shared_up_proj: format!("{m}.shared_experts.up_proj.weight"),
-            shared_down_proj: format!("{m}.shared_experts.down_proj.weight"),
+            shared_experts: GluTensorNames::new(&format!("{m}.shared_experts")),
         }
     }
 }
@@ -115,42 +95,23 @@ fn resolve(bb: &Backbone, cfg: &DeepseekV3Config, names: &[LayerNames]) -> Resul
             names[l].post_attention_layernorm.as_str(),
         )
     };
+    let variant = MlaVariant {
+        q_lora: cfg.q_lora_rank.is_some(),
+        output_gate: false,
+    };
     Weights::resolve(bb, names.len(), norms, |l| {
         let n = &names[l];
-        let query = if cfg.q_lora_rank.is_some() {
-            MlaQueryTensors::Lora {
-                q_a_proj: bb.matrix_handle(&n.q_a_proj)?,
-                q_a_layernorm: bb.vector_handle(&n.q_a_layernorm)?,
-                q_b_proj: bb.matrix_handle(&n.q_b_proj)?,
-            }
-        } else {
-            MlaQueryTensors::Plain {
-                q_proj: bb.matrix_handle(&n.q_proj)?,
-            }
-        };
+        let self_attn = MlaTensors::resolve(bb, &n.self_attn, variant)?;
         let mlp = if cfg.is_moe_layer(l) {
             Mlp::Moe {
                 gate: bb.matrix_handle(&n.router)?,
                 e_score_correction_bias: bb.vector_handle(&n.router_bias)?,
-                shared_experts: if cfg.n_shared_experts > 0 {
-                    Some(GluTensors::resolve(
-                        bb,
-                        [&n.shared_gate_proj, &n.shared_up_proj, &n.shared_down_proj],
-                    )?)
-                } else {
-                    None
-                },
+                shared_experts: (cfg.n_shared_experts > 0)
+                    .then(|| GluTensors::resolve(bb, &n.shared_experts))
+                    .transpose()?,
             }
         } else {
-            Mlp::Dense(GluTensors::resolve(bb, [&n.gate_proj, &n.up_proj, &n.down_proj])?)
-        };
-        let self_attn = MlaTensors {
-            query,
-            kv_a_proj_with_mqa: bb.matrix_handle(&n.kv_a_proj_with_mqa)?,
-            kv_a_layernorm: bb.vector_handle(&n.kv_a_layernorm)?,
-            kv_b_proj: bb.matrix_handle(&n.kv_b_proj)?,
-            o_proj: bb.matrix_handle(&n.o_proj)?,
-            g_proj: None,
+            Mlp::Dense(GluTensors::resolve(bb, &n.mlp)?)
         };
         Ok((self_attn, mlp))
     })

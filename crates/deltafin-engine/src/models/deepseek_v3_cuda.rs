@@ -263,20 +263,22 @@ impl DeepseekV3Cuda {
             let n: &LayerNames = &cpu.names[l];
             let q = match c.q_lora_rank {
                 Some(_) => QProj::Lora {
-                    q_a_proj: up(&n.q_a_proj)?,
-                    q_a_layernorm: vec(&n.q_a_layernorm)?,
-                    q_b_proj: up(&n.q_b_proj)?,
+                    q_a_proj: up(&n.self_attn.q_a_proj)?,
+                    q_a_layernorm: vec(&n.self_attn.q_a_layernorm)?,
+                    q_b_proj: up(&n.self_attn.q_b_proj)?,
                 },
-                None => QProj::Full { q_proj: up(&n.q_proj)? },
+                None => QProj::Full {
+                    q_proj: up(&n.self_attn.q_proj)?,
+                },
             };
-            let kv_a = cpu.m(&n.kv_a_proj_with_mqa)?;
+            let kv_a = cpu.m(&n.self_attn.kv_a_proj_with_mqa)?;
             let kvl = c.kv_lora_rank;
             let mlp = if c.is_moe_layer(l) {
                 let shared = if c.n_shared_experts > 0 {
                     Some([
-                        up(&n.shared_gate_proj)?,
-                        up(&n.shared_up_proj)?,
-                        up(&n.shared_down_proj)?,
+                        up(&n.shared_experts.gate_proj)?,
+                        up(&n.shared_experts.up_proj)?,
+                        up(&n.shared_experts.down_proj)?,
                     ])
                 } else {
                     None
@@ -288,9 +290,9 @@ impl DeepseekV3Cuda {
                 }
             } else {
                 Mlp::Dense {
-                    gate: up(&n.gate_proj)?,
-                    up: up(&n.up_proj)?,
-                    down: up(&n.down_proj)?,
+                    gate: up(&n.mlp.gate_proj)?,
+                    up: up(&n.mlp.up_proj)?,
+                    down: up(&n.mlp.down_proj)?,
                 }
             };
             layers.push(GpuLayer {
@@ -299,9 +301,9 @@ impl DeepseekV3Cuda {
                 q,
                 kv_a_latent: GpuMat::upload(&gpu, &kv_a.rows(0, kvl)).map_err(cuda)?,
                 kv_a_rope: GpuMat::upload(&gpu, &kv_a.rows(kvl, kvl + c.qk_rope_head_dim)).map_err(cuda)?,
-                kv_a_layernorm: vec(&n.kv_a_layernorm)?,
-                kv_b_proj: up(&n.kv_b_proj)?,
-                o_proj: up(&n.o_proj)?,
+                kv_a_layernorm: vec(&n.self_attn.kv_a_layernorm)?,
+                kv_b_proj: up(&n.self_attn.kv_b_proj)?,
+                o_proj: up(&n.self_attn.o_proj)?,
                 mlp,
             });
         }

@@ -34,9 +34,11 @@ use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::{rms_norm, sigmoid, silu, softmax_inplace, MatData, MatRef};
 
 use crate::blocks::kda::{DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, KdaTensors, DEFAULT_CHUNK_SIZE};
-use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaQueryTensors, MlaShape, MlaTensors};
+use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaShape, MlaTensorNames, MlaTensors, MlaVariant};
 use crate::experts::{Expert, StoreOptions};
-use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, GluTensors, LayerRoutes, Numerics, RoutedExperts};
+use crate::model::{
+    state_as, BatchOutput, CausalLm, DecodeState, GluTensorNames, GluTensors, LayerRoutes, Numerics, RoutedExperts,
+};
 use crate::models::decoder::DecoderWeights;
 use crate::moe::{route, route_masked, RouterConfig, Routing};
 use crate::EngineError;
@@ -63,26 +65,17 @@ pub(crate) struct LayerNames {
     pub(crate) mlp_res_norm: String,
     pub(crate) mlp_res_proj: String,
     pub(crate) kda: KdaTensorNames,
-    pub(crate) q_proj: String,
-    pub(crate) q_a_proj: String,
-    pub(crate) q_a_layernorm: String,
-    pub(crate) q_b_proj: String,
-    pub(crate) kv_a_proj_with_mqa: String,
-    pub(crate) kv_a_layernorm: String,
-    pub(crate) kv_b_proj: String,
-    pub(crate) g_proj: String,
-    pub(crate) o_proj: String,
-    pub(crate) gate_proj: String,
-    pub(crate) up_proj: String,
-    pub(crate) down_proj: String,
+    /// `self_attn.*` of an MLA layer.
+    pub(crate) mla: MlaTensorNames,
+    /// `mlp.{gate,up,down}_proj` of a dense layer.
+    pub(crate) mlp: GluTensorNames,
     pub(crate) router: String,
     pub(crate) router_bias: String,
     pub(crate) latent_down: String,
     pub(crate) latent_norm: String,
     pub(crate) latent_up: String,
-    pub(crate) shared_gate_proj: String,
-    pub(crate) shared_up_proj: String,
-    pub(crate) shared_down_proj: String,
+    /// `block_sparse_moe.shared_experts.{gate,up,down}_proj` of an MoE layer.
+    pub(crate) shared_experts: GluTensorNames,
 }
 
 impl LayerNames {
@@ -98,26 +91,14 @@ impl LayerNames {
             mlp_res_norm: format!("{p}.mlp_res_norm.weight"),
             mlp_res_proj: format!("{p}.mlp_res_proj.weight"),
             kda: KdaTensorNames::new(&a),
-            q_proj: format!("{a}.q_proj.weight"),
-            q_a_proj: format!("{a}.q_a_proj.weight"),
-            q_a_layernorm: format!("{a}.q_a_layernorm.weight"),
-            q_b_proj: format!("{a}.q_b_proj.weight"),
-            kv_a_proj_with_mqa: format!("{a}.kv_a_proj_with_mqa.weight"),
-            kv_a_layernorm: format!("{a}.kv_a_layernorm.weight"),
-            kv_b_proj: format!("{a}.kv_b_proj.weight"),
-            g_proj: format!("{a}.g_proj.weight"),
-            o_proj: format!("{a}.o_proj.weight"),
-            gate_proj: format!("{p}.mlp.gate_proj.weight"),
-            up_proj: format!("{p}.mlp.up_proj.weight"),
-            down_proj: format!("{p}.mlp.down_proj.weight"),
+            mla: MlaTensorNames::new(&a),
+            mlp: GluTensorNames::new(&format!("{p}.mlp")),
             router: format!("{m}.gate.weight"),
             router_bias: format!("{m}.gate.e_score_correction_bias"),
             latent_down: format!("{m}.routed_expert_down_proj.weight"),
             latent_norm: format!("{m}.routed_expert_norm.weight"),
             latent_up: format!("{m}.routed_expert_up_proj.weight"),
-            shared_gate_proj: format!("{m}.shared_experts.gate_proj.weight"),
-            shared_up_proj: format!("{m}.shared_experts.up_proj.weight"),
-            shared_down_proj: format!("{m}.shared_experts.down_proj.weight"),
+            shared_experts: GluTensorNames::new(&format!("{m}.shared_experts")),
         }
     }
 }
@@ -183,6 +164,10 @@ fn resolve(bb: &Backbone, cfg: &KimiLinearConfig, names: &[LayerNames]) -> Resul
             names[l].post_attention_layernorm.as_str(),
         )
     };
+    let mla_variant = MlaVariant {
+        q_lora: c.q_lora_rank.is_some(),
+        output_gate: c.mla_use_output_gate,
+    };
     Weights::resolve(bb, names.len(), norms, |l| {
         let n = &names[l];
         let self_attn = match c.mixers[l] {
@@ -204,28 +189,7 @@ fn resolve(bb: &Backbone, cfg: &KimiLinearConfig, names: &[LayerNames]) -> Resul
                 Kda::new(kda_cfg, w.view(bb)).map_err(|e| EngineError::Invalid(e.to_string()))?;
                 Mixer::Kda { cfg: kda_cfg, w }
             }
-            MixerKind::Mla => Mixer::Mla(MlaTensors {
-                query: if c.q_lora_rank.is_some() {
-                    MlaQueryTensors::Lora {
-                        q_a_proj: bb.matrix_handle(&n.q_a_proj)?,
-                        q_a_layernorm: bb.vector_handle(&n.q_a_layernorm)?,
-                        q_b_proj: bb.matrix_handle(&n.q_b_proj)?,
-                    }
-                } else {
-                    MlaQueryTensors::Plain {
-                        q_proj: bb.matrix_handle(&n.q_proj)?,
-                    }
-                },
-                kv_a_proj_with_mqa: bb.matrix_handle(&n.kv_a_proj_with_mqa)?,
-                kv_a_layernorm: bb.vector_handle(&n.kv_a_layernorm)?,
-                kv_b_proj: bb.matrix_handle(&n.kv_b_proj)?,
-                o_proj: bb.matrix_handle(&n.o_proj)?,
-                g_proj: if c.mla_use_output_gate {
-                    Some(bb.matrix_handle(&n.g_proj)?)
-                } else {
-                    None
-                },
-            }),
+            MixerKind::Mla => Mixer::Mla(MlaTensors::resolve(bb, &n.mla, mla_variant)?),
         };
         let ffn = if c.is_moe_layer(l) {
             Ffn::Moe(MoeTensors {
@@ -243,17 +207,12 @@ fn resolve(bb: &Backbone, cfg: &KimiLinearConfig, names: &[LayerNames]) -> Resul
                     }),
                     None => None,
                 },
-                shared_experts: if c.num_shared_experts > 0 {
-                    Some(GluTensors::resolve(
-                        bb,
-                        [&n.shared_gate_proj, &n.shared_up_proj, &n.shared_down_proj],
-                    )?)
-                } else {
-                    None
-                },
+                shared_experts: (c.num_shared_experts > 0)
+                    .then(|| GluTensors::resolve(bb, &n.shared_experts))
+                    .transpose()?,
             })
         } else {
-            Ffn::Dense(GluTensors::resolve(bb, [&n.gate_proj, &n.up_proj, &n.down_proj])?)
+            Ffn::Dense(GluTensors::resolve(bb, &n.mlp)?)
         };
         Ok((self_attn, ffn))
     })

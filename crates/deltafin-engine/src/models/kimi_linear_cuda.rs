@@ -425,27 +425,27 @@ impl KimiLinearCuda {
                     }))
                 }
                 MixerKind::Mla => {
-                    let kv_a = cpu.m(&n.kv_a_proj_with_mqa)?;
+                    let kv_a = cpu.m(&n.mla.kv_a_proj_with_mqa)?;
                     let kvl = c.kv_lora_rank;
                     Mixer::Mla(Box::new(MlaGpu {
                         q: match c.q_lora_rank {
                             Some(_) => QProj::Lora {
-                                q_a_proj: up(&n.q_a_proj)?,
-                                q_a_layernorm: vec(&n.q_a_layernorm)?,
-                                q_b_proj: up(&n.q_b_proj)?,
+                                q_a_proj: up(&n.mla.q_a_proj)?,
+                                q_a_layernorm: vec(&n.mla.q_a_layernorm)?,
+                                q_b_proj: up(&n.mla.q_b_proj)?,
                             },
-                            None => QProj::Full(up(&n.q_proj)?),
+                            None => QProj::Full(up(&n.mla.q_proj)?),
                         },
                         kv_a_latent: GpuMat::upload(&gpu, &kv_a.rows(0, kvl)).map_err(cuda)?,
                         kv_a_rope: GpuMat::upload(&gpu, &kv_a.rows(kvl, kvl + c.qk_rope_head_dim)).map_err(cuda)?,
-                        kv_a_layernorm: vec(&n.kv_a_layernorm)?,
-                        kv_b_proj: up(&n.kv_b_proj)?,
+                        kv_a_layernorm: vec(&n.mla.kv_a_layernorm)?,
+                        kv_b_proj: up(&n.mla.kv_b_proj)?,
                         g_proj: if c.mla_use_output_gate {
-                            Some(up(&n.g_proj)?)
+                            Some(up(&n.mla.g_proj)?)
                         } else {
                             None
                         },
-                        o_proj: up(&n.o_proj)?,
+                        o_proj: up(&n.mla.o_proj)?,
                     }))
                 }
             };
@@ -466,16 +466,16 @@ impl KimiLinearCuda {
                     },
                     shared: if c.num_shared_experts > 0 {
                         Some([
-                            up(&n.shared_gate_proj)?,
-                            up(&n.shared_up_proj)?,
-                            up(&n.shared_down_proj)?,
+                            up(&n.shared_experts.gate_proj)?,
+                            up(&n.shared_experts.up_proj)?,
+                            up(&n.shared_experts.down_proj)?,
                         ])
                     } else {
                         None
                     },
                 }
             } else {
-                Ffn::Dense([up(&n.gate_proj)?, up(&n.up_proj)?, up(&n.down_proj)?])
+                Ffn::Dense([up(&n.mlp.gate_proj)?, up(&n.mlp.up_proj)?, up(&n.mlp.down_proj)?])
             };
             let res = match cpu.res_scores.get(l) {
                 Some((a, m)) if c.attn_res_block_size.is_some() => Some((fused(a)?, fused(m)?)),

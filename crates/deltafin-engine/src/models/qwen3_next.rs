@@ -38,7 +38,8 @@ use deltafin_kernels::{axpy, dot, rms_norm, rms_norm_inplace, sigmoid, silu, sof
 use crate::blocks::gated_deltanet::{GatedDeltaNet, GdnDims, GdnProj, GdnState, GdnWeights};
 use crate::experts::{Expert, StoreOptions};
 use crate::model::{
-    state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, GluTensors, LayerRoutes, RoutedExperts,
+    state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, GluTensorNames, GluTensors, LayerRoutes,
+    RoutedExperts,
 };
 use crate::moe::{route_softmax, route_softmax_masked, Routing};
 use crate::rope::RotaryEmbedding;
@@ -259,18 +260,15 @@ impl Qwen3Next {
                 }
             };
             let mp = format!("{p}.mlp");
-            let glu = |pre: &str| -> Result<GluTensors, EngineError> {
-                let [g, u, d] = ["gate_proj", "up_proj", "down_proj"].map(|n| format!("{mp}.{pre}{n}.weight"));
-                GluTensors::resolve(&bb, [&g, &u, &d])
-            };
+            let glu = |prefix: &str| GluTensors::resolve(&bb, &GluTensorNames::new(prefix));
             let mlp = if cfg.is_moe_layer(l) {
                 Mlp::Moe {
                     gate: bb.matrix_handle(&format!("{mp}.gate.weight"))?,
-                    shared_expert: glu("shared_expert.")?,
+                    shared_expert: glu(&format!("{mp}.shared_expert"))?,
                     shared_expert_gate: bb.matrix_handle(&format!("{mp}.shared_expert_gate.weight"))?,
                 }
             } else {
-                Mlp::Dense(glu("")?)
+                Mlp::Dense(glu(&mp)?)
             };
             layers.push(Layer {
                 input_ln: centred(&bb, &format!("{p}.input_layernorm.weight"))?,
