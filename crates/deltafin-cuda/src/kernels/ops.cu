@@ -112,21 +112,22 @@ template <> struct Dec<1> {
         for (int j = 0; j < 8; ++j) v[j] = lut[(w >> (4 * j)) & 15u];
     }
 };
+// Codes k (bits 4k..) and k + 4 (bits 4k + 16..) of w as DEC 2 decodes them, into v[k], v[k + 4].
+__device__ __forceinline__ void dec_f16_pair(u32 w, int k, float v[8]) {
+    const u32 c = w >> (4 * k);
+    const u32 h = ((c << 9) & 0x0E000E00u) | ((c << 12) & 0x80008000u);
+    float lo, hi;
+    // Exact f16 -> f32 widening of both halves (PTX cvt.f32.f16; no header needed).
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+        : "=f"(lo), "=f"(hi) : "r"(h));
+    v[k] = lo;
+    v[k + 4] = hi;
+}
 template <> struct Dec<2> {
     static constexpr float SCALE = 16384.0f;  // 2^14
     __device__ __forceinline__ static void run(u32 w, const float*, float v[8]) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            // Codes k (bits 4k..) and k + 4 (bits 4k + 16..) as the two halves of one word.
-            const u32 c = w >> (4 * k);
-            const u32 h = ((c << 9) & 0x0E000E00u) | ((c << 12) & 0x80008000u);
-            float lo, hi;
-            // Exact f16 -> f32 widening of both halves (PTX cvt.f32.f16; no header needed).
-            asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
-                : "=f"(lo), "=f"(hi) : "r"(h));
-            v[k] = lo;
-            v[k + 4] = hi;
-        }
+        for (int k = 0; k < 4; ++k) dec_f16_pair(w, k, v);
     }
 };
 
@@ -149,14 +150,19 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
 //          about two integer and one float operation a weight besides the FMA. The factor 2
 //          goes back into the block scale (SCALE 1/2). -0 (code 8) decodes to +0, which adds
 //          nothing different: every partial sum starts at +0.
+// DEC 3's lookup: byte j of p0 (codes 0-3) and of p1 (codes 4-7) is 64 + 2v of code j (j + 4).
+__device__ __forceinline__ void dec_prmt_bytes(u32 w, u32* p0, u32* p1) {
+    const u32 a_lo = 0x43424140u, a_hi = 0x4C484644u;  // 64 + {0, 1, 2, 3, 4, 6, 8, 12}
+    const u32 b_lo = 0x3D3E3F40u, b_hi = 0x34383A3Cu;  // 64 - {0, 1, 2, 3, 4, 6, 8, 12}
+    const u32 f = w ^ 0x88888888u;
+    *p0 = prmt(a_lo, a_hi, w) | prmt(b_lo, b_hi, f);
+    *p1 = prmt(a_lo, a_hi, w >> 16) | prmt(b_lo, b_hi, f >> 16);
+}
 template <> struct Dec<3> {
     static constexpr float SCALE = 0.5f;
     __device__ __forceinline__ static void run(u32 w, const float*, float v[8]) {
-        const u32 a_lo = 0x43424140u, a_hi = 0x4C484644u;  // 64 + {0, 1, 2, 3, 4, 6, 8, 12}
-        const u32 b_lo = 0x3D3E3F40u, b_hi = 0x34383A3Cu;  // 64 - {0, 1, 2, 3, 4, 6, 8, 12}
-        const u32 f = w ^ 0x88888888u;
-        const u32 p0 = prmt(a_lo, a_hi, w) | prmt(b_lo, b_hi, f);
-        const u32 p1 = prmt(a_lo, a_hi, w >> 16) | prmt(b_lo, b_hi, f >> 16);
+        u32 p0, p1;
+        dec_prmt_bytes(w, &p0, &p1);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             v[j] = __int_as_float(prmt(p0, 0x4B000000u, 0x7650u + j)) - 8388672.0f;
@@ -174,21 +180,10 @@ template <> struct Dec<3> {
 template <> struct Dec<4> {
     static constexpr float SCALE = 16384.0f;  // 2^14, as DEC 2
     __device__ __forceinline__ static void run(u32 w, const float*, float v[8]) {
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const u32 c = w >> (4 * k);
-            const u32 h = ((c << 9) & 0x0E000E00u) | ((c << 12) & 0x80008000u);
-            float lo, hi;
-            asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
-                : "=f"(lo), "=f"(hi) : "r"(h));
-            v[k] = lo;
-            v[k + 4] = hi;
-        }
-        const u32 a_lo = 0x43424140u, a_hi = 0x4C484644u;
-        const u32 b_lo = 0x3D3E3F40u, b_hi = 0x34383A3Cu;
-        const u32 f = w ^ 0x88888888u;
-        const u32 p0 = prmt(a_lo, a_hi, w) | prmt(b_lo, b_hi, f);
-        const u32 p1 = prmt(a_lo, a_hi, w >> 16) | prmt(b_lo, b_hi, f >> 16);
+        dec_f16_pair(w, 0, v);
+        dec_f16_pair(w, 1, v);
+        u32 p0, p1;
+        dec_prmt_bytes(w, &p0, &p1);
 #pragma unroll
         for (int j = 2; j < 4; ++j) {
             v[j] = __int_as_float(prmt(p0, 0x43800000u, 0x7650u + j)) - 256.001953125f;
