@@ -4,7 +4,7 @@
 //! quantizing the vector to the weight type's `vec_dot_type`; for MXFP4 weights that is `Q8_0`
 //! (ggml `ggml-cpu.c` type traits: `GGML_TYPE_MXFP4 → vec_dot_type GGML_TYPE_Q8_0`). The dot
 //! product is then exact on the rounded values. [`round_trip`] reproduces that rounding so that
-//! llama.cpp's CPU logits can be matched (see `CausalLm::set_numerics`). [Q8_0_ROUND_TRIP]
+//! llama.cpp's CPU logits can be matched (see `CausalLm::set_numerics`).
 //!
 //! Per block of [`BLOCK`] = 32 consecutive values (ggml `quantize_row_q8_0_ref`):
 //! ```text

@@ -903,7 +903,7 @@ pub fn glu_mlp(act: GluActivation, gate: MatRef<'_>, up: MatRef<'_>, down: MatRe
 }
 
 /// [`glu_mlp`]; with `q8_0_inputs`, the input of each MXFP4 matrix is first rounded through
-/// ggml's `Q8_0`, as llama.cpp's CPU backend does ([`Numerics::LlamaCppCpu`], [Q8_0_ROUND_TRIP]).
+/// ggml's `Q8_0`, as llama.cpp's CPU backend does ([`Numerics::LlamaCppCpu`], `deltafin_kernels::q8_0::round_trip`).
 /// x: `[cols of gate]` → `[rows of down]`.
 pub fn glu_mlp_with(
     act: GluActivation,
