@@ -122,7 +122,7 @@ impl TokenizerEnv for Vocab {
 }
 
 /// Compiles request constraints for one model. Cheap to create; the vocabulary work happens
-/// on the first [`Structured::compile`].
+/// on the first compile of a request's constraint.
 pub struct Structured {
     tokenizer: Arc<Tokenizer>,
     /// The model's vocabulary size (logits length; may exceed the tokenizer's).
