@@ -363,67 +363,83 @@ __device__ __forceinline__ void mxfp4_mvp(const u8* __restrict__ packed, const u
     const int groups = (rows + R - 1) / R;
     const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int nwarps = gridDim.x * (blockDim.x >> 5);
-    const int my_groups = warp < groups ? (groups - 1 - warp) / nwarps + 1 : 0;
-    const int items = my_groups * nch;
-    // Stage `it` of this warp: row group warp + (it / nch) * nwarps, chunk it % nch.
-    auto issue = [&](int it) {
-        if (it < items) {
-            u8* st = ring + (it % MVP_S) * STAGE;
-            const int rg = warp + (it / nch) * nwarps, c = it % nch;
-            const int b = c * MVP_CH + lane;
+    // The stage to issue next and the stage to compute next, as (row group, chunk, ring slot):
+    // advanced, never divided (a division per stage was ~30 instructions of the loop).
+    int irg = warp, ic = 0, is = 0;
+    int crg = warp, cc = 0, cs = 0;
+    auto issue = [&]() {
+        if (irg < groups) {
+            u8* st = ring + is * STAGE;
+            const int b = ic * MVP_CH + lane;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const int row = rg * R + r;
+                const int row = irg * R + r;
                 const bool ok = row < rows && b < nb;
                 const size_t off = ok ? ((size_t)row * nb + b) * 16 : 0;
                 cp_async16(st + r * (MVP_CH * 16) + lane * 16, packed + off, ok ? 16 : 0);
                 if (lane < MVP_CH / 4) {
-                    const int sb = c * MVP_CH + 4 * lane;
+                    const int sb = ic * MVP_CH + 4 * lane;
                     const bool sok = row < rows && sb < nb;
                     const size_t soff = sok ? (size_t)row * nb + sb : 0;
                     cp_async4(st + R * (MVP_CH * 16) + r * MVP_CH + 4 * lane, scales + soff, sok ? 4 : 0);
                 }
             }
+            if (++ic == nch) {
+                ic = 0;
+                irg += nwarps;
+            }
+            if (++is == MVP_S) is = 0;
         }
         cp_async_commit();
     };
 #pragma unroll
-    for (int s = 0; s < MVP_S - 1; ++s) issue(s);
+    for (int s = 0; s < MVP_S - 1; ++s) issue();
     float acc[R];
-    for (int it = 0; it < items; ++it) {
+    // Block bl of the stage (lane's i-th: bl = g + 8 i) for every row.
+    auto block = [&](const u8* st, int bl, int b) {
+        const float* xb = x + (size_t)b * 32 + 8 * q;
+        const float4 a = *reinterpret_cast<const float4*>(xb);
+        const float4 d = *reinterpret_cast<const float4*>(xb + 4);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const u32 w = *reinterpret_cast<const u32*>(st + r * (MVP_CH * 16) + bl * 16 + 4 * q);
+            const float sc = e8m0(st[R * (MVP_CH * 16) + r * MVP_CH + bl]) * Dec<DEC>::SCALE;
+            float v[8];
+            Dec<DEC>::run(w, nullptr, v);
+            acc[r] += mx_dot8(v, a, d) * sc;
+        }
+    };
+    while (crg < groups) {
         cp_async_wait_stages();
         __syncwarp();
-        issue(it + MVP_S - 1);  // into the slot every lane finished reading at it - 1
-        const u8* st = ring + (it % MVP_S) * STAGE;
-        const int rg = warp + (it / nch) * nwarps, c = it % nch;
-        if (c == 0) {
+        issue();  // into the slot every lane finished reading a stage ago
+        const u8* st = ring + cs * STAGE;
+        if (cc == 0) {
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = 0.0f;
         }
+        const int b0 = cc * MVP_CH;
+        if (b0 + MVP_CH <= nb) {
+            // Every block of the stage exists (all stages but a ragged row end): no checks.
 #pragma unroll
-        for (int i = 0; i < MVP_CH / 8; ++i) {
-            const int bl = g + 8 * i, b = c * MVP_CH + bl;
-            if (b < nb) {
-                const int base = b * 32 + 8 * q;
-                const float4 a = *reinterpret_cast<const float4*>(x + base);
-                const float4 d = *reinterpret_cast<const float4*>(x + base + 4);
+            for (int i = 0; i < MVP_CH / 8; ++i) block(st, g + 8 * i, b0 + g + 8 * i);
+        } else {
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const u32 w = *reinterpret_cast<const u32*>(st + r * (MVP_CH * 16) + bl * 16 + 4 * q);
-                    const float sc = e8m0(st[R * (MVP_CH * 16) + r * MVP_CH + bl]) * Dec<DEC>::SCALE;
-                    float v[8];
-                    Dec<DEC>::run(w, nullptr, v);
-                    acc[r] += mx_dot8(v, a, d) * sc;
-                }
-            }
+            for (int i = 0; i < MVP_CH / 8; ++i)
+                if (b0 + g + 8 * i < nb) block(st, g + 8 * i, b0 + g + 8 * i);
         }
-        if (c == nch - 1) {
+        if (cc == nch - 1) {
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const float s = warp_sum(acc[r]);
-                if (lane == 0 && rg * R + r < rows) y[rg * R + r] = s;
+                if (lane == 0 && crg * R + r < rows) y[crg * R + r] = s;
             }
         }
+        if (++cc == nch) {
+            cc = 0;
+            crg += nwarps;
+        }
+        if (++cs == MVP_S) cs = 0;
     }
     cp_async_wait_all();
 }
