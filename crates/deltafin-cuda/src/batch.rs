@@ -44,6 +44,17 @@ fn elems(n: usize) -> Result<LaunchConfig, CudaError> {
     Ok(LaunchConfig::for_num_elems(n.max(1)))
 }
 
+/// Query rows of one block of `mla_mha_prefill_*` (`MHA_QT` in ops.cu).
+const MHA_QT: usize = 32;
+
+/// Dynamic shared memory of `mla_mha_prefill_*` for shape `s` (its `Qs`, `Ks`, `Vs`, `Ps`
+/// tiles, ops.cu).
+fn mha_smem_bytes(s: MlaShape) -> usize {
+    let (dk, vdp) = (s.nope + s.rope, s.v_head_dim.next_multiple_of(4));
+    let floats = (MHA_QT * (dk + 1)).next_multiple_of(4) + dk * 36 + 32 * vdp + MHA_QT * 36;
+    floats * 4
+}
+
 impl Gpu {
     /// RoPE in place on the vectors of `n_tok` tokens, `vec_per_tok` vectors a token (stride
     /// `stride`, rotary part at `offset`); token `j` rotates with its own row of
@@ -89,6 +100,78 @@ impl Gpu {
         l.arg(x).arg(&a).arg(&b).arg(&c).arg(&d).arg(cs).arg(&e).arg(&f);
         // SAFETY: matches `rope_apply_tokens` in ops.cu; extents checked above.
         unsafe { l.launch(elems(n_vec * half)?) }.ctx("launch rope_apply_tokens")?;
+        Ok(())
+    }
+
+    /// Whether [`Gpu::mla_prefill_decompressed`] takes shape `s`: `v_head_dim` <= 128 and the
+    /// kernel's shared memory ([`mha_smem_bytes`]) within the device's per-block limit.
+    pub fn mla_decompressed_fits(&self, s: MlaShape) -> bool {
+        s.v_head_dim > 0
+            && s.v_head_dim <= 128
+            && s.nope + s.rope > 0
+            && mha_smem_bytes(s) <= self.info().shared_bytes_optin
+    }
+
+    /// MLA for the `n` tokens of a chunk at positions `t0 ..` in the decompressed (multi-head)
+    /// form (DeepSeek-V2 §2.1, eq. 12–19; the CPU's `mla_decompressed`): `q: [n, n_heads, nope +
+    /// rope]` (rope applied), `kv: [t0 + n, n_heads * (nope + v_head_dim)]` = `kv_b_proj` applied
+    /// to every cached latent (per head `k_nope` then `v`), `kpe: [t0 + n, rope]` (rotated),
+    /// `out: [n, n_heads * v_head_dim]`. Token `j` attends to positions `0..=t0 + j`; its bits
+    /// depend on its position and the inputs only (not on `t0`, `n` or the chunking), and equal
+    /// [`Gpu::mla_prefill`] within f32 rounding, not bit for bit (`mla_mha_prefill_*` in ops.cu
+    /// states the order).
+    ///
+    /// # Errors
+    /// `Shape` for inconsistent lengths or a shape [`Gpu::mla_decompressed_fits`] refuses; a
+    /// driver error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_prefill_decompressed(
+        &self,
+        s: MlaShape,
+        q: &GpuBuf,
+        kv: &GpuBuf,
+        kpe: &GpuBuf,
+        t0: usize,
+        n: usize,
+        softmax_scale: f32,
+        out: &mut GpuBuf,
+    ) -> Result<(), CudaError> {
+        let (nh, dk, vd) = (s.n_heads, s.nope + s.rope, s.v_head_dim);
+        let t = t0 + n;
+        let ok = n > 0
+            && self.mla_decompressed_fits(s)
+            && q.len() == n * nh * dk
+            && kv.len() >= t * nh * (s.nope + vd)
+            && kpe.len() >= t * s.rope
+            && out.len() == n * nh * vd
+            && nh <= 65_535;
+        if !ok {
+            return Err(CudaError::Shape(format!(
+                "mla_prefill_decompressed: operands do not fit {s:?} for {n} tokens from position {t0}"
+            )));
+        }
+        let name = if vd <= 64 {
+            "mla_mha_prefill_v64"
+        } else {
+            "mla_mha_prefill_v128"
+        };
+        let f = self.k.get(name)?;
+        let smem = mha_smem_bytes(s);
+        let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        f.set_attribute(attr, smem as i32).ctx("cuFuncSetAttribute")?;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(MHA_QT) as u32, nh as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (nh_i, nope, rope, vd_i) = (nh as i32, s.nope as i32, s.rope as i32, vd as i32);
+        i32_of("position", t)?;
+        let (t0_i, n_i) = (t0 as i32, n as i32);
+        let mut b = self.stream().launch_builder(f);
+        b.arg(q).arg(kv).arg(kpe).arg(&nh_i).arg(&nope).arg(&rope).arg(&vd_i);
+        b.arg(&t0_i).arg(&n_i).arg(&softmax_scale).arg(out);
+        // SAFETY: matches `mla_mha_prefill_*` in ops.cu; extents and shared memory checked above.
+        unsafe { b.launch(cfg) }.ctx("launch mla_mha_prefill")?;
         Ok(())
     }
 

@@ -88,6 +88,8 @@ pub const ENTRY_POINTS: &[&str] = &[
     "mla_prefill_tiled",
     "mla_prefill_combine_i8",
     "mla_prefill_combine_f32",
+    "mla_mha_prefill_v64",
+    "mla_mha_prefill_v128",
     "gather_rows",
     "scatter_rows",
     "moe_combine_tokens",

@@ -1262,6 +1262,164 @@ fn mla_prefill_forms_equal_decode() {
 
 /// Grouped-query attention in float64 for token `pos` with query `q: [nh, hd]` over
 /// `k, v: [>= pos + 1, nkv, hd]`: the CPU's gqa.rs formula (window, sinks). Returns `[nh, hd]`.
+/// Causal attention of the decompressed MLA form in float64: `q: [n, nh, dk]`, keys
+/// `[kv[t, h, ..nope], kpe[t]]`, values `kv[t, h, nope..]` (`kv: [t0 + n, nh, nope + vd]`).
+#[allow(clippy::too_many_arguments)]
+fn mla_mha_f64(
+    s: deltafin_cuda::MlaShape,
+    q: &[f32],
+    kv: &[f32],
+    kpe: &[f32],
+    t0: usize,
+    n: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let (nh, nope, rope, vd) = (s.n_heads, s.nope, s.rope, s.v_head_dim);
+    let (dk, kvw) = (nope + rope, nh * (nope + vd));
+    let mut out = Vec::with_capacity(n * nh * vd);
+    for j in 0..n {
+        for h in 0..nh {
+            let qh = &q[(j * nh + h) * dk..][..dk];
+            let sc: Vec<f64> = (0..=t0 + j)
+                .map(|t| {
+                    let k = &kv[t * kvw + h * (nope + vd)..][..nope];
+                    let kp = &kpe[t * rope..][..rope];
+                    let d: f64 = qh[..nope]
+                        .iter()
+                        .zip(k)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        + qh[nope..]
+                            .iter()
+                            .zip(kp)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>();
+                    d * scale as f64
+                })
+                .collect();
+            let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = sc.iter().map(|v| (v - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for c in 0..vd {
+                let o: f64 = e
+                    .iter()
+                    .enumerate()
+                    .map(|(t, p)| p * kv[t * kvw + h * (nope + vd) + nope + c] as f64)
+                    .sum();
+                out.push((o / z) as f32);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn mla_decompressed_prefill_matches_reference_absorbed_form_and_any_chunking() {
+    use deltafin_cuda::MlaShape;
+    let Some(g) = gpu("mla_decompressed_prefill_matches_reference_absorbed_form_and_any_chunking") else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(66);
+    for s in [
+        MlaShape {
+            n_heads: 3,
+            nope: 24,
+            rope: 10,
+            v_head_dim: 22,
+            kv_lora_rank: 40,
+        },
+        MlaShape {
+            n_heads: 16,
+            nope: 64,
+            rope: 32,
+            v_head_dim: 64,
+            kv_lora_rank: 256,
+        },
+        MlaShape {
+            n_heads: 4,
+            nope: 128,
+            rope: 64,
+            v_head_dim: 128,
+            kv_lora_rank: 512,
+        },
+    ] {
+        assert!(g.mla_decompressed_fits(s), "{s:?}");
+        let (nh, qk, vd, kvl) = (s.n_heads, s.nope + s.rope, s.v_head_dim, s.kv_lora_rank);
+        let tmax = 181usize;
+        let kvb_h = Host::new(&mut rng, nh * (s.nope + vd), kvl);
+        let latents = rand_vec(&mut rng, tmax * kvl);
+        let dc = g.upload(&latents).unwrap();
+        let kpe = rand_vec(&mut rng, tmax * s.rope);
+        let dk = g.upload(&kpe).unwrap();
+        for (mi, m) in [kvb_h.mats()[0], kvb_h.mats()[1]].into_iter().enumerate() {
+            let wname = ["f32", "int8"][mi];
+            let kvb = GpuMat::upload(&g, &m).unwrap();
+            let mut dkv = g.zeros(tmax * kvb.rows).unwrap();
+            kvb.matmul(&g, &dc, tmax, &mut dkv).unwrap();
+            let kv = g.download(&dkv).unwrap();
+            let run = |q: &[f32], t0: usize, n: usize| {
+                let dq = g.upload(q).unwrap();
+                let mut out = g.upload(&vec![f32::NAN; n * nh * vd]).unwrap();
+                g.mla_prefill_decompressed(s, &dq, &dkv, &dk, t0, n, 0.125, &mut out)
+                    .unwrap();
+                g.download(&out).unwrap()
+            };
+            let q = rand_vec(&mut rng, tmax * nh * qk);
+            // The whole prompt at once, against float64 and the absorbed form.
+            let whole = run(&q, 0, tmax);
+            let want = mla_mha_f64(s, &q, &kv, &kpe, 0, tmax, 0.125);
+            let e = rel_l2(&whole, &want);
+            assert!(e < TOL, "{s:?} {wname}: decompressed vs float64 {e:e}");
+            let mut sc = g.zeros(tmax * s.scratch_len(tmax)).unwrap();
+            let mut abs = g.zeros(tmax * nh * vd).unwrap();
+            g.mla_prefill(
+                s,
+                &g.upload(&q).unwrap(),
+                &dc,
+                &dk,
+                &kvb,
+                0,
+                tmax,
+                0.125,
+                &mut sc,
+                &mut abs,
+            )
+            .unwrap();
+            let e = rel_l2(&whole, &g.download(&abs).unwrap());
+            assert!(e < TOL, "{s:?} {wname}: decompressed vs absorbed {e:e}");
+            assert_eq!(
+                bits(&whole),
+                bits(&run(&q, 0, tmax)),
+                "{s:?} {wname}: not deterministic"
+            );
+            // Chunked differently (33 + 1 + 100 + the rest): the same bits per position.
+            let mut t0 = 0;
+            for n in [33usize, 1, 100, tmax - 134] {
+                let part = run(&q[t0 * nh * qk..(t0 + n) * nh * qk], t0, n);
+                assert_eq!(
+                    bits(&part),
+                    bits(&whole[t0 * nh * vd..(t0 + n) * nh * vd]),
+                    "{s:?} {wname}: chunk {t0}+{n} differs from the whole prompt"
+                );
+                t0 += n;
+            }
+        }
+    }
+    let bad = MlaShape {
+        n_heads: 2,
+        nope: 8,
+        rope: 8,
+        v_head_dim: 200,
+        kv_lora_rank: 16,
+    };
+    assert!(!g.mla_decompressed_fits(bad));
+    let mut out = g.zeros(2 * 200).unwrap();
+    let z = g.zeros(4096).unwrap();
+    assert!(g
+        .mla_prefill_decompressed(bad, &z, &z, &z, 0, 1, 1.0, &mut out)
+        .is_err());
+}
+
 #[allow(clippy::too_many_arguments)]
 fn gqa_f64(
     q: &[f32],

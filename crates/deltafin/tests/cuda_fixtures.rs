@@ -146,6 +146,102 @@ fn deepseek_v3_on_cuda_matches_transformers_and_the_cpu_path() {
     }
 }
 
+/// `--batch-form fast-always` on the GPU (MLA in the decompressed form for every batched pass,
+/// `Gpu::mla_prefill_decompressed`): each prompt prefilled in one pass, then decoded. Lossless
+/// layout against transformers' goldens (ids equal, logits within 1e-4, the CPU's bound); default
+/// layout against the CPU path in the same batch form (ids equal, logits within 1e-5); and a
+/// prompt split in two chunks gives every position the bits of the one-pass prefill (the
+/// decompressed form does not depend on the chunking). Prints the measured figures.
+#[test]
+fn deepseek_v3_decompressed_mla_on_cuda_matches_transformers_the_cpu_and_any_chunking() {
+    use deltafin_engine::{BatchForm, CausalLm};
+    if !gpu_or_skip("deepseek_v3_decompressed_mla_on_cuda_matches_transformers_the_cpu_and_any_chunking") {
+        return;
+    }
+    let open = |dir: &ModelDir, device: Device| -> Box<dyn CausalLm> {
+        let (mut m, _) = load_model_on(dir, StoreOptions::new(1 << 30), device, GpuOptions::default()).unwrap();
+        m.routed_mut().set_batch_form(BatchForm::FastAlways);
+        m
+    };
+    let steps = |m: &dyn CausalLm, expected: &Value| -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
+        expected["prompts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                let prompt = ids(&p["prompt_ids"]);
+                let mut st = m.new_state();
+                let mut logits = m
+                    .forward_batch(st.as_mut(), &prompt, false)
+                    .unwrap()
+                    .logits
+                    .pop()
+                    .unwrap();
+                let (mut out_ids, mut out_logits) = (Vec::new(), Vec::new());
+                for _ in 0..ids(&p["generated_ids"]).len() {
+                    let next = logits
+                        .iter()
+                        .enumerate()
+                        .fold(
+                            (0usize, f32::NEG_INFINITY),
+                            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+                        )
+                        .0 as u32;
+                    out_ids.push(next);
+                    out_logits.push(logits);
+                    logits = m.forward(st.as_mut(), next).unwrap().0;
+                }
+                (out_ids, out_logits)
+            })
+            .collect()
+    };
+    for case in cases("deepseek_v3") {
+        let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = convert_case(&case, StoredDtype::F32, StoredDtype::F32, &tmp.path().join("f32"));
+        let gpu = open(&dir, Device::Cuda(0));
+        let worst = worst_vs_golden(&steps(gpu.as_ref(), &expected), &expected, "decompressed MLA on cuda");
+        eprintln!(
+            "{}: cuda decompressed MLA vs transformers: max rel L2 {worst:.3e}",
+            case.display()
+        );
+        assert!(worst < 1e-4, "{}: rel L2 {worst:e}", case.display());
+
+        let dir = convert_case(&case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("q"));
+        let (cpu, gpu) = (open(&dir, Device::Cpu), open(&dir, Device::Cuda(0)));
+        let worst = worst_vs(
+            &steps(cpu.as_ref(), &expected),
+            &steps(gpu.as_ref(), &expected),
+            "cpu vs cuda",
+        );
+        eprintln!(
+            "{}: cuda vs cpu, decompressed MLA: max rel L2 {worst:.3e}",
+            case.display()
+        );
+        assert!(
+            worst < 1e-5,
+            "{}: rel L2 {worst:e} against the CPU path",
+            case.display()
+        );
+        for p in expected["prompts"].as_array().unwrap() {
+            let prompt = ids(&p["prompt_ids"]);
+            let mut a = gpu.new_state();
+            let whole = gpu.forward_batch(a.as_mut(), &prompt, true).unwrap().logits;
+            let k = prompt.len() / 2;
+            let mut b = gpu.new_state();
+            let mut parts = gpu.forward_batch(b.as_mut(), &prompt[..k], true).unwrap().logits;
+            parts.extend(gpu.forward_batch(b.as_mut(), &prompt[k..], true).unwrap().logits);
+            assert_eq!(
+                whole,
+                parts,
+                "{}: chunks of {k} + {} differ from one pass",
+                case.display(),
+                prompt.len() - k
+            );
+        }
+    }
+}
+
 /// The grouped-query-attention families on the GPU: Qwen3-MoE (tests/fixtures/qwen3_moe:
 /// per-head q/k RMSNorm, dense `mlp_only_layers`, `decoder_sparse_step`, `norm_topk_prob` on and
 /// off), Mixtral (tests/fixtures/mixtral: with and without a sliding window) and gpt-oss

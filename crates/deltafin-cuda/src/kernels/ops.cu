@@ -1342,6 +1342,166 @@ extern "C" __global__ void __launch_bounds__(256)
     mla_qabs_impl<false>(q, w, nullptr, nope, rope, vd, kvl, qabs);
 }
 
+// ---- MLA prefill in the decompressed (multi-head) form -------------------------------------
+// DeepSeek-V2 §2.1 (arXiv:2405.04434, eq. 12-19), the form the CPU's `mla_decompressed` and
+// transformers' DeepseekV3Attention use for a prompt: keys [k_nope_h(t), k_pe(t)] and values
+// v_h(t) from kv = kv_b_proj c_t (decompressed for every position beforehand), then plain causal
+// attention per head; 160 multiply-adds a (query, key) pair at the `bench` shape against 544 in
+// the absorbed form. Block (query tile, head), 128 threads; the query tiles with the most keys
+// are launched first. Thread (rg, kc) = (tid / 8, tid % 8) owns rows 2 rg, 2 rg + 1 of the tile
+// and, in each key tile of MHA_KT, keys 4 kc .. 4 kc + 3 (scores) and value columns
+// 4 kc + 32 j .. + 3 (the weighted sum). Order, fixed (no atomics), for a query at position p:
+//   s_t = (sum over d ascending of q[d] k_t[d], one FMA chain) * scale, for t <= p; -inf after;
+//   per key tile (tiles of MHA_KT from key 0): m' = max(m, the tile's max: lanes' 4 keys, then
+//   shfl_xor 1, 2, 4), a = exp(m - m'), e_t = exp(s_t - m'), l = l a + (e of the lane's 4 keys
+//   in order, then shfl_xor 1, 2, 4), o = o a, then o += e_t v_t for t ascending (FMA);
+//   out = o / l.
+// A query's bits depend on its position and the inputs only (a fully masked tile leaves m, l
+// and o unchanged), so a prompt gives the same bits however it is chunked. Equal to the CPU's
+// decompressed form and to the absorbed form within f32 rounding, not bit for bit.
+// q: [n, nh, dk] (rope applied), kv: [t0 + n, nh * (nope + vd)] (per head k_nope then v), kpe:
+// [t0 + n, rope] (rotated), out: [n, nh, vd]. Needs vd <= 32 * VDJ. Dynamic shared memory: see
+// mha_smem_floats in batch.rs.
+#define MHA_QT 32
+#define MHA_KT 32
+#define MHA_KTP 36  // row stride of the transposed key tile and of the probabilities (16-byte rows)
+
+template <int VDJ>
+__device__ __forceinline__ void mla_mha_impl(const float* __restrict__ q, const float* __restrict__ kv,
+                                             const float* __restrict__ kpe, int nh, int nope, int rope, int vd,
+                                             int t0, int n, float scale, float* __restrict__ out) {
+    extern __shared__ __align__(16) float mha_smem[];
+    const int dk = nope + rope, qs = dk + 1, vdp = (vd + 3) & ~3;
+    float* Qs = mha_smem;                               // [MHA_QT][dk + 1]
+    float* Ks = Qs + ((MHA_QT * qs + 3) & ~3);          // [dk][MHA_KTP], key-major columns
+    float* Vs = Ks + dk * MHA_KTP;                      // [MHA_KT][vdp]
+    float* Ps = Vs + MHA_KT * vdp;                      // [MHA_QT][MHA_KTP]
+    const int h = blockIdx.y;
+    const int i0 = (gridDim.x - 1 - blockIdx.x) * MHA_QT;
+    const int nq = min(MHA_QT, n - i0);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rg = tid >> 3, kc = tid & 7;
+    const size_t kvw = (size_t)nh * (nope + vd);
+    const float* kvh = kv + (size_t)h * (nope + vd);
+    for (int r = warp; r < MHA_QT; r += 4)
+        for (int d = lane; d < dk; d += 32) Qs[r * qs + d] = r < nq ? q[((size_t)(i0 + r) * nh + h) * dk + d] : 0.0f;
+    const int pos0 = t0 + i0 + 2 * rg;  // position of the thread's first row (rows past nq: discarded)
+    const int kend = t0 + i0 + nq;      // keys 0 .. kend - 1
+    const float ninf = __int_as_float(0xff800000);
+    float m[2] = {ninf, ninf}, l[2] = {0.0f, 0.0f};
+    float o[2][VDJ][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < VDJ; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.0f;
+    for (int k0 = 0; k0 < kend; k0 += MHA_KT) {
+        __syncthreads();  // the previous tile's readers are done
+        for (int kk = warp; kk < MHA_KT; kk += 4) {
+            const int t = k0 + kk;
+            const bool ok = t < kend;
+            for (int d = lane; d < dk; d += 32)
+                Ks[d * MHA_KTP + kk] = ok ? (d < nope ? kvh[t * kvw + d] : kpe[(size_t)t * rope + d - nope]) : 0.0f;
+            for (int c = lane; c < vdp; c += 32) Vs[kk * vdp + c] = ok && c < vd ? kvh[t * kvw + nope + c] : 0.0f;
+        }
+        __syncthreads();
+        float s[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+        const float* qa = Qs + (2 * rg) * qs;
+        const float* qb = qa + qs;
+#pragma unroll 4
+        for (int d = 0; d < dk; ++d) {
+            const float a = qa[d], b = qb[d];
+            const float4 k = *reinterpret_cast<const float4*>(Ks + d * MHA_KTP + 4 * kc);
+            s[0][0] = fmaf(a, k.x, s[0][0]);
+            s[0][1] = fmaf(a, k.y, s[0][1]);
+            s[0][2] = fmaf(a, k.z, s[0][2]);
+            s[0][3] = fmaf(a, k.w, s[0][3]);
+            s[1][0] = fmaf(b, k.x, s[1][0]);
+            s[1][1] = fmaf(b, k.y, s[1][1]);
+            s[1][2] = fmaf(b, k.z, s[1][2]);
+            s[1][3] = fmaf(b, k.w, s[1][3]);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float mx = ninf;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                s[i][j] = k0 + 4 * kc + j <= pos0 + i ? s[i][j] * scale : ninf;
+                mx = fmaxf(mx, s[i][j]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+            const float mn = fmaxf(m[i], mx);
+            const float a = exp_f32(m[i] - mn);  // m = mn: 1; the first tile: exp(-inf) = 0
+            float e[4], sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                e[j] = exp_f32(s[i][j] - mn);
+                sum += e[j];
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+            l[i] = fmaf(l[i], a, sum);
+            m[i] = mn;
+            *reinterpret_cast<float4*>(Ps + (2 * rg + i) * MHA_KTP + 4 * kc) = make_float4(e[0], e[1], e[2], e[3]);
+#pragma unroll
+            for (int j = 0; j < VDJ; ++j) {
+                o[i][j][0] *= a;
+                o[i][j][1] *= a;
+                o[i][j][2] *= a;
+                o[i][j][3] *= a;
+            }
+        }
+        __syncthreads();
+        const float* pa = Ps + (2 * rg) * MHA_KTP;
+        const float* pb = pa + MHA_KTP;
+#pragma unroll 4
+        for (int k = 0; k < MHA_KT; ++k) {
+            const float ea = pa[k], eb = pb[k];
+#pragma unroll
+            for (int j = 0; j < VDJ; ++j) {
+                const int c = 4 * kc + 32 * j;
+                if (c < vdp) {
+                    const float4 v = *reinterpret_cast<const float4*>(Vs + k * vdp + c);
+                    o[0][j][0] = fmaf(ea, v.x, o[0][j][0]);
+                    o[0][j][1] = fmaf(ea, v.y, o[0][j][1]);
+                    o[0][j][2] = fmaf(ea, v.z, o[0][j][2]);
+                    o[0][j][3] = fmaf(ea, v.w, o[0][j][3]);
+                    o[1][j][0] = fmaf(eb, v.x, o[1][j][0]);
+                    o[1][j][1] = fmaf(eb, v.y, o[1][j][1]);
+                    o[1][j][2] = fmaf(eb, v.z, o[1][j][2]);
+                    o[1][j][3] = fmaf(eb, v.w, o[1][j][3]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = 2 * rg + i;
+        if (r >= nq) continue;
+        float* dst = out + ((size_t)(i0 + r) * nh + h) * vd;
+#pragma unroll
+        for (int j = 0; j < VDJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 4 * kc + 32 * j + e;
+                if (c < vd) dst[c] = o[i][j][e] / l[i];
+            }
+    }
+}
+
+#define MLA_MHA_KERNEL(NAME, VDJ)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128)                                                \
+        NAME(const float* __restrict__ q, const float* __restrict__ kv, const float* __restrict__ kpe, \
+             int nh, int nope, int rope, int vd, int t0, int n, float scale, float* __restrict__ out) { \
+        mla_mha_impl<VDJ>(q, kv, kpe, nh, nope, rope, vd, t0, n, scale, out);                       \
+    }
+MLA_MHA_KERNEL(mla_mha_prefill_v64, 2)
+MLA_MHA_KERNEL(mla_mha_prefill_v128, 4)
+
 // dst[i, :] = src[idx[off + i], :] for i < m (rows of width dim).
 extern "C" __global__ void gather_rows(const float* __restrict__ src, const int* __restrict__ idx, int off, int m,
                                        int dim, float* __restrict__ dst) {

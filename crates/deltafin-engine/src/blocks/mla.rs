@@ -496,6 +496,20 @@ pub enum MlaForm {
     Decompressed,
 }
 
+impl MlaForm {
+    /// Whether a batched pass of `nt` tokens after `pos0` cached positions computes MLA in the
+    /// decompressed form: always for [`MlaForm::Decompressed`], never for
+    /// [`MlaForm::Absorbed`], and for [`MlaForm::Auto`] from [`DECOMPRESSED_MIN_TOKENS`] tokens
+    /// when [`decompressed_pays`]. The CPU's [`mla_chunk`] and the CUDA path decide alike.
+    pub fn decompressed_for(self, shape: &MlaShape<'_>, nt: usize, pos0: usize) -> bool {
+        match self {
+            MlaForm::Auto => nt >= DECOMPRESSED_MIN_TOKENS && decompressed_pays(shape, nt, pos0),
+            MlaForm::Absorbed => false,
+            MlaForm::Decompressed => true,
+        }
+    }
+}
+
 /// Chunk length from which [`MlaForm::Auto`] may pick the decompressed form: above every
 /// speculative verification pass (at most `MAX_DRAFT + 1` tokens, asserted where speculation
 /// defines `MAX_DRAFT`), which therefore stays bit-identical to token-at-a-time decoding.
@@ -538,11 +552,7 @@ pub fn mla_chunk(
 ) -> Vec<f32> {
     let (nh, qk, vd) = (shape.n_heads, shape.nope + shape.rope, shape.v_head_dim);
     let nt = q.len() / (nh * qk);
-    let decompressed = match form {
-        MlaForm::Auto => nt >= DECOMPRESSED_MIN_TOKENS && decompressed_pays(shape, nt, pos0),
-        MlaForm::Absorbed => false,
-        MlaForm::Decompressed => true,
-    };
+    let decompressed = form.decompressed_for(shape, nt, pos0);
     let mut out = vec![0f32; nt * nh * vd];
     if decompressed {
         mla_decompressed(shape, kv_b, q, pos0, ckv, kpe, &mut out);

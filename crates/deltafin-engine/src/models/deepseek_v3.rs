@@ -315,7 +315,7 @@ impl DeepseekV3 {
     }
 
     /// The MLA shape: RoPE (YaRN) on the shared-key part.
-    fn mla_shape(&self) -> MlaShape<'_> {
+    pub(crate) fn mla_shape(&self) -> MlaShape<'_> {
         let c = &self.cfg;
         MlaShape {
             n_heads: c.num_attention_heads,

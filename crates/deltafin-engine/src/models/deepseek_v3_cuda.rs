@@ -23,7 +23,10 @@
 //!
 //! A prompt chunk runs in one batched pass ([`DeepseekV3Cuda::forward_batch`]: matrix-matrix
 //! projections, MLA for the chunk, expert-major MoE) with every position's bits equal to
-//! token-at-a-time decoding. Not on the GPU yet: self-drafting.
+//! token-at-a-time decoding. With the research option `--batch-form fast` (as on the CPU), a
+//! long chunk computes MLA in the decompressed form instead (`Gpu::mla_prefill_decompressed`:
+//! about a third of the multiply-adds; within f32 rounding of decoding, not bit for bit).
+//! Not on the GPU yet: self-drafting.
 
 use std::sync::{Arc, Mutex};
 
@@ -870,6 +873,11 @@ const MOE_DOWN: MoeDown = MoeDown::Fused;
 /// split into groups that stay within it).
 const PREFILL_SCORE_BYTES: usize = 256 << 20;
 
+/// The most bytes of decompressed keys and values (`kv_b_proj` over every cached position) a
+/// prompt chunk's MLA may take in the decompressed form; a longer context takes the absorbed
+/// form.
+const DECOMPRESSED_KV_BYTES: usize = 1 << 30;
+
 impl DeepseekV3Cuda {
     /// A chunk of `tokens` at the next positions of `cache`, every position computed with the
     /// bits of [`Self::forward_token`] (the same kernels' arithmetic per token), but each weight
@@ -1026,10 +1034,40 @@ impl DeepseekV3Cuda {
             v_head_dim: c.v_head_dim,
             kv_lora_rank: kvl,
         };
+        let mut heads = g.zeros(n * nh * c.v_head_dim)?;
+        let t = t0 + n;
+        // The decompressed form where the batch form asks for it (`--batch-form fast`: the
+        // CPU's rule, `MlaForm::decompressed_for`) and its keys and values fit
+        // DECOMPRESSED_KV_BYTES; else the weight-absorbed form below, with decode's bits.
+        let decompressed = self
+            .cpu
+            .routed
+            .batch_form()
+            .mla()
+            .decompressed_for(&self.cpu.mla_shape(), n, t0)
+            && g.mla_decompressed_fits(shape)
+            && t * lw.kv_b_proj.rows * 4 <= DECOMPRESSED_KV_BYTES;
+        if decompressed {
+            let latents = g.copy_range(&cache.c_kv[l], 0, t * kvl)?;
+            let mut kv = g.zeros(t * lw.kv_b_proj.rows)?;
+            lw.kv_b_proj.matmul(g, &latents, t, &mut kv)?;
+            g.mla_prefill_decompressed(
+                shape,
+                &q,
+                &kv,
+                &cache.k_pe[l],
+                t0,
+                n,
+                self.cpu.softmax_scale,
+                &mut heads,
+            )?;
+            let mut out = g.zeros(n * c.hidden_size)?;
+            lw.o_proj.matmul(g, &heads, n, &mut out)?;
+            return Ok(out);
+        }
         // Token groups whose MLA scratch fits PREFILL_SCORE_BYTES; each group a launch.
         let per_token = shape.scratch_len(t0 + n) * 4;
         let group = (PREFILL_SCORE_BYTES / per_token.max(1)).clamp(1, 65_535).min(n);
-        let mut heads = g.zeros(n * nh * c.v_head_dim)?;
         let mut scores = g.zeros(group * shape.scratch_len(t0 + n))?;
         let mut j0 = 0;
         while j0 < n {
