@@ -61,13 +61,14 @@ fn main() {
     let mut rng = StdRng::seed_from_u64(4);
     let mut row = |label: &str, m: &GpuMat, decode: Decode, r: u32, n: usize| {
         // r = 0 stands for the x-stationary kernels; a label starting "pipelined" for the
-        // pipelined matvec.
+        // pipelined matvec, "lean" for the lean one.
         let kernel = Kernel {
             decode,
             rows_per_warp: r.max(1),
             stationary_x: r == 0,
             pipelined: label.starts_with("pipelined"),
             staged: false,
+            lean: label.starts_with("lean"),
         };
         let x: Vec<f32> = (0..n * m.cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
         let dx = g.upload(&x).unwrap();
@@ -126,6 +127,9 @@ fn main() {
     for r in [1, 2, 4] {
         row("pipelined mxfp4, mixed", &mx, Decode::Mixed, r, 1);
     }
+    for r in [1, 2, 4] {
+        row("lean mxfp4, f16 bits", &mx, Decode::F16Bits, r, 1);
+    }
     for n in [8usize, 64] {
         for r in [1, 2, 4, 0] {
             row("mxfp4 matmul, f16 bits", &mx, Decode::F16Bits, r, n);
@@ -172,6 +176,7 @@ fn main() {
         stationary_x: false,
         pipelined: false,
         staged,
+        lean: false,
     };
     for n in [2000usize, 512, 64, 8] {
         let x: Vec<f32> = (0..n * cols).map(|_| rng_f32()).collect();

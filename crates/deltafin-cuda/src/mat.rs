@@ -8,6 +8,8 @@ const XS_ROWS: u32 = 4;
 const XS_TOKENS: u32 = 2;
 /// The pipelined matvec's warps a block, stage width (MX blocks) and stages (`ops.cu`).
 const MVP_WARPS: u32 = 8;
+/// Warps a block of the lean matvec (`MVL_WARPS` in ops.cu).
+const MVL_WARPS: u32 = 8;
 const MVP_CH: u32 = 32;
 const MVP_S: u32 = 4;
 /// Warps of a block of the staged int8 kernels (`__launch_bounds__(128, …)` in ops.cu).
@@ -102,6 +104,12 @@ pub struct Kernel {
     /// `8 × ceil(cols / 32) × 144` bytes of shared memory a block
     /// ([`Kernel::staged_shared_bytes`]).
     pub staged: bool,
+    /// MXFP4 matrix-vector only: the lean kernels (`mxfp4_mvl_*` in ops.cu: the one-warp-a-row
+    /// lane mapping and order with the bookkeeping out of the inner loop: block scales from a
+    /// shared table, running row offsets, weights loaded past L1, persistent warps). Same bits
+    /// as every other matvec. Needs `cols % 32 == 0` and [`Decode::F16Bits`]; 1, 2 or 4 rows a
+    /// warp.
+    pub lean: bool,
 }
 
 impl Kernel {
@@ -121,6 +129,26 @@ impl Kernel {
             stationary_x: false,
             pipelined: false,
             staged: false,
+            lean: false,
+        }
+    }
+
+    /// The kernel [`GpuMat::matvec`] runs for `m` on device `info`: for MXFP4 with `cols % 32 ==
+    /// 0` and at least `32 ×` multiprocessors rows (a block of the lean kernel's 8 warps × 4
+    /// rows for every SM), the lean kernel at 4 rows a warp (`mxfp4_mvl_r4`: 57 % of a copy on
+    /// [65,536, 7,168] on the H200 against the one-row kernel's 31 %, bench/NOTES.md); otherwise
+    /// [`Kernel::best`]. Every choice gives the same bits.
+    pub fn best_matvec(m: &GpuMat, info: &DeviceInfo) -> Self {
+        let lean = Self {
+            rows_per_warp: 4,
+            lean: true,
+            ..Self::best(&m.data, false)
+        };
+        match &m.data {
+            GpuMatData::Mxfp4 { .. } if m.cols.is_multiple_of(32) && m.rows >= 32 * info.multiprocessors as usize => {
+                lean
+            }
+            _ => Self::best(&m.data, false),
         }
     }
 
@@ -180,6 +208,17 @@ impl Kernel {
                 (GpuMatData::Mxfp4 { .. }, true, Some(2)) => Ok("mxfp4_xs_np2_t2"),
                 _ => Err(CudaError::Shape(format!(
                     "no x-stationary kernel for {cols} columns of this format (MXFP4 up to 16,384)"
+                ))),
+            };
+        }
+        if self.lean {
+            let ok = !matmul && matches!(data, GpuMatData::Mxfp4 { .. }) && cols.is_multiple_of(32);
+            return match (ok, self.decode, r) {
+                (true, Decode::F16Bits, 1) => Ok("mxfp4_mvl_r1"),
+                (true, Decode::F16Bits, 2) => Ok("mxfp4_mvl_r2"),
+                (true, Decode::F16Bits, 4) => Ok("mxfp4_mvl_r4"),
+                _ => Err(CudaError::Shape(format!(
+                    "no lean kernel for {self:?} on {cols} columns (MXFP4 matvec, f16 bits, cols % 32 == 0)"
                 ))),
             };
         }
@@ -305,13 +344,13 @@ impl GpuMat {
         Ok(())
     }
 
-    /// `y = W x` with `x: [cols]`, `y: [rows]` with [`Kernel::best`] (fixed reduction
+    /// `y = W x` with `x: [cols]`, `y: [rows]` with [`Kernel::best_matvec`] (fixed reduction
     /// order: see `ops.cu`).
     ///
     /// # Errors
     /// `Shape` when lengths disagree; a driver error.
     pub fn matvec(&self, gpu: &Gpu, x: &GpuBuf, y: &mut GpuBuf) -> Result<(), CudaError> {
-        self.launch(gpu, Kernel::best(&self.data, false), x, 1, false, y)
+        self.launch(gpu, Kernel::best_matvec(self, gpu.info()), x, 1, false, y)
     }
 
     /// [`GpuMat::matvec`] with the kernel chosen.
@@ -390,6 +429,14 @@ impl GpuMat {
                 ),
                 block_dim: (32 * MVP_WARPS, 1, 1),
                 shared_mem_bytes: smem,
+            }
+        } else if kernel.lean {
+            // Persistent warps over row groups, at most 8 blocks of 8 warps an SM.
+            let groups = (self.rows as u32).div_ceil(kernel.rows_per_warp);
+            LaunchConfig {
+                grid_dim: (groups.div_ceil(MVL_WARPS).min(gpu.info().multiprocessors * 8), 1, 1),
+                block_dim: (32 * MVL_WARPS, 1, 1),
+                shared_mem_bytes: 0,
             }
         } else if kernel.stationary_x {
             // Persistent over rows: a few blocks per multiprocessor, each streaming row groups.

@@ -59,10 +59,15 @@ fn matvec_kernels(m: &MatRef) -> Vec<Kernel> {
         stationary_x: false,
         pipelined: false,
         staged: false,
+        lean: false,
     };
     let p = |decode, rows_per_warp| Kernel {
         pipelined: true,
         ..k(decode, rows_per_warp)
+    };
+    let l = |rows_per_warp| Kernel {
+        lean: true,
+        ..k(Decode::F16Bits, rows_per_warp)
     };
     match m.data {
         MatData::Mxfp4 { .. } => {
@@ -88,6 +93,9 @@ fn matvec_kernels(m: &MatRef) -> Vec<Kernel> {
                     p(Decode::Mixed, 2),
                     p(Decode::Mixed, 4),
                 ]);
+            }
+            if m.cols.is_multiple_of(32) {
+                v.extend([l(1), l(2), l(4)]);
             }
             v
         }
@@ -222,6 +230,7 @@ fn matmul_rows_equal_matvec_bit_for_bit() {
                             decode,
                             rows_per_warp: r,
                             staged: false,
+                            lean: false,
                         };
                         let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
                         dm.matmul_with(&g, k, &dx, n, &mut dy).unwrap();
@@ -367,6 +376,7 @@ fn int8_staged_matmul_equals_int8_mm_r4_bit_for_bit() {
         stationary_x: false,
         pipelined: false,
         staged,
+        lean: false,
     };
     let (r4, staged8, staged4) = (k(4, false), k(8, true), k(4, true));
     let mut rng = StdRng::seed_from_u64(23);
@@ -489,6 +499,7 @@ fn x_stationary_mxfp4_matches_reference_and_its_matmul() {
         stationary_x: true,
         pipelined: false,
         staged: false,
+        lean: false,
     };
     for (rows, cols) in [
         (1usize, 32usize),

@@ -462,6 +462,128 @@ MX_KERNEL(mxfp4_mv_mix_r1, 4, 1, 1)
 MX_KERNEL(mxfp4_mv_mix_r2, 4, 2, 1)
 MX_KERNEL(mxfp4_mm_mix_r2, 4, 2, 8)
 
+// ---- lean MXFP4 matrix-vector --------------------------------------------------------------
+// mx_rows' lane mapping and order (same bits as every other matvec) with the bookkeeping taken
+// out of the inner loop, for cols % 32 == 0 (every block whole): the block scales come from a
+// shared table of e8m0(s) * DEC_SCALE (one load, no branches), each row's codes through a
+// running offset with the U blocks of an iteration at fixed distances (8 blocks = 128 bytes
+// apart), the weights loaded past L1 (ld.global.nc.L1::no_allocate: they are read once, and
+// L1 keeps x, which every row re-reads), U x R code words in flight per lane, and warps
+// persistent over row groups (grid-stride) so the table is filled once per block.
+#define MVL_WARPS 8
+
+__device__ __forceinline__ u32 ld_stream_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.global.nc.L1::no_allocate.b32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+template <int R, int U>
+__device__ __forceinline__ void mxfp4_mvl(const u8* __restrict__ packed, const u8* __restrict__ scales, int rows,
+                                          int cols, const float* __restrict__ x, float* __restrict__ y) {
+    __shared__ float sct[256];
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) sct[i] = e8m0((u8)i) * Dec<MX_DEC>::SCALE;
+    __syncthreads();
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int nb = cols >> 5;
+    const int stride = gridDim.x * (blockDim.x >> 5) * R;
+    for (int row0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R; row0 < rows; row0 += stride) {
+        // Lane (g, q)'s word of block g of each row, advanced by 8 U blocks an iteration.
+        const u32* pw[R];
+        const u8* ps[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const size_t row = (size_t)min(row0 + r, rows - 1);  // a missing row repeats the last one
+            pw[r] = reinterpret_cast<const u32*>(packed + row * nb * 16) + 4 * g + q;
+            ps[r] = scales + row * nb + g;
+        }
+        const float* xp = x + 32 * g + 8 * q;
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+        // Software pipelined: the next iteration's U x R code words and scale bytes are loaded
+        // before this iteration's are used, so two iterations of loads are in flight a lane.
+        int b = g;
+        bool full = b + 8 * (U - 1) < nb;
+        u32 w[U][R], sb[U][R];
+        if (full) {
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    w[u][r] = ld_stream_u32(pw[r] + 32 * u);
+                    sb[u][r] = ps[r][8 * u];
+                }
+        }
+        while (full) {
+            const bool next = b + 8 * U + 8 * (U - 1) < nb;
+            u32 wn[U][R], sn[U][R];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    wn[u][r] = next ? ld_stream_u32(pw[r] + 32 * (U + u)) : 0u;
+                    sn[u][r] = next ? ps[r][8 * (U + u)] : 0u;
+                }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const float4 a = *reinterpret_cast<const float4*>(xp + 256 * u);
+                const float4 c = *reinterpret_cast<const float4*>(xp + 256 * u + 4);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    float v[8];
+                    Dec<MX_DEC>::run(w[u][r], nullptr, v);
+                    acc[r] += mx_dot8(v, a, c) * sct[sb[u][r]];
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                pw[r] += 32 * U;
+                ps[r] += 8 * U;
+            }
+            xp += 256 * U;
+            b += 8 * U;
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    w[u][r] = wn[u][r];
+                    sb[u][r] = sn[u][r];
+                }
+            full = next;
+        }
+        for (; b < nb; b += 8) {
+            const float4 a = *reinterpret_cast<const float4*>(xp);
+            const float4 c = *reinterpret_cast<const float4*>(xp + 4);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float v[8];
+                Dec<MX_DEC>::run(ld_stream_u32(pw[r]), nullptr, v);
+                acc[r] += mx_dot8(v, a, c) * sct[ps[r][0]];
+                pw[r] += 32;
+                ps[r] += 8;
+            }
+            xp += 256;
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float s = warp_sum(acc[r]);
+            if (lane == 0 && row0 + r < rows) y[row0 + r] = s;
+        }
+    }
+}
+
+#define MVL_KERNEL(NAME, R, U)                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * MVL_WARPS)                                      \
+        NAME(const u8* __restrict__ packed, const u8* __restrict__ scales, int rows, int cols,       \
+             const float* __restrict__ x, int n, float* __restrict__ y) {                            \
+        mxfp4_mvl<R, U>(packed, scales, rows, cols, x, y);                                           \
+    }
+// Measured on the H200, [65,536, 7,168] (bench/NOTES.md, session 8): R = 4, U = 4 fastest.
+MVL_KERNEL(mxfp4_mvl_r1, 1, 8)
+MVL_KERNEL(mxfp4_mvl_r2, 2, 4)
+MVL_KERNEL(mxfp4_mvl_r4, 4, 4)
+
 // ---- x-stationary MXFP4 products ------------------------------------------------------------
 // A block of 256 threads holds the activations in registers and streams rows through: thread i
 // owns MX blocks i, i + 256, ..., i + 256 (NP - 1) of every row (16-byte loads, consecutive
