@@ -22,7 +22,7 @@ use crate::aligned::{RECORD_ALIGN, TENSOR_ALIGN};
 use crate::deepseek_v3::DeepseekV3Config;
 use crate::family::{BackboneTensor, ExpertMatrix, ExpertSource, Family};
 use crate::gpt_oss::GptOssConfig;
-use crate::json::text_config;
+use crate::json::{read_json, text_config};
 use crate::kimi_linear::KimiLinearConfig;
 use crate::mixtral::MixtralConfig;
 use crate::qwen3_moe::Qwen3MoeConfig;
@@ -92,14 +92,7 @@ impl ModelConfig {
     /// Errors: unreadable file, malformed JSON, an unsupported `model_type`, or what the family's
     /// own validation rejects (named field).
     pub fn from_file(path: &Path) -> Result<(Self, Value), FormatError> {
-        let text = deltafin_fs::read_to_string(path).map_err(|e| FormatError::Io {
-            path: path.to_path_buf(),
-            error: e,
-        })?;
-        let raw: Value = serde_json::from_str(&text).map_err(|e| FormatError::Json {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let raw = read_json(path)?;
         let cfg = Self::from_value(&raw, path)?;
         Ok((cfg, raw))
     }
