@@ -11,8 +11,8 @@ use serde_json::Value;
 use std::path::Path;
 
 use crate::family::{
-    decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors, tensors, whole,
-    BackboneTensor, ExpertGroups, ExpertMatrix, ExpertSource, Family, Mla, TensorRole,
+    decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors, per_expert, tensors,
+    BackboneTensor, ExpertGroups, ExpertMatrix, ExpertSource, Family, Mla, TensorRole, GATE_UP_DOWN,
 };
 use crate::json::{
     bool_or, eos_bos, f32_in, field_err, get, read_json, require_nonzero_fields, require_only, require_silu,
@@ -264,14 +264,11 @@ impl Family for DeepseekV3Config {
     /// The three matrices of one routed expert (`y = W x`), as named in the checkpoint.
     fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.moe_intermediate_size);
-        glu_expert_matrices(["gate_proj", "up_proj", "down_proj"], h, i)
+        glu_expert_matrices(GATE_UP_DOWN, h, i)
     }
 
     fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
-        whole(
-            format!("model.layers.{layer}.mlp.experts.{expert}.{}.weight", m.name),
-            m,
-        )
+        per_expert(&format!("model.layers.{layer}.mlp"), expert, m)
     }
 
     /// Names the converter deliberately skips: MTP layers (index ≥ num_hidden_layers) and rotary

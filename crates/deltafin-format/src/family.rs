@@ -78,6 +78,12 @@ pub(crate) fn whole(tensor: String, m: &ExpertMatrix) -> ExpertSource {
     }
 }
 
+/// Expert matrix `m` of routed expert `expert` stored whole, one tensor per expert and matrix,
+/// under the MoE block `block` (`model.layers.{l}.mlp`): `{block}.experts.{expert}.{m.name}.weight`.
+pub(crate) fn per_expert(block: &str, expert: usize, m: &ExpertMatrix) -> ExpertSource {
+    whole(format!("{block}.experts.{expert}.{}.weight", m.name), m)
+}
+
 /// Slice `expert` of `tensor`, fused over the experts with full shape `shape`, read as stored
 /// (`transposed`: read as `[cols, rows]`, see [`Select::Expert`]).
 pub(crate) fn fused(tensor: String, shape: Vec<usize>, expert: usize, transposed: bool) -> ExpertSource {
@@ -295,6 +301,9 @@ pub(crate) fn matrices<'a>(parts: impl IntoIterator<Item = (&'a str, usize, usiz
         })
         .collect()
 }
+
+/// transformers' names of a gated MLP's matrices, in record order gate, up, down.
+pub(crate) const GATE_UP_DOWN: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
 
 /// The three matrices of a gated-MLP routed expert (`y = W x`) in record order gate, up, down,
 /// named as in the family's checkpoint (`gate_proj`/`up_proj`/`down_proj`, or Mixtral/Kimi's

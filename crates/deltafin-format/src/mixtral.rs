@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::family::{
-    check_gqa, check_top_k, decoder_backbone, glu_expert_matrices, gqa_attention_tensors, tensors, whole,
+    check_gqa, check_top_k, decoder_backbone, glu_expert_matrices, gqa_attention_tensors, per_expert, tensors,
     BackboneTensor, ExpertMatrix, ExpertSource, Family, TensorRole,
 };
 use crate::json::{
@@ -163,13 +163,7 @@ impl Family for MixtralConfig {
     }
 
     fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
-        whole(
-            format!(
-                "model.layers.{layer}.block_sparse_moe.experts.{expert}.{}.weight",
-                m.name
-            ),
-            m,
-        )
+        per_expert(&format!("model.layers.{layer}.block_sparse_moe"), expert, m)
     }
 }
 

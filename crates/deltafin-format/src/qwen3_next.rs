@@ -29,8 +29,8 @@ use serde_json::Value;
 
 use crate::family::{
     check_dense_width, check_kv_heads, check_mlp_only_layers, check_top_k, decoder_backbone, fused,
-    glu_expert_matrices, glu_mlp_tensors, matrices, sparse_step_moe_layer, tensors, whole, BackboneTensor,
-    ExpertMatrix, ExpertSource, Family, TensorRole,
+    glu_expert_matrices, glu_mlp_tensors, matrices, per_expert, sparse_step_moe_layer, tensors, BackboneTensor,
+    ExpertMatrix, ExpertSource, Family, TensorRole, GATE_UP_DOWN,
 };
 use crate::json::{
     bool_or, eos_bos, f32_in, f64_or, field_err, get, layer_indices, reject_true, require_nonzero_fields, require_silu,
@@ -404,19 +404,19 @@ impl Family for Qwen3NextConfig {
                 ("down_proj", h, i, TensorRole::Matrix),
             ])
         } else {
-            glu_expert_matrices(["gate_proj", "up_proj", "down_proj"], h, i)
+            glu_expert_matrices(GATE_UP_DOWN, h, i)
         }
     }
 
     /// Where matrix `m` of routed expert `expert` in layer `layer` comes from: its own tensor
     /// (Qwen3-Next) or slice `expert` of the fused `[E, rows, cols]` tensor (Qwen3.5-MoE).
     fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
-        let e = self.name(&format!("layers.{layer}.mlp.experts"));
+        let block = self.name(&format!("layers.{layer}.mlp"));
         if self.fused_experts {
             let shape = vec![self.num_experts, m.rows, m.cols];
-            fused(format!("{e}.{}", m.name), shape, expert, false)
+            fused(format!("{block}.experts.{}", m.name), shape, expert, false)
         } else {
-            whole(format!("{e}.{expert}.{}.weight", m.name), m)
+            per_expert(&block, expert, m)
         }
     }
 
