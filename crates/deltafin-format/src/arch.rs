@@ -85,6 +85,22 @@ const WRAPPERS: &[(&str, &[&str])] = &[
     ("qwen3_5_moe", &["qwen3_5_moe_text"]),
 ];
 
+/// `$body` evaluated with `$c` bound to the family config inside `$cfg` (a `ModelConfig`, by
+/// reference or mutable reference): the variant list of [`ModelConfig::as_family`] and
+/// `as_family_mut`, written once.
+macro_rules! each_family {
+    ($cfg:expr, $c:ident => $body:expr) => {
+        match $cfg {
+            ModelConfig::DeepseekV3($c) => $body,
+            ModelConfig::KimiLinear($c) => $body,
+            ModelConfig::Qwen3Moe($c) => $body,
+            ModelConfig::Mixtral($c) => $body,
+            ModelConfig::GptOss($c) => $body,
+            ModelConfig::Qwen3Next($c) => $body,
+        }
+    };
+}
+
 impl ModelConfig {
     /// Reads and resolves `config.json`, choosing the family from `model_type` (of
     /// `text_config` for multimodal wrappers). Returns the config and the raw JSON.
@@ -146,25 +162,11 @@ impl ModelConfig {
     /// The family's config behind the [`Family`] trait: the one place that dispatches on the
     /// variant.
     pub fn as_family(&self) -> &dyn Family {
-        match self {
-            ModelConfig::DeepseekV3(c) => c,
-            ModelConfig::KimiLinear(c) => c,
-            ModelConfig::Qwen3Moe(c) => c,
-            ModelConfig::Mixtral(c) => c,
-            ModelConfig::GptOss(c) => c,
-            ModelConfig::Qwen3Next(c) => c,
-        }
+        each_family!(self, c => c)
     }
 
     fn as_family_mut(&mut self) -> &mut dyn Family {
-        match self {
-            ModelConfig::DeepseekV3(c) => c,
-            ModelConfig::KimiLinear(c) => c,
-            ModelConfig::Qwen3Moe(c) => c,
-            ModelConfig::Mixtral(c) => c,
-            ModelConfig::GptOss(c) => c,
-            ModelConfig::Qwen3Next(c) => c,
-        }
+        each_family!(self, c => c)
     }
 
     /// What the family's own `validate` checks (field named), plus [`Self::check_sizes`]. For a
