@@ -441,7 +441,8 @@ impl ExpertGroups<'_> {
     }
 
     /// Checks that the `top_k` experts per token fit in the chosen groups and that every group
-    /// holds the two experts its score sums (`n_group` nonzero and dividing `n_experts`).
+    /// holds the two experts its score sums. The caller has checked that `n_group` is nonzero
+    /// and divides `n_experts`.
     ///
     /// Errors: more experts per token than the groups hold (top-k field named), groups of one
     /// expert (group field named).
