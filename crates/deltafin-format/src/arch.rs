@@ -22,7 +22,7 @@ use crate::aligned::{RECORD_ALIGN, TENSOR_ALIGN};
 use crate::deepseek_v3::DeepseekV3Config;
 use crate::family::{BackboneTensor, ExpertMatrix, ExpertSource, Family};
 use crate::gpt_oss::GptOssConfig;
-use crate::json::text_config;
+use crate::json::{read_json, text_config};
 use crate::kimi_linear::KimiLinearConfig;
 use crate::mixtral::MixtralConfig;
 use crate::qwen3_moe::Qwen3MoeConfig;
@@ -85,6 +85,22 @@ const WRAPPERS: &[(&str, &[&str])] = &[
     ("qwen3_5_moe", &["qwen3_5_moe_text"]),
 ];
 
+/// `$body` evaluated with `$c` bound to the family config inside `$cfg` (a `ModelConfig`, by
+/// reference or mutable reference): the variant list of [`ModelConfig::as_family`] and
+/// `as_family_mut`, written once.
+macro_rules! each_family {
+    ($cfg:expr, $c:ident => $body:expr) => {
+        match $cfg {
+            ModelConfig::DeepseekV3($c) => $body,
+            ModelConfig::KimiLinear($c) => $body,
+            ModelConfig::Qwen3Moe($c) => $body,
+            ModelConfig::Mixtral($c) => $body,
+            ModelConfig::GptOss($c) => $body,
+            ModelConfig::Qwen3Next($c) => $body,
+        }
+    };
+}
+
 impl ModelConfig {
     /// Reads and resolves `config.json`, choosing the family from `model_type` (of
     /// `text_config` for multimodal wrappers). Returns the config and the raw JSON.
@@ -92,14 +108,7 @@ impl ModelConfig {
     /// Errors: unreadable file, malformed JSON, an unsupported `model_type`, or what the family's
     /// own validation rejects (named field).
     pub fn from_file(path: &Path) -> Result<(Self, Value), FormatError> {
-        let text = deltafin_fs::read_to_string(path).map_err(|e| FormatError::Io {
-            path: path.to_path_buf(),
-            error: e,
-        })?;
-        let raw: Value = serde_json::from_str(&text).map_err(|e| FormatError::Json {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let raw = read_json(path)?;
         let cfg = Self::from_value(&raw, path)?;
         Ok((cfg, raw))
     }
@@ -153,25 +162,11 @@ impl ModelConfig {
     /// The family's config behind the [`Family`] trait: the one place that dispatches on the
     /// variant.
     pub fn as_family(&self) -> &dyn Family {
-        match self {
-            ModelConfig::DeepseekV3(c) => c,
-            ModelConfig::KimiLinear(c) => c,
-            ModelConfig::Qwen3Moe(c) => c,
-            ModelConfig::Mixtral(c) => c,
-            ModelConfig::GptOss(c) => c,
-            ModelConfig::Qwen3Next(c) => c,
-        }
+        each_family!(self, c => c)
     }
 
     fn as_family_mut(&mut self) -> &mut dyn Family {
-        match self {
-            ModelConfig::DeepseekV3(c) => c,
-            ModelConfig::KimiLinear(c) => c,
-            ModelConfig::Qwen3Moe(c) => c,
-            ModelConfig::Mixtral(c) => c,
-            ModelConfig::GptOss(c) => c,
-            ModelConfig::Qwen3Next(c) => c,
-        }
+        each_family!(self, c => c)
     }
 
     /// What the family's own `validate` checks (field named), plus [`Self::check_sizes`]. For a

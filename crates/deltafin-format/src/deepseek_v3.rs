@@ -10,8 +10,14 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
 
-use crate::family::{glu_expert_matrices, whole, BackboneTensor, ExpertMatrix, ExpertSource, Family, TensorRole};
-use crate::json::{bool_or, f32_in, field_err, get, resolve_aliases, text_config, token_ids, usize_or, Aliases, Range};
+use crate::family::{
+    decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors, per_expert, tensors,
+    BackboneTensor, ExpertGroups, ExpertMatrix, ExpertSource, Family, Mla, TensorRole, GATE_UP_DOWN,
+};
+use crate::json::{
+    bool_or, eos_bos, f32_in, field_err, get, read_json, require_nonzero_fields, require_only, require_silu,
+    resolve_aliases, text_config, usize_or, Aliases, Range,
+};
 use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
 
@@ -72,14 +78,7 @@ impl DeepseekV3Config {
     /// `topk_method` other than `noaux_tc`, `hidden_act` other than `silu`, a RoPE type other than
     /// `default`/`yarn`, inconsistent expert grouping).
     pub fn from_file(path: &Path) -> Result<(Self, Value), FormatError> {
-        let text = deltafin_fs::read_to_string(path).map_err(|e| FormatError::Io {
-            path: path.to_path_buf(),
-            error: e,
-        })?;
-        let raw: Value = serde_json::from_str(&text).map_err(|e| FormatError::Json {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let raw = read_json(path)?;
         let cfg = Self::from_value(&raw, path)?;
         Ok((cfg, raw))
     }
@@ -101,33 +100,9 @@ impl DeepseekV3Config {
                 ),
             ));
         }
-        if let Some(s) = get(tc, "scoring_func").and_then(|v| v.as_str()) {
-            if s != "sigmoid" {
-                return Err(field_err(
-                    path,
-                    "scoring_func",
-                    format!("{s:?} is not supported (only \"sigmoid\")"),
-                ));
-            }
-        }
-        if let Some(s) = get(tc, "topk_method").and_then(|v| v.as_str()) {
-            if s != "noaux_tc" {
-                return Err(field_err(
-                    path,
-                    "topk_method",
-                    format!("{s:?} is not supported (only \"noaux_tc\")"),
-                ));
-            }
-        }
-        if let Some(s) = get(tc, "hidden_act").and_then(|v| v.as_str()) {
-            if s != "silu" {
-                return Err(field_err(
-                    path,
-                    "hidden_act",
-                    format!("{s:?} is not supported (only \"silu\")"),
-                ));
-            }
-        }
+        require_only(tc, path, "scoring_func", "sigmoid")?;
+        require_only(tc, path, "topk_method", "noaux_tc")?;
+        require_silu(tc, path)?;
         // q_lora_rank: an explicit null means "no query compression"; an omitted key takes the
         // transformers default (1536), as DeepseekV3Config does.
         let q_lora_rank = match tc.get("q_lora_rank") {
@@ -137,18 +112,7 @@ impl DeepseekV3Config {
         };
         let max_position_embeddings = usize_or(tc, path, "max_position_embeddings", 4096)?;
         let rope = resolve_rope(tc, path, max_position_embeddings, 10000.0)?;
-        let mut eos = token_ids(get(tc, "eos_token_id"));
-        if !std::ptr::eq(tc, raw) {
-            for id in token_ids(get(raw, "eos_token_id")) {
-                if !eos.contains(&id) {
-                    eos.push(id);
-                }
-            }
-        }
-        let bos = get(tc, "bos_token_id")
-            .or_else(|| get(raw, "bos_token_id"))
-            .and_then(|v| v.as_u64())
-            .map(|x| x as u32);
+        let (eos, bos) = eos_bos(tc, raw);
         let cfg = DeepseekV3Config {
             model_type,
             vocab_size: usize_or(tc, path, "vocab_size", 129280)?,
@@ -185,22 +149,8 @@ impl DeepseekV3Config {
 
     /// Fails fast on hyperparameters this implementation cannot run.
     pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
-        let nonzero = [
-            ("vocab_size", self.vocab_size),
-            ("max_position_embeddings", self.max_position_embeddings),
-            ("hidden_size", self.hidden_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("kv_lora_rank", self.kv_lora_rank),
-            ("v_head_dim", self.v_head_dim),
-            ("n_group", self.n_group),
-            ("topk_group", self.topk_group),
-        ];
-        for (k, v) in nonzero {
-            if v == 0 {
-                return Err(field_err(path, k, "must be greater than 0"));
-            }
-        }
+        require_nonzero_fields!(path, self; vocab_size, max_position_embeddings, hidden_size, num_hidden_layers,
+            num_attention_heads, kv_lora_rank, v_head_dim, n_group, topk_group)?;
         if !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(field_err(path, "qk_rope_head_dim", "must be even"));
         }
@@ -229,20 +179,7 @@ impl DeepseekV3Config {
                     format!("topk_group {} exceeds n_group {}", self.topk_group, self.n_group),
                 ));
             }
-            if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts / self.n_group) {
-                return Err(field_err(
-                    path,
-                    "num_experts_per_tok",
-                    "more experts per token than the chosen groups hold",
-                ));
-            }
-            if self.n_group > 1 && self.n_routed_experts / self.n_group < 2 {
-                return Err(field_err(
-                    path,
-                    "n_group",
-                    "groups need at least 2 experts (group score = sum of top-2)",
-                ));
-            }
+            self.expert_groups().check(path, self.num_experts_per_tok)?;
         }
         if self.attention_bias {
             return Err(field_err(path, "attention_bias", "attention biases are not supported"));
@@ -271,172 +208,81 @@ impl DeepseekV3Config {
     pub fn qk_head_dim(&self) -> usize {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }
+
+    /// The group-limited routing fields (`n_group`, `topk_group`).
+    fn expert_groups(&self) -> ExpertGroups<'static> {
+        ExpertGroups {
+            top_k_field: "num_experts_per_tok",
+            group_field: "n_group",
+            n_experts: self.n_routed_experts,
+            n_group: self.n_group,
+            topk_group: self.topk_group,
+        }
+    }
 }
 
 impl Family for DeepseekV3Config {
-    crate::family::config_fields!();
-
-    fn family(&self) -> &'static str {
-        "deepseek_v3"
-    }
-
-    fn model_type(&self) -> &str {
-        &self.model_type
-    }
-
-    fn validate(&self, path: &Path) -> Result<(), FormatError> {
-        DeepseekV3Config::validate(self, path)
-    }
-
-    fn is_moe_layer(&self, layer: usize) -> bool {
-        DeepseekV3Config::is_moe_layer(self, layer)
-    }
-
-    fn n_routed_experts(&self) -> usize {
-        self.n_routed_experts
-    }
-
-    fn num_experts_per_tok(&self) -> usize {
-        self.num_experts_per_tok
-    }
+    crate::family::family_items!(
+        family: "deepseek_v3", model_type: self.model_type, routed_experts: n_routed_experts, top_k: num_experts_per_tok
+    );
 
     fn max_experts_per_tok(&self) -> (usize, String) {
-        (
-            self.topk_group * (self.n_routed_experts / self.n_group.max(1)),
-            format!(
-                "routed experts selectable within topk_group {} of n_group {}",
-                self.topk_group, self.n_group
-            ),
-        )
+        self.expert_groups().max_experts_per_tok()
     }
 
     /// The backbone tensors of a DeepSeek-V3 checkpoint with their shapes, in checkpoint order.
     fn backbone_tensors(&self) -> Vec<BackboneTensor> {
-        let c = self;
-        let h = c.hidden_size;
-        let nh = c.num_attention_heads;
-        let mut t = vec![(
-            "model.embed_tokens.weight".to_string(),
-            vec![c.vocab_size, h],
-            TensorRole::Matrix,
-        )];
-        for l in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            t.push((format!("{p}.input_layernorm.weight"), vec![h], TensorRole::F32));
-            t.push((format!("{p}.post_attention_layernorm.weight"), vec![h], TensorRole::F32));
-            let a = format!("{p}.self_attn");
-            match c.q_lora_rank {
-                Some(r) => {
-                    t.push((format!("{a}.q_a_proj.weight"), vec![r, h], TensorRole::Matrix));
-                    t.push((format!("{a}.q_a_layernorm.weight"), vec![r], TensorRole::F32));
-                    t.push((
-                        format!("{a}.q_b_proj.weight"),
-                        vec![nh * c.qk_head_dim(), r],
-                        TensorRole::Matrix,
-                    ));
-                }
-                None => t.push((
-                    format!("{a}.q_proj.weight"),
-                    vec![nh * c.qk_head_dim(), h],
-                    TensorRole::Matrix,
-                )),
-            }
-            t.push((
-                format!("{a}.kv_a_proj_with_mqa.weight"),
-                vec![c.kv_lora_rank + c.qk_rope_head_dim, h],
-                TensorRole::Matrix,
-            ));
-            t.push((
-                format!("{a}.kv_a_layernorm.weight"),
-                vec![c.kv_lora_rank],
-                TensorRole::F32,
-            ));
-            t.push((
-                format!("{a}.kv_b_proj.weight"),
-                vec![nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank],
-                TensorRole::Matrix,
-            ));
-            t.push((
-                format!("{a}.o_proj.weight"),
-                vec![h, nh * c.v_head_dim],
-                TensorRole::Matrix,
-            ));
+        let h = self.hidden_size;
+        let mla = Mla {
+            n_heads: self.num_attention_heads,
+            q_lora_rank: self.q_lora_rank,
+            kv_lora_rank: self.kv_lora_rank,
+            qk_nope_head_dim: self.qk_nope_head_dim,
+            qk_rope_head_dim: self.qk_rope_head_dim,
+            v_head_dim: self.v_head_dim,
+        };
+        decoder_backbone("model", self.vocab_size, h, self.num_hidden_layers, |l, p| {
+            let mut t = mla_tensors(&format!("{p}.self_attn"), h, &mla, false);
             let m = format!("{p}.mlp");
-            if c.is_moe_layer(l) {
-                t.push((format!("{m}.gate.weight"), vec![c.n_routed_experts, h], TensorRole::F32));
-                t.push((
-                    format!("{m}.gate.e_score_correction_bias"),
-                    vec![c.n_routed_experts],
-                    TensorRole::F32,
-                ));
-                if c.n_shared_experts > 0 {
-                    let si = c.moe_intermediate_size * c.n_shared_experts;
-                    t.push((
-                        format!("{m}.shared_experts.gate_proj.weight"),
-                        vec![si, h],
-                        TensorRole::Matrix,
-                    ));
-                    t.push((
-                        format!("{m}.shared_experts.up_proj.weight"),
-                        vec![si, h],
-                        TensorRole::Matrix,
-                    ));
-                    t.push((
-                        format!("{m}.shared_experts.down_proj.weight"),
-                        vec![h, si],
-                        TensorRole::Matrix,
-                    ));
+            if self.is_moe_layer(l) {
+                let e = self.n_routed_experts;
+                t.extend(tensors([
+                    (format!("{m}.gate.weight"), vec![e, h], TensorRole::F32),
+                    (format!("{m}.gate.e_score_correction_bias"), vec![e], TensorRole::F32),
+                ]));
+                if self.n_shared_experts > 0 {
+                    let si = self.moe_intermediate_size * self.n_shared_experts;
+                    t.extend(glu_mlp_tensors(&format!("{m}.shared_experts"), h, si));
                 }
             } else {
-                let i = c.intermediate_size;
-                t.push((format!("{m}.gate_proj.weight"), vec![i, h], TensorRole::Matrix));
-                t.push((format!("{m}.up_proj.weight"), vec![i, h], TensorRole::Matrix));
-                t.push((format!("{m}.down_proj.weight"), vec![h, i], TensorRole::Matrix));
+                t.extend(glu_mlp_tensors(&m, h, self.intermediate_size));
             }
-        }
-        t.push(("model.norm.weight".to_string(), vec![h], TensorRole::F32));
-        t.push(("lm_head.weight".to_string(), vec![c.vocab_size, h], TensorRole::Matrix));
-        t.into_iter()
-            .map(|(name, shape, role)| BackboneTensor { name, shape, role })
-            .collect()
+            t
+        })
     }
 
     /// The three matrices of one routed expert (`y = W x`), as named in the checkpoint.
     fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.moe_intermediate_size);
-        glu_expert_matrices(["gate_proj", "up_proj", "down_proj"], h, i)
+        glu_expert_matrices(GATE_UP_DOWN, h, i)
     }
 
     fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
-        whole(
-            format!("model.layers.{layer}.mlp.experts.{expert}.{}.weight", m.name),
-            m,
-        )
+        per_expert(&format!("model.layers.{layer}.mlp"), expert, m)
     }
 
     /// Names the converter deliberately skips: MTP layers (index ≥ num_hidden_layers) and rotary
     /// frequency buffers.
     fn is_ignored(&self, name: &str) -> bool {
-        if name.ends_with("rotary_emb.inv_freq") {
-            return true;
-        }
-        if let Some(rest) = name.strip_prefix("model.layers.") {
-            if let Some(idx) = rest.split('.').next().and_then(|s| s.parse::<usize>().ok()) {
-                return idx >= self.num_hidden_layers;
-            }
-        }
-        false
+        name.ends_with("rotary_emb.inv_freq") || is_beyond_layers(name, self.num_hidden_layers)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::family::test_support::*;
     use serde_json::json;
-
-    fn p() -> &'static Path {
-        Path::new("config.json")
-    }
 
     #[test]
     fn defaults_follow_transformers() {

@@ -27,10 +27,13 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::family::{gqa_layer_tensors, BackboneTensor, ExpertMatrix, ExpertSource, Family, Select, TensorRole};
+use crate::family::{
+    check_gqa, check_top_k, decoder_backbone, fused, gqa_attention_tensors, matrices, tensors, BackboneTensor,
+    ExpertMatrix, ExpertSource, Family, TensorRole,
+};
 use crate::json::{
-    bool_or, eos_bos, f32_in, f64_or, field_err, get, require_silu, resolve_aliases, text_config, usize_or, Aliases,
-    Range,
+    bool_or, eos_bos, f32_in, f64_or, field_err, get, opt_usize, reject_true, require_nonzero_fields, require_silu,
+    resolve_aliases, text_config, usize_null_or, usize_or, Aliases, Range,
 };
 use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
@@ -94,21 +97,18 @@ impl GptOssConfig {
                 "gpt-oss without attention biases is not supported",
             ));
         }
-        if bool_or(tc, path, "tie_word_embeddings", false)? {
-            return Err(field_err(
-                path,
-                "tie_word_embeddings",
-                "tied embeddings are not supported (gpt-oss checkpoints have an untied lm_head)",
-            ));
-        }
+        reject_true(
+            tc,
+            path,
+            "tie_word_embeddings",
+            "tied embeddings are not supported (gpt-oss checkpoints have an untied lm_head)",
+        )?;
         let hidden_size = usize_or(tc, path, "hidden_size", 2880)?;
         let num_attention_heads = usize_or(tc, path, "num_attention_heads", 64)?;
-        let num_key_value_heads = match tc.get("num_key_value_heads") {
-            Some(Value::Null) => num_attention_heads,
-            _ => usize_or(tc, path, "num_key_value_heads", 8)?,
-        };
-        let head_dim = match get(tc, "head_dim") {
-            Some(_) => usize_or(tc, path, "head_dim", 0)?,
+        let num_key_value_heads = usize_null_or(tc, path, "num_key_value_heads", num_attention_heads, 8)?;
+        // `head_dim: null` means `hidden_size / num_attention_heads`; absent means 64.
+        let head_dim = match opt_usize(tc, path, "head_dim")? {
+            Some(d) => d,
             None if tc.get("head_dim").is_some() => hidden_size / num_attention_heads.max(1),
             None => 64,
         };
@@ -182,46 +182,16 @@ impl GptOssConfig {
 
     /// Fails fast on hyperparameters this implementation cannot run (field named).
     pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
-        let nonzero = [
-            ("vocab_size", self.vocab_size),
-            ("max_position_embeddings", self.max_position_embeddings),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("num_local_experts", self.num_local_experts),
-            ("sliding_window", self.sliding_window),
-        ];
-        for (k, v) in nonzero {
-            if v == 0 {
-                return Err(field_err(path, k, "must be greater than 0"));
-            }
-        }
-        if !self.head_dim.is_multiple_of(2) {
-            return Err(field_err(path, "head_dim", "must be even (RoPE rotates pairs)"));
-        }
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
-            return Err(field_err(
-                path,
-                "num_key_value_heads",
-                format!(
-                    "num_attention_heads {} is not a multiple of num_key_value_heads {}",
-                    self.num_attention_heads, self.num_key_value_heads
-                ),
-            ));
-        }
-        if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_local_experts {
-            return Err(field_err(
-                path,
-                "num_experts_per_tok",
-                format!(
-                    "must be between 1 and num_local_experts ({}), got {}",
-                    self.num_local_experts, self.num_experts_per_tok
-                ),
-            ));
-        }
+        require_nonzero_fields!(path, self; vocab_size, max_position_embeddings, hidden_size, intermediate_size,
+            num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, num_local_experts,
+            sliding_window)?;
+        check_gqa(path, self.num_attention_heads, self.num_key_value_heads, self.head_dim)?;
+        check_top_k(
+            path,
+            self.num_experts_per_tok,
+            self.num_local_experts,
+            "num_local_experts",
+        )?;
         if self.sliding_layers.len() != self.num_hidden_layers {
             return Err(field_err(
                 path,
@@ -265,31 +235,7 @@ impl GptOssConfig {
 }
 
 impl Family for GptOssConfig {
-    crate::family::config_fields!();
-
-    fn family(&self) -> &'static str {
-        "gpt_oss"
-    }
-
-    fn model_type(&self) -> &str {
-        "gpt_oss"
-    }
-
-    fn validate(&self, path: &Path) -> Result<(), FormatError> {
-        GptOssConfig::validate(self, path)
-    }
-
-    fn is_moe_layer(&self, layer: usize) -> bool {
-        GptOssConfig::is_moe_layer(self, layer)
-    }
-
-    fn n_routed_experts(&self) -> usize {
-        self.num_local_experts
-    }
-
-    fn num_experts_per_tok(&self) -> usize {
-        self.num_experts_per_tok
-    }
+    crate::family::family_items!(family: "gpt_oss", routed_experts: num_local_experts, top_k: num_experts_per_tok);
 
     fn max_experts_per_tok(&self) -> (usize, String) {
         (self.num_local_experts, "routed experts per layer".into())
@@ -298,38 +244,23 @@ impl Family for GptOssConfig {
     /// The backbone tensors with their shapes, in checkpoint order: GQA with q/k/v/o biases and
     /// per-head `sinks [n_heads]`, the router `mlp.router.weight [E, hidden]` + `bias [E]`.
     fn backbone_tensors(&self) -> Vec<BackboneTensor> {
-        let (h, v) = (self.hidden_size, self.vocab_size);
+        let h = self.hidden_size;
         let (nh, nkv, hd) = (self.num_attention_heads, self.num_key_value_heads, self.head_dim);
-        let mut t = vec![BackboneTensor {
-            name: "model.embed_tokens.weight".into(),
-            shape: vec![v, h],
-            role: TensorRole::Matrix,
-        }];
-        for l in 0..self.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            t.extend(gqa_layer_tensors(&p, h, nh, nkv, hd, false));
+        let e = self.num_local_experts;
+        decoder_backbone("model", self.vocab_size, h, self.num_hidden_layers, |_, p| {
+            let mut t = gqa_attention_tensors(p, h, nh, nkv, hd, false);
             let a = format!("{p}.self_attn");
-            let mut push = |name: String, shape: Vec<usize>, role| t.push(BackboneTensor { name, shape, role });
-            push(format!("{a}.q_proj.bias"), vec![nh * hd], TensorRole::F32);
-            push(format!("{a}.k_proj.bias"), vec![nkv * hd], TensorRole::F32);
-            push(format!("{a}.v_proj.bias"), vec![nkv * hd], TensorRole::F32);
-            push(format!("{a}.o_proj.bias"), vec![h], TensorRole::F32);
-            push(format!("{a}.sinks"), vec![nh], TensorRole::F32);
-            let e = self.num_local_experts;
-            push(format!("{p}.mlp.router.weight"), vec![e, h], TensorRole::F32);
-            push(format!("{p}.mlp.router.bias"), vec![e], TensorRole::F32);
-        }
-        t.push(BackboneTensor {
-            name: "model.norm.weight".into(),
-            shape: vec![h],
-            role: TensorRole::F32,
-        });
-        t.push(BackboneTensor {
-            name: "lm_head.weight".into(),
-            shape: vec![v, h],
-            role: TensorRole::Matrix,
-        });
-        t
+            t.extend(tensors([
+                (format!("{a}.q_proj.bias"), vec![nh * hd], TensorRole::F32),
+                (format!("{a}.k_proj.bias"), vec![nkv * hd], TensorRole::F32),
+                (format!("{a}.v_proj.bias"), vec![nkv * hd], TensorRole::F32),
+                (format!("{a}.o_proj.bias"), vec![h], TensorRole::F32),
+                (format!("{a}.sinks"), vec![nh], TensorRole::F32),
+                (format!("{p}.mlp.router.weight"), vec![e, h], TensorRole::F32),
+                (format!("{p}.mlp.router.bias"), vec![e], TensorRole::F32),
+            ]));
+            t
+        })
     }
 
     /// The four parts of one routed expert in record order (`y = W x`): `gate_up_proj
@@ -337,20 +268,12 @@ impl Family for GptOssConfig {
     /// `down_proj [hidden, I]`, `down_proj_bias [1, hidden]` (f32).
     fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.intermediate_size);
-        [
+        matrices([
             ("gate_up_proj", 2 * i, h, TensorRole::Matrix),
             ("gate_up_proj_bias", 1, 2 * i, TensorRole::F32),
             ("down_proj", h, i, TensorRole::Matrix),
             ("down_proj_bias", 1, h, TensorRole::F32),
-        ]
-        .into_iter()
-        .map(|(n, rows, cols, role)| ExpertMatrix {
-            name: n.into(),
-            rows,
-            cols,
-            role,
-        })
-        .collect()
+        ])
     }
 
     /// Where part `m` of expert `expert` in layer `layer` comes from: slice `expert` of the
@@ -363,29 +286,15 @@ impl Family for GptOssConfig {
             TensorRole::Matrix if self.mxfp4_experts => (vec![e, m.rows, m.cols], false),
             TensorRole::Matrix => (vec![e, m.cols, m.rows], true),
         };
-        ExpertSource {
-            tensor,
-            shape,
-            select: Select::Expert {
-                index: expert,
-                transposed,
-            },
-        }
-    }
-
-    /// Names the converter deliberately skips: rotary frequency buffers.
-    fn is_ignored(&self, name: &str) -> bool {
-        name.ends_with("rotary_emb.inv_freq")
+        fused(tensor, shape, expert, transposed)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn p() -> &'static Path {
-        Path::new("config.json")
-    }
+    use crate::family::test_support::*;
+    use crate::family::Select;
 
     #[test]
     fn defaults_follow_transformers() {
@@ -516,10 +425,6 @@ mod tests {
             (json!({"hidden_act": "gelu"}), "hidden_act"),
             (json!({"sliding_window": 0}), "sliding_window"),
         ];
-        for (mut v, field) in bad {
-            v["model_type"] = json!("gpt_oss");
-            let e = GptOssConfig::from_value(&v, p()).unwrap_err();
-            assert!(e.to_string().contains(field), "{v}: {e}");
-        }
+        assert_names_field("gpt_oss", bad, GptOssConfig::from_value);
     }
 }

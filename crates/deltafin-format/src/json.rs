@@ -22,6 +22,40 @@ pub(crate) fn field_err(path: &Path, field: &str, msg: impl Into<String>) -> For
     }
 }
 
+/// Reads and parses the JSON file at `path` (a `config.json`).
+///
+/// Errors: unreadable file ([`FormatError::Io`]), malformed JSON ([`FormatError::Json`]).
+pub(crate) fn read_json(path: &Path) -> Result<Value, FormatError> {
+    let text = deltafin_fs::read_to_string(path).map_err(|e| FormatError::Io {
+        path: path.to_path_buf(),
+        error: e,
+    })?;
+    serde_json::from_str(&text).map_err(|e| FormatError::Json {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+/// Checks that every named count in `fields` is above 0, in order.
+///
+/// Errors: the first that is 0, named, with "must be greater than 0".
+pub(crate) fn require_nonzero(path: &Path, fields: &[(&str, usize)]) -> Result<(), FormatError> {
+    match fields.iter().find(|(_, v)| *v == 0) {
+        Some((k, _)) => Err(field_err(path, k, "must be greater than 0")),
+        None => Ok(()),
+    }
+}
+
+/// [`require_nonzero`] over fields of `$cfg` named as in the config, in the order given:
+/// `require_nonzero_fields!(path, self; vocab_size, hidden_size)` checks `self.vocab_size`, then
+/// `self.hidden_size`, naming the first that is 0.
+macro_rules! require_nonzero_fields {
+    ($path:expr, $cfg:expr; $($field:ident),+ $(,)?) => {
+        $crate::json::require_nonzero($path, &[$((stringify!($field), $cfg.$field)),+])
+    };
+}
+pub(crate) use require_nonzero_fields;
+
 /// Most decoder layers a config may name (the largest released MoE models have under 100).
 /// Tables of per-layer tensors are built from this count before any checkpoint is read, so it
 /// is bounded here: `num_hidden_layers` 10^7 would otherwise build gigabytes of tensor names.
@@ -68,6 +102,56 @@ pub(crate) fn usize_or(obj: &Value, path: &Path, key: &str, default: usize) -> R
             }
             Ok(x as usize)
         }
+    }
+}
+
+/// Optional integer field `key` of `obj` (absent or null: None), bounded as [`usize_or`].
+///
+/// Errors: as [`usize_or`].
+pub(crate) fn opt_usize(obj: &Value, path: &Path, key: &str) -> Result<Option<usize>, FormatError> {
+    match get(obj, key) {
+        None => Ok(None),
+        Some(_) => usize_or(obj, path, key, 0).map(Some),
+    }
+}
+
+/// Integer field `key` of `obj` where an explicit `null` means `if_null` and an absent key
+/// `if_absent` (transformers' `num_key_value_heads: null`: as many as the query heads).
+///
+/// Errors: as [`usize_or`].
+pub(crate) fn usize_null_or(
+    obj: &Value,
+    path: &Path,
+    key: &str,
+    if_null: usize,
+    if_absent: usize,
+) -> Result<usize, FormatError> {
+    match obj.get(key) {
+        Some(Value::Null) => Ok(if_null),
+        _ => usize_or(obj, path, key, if_absent),
+    }
+}
+
+/// List field `key` of `obj` of 0-based layer indices (absent or null: empty), e.g.
+/// `mlp_only_layers`.
+///
+/// Errors: not a list, or an entry that is not a non-negative integer (field named).
+pub(crate) fn layer_indices(obj: &Value, path: &Path, key: &str) -> Result<Vec<usize>, FormatError> {
+    match get(obj, key) {
+        None => Ok(Vec::new()),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_u64()
+                    .map(|x| x as usize)
+                    .ok_or_else(|| field_err(path, key, format!("expected layer indices, got {v}")))
+            })
+            .collect(),
+        Some(v) => Err(field_err(
+            path,
+            key,
+            format!("expected a list of layer indices, got {v}"),
+        )),
     }
 }
 
@@ -183,6 +267,17 @@ pub(crate) fn bool_or(obj: &Value, path: &Path, key: &str, default: bool) -> Res
     }
 }
 
+/// Fails with `message` when boolean field `key` of `obj` is true (absent or null: false): a
+/// setting this implementation does not run (`attention_bias`, `tie_word_embeddings`).
+///
+/// Errors: the field true (`message`), or not a boolean; the field is named.
+pub(crate) fn reject_true(obj: &Value, path: &Path, key: &str, message: &str) -> Result<(), FormatError> {
+    if bool_or(obj, path, key, false)? {
+        return Err(field_err(path, key, message));
+    }
+    Ok(())
+}
+
 /// Reads `eos_token_id`-style fields: an integer or a list of integers.
 pub fn token_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
@@ -219,14 +314,20 @@ pub(crate) fn eos_bos(tc: &Value, raw: &Value) -> (Vec<u32>, Option<u32>) {
     (eos, bos)
 }
 
-/// Fails with the field named unless `hidden_act` (of `tc`) is absent or `silu`.
-pub(crate) fn require_silu(tc: &Value, path: &Path) -> Result<(), FormatError> {
-    match get(tc, "hidden_act").and_then(|v| v.as_str()) {
-        Some(s) if s != "silu" => Err(field_err(
+/// Fails with the field named unless string field `key` of `obj` is absent, not a string, or
+/// `only` (`scoring_func` `sigmoid`, `hidden_act` `silu`).
+pub(crate) fn require_only(obj: &Value, path: &Path, key: &str, only: &str) -> Result<(), FormatError> {
+    match get(obj, key).and_then(|v| v.as_str()) {
+        Some(s) if s != only => Err(field_err(
             path,
-            "hidden_act",
-            format!("{s:?} is not supported (only \"silu\")"),
+            key,
+            format!("{s:?} is not supported (only \"{only}\")"),
         )),
         _ => Ok(()),
     }
+}
+
+/// Fails with the field named unless `hidden_act` (of `tc`) is absent or `silu`.
+pub(crate) fn require_silu(tc: &Value, path: &Path) -> Result<(), FormatError> {
+    require_only(tc, path, "hidden_act", "silu")
 }

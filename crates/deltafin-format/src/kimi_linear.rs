@@ -13,10 +13,13 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::family::{glu_expert_matrices, whole, BackboneTensor, ExpertMatrix, ExpertSource, Family, TensorRole};
+use crate::family::{
+    decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors, tensors, whole,
+    BackboneTensor, ExpertGroups, ExpertMatrix, ExpertSource, Family, Mla, TensorRole,
+};
 use crate::json::{
-    bool_or as bool_of, check_range, eos_bos, f32_in, field_err as err, get, resolve_aliases, text_config,
-    usize_or as usize_of, Aliases, Range,
+    bool_or as bool_of, check_range, eos_bos, f32_in, field_err as err, get, opt_usize, require_nonzero, require_only,
+    resolve_aliases, text_config, usize_or as usize_of, Aliases, Range,
 };
 use crate::FormatError;
 
@@ -222,23 +225,12 @@ impl KimiLinearConfig {
                 ))
             }
         };
-        if let Some(f) = get(tc, "moe_router_activation_func").and_then(Value::as_str) {
-            if f != "sigmoid" {
-                return Err(err(
-                    path,
-                    "moe_router_activation_func",
-                    format!("{f:?} is not supported (only \"sigmoid\")"),
-                ));
-            }
-        }
+        require_only(tc, path, "moe_router_activation_func", "sigmoid")?;
         let freq = usize_of(tc, path, "moe_layer_freq", 1)?;
         if freq != 1 {
             return Err(err(path, "moe_layer_freq", format!("{freq} is not supported (only 1)")));
         }
-        let q_lora_rank = match tc.get("q_lora_rank") {
-            None | Some(Value::Null) => None,
-            Some(_) => Some(usize_of(tc, path, "q_lora_rank", 0)?),
-        };
+        let q_lora_rank = opt_usize(tc, path, "q_lora_rank")?;
         let (eos, bos) = eos_bos(tc, raw);
         let num_attention_heads = usize_of(tc, path, "num_attention_heads", 32)?;
         let kv_heads = usize_of(tc, path, "num_key_value_heads", num_attention_heads)?;
@@ -323,20 +315,19 @@ impl KimiLinearConfig {
 
     /// Fails fast on hyperparameters this implementation cannot run.
     pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
-        for (k, v) in [
-            ("vocab_size", self.vocab_size),
-            ("max_position_embeddings", self.max_position_embeddings),
-            ("hidden_size", self.hidden_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("linear_attn_config.head_dim", self.kda_head_dim),
-            ("linear_attn_config.num_heads", self.kda_num_heads),
-            ("linear_attn_config.short_conv_kernel_size", self.short_conv_kernel_size),
-            ("num_expert_group", self.n_group),
-        ] {
-            if v == 0 {
-                return Err(err(path, k, "must be greater than 0"));
-            }
-        }
+        require_nonzero(
+            path,
+            &[
+                ("vocab_size", self.vocab_size),
+                ("max_position_embeddings", self.max_position_embeddings),
+                ("hidden_size", self.hidden_size),
+                ("num_hidden_layers", self.num_hidden_layers),
+                ("linear_attn_config.head_dim", self.kda_head_dim),
+                ("linear_attn_config.num_heads", self.kda_num_heads),
+                ("linear_attn_config.short_conv_kernel_size", self.short_conv_kernel_size),
+                ("num_expert_group", self.n_group),
+            ],
+        )?;
         for (k, v) in [
             ("attn_res_block_size", self.attn_res_block_size),
             ("routed_expert_hidden_size", self.routed_expert_hidden_size),
@@ -381,20 +372,7 @@ impl KimiLinearConfig {
                     ),
                 ));
             }
-            if self.num_experts_per_token > self.topk_group * (self.num_experts / self.n_group) {
-                return Err(err(
-                    path,
-                    "num_experts_per_token",
-                    "more experts per token than the chosen groups hold",
-                ));
-            }
-            if self.n_group > 1 && self.num_experts / self.n_group < 2 {
-                return Err(err(
-                    path,
-                    "num_expert_group",
-                    "groups need at least 2 experts (group score = sum of top-2)",
-                ));
-            }
+            self.expert_groups().check(path, self.num_experts_per_token)?;
         }
         if self.latent_moe_use_norm && self.routed_expert_hidden_size.is_none() {
             return Err(err(
@@ -439,56 +417,43 @@ impl KimiLinearConfig {
     pub fn expert_tensor(&self, layer: usize, expert: usize, m: &str) -> String {
         format!("model.layers.{layer}.block_sparse_moe.experts.{expert}.{m}.weight")
     }
+
+    /// The group-limited routing fields (`num_expert_group`, `topk_group`).
+    fn expert_groups(&self) -> ExpertGroups<'static> {
+        ExpertGroups {
+            top_k_field: "num_experts_per_token",
+            group_field: "num_expert_group",
+            n_experts: self.num_experts,
+            n_group: self.n_group,
+            topk_group: self.topk_group,
+        }
+    }
 }
 
 impl Family for KimiLinearConfig {
-    crate::family::config_fields!();
-
-    fn family(&self) -> &'static str {
-        "kimi_linear"
-    }
-
-    fn model_type(&self) -> &str {
-        &self.model_type
-    }
-
-    fn validate(&self, path: &Path) -> Result<(), FormatError> {
-        KimiLinearConfig::validate(self, path)
-    }
-
-    fn is_moe_layer(&self, layer: usize) -> bool {
-        KimiLinearConfig::is_moe_layer(self, layer)
-    }
-
-    fn n_routed_experts(&self) -> usize {
-        self.num_experts
-    }
-
-    fn num_experts_per_tok(&self) -> usize {
-        self.num_experts_per_token
-    }
+    crate::family::family_items!(
+        family: "kimi_linear", model_type: self.model_type, routed_experts: num_experts, top_k: num_experts_per_token
+    );
 
     fn max_experts_per_tok(&self) -> (usize, String) {
-        (
-            self.topk_group * (self.num_experts / self.n_group.max(1)),
-            format!(
-                "routed experts selectable within topk_group {} of num_expert_group {}",
-                self.topk_group, self.n_group
-            ),
-        )
+        self.expert_groups().max_experts_per_tok()
     }
 
     /// The resident tensors with their shapes, in checkpoint order (K3-SPEC §7; transformers'
     /// hub names for Kimi Linear).
     fn backbone_tensors(&self) -> Vec<BackboneTensor> {
         use TensorRole::{Matrix, F32};
-        let (h, v) = (self.hidden_size, self.vocab_size);
-        let mut t: Vec<(String, Vec<usize>, TensorRole)> =
-            vec![("model.embed_tokens.weight".into(), vec![v, h], Matrix)];
-        for l in 0..self.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            t.push((format!("{p}.input_layernorm.weight"), vec![h], F32));
-            t.push((format!("{p}.post_attention_layernorm.weight"), vec![h], F32));
+        let h = self.hidden_size;
+        let mla = Mla {
+            n_heads: self.num_attention_heads,
+            q_lora_rank: self.q_lora_rank,
+            kv_lora_rank: self.kv_lora_rank,
+            qk_nope_head_dim: self.qk_nope_head_dim,
+            qk_rope_head_dim: self.qk_rope_head_dim,
+            v_head_dim: self.v_head_dim,
+        };
+        let mut t = decoder_backbone("model", self.vocab_size, h, self.num_hidden_layers, |l, p| {
+            let mut t: Vec<(String, Vec<usize>, TensorRole)> = Vec::new();
             if self.attn_res_block_size.is_some() {
                 for site in ["self_attention_res", "mlp_res"] {
                     t.push((format!("{p}.{site}_norm.weight"), vec![h], F32));
@@ -496,7 +461,7 @@ impl Family for KimiLinearConfig {
                 }
             }
             let a = format!("{p}.self_attn");
-            match self.mixers[l] {
+            let mut t = match self.mixers[l] {
                 MixerKind::Kda => {
                     let (pw, d, nh, kc) = (
                         self.kda_width(),
@@ -523,68 +488,50 @@ impl Family for KimiLinearConfig {
                     }
                     t.push((format!("{a}.o_norm.weight"), vec![d], F32));
                     t.push((format!("{a}.o_proj.weight"), vec![h, pw], Matrix));
+                    tensors(t)
                 }
                 MixerKind::Mla => {
-                    let nh = self.num_attention_heads;
-                    let qk = self.qk_nope_head_dim + self.qk_rope_head_dim;
-                    match self.q_lora_rank {
-                        Some(r) => {
-                            t.push((format!("{a}.q_a_proj.weight"), vec![r, h], Matrix));
-                            t.push((format!("{a}.q_a_layernorm.weight"), vec![r], F32));
-                            t.push((format!("{a}.q_b_proj.weight"), vec![nh * qk, r], Matrix));
-                        }
-                        None => t.push((format!("{a}.q_proj.weight"), vec![nh * qk, h], Matrix)),
-                    }
-                    t.push((
-                        format!("{a}.kv_a_proj_with_mqa.weight"),
-                        vec![self.kv_lora_rank + self.qk_rope_head_dim, h],
-                        Matrix,
-                    ));
-                    t.push((format!("{a}.kv_a_layernorm.weight"), vec![self.kv_lora_rank], F32));
-                    t.push((
-                        format!("{a}.kv_b_proj.weight"),
-                        vec![nh * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank],
-                        Matrix,
-                    ));
-                    if self.mla_use_output_gate {
-                        t.push((format!("{a}.g_proj.weight"), vec![nh * self.v_head_dim, h], Matrix));
-                    }
-                    t.push((format!("{a}.o_proj.weight"), vec![h, nh * self.v_head_dim], Matrix));
+                    let mut t = tensors(t);
+                    t.extend(mla_tensors(&a, h, &mla, self.mla_use_output_gate));
+                    t
                 }
-            }
+            };
             if self.is_moe_layer(l) {
                 let m = format!("{p}.block_sparse_moe");
-                t.push((format!("{m}.gate.weight"), vec![self.num_experts, h], F32));
-                t.push((format!("{m}.gate.e_score_correction_bias"), vec![self.num_experts], F32));
+                let e = self.num_experts;
+                let mut moe = vec![
+                    (format!("{m}.gate.weight"), vec![e, h], F32),
+                    (format!("{m}.gate.e_score_correction_bias"), vec![e], F32),
+                ];
                 if let Some(lat) = self.routed_expert_hidden_size {
-                    t.push((format!("{m}.routed_expert_down_proj.weight"), vec![lat, h], Matrix));
+                    moe.push((format!("{m}.routed_expert_down_proj.weight"), vec![lat, h], Matrix));
                     if self.latent_moe_use_norm {
-                        t.push((format!("{m}.routed_expert_norm.weight"), vec![lat], F32));
+                        moe.push((format!("{m}.routed_expert_norm.weight"), vec![lat], F32));
                     }
-                    t.push((format!("{m}.routed_expert_up_proj.weight"), vec![h, lat], Matrix));
+                    moe.push((format!("{m}.routed_expert_up_proj.weight"), vec![h, lat], Matrix));
                 }
+                t.extend(tensors(moe));
                 if self.num_shared_experts > 0 {
                     let si = self.moe_intermediate_size * self.num_shared_experts;
-                    t.push((format!("{m}.shared_experts.gate_proj.weight"), vec![si, h], Matrix));
-                    t.push((format!("{m}.shared_experts.up_proj.weight"), vec![si, h], Matrix));
-                    t.push((format!("{m}.shared_experts.down_proj.weight"), vec![h, si], Matrix));
+                    t.extend(glu_mlp_tensors(&format!("{m}.shared_experts"), h, si));
                 }
             } else {
-                let i = self.intermediate_size;
-                t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h], Matrix));
-                t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], Matrix));
-                t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i], Matrix));
+                t.extend(glu_mlp_tensors(&format!("{p}.mlp"), h, self.intermediate_size));
             }
-        }
-        t.push(("model.norm.weight".into(), vec![h], F32));
+            t
+        });
         if self.attn_res_block_size.is_some() {
-            t.push(("model.output_attn_res_norm.weight".into(), vec![h], F32));
-            t.push(("model.output_attn_res_proj.weight".into(), vec![1, h], F32));
+            // The output attention residual sits between the final norm and `lm_head` (last).
+            let at = t.len() - 1;
+            t.splice(
+                at..at,
+                tensors([
+                    ("model.output_attn_res_norm.weight".into(), vec![h], F32),
+                    ("model.output_attn_res_proj.weight".into(), vec![1, h], F32),
+                ]),
+            );
         }
-        t.push(("lm_head.weight".into(), vec![v, h], Matrix));
-        t.into_iter()
-            .map(|(name, shape, role)| BackboneTensor { name, shape, role })
-            .collect()
+        t
     }
 
     /// The matrices of one routed expert, as named in the checkpoint: `w1` (gate), `w3` (up)
@@ -601,15 +548,9 @@ impl Family for KimiLinearConfig {
     /// Names the converter deliberately skips: multi-token-prediction layers and the
     /// vision tower / projector of the K3 wrapper.
     fn is_ignored(&self, name: &str) -> bool {
-        if name.starts_with("mm_projector.") || name.starts_with("multi_modal_projector.") {
-            return true;
-        }
-        if let Some(rest) = name.strip_prefix("model.layers.") {
-            if let Some(idx) = rest.split('.').next().and_then(|s| s.parse::<usize>().ok()) {
-                return idx >= self.num_hidden_layers;
-            }
-        }
-        false
+        name.starts_with("mm_projector.")
+            || name.starts_with("multi_modal_projector.")
+            || is_beyond_layers(name, self.num_hidden_layers)
     }
 
     fn recurrent_state_values(&self) -> u128 {

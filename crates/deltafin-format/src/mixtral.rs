@@ -13,10 +13,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::family::{
-    glu_expert_matrices, gqa_layer_tensors, whole, BackboneTensor, ExpertMatrix, ExpertSource, Family, TensorRole,
+    check_gqa, check_top_k, decoder_backbone, glu_expert_matrices, gqa_attention_tensors, per_expert, tensors,
+    BackboneTensor, ExpertMatrix, ExpertSource, Family, TensorRole,
 };
 use crate::json::{
-    bool_or, eos_bos, f32_in, field_err, get, require_silu, resolve_aliases, text_config, usize_or, Aliases, Range,
+    eos_bos, f32_in, field_err, opt_usize, reject_true, require_nonzero_fields, require_silu, resolve_aliases,
+    text_config, usize_null_or, usize_or, Aliases, Range,
 };
 use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
@@ -62,28 +64,18 @@ impl MixtralConfig {
         let raw = &*resolve_aliases(raw, path, ALIASES)?;
         let tc = text_config(raw);
         require_silu(tc, path)?;
-        if bool_or(tc, path, "tie_word_embeddings", false)? {
-            return Err(field_err(
-                path,
-                "tie_word_embeddings",
-                "tied embeddings are not supported (Mixtral checkpoints have an untied lm_head)",
-            ));
-        }
+        reject_true(
+            tc,
+            path,
+            "tie_word_embeddings",
+            "tied embeddings are not supported (Mixtral checkpoints have an untied lm_head)",
+        )?;
         let hidden_size = usize_or(tc, path, "hidden_size", 4096)?;
         let num_attention_heads = usize_or(tc, path, "num_attention_heads", 32)?;
         // `num_key_value_heads: null` means as many as the query heads; absent means 8.
-        let num_key_value_heads = match tc.get("num_key_value_heads") {
-            Some(Value::Null) => num_attention_heads,
-            _ => usize_or(tc, path, "num_key_value_heads", 8)?,
-        };
-        let head_dim = match get(tc, "head_dim") {
-            Some(_) => usize_or(tc, path, "head_dim", 0)?,
-            None => hidden_size / num_attention_heads.max(1),
-        };
-        let sliding_window = match get(tc, "sliding_window") {
-            None => None,
-            Some(_) => Some(usize_or(tc, path, "sliding_window", 0)?),
-        };
+        let num_key_value_heads = usize_null_or(tc, path, "num_key_value_heads", num_attention_heads, 8)?;
+        let head_dim = opt_usize(tc, path, "head_dim")?.unwrap_or(hidden_size / num_attention_heads.max(1));
+        let sliding_window = opt_usize(tc, path, "sliding_window")?;
         let max_position_embeddings = usize_or(tc, path, "max_position_embeddings", 4096 * 32)?;
         let (eos_token_id, bos_token_id) = eos_bos(tc, raw);
         let cfg = MixtralConfig {
@@ -118,45 +110,15 @@ impl MixtralConfig {
 
     /// Fails fast on hyperparameters this implementation cannot run (field named).
     pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
-        let nonzero = [
-            ("vocab_size", self.vocab_size),
-            ("max_position_embeddings", self.max_position_embeddings),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("num_local_experts", self.num_local_experts),
-        ];
-        for (k, v) in nonzero {
-            if v == 0 {
-                return Err(field_err(path, k, "must be greater than 0"));
-            }
-        }
-        if !self.head_dim.is_multiple_of(2) {
-            return Err(field_err(path, "head_dim", "must be even (RoPE rotates pairs)"));
-        }
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
-            return Err(field_err(
-                path,
-                "num_key_value_heads",
-                format!(
-                    "num_attention_heads {} is not a multiple of num_key_value_heads {}",
-                    self.num_attention_heads, self.num_key_value_heads
-                ),
-            ));
-        }
-        if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_local_experts {
-            return Err(field_err(
-                path,
-                "num_experts_per_tok",
-                format!(
-                    "must be between 1 and num_local_experts ({}), got {}",
-                    self.num_local_experts, self.num_experts_per_tok
-                ),
-            ));
-        }
+        require_nonzero_fields!(path, self; vocab_size, max_position_embeddings, hidden_size, intermediate_size,
+            num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, num_local_experts)?;
+        check_gqa(path, self.num_attention_heads, self.num_key_value_heads, self.head_dim)?;
+        check_top_k(
+            path,
+            self.num_experts_per_tok,
+            self.num_local_experts,
+            "num_local_experts",
+        )?;
         if self.sliding_window == Some(0) {
             return Err(field_err(path, "sliding_window", "must be greater than 0"));
         }
@@ -170,31 +132,7 @@ impl MixtralConfig {
 }
 
 impl Family for MixtralConfig {
-    crate::family::config_fields!();
-
-    fn family(&self) -> &'static str {
-        "mixtral"
-    }
-
-    fn model_type(&self) -> &str {
-        "mixtral"
-    }
-
-    fn validate(&self, path: &Path) -> Result<(), FormatError> {
-        MixtralConfig::validate(self, path)
-    }
-
-    fn is_moe_layer(&self, layer: usize) -> bool {
-        MixtralConfig::is_moe_layer(self, layer)
-    }
-
-    fn n_routed_experts(&self) -> usize {
-        self.num_local_experts
-    }
-
-    fn num_experts_per_tok(&self) -> usize {
-        self.num_experts_per_tok
-    }
+    crate::family::family_items!(family: "mixtral", routed_experts: num_local_experts, top_k: num_experts_per_tok);
 
     fn max_experts_per_tok(&self) -> (usize, String) {
         (self.num_local_experts, "routed experts per layer".into())
@@ -202,39 +140,17 @@ impl Family for MixtralConfig {
 
     /// The backbone tensors with their shapes, in checkpoint order.
     fn backbone_tensors(&self) -> Vec<BackboneTensor> {
-        let (h, v) = (self.hidden_size, self.vocab_size);
-        let mut t = vec![BackboneTensor {
-            name: "model.embed_tokens.weight".into(),
-            shape: vec![v, h],
-            role: TensorRole::Matrix,
-        }];
-        for l in 0..self.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            t.extend(gqa_layer_tensors(
-                &p,
-                h,
-                self.num_attention_heads,
-                self.num_key_value_heads,
-                self.head_dim,
-                false,
-            ));
-            t.push(BackboneTensor {
-                name: format!("{p}.block_sparse_moe.gate.weight"),
-                shape: vec![self.num_local_experts, h],
-                role: TensorRole::F32,
-            });
-        }
-        t.push(BackboneTensor {
-            name: "model.norm.weight".into(),
-            shape: vec![h],
-            role: TensorRole::F32,
-        });
-        t.push(BackboneTensor {
-            name: "lm_head.weight".into(),
-            shape: vec![v, h],
-            role: TensorRole::Matrix,
-        });
-        t
+        let h = self.hidden_size;
+        let (nh, nkv, hd) = (self.num_attention_heads, self.num_key_value_heads, self.head_dim);
+        decoder_backbone("model", self.vocab_size, h, self.num_hidden_layers, |_, p| {
+            let mut t = gqa_attention_tensors(p, h, nh, nkv, hd, false);
+            t.extend(tensors([(
+                format!("{p}.block_sparse_moe.gate.weight"),
+                vec![self.num_local_experts, h],
+                TensorRole::F32,
+            )]));
+            t
+        })
     }
 
     /// The three matrices of one routed expert (`y = W x`) in record order gate, up, down, with
@@ -247,29 +163,15 @@ impl Family for MixtralConfig {
     }
 
     fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
-        whole(
-            format!(
-                "model.layers.{layer}.block_sparse_moe.experts.{expert}.{}.weight",
-                m.name
-            ),
-            m,
-        )
-    }
-
-    /// Names the converter deliberately skips: rotary frequency buffers.
-    fn is_ignored(&self, name: &str) -> bool {
-        name.ends_with("rotary_emb.inv_freq")
+        per_expert(&format!("model.layers.{layer}.block_sparse_moe"), expert, m)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::family::test_support::*;
     use serde_json::json;
-
-    fn p() -> &'static Path {
-        Path::new("config.json")
-    }
 
     #[test]
     fn defaults_follow_transformers() {
@@ -309,10 +211,6 @@ mod tests {
             (json!({"hidden_act": "gelu"}), "hidden_act"),
             (json!({"head_dim": 7}), "head_dim"),
         ];
-        for (mut v, field) in bad {
-            v["model_type"] = json!("mixtral");
-            let e = MixtralConfig::from_value(&v, p()).unwrap_err();
-            assert!(e.to_string().contains(field), "{v}: {e}");
-        }
+        assert_names_field("mixtral", bad, MixtralConfig::from_value);
     }
 }

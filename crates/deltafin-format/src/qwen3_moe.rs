@@ -13,10 +13,13 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::family::{
-    glu_expert_matrices, gqa_layer_tensors, whole, BackboneTensor, ExpertMatrix, ExpertSource, Family, TensorRole,
+    check_dense_width, check_gqa, check_mlp_only_layers, check_top_k, decoder_backbone, glu_expert_matrices,
+    glu_mlp_tensors, gqa_attention_tensors, per_expert, sparse_step_moe_layer, tensors, BackboneTensor, ExpertMatrix,
+    ExpertSource, Family, TensorRole, GATE_UP_DOWN,
 };
 use crate::json::{
-    bool_or, eos_bos, f32_in, field_err, get, require_silu, resolve_aliases, text_config, usize_or, Aliases, Range,
+    bool_or, eos_bos, f32_in, field_err, layer_indices, opt_usize, reject_true, require_nonzero_fields, require_silu,
+    resolve_aliases, text_config, usize_or, Aliases, Range,
 };
 use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
@@ -73,45 +76,19 @@ impl Qwen3MoeConfig {
         let raw = &*resolve_aliases(raw, path, ALIASES)?;
         let tc = text_config(raw);
         require_silu(tc, path)?;
-        if bool_or(tc, path, "attention_bias", false)? {
-            return Err(field_err(path, "attention_bias", "attention biases are not supported"));
-        }
-        if bool_or(tc, path, "tie_word_embeddings", false)? {
-            return Err(field_err(
-                path,
-                "tie_word_embeddings",
-                "tied embeddings are not supported (Qwen3-MoE checkpoints have an untied lm_head)",
-            ));
-        }
+        reject_true(tc, path, "attention_bias", "attention biases are not supported")?;
+        reject_true(
+            tc,
+            path,
+            "tie_word_embeddings",
+            "tied embeddings are not supported (Qwen3-MoE checkpoints have an untied lm_head)",
+        )?;
         let hidden_size = usize_or(tc, path, "hidden_size", 2048)?;
         let num_attention_heads = usize_or(tc, path, "num_attention_heads", 32)?;
-        let head_dim = match get(tc, "head_dim") {
-            Some(_) => usize_or(tc, path, "head_dim", 0)?,
-            None => hidden_size / num_attention_heads.max(1),
-        };
-        let mlp_only_layers = match get(tc, "mlp_only_layers") {
-            None => Vec::new(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|v| {
-                    v.as_u64()
-                        .map(|x| x as usize)
-                        .ok_or_else(|| field_err(path, "mlp_only_layers", format!("expected layer indices, got {v}")))
-                })
-                .collect::<Result<Vec<_>, _>>()?,
-            Some(v) => {
-                return Err(field_err(
-                    path,
-                    "mlp_only_layers",
-                    format!("expected a list of layer indices, got {v}"),
-                ))
-            }
-        };
+        let head_dim = opt_usize(tc, path, "head_dim")?.unwrap_or(hidden_size / num_attention_heads.max(1));
+        let mlp_only_layers = layer_indices(tc, path, "mlp_only_layers")?;
         let sliding_window = if bool_or(tc, path, "use_sliding_window", false)? {
-            match get(tc, "sliding_window") {
-                None => None,
-                Some(_) => Some(usize_or(tc, path, "sliding_window", 0)?),
-            }
+            opt_usize(tc, path, "sliding_window")?
         } else {
             None
         };
@@ -144,80 +121,31 @@ impl Qwen3MoeConfig {
 
     /// Fails fast on hyperparameters this implementation cannot run (field named).
     pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
-        let nonzero = [
-            ("vocab_size", self.vocab_size),
-            ("max_position_embeddings", self.max_position_embeddings),
-            ("hidden_size", self.hidden_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("decoder_sparse_step", self.decoder_sparse_step),
-        ];
-        for (k, v) in nonzero {
-            if v == 0 {
-                return Err(field_err(path, k, "must be greater than 0"));
-            }
-        }
-        if !self.head_dim.is_multiple_of(2) {
-            return Err(field_err(path, "head_dim", "must be even (RoPE rotates pairs)"));
-        }
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
-            return Err(field_err(
-                path,
-                "num_key_value_heads",
-                format!(
-                    "num_attention_heads {} is not a multiple of num_key_value_heads {}",
-                    self.num_attention_heads, self.num_key_value_heads
-                ),
-            ));
-        }
-        if let Some(&l) = self.mlp_only_layers.iter().find(|&&l| l >= self.num_hidden_layers) {
-            return Err(field_err(
-                path,
-                "mlp_only_layers",
-                format!(
-                    "layer {l} does not exist (num_hidden_layers {})",
-                    self.num_hidden_layers
-                ),
-            ));
-        }
+        require_nonzero_fields!(path, self; vocab_size, max_position_embeddings, hidden_size, num_hidden_layers,
+            num_attention_heads, num_key_value_heads, head_dim, decoder_sparse_step)?;
+        check_gqa(path, self.num_attention_heads, self.num_key_value_heads, self.head_dim)?;
+        check_mlp_only_layers(path, &self.mlp_only_layers, self.num_hidden_layers)?;
         if self.sliding_window == Some(0) {
             return Err(field_err(path, "sliding_window", "must be greater than 0"));
         }
         if self.has_moe() {
-            if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts {
-                return Err(field_err(
-                    path,
-                    "num_experts_per_tok",
-                    format!(
-                        "must be between 1 and num_experts ({}), got {}",
-                        self.num_experts, self.num_experts_per_tok
-                    ),
-                ));
-            }
-            if self.moe_intermediate_size == 0 {
-                return Err(field_err(path, "moe_intermediate_size", "must be greater than 0"));
-            }
+            check_top_k(path, self.num_experts_per_tok, self.num_experts, "num_experts")?;
+            require_nonzero_fields!(path, self; moe_intermediate_size)?;
         }
-        if (0..self.num_hidden_layers).any(|l| !self.is_moe_layer(l)) && self.intermediate_size == 0 {
-            return Err(field_err(
-                path,
-                "intermediate_size",
-                "dense layers need intermediate_size > 0",
-            ));
-        }
-        Ok(())
+        check_dense_width(path, self, self.intermediate_size)
     }
 
     /// Whether decoder layer `layer` (0-based) is a MoE layer, as `Qwen3MoeDecoderLayer`
     /// decides: not in `mlp_only_layers`, experts present, and `(layer + 1) %
     /// decoder_sparse_step == 0`. [QWEN3_MOE_LAYERS]
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        layer < self.num_hidden_layers
-            && !self.mlp_only_layers.contains(&layer)
-            && self.num_experts > 0
-            && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
+        sparse_step_moe_layer(
+            layer,
+            self.num_hidden_layers,
+            &self.mlp_only_layers,
+            self.num_experts,
+            self.decoder_sparse_step,
+        )
     }
 
     /// Whether any layer is a MoE layer.
@@ -227,102 +155,45 @@ impl Qwen3MoeConfig {
 }
 
 impl Family for Qwen3MoeConfig {
-    crate::family::config_fields!();
-
-    fn family(&self) -> &'static str {
-        "qwen3_moe"
-    }
-
-    fn model_type(&self) -> &str {
-        "qwen3_moe"
-    }
-
-    fn validate(&self, path: &Path) -> Result<(), FormatError> {
-        Qwen3MoeConfig::validate(self, path)
-    }
-
-    fn is_moe_layer(&self, layer: usize) -> bool {
-        Qwen3MoeConfig::is_moe_layer(self, layer)
-    }
-
-    fn n_routed_experts(&self) -> usize {
-        self.num_experts
-    }
-
-    fn num_experts_per_tok(&self) -> usize {
-        self.num_experts_per_tok
-    }
+    crate::family::family_items!(family: "qwen3_moe", routed_experts: num_experts, top_k: num_experts_per_tok);
 
     /// The backbone tensors with their shapes, in checkpoint order.
     fn backbone_tensors(&self) -> Vec<BackboneTensor> {
-        let (h, v) = (self.hidden_size, self.vocab_size);
-        let mut t = vec![BackboneTensor {
-            name: "model.embed_tokens.weight".into(),
-            shape: vec![v, h],
-            role: TensorRole::Matrix,
-        }];
-        for l in 0..self.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            t.extend(gqa_layer_tensors(
-                &p,
-                h,
-                self.num_attention_heads,
-                self.num_key_value_heads,
-                self.head_dim,
-                true,
-            ));
+        let h = self.hidden_size;
+        let (nh, nkv, hd) = (self.num_attention_heads, self.num_key_value_heads, self.head_dim);
+        decoder_backbone("model", self.vocab_size, h, self.num_hidden_layers, |l, p| {
+            let mut t = gqa_attention_tensors(p, h, nh, nkv, hd, true);
             let m = format!("{p}.mlp");
-            let mut push = |name: String, shape: Vec<usize>, role| t.push(BackboneTensor { name, shape, role });
             if self.is_moe_layer(l) {
-                push(format!("{m}.gate.weight"), vec![self.num_experts, h], TensorRole::F32);
+                t.extend(tensors([(
+                    format!("{m}.gate.weight"),
+                    vec![self.num_experts, h],
+                    TensorRole::F32,
+                )]));
             } else {
-                let i = self.intermediate_size;
-                push(format!("{m}.gate_proj.weight"), vec![i, h], TensorRole::Matrix);
-                push(format!("{m}.up_proj.weight"), vec![i, h], TensorRole::Matrix);
-                push(format!("{m}.down_proj.weight"), vec![h, i], TensorRole::Matrix);
+                t.extend(glu_mlp_tensors(&m, h, self.intermediate_size));
             }
-        }
-        t.push(BackboneTensor {
-            name: "model.norm.weight".into(),
-            shape: vec![h],
-            role: TensorRole::F32,
-        });
-        t.push(BackboneTensor {
-            name: "lm_head.weight".into(),
-            shape: vec![v, h],
-            role: TensorRole::Matrix,
-        });
-        t
+            t
+        })
     }
 
     /// The three matrices of one routed expert (`y = W x`), as named in the checkpoint
     /// (`model.layers.{l}.mlp.experts.{e}.{name}.weight`).
     fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.moe_intermediate_size);
-        glu_expert_matrices(["gate_proj", "up_proj", "down_proj"], h, i)
+        glu_expert_matrices(GATE_UP_DOWN, h, i)
     }
 
     fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
-        whole(
-            format!("model.layers.{layer}.mlp.experts.{expert}.{}.weight", m.name),
-            m,
-        )
-    }
-
-    /// Names the converter deliberately skips: rotary frequency buffers.
-    fn is_ignored(&self, name: &str) -> bool {
-        name.ends_with("rotary_emb.inv_freq")
+        per_expert(&format!("model.layers.{layer}.mlp"), expert, m)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::family::test_support::*;
     use serde_json::json;
-
-    fn p() -> &'static Path {
-        Path::new("config.json")
-    }
 
     #[test]
     fn defaults_follow_transformers() {
@@ -374,10 +245,6 @@ mod tests {
             (json!({"tie_word_embeddings": true}), "tie_word_embeddings"),
             (json!({"head_dim": "x"}), "head_dim"),
         ];
-        for (mut v, field) in bad {
-            v["model_type"] = json!("qwen3_moe");
-            let e = Qwen3MoeConfig::from_value(&v, p()).unwrap_err();
-            assert!(e.to_string().contains(field), "{v}: {e}");
-        }
+        assert_names_field("qwen3_moe", bad, Qwen3MoeConfig::from_value);
     }
 }

@@ -27,10 +27,14 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::family::{glu_expert_matrices, BackboneTensor, ExpertMatrix, ExpertSource, Family, Select, TensorRole};
+use crate::family::{
+    check_dense_width, check_kv_heads, check_mlp_only_layers, check_top_k, decoder_backbone, fused,
+    glu_expert_matrices, glu_mlp_tensors, matrices, per_expert, sparse_step_moe_layer, tensors, BackboneTensor,
+    ExpertMatrix, ExpertSource, Family, TensorRole, GATE_UP_DOWN,
+};
 use crate::json::{
-    bool_or, eos_bos, f32_in, f64_or, field_err, get, require_silu, resolve_aliases, text_config, usize_or, Aliases,
-    Range,
+    bool_or, eos_bos, f32_in, f64_or, field_err, get, layer_indices, reject_true, require_nonzero_fields, require_silu,
+    resolve_aliases, text_config, usize_or, Aliases, Range,
 };
 use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
@@ -112,9 +116,7 @@ impl Qwen3NextConfig {
         let tmt = tc.get("model_type").and_then(Value::as_str).unwrap_or("");
         let qwen35 = tmt == "qwen3_5_moe_text";
         require_silu(tc, path)?;
-        if bool_or(tc, path, "attention_bias", false)? {
-            return Err(field_err(path, "attention_bias", "attention biases are not supported"));
-        }
+        reject_true(tc, path, "attention_bias", "attention biases are not supported")?;
         if bool_or(tc, path, "tie_word_embeddings", false)? || bool_or(raw, path, "tie_word_embeddings", false)? {
             return Err(field_err(
                 path,
@@ -163,24 +165,7 @@ impl Qwen3NextConfig {
         let mlp_only_layers = if qwen35 {
             Vec::new()
         } else {
-            match get(tc, "mlp_only_layers") {
-                None => Vec::new(),
-                Some(Value::Array(a)) => a
-                    .iter()
-                    .map(|v| {
-                        v.as_u64().map(|x| x as usize).ok_or_else(|| {
-                            field_err(path, "mlp_only_layers", format!("expected layer indices, got {v}"))
-                        })
-                    })
-                    .collect::<Result<Vec<_>, _>>()?,
-                Some(v) => {
-                    return Err(field_err(
-                        path,
-                        "mlp_only_layers",
-                        format!("expected a list of layer indices, got {v}"),
-                    ))
-                }
-            }
+            layer_indices(tc, path, "mlp_only_layers")?
         };
         let hidden_size = usize_or(tc, path, "hidden_size", 2048)?;
         let num_attention_heads = usize_or(tc, path, "num_attention_heads", 16)?;
@@ -249,25 +234,9 @@ impl Qwen3NextConfig {
 
     /// Fails fast on hyperparameters this implementation cannot run (field named).
     pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
-        for (k, v) in [
-            ("vocab_size", self.vocab_size),
-            ("max_position_embeddings", self.max_position_embeddings),
-            ("hidden_size", self.hidden_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("linear_conv_kernel_dim", self.linear_conv_kernel_dim),
-            ("linear_key_head_dim", self.linear_key_head_dim),
-            ("linear_value_head_dim", self.linear_value_head_dim),
-            ("linear_num_key_heads", self.linear_num_key_heads),
-            ("linear_num_value_heads", self.linear_num_value_heads),
-            ("decoder_sparse_step", self.decoder_sparse_step),
-        ] {
-            if v == 0 {
-                return Err(field_err(path, k, "must be greater than 0"));
-            }
-        }
+        require_nonzero_fields!(path, self; vocab_size, max_position_embeddings, hidden_size, num_hidden_layers,
+            num_attention_heads, num_key_value_heads, head_dim, linear_conv_kernel_dim, linear_key_head_dim,
+            linear_value_head_dim, linear_num_key_heads, linear_num_value_heads, decoder_sparse_step)?;
         if self.mixers.len() != self.num_hidden_layers {
             return Err(field_err(
                 path,
@@ -289,16 +258,7 @@ impl Qwen3NextConfig {
                 ),
             ));
         }
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
-            return Err(field_err(
-                path,
-                "num_key_value_heads",
-                format!(
-                    "num_attention_heads {} is not a multiple of num_key_value_heads {}",
-                    self.num_attention_heads, self.num_key_value_heads
-                ),
-            ));
-        }
+        check_kv_heads(path, self.num_attention_heads, self.num_key_value_heads)?;
         if !self.linear_num_value_heads.is_multiple_of(self.linear_num_key_heads) {
             return Err(field_err(
                 path,
@@ -309,44 +269,12 @@ impl Qwen3NextConfig {
                 ),
             ));
         }
-        if let Some(&l) = self.mlp_only_layers.iter().find(|&&l| l >= self.num_hidden_layers) {
-            return Err(field_err(
-                path,
-                "mlp_only_layers",
-                format!(
-                    "layer {l} does not exist (num_hidden_layers {})",
-                    self.num_hidden_layers
-                ),
-            ));
-        }
+        check_mlp_only_layers(path, &self.mlp_only_layers, self.num_hidden_layers)?;
         if self.has_moe() {
-            if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts {
-                return Err(field_err(
-                    path,
-                    "num_experts_per_tok",
-                    format!(
-                        "must be between 1 and num_experts ({}), got {}",
-                        self.num_experts, self.num_experts_per_tok
-                    ),
-                ));
-            }
-            for (k, v) in [
-                ("moe_intermediate_size", self.moe_intermediate_size),
-                ("shared_expert_intermediate_size", self.shared_expert_intermediate_size),
-            ] {
-                if v == 0 {
-                    return Err(field_err(path, k, "must be greater than 0"));
-                }
-            }
+            check_top_k(path, self.num_experts_per_tok, self.num_experts, "num_experts")?;
+            require_nonzero_fields!(path, self; moe_intermediate_size, shared_expert_intermediate_size)?;
         }
-        if (0..self.num_hidden_layers).any(|l| !self.is_moe_layer(l)) && self.intermediate_size == 0 {
-            return Err(field_err(
-                path,
-                "intermediate_size",
-                "dense layers need intermediate_size > 0",
-            ));
-        }
-        Ok(())
+        check_dense_width(path, self, self.intermediate_size)
     }
 
     /// Follows the checkpoint's routed-expert naming where both exist in the wild: fused over
@@ -372,10 +300,13 @@ impl Qwen3NextConfig {
     /// decides: not in `mlp_only_layers`, experts present, `(layer + 1) % decoder_sparse_step ==
     /// 0` (Qwen3.5-MoE: every layer).
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        layer < self.num_hidden_layers
-            && !self.mlp_only_layers.contains(&layer)
-            && self.num_experts > 0
-            && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
+        sparse_step_moe_layer(
+            layer,
+            self.num_hidden_layers,
+            &self.mlp_only_layers,
+            self.num_experts,
+            self.decoder_sparse_step,
+        )
     }
 
     /// Whether any layer is a MoE layer.
@@ -405,120 +336,61 @@ impl Qwen3NextConfig {
 }
 
 impl Family for Qwen3NextConfig {
-    crate::family::config_fields!();
-
-    fn family(&self) -> &'static str {
-        "qwen3_next"
-    }
-
-    fn model_type(&self) -> &str {
-        &self.model_type
-    }
-
-    fn validate(&self, path: &Path) -> Result<(), FormatError> {
-        Qwen3NextConfig::validate(self, path)
-    }
-
-    fn is_moe_layer(&self, layer: usize) -> bool {
-        Qwen3NextConfig::is_moe_layer(self, layer)
-    }
-
-    fn n_routed_experts(&self) -> usize {
-        self.num_experts
-    }
-
-    fn num_experts_per_tok(&self) -> usize {
-        self.num_experts_per_tok
-    }
+    crate::family::family_items!(
+        family: "qwen3_next", model_type: self.model_type, routed_experts: num_experts, top_k: num_experts_per_tok
+    );
 
     /// The resident tensors with their shapes, in checkpoint order. Matrices that produce
     /// gates and decays (`in_proj_ba` / `in_proj_b` / `in_proj_a`, `shared_expert_gate`, the
     /// router) stay f32 like norms.
     fn backbone_tensors(&self) -> Vec<BackboneTensor> {
-        let (h, v) = (self.hidden_size, self.vocab_size);
-        let mut t: Vec<BackboneTensor> = Vec::new();
-        let mut push = |name: String, shape: Vec<usize>, role| t.push(BackboneTensor { name, shape, role });
-        push(self.name("embed_tokens.weight"), vec![v, h], TensorRole::Matrix);
+        use TensorRole::{Matrix, F32};
+        let h = self.hidden_size;
         let (nh, nkv, hd) = (self.num_attention_heads, self.num_key_value_heads, self.head_dim);
         let (kd, vd, nv) = (self.key_dim(), self.value_dim(), self.linear_num_value_heads);
-        for l in 0..self.num_hidden_layers {
-            let p = self.name(&format!("layers.{l}"));
-            push(format!("{p}.input_layernorm.weight"), vec![h], TensorRole::F32);
-            push(format!("{p}.post_attention_layernorm.weight"), vec![h], TensorRole::F32);
+        decoder_backbone(&self.prefix, self.vocab_size, h, self.num_hidden_layers, |l, p| {
+            let mut t = Vec::new();
             match self.mixers[l] {
                 Qwen3NextMixer::Attention => {
                     let a = format!("{p}.self_attn");
-                    push(format!("{a}.q_proj.weight"), vec![2 * nh * hd, h], TensorRole::Matrix);
-                    push(format!("{a}.k_proj.weight"), vec![nkv * hd, h], TensorRole::Matrix);
-                    push(format!("{a}.v_proj.weight"), vec![nkv * hd, h], TensorRole::Matrix);
-                    push(format!("{a}.o_proj.weight"), vec![h, nh * hd], TensorRole::Matrix);
-                    push(format!("{a}.q_norm.weight"), vec![hd], TensorRole::F32);
-                    push(format!("{a}.k_norm.weight"), vec![hd], TensorRole::F32);
+                    t.push((format!("{a}.q_proj.weight"), vec![2 * nh * hd, h], Matrix));
+                    t.push((format!("{a}.k_proj.weight"), vec![nkv * hd, h], Matrix));
+                    t.push((format!("{a}.v_proj.weight"), vec![nkv * hd, h], Matrix));
+                    t.push((format!("{a}.o_proj.weight"), vec![h, nh * hd], Matrix));
+                    t.push((format!("{a}.q_norm.weight"), vec![hd], F32));
+                    t.push((format!("{a}.k_norm.weight"), vec![hd], F32));
                 }
                 Qwen3NextMixer::GatedDeltaNet => {
                     let a = format!("{p}.linear_attn");
                     if self.fused_linear_proj {
-                        push(
-                            format!("{a}.in_proj_qkvz.weight"),
-                            vec![2 * kd + 2 * vd, h],
-                            TensorRole::Matrix,
-                        );
-                        push(format!("{a}.in_proj_ba.weight"), vec![2 * nv, h], TensorRole::F32);
+                        t.push((format!("{a}.in_proj_qkvz.weight"), vec![2 * kd + 2 * vd, h], Matrix));
+                        t.push((format!("{a}.in_proj_ba.weight"), vec![2 * nv, h], F32));
                     } else {
-                        push(
-                            format!("{a}.in_proj_qkv.weight"),
-                            vec![2 * kd + vd, h],
-                            TensorRole::Matrix,
-                        );
-                        push(format!("{a}.in_proj_z.weight"), vec![vd, h], TensorRole::Matrix);
-                        push(format!("{a}.in_proj_b.weight"), vec![nv, h], TensorRole::F32);
-                        push(format!("{a}.in_proj_a.weight"), vec![nv, h], TensorRole::F32);
+                        t.push((format!("{a}.in_proj_qkv.weight"), vec![2 * kd + vd, h], Matrix));
+                        t.push((format!("{a}.in_proj_z.weight"), vec![vd, h], Matrix));
+                        t.push((format!("{a}.in_proj_b.weight"), vec![nv, h], F32));
+                        t.push((format!("{a}.in_proj_a.weight"), vec![nv, h], F32));
                     }
-                    push(
-                        format!("{a}.conv1d.weight"),
-                        vec![self.conv_dim(), 1, self.linear_conv_kernel_dim],
-                        TensorRole::F32,
-                    );
-                    push(format!("{a}.dt_bias"), vec![nv], TensorRole::F32);
-                    push(format!("{a}.A_log"), vec![nv], TensorRole::F32);
-                    push(
-                        format!("{a}.norm.weight"),
-                        vec![self.linear_value_head_dim],
-                        TensorRole::F32,
-                    );
-                    push(format!("{a}.out_proj.weight"), vec![h, vd], TensorRole::Matrix);
+                    let conv = vec![self.conv_dim(), 1, self.linear_conv_kernel_dim];
+                    t.push((format!("{a}.conv1d.weight"), conv, F32));
+                    t.push((format!("{a}.dt_bias"), vec![nv], F32));
+                    t.push((format!("{a}.A_log"), vec![nv], F32));
+                    t.push((format!("{a}.norm.weight"), vec![self.linear_value_head_dim], F32));
+                    t.push((format!("{a}.out_proj.weight"), vec![h, vd], Matrix));
                 }
             }
             let m = format!("{p}.mlp");
+            let mut t = tensors(t);
             if self.is_moe_layer(l) {
                 let s = self.shared_expert_intermediate_size;
-                push(format!("{m}.gate.weight"), vec![self.num_experts, h], TensorRole::F32);
-                push(
-                    format!("{m}.shared_expert.gate_proj.weight"),
-                    vec![s, h],
-                    TensorRole::Matrix,
-                );
-                push(
-                    format!("{m}.shared_expert.up_proj.weight"),
-                    vec![s, h],
-                    TensorRole::Matrix,
-                );
-                push(
-                    format!("{m}.shared_expert.down_proj.weight"),
-                    vec![h, s],
-                    TensorRole::Matrix,
-                );
-                push(format!("{m}.shared_expert_gate.weight"), vec![1, h], TensorRole::F32);
+                t.extend(tensors([(format!("{m}.gate.weight"), vec![self.num_experts, h], F32)]));
+                t.extend(glu_mlp_tensors(&format!("{m}.shared_expert"), h, s));
+                t.extend(tensors([(format!("{m}.shared_expert_gate.weight"), vec![1, h], F32)]));
             } else {
-                let i = self.intermediate_size;
-                push(format!("{m}.gate_proj.weight"), vec![i, h], TensorRole::Matrix);
-                push(format!("{m}.up_proj.weight"), vec![i, h], TensorRole::Matrix);
-                push(format!("{m}.down_proj.weight"), vec![h, i], TensorRole::Matrix);
+                t.extend(glu_mlp_tensors(&m, h, self.intermediate_size));
             }
-        }
-        push(self.name("norm.weight"), vec![h], TensorRole::F32);
-        push("lm_head.weight".into(), vec![v, h], TensorRole::Matrix);
-        t
+            t
+        })
     }
 
     /// The matrices of one routed expert (`y = W x`): Qwen3-Next `gate_proj`, `up_proj`
@@ -527,39 +399,24 @@ impl Family for Qwen3NextConfig {
     fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.moe_intermediate_size);
         if self.fused_experts {
-            [("gate_up_proj", 2 * i, h), ("down_proj", h, i)]
-                .into_iter()
-                .map(|(n, rows, cols)| ExpertMatrix {
-                    name: n.into(),
-                    rows,
-                    cols,
-                    role: TensorRole::Matrix,
-                })
-                .collect()
+            matrices([
+                ("gate_up_proj", 2 * i, h, TensorRole::Matrix),
+                ("down_proj", h, i, TensorRole::Matrix),
+            ])
         } else {
-            glu_expert_matrices(["gate_proj", "up_proj", "down_proj"], h, i)
+            glu_expert_matrices(GATE_UP_DOWN, h, i)
         }
     }
 
     /// Where matrix `m` of routed expert `expert` in layer `layer` comes from: its own tensor
     /// (Qwen3-Next) or slice `expert` of the fused `[E, rows, cols]` tensor (Qwen3.5-MoE).
     fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
-        let e = self.name(&format!("layers.{layer}.mlp.experts"));
+        let block = self.name(&format!("layers.{layer}.mlp"));
         if self.fused_experts {
-            ExpertSource {
-                tensor: format!("{e}.{}", m.name),
-                shape: vec![self.num_experts, m.rows, m.cols],
-                select: Select::Expert {
-                    index: expert,
-                    transposed: false,
-                },
-            }
+            let shape = vec![self.num_experts, m.rows, m.cols];
+            fused(format!("{block}.experts.{}", m.name), shape, expert, false)
         } else {
-            ExpertSource {
-                tensor: format!("{e}.{expert}.{}.weight", m.name),
-                shape: vec![m.rows, m.cols],
-                select: Select::Whole,
-            }
+            per_expert(&block, expert, m)
         }
     }
 
@@ -581,11 +438,8 @@ impl Family for Qwen3NextConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::family::test_support::*;
     use serde_json::json;
-
-    fn p() -> &'static Path {
-        Path::new("config.json")
-    }
 
     #[test]
     fn defaults_follow_transformers() {
@@ -639,10 +493,6 @@ mod tests {
                 "num_experts_per_tok",
             ),
         ];
-        for (mut v, field) in bad {
-            v["model_type"] = json!("qwen3_next");
-            let e = Qwen3NextConfig::from_value(&v, p()).unwrap_err();
-            assert!(e.to_string().contains(field), "{v}: {e}");
-        }
+        assert_names_field("qwen3_next", bad, Qwen3NextConfig::from_value);
     }
 }

@@ -72,12 +72,26 @@ fn floats(v: &Value) -> Vec<f64> {
         .collect()
 }
 
-struct CaseResult {
-    max_rel_l2: f64,
-    ids_equal: bool,
+/// The JSON file at `path`.
+fn read_json(path: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
 
-fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u64) -> CaseResult {
+/// Greedy generation of `n` tokens, past any end-of-sequence id, recording the step logits.
+fn greedy(n: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens: n,
+        eos_token_ids: vec![],
+        ignore_eos: true,
+        record_logits: true,
+        trace_routes: None,
+        ..Default::default()
+    }
+}
+
+/// `case` converted with `backbone` / `experts` into a model directory inside a temporary
+/// directory (removed when the returned guard drops).
+fn convert_case(case: &Path, backbone: StoredDtype, experts: StoredDtype) -> (tempfile::TempDir, ModelDir) {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("model");
     let opts = ConvertOptions {
@@ -87,23 +101,52 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
     };
     convert(case, &out, &opts, &NoProgress).unwrap_or_else(|e| panic!("convert {}: {e}", case.display()));
     let dir = ModelDir::open(&out).unwrap();
+    (tmp, dir)
+}
+
+/// A copy of fixture `case` in a temporary directory (removed when the returned guard drops),
+/// its `config.json` changed by `edit`.
+fn edited_copy(case: &Path, edit: impl FnOnce(&mut Value)) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    for f in std::fs::read_dir(case).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, src.join(f.file_name().unwrap())).unwrap();
+    }
+    let mut cfg = read_json(&src.join("config.json"));
+    edit(&mut cfg);
+    std::fs::write(src.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    (tmp, src)
+}
+
+/// The bytes of tensor `key` (its name in the file) as stored in the safetensors file `file`;
+/// None when the header does not list it.
+fn safetensors_bytes(file: impl AsRef<Path>, key: &str) -> Option<Vec<u8>> {
+    let bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let off = header[key]["data_offsets"].as_array()?;
+    let (a, b) = (off[0].as_u64().unwrap() as usize, off[1].as_u64().unwrap() as usize);
+    Some(bytes[8 + n + a..8 + n + b].to_vec())
+}
+
+struct CaseResult {
+    max_rel_l2: f64,
+    ids_equal: bool,
+}
+
+fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u64) -> CaseResult {
+    let (_tmp, dir) = convert_case(case, backbone, experts);
     let model: Box<dyn CausalLm> = load_model(&dir, StoreOptions::new(budget)).unwrap();
-    let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
+    let expected = read_json(&case.join("expected.json"));
     let mut worst = 0f64;
     let mut ids_equal = true;
     for (pi, p) in expected["prompts"].as_array().expect("prompts").iter().enumerate() {
         let prompt = ids(&p["prompt_ids"]);
         let want_ids = ids(&p["generated_ids"]);
         let want_logits: Vec<Vec<f64>> = p["step_logits"].as_array().unwrap().iter().map(floats).collect();
-        let opts = GenerateOptions {
-            max_new_tokens: want_ids.len(),
-            eos_token_ids: vec![],
-            ignore_eos: true,
-            record_logits: true,
-            trace_routes: None,
-            ..Default::default()
-        };
-        let got = generate(model.as_ref(), &prompt, &opts, |_| true).unwrap();
+        let got = generate(model.as_ref(), &prompt, &greedy(want_ids.len()), |_| true).unwrap();
         if got.generated_ids != want_ids {
             ids_equal = false;
         }
@@ -129,18 +172,42 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
     }
 }
 
+/// Checks `case` converted in the lossless layout against the reference: greedy ids identical,
+/// logits within [`LOSSLESS_REL_L2`].
+fn assert_lossless(case: &Path) {
+    let r = run_case(case, StoredDtype::F32, StoredDtype::F32, 1 << 30);
+    eprintln!("{}: lossless max rel L2 {:.3e}", case.display(), r.max_rel_l2);
+    assert!(r.ids_equal, "{}: greedy ids differ from the reference", case.display());
+    assert!(
+        r.max_rel_l2 < LOSSLESS_REL_L2,
+        "{}: logits rel L2 {:.3e} ≥ {LOSSLESS_REL_L2}",
+        case.display(),
+        r.max_rel_l2
+    );
+}
+
+/// Checks `case` converted in the default layout (int8 backbone, MXFP4 experts): logits within
+/// [`QUANTIZED_REL_L2`] of the reference.
+fn assert_quantized(case: &Path) {
+    let r = run_case(case, StoredDtype::Int8, StoredDtype::Mxfp4, 1 << 30);
+    eprintln!(
+        "{}: int8/mxfp4 max rel L2 {:.3e}, ids equal: {}",
+        case.display(),
+        r.max_rel_l2,
+        r.ids_equal
+    );
+    assert!(
+        r.max_rel_l2 < QUANTIZED_REL_L2,
+        "{}: int8/mxfp4 logits rel L2 {:.3e} ≥ documented bound {QUANTIZED_REL_L2}",
+        case.display(),
+        r.max_rel_l2
+    );
+}
+
 #[test]
 fn lossless_layout_matches_transformers() {
     for case in cases() {
-        let r = run_case(&case, StoredDtype::F32, StoredDtype::F32, 1 << 30);
-        eprintln!("{}: lossless max rel L2 {:.3e}", case.display(), r.max_rel_l2);
-        assert!(r.ids_equal, "{}: greedy ids differ from the reference", case.display());
-        assert!(
-            r.max_rel_l2 < LOSSLESS_REL_L2,
-            "{}: logits rel L2 {:.3e} ≥ {LOSSLESS_REL_L2}",
-            case.display(),
-            r.max_rel_l2
-        );
+        assert_lossless(&case);
     }
 }
 
@@ -149,68 +216,28 @@ fn kimi_linear_lossless_layout_matches_transformers() {
     // KDA + NoPE MLA hybrid: prompts longer than the reference's KDA chunk (8), MoE with shared
     // experts, q_lora and not, conv kernels 3 and 4 (tests/fixtures/kimi_linear/README.md).
     for case in family_cases("kimi_linear", 2) {
-        let r = run_case(&case, StoredDtype::F32, StoredDtype::F32, 1 << 30);
-        eprintln!("{}: lossless max rel L2 {:.3e}", case.display(), r.max_rel_l2);
-        assert!(r.ids_equal, "{}: greedy ids differ from the reference", case.display());
-        assert!(
-            r.max_rel_l2 < LOSSLESS_REL_L2,
-            "{}: logits rel L2 {:.3e} ≥ {LOSSLESS_REL_L2}",
-            case.display(),
-            r.max_rel_l2
-        );
+        assert_lossless(&case);
     }
 }
 
 #[test]
 fn quantized_layout_stays_within_documented_bound() {
     for case in cases() {
-        let r = run_case(&case, StoredDtype::Int8, StoredDtype::Mxfp4, 1 << 30);
-        eprintln!(
-            "{}: int8/mxfp4 max rel L2 {:.3e}, ids equal: {}",
-            case.display(),
-            r.max_rel_l2,
-            r.ids_equal
-        );
-        assert!(
-            r.max_rel_l2 < QUANTIZED_REL_L2,
-            "{}: int8/mxfp4 logits rel L2 {:.3e} ≥ documented bound {QUANTIZED_REL_L2}",
-            case.display(),
-            r.max_rel_l2
-        );
+        assert_quantized(&case);
     }
 }
 
 fn check_lossless(family: &str, min_cases: usize, expect_model_type: &str) {
     for case in family_cases(family, min_cases) {
-        let r = run_case(&case, StoredDtype::F32, StoredDtype::F32, 1 << 30);
-        eprintln!("{}: lossless max rel L2 {:.3e}", case.display(), r.max_rel_l2);
-        assert!(r.ids_equal, "{}: greedy ids differ from the reference", case.display());
-        assert!(
-            r.max_rel_l2 < LOSSLESS_REL_L2,
-            "{}: logits rel L2 {:.3e} ≥ {LOSSLESS_REL_L2}",
-            case.display(),
-            r.max_rel_l2
-        );
-        let cfg: Value = serde_json::from_slice(&std::fs::read(case.join("config.json")).unwrap()).unwrap();
+        assert_lossless(&case);
+        let cfg = read_json(&case.join("config.json"));
         assert_eq!(cfg["model_type"], expect_model_type);
     }
 }
 
 fn check_quantized(family: &str, min_cases: usize) {
     for case in family_cases(family, min_cases) {
-        let r = run_case(&case, StoredDtype::Int8, StoredDtype::Mxfp4, 1 << 30);
-        eprintln!(
-            "{}: int8/mxfp4 max rel L2 {:.3e}, ids equal: {}",
-            case.display(),
-            r.max_rel_l2,
-            r.ids_equal
-        );
-        assert!(
-            r.max_rel_l2 < QUANTIZED_REL_L2,
-            "{}: int8/mxfp4 logits rel L2 {:.3e} ≥ documented bound {QUANTIZED_REL_L2}",
-            case.display(),
-            r.max_rel_l2
-        );
+        assert_quantized(&case);
     }
 }
 
@@ -334,17 +361,10 @@ fn mixtral_default_layout_runs_within_bound() {
 #[test]
 fn mixtral_sliding_window_is_applied() {
     let case = fixtures_root("mixtral").join("mixtral_b");
-    let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("src");
-    std::fs::create_dir(&src).unwrap();
-    for f in std::fs::read_dir(&case).unwrap() {
-        let f = f.unwrap().path();
-        std::fs::copy(&f, src.join(f.file_name().unwrap())).unwrap();
-    }
-    let mut cfg: Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
-    assert_eq!(cfg["sliding_window"], 6);
-    cfg["sliding_window"] = Value::Null;
-    std::fs::write(src.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let (_tmp, src) = edited_copy(&case, |cfg| {
+        assert_eq!(cfg["sliding_window"], 6);
+        cfg["sliding_window"] = Value::Null;
+    });
     let with_window = run_case(&case, StoredDtype::F32, StoredDtype::F32, 1 << 30);
     let without = run_case(&src, StoredDtype::F32, StoredDtype::F32, 1 << 30);
     eprintln!(
@@ -358,24 +378,15 @@ fn mixtral_sliding_window_is_applied() {
 #[test]
 fn output_is_bit_identical_at_any_cache_budget() {
     let case = &cases()[0];
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("model");
-    convert(case, &out, &ConvertOptions::default(), &NoProgress).unwrap();
-    let dir = ModelDir::open(&out).unwrap();
-    let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
+    let defaults = ConvertOptions::default();
+    let (_tmp, dir) = convert_case(case, defaults.backbone, defaults.experts);
+    let expected = read_json(&case.join("expected.json"));
     let prompt = ids(expected["prompts"].as_array().unwrap().last().unwrap()["prompt_ids"]
         .clone()
         .as_array()
         .map(|_| &expected["prompts"].as_array().unwrap().last().unwrap()["prompt_ids"])
         .unwrap());
-    let opts = GenerateOptions {
-        max_new_tokens: 8,
-        eos_token_ids: vec![],
-        ignore_eos: true,
-        record_logits: true,
-        trace_routes: None,
-        ..Default::default()
-    };
+    let opts = greedy(8);
     let mut runs = Vec::new();
     for budget in [0u64, 1, 64 << 10, 1 << 30] {
         let model = load_model(&dir, StoreOptions::new(budget)).unwrap();
@@ -399,53 +410,31 @@ fn output_is_bit_identical_at_any_cache_budget() {
 #[test]
 fn generation_stops_at_an_end_of_sequence_id() {
     let case = &cases()[2];
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("model");
-    let opts = ConvertOptions {
-        backbone: StoredDtype::F32,
-        experts: StoredDtype::F32,
-        force: false,
-    };
-    convert(case, &out, &opts, &NoProgress).unwrap();
-    let model = load_model(&ModelDir::open(&out).unwrap(), StoreOptions::new(1 << 30)).unwrap();
-    let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
+    let (_tmp, dir) = convert_case(case, StoredDtype::F32, StoredDtype::F32);
+    let model = load_model(&dir, StoreOptions::new(1 << 30)).unwrap();
+    let expected = read_json(&case.join("expected.json"));
     let p = &expected["prompts"].as_array().unwrap()[1];
     let want = ids(&p["generated_ids"]);
     // Declare the reference's third generated token an end-of-sequence id: generation must stop
     // right after producing it (unless an earlier token has the same id).
     let eos = want[2];
     let stop_at = want.iter().position(|&t| t == eos).unwrap();
-    let g = generate(
-        model.as_ref(),
-        &ids(&p["prompt_ids"]),
-        &GenerateOptions {
+    let run = |ignore_eos: bool| {
+        let opts = GenerateOptions {
             max_new_tokens: 8,
             eos_token_ids: vec![eos],
-            ignore_eos: false,
+            ignore_eos,
             record_logits: false,
             trace_routes: None,
             ..Default::default()
-        },
-        |_| true,
-    )
-    .unwrap();
+        };
+        generate(model.as_ref(), &ids(&p["prompt_ids"]), &opts, |_| true).unwrap()
+    };
+    let g = run(false);
     assert_eq!(g.generated_ids, want[..=stop_at].to_vec());
     assert_eq!(g.stats.finish_reason, "eos");
     // With ignore_eos the same model runs to the limit.
-    let g = generate(
-        model.as_ref(),
-        &ids(&p["prompt_ids"]),
-        &GenerateOptions {
-            max_new_tokens: 8,
-            eos_token_ids: vec![eos],
-            ignore_eos: true,
-            record_logits: false,
-            trace_routes: None,
-            ..Default::default()
-        },
-        |_| true,
-    )
-    .unwrap();
+    let g = run(true);
     assert_eq!(g.generated_ids, want);
     assert_eq!(g.stats.finish_reason, "length");
 }
@@ -456,28 +445,13 @@ fn generation_stops_at_an_end_of_sequence_id() {
 fn kimi_k3_mxfp4_experts_are_copied_bit_for_bit() {
     use deltafin_format::checkpoint::Checkpoint;
     for case in family_cases("kimi_k3", 2) {
-        let tmp = tempfile::tempdir().unwrap();
-        let out = tmp.path().join("model");
-        let opts = ConvertOptions {
-            backbone: StoredDtype::F32,
-            experts: StoredDtype::Mxfp4,
-            force: false,
-        };
-        convert(&case, &out, &opts, &NoProgress).unwrap();
-        let dir = ModelDir::open(&out).unwrap();
+        let (_tmp, dir) = convert_case(&case, StoredDtype::F32, StoredDtype::Mxfp4);
         let pack = std::fs::read(dir.expert_pack_path()).unwrap();
         let ck = Checkpoint::open(&case).unwrap();
         let raw = |name: &str| -> Vec<u8> {
             // The checkpoint's own bytes of `name` (language_model. prefix in the file).
             let e = ck.entry(name).expect("tensor");
-            let path = ck.shard_path(e);
-            let bytes = std::fs::read(path).unwrap();
-            let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-            let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-            let t = &header[&e.file_name];
-            let off = t["data_offsets"].as_array().unwrap();
-            let (a, b) = (off[0].as_u64().unwrap() as usize, off[1].as_u64().unwrap() as usize);
-            bytes[8 + n + a..8 + n + b].to_vec()
+            safetensors_bytes(ck.shard_path(e), &e.file_name).unwrap()
         };
         let layout = &dir.manifest.experts.layout;
         let mut checked = 0;
@@ -526,14 +500,7 @@ fn raw_part(
             .expect("weight_scale part");
         let logical = scale.trim_start_matches("language_model.").to_string();
         // Read the scale tensor by its file name through the header.
-        let bytes = std::fs::read(ck.shard_path(e)).unwrap();
-        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-        let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-        let t = &header[*scale];
-        assert!(t.is_object(), "{logical} not in the header");
-        let off = t["data_offsets"].as_array().unwrap();
-        let (a, b) = (off[0].as_u64().unwrap() as usize, off[1].as_u64().unwrap() as usize);
-        bytes[8 + n + a..8 + n + b].to_vec()
+        safetensors_bytes(ck.shard_path(e), scale).unwrap_or_else(|| panic!("{logical} not in the header"))
     }
 }
 
@@ -565,31 +532,16 @@ const K3_MIN_EXACT_STEPS: usize = 38;
 fn kimi_k3_matches_llama_cpp_with_its_cpu_numerics() {
     let mut errors: Vec<f64> = Vec::new();
     for case in family_cases("kimi_k3", 2) {
-        let tmp = tempfile::tempdir().unwrap();
-        let out = tmp.path().join("model");
-        let opts = ConvertOptions {
-            backbone: StoredDtype::F32,
-            experts: StoredDtype::Mxfp4,
-            force: false,
-        };
-        convert(&case, &out, &opts, &NoProgress).unwrap();
-        let dir = ModelDir::open(&out).unwrap();
+        let (_tmp, dir) = convert_case(&case, StoredDtype::F32, StoredDtype::Mxfp4);
         let mut model = load_model(&dir, StoreOptions::new(1 << 30)).unwrap();
         model.set_numerics(Numerics::LlamaCppCpu).unwrap();
         let reference = load_model(&dir, StoreOptions::new(1 << 30)).unwrap();
-        let expected: Value = serde_json::from_slice(&std::fs::read(case.join("expected.json")).unwrap()).unwrap();
+        let expected = read_json(&case.join("expected.json"));
         let mut reference_worst = 0f64;
         for p in expected["prompts"].as_array().unwrap() {
             let prompt = ids(&p["prompt_ids"]);
             let want_ids = ids(&p["generated_ids"]);
-            let opts = GenerateOptions {
-                max_new_tokens: want_ids.len(),
-                eos_token_ids: vec![],
-                ignore_eos: true,
-                record_logits: true,
-                trace_routes: None,
-                ..Default::default()
-            };
+            let opts = greedy(want_ids.len());
             let got = generate(model.as_ref(), &prompt, &opts, |_| true).unwrap();
             assert_eq!(
                 got.generated_ids,
@@ -654,14 +606,7 @@ fn gpt_oss_default_layout_runs_within_bound() {
 
 /// The tensor `name`'s bytes as stored in the single `model.safetensors` of `case`.
 fn stored_bytes(case: &Path, name: &str) -> Vec<u8> {
-    let bytes = std::fs::read(case.join("model.safetensors")).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let off = header[name]["data_offsets"]
-        .as_array()
-        .unwrap_or_else(|| panic!("{name} not stored"));
-    let (a, b) = (off[0].as_u64().unwrap() as usize, off[1].as_u64().unwrap() as usize);
-    bytes[8 + n + a..8 + n + b].to_vec()
+    safetensors_bytes(case.join("model.safetensors"), name).unwrap_or_else(|| panic!("{name} not stored"))
 }
 
 /// gpt_oss_b stores its experts as the Hub's MXFP4 `_blocks`/`_scales`, fused over the experts:
@@ -671,15 +616,7 @@ fn stored_bytes(case: &Path, name: &str) -> Vec<u8> {
 #[test]
 fn gpt_oss_mxfp4_experts_are_copied_bit_for_bit() {
     let case = fixtures_root("gpt_oss").join("gpt_oss_b");
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("model");
-    let opts = ConvertOptions {
-        backbone: StoredDtype::F32,
-        experts: StoredDtype::Mxfp4,
-        force: false,
-    };
-    convert(&case, &out, &opts, &NoProgress).unwrap();
-    let dir = ModelDir::open(&out).unwrap();
+    let (_tmp, dir) = convert_case(&case, StoredDtype::F32, StoredDtype::Mxfp4);
     let pack = std::fs::read(dir.expert_pack_path()).unwrap();
     let layout = &dir.manifest.experts.layout;
     let dtypes: Vec<StoredDtype> = layout.iter().map(|m| m.dtype).collect();
@@ -733,17 +670,10 @@ fn gpt_oss_mxfp4_experts_are_copied_bit_for_bit() {
 #[test]
 fn gpt_oss_sliding_window_is_applied() {
     let case = fixtures_root("gpt_oss").join("gpt_oss_a");
-    let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("src");
-    std::fs::create_dir(&src).unwrap();
-    for f in std::fs::read_dir(&case).unwrap() {
-        let f = f.unwrap().path();
-        std::fs::copy(&f, src.join(f.file_name().unwrap())).unwrap();
-    }
-    let mut cfg: Value = serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
-    assert_eq!(cfg["layer_types"][0], "sliding_attention");
-    cfg["layer_types"] = serde_json::json!(["full_attention", "full_attention"]);
-    std::fs::write(src.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let (_tmp, src) = edited_copy(&case, |cfg| {
+        assert_eq!(cfg["layer_types"][0], "sliding_attention");
+        cfg["layer_types"] = serde_json::json!(["full_attention", "full_attention"]);
+    });
     let without = run_case(&src, StoredDtype::F32, StoredDtype::F32, 1 << 30);
     eprintln!("gpt_oss_a rel L2 without the window {:.3e}", without.max_rel_l2);
     assert!(without.max_rel_l2 > 100.0 * LOSSLESS_REL_L2, "{}", without.max_rel_l2);
@@ -760,29 +690,16 @@ fn gpt_oss_sliding_window_is_applied() {
 #[test]
 fn kimi_k3_matches_llama_cpp_f32_experts_within_1e3() {
     for case in family_cases("kimi_k3", 2) {
-        let tmp = tempfile::tempdir().unwrap();
-        let out = tmp.path().join("model");
-        let opts = ConvertOptions {
-            backbone: StoredDtype::F32,
-            experts: StoredDtype::Mxfp4,
-            force: false,
-        };
-        convert(&case, &out, &opts, &NoProgress).unwrap();
-        let model = load_model(&ModelDir::open(&out).unwrap(), StoreOptions::new(1 << 30)).unwrap();
-        let expected: Value =
-            serde_json::from_slice(&std::fs::read(case.join("expected_f32_experts.json")).unwrap()).unwrap();
+        let (_tmp, dir) = convert_case(&case, StoredDtype::F32, StoredDtype::Mxfp4);
+        let model = load_model(&dir, StoreOptions::new(1 << 30)).unwrap();
+        let expected = read_json(&case.join("expected_f32_experts.json"));
         let mut worst = 0f64;
         for p in expected["prompts"].as_array().unwrap() {
             let want_ids = ids(&p["generated_ids"]);
-            let opts = GenerateOptions {
-                max_new_tokens: want_ids.len(),
-                eos_token_ids: vec![],
-                ignore_eos: true,
-                record_logits: true,
-                trace_routes: None,
-                ..Default::default()
-            };
-            let got = generate(model.as_ref(), &ids(&p["prompt_ids"]), &opts, |_| true).unwrap();
+            let got = generate(model.as_ref(), &ids(&p["prompt_ids"]), &greedy(want_ids.len()), |_| {
+                true
+            })
+            .unwrap();
             assert_eq!(got.generated_ids, want_ids, "{}: greedy ids differ", case.display());
             for (g, w) in got.step_logits.iter().zip(p["step_logits"].as_array().unwrap()) {
                 worst = worst.max(rel_l2(g, &floats(w)));
