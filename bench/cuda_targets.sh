@@ -9,7 +9,8 @@
 #   1. decode, experts preloaded on the GPU, 10-token prompt, 200 tokens (twice), and the same on
 #      the CPU: tok/s and how many greedy ids the two devices share (target 5 is the CPU row);
 #   2. prefill of 1,000 and 2,000-token prompts (and decode after them), ids against the CPU for
-#      the 1,000-token prompt;
+#      the 1,000-token prompt; the 2,000-token prompt again with `--batch-form fast` (MLA in the
+#      decompressed form);
 #   3. cold: GPU budget 4,300 MiB (a third of the 12.8 GiB pack), host cache 64 MiB, page cache
 #      dropped where allowed; the disk's O_DIRECT rate measured before and after with dd; the
 #      floor is the demand bytes per decode step divided by that rate;
@@ -32,6 +33,8 @@ L="--max-new-tokens 24 --ignore-eos --ram-budget 16GiB"
 "$D" run --model "$M" --prompt-ids "$P1" $L --device cpu --stats-json "$W/t2c.json" >/dev/null 2>&1
 "$D" run --model "$M" --prompt-ids "$P2" $L --allow-context-overflow --device cuda --gpu-preload \
     --stats-json "$W/t2b.json" >/dev/null 2>&1
+"$D" run --model "$M" --prompt-ids "$P2" $L --allow-context-overflow --device cuda --gpu-preload \
+    --batch-form fast --stats-json "$W/t2f.json" >/dev/null 2>&1
 sync
 echo 3 >/proc/sys/vm/drop_caches 2>/dev/null || echo "(page cache not dropped: not allowed here)"
 DD1=$(dd if="$M/experts.pack" of=/dev/null bs=4M count=1500 iflag=direct 2>&1 | tail -1)
@@ -47,8 +50,8 @@ a, b, c = r("t1a"), r("t1b"), r("t1c")
 print(f"1 decode, preloaded: cuda {a['steady_decode_tokens_per_s']:.1f} / {b['steady_decode_tokens_per_s']:.1f} tok/s, "
       f"cpu {c['steady_decode_tokens_per_s']:.1f} tok/s; ids cuda = cpu {same(a, c)}/{len(c['generated_ids'])}, "
       f"cuda = cuda {same(a, b)}")
-p1, p1c, p2 = r("t2a"), r("t2c"), r("t2b")
-for name, x in (("1,000", p1), ("2,000", p2)):
+p1, p1c, p2, p2f = r("t2a"), r("t2c"), r("t2b"), r("t2f")
+for name, x in (("1,000", p1), ("2,000", p2), ("2,000, --batch-form fast", p2f)):
     print(f"2 prompt {name}: prefill {x['prefill_tokens_per_s']:.0f} tok/s (ttft {x['ttft_s']:.3f} s), "
           f"decode after it {x['steady_decode_tokens_per_s']:.1f} tok/s")
 print(f"2 1,000-token prompt: ids cuda = cpu {same(p1, p1c)}/{len(p1c['generated_ids'])}")
