@@ -22,6 +22,10 @@ pub use safetensors::tensor::TensorView;
 pub use safetensors::{Dtype, SafeTensors};
 pub use serde_json::Value;
 
+#[path = "../common/mod.rs"]
+mod common;
+pub use common::{exec, ok, text};
+
 /// Relative L2 error allowed between our logits and the reference's in the lossless layout
 /// (issue #2, section 7).
 pub const LOSSLESS_REL_L2: f64 = 1e-4;
@@ -41,10 +45,9 @@ pub const STAT_KEYS: &[&str] = &[
 // Helpers
 // ---------------------------------------------------------------------------------------------
 
+/// The `deltafin` binary with a two-minute wall-clock limit.
 pub fn deltafin() -> Command {
-    let mut c = Command::new(assert_cmd::cargo::cargo_bin!("deltafin"));
-    c.timeout(Duration::from_secs(120));
-    c
+    common::deltafin_within(120)
 }
 
 pub fn fixture(case: &str) -> PathBuf {
@@ -53,58 +56,11 @@ pub fn fixture(case: &str) -> PathBuf {
         .join(case)
 }
 
-pub fn exec(cmd: &mut Command) -> Output {
-    cmd.output().expect("running deltafin")
-}
-
-pub fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-/// Asserts the command succeeded, showing its stderr otherwise.
-pub fn ok(out: Output) -> Output {
-    assert!(
-        out.status.success(),
-        "deltafin failed ({}):\nstdout: {}\nstderr: {}",
-        out.status,
-        text(&out.stdout),
-        text(&out.stderr)
-    );
-    out
-}
-
-/// Asserts a clean failure: non-zero exit (not a signal), no panic, and exactly one error line
-/// that contains every needle. Clap's usage hint ("For more information, try '--help'.") is the
-/// only other line allowed. Returns the error line.
+/// Asserts a clean failure ([`common::expect_error_with`]): non-zero exit (not a signal), no
+/// panic, and exactly one error line that contains every needle; clap's usage hint is the only
+/// other line allowed. Returns the error line.
 pub fn expect_error(out: &Output, needles: &[&str]) -> String {
-    let stderr = text(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "expected a failure, got success\nstdout: {}\nstderr: {stderr}",
-        text(&out.stdout)
-    );
-    assert!(
-        out.status.code().is_some(),
-        "deltafin died from signal {:?}\nstderr: {stderr}",
-        out.status.signal()
-    );
-    assert!(
-        !stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"),
-        "deltafin panicked:\n{stderr}"
-    );
-    let lines: Vec<&str> = stderr
-        .lines()
-        .map(str::trim_end)
-        .filter(|l| !l.is_empty() && !l.starts_with("For more information"))
-        .collect();
-    assert_eq!(lines.len(), 1, "expected one error line, got:\n{stderr}");
-    let line = lines[0];
-    eprintln!("{line}"); // shown with --nocapture, to review the messages
-    assert!(line.starts_with("error: "), "not an error line: {line}");
-    for n in needles {
-        assert!(line.contains(n), "error line lacks {n:?}: {line}");
-    }
-    line.to_string()
+    common::expect_error_with(out, needles, true)
 }
 
 pub fn copy_dir(src: &Path, dst: &Path) {

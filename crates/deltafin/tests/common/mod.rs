@@ -1,5 +1,6 @@
 //! Helpers shared by the CLI test files that drive the real `deltafin` binary and demand clean
-//! one-line failures (`hostile_inputs.rs`, `integrity.rs`).
+//! one-line failures (`hostile_inputs.rs`, `integrity.rs`, and through `cli_support` the
+//! `cli_*.rs` files).
 
 #![allow(dead_code)]
 
@@ -41,6 +42,13 @@ pub fn ok(out: Output) -> Output {
 /// Asserts a clean failure: a non-zero exit (not a signal: a timeout kills), no panic, exactly
 /// one `error:` line on stderr containing every needle. Returns that line.
 pub fn expect_error(out: &Output, needles: &[&str]) -> String {
+    expect_error_with(out, needles, false)
+}
+
+/// [`expect_error`], with clap's usage hint ("For more information, try '--help'.") allowed as
+/// a second line when `usage_hint` (command-line parse errors). Prints the error line (shown
+/// with `--nocapture`, to review the messages).
+pub fn expect_error_with(out: &Output, needles: &[&str], usage_hint: bool) -> String {
     let stderr = text(&out.stderr);
     assert!(
         !out.status.success(),
@@ -52,10 +60,19 @@ pub fn expect_error(out: &Output, needles: &[&str]) -> String {
         "deltafin died from signal {:?} (killed by the timeout?)\nstderr: {stderr}",
         out.status.signal()
     );
-    assert!(!stderr.contains("panicked"), "deltafin panicked:\n{stderr}");
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"),
+        "deltafin panicked:\n{stderr}"
+    );
+    let lines: Vec<&str> = stderr
+        .lines()
+        .map(str::trim_end)
+        .filter(|l| !l.trim().is_empty())
+        .filter(|l| !usage_hint || !l.starts_with("For more information"))
+        .collect();
     assert_eq!(lines.len(), 1, "expected one error line, got:\n{stderr}");
     let line = lines[0];
+    eprintln!("{line}");
     assert!(line.starts_with("error: "), "not an error line: {line}");
     for n in needles {
         assert!(line.contains(n), "error line lacks {n:?}: {line}");
