@@ -466,13 +466,16 @@ struct Expert {
 // NM dot products of MXFP4 rows of `cols` columns, row m with codes pm[m], scales sm[m] and
 // activations xm[m] (all the same x when SHARED_X), each computed with mx_rows' operations in
 // its order at one row and one token, so each lane partial (and its warp_sum) is the one
-// mat_row_dot gives for that row, bit for bit. The code and scale loads of every row for CH
+// mat_row_dot gives for that row, bit for bit. The block scales come from the block's table
+// `sct` (mx_scale_table: the same values, no branches) and the codes are loaded past L1 (read
+// once a step; L1 keeps x). The code and scale loads of every row for CH
 // steps are issued before any is used, and with SHARED_X each x load serves all NM rows: a
 // decode step's expert matrices are small, and one row at a time leaves the warp waiting on
 // its loads (ncu: L1TEX scoreboard stalls, 15 % of DRAM bandwidth).
 template <int NM, int CH, bool SHARED_X>
 __device__ __forceinline__ void mx_dots(const u8* const (&pm)[NM], const u8* const (&sm)[NM],
-                                        const float* const (&xm)[NM], int cols, float acc[NM]) {
+                                        const float* const (&xm)[NM], int cols, const float* sct,
+                                        float acc[NM]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int nb = (cols + 31) >> 5;
     const int full = (cols & 3) == 0 ? cols >> 5 : 0;
@@ -486,8 +489,8 @@ __device__ __forceinline__ void mx_dots(const u8* const (&pm)[NM], const u8* con
             const int b = b0 + 8 * c;
 #pragma unroll
             for (int m = 0; m < NM; ++m) {
-                w[c][m] = b < nb ? *reinterpret_cast<const u32*>(pm[m] + (size_t)b * 16 + 4 * q) : 0u;
-                sc[c][m] = b < nb ? e8m0(sm[m][b]) * Dec<MX_DEC>::SCALE : 0.0f;
+                w[c][m] = b < nb ? ld_stream_u32(reinterpret_cast<const u32*>(pm[m] + (size_t)b * 16 + 4 * q)) : 0u;
+                sc[c][m] = b < nb ? sct[sm[m][b]] : 0.0f;
             }
         }
 #pragma unroll
@@ -531,6 +534,8 @@ __device__ __forceinline__ void mx_dots(const u8* const (&pm)[NM], const u8* con
 extern "C" __global__ void __launch_bounds__(256)
     moe_gate_up_tab(const Expert* __restrict__ table, const int* __restrict__ ids, int inter,
                     const float* __restrict__ x, float* __restrict__ h) {
+    __shared__ float sct[256];
+    mx_scale_table(sct);
     const int j = blockIdx.y;
     const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (row >= inter) return;
@@ -545,7 +550,7 @@ extern "C" __global__ void __launch_bounds__(256)
                                  reinterpret_cast<const u8*>(u.s) + (size_t)row * nb};
         const float* const xm[2] = {x, x};
         float a[2];
-        mx_dots<2, 8, true>(pm, sm, xm, g.cols, a);
+        mx_dots<2, 8, true>(pm, sm, xm, g.cols, sct, a);
         gv = warp_sum(a[0]);
         uv = warp_sum(a[1]);
     } else {
@@ -564,6 +569,8 @@ extern "C" __global__ void __launch_bounds__(256)
     moe_down_combine_tab(const Expert* __restrict__ table, const int* __restrict__ ids,
                          const float* __restrict__ w, int k, int hidden, int inter, const float* __restrict__ h,
                          Mat shared_down, const float* __restrict__ shared_h, float* __restrict__ x) {
+    __shared__ float sct[256];
+    mx_scale_table(sct);
     const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (row >= hidden) return;
     float acc = 0.0f;
@@ -588,7 +595,7 @@ extern "C" __global__ void __launch_bounds__(256)
                 xm[jj] = h + (size_t)(j0 + min(jj, nj - 1)) * inter;
             }
             float a[4];
-            mx_dots<4, 4, false>(pm, sm, xm, inter, a);
+            mx_dots<4, 4, false>(pm, sm, xm, inter, sct, a);
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
                 const float y = warp_sum(a[jj]);

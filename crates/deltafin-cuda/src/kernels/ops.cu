@@ -478,12 +478,18 @@ __device__ __forceinline__ u32 ld_stream_u32(const u32* p) {
     return v;
 }
 
+// sct[s] = e8m0(s) * DEC_SCALE for every scale byte s (the factor every MXFP4 kernel multiplies a
+// lane's block partial by), filled by the whole block: call it before any thread returns.
+__device__ __forceinline__ void mx_scale_table(float* sct) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) sct[i] = e8m0((u8)i) * Dec<MX_DEC>::SCALE;
+    __syncthreads();
+}
+
 template <int R, int U>
 __device__ __forceinline__ void mxfp4_mvl(const u8* __restrict__ packed, const u8* __restrict__ scales, int rows,
                                           int cols, const float* __restrict__ x, float* __restrict__ y) {
     __shared__ float sct[256];
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) sct[i] = e8m0((u8)i) * Dec<MX_DEC>::SCALE;
-    __syncthreads();
+    mx_scale_table(sct);
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int nb = cols >> 5;
     const int stride = gridDim.x * (blockDim.x >> 5) * R;
