@@ -77,6 +77,20 @@ pub enum EngineError {
     Invalid(String),
 }
 
+impl EngineError {
+    /// `Ok` when every id of `tokens` is below `vocab_size`, else
+    /// [`EngineError::TokenOutOfRange`] naming the first that is not.
+    ///
+    /// # Errors
+    /// As said.
+    pub fn check_tokens(tokens: &[u32], vocab_size: usize) -> Result<(), EngineError> {
+        match tokens.iter().find(|&&t| t as usize >= vocab_size) {
+            Some(&id) => Err(EngineError::TokenOutOfRange { id, vocab_size }),
+            None => Ok(()),
+        }
+    }
+}
+
 pub use blocks::mla::MlaForm;
 pub use device::{load_model_on, Device, GpuOptions};
 pub use gpu_experts::GpuCacheStats;

@@ -211,9 +211,7 @@ impl Session {
             return Err(EngineError::Invalid("max_new_tokens must be at least 1".into()));
         }
         let vocab = self.vocab_size();
-        if let Some(&id) = req.prompt.iter().find(|&&id| id as usize >= vocab) {
-            return Err(EngineError::TokenOutOfRange { id, vocab_size: vocab });
-        }
+        EngineError::check_tokens(&req.prompt, vocab)?;
         req.sampling.check(vocab).map_err(EngineError::Invalid)?;
         let ctx = self.context_length();
         if n_prompt + req.max_new_tokens > ctx {

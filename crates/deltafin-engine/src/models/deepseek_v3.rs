@@ -263,12 +263,7 @@ impl DeepseekV3 {
         draft: bool,
     ) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         let c = &self.cfg;
-        if token as usize >= c.vocab_size {
-            return Err(EngineError::TokenOutOfRange {
-                id: token,
-                vocab_size: c.vocab_size,
-            });
-        }
+        EngineError::check_tokens(&[token], c.vocab_size)?;
         let pos = cache.len;
         let h = c.hidden_size;
         // x: [hidden]
@@ -442,12 +437,7 @@ impl DeepseekV3 {
     /// experts are summed in the same order.
     fn forward_chunk(&self, cache: &mut KvCache, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError> {
         let c = &self.cfg;
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(EngineError::TokenOutOfRange {
-                id,
-                vocab_size: c.vocab_size,
-            });
-        }
+        EngineError::check_tokens(tokens, c.vocab_size)?;
         let nt = tokens.len();
         if nt == 0 {
             return Ok(BatchOutput::default());

@@ -759,12 +759,7 @@ impl DeepseekV3Cuda {
 
     fn forward_token(&self, cache: &mut GpuKvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         let c = &self.cpu.cfg;
-        if token as usize >= c.vocab_size {
-            return Err(EngineError::TokenOutOfRange {
-                id: token,
-                vocab_size: c.vocab_size,
-            });
-        }
+        EngineError::check_tokens(&[token], c.vocab_size)?;
         let g = &self.gpu;
         g.bind_to_thread().map_err(cuda)?;
         cache.reserve(cache.len + 1).map_err(cuda)?;
@@ -893,12 +888,7 @@ impl DeepseekV3Cuda {
     ) -> Result<BatchOutput, EngineError> {
         let c = &self.cpu.cfg;
         let n = tokens.len();
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(EngineError::TokenOutOfRange {
-                id: bad,
-                vocab_size: c.vocab_size,
-            });
-        }
+        EngineError::check_tokens(tokens, c.vocab_size)?;
         let g = &self.gpu;
         g.bind_to_thread().map_err(cuda)?;
         let t0 = cache.len;

@@ -423,12 +423,7 @@ impl GqaCuda {
             return Ok(BatchOutput::default());
         }
         let vocab = self.cpu.vocab_size();
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::TokenOutOfRange {
-                id: bad,
-                vocab_size: vocab,
-            });
-        }
+        EngineError::check_tokens(tokens, vocab)?;
         let g = &self.gpu;
         g.bind_to_thread().map_err(cuda)?;
         let t0 = cache.len;

@@ -224,12 +224,7 @@ impl<F: GqaMlp> GqaLm<F> {
     }
 
     fn check_state(&self, cache: &KvCache, tokens: &[u32]) -> Result<(), EngineError> {
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.vocab_size) {
-            return Err(EngineError::TokenOutOfRange {
-                id,
-                vocab_size: self.vocab_size,
-            });
-        }
+        EngineError::check_tokens(tokens, self.vocab_size)?;
         cache.check(self.layers.len(), &self.attn.dims)
     }
 

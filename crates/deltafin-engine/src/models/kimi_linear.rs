@@ -453,12 +453,7 @@ impl KimiLinear {
         draft: bool,
     ) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         let c = &self.cfg;
-        if token as usize >= c.vocab_size {
-            return Err(EngineError::TokenOutOfRange {
-                id: token,
-                vocab_size: c.vocab_size,
-            });
-        }
+        EngineError::check_tokens(&[token], c.vocab_size)?;
         let pos = st.len;
         let h = c.hidden_size;
         // x: [hidden] = embed_tokens[token]
@@ -537,12 +532,7 @@ impl KimiLinear {
     ) -> Result<BatchOutput, EngineError> {
         let c = &self.cfg;
         let (h, nt) = (c.hidden_size, tokens.len());
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(EngineError::TokenOutOfRange {
-                id,
-                vocab_size: c.vocab_size,
-            });
-        }
+        EngineError::check_tokens(tokens, c.vocab_size)?;
         let pos0 = st.len;
         let bb = &self.backbone;
         let embed = bb.mat(&self.w.embed_tokens);

@@ -887,12 +887,7 @@ impl KimiLinearCuda {
 
     fn forward_token(&self, st: &mut KimiGpuState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         let c = &self.cpu.cfg;
-        if token as usize >= c.vocab_size {
-            return Err(EngineError::TokenOutOfRange {
-                id: token,
-                vocab_size: c.vocab_size,
-            });
-        }
+        EngineError::check_tokens(&[token], c.vocab_size)?;
         if let Some(e) = st.broken.take() {
             return Err(EngineError::Invalid(format!("CUDA: a KDA state commit failed: {e}")));
         }

@@ -521,16 +521,11 @@ impl Qwen3Next {
         if foreign || st.layers.len() != c.num_hidden_layers || st.kv_dim != c.num_key_value_heads * c.head_dim {
             return Err(EngineError::Invalid("decode state belongs to another model".into()));
         }
+        EngineError::check_tokens(tokens, c.vocab_size)?;
         let bb = &self.backbone;
         let embed = bb.mat(&self.embed_tokens);
         let mut x = vec![0f32; n * h];
         for (t, &tok) in tokens.iter().enumerate() {
-            if tok as usize >= c.vocab_size {
-                return Err(EngineError::TokenOutOfRange {
-                    id: tok,
-                    vocab_size: c.vocab_size,
-                });
-            }
             embed.row_into(tok as usize, &mut x[t * h..(t + 1) * h]);
         }
         let pos0 = st.len;
