@@ -320,7 +320,13 @@ impl Gpu {
                     )));
                 }
                 let (n_i, qt_i) = (n as i32, qt as i32);
-                let mut b = self.stream().launch_builder(self.k.get("mla_prefill_tiled")?);
+                // The small instance where the shape allows it (same bits, half the registers).
+                let name = if kvl <= 256 && s.rope <= 32 {
+                    "mla_prefill_tiled_256"
+                } else {
+                    "mla_prefill_tiled"
+                };
+                let mut b = self.stream().launch_builder(self.k.get(name)?);
                 b.arg(q)
                     .arg(ckv)
                     .arg(kpe)

@@ -89,6 +89,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "mla_prefill_i8",
     "mla_prefill_f32",
     "mla_prefill_tiled",
+    "mla_prefill_tiled_256",
     "mla_prefill_combine_i8",
     "mla_prefill_combine_f32",
     "mla_mha_prefill_v64",

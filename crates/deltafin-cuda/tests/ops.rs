@@ -1206,8 +1206,10 @@ fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
 
 /// Both MLA prefill forms give every token of a chunk the bits of its decode, on awkward shapes
 /// (3 heads, latent rank 40: lanes with one and two latent columns, 10 rope dims, 30 query-heads
-/// a tiled block) and on the `bench` preset's (16 heads, rank 512, rope 64), with int8 and f32
-/// `kv_b_proj`, chunks that start at 0 and mid-split and end mid-split.
+/// a tiled block), DeepSeek-V3's (16 heads, rank 512, rope 64; the tiled kernel's large instance),
+/// the `bench` preset's (rank 256, rope 32; the small instance) and rank 300 with rope 40 (the
+/// large instance with idle lanes), with int8 and f32 `kv_b_proj`, chunks that start at 0 and
+/// mid-split and end mid-split.
 #[test]
 fn mla_prefill_forms_equal_decode() {
     use deltafin_cuda::{MlaPrefillForm, MlaShape};
@@ -1229,6 +1231,22 @@ fn mla_prefill_forms_equal_decode() {
             rope: 64,
             v_head_dim: 128,
             kv_lora_rank: 512,
+        },
+        // The bench preset's attention (the tiled kernel's small instance) and a rank between
+        // the two instances (the large one with idle lanes).
+        MlaShape {
+            n_heads: 16,
+            nope: 64,
+            rope: 32,
+            v_head_dim: 64,
+            kv_lora_rank: 256,
+        },
+        MlaShape {
+            n_heads: 5,
+            nope: 16,
+            rope: 40,
+            v_head_dim: 24,
+            kv_lora_rank: 300,
         },
     ] {
         let (nh, qk, vd, kvl) = (s.n_heads, s.nope + s.rope, s.v_head_dim, s.kv_lora_rank);

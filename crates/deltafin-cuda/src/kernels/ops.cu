@@ -1132,12 +1132,14 @@ __device__ __forceinline__ void rope_pair(float xa, float xb, float c, float s, 
 //   mla_qabs_* (same bits).
 //   q_abs = W_UK_h^T q_nope (sum over the nope rows in order); s_t = (q_abs . c_t + q_pe . k_t) *
 //   scale (warp butterfly sums, a warp per position); per split: m = max s_t, e_t = exp(s_t - m),
-//   l = sum e_t (lane l adds e_l, e_{l + 32}, then the butterfly), acc = sum_t e_t c_t in t order;
+//   l = sum e_t (lane l adds e_l, e_{l + 32}, then the butterfly), acc = sum_t e_t c_t in t order
+//   (one fused multiply-add a term);
 //   combine: M = max m_s, f_s = exp(m_s - M), L = sum_s f_s l_s, ctx = (sum_s f_s acc_s) / L in
 //   split order; o_h = W_UV_h ctx (int8: scale * sum, warp butterfly). The result depends on T
 //   only, never on S_cap, so a prompt's chunk (mla_prefill_*) gives each token decode's bits.
 // Dynamic shared memory: 2 * kvl + rope + 64 floats.
 #define MLA_SPLIT 64
+#define MLA_FS 256  // splits whose exp(m_s - M) mla_combine holds in shared memory at a time
 
 // q_abs[c] = sum_r q_nope[r] W_UK_h[r, c] (r in order) into qa, threads over c.
 template <bool I8>
@@ -1214,7 +1216,7 @@ __device__ __forceinline__ void mla_part(const float* __restrict__ qh, const flo
     for (int c = tid; c < kvl; c += 256) {
         float a = 0.0f;
 #pragma unroll 8
-        for (int u = 0; u < n; ++u) a = __fadd_rn(a, __fmul_rn(sc[u], ckv[(size_t)(t0 + u) * kvl + c]));
+        for (int u = 0; u < n; ++u) a = __fmaf_rn(sc[u], ckv[(size_t)(t0 + u) * kvl + c], a);
         part[(size_t)sp * (kvl + 2) + 2 + c] = a;
     }
     __syncthreads();
@@ -1229,20 +1231,38 @@ __device__ __forceinline__ void mla_combine(int S, const float* part, const void
                                             float* ctx, float* __restrict__ out_h) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int base = h * (nope + vd);
+    // f_s = exp(m_s - M) once a split (not once a (split, column)), MLA_FS splits at a time
+    // through shared memory; L and the columns add f_s-weighted terms in split order as before.
+    __shared__ float fs[MLA_FS], ls[MLA_FS];
     float mm = __int_as_float(0xff800000u);
     for (int s2 = 0; s2 < S; ++s2) mm = fmaxf(mm, __ldcg(part + (size_t)s2 * (kvl + 2)));
-    float L = 0.0f;
-    for (int s2 = 0; s2 < S; ++s2) {
-        const float* ps = part + (size_t)s2 * (kvl + 2);
-        L = __fadd_rn(L, __fmul_rn(exp_f32(__ldcg(ps) - mm), __ldcg(ps + 1)));
-    }
-    for (int c = tid; c < kvl; c += 256) {
-        float a = 0.0f;
-        for (int s2 = 0; s2 < S; ++s2) {
-            const float* ps = part + (size_t)s2 * (kvl + 2);
-            a = __fadd_rn(a, __fmul_rn(exp_f32(__ldcg(ps) - mm), __ldcg(ps + 2 + c)));
+    for (int c0 = 0; c0 < kvl; c0 += 512) {
+        float a[2] = {0.0f, 0.0f}, L = 0.0f;
+        for (int s0 = 0; s0 < S; s0 += MLA_FS) {
+            const int ns = min(MLA_FS, S - s0);
+            __syncthreads();  // the previous chunk's f_s are no longer read
+            for (int i = tid; i < ns; i += 256) {
+                const float* ps = part + (size_t)(s0 + i) * (kvl + 2);
+                fs[i] = exp_f32(__ldcg(ps) - mm);
+                ls[i] = __ldcg(ps + 1);
+            }
+            __syncthreads();
+            for (int i = 0; i < ns; ++i) {
+                const float* ps = part + (size_t)(s0 + i) * (kvl + 2) + 2;
+                const float f = fs[i];
+                L = __fadd_rn(L, __fmul_rn(f, ls[i]));
+#pragma unroll
+                for (int z = 0; z < 2; ++z) {
+                    const int c = c0 + tid + 256 * z;
+                    if (c < kvl) a[z] = __fadd_rn(a[z], __fmul_rn(f, __ldcg(ps + c)));
+                }
+            }
         }
-        ctx[c] = __fdiv_rn(a, L);
+#pragma unroll
+        for (int z = 0; z < 2; ++z) {
+            const int c = c0 + tid + 256 * z;
+            if (c < kvl) ctx[c] = __fdiv_rn(a[z], L);
+        }
     }
     __syncthreads();
     for (int j = warp; j < vd; j += 8) {
@@ -1674,14 +1694,16 @@ extern "C" __global__ void moe_combine_tokens(const float* __restrict__ y, const
 //   the 32 partials are summed by warp_reduce_scatter (warp_sum's tree), then (a + b) * scale.
 //   Softmax: a warp a query-head, mla_part's max, exp and sum (lane l adds e_l then e_{l+32}).
 //   Values: thread i owns columns i and i + 256 for 32 query-heads at a time and adds
-//   e_u * ckv[t_u, c] for u in order (mla_part's __fadd_rn / __fmul_rn), skipping the positions
+//   e_u * ckv[t_u, c] for u in order (mla_part's fused multiply-adds), skipping the positions
 //   a token does not see (only at the end of its split).
 // mla_prefill_combine_* then combines every (token, head) (mla_combine), one block each. The
-// partials do not depend on kv_b_proj, so this kernel has one form. Needs kvl <= 512, rope <= 64
-// and at most 128 heads (the host uses mla_prefill_* otherwise). Dynamic shared memory:
-// MLA_SPLIT * nqp + 32 floats, nqp = qt * nh rounded up to 4.
+// partials do not depend on kv_b_proj, so this kernel has one form (two sizes: KV = 16 latent
+// columns a lane, RP = 2 rope columns, NC = 2 value columns a thread for kvl <= 512, rope <= 64;
+// 8 / 1 / 1 for kvl <= 256, rope <= 32). At most 128 heads (the host uses mla_prefill_*
+// otherwise). Dynamic shared memory: MLA_SPLIT * nqp + 32 floats, nqp = qt * nh rounded up to 4.
 #define MLA_QH 4
 
+template <int KV, int RP, int NC>
 __device__ __forceinline__ void mla_prefill_tiled_impl(const float* __restrict__ q, const float* __restrict__ ckv,
                                                        const float* __restrict__ kpe, int nh, int nope, int rope,
                                                        int kvl, int t0, int n, int qt, int s_cap,
@@ -1696,35 +1718,35 @@ __device__ __forceinline__ void mla_prefill_tiled_impl(const float* __restrict__
     float* es = sh;  // [MLA_SPLIT, nqp]: scores, then their exps
     if (nmax > 0) {
         for (int g0 = warp * MLA_QH; g0 < nqh; g0 += 8 * MLA_QH) {
-            float qa[MLA_QH][16], qp[MLA_QH][2];
+            float qa[MLA_QH][KV], qp[MLA_QH][RP];
 #pragma unroll
             for (int i = 0; i < MLA_QH; ++i) {
                 const int idx = g0 + i;
                 const int jj = idx / nh, h = idx - jj * nh;
                 const size_t row = (size_t)(j0 + jj) * nh + h;
 #pragma unroll
-                for (int k = 0; k < 16; ++k) qa[i][k] = idx < nqh && k < kvn ? qabs[row * kvl + lane + 32 * k] : 0.0f;
+                for (int k = 0; k < KV; ++k) qa[i][k] = idx < nqh && k < kvn ? qabs[row * kvl + lane + 32 * k] : 0.0f;
 #pragma unroll
-                for (int k = 0; k < 2; ++k) qp[i][k] = idx < nqh && k < rpn ? q[row * qk + nope + lane + 32 * k] : 0.0f;
+                for (int k = 0; k < RP; ++k) qp[i][k] = idx < nqh && k < rpn ? q[row * qk + nope + lane + 32 * k] : 0.0f;
             }
             for (int u0 = 0; u0 < nmax; u0 += 4) {
                 float r[32];  // r[uu * MLA_QH + i]: a of (u0 + uu, g0 + i); r[16 + ...]: its b
 #pragma unroll
                 for (int uu = 0; uu < 4; ++uu) {
                     const int t = ts + min(u0 + uu, nmax - 1);
-                    float kv[16], kp[2];
+                    float kv[KV], kp[RP];
 #pragma unroll
-                    for (int k = 0; k < 16; ++k) kv[k] = k < kvn ? ckv[(size_t)t * kvl + lane + 32 * k] : 0.0f;
+                    for (int k = 0; k < KV; ++k) kv[k] = k < kvn ? ckv[(size_t)t * kvl + lane + 32 * k] : 0.0f;
 #pragma unroll
-                    for (int k = 0; k < 2; ++k) kp[k] = k < rpn ? kpe[(size_t)t * rope + lane + 32 * k] : 0.0f;
+                    for (int k = 0; k < RP; ++k) kp[k] = k < rpn ? kpe[(size_t)t * rope + lane + 32 * k] : 0.0f;
 #pragma unroll
                     for (int i = 0; i < MLA_QH; ++i) {
                         float a = 0.0f, b = 0.0f;
 #pragma unroll
-                        for (int k = 0; k < 16; ++k)
+                        for (int k = 0; k < KV; ++k)
                             if (k < kvn) a += qa[i][k] * kv[k];
 #pragma unroll
-                        for (int k = 0; k < 2; ++k)
+                        for (int k = 0; k < RP; ++k)
                             if (k < rpn) b += qp[i][k] * kp[k];
                         r[uu * MLA_QH + i] = a;
                         r[16 + uu * MLA_QH + i] = b;
@@ -1761,28 +1783,58 @@ __device__ __forceinline__ void mla_prefill_tiled_impl(const float* __restrict__
             }
         }
         __syncthreads();
-        // Token jj sees position u of the split when jj >= u + ts - t0 - j0.
+        // Token jj sees position u of the split when jj >= u + ts - t0 - j0: every query-head of
+        // the group sees u < u_all (no test in that loop), the rest only from query-head thr on.
+        const int u_all = max(0, min(nmax, t0 + j0 - ts + 1));
         for (int i0 = 0; i0 < nqh; i0 += 32) {
-            float acc[32][2];
+            float acc[32][NC];
 #pragma unroll
-            for (int i = 0; i < 32; ++i) acc[i][0] = acc[i][1] = 0.0f;
-            const int c0 = tid, c1 = tid + 256;
-            for (int u = 0; u < nmax; ++u) {
-                const size_t t = (size_t)(ts + u);
-                const float k0 = c0 < kvl ? ckv[t * kvl + c0] : 0.0f;
-                const float k1 = c1 < kvl ? ckv[t * kvl + c1] : 0.0f;
-                const int thr = max(0, u + ts - t0 - j0) * nh;  // first query-head that sees u
-                const float* eu = es + u * nqp + i0;
+            for (int i = 0; i < 32; ++i)
 #pragma unroll
-                for (int i4 = 0; i4 < 8; ++i4) {
-                    const float4 e4 = *reinterpret_cast<const float4*>(eu + 4 * i4);
-                    const float ev[4] = {e4.x, e4.y, e4.z, e4.w};
+                for (int z = 0; z < NC; ++z) acc[i][z] = 0.0f;
+            // UB positions' latent columns are loaded before any is used (one L2 latency a
+            // group instead of one a position).
+            constexpr int UB = 8 / NC;
+            for (int u0 = 0; u0 < nmax; u0 += UB) {
+                float kc[UB][NC];
 #pragma unroll
-                    for (int z = 0; z < 4; ++z) {
-                        const int i = 4 * i4 + z;
-                        if (i0 + i >= thr) {
-                            acc[i][0] = __fadd_rn(acc[i][0], __fmul_rn(ev[z], k0));
-                            acc[i][1] = __fadd_rn(acc[i][1], __fmul_rn(ev[z], k1));
+                for (int uu = 0; uu < UB; ++uu)
+#pragma unroll
+                    for (int z = 0; z < NC; ++z)
+                        kc[uu][z] = u0 + uu < nmax && tid + 256 * z < kvl
+                                        ? ckv[(size_t)(ts + u0 + uu) * kvl + tid + 256 * z]
+                                        : 0.0f;
+#pragma unroll
+                for (int uu = 0; uu < UB; ++uu) {
+                    const int u = u0 + uu;
+                    if (u >= nmax) break;
+                    const float* eu = es + u * nqp + i0;
+                    if (u < u_all) {
+#pragma unroll
+                        for (int i4 = 0; i4 < 8; ++i4) {
+                            const float4 e4 = *reinterpret_cast<const float4*>(eu + 4 * i4);
+                            const float ev[4] = {e4.x, e4.y, e4.z, e4.w};
+#pragma unroll
+                            for (int z = 0; z < 4; ++z)
+#pragma unroll
+                                for (int y = 0; y < NC; ++y)
+                                    acc[4 * i4 + z][y] = __fmaf_rn(ev[z], kc[uu][y], acc[4 * i4 + z][y]);
+                        }
+                    } else {
+                        const int thr = (u + ts - t0 - j0) * nh;  // first query-head that sees u
+#pragma unroll
+                        for (int i4 = 0; i4 < 8; ++i4) {
+                            const float4 e4 = *reinterpret_cast<const float4*>(eu + 4 * i4);
+                            const float ev[4] = {e4.x, e4.y, e4.z, e4.w};
+#pragma unroll
+                            for (int z = 0; z < 4; ++z) {
+                                const int i = 4 * i4 + z;
+                                if (i0 + i >= thr) {
+#pragma unroll
+                                    for (int y = 0; y < NC; ++y)
+                                        acc[i][y] = __fmaf_rn(ev[z], kc[uu][y], acc[i][y]);
+                                }
+                            }
                         }
                     }
                 }
@@ -1794,8 +1846,9 @@ __device__ __forceinline__ void mla_prefill_tiled_impl(const float* __restrict__
                 const int jj = idx / nh, h = idx - jj * nh;
                 if (t0 + j0 + jj + 1 - ts <= 0) continue;
                 float* part = parts + (((size_t)(j0 + jj) * nh + h) * s_cap + sp) * (kvl + 2);
-                if (c0 < kvl) part[2 + c0] = acc[i][0];
-                if (c1 < kvl) part[2 + c1] = acc[i][1];
+#pragma unroll
+                for (int y = 0; y < NC; ++y)
+                    if (tid + 256 * y < kvl) part[2 + tid + 256 * y] = acc[i][y];
             }
         }
     }
@@ -1827,5 +1880,12 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(256, 2)
     mla_prefill_tiled(const float* q, const float* ckv, const float* kpe, int nh, int nope, int rope, int kvl,
                       int t0, int n, int qt, int s_cap, float scale, const float* qabs, float* parts) {
-    mla_prefill_tiled_impl(q, ckv, kpe, nh, nope, rope, kvl, t0, n, qt, s_cap, scale, qabs, parts);
+    mla_prefill_tiled_impl<16, 2, 2>(q, ckv, kpe, nh, nope, rope, kvl, t0, n, qt, s_cap, scale, qabs, parts);
+}
+// The same for kv_lora_rank <= 256 and rope <= 32 (the bench preset): half the registers and none
+// of the large form's idle lanes; the same operations on every column, so the same bits.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    mla_prefill_tiled_256(const float* q, const float* ckv, const float* kpe, int nh, int nope, int rope, int kvl,
+                          int t0, int n, int qt, int s_cap, float scale, const float* qabs, float* parts) {
+    mla_prefill_tiled_impl<8, 1, 1>(q, ckv, kpe, nh, nope, rope, kvl, t0, n, qt, s_cap, scale, qabs, parts);
 }
