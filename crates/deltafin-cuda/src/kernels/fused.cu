@@ -827,11 +827,14 @@ __device__ __forceinline__ float mx_dot8_tail_unrolled(const float v[8], const f
 // NM matrices' R consecutive rows (codes pk[m], scales sc_[m], row stride nb blocks; nr <= R
 // rows exist) against the T staged tokens: acc[(r * T + t) * NM + m], mx_rows' per-lane partials.
 // With PF, the next block's codes and scale bytes are loaded before this block's arithmetic
-// (the same values and operations, issued earlier).
+// (the same values and operations, issued earlier). Block scales come from sct
+// (mx_scale_table: e8m0 * DEC_SCALE without branches). Loads are never skipped: a row past nr
+// reads row nr - 1 and a block past nb block nb - 1, so no load sits behind a branch; those
+// accumulators are never written out (warp_reduce_scatter sums each output's own partials only).
 template <int NM, int R, int T, bool PF>
 __device__ __forceinline__ void mx_rows_staged(const u8* const (&pk)[NM], const u8* const (&sk)[NM], int nr,
                                                int cols, int nb, const float* __restrict__ xs,
-                                               float (&acc)[NM * R * T]) {
+                                               const float* __restrict__ sct, float (&acc)[NM * R * T]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int full = (cols & 3) == 0 ? cols >> 5 : 0;
 #pragma unroll
@@ -839,13 +842,14 @@ __device__ __forceinline__ void mx_rows_staged(const u8* const (&pk)[NM], const 
     u32 wn[NM][R];
     u8 sn[NM][R];
     auto fetch = [&](int b) {
+        const int bb = min(b, nb - 1);
 #pragma unroll
         for (int m = 0; m < NM; ++m)
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const bool ok = r < nr && b < nb;
-                wn[m][r] = ok ? *reinterpret_cast<const u32*>(pk[m] + ((size_t)r * nb + b) * 16 + 4 * q) : 0u;
-                sn[m][r] = ok ? sk[m][(size_t)r * nb + b] : (u8)0;
+                const size_t rb = (size_t)min(r, nr - 1) * nb + bb;
+                wn[m][r] = *reinterpret_cast<const u32*>(pk[m] + rb * 16 + 4 * q);
+                sn[m][r] = sk[m][rb];
             }
     };
     if (PF) fetch(g);
@@ -858,7 +862,7 @@ __device__ __forceinline__ void mx_rows_staged(const u8* const (&pk)[NM], const 
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 w[m][r] = wn[m][r];
-                sc[m][r] = r < nr ? e8m0(sn[m][r]) * Dec<MX_DEC>::SCALE : 0.0f;
+                sc[m][r] = sct[sn[m][r]];
             }
         if (PF) fetch(b + 8);
         float v[NM][R][8];
@@ -900,6 +904,8 @@ __device__ __forceinline__ void moe_gate_up_staged_impl(const Expert* __restrict
                                                         const float* __restrict__ xg, float* __restrict__ h) {
     static_assert(2 * R * T == 64, "two outputs a lane");
     extern __shared__ float xs[];
+    __shared__ float sct[256];
+    mx_scale_table(sct);
     int e, off, nt;
     grouped_tile(tiles, tile0, &e, &off, &nt);
     const int nb = (hidden + 31) >> 5;
@@ -914,7 +920,7 @@ __device__ __forceinline__ void moe_gate_up_staged_impl(const Expert* __restrict
         const u8* const sk[2] = {reinterpret_cast<const u8*>(gm.s) + (size_t)row0 * nb,
                                  reinterpret_cast<const u8*>(um.s) + (size_t)row0 * nb};
         float acc[2 * R * T];
-        mx_rows_staged<2, R, T, PF>(pk, sk, nr, hidden, nb, xs, acc);
+        mx_rows_staged<2, R, T, PF>(pk, sk, nr, hidden, nb, xs, sct, acc);
         warp_reduce_scatter<2 * R * T>(acc);
         // Lane l holds gate (acc[0]) and up (acc[1]) of output l = r * T + t.
         const int r = lane / T, t = lane % T;
@@ -930,6 +936,8 @@ __device__ __forceinline__ void moe_down_staged_impl(const Expert* __restrict__ 
                                                      float* __restrict__ y) {
     static_assert(R * T == 64 && T % 2 == 0, "two outputs a lane, of one row");
     extern __shared__ float xs[];
+    __shared__ float sct[256];
+    mx_scale_table(sct);
     int e, off, nt;
     grouped_tile(tiles, tile0, &e, &off, &nt);
     const int nb = (inter + 31) >> 5;
@@ -942,7 +950,7 @@ __device__ __forceinline__ void moe_down_staged_impl(const Expert* __restrict__ 
         const u8* const pk[1] = {reinterpret_cast<const u8*>(d.w) + (size_t)row0 * nb * 16};
         const u8* const sk[1] = {reinterpret_cast<const u8*>(d.s) + (size_t)row0 * nb};
         float acc[R * T];
-        mx_rows_staged<1, R, T, PF>(pk, sk, nr, inter, nb, xs, acc);
+        mx_rows_staged<1, R, T, PF>(pk, sk, nr, inter, nb, xs, sct, acc);
         warp_reduce_scatter<R * T>(acc);
         // Lane l holds outputs 2l and 2l + 1: row r = 2l / T, tokens t and t + 1.
         const int r = (2 * lane) / T, t = (2 * lane) % T;
