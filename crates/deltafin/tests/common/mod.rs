@@ -1,10 +1,11 @@
 //! Helpers shared by the CLI test files that drive the real `deltafin` binary and demand clean
 //! one-line failures (`hostile_inputs.rs`, `integrity.rs`, and through `cli_support` the
-//! `cli_*.rs` files).
+//! `cli_*.rs` files), and the greedy-ids runs of `k3_layout.rs` and `cuda_fixtures.rs`.
 
 #![allow(dead_code)]
 
 use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
 
@@ -78,4 +79,37 @@ pub fn expect_error_with(out: &Output, needles: &[&str], usage_hint: bool) -> St
         assert!(line.contains(n), "error line lacks {n:?}: {line}");
     }
     line.to_string()
+}
+
+/// `deltafin synth --preset <preset> --out <out>`, which must succeed.
+pub fn synth(preset: &str, out: &Path) {
+    Command::new(assert_cmd::cargo::cargo_bin!("deltafin"))
+        .args(["synth", "--preset", preset, "--out"])
+        .arg(out)
+        .assert()
+        .success();
+}
+
+/// The prompt of the K3 runs (`synth --preset k3-tiny` models), as `run` arguments.
+pub const K3_PROMPT: [&str; 2] = ["--prompt", "ka mi lo ka mi lo ka mi lo ka mi"];
+
+/// The greedy ids of `deltafin run --model <model> <prompt> --max-new-tokens 24 --ignore-eos
+/// <extra> --stats-json <stats>`, which must succeed, read from its stats file.
+pub fn generated_ids(model: &Path, prompt: [&str; 2], extra: &[&str], stats: &Path) -> Vec<u64> {
+    Command::new(assert_cmd::cargo::cargo_bin!("deltafin"))
+        .args(["run", "--model"])
+        .arg(model)
+        .args([prompt[0], prompt[1], "--max-new-tokens", "24", "--ignore-eos"])
+        .args(extra)
+        .arg("--stats-json")
+        .arg(stats)
+        .assert()
+        .success();
+    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(stats).unwrap()).unwrap();
+    s["generated_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect()
 }
