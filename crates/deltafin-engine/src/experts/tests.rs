@@ -124,6 +124,14 @@ fn reference(dir: &ModelDir) -> std::collections::HashMap<(usize, usize), Vec<u8
     out
 }
 
+/// [`opts`] with speculative reads on, LRU.
+fn prefetching(budget: u64, io: IoMode) -> StoreOptions {
+    StoreOptions {
+        prefetch: true,
+        ..opts(budget, io, CachePolicy::Lru)
+    }
+}
+
 fn opts(budget: u64, io: IoMode, policy: CachePolicy) -> StoreOptions {
     StoreOptions {
         budget,
@@ -187,6 +195,15 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 }
 
 const RECORD: u64 = 8192;
+
+/// How many speculative chunk reads have started.
+fn spec_chunks(hooks: &Hooks) -> usize {
+    hooks
+        .events()
+        .iter()
+        .filter(|e| matches!(e, Event::SpecChunk(_)))
+        .count()
+}
 
 // ---------------------------------------------------------------------------------------------
 // Tests.
@@ -399,15 +416,7 @@ fn short_read_at_end_of_file() {
         assert_eq!(got[0].as_bytes(), want[&(3, 15)].as_slice(), "{io}");
         assert_eq!(got[1].as_bytes(), want[&(3, 14)].as_slice(), "{io}");
         // Speculative reads in 4 KiB chunks: the second chunk of the last record is short.
-        let store = ExpertStore::open_with(
-            &dir,
-            StoreOptions {
-                prefetch: true,
-                ..opts(RECORD * 4, io, CachePolicy::Lru)
-            },
-            4096,
-        )
-        .unwrap();
+        let store = ExpertStore::open_with(&dir, prefetching(RECORD * 4, io), 4096).unwrap();
         store.prefetch(3, &[15]);
         wait_until("prefetch of the last record", || store.cached_bytes() == RECORD);
         let got = store.get(3, &[15]).unwrap();
@@ -418,17 +427,20 @@ fn short_read_at_end_of_file() {
     }
 }
 
+/// Flips the bits `mask` of the byte `at` bytes into the record of `(layer, expert)` in the pack
+/// of the model directory `path`.
+fn corrupt_record(path: &Path, (layer, expert): (usize, usize), at: u64, mask: u8) {
+    let off = ModelDir::open(path).unwrap().record(layer, expert).offset + at;
+    let pack = path.join("experts.pack");
+    let mut bytes = std::fs::read(&pack).unwrap();
+    bytes[off as usize] ^= mask;
+    std::fs::write(&pack, bytes).unwrap();
+}
+
 #[test]
 fn checksum_failure_names_layer_and_expert() {
     let (_tmp, path) = convert_fixture();
-    let off = {
-        let dir = ModelDir::open(&path).unwrap();
-        dir.record(2, 7).offset + 100
-    };
-    let pack = path.join("experts.pack");
-    let mut bytes = std::fs::read(&pack).unwrap();
-    bytes[off as usize] ^= 0x40;
-    std::fs::write(&pack, bytes).unwrap();
+    corrupt_record(&path, (2, 7), 100, 0x40);
     let dir = ModelDir::open(&path).unwrap();
     for io in modes(&dir) {
         for prefetch in [false, true] {
@@ -663,14 +675,7 @@ fn demand_joins_running_prefetch_without_reading_twice() {
     let (_tmp, path) = convert_fixture();
     let dir = ModelDir::open(&path).unwrap();
     for io in modes(&dir) {
-        let store = ExpertStore::open(
-            &dir,
-            StoreOptions {
-                prefetch: true,
-                ..opts(RECORD * 8, io, CachePolicy::Lru)
-            },
-        )
-        .unwrap();
+        let store = ExpertStore::open(&dir, prefetching(RECORD * 8, io)).unwrap();
         let hooks = &store.shared.hooks;
         hooks.close_gate();
         store.prefetch(2, &[5]);
@@ -690,12 +695,7 @@ fn demand_joins_running_prefetch_without_reading_twice() {
         assert_eq!(c.bytes_read_speculative, RECORD, "{io}");
         assert_eq!(c.bytes_read_demand, RECORD, "{io}: only (2, 6) read on demand");
         assert_eq!(c.prefetch_wasted_bytes, 0);
-        let spec_chunks = hooks
-            .events()
-            .iter()
-            .filter(|e| matches!(e, Event::SpecChunk(_)))
-            .count();
-        assert_eq!(spec_chunks, 1);
+        assert_eq!(spec_chunks(hooks), 1);
     }
 }
 
@@ -719,14 +719,7 @@ fn demand_promotes_queued_prefetch() {
     let predicted: Vec<usize> = (0..8).collect();
     store.prefetch(3, &predicted);
     // At most readers / 2 = 4 speculative reads run; the other 4 stay queued.
-    wait_until("four speculative reads to start", || {
-        hooks
-            .events()
-            .iter()
-            .filter(|e| matches!(e, Event::SpecChunk(_)))
-            .count()
-            == 4
-    });
+    wait_until("four speculative reads to start", || spec_chunks(hooks) == 4);
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(hooks.events().len(), 4);
     let got = store.get(3, &[7]).unwrap();
@@ -745,14 +738,7 @@ fn demand_promotes_queued_prefetch() {
 fn unused_prefetch_counts_as_wasted_when_evicted() {
     let (_tmp, path) = convert_fixture();
     let dir = ModelDir::open(&path).unwrap();
-    let store = ExpertStore::open(
-        &dir,
-        StoreOptions {
-            prefetch: true,
-            ..opts(RECORD * 2, IoMode::Buffered, CachePolicy::Lru)
-        },
-    )
-    .unwrap();
+    let store = ExpertStore::open(&dir, prefetching(RECORD * 2, IoMode::Buffered)).unwrap();
     store.prefetch(1, &[0, 1]);
     wait_until("prefetch", || store.cached_bytes() == RECORD * 2);
     store.get(1, &[1]).unwrap();
@@ -1005,14 +991,7 @@ fn resume_yielded_prefetch(
 #[test]
 fn checksum_with_chunks_landing_out_of_order() {
     let (_tmp, path) = convert_fixture();
-    let off = {
-        let dir = ModelDir::open(&path).unwrap();
-        dir.record(2, 7).offset + 4500
-    };
-    let pack = path.join("experts.pack");
-    let mut bytes = std::fs::read(&pack).unwrap();
-    bytes[off as usize] ^= 0x01;
-    std::fs::write(&pack, &bytes).unwrap();
+    corrupt_record(&path, (2, 7), 4500, 0x01);
     let dir = ModelDir::open(&path).unwrap();
     let want = reference(&dir);
     for io in modes(&dir) {
