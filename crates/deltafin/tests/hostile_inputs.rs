@@ -8,10 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use assert_cmd::Command;
-use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
 mod common;
-use common::{deltafin_within, exec, expect_error, ok, text};
+use common::{deltafin_within, exec, expect_error, ok, rewrite_safetensors, text, RawTensor};
 use serde_json::{json, Value};
 
 fn deltafin() -> Command {
@@ -73,26 +72,6 @@ fn mkfifo(p: &Path) {
     let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
     // SAFETY: a valid NUL-terminated path.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {}", p.display());
-}
-
-type RawTensor = (String, Dtype, Vec<usize>, Vec<u8>);
-
-/// Rewrites a safetensors file after letting `edit` change its tensors.
-fn rewrite_safetensors(path: &Path, edit: impl FnOnce(&mut Vec<RawTensor>)) {
-    let bytes = std::fs::read(path).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut ts: Vec<RawTensor> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
-        .collect();
-    ts.sort_by(|a, b| a.0.cmp(&b.0));
-    edit(&mut ts);
-    let views: Vec<(String, TensorView<'_>)> = ts
-        .iter()
-        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
 }
 
 /// Sets every value of f32 tensor `name` to `x`.

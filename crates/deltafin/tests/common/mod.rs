@@ -1,6 +1,7 @@
 //! Helpers shared by the CLI test files that drive the real `deltafin` binary and demand clean
 //! one-line failures (`hostile_inputs.rs`, `integrity.rs`, and through `cli_support` the
-//! `cli_*.rs` files), and the greedy-ids runs of `k3_layout.rs` and `cuda_fixtures.rs`.
+//! `cli_*.rs` files), the greedy-ids runs of `k3_layout.rs` and `cuda_fixtures.rs`, and the
+//! safetensors rewriting of the broken-checkpoint tests.
 
 #![allow(dead_code)]
 
@@ -10,6 +11,8 @@ use std::process::Output;
 use std::time::Duration;
 
 use assert_cmd::Command;
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
 
 /// The `deltafin` binary with a wall-clock limit of `secs` (a hang fails the test).
 pub fn deltafin_within(secs: u64) -> Command {
@@ -112,4 +115,24 @@ pub fn generated_ids(model: &Path, prompt: [&str; 2], extra: &[&str], stats: &Pa
         .iter()
         .map(|v| v.as_u64().unwrap())
         .collect()
+}
+
+pub type RawTensor = (String, Dtype, Vec<usize>, Vec<u8>);
+
+/// Rewrites a safetensors file after letting `edit` change its tensors.
+pub fn rewrite_safetensors(path: &Path, edit: impl FnOnce(&mut Vec<RawTensor>)) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut ts: Vec<RawTensor> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    ts.sort_by(|a, b| a.0.cmp(&b.0));
+    edit(&mut ts);
+    let views: Vec<(String, TensorView<'_>)> = ts
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
 }
