@@ -18,6 +18,11 @@ fn gpu(test: &str) -> Option<Gpu> {
     }
 }
 
+/// [`gpu`] and the test's random numbers from `seed`.
+fn gpu_and_rng(test: &str, seed: u64) -> Option<(Gpu, StdRng)> {
+    Some((gpu(test)?, StdRng::seed_from_u64(seed)))
+}
+
 fn rand_vec(rng: &mut StdRng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
 }
@@ -226,10 +231,9 @@ fn unfused_expert(g: &Gpu, e: &[GpuMat; 3], x: &GpuBuf, inter: usize, hidden: us
 
 #[test]
 fn matvec_matches_reference_in_every_format() {
-    let Some(g) = gpu("matvec_matches_reference_in_every_format") else {
+    let Some((g, mut rng)) = gpu_and_rng("matvec_matches_reference_in_every_format", 16) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(16);
     for &(rows, cols) in SHAPES {
         let h = Host::new(&mut rng, rows, cols);
         let x = rand_vec(&mut rng, cols);
@@ -265,10 +269,9 @@ fn matvec_matches_reference_in_every_format() {
 
 #[test]
 fn matmul_rows_equal_matvec_bit_for_bit() {
-    let Some(g) = gpu("matmul_rows_equal_matvec_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("matmul_rows_equal_matvec_bit_for_bit", 17) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(17);
     for &(rows, cols) in SHAPES {
         for n in [1usize, 3, 8, 13] {
             let h = Host::new(&mut rng, rows, cols);
@@ -316,10 +319,9 @@ fn matmul_rows_equal_matvec_bit_for_bit() {
 
 #[test]
 fn rms_norm_swiglu_axpy_match_cpu() {
-    let Some(g) = gpu("rms_norm_swiglu_axpy_match_cpu") else {
+    let Some((g, mut rng)) = gpu_and_rng("rms_norm_swiglu_axpy_match_cpu", 18) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(18);
     for (n, dim) in [(1usize, 7usize), (3, 255), (5, 257), (2, 7168)] {
         let x = rand_vec(&mut rng, n * dim);
         let w = rand_vec(&mut rng, dim);
@@ -422,7 +424,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// `Kernel::best_for` says so.
 #[test]
 fn int8_staged_matmul_equals_int8_mm_r4_bit_for_bit() {
-    let Some(g) = gpu("int8_staged_matmul_equals_int8_mm_r4_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("int8_staged_matmul_equals_int8_mm_r4_bit_for_bit", 23) else {
         return;
     };
     let k = |rows_per_warp, staged| Kernel {
@@ -430,7 +432,6 @@ fn int8_staged_matmul_equals_int8_mm_r4_bit_for_bit() {
         ..plain_kernel(Decode::F16Bits, rows_per_warp)
     };
     let (r4, staged8, staged4) = (k(4, false), k(8, true), k(4, true));
-    let mut rng = StdRng::seed_from_u64(23);
     // (rows, cols, tokens, tokens whose matvec is compared)
     let mut cases: Vec<(usize, usize, usize, usize)> = Vec::new();
     for rows in 1..=37 {
@@ -536,10 +537,9 @@ fn int8_staged_matmul_equals_int8_mm_r4_bit_for_bit() {
 /// need one and two MX blocks per thread and partial blocks.
 #[test]
 fn x_stationary_mxfp4_matches_reference_and_its_matmul() {
-    let Some(g) = gpu("x_stationary_mxfp4_matches_reference_and_its_matmul") else {
+    let Some((g, mut rng)) = gpu_and_rng("x_stationary_mxfp4_matches_reference_and_its_matmul", 19) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(19);
     let xs = Kernel {
         stationary_x: true,
         ..plain_kernel(Decode::F16Bits, 1)
@@ -591,10 +591,9 @@ fn x_stationary_mxfp4_matches_reference_and_its_matmul() {
 #[test]
 fn mv_jobs_equal_the_unfused_launches_bit_for_bit() {
     use deltafin_cuda::{MvJob, MvKind, PreNorm};
-    let Some(g) = gpu("mv_jobs_equal_the_unfused_launches_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("mv_jobs_equal_the_unfused_launches_bit_for_bit", 41) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(41);
     for (cols, rows) in [(33usize, [7usize, 1, 40]), (2048, [512, 256, 33]), (12_300, [5, 9, 3])] {
         let x = rand_vec(&mut rng, cols);
         let nw = rand_vec(&mut rng, cols);
@@ -704,10 +703,9 @@ fn mv_jobs_equal_the_unfused_launches_bit_for_bit() {
 #[test]
 fn route_tail_equals_the_separate_router_launch() {
     use deltafin_cuda::{MvJob, MvKind, RouteTailArg, RouterShape};
-    let Some(g) = gpu("route_tail_equals_the_separate_router_launch") else {
+    let Some((g, mut rng)) = gpu_and_rng("route_tail_equals_the_separate_router_launch", 44) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(44);
     for (e, k, ng, tg, hidden) in [
         (256usize, 8usize, 8usize, 4usize, 2048usize),
         (64, 6, 1, 1, 200),
@@ -770,10 +768,9 @@ fn route_tail_equals_the_separate_router_launch() {
 /// `Gpu::mla_decode` with the RoPE of q inside gives the bits of RoPE first, then decode.
 #[test]
 fn mla_prep_and_rope_inside_decode_equal_the_separate_launches() {
-    let Some(g) = gpu("mla_prep_and_rope_inside_decode_equal_the_separate_launches") else {
+    let Some((g, mut rng)) = gpu_and_rng("mla_prep_and_rope_inside_decode_equal_the_separate_launches", 42) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(42);
     let s = MLA_SMALL;
     let (kvl, rope, t) = (s.kv_lora_rank, s.rope, 37usize);
     let kvb_h = Host::new(&mut rng, s.n_heads * (s.nope + s.v_head_dim), kvl);
@@ -884,10 +881,9 @@ fn mla_prep_and_rope_inside_decode_equal_the_separate_launches() {
 #[test]
 fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
     use deltafin_cuda::{MvJob, MvKind};
-    let Some(g) = gpu("moe_table_equals_the_fused_and_unfused_paths_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("moe_table_equals_the_fused_and_unfused_paths_bit_for_bit", 43) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(43);
     for (k, n_exp, inter, hidden, fmt) in [
         (1usize, 3usize, 33usize, 64usize, 2usize),
         (6, 9, 96, 200, 2),
@@ -1008,10 +1004,9 @@ fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
 /// `TOL` of a float64 oracle.
 #[test]
 fn fused_moe_equals_the_unfused_path_bit_for_bit() {
-    let Some(g) = gpu("fused_moe_equals_the_unfused_path_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("fused_moe_equals_the_unfused_path_bit_for_bit", 31) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(31);
     for (k, inter, hidden) in [(1usize, 33usize, 64usize), (6, 96, 200), (16, 70, 257)] {
         let hosts: Vec<[Host; 3]> = (0..k).map(|_| expert_hosts(&mut rng, inter, hidden)).collect();
         let experts: Vec<[GpuMat; 3]> = hosts.iter().map(|h| upload_expert(&g, h, 2)).collect();
@@ -1071,10 +1066,9 @@ fn fused_moe_equals_the_unfused_path_bit_for_bit() {
 /// scratch size; and `mla_prefill` of a chunk gives every token the bits of its decode.
 #[test]
 fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
-    let Some(g) = gpu("mla_decode_splits_match_reference_and_prefill_equals_decode") else {
+    let Some((g, mut rng)) = gpu_and_rng("mla_decode_splits_match_reference_and_prefill_equals_decode", 64) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(64);
     let s = MLA_SMALL;
     let (nh, nope, rope, vd, kvl) = (s.n_heads, s.nope, s.rope, s.v_head_dim, s.kv_lora_rank);
     let (qk, tmax, scale) = (nope + rope, 300usize, 0.2f32);
@@ -1182,10 +1176,9 @@ fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
 #[test]
 fn mla_prefill_forms_equal_decode() {
     use deltafin_cuda::MlaPrefillForm;
-    let Some(g) = gpu("mla_prefill_forms_equal_decode") else {
+    let Some((g, mut rng)) = gpu_and_rng("mla_prefill_forms_equal_decode", 65) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(65);
     for s in [
         MLA_SMALL,
         MlaShape {
@@ -1290,10 +1283,12 @@ fn mla_mha_f64(
 
 #[test]
 fn mla_decompressed_prefill_matches_reference_absorbed_form_and_any_chunking() {
-    let Some(g) = gpu("mla_decompressed_prefill_matches_reference_absorbed_form_and_any_chunking") else {
+    let Some((g, mut rng)) = gpu_and_rng(
+        "mla_decompressed_prefill_matches_reference_absorbed_form_and_any_chunking",
+        66,
+    ) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(66);
     for s in [
         MlaShape {
             n_heads: 3,
@@ -1438,10 +1433,9 @@ fn gqa_f64(
 /// the block's 128 threads), and a chunk's tokens bit-identical to launching each token alone.
 #[test]
 fn gqa_attend_matches_reference_and_a_chunk_equals_its_tokens() {
-    let Some(g) = gpu("gqa_attend_matches_reference_and_a_chunk_equals_its_tokens") else {
+    let Some((g, mut rng)) = gpu_and_rng("gqa_attend_matches_reference_and_a_chunk_equals_its_tokens", 31) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(31);
     // (n_heads, n_kv_heads, head_dim, window, sinks, t0, n)
     type Case = (usize, usize, usize, Option<usize>, bool, usize, usize);
     let cases: &[Case] = &[
@@ -1577,11 +1571,10 @@ fn route_cpu(logits: &[f32], k: usize, router: deltafin_cuda::SoftmaxRouter) -> 
 /// renormalisation, on expert counts that are not multiples of 32 and k up to 16.
 #[test]
 fn route_softmax_topk_chooses_as_the_cpu_routers() {
-    let Some(g) = gpu("route_softmax_topk_chooses_as_the_cpu_routers") else {
+    use deltafin_cuda::SoftmaxRouter;
+    let Some((g, mut rng)) = gpu_and_rng("route_softmax_topk_chooses_as_the_cpu_routers", 32) else {
         return;
     };
-    use deltafin_cuda::SoftmaxRouter;
-    let mut rng = StdRng::seed_from_u64(32);
     for (e_n, k, n) in [
         (8usize, 2usize, 1usize),
         (12, 3, 37),
@@ -1639,10 +1632,9 @@ fn route_softmax_topk_chooses_as_the_cpu_routers() {
 /// `add_bias_rows` is the CPU's add, bit for bit, on rows of awkward width.
 #[test]
 fn add_bias_rows_is_the_cpu_add() {
-    let Some(g) = gpu("add_bias_rows_is_the_cpu_add") else {
+    let Some((g, mut rng)) = gpu_and_rng("add_bias_rows_is_the_cpu_add", 33) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(33);
     for (n, dim) in [(1usize, 7usize), (5, 33), (3, 2880)] {
         let (y, b) = (rand_vec(&mut rng, n * dim), rand_vec(&mut rng, dim));
         let mut dy = g.upload(&y).unwrap();
@@ -1657,10 +1649,9 @@ fn add_bias_rows_is_the_cpu_add() {
 /// on both sides of the clamp limit.
 #[test]
 fn clamped_swiglu_matches_the_cpu_formula() {
-    let Some(g) = gpu("clamped_swiglu_matches_the_cpu_formula") else {
+    let Some((g, mut rng)) = gpu_and_rng("clamped_swiglu_matches_the_cpu_formula", 34) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(34);
     let (alpha, limit) = (1.702f32, 7.0f32);
     for (n, inter) in [(1usize, 5usize), (3, 33), (7, 2880)] {
         let gu: Vec<f32> = rand_vec(&mut rng, n * 2 * inter).iter().map(|x| 12.0 * x).collect();
@@ -1687,10 +1678,9 @@ fn clamped_swiglu_matches_the_cpu_formula() {
 /// interleaved layout over a rotary part at an offset (MLA's).
 #[test]
 fn rope_tokens_is_the_cpu_rotation_bit_for_bit() {
-    let Some(g) = gpu("rope_tokens_is_the_cpu_rotation_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("rope_tokens_is_the_cpu_rotation_bit_for_bit", 35) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(35);
     // (tokens, vectors a token, stride, offset, half, interleaved)
     for (n, v, stride, offset, half, interleaved) in [
         (5usize, 3usize, 22usize, 0usize, 11usize, false),
@@ -1752,10 +1742,9 @@ fn rope_tokens_is_the_cpu_rotation_bit_for_bit() {
 fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
     use deltafin_cuda::GroupedShape;
     use rand::seq::SliceRandom;
-    let Some(g) = gpu("grouped_experts_equal_the_per_expert_matmuls_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("grouped_experts_equal_the_per_expert_matmuls_bit_for_bit", 71) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(71);
     for (inter, hidden, counts) in [
         (33usize, 64usize, vec![1usize, 8, 9]),
         (96, 200, vec![17, 0, 3, 8, 2]),
