@@ -483,9 +483,9 @@ fn full_and_streaming_installs_match_a_local_convert() {
 
 #[test]
 fn retries_500s_refetches_a_corrupted_body_and_names_a_server_ignoring_range() {
-    let Some(ng) = Nginx::start(&["dsv3_a"]) else { return };
-    let px = Proxy::start(ng.port);
-    let tmp = tempfile::tempdir().unwrap();
+    let Some((_ng, px, tmp)) = serve_behind_proxy("dsv3_a") else {
+        return;
+    };
     let t = tmp.path();
     local_convert("dsv3_a", &t.join("ref"));
 
@@ -542,6 +542,23 @@ fn retries_500s_refetches_a_corrupted_body_and_names_a_server_ignoring_range() {
     assert_same_model(&t.join("ref"), &t.join("d"));
 }
 
+/// nginx serving fixture `case`, the fault proxy in front of it, and a temporary directory;
+/// `None` (the test is skipped) without nginx.
+fn serve_behind_proxy(case: &str) -> Option<(Nginx, Proxy, tempfile::TempDir)> {
+    let ng = Nginx::start(&[case])?;
+    let px = Proxy::start(ng.port);
+    Some((ng, px, tempfile::tempdir().unwrap()))
+}
+
+/// A `synth --preset tiny` model in `t/src`, served flat at `/mirror/<file>` by nginx with the
+/// fault proxy in front; `None` (the test is skipped) without nginx.
+fn tiny_mirror(t: &Path) -> Option<(Nginx, Proxy)> {
+    run_ok(&["synth", "--preset", "tiny", "--out", s(&t.join("src"))]);
+    let ng = Nginx::start_with(&[], &[("mirror", &t.join("src"))])?;
+    let px = Proxy::start(ng.port);
+    Some((ng, px))
+}
+
 fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !cond() {
@@ -552,9 +569,9 @@ fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
 
 #[test]
 fn a_killed_download_resumes_with_range() {
-    let Some(ng) = Nginx::start(&["dsv3_a"]) else { return };
-    let px = Proxy::start(ng.port);
-    let tmp = tempfile::tempdir().unwrap();
+    let Some((_ng, px, tmp)) = serve_behind_proxy("dsv3_a") else {
+        return;
+    };
     let t = tmp.path();
     local_convert("dsv3_a", &t.join("ref"));
     let size = std::fs::metadata(fixture("dsv3_a").join("model.safetensors"))
@@ -607,9 +624,9 @@ fn journal_entries(model: &Path) -> u64 {
 
 #[test]
 fn warm_killed_then_verified_and_resumed() {
-    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
-    let px = Proxy::start(ng.port);
-    let tmp = tempfile::tempdir().unwrap();
+    let Some((_ng, px, tmp)) = serve_behind_proxy("dsv3_b") else {
+        return;
+    };
     let t = tmp.path();
     local_convert("dsv3_b", &t.join("ref"));
     let m = t.join("m");
@@ -706,11 +723,9 @@ fn a_full_disk_during_warm_leaves_a_consistent_cache() {
 fn a_mirror_of_a_full_install_streams_checksummed_records() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    run_ok(&["synth", "--preset", "tiny", "--out", s(&t.join("src"))]);
-    let Some(ng) = Nginx::start_with(&[], &[("mirror", &t.join("src"))]) else {
+    let Some((_ng, px)) = tiny_mirror(t) else {
         return;
     };
-    let px = Proxy::start(ng.port);
     let st = t.join("st");
     run_ok(&["pull", &px.url("mirror"), s(&st), "--stream", "--flat"]);
     assert!(read(&t.join("src/backbone.bin")) == read(&st.join("backbone.bin")));
@@ -766,9 +781,9 @@ fn a_mirror_of_a_full_install_streams_checksummed_records() {
 
 #[test]
 fn a_killed_streaming_pull_resumes_the_ranges_it_has() {
-    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
-    let px = Proxy::start(ng.port);
-    let tmp = tempfile::tempdir().unwrap();
+    let Some((_ng, px, tmp)) = serve_behind_proxy("dsv3_b") else {
+        return;
+    };
     let t = tmp.path();
     let shard_ranges = |px: &Proxy| px.with(|f| f.log.iter().filter(|l| l.contains(".safetensors bytes=")).count());
     run_ok(&["pull", &px.url("dsv3_b"), s(&t.join("fresh")), "--stream"]);
@@ -960,9 +975,9 @@ fn a_gated_repository_installs_by_repository_id_with_a_token() {
 /// from the source.
 #[test]
 fn records_streamed_from_a_hugging_face_layout_are_compared_with_the_source_on_request() {
-    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
-    let px = Proxy::start(ng.port);
-    let tmp = tempfile::tempdir().unwrap();
+    let Some((_ng, px, tmp)) = serve_behind_proxy("dsv3_b") else {
+        return;
+    };
     let t = tmp.path();
     // bf16 records hold the bf16 source values exactly: any flipped source byte shows.
     run_ok(&["convert", s(&fixture("dsv3_b")), s(&t.join("ref")), "--experts", "bf16"]);
@@ -1065,11 +1080,9 @@ fn pull_force_refuses_a_model_directory_holding_other_files() {
 fn a_mirror_backbone_corrupted_in_transit_is_downloaded_again() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    run_ok(&["synth", "--preset", "tiny", "--out", s(&t.join("src"))]);
-    let Some(ng) = Nginx::start_with(&[], &[("mirror", &t.join("src"))]) else {
+    let Some((_ng, px)) = tiny_mirror(t) else {
         return;
     };
-    let px = Proxy::start(ng.port);
     let bb = std::fs::metadata(t.join("src/backbone.bin")).unwrap().len() as usize;
     let biggest_before = [
         "manifest.json",
@@ -1183,9 +1196,9 @@ fn a_hostile_mirror_manifest_is_refused_before_anything_is_written() {
 /// and none of its records is stored.
 #[test]
 fn a_warm_that_completes_a_source_file_checks_its_published_sha256() {
-    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
-    let px = Proxy::start(ng.port);
-    let tmp = tempfile::tempdir().unwrap();
+    let Some((ng, px, tmp)) = serve_behind_proxy("dsv3_b") else {
+        return;
+    };
     let t = tmp.path();
     run_ok(&["convert", s(&fixture("dsv3_b")), s(&t.join("ref")), "--experts", "bf16"]);
     let m = t.join("m");
