@@ -10,7 +10,7 @@ use std::process::Output;
 use assert_cmd::Command;
 use safetensors::Dtype;
 mod common;
-use common::{deltafin_within, exec, expect_error, ok, rewrite_safetensors, text, RawTensor};
+use common::{assert_no_output, deltafin_within, exec, expect_error, ok, rewrite_safetensors, text, RawTensor};
 use serde_json::{json, Value};
 
 fn deltafin() -> Command {
@@ -47,15 +47,6 @@ fn edit_json(p: &Path, edit: impl FnOnce(&mut Value)) {
 
 fn convert(hf: &Path, out: &Path, extra: &[&str]) -> Output {
     exec(deltafin().arg("convert").arg(hf).arg(out).args(extra))
-}
-
-fn assert_no_output(out: &Path) {
-    assert!(!out.exists(), "{} was created", out.display());
-    let partial = out
-        .parent()
-        .unwrap()
-        .join(format!(".{}.partial", out.file_name().unwrap().to_string_lossy()));
-    assert!(!partial.exists(), "{} was left behind", partial.display());
 }
 
 fn run_ids(model: &Path, ids: &str, extra: &[&str]) -> Output {

@@ -24,7 +24,7 @@ pub use serde_json::Value;
 
 #[path = "../common/mod.rs"]
 mod common;
-pub use common::{exec, ok, rewrite_safetensors, text, RawTensor};
+pub use common::{assert_no_output, exec, ok, rewrite_safetensors, text, RawTensor};
 
 /// Relative L2 error allowed between our logits and the reference's in the lossless layout
 /// (issue #2, section 7).
@@ -305,7 +305,6 @@ pub fn find<'a>(ts: &'a mut [RawTensor], name: &str) -> &'a mut RawTensor {
         .unwrap_or_else(|| panic!("fixture lacks {name}"))
 }
 
-/// Asserts a failed convert left neither the output nor its partial directory behind.
 /// `convert hf out` fails cleanly (one error line holding every needle: [`expect_error`]) and
 /// leaves nothing at `out` ([`assert_no_output`]). Returns the error line.
 pub fn convert_refused(hf: &Path, out: &Path, needles: &[&str]) -> String {
@@ -320,13 +319,4 @@ pub fn edit_config(hf: &Path, edit: impl FnOnce(&mut Value)) {
     let mut cfg = read_json(&cfg_path);
     edit(&mut cfg);
     std::fs::write(&cfg_path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
-}
-
-pub fn assert_no_output(out: &Path) {
-    assert!(!out.exists(), "{} was created", out.display());
-    let partial = out
-        .parent()
-        .unwrap()
-        .join(format!(".{}.partial", out.file_name().unwrap().to_string_lossy()));
-    assert!(!partial.exists(), "{} was left behind", partial.display());
 }

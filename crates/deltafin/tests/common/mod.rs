@@ -136,3 +136,13 @@ pub fn rewrite_safetensors(path: &Path, edit: impl FnOnce(&mut Vec<RawTensor>)) 
         .collect();
     safetensors::serialize_to_file(views, None, path).unwrap();
 }
+
+/// Asserts a failed convert left neither the output nor its partial directory behind.
+pub fn assert_no_output(out: &Path) {
+    assert!(!out.exists(), "{} was created", out.display());
+    let partial = out
+        .parent()
+        .unwrap()
+        .join(format!(".{}.partial", out.file_name().unwrap().to_string_lossy()));
+    assert!(!partial.exists(), "{} was left behind", partial.display());
+}
