@@ -208,6 +208,21 @@ fn wait_for_requests(addr: SocketAddr, endpoint: &str, want: &[(u16, f64)]) {
     }
 }
 
+/// Starts a streaming chat generation of `tokens` tokens and returns its reader once the first
+/// `data:` line has been read.
+fn stream_to_first_data(a: SocketAddr, tokens: usize) -> BufReader<TcpStream> {
+    let mut body = chat_body(tokens);
+    body["stream"] = json!(true);
+    let s = send(a, "POST", "/v1/chat/completions", body.to_string().as_bytes(), &[]);
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+    }
+    r
+}
+
 fn assert_openai_error(r: &Resp, status: u16) {
     assert_eq!(r.status, status, "{}", r.body);
     let v = r.json();
@@ -525,15 +540,7 @@ fn without_a_queue_twenty_concurrent_requests_one_runs_the_rest_get_429() {
 #[test]
 fn disconnect_cancels_within_a_step_and_frees_the_slot() {
     let a = start(|c| c.step_delay = Duration::from_millis(20));
-    let mut body = chat_body(100);
-    body["stream"] = json!(true);
-    let s = send(a, "POST", "/v1/chat/completions", body.to_string().as_bytes(), &[]);
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    while !line.starts_with("data: ") {
-        line.clear();
-        r.read_line(&mut line).unwrap();
-    }
+    let r = stream_to_first_data(a, 100);
     // The role chunk can be sent before the compute thread picks the job up: wait for it.
     let t_active = Instant::now();
     while metric(a, "deltafin_generation_active") != 1.0 {
@@ -1337,15 +1344,7 @@ fn wait_for_metric(addr: SocketAddr, name: &str, want: f64) {
 
 /// Starts a streaming generation of `tokens` tokens and returns once it runs (its reader).
 fn start_running(a: SocketAddr, tokens: usize) -> BufReader<TcpStream> {
-    let mut body = chat_body(tokens);
-    body["stream"] = json!(true);
-    let s = send(a, "POST", "/v1/chat/completions", body.to_string().as_bytes(), &[]);
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    while !line.starts_with("data: ") {
-        line.clear();
-        r.read_line(&mut line).unwrap();
-    }
+    let r = stream_to_first_data(a, tokens);
     wait_for_metric(a, "deltafin_generation_active", 1.0);
     r
 }
