@@ -124,12 +124,17 @@ fn reference(dir: &ModelDir) -> std::collections::HashMap<(usize, usize), Vec<u8
     out
 }
 
+/// [`opts`] with speculative reads on or off.
+fn opts_prefetch(budget: u64, io: IoMode, policy: CachePolicy, prefetch: bool) -> StoreOptions {
+    StoreOptions {
+        prefetch,
+        ..opts(budget, io, policy)
+    }
+}
+
 /// [`opts`] with speculative reads on, LRU.
 fn prefetching(budget: u64, io: IoMode) -> StoreOptions {
-    StoreOptions {
-        prefetch: true,
-        ..opts(budget, io, CachePolicy::Lru)
-    }
+    opts_prefetch(budget, io, CachePolicy::Lru, true)
 }
 
 fn opts(budget: u64, io: IoMode, policy: CachePolicy) -> StoreOptions {
@@ -233,14 +238,7 @@ fn every_policy_and_budget_returns_identical_bytes() {
         for policy in [CachePolicy::Lru, CachePolicy::Lfu, CachePolicy::Pinned] {
             for budget in [0, RECORD, all / 2, all] {
                 for prefetch in [false, true] {
-                    let store = ExpertStore::open(
-                        &dir,
-                        StoreOptions {
-                            prefetch,
-                            ..opts(budget, io, policy)
-                        },
-                    )
-                    .unwrap();
+                    let store = ExpertStore::open(&dir, opts_prefetch(budget, io, policy, prefetch)).unwrap();
                     assert_eq!(store.record_bytes(), RECORD);
                     let mut rng = Rng(0x5EED);
                     let steps = 60;
@@ -444,14 +442,7 @@ fn checksum_failure_names_layer_and_expert() {
     let dir = ModelDir::open(&path).unwrap();
     for io in modes(&dir) {
         for prefetch in [false, true] {
-            let store = ExpertStore::open(
-                &dir,
-                StoreOptions {
-                    prefetch,
-                    ..opts(RECORD * 8, io, CachePolicy::Lru)
-                },
-            )
-            .unwrap();
+            let store = ExpertStore::open(&dir, opts_prefetch(RECORD * 8, io, CachePolicy::Lru, prefetch)).unwrap();
             store.prefetch(2, &[7]);
             let results: Vec<_> = store.fetch(2, &[3, 7]).unwrap().collect();
             assert_eq!(results.len(), 2);
@@ -624,9 +615,8 @@ fn prefetch_never_delays_demand() {
     let store = ExpertStore::open_with(
         &dir,
         StoreOptions {
-            prefetch: true,
             readers: 8,
-            ..opts(all, IoMode::Buffered, CachePolicy::Lru)
+            ..prefetching(all, IoMode::Buffered)
         },
         4096,
     )
@@ -708,9 +698,8 @@ fn demand_promotes_queued_prefetch() {
     let store = ExpertStore::open(
         &dir,
         StoreOptions {
-            prefetch: true,
             readers: 8,
-            ..opts(RECORD * 48, IoMode::Buffered, CachePolicy::Lru)
+            ..prefetching(RECORD * 48, IoMode::Buffered)
         },
     )
     .unwrap();
@@ -809,14 +798,7 @@ fn model_output_is_identical_for_every_store_configuration() {
     ];
     let mut first: Option<Vec<Vec<u32>>> = None;
     for (budget, policy, io, prefetch) in configs {
-        let model = DeepseekV3::load_with(
-            &dir,
-            StoreOptions {
-                prefetch,
-                ..opts(budget, io, policy)
-            },
-        )
-        .unwrap();
+        let model = DeepseekV3::load_with(&dir, opts_prefetch(budget, io, policy, prefetch)).unwrap();
         let mut cache = model.new_state();
         let mut bits = Vec::new();
         for t in [0u32, 5, 17, 3, 5, 9, 17, 0] {
@@ -950,10 +932,9 @@ fn resume_yielded_prefetch(
     let store = ExpertStore::open_with(
         dir,
         StoreOptions {
-            prefetch: true,
             readers: 4,
             demand_chunk,
-            ..opts(RECORD * 8, IoMode::Buffered, CachePolicy::Lru)
+            ..prefetching(RECORD * 8, IoMode::Buffered)
         },
         4096,
     )
