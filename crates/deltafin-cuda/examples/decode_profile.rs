@@ -12,39 +12,14 @@ use std::time::Instant;
 use deltafin_cuda::{
     CudaError, Gpu, GpuBuf, GpuMat, MlaPrepArg, MlaShape, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape,
 };
-use deltafin_kernels::{int8, mxfp4, MatData, MatRef};
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use deltafin_kernels::{MatData, MatRef};
+use rand::{rngs::StdRng, SeedableRng};
 
-fn rand_vec(rng: &mut StdRng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
+mod common;
+use common::{mxfp4_expert, rand_vec};
 
 fn int8_mat(g: &Gpu, rng: &mut StdRng, rows: usize, cols: usize) -> GpuMat {
-    let w = rand_vec(rng, rows * cols);
-    let (mut q, mut s) = (vec![0i8; rows * cols], vec![0f32; rows]);
-    int8::quantize(&w, rows, cols, &mut q, &mut s);
-    GpuMat::upload(
-        g,
-        &MatRef::new(rows, cols, MatData::Int8 { q: &q, scales: &s }).unwrap(),
-    )
-    .unwrap()
-}
-
-fn mxfp4_mat(g: &Gpu, rng: &mut StdRng, rows: usize, cols: usize) -> GpuMat {
-    let w = rand_vec(rng, rows * cols);
-    let mut packed = vec![0u8; rows * mxfp4::packed_row_bytes(cols)];
-    let mut scales = vec![0u8; rows * mxfp4::scale_row_bytes(cols)];
-    mxfp4::quantize(&w, rows, cols, &mut packed, &mut scales);
-    let m = MatRef::new(
-        rows,
-        cols,
-        MatData::Mxfp4 {
-            packed: &packed,
-            scales: &scales,
-        },
-    )
-    .unwrap();
-    GpuMat::upload(g, &m).unwrap()
+    common::int8_upload(g, &rand_vec(rng, rows * cols), rows, cols)
 }
 
 fn f32_mat(g: &Gpu, rng: &mut StdRng, rows: usize, cols: usize) -> GpuMat {
@@ -62,14 +37,36 @@ fn pn(w: &GpuBuf) -> PreNorm<'_> {
     }
 }
 
+/// [`pn`], also writing the normed input to `out`.
+fn pn_out<'a>(w: &'a GpuBuf, out: &'a mut GpuBuf) -> PreNorm<'a> {
+    PreNorm {
+        out: Some(out),
+        ..pn(w)
+    }
+}
+
+/// The job `y = a x`.
+fn set<'a>(a: &'a GpuMat, y: &'a mut GpuBuf) -> MvJob<'a> {
+    MvJob {
+        a,
+        b: None,
+        kind: MvKind::Set,
+        y,
+    }
+}
+
+/// The job `y = swiglu(gate x, up x)`.
+fn glu<'a>(gate: &'a GpuMat, up: &'a GpuMat, y: &'a mut GpuBuf) -> MvJob<'a> {
+    MvJob {
+        a: gate,
+        b: Some(up),
+        kind: MvKind::Glu,
+        y,
+    }
+}
+
 fn main() -> Result<(), CudaError> {
-    let g = match Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("decode_profile: {e}");
-            std::process::exit(2);
-        }
-    };
+    let g = common::open_gpu("decode_profile");
     println!("device: {} (compute {:?})", g.info().name, g.info().compute_capability);
     let mut rng = StdRng::seed_from_u64(7);
     let (h, ql, nh, nope, rope, vd, kvl, inter, n_exp, k) = (2048, 512, 16, 64, 32, 64, 256, 1024, 256, 8);
@@ -83,15 +80,7 @@ fn main() -> Result<(), CudaError> {
     let sh_up = int8_mat(&g, &mut rng, inter, h);
     let sh_down = int8_mat(&g, &mut rng, h, inter);
     let router = f32_mat(&g, &mut rng, n_exp, h);
-    let experts: Vec<[GpuMat; 3]> = (0..n_exp)
-        .map(|_| {
-            [
-                mxfp4_mat(&g, &mut rng, inter, h),
-                mxfp4_mat(&g, &mut rng, inter, h),
-                mxfp4_mat(&g, &mut rng, h, inter),
-            ]
-        })
-        .collect();
+    let experts: Vec<[GpuMat; 3]> = (0..n_exp).map(|_| mxfp4_expert(&g, &mut rng, inter, h)).collect();
     let mut table = g.expert_table(n_exp, inter, h)?;
     table.set(&g, 0, &experts.iter().collect::<Vec<_>>())?;
     let up = |v: Vec<f32>| g.upload(&v);
@@ -162,26 +151,8 @@ fn main() -> Result<(), CudaError> {
     })?;
     row("mla_decode at 1000 positions", t, false);
     let t = g.time_ms(reps, || {
-        let p = PreNorm {
-            weight: &norm_w,
-            eps: 1e-6,
-            one_plus: false,
-            out: Some(&mut xn),
-        };
-        let jobs = &mut [
-            MvJob {
-                a: &router,
-                b: None,
-                kind: MvKind::Set,
-                y: &mut logits,
-            },
-            MvJob {
-                a: &sh_gate,
-                b: Some(&sh_up),
-                kind: MvKind::Glu,
-                y: &mut shared_h,
-            },
-        ];
+        let p = pn_out(&norm_w, &mut xn);
+        let jobs = &mut [set(&router, &mut logits), glu(&sh_gate, &sh_up, &mut shared_h)];
         g.mv_jobs(&x, Some(p), jobs)
     })?;
     row("post norm + router + shared gate/up, no router tail", t, false);
@@ -208,37 +179,9 @@ fn main() -> Result<(), CudaError> {
             0 => g.mv_jobs(
                 &x,
                 Some(pn(&norm_w)),
-                &mut [
-                    MvJob {
-                        a: &q_a,
-                        b: None,
-                        kind: MvKind::Set,
-                        y: &mut qa,
-                    },
-                    MvJob {
-                        a: &kv_lat,
-                        b: None,
-                        kind: MvKind::Set,
-                        y: &mut ckv,
-                    },
-                    MvJob {
-                        a: &kv_rope,
-                        b: None,
-                        kind: MvKind::Set,
-                        y: &mut kpe,
-                    },
-                ],
+                &mut [set(&q_a, &mut qa), set(&kv_lat, &mut ckv), set(&kv_rope, &mut kpe)],
             ),
-            1 => g.mv_jobs(
-                &qa,
-                Some(pn(&ql_norm)),
-                &mut [MvJob {
-                    a: &q_b,
-                    b: None,
-                    kind: MvKind::Set,
-                    y: &mut q,
-                }],
-            ),
+            1 => g.mv_jobs(&qa, Some(pn(&ql_norm)), &mut [set(&q_b, &mut q)]),
             2 => g.mla_prep(MlaPrepArg {
                 ckv_raw: &ckv,
                 norm: &kv_norm,
@@ -268,19 +211,12 @@ fn main() -> Result<(), CudaError> {
                 &heads,
                 None,
                 &mut [MvJob {
-                    a: &o_proj,
-                    b: None,
                     kind: MvKind::Add,
-                    y: &mut x,
+                    ..set(&o_proj, &mut x)
                 }],
             ),
             5 => {
-                let p = PreNorm {
-                    weight: &norm_w,
-                    eps: 1e-6,
-                    one_plus: false,
-                    out: Some(&mut xn),
-                };
+                let p = pn_out(&norm_w, &mut xn);
                 let r = RouteTailArg {
                     cfg: rs,
                     bias: &bias,
@@ -288,20 +224,7 @@ fn main() -> Result<(), CudaError> {
                     weights: &mut wts,
                     off: 0,
                 };
-                let jobs = &mut [
-                    MvJob {
-                        a: &router,
-                        b: None,
-                        kind: MvKind::Set,
-                        y: &mut logits,
-                    },
-                    MvJob {
-                        a: &sh_gate,
-                        b: Some(&sh_up),
-                        kind: MvKind::Glu,
-                        y: &mut shared_h,
-                    },
-                ];
+                let jobs = &mut [set(&router, &mut logits), glu(&sh_gate, &sh_up, &mut shared_h)];
                 g.mv_jobs_route(&x, Some(p), jobs, Some(r))
             }
             _ => g.moe_table_with(

@@ -9,18 +9,13 @@
 //! matmul, issue #16 target 2) is compute-bound: its weights fit L2 and are re-read per tile of
 //! 8 tokens; it compares the staged kernel with `int8_mm_r4` on the same inputs, bits included.
 
-use deltafin_cuda::{Decode, Gpu, GpuMat, Kernel};
-use deltafin_kernels::{int8, mxfp4, MatData, MatRef};
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use deltafin_cuda::{Decode, GpuMat, Kernel};
+use rand::{rngs::StdRng, SeedableRng};
+
+mod common;
 
 fn main() {
-    let g = match Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("gemv_bench: {e}");
-            std::process::exit(2);
-        }
-    };
+    let g = common::open_gpu("gemv_bench");
     let info = g.info();
     println!(
         "device: cuda:{} {} (compute {}.{}), {:.1} GiB",
@@ -70,8 +65,7 @@ fn main() {
             staged: false,
             lean: label.starts_with("lean"),
         };
-        let x: Vec<f32> = (0..n * m.cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-        let dx = g.upload(&x).unwrap();
+        let dx = g.upload(&common::rand_vec(&mut rng, n * m.cols)).unwrap();
         let mut dy = g.zeros(n * m.rows).unwrap();
         let ms = if n == 1 {
             g.time_ms(reps, || m.matvec_with(&g, kernel, &dx, &mut dy)).unwrap()
@@ -92,23 +86,7 @@ fn main() {
     // MXFP4: 64 Ki rows x 7168 (DeepSeek-V3 hidden) = 235 MB of codes + 14.7 MB of scales.
     let (rows, cols) = (65_536usize, 7168usize);
     let w: Vec<f32> = (0..rows * cols).map(|_| rng_f32()).collect();
-    let mut packed = vec![0u8; rows * mxfp4::packed_row_bytes(cols)];
-    let mut scales = vec![0u8; rows * mxfp4::scale_row_bytes(cols)];
-    mxfp4::quantize(&w, rows, cols, &mut packed, &mut scales);
-    let mx = GpuMat::upload(
-        &g,
-        &MatRef::new(
-            rows,
-            cols,
-            MatData::Mxfp4 {
-                packed: &packed,
-                scales: &scales,
-            },
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    drop((packed, scales));
+    let mx = common::mxfp4_upload(&g, &w, rows, cols);
     row("mxfp4 matvec, const table", &mx, Decode::ConstTable, 1, 1);
     row("mxfp4 matvec, shared table", &mx, Decode::SharedTable, 1, 1);
     for r in [1, 2, 4, 0] {
@@ -142,14 +120,7 @@ fn main() {
     drop(mx);
     // int8 rows: 16 Ki rows x 7168 = 117 MB.
     let rows8 = 16_384usize;
-    let mut q = vec![0i8; rows8 * cols];
-    let mut qs = vec![0f32; rows8];
-    int8::quantize(&w[..rows8 * cols], rows8, cols, &mut q, &mut qs);
-    let m8 = GpuMat::upload(
-        &g,
-        &MatRef::new(rows8, cols, MatData::Int8 { q: &q, scales: &qs }).unwrap(),
-    )
-    .unwrap();
+    let m8 = common::int8_upload(&g, &w[..rows8 * cols], rows8, cols);
     for r in [1, 2, 4] {
         row("int8 matvec", &m8, Decode::F16Bits, r, 1);
     }
@@ -162,14 +133,7 @@ fn main() {
     // n tokens, int8_mm_r4 against the staged kernels on the same x; "bits equal" compares each
     // output with int8_mm_r4's.
     let (rows, cols) = (2048usize, 2048usize);
-    let mut q = vec![0i8; rows * cols];
-    let mut qs = vec![0f32; rows];
-    int8::quantize(&w[..rows * cols], rows, cols, &mut q, &mut qs);
-    let m = GpuMat::upload(
-        &g,
-        &MatRef::new(rows, cols, MatData::Int8 { q: &q, scales: &qs }).unwrap(),
-    )
-    .unwrap();
+    let m = common::int8_upload(&g, &w[..rows * cols], rows, cols);
     let kernel = |rows_per_warp, staged| Kernel {
         decode: Decode::F16Bits,
         rows_per_warp,

@@ -7,18 +7,13 @@
 //!
 //! `cargo run --release -p deltafin-cuda --example grouped_bench [TOKENS]` on a GPU machine.
 
-use deltafin_cuda::{Gpu, GpuMat, GroupedShape};
-use deltafin_kernels::{mxfp4, MatData, MatRef};
-use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
+use deltafin_cuda::{GpuMat, GroupedShape};
+use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
+
+mod common;
 
 fn main() {
-    let g = match Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("grouped_bench: {e}");
-            std::process::exit(2);
-        }
-    };
+    let g = common::open_gpu("grouped_bench");
     let n: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(2000);
     let (n_exp, top_k, inter, hidden) = (256usize, 8usize, 1024usize, 2048usize);
     println!(
@@ -26,24 +21,8 @@ fn main() {
         g.info().name
     );
     let mut rng = StdRng::seed_from_u64(5);
-    let mut mat = |rows: usize, cols: usize| {
-        let w: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-        let mut packed = vec![0u8; rows * mxfp4::packed_row_bytes(cols)];
-        let mut scales = vec![0u8; rows * mxfp4::scale_row_bytes(cols)];
-        mxfp4::quantize(&w, rows, cols, &mut packed, &mut scales);
-        let m = MatRef::new(
-            rows,
-            cols,
-            MatData::Mxfp4 {
-                packed: &packed,
-                scales: &scales,
-            },
-        )
-        .unwrap();
-        GpuMat::upload(&g, &m).unwrap()
-    };
     let experts: Vec<[GpuMat; 3]> = (0..n_exp)
-        .map(|_| [mat(inter, hidden), mat(inter, hidden), mat(hidden, inter)])
+        .map(|_| common::mxfp4_expert(&g, &mut rng, inter, hidden))
         .collect();
     let mut table = g.expert_table(n_exp, inter, hidden).unwrap();
     let refs: Vec<&[GpuMat; 3]> = experts.iter().collect();
@@ -60,8 +39,7 @@ fn main() {
     let dst: Vec<i32> = members.iter().flatten().map(|&d| d as i32).collect();
     let pairs = dst.len();
     let mut rng = StdRng::seed_from_u64(6);
-    let xg: Vec<f32> = (0..pairs * hidden).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-    let xg = g.upload(&xg).unwrap();
+    let xg = g.upload(&common::rand_vec(&mut rng, pairs * hidden)).unwrap();
     let flop = 2.0 * pairs as f64 * 3.0 * (inter * hidden) as f64;
     let reps = 5;
     let tiles_of = |tmax: usize| {

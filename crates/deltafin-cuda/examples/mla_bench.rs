@@ -7,22 +7,17 @@
 //!
 //! `cargo run --release -p deltafin-cuda --example mla_bench [TOKENS] [CHUNK]` on a GPU machine.
 
-use deltafin_cuda::{Gpu, GpuMat, MlaPrefillForm, MlaShape};
-use deltafin_kernels::{int8, MatData, MatRef};
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use deltafin_cuda::{MlaPrefillForm, MlaShape};
+use rand::{rngs::StdRng, SeedableRng};
+
+mod common;
 
 fn main() {
-    let g = match Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("mla_bench: {e}");
-            std::process::exit(2);
-        }
-    };
+    let g = common::open_gpu("mla_bench");
     let arg = |i: usize, d: usize| std::env::args().nth(i).and_then(|a| a.parse().ok()).unwrap_or(d);
     let (total, chunk) = (arg(1, 2000), arg(2, 507));
     let mut rng = StdRng::seed_from_u64(9);
-    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
+    let mut rand = |n: usize| common::rand_vec(&mut rng, n);
     for (label, s) in [
         (
             "bench preset",
@@ -47,14 +42,7 @@ fn main() {
     ] {
         let (nh, qk, kvl) = (s.n_heads, s.nope + s.rope, s.kv_lora_rank);
         let rows = nh * (s.nope + s.v_head_dim);
-        let w = rand(rows * kvl);
-        let (mut q8, mut sc8) = (vec![0i8; rows * kvl], vec![0f32; rows]);
-        int8::quantize(&w, rows, kvl, &mut q8, &mut sc8);
-        let kvb = GpuMat::upload(
-            &g,
-            &MatRef::new(rows, kvl, MatData::Int8 { q: &q8, scales: &sc8 }).unwrap(),
-        )
-        .unwrap();
+        let kvb = common::int8_upload(&g, &rand(rows * kvl), rows, kvl);
         let ckv = g.upload(&rand(total * kvl)).unwrap();
         let kpe = g.upload(&rand(total * s.rope)).unwrap();
         println!("{label}: {s:?}, {total} tokens in chunks of {chunk}");

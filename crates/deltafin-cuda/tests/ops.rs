@@ -3,7 +3,7 @@
 //! fresh random inputs and outputs poisoned with NaN before each run (ggml `test-backend-ops`
 //! habit). Each test skips with one line when this machine has no CUDA device.
 
-use deltafin_cuda::{Decode, Gpu, GpuMat, Kernel};
+use deltafin_cuda::{Decode, Gpu, GpuBuf, GpuMat, Kernel, MlaShape};
 use deltafin_kernels::{int8, mxfp4, reference, MatData, MatRef};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -16,6 +16,11 @@ fn gpu(test: &str) -> Option<Gpu> {
             None
         }
     }
+}
+
+/// [`gpu`] and the test's random numbers from `seed`.
+fn gpu_and_rng(test: &str, seed: u64) -> Option<(Gpu, StdRng)> {
+    Some((gpu(test)?, StdRng::seed_from_u64(seed)))
 }
 
 fn rand_vec(rng: &mut StdRng, n: usize) -> Vec<f32> {
@@ -38,6 +43,39 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 /// (METHOD.md: "float32 arithmetic lands far under 1e-3"; issue #16 asks 1e-5 on logits).
 const TOL: f64 = 1e-5;
 
+/// A device buffer of `n` NaNs: an output poisoned before its run, so that an element the
+/// kernel leaves unwritten shows.
+fn nans(g: &Gpu, n: usize) -> GpuBuf {
+    g.upload(&vec![f32::NAN; n]).unwrap()
+}
+
+/// How many elements of `a` and `b` differ in their bits.
+fn bits_differ(a: &[f32], b: &[f32]) -> usize {
+    a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count()
+}
+
+/// The kernel with `decode` and `rows_per_warp` and every other choice off.
+fn plain_kernel(decode: Decode, rows_per_warp: u32) -> Kernel {
+    Kernel {
+        decode,
+        rows_per_warp,
+        stationary_x: false,
+        pipelined: false,
+        staged: false,
+        lean: false,
+    }
+}
+
+/// The small MLA shape of the attention tests (3 heads, latent rank 40: lanes with one and two
+/// latent columns, 10 rope dims).
+const MLA_SMALL: MlaShape = MlaShape {
+    n_heads: 3,
+    nope: 24,
+    rope: 10,
+    v_head_dim: 20,
+    kv_lora_rank: 40,
+};
+
 /// `y = W x` for `n` tokens in float64 from the exactly decoded rows (`reference::row`).
 fn matmul_f64(m: &MatRef, x: &[f32], n: usize) -> Vec<f32> {
     let rows: Vec<Vec<f32>> = (0..m.rows).map(|r| reference::row(m, r)).collect();
@@ -53,14 +91,7 @@ fn matmul_f64(m: &MatRef, x: &[f32], n: usize) -> Vec<f32> {
 
 /// Every kernel that can run a matrix-vector product of `m`'s format.
 fn matvec_kernels(m: &MatRef) -> Vec<Kernel> {
-    let k = |decode, rows_per_warp| Kernel {
-        decode,
-        rows_per_warp,
-        stationary_x: false,
-        pipelined: false,
-        staged: false,
-        lean: false,
-    };
+    let k = plain_kernel;
     let p = |decode, rows_per_warp| Kernel {
         pipelined: true,
         ..k(decode, rows_per_warp)
@@ -127,11 +158,17 @@ struct Host {
     scales: Vec<u8>,
 }
 
+/// `w: [rows, cols]` in int8: the codes and the row scales.
+fn int8_quantize(w: &[f32], rows: usize, cols: usize) -> (Vec<i8>, Vec<f32>) {
+    let (mut q, mut qs) = (vec![0i8; rows * cols], vec![0f32; rows]);
+    int8::quantize(w, rows, cols, &mut q, &mut qs);
+    (q, qs)
+}
+
 impl Host {
     fn new(rng: &mut StdRng, rows: usize, cols: usize) -> Self {
         let f32w = rand_vec(rng, rows * cols);
-        let (mut q, mut qs) = (vec![0i8; rows * cols], vec![0f32; rows]);
-        int8::quantize(&f32w, rows, cols, &mut q, &mut qs);
+        let (q, qs) = int8_quantize(&f32w, rows, cols);
         let mut packed = vec![0u8; rows * mxfp4::packed_row_bytes(cols)];
         let mut scales = vec![0u8; rows * mxfp4::scale_row_bytes(cols)];
         mxfp4::quantize(&f32w, rows, cols, &mut packed, &mut scales);
@@ -162,12 +199,41 @@ impl Host {
     }
 }
 
+/// One expert's gate, up and down weights: `[inter, hidden]` twice, then `[hidden, inter]`.
+fn expert_hosts(rng: &mut StdRng, inter: usize, hidden: usize) -> [Host; 3] {
+    [
+        Host::new(rng, inter, hidden),
+        Host::new(rng, inter, hidden),
+        Host::new(rng, hidden, inter),
+    ]
+}
+
+/// An expert's three matrices on the device in format `fmt` (an index of [`Host::mats`]).
+fn upload_expert(g: &Gpu, h: &[Host; 3], fmt: usize) -> [GpuMat; 3] {
+    [0, 1, 2].map(|i| GpuMat::upload(g, &h[i].mats()[fmt]).unwrap())
+}
+
+/// One token through one expert by separate launches: gate and up matvec, swiglu, down matvec
+/// (`[hidden]`).
+fn unfused_expert(g: &Gpu, e: &[GpuMat; 3], x: &GpuBuf, inter: usize, hidden: usize) -> GpuBuf {
+    let (mut a, mut b, mut hh, mut o) = (
+        g.zeros(inter).unwrap(),
+        g.zeros(inter).unwrap(),
+        g.zeros(inter).unwrap(),
+        g.zeros(hidden).unwrap(),
+    );
+    e[0].matvec(g, x, &mut a).unwrap();
+    e[1].matvec(g, x, &mut b).unwrap();
+    g.swiglu(&a, &b, &mut hh).unwrap();
+    e[2].matvec(g, &hh, &mut o).unwrap();
+    o
+}
+
 #[test]
 fn matvec_matches_reference_in_every_format() {
-    let Some(g) = gpu("matvec_matches_reference_in_every_format") else {
+    let Some((g, mut rng)) = gpu_and_rng("matvec_matches_reference_in_every_format", 16) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(16);
     for &(rows, cols) in SHAPES {
         let h = Host::new(&mut rng, rows, cols);
         let x = rand_vec(&mut rng, cols);
@@ -182,13 +248,13 @@ fn matvec_matches_reference_in_every_format() {
             let variants = matvec_kernels(&m);
             let mut first: Option<Vec<f32>> = None;
             for v in variants {
-                let mut dy = g.upload(&vec![f32::NAN; rows]).unwrap();
+                let mut dy = nans(&g, rows);
                 dm.matvec_with(&g, v, &dx, &mut dy).unwrap();
                 let got = g.download(&dy).unwrap();
                 let err = rel_l2(&got, &want);
                 assert!(err < TOL, "{m:?} {v:?}: relative L2 {err:e} against the reference");
                 // The same inputs give the same bits (fixed reduction order).
-                let mut dy2 = g.upload(&vec![f32::NAN; rows]).unwrap();
+                let mut dy2 = nans(&g, rows);
                 dm.matvec_with(&g, v, &dx, &mut dy2).unwrap();
                 assert_eq!(got, g.download(&dy2).unwrap(), "{m:?} {v:?}: not deterministic");
                 // Every decoder and rows-per-warp choice gives the same bits.
@@ -203,10 +269,9 @@ fn matvec_matches_reference_in_every_format() {
 
 #[test]
 fn matmul_rows_equal_matvec_bit_for_bit() {
-    let Some(g) = gpu("matmul_rows_equal_matvec_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("matmul_rows_equal_matvec_bit_for_bit", 17) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(17);
     for &(rows, cols) in SHAPES {
         for n in [1usize, 3, 8, 13] {
             let h = Host::new(&mut rng, rows, cols);
@@ -214,7 +279,7 @@ fn matmul_rows_equal_matvec_bit_for_bit() {
             let dx = g.upload(&x).unwrap();
             for m in h.mats() {
                 let dm = GpuMat::upload(&g, &m).unwrap();
-                let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
+                let mut dy = nans(&g, n * rows);
                 dm.matmul(&g, &dx, n, &mut dy).unwrap();
                 let got = g.download(&dy).unwrap();
                 if !matches!(m.data, MatData::F32(_)) {
@@ -224,15 +289,8 @@ fn matmul_rows_equal_matvec_bit_for_bit() {
                         .flat_map(|r| [(Decode::F16Bits, r), (Decode::BytePermute, r)])
                         .chain(mixed)
                     {
-                        let k = Kernel {
-                            stationary_x: false,
-                            pipelined: false,
-                            decode,
-                            rows_per_warp: r,
-                            staged: false,
-                            lean: false,
-                        };
-                        let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
+                        let k = plain_kernel(decode, r);
+                        let mut dy = nans(&g, n * rows);
                         dm.matmul_with(&g, k, &dx, n, &mut dy).unwrap();
                         assert_eq!(
                             g.download(&dy).unwrap(),
@@ -261,16 +319,15 @@ fn matmul_rows_equal_matvec_bit_for_bit() {
 
 #[test]
 fn rms_norm_swiglu_axpy_match_cpu() {
-    let Some(g) = gpu("rms_norm_swiglu_axpy_match_cpu") else {
+    let Some((g, mut rng)) = gpu_and_rng("rms_norm_swiglu_axpy_match_cpu", 18) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(18);
     for (n, dim) in [(1usize, 7usize), (3, 255), (5, 257), (2, 7168)] {
         let x = rand_vec(&mut rng, n * dim);
         let w = rand_vec(&mut rng, dim);
         for one_plus in [false, true] {
             let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
-            let mut dy = g.upload(&vec![f32::NAN; n * dim]).unwrap();
+            let mut dy = nans(&g, n * dim);
             g.rms_norm(&dx, &dw, n, 1e-6, one_plus, &mut dy).unwrap();
             let got = g.download(&dy).unwrap();
             let mut want = vec![0f32; n * dim];
@@ -289,7 +346,7 @@ fn rms_norm_swiglu_axpy_match_cpu() {
     }
     for len in [1usize, 255, 1000, 4097] {
         let (a, b) = (rand_vec(&mut rng, len), rand_vec(&mut rng, len));
-        let mut out = g.upload(&vec![f32::NAN; len]).unwrap();
+        let mut out = nans(&g, len);
         g.swiglu(&g.upload(&a).unwrap(), &g.upload(&b).unwrap(), &mut out)
             .unwrap();
         let want: Vec<f32> = a.iter().zip(&b).map(|(x, u)| deltafin_kernels::silu(*x) * u).collect();
@@ -367,19 +424,14 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// `Kernel::best_for` says so.
 #[test]
 fn int8_staged_matmul_equals_int8_mm_r4_bit_for_bit() {
-    let Some(g) = gpu("int8_staged_matmul_equals_int8_mm_r4_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("int8_staged_matmul_equals_int8_mm_r4_bit_for_bit", 23) else {
         return;
     };
     let k = |rows_per_warp, staged| Kernel {
-        decode: Decode::F16Bits,
-        rows_per_warp,
-        stationary_x: false,
-        pipelined: false,
         staged,
-        lean: false,
+        ..plain_kernel(Decode::F16Bits, rows_per_warp)
     };
     let (r4, staged8, staged4) = (k(4, false), k(8, true), k(4, true));
-    let mut rng = StdRng::seed_from_u64(23);
     // (rows, cols, tokens, tokens whose matvec is compared)
     let mut cases: Vec<(usize, usize, usize, usize)> = Vec::new();
     for rows in 1..=37 {
@@ -399,8 +451,7 @@ fn int8_staged_matmul_equals_int8_mm_r4_bit_for_bit() {
             // A zero row (scale 0, codes 0).
             f32w[..cols].iter_mut().for_each(|v| *v = 0.0);
         }
-        let (mut q, mut qs) = (vec![0i8; rows * cols], vec![0f32; rows]);
-        int8::quantize(&f32w, rows, cols, &mut q, &mut qs);
+        let (q, qs) = int8_quantize(&f32w, rows, cols);
         let m = MatRef::new(rows, cols, MatData::Int8 { q: &q, scales: &qs }).unwrap();
         let dm = GpuMat::upload(&g, &m).unwrap();
         let mut x = rand_vec(&mut rng, n * cols);
@@ -409,7 +460,7 @@ fn int8_staged_matmul_equals_int8_mm_r4_bit_for_bit() {
         }
         let dx = g.upload(&x).unwrap();
         let run = |kernel: Kernel| {
-            let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
+            let mut dy = nans(&g, n * rows);
             dm.matmul_with(&g, kernel, &dx, n, &mut dy).unwrap();
             bits(&g.download(&dy).unwrap())
         };
@@ -428,7 +479,7 @@ fn int8_staged_matmul_equals_int8_mm_r4_bit_for_bit() {
                 want.len()
             );
         }
-        let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
+        let mut dy = nans(&g, n * rows);
         dm.matmul(&g, &dx, n, &mut dy).unwrap();
         assert_eq!(
             bits(&g.download(&dy).unwrap()),
@@ -436,7 +487,7 @@ fn int8_staged_matmul_equals_int8_mm_r4_bit_for_bit() {
             "[{rows}, {cols}] n={n}: the default matmul"
         );
         // The matvec of each token (the last tokens always; the first ones up to `checked`).
-        let mut dyt = g.upload(&vec![f32::NAN; rows]).unwrap();
+        let mut dyt = nans(&g, rows);
         for t in (0..checked.min(n)).chain(n.saturating_sub(2).max(checked)..n) {
             let dxt = g.upload(&x[t * cols..(t + 1) * cols]).unwrap();
             dm.matvec(&g, &dxt, &mut dyt).unwrap();
@@ -451,10 +502,7 @@ fn int8_staged_matmul_equals_int8_mm_r4_bit_for_bit() {
     // blocks an SM (every `bench` projection on a Hopper's 227 KiB).
     let host = |rows: usize, cols: usize| {
         let mut rng = StdRng::seed_from_u64(24);
-        let w = rand_vec(&mut rng, rows * cols);
-        let (mut q, mut qs) = (vec![0i8; rows * cols], vec![0f32; rows]);
-        int8::quantize(&w, rows, cols, &mut q, &mut qs);
-        (q, qs)
+        int8_quantize(&rand_vec(&mut rng, rows * cols), rows, cols)
     };
     let (q, qs) = host(64, 2048);
     let dm = GpuMat::upload(
@@ -489,17 +537,12 @@ fn int8_staged_matmul_equals_int8_mm_r4_bit_for_bit() {
 /// need one and two MX blocks per thread and partial blocks.
 #[test]
 fn x_stationary_mxfp4_matches_reference_and_its_matmul() {
-    let Some(g) = gpu("x_stationary_mxfp4_matches_reference_and_its_matmul") else {
+    let Some((g, mut rng)) = gpu_and_rng("x_stationary_mxfp4_matches_reference_and_its_matmul", 19) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(19);
     let xs = Kernel {
-        decode: Decode::F16Bits,
-        rows_per_warp: 1,
         stationary_x: true,
-        pipelined: false,
-        staged: false,
-        lean: false,
+        ..plain_kernel(Decode::F16Bits, 1)
     };
     for (rows, cols) in [
         (1usize, 32usize),
@@ -515,14 +558,14 @@ fn x_stationary_mxfp4_matches_reference_and_its_matmul() {
         for n in [1usize, 2, 5] {
             let x = rand_vec(&mut rng, n * cols);
             let dx = g.upload(&x).unwrap();
-            let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
+            let mut dy = nans(&g, n * rows);
             dm.matmul_with(&g, xs, &dx, n, &mut dy).unwrap();
             let got = g.download(&dy).unwrap();
             let err = rel_l2(&got, &matmul_f64(&m, &x, n));
             assert!(err < TOL, "[{rows}, {cols}] n={n}: relative L2 {err:e}");
             for t in 0..n {
                 let dxt = g.upload(&x[t * cols..(t + 1) * cols]).unwrap();
-                let mut dyt = g.upload(&vec![f32::NAN; rows]).unwrap();
+                let mut dyt = nans(&g, rows);
                 dm.matvec_with(&g, xs, &dxt, &mut dyt).unwrap();
                 let one = g.download(&dyt).unwrap();
                 assert_eq!(one, got[t * rows..(t + 1) * rows], "[{rows}, {cols}] n={n} token {t}");
@@ -548,10 +591,9 @@ fn x_stationary_mxfp4_matches_reference_and_its_matmul() {
 #[test]
 fn mv_jobs_equal_the_unfused_launches_bit_for_bit() {
     use deltafin_cuda::{MvJob, MvKind, PreNorm};
-    let Some(g) = gpu("mv_jobs_equal_the_unfused_launches_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("mv_jobs_equal_the_unfused_launches_bit_for_bit", 41) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(41);
     for (cols, rows) in [(33usize, [7usize, 1, 40]), (2048, [512, 256, 33]), (12_300, [5, 9, 3])] {
         let x = rand_vec(&mut rng, cols);
         let nw = rand_vec(&mut rng, cols);
@@ -590,10 +632,10 @@ fn mv_jobs_equal_the_unfused_launches_bit_for_bit() {
             g.axpy(1.0, &o, &mut acc).unwrap();
             want.push(g.download(&acc).unwrap());
             // Fused.
-            let mut y0 = g.upload(&vec![f32::NAN; rows[0]]).unwrap();
-            let mut y1 = g.upload(&vec![f32::NAN; rows[1]]).unwrap();
+            let mut y0 = nans(&g, rows[0]);
+            let mut y1 = nans(&g, rows[1]);
             let mut y2 = g.upload(&base).unwrap();
-            let mut out = g.upload(&vec![f32::NAN; cols]).unwrap();
+            let mut out = nans(&g, cols);
             let norm = normed.then_some(PreNorm {
                 weight: &dnw,
                 eps: 1e-6,
@@ -638,33 +680,20 @@ fn mv_jobs_equal_the_unfused_launches_bit_for_bit() {
     let h = Host::new(&mut rng, 4, 32);
     let m = GpuMat::upload(&g, &h.mats()[2]).unwrap();
     let mut y = g.zeros(4).unwrap();
-    let e = g
-        .mv_jobs(
-            &g.zeros(31).unwrap(),
-            None,
-            &mut [MvJob {
-                a: &m,
-                b: None,
-                kind: MvKind::Set,
-                y: &mut y,
-            }],
-        )
-        .unwrap_err()
-        .to_string();
+    let mut refused = |len: usize, kind| {
+        let job = MvJob {
+            a: &m,
+            b: None,
+            kind,
+            y: &mut y,
+        };
+        g.mv_jobs(&g.zeros(len).unwrap(), None, &mut [job])
+            .unwrap_err()
+            .to_string()
+    };
+    let e = refused(31, MvKind::Set);
     assert!(e.contains("mv_jobs"), "{e}");
-    let e = g
-        .mv_jobs(
-            &g.zeros(32).unwrap(),
-            None,
-            &mut [MvJob {
-                a: &m,
-                b: None,
-                kind: MvKind::Glu,
-                y: &mut y,
-            }],
-        )
-        .unwrap_err()
-        .to_string();
+    let e = refused(32, MvKind::Glu);
     assert!(e.contains("Glu"), "{e}");
 }
 
@@ -674,10 +703,9 @@ fn mv_jobs_equal_the_unfused_launches_bit_for_bit() {
 #[test]
 fn route_tail_equals_the_separate_router_launch() {
     use deltafin_cuda::{MvJob, MvKind, RouteTailArg, RouterShape};
-    let Some(g) = gpu("route_tail_equals_the_separate_router_launch") else {
+    let Some((g, mut rng)) = gpu_and_rng("route_tail_equals_the_separate_router_launch", 44) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(44);
     for (e, k, ng, tg, hidden) in [
         (256usize, 8usize, 8usize, 4usize, 2048usize),
         (64, 6, 1, 1, 200),
@@ -740,18 +768,10 @@ fn route_tail_equals_the_separate_router_launch() {
 /// `Gpu::mla_decode` with the RoPE of q inside gives the bits of RoPE first, then decode.
 #[test]
 fn mla_prep_and_rope_inside_decode_equal_the_separate_launches() {
-    use deltafin_cuda::MlaShape;
-    let Some(g) = gpu("mla_prep_and_rope_inside_decode_equal_the_separate_launches") else {
+    let Some((g, mut rng)) = gpu_and_rng("mla_prep_and_rope_inside_decode_equal_the_separate_launches", 42) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(42);
-    let s = MlaShape {
-        n_heads: 3,
-        nope: 24,
-        rope: 10,
-        v_head_dim: 20,
-        kv_lora_rank: 40,
-    };
+    let s = MLA_SMALL;
     let (kvl, rope, t) = (s.kv_lora_rank, s.rope, 37usize);
     let kvb_h = Host::new(&mut rng, s.n_heads * (s.nope + s.v_head_dim), kvl);
     for interleaved in [false, true] {
@@ -828,10 +848,10 @@ fn mla_prep_and_rope_inside_decode_equal_the_separate_launches() {
             g.rope(&mut qr, s.n_heads, s.nope + rope, s.nope, &cs, interleaved)
                 .unwrap();
             let mut sc = g.zeros(s.scratch_len(t)).unwrap();
-            let mut o1 = g.upload(&vec![f32::NAN; s.n_heads * s.v_head_dim]).unwrap();
+            let mut o1 = nans(&g, s.n_heads * s.v_head_dim);
             g.mla_decode(s, &qr, &c1, &k1, &kvb, t, 0.3, None, None, &mut sc, &mut o1)
                 .unwrap();
-            let mut o2 = g.upload(&vec![f32::NAN; s.n_heads * s.v_head_dim]).unwrap();
+            let mut o2 = nans(&g, s.n_heads * s.v_head_dim);
             g.mla_decode(
                 s,
                 &g.upload(&q).unwrap(),
@@ -861,29 +881,17 @@ fn mla_prep_and_rope_inside_decode_equal_the_separate_launches() {
 #[test]
 fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
     use deltafin_cuda::{MvJob, MvKind};
-    let Some(g) = gpu("moe_table_equals_the_fused_and_unfused_paths_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("moe_table_equals_the_fused_and_unfused_paths_bit_for_bit", 43) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(43);
     for (k, n_exp, inter, hidden, fmt) in [
         (1usize, 3usize, 33usize, 64usize, 2usize),
         (6, 9, 96, 200, 2),
         (4, 5, 70, 257, 1),
         (3, 4, 40, 48, 0),
     ] {
-        let hosts: Vec<[Host; 3]> = (0..n_exp)
-            .map(|_| {
-                [
-                    Host::new(&mut rng, inter, hidden),
-                    Host::new(&mut rng, inter, hidden),
-                    Host::new(&mut rng, hidden, inter),
-                ]
-            })
-            .collect();
-        let experts: Vec<[GpuMat; 3]> = hosts
-            .iter()
-            .map(|h| [0, 1, 2].map(|i| GpuMat::upload(&g, &h[i].mats()[fmt]).unwrap()))
-            .collect();
+        let hosts: Vec<[Host; 3]> = (0..n_exp).map(|_| expert_hosts(&mut rng, inter, hidden)).collect();
+        let experts: Vec<[GpuMat; 3]> = hosts.iter().map(|h| upload_expert(&g, h, fmt)).collect();
         let mut table = g.expert_table(n_exp, inter, hidden).unwrap();
         let all: Vec<&[GpuMat; 3]> = experts.iter().collect();
         table.set(&g, 0, &all).unwrap();
@@ -894,12 +902,8 @@ fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
         let x0 = rand_vec(&mut rng, hidden);
         let dxn = g.upload(&xn).unwrap();
         // An int8 shared expert: gate/up pair then down.
-        let sh = [
-            Host::new(&mut rng, 50, hidden),
-            Host::new(&mut rng, 50, hidden),
-            Host::new(&mut rng, hidden, 50),
-        ];
-        let sm: [GpuMat; 3] = [0, 1, 2].map(|i| GpuMat::upload(&g, &sh[i].mats()[1]).unwrap());
+        let sh = expert_hosts(&mut rng, 50, hidden);
+        let sm = upload_expert(&g, &sh, 1);
         let mut sh_h = g.zeros(50).unwrap();
         g.mv_jobs(
             &dxn,
@@ -917,17 +921,7 @@ fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
         // Unfused reference.
         let mut acc = g.zeros(hidden).unwrap();
         for (&e, &w) in ids.iter().zip(&weights) {
-            let e = &experts[e as usize];
-            let (mut a, mut b, mut hh, mut o) = (
-                g.zeros(inter).unwrap(),
-                g.zeros(inter).unwrap(),
-                g.zeros(inter).unwrap(),
-                g.zeros(hidden).unwrap(),
-            );
-            e[0].matvec(&g, &dxn, &mut a).unwrap();
-            e[1].matvec(&g, &dxn, &mut b).unwrap();
-            g.swiglu(&a, &b, &mut hh).unwrap();
-            e[2].matvec(&g, &hh, &mut o).unwrap();
+            let o = unfused_expert(&g, &experts[e as usize], &dxn, inter, hidden);
             g.axpy(w, &o, &mut acc).unwrap();
         }
         g.axpy(1.0, &sh_out, &mut acc).unwrap();
@@ -936,7 +930,7 @@ fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
         let want = g.download(&xr).unwrap();
         // By id through the table.
         let (did, dw) = (g.upload(&ids).unwrap(), g.upload(&weights).unwrap());
-        let mut h = g.upload(&vec![f32::NAN; k * inter]).unwrap();
+        let mut h = nans(&g, k * inter);
         let mut x = g.upload(&x0).unwrap();
         g.moe_table(
             &table,
@@ -950,7 +944,7 @@ fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
         )
         .unwrap();
         assert_eq!(g.download(&x).unwrap(), want, "k={k} fmt={fmt}: by id");
-        let mut hs = g.upload(&vec![f32::NAN; k * inter + (k + 1) * hidden]).unwrap();
+        let mut hs = nans(&g, k * inter + (k + 1) * hidden);
         let mut x = g.upload(&x0).unwrap();
         g.moe_table_with(
             deltafin_cuda::MoeDown::Split,
@@ -1010,24 +1004,12 @@ fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
 /// `TOL` of a float64 oracle.
 #[test]
 fn fused_moe_equals_the_unfused_path_bit_for_bit() {
-    let Some(g) = gpu("fused_moe_equals_the_unfused_path_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("fused_moe_equals_the_unfused_path_bit_for_bit", 31) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(31);
     for (k, inter, hidden) in [(1usize, 33usize, 64usize), (6, 96, 200), (16, 70, 257)] {
-        let hosts: Vec<[Host; 3]> = (0..k)
-            .map(|_| {
-                [
-                    Host::new(&mut rng, inter, hidden),
-                    Host::new(&mut rng, inter, hidden),
-                    Host::new(&mut rng, hidden, inter),
-                ]
-            })
-            .collect();
-        let experts: Vec<[GpuMat; 3]> = hosts
-            .iter()
-            .map(|h| [0, 1, 2].map(|i| GpuMat::upload(&g, &h[i].mats()[2]).unwrap()))
-            .collect();
+        let hosts: Vec<[Host; 3]> = (0..k).map(|_| expert_hosts(&mut rng, inter, hidden)).collect();
+        let experts: Vec<[GpuMat; 3]> = hosts.iter().map(|h| upload_expert(&g, h, 2)).collect();
         let refs: Vec<&[GpuMat; 3]> = experts.iter().collect();
         assert!(Gpu::moe_fusable(&refs));
         let weights: Vec<f32> = (0..k).map(|_| rng.random_range(0.0f32..1.0)).collect();
@@ -1037,8 +1019,8 @@ fn fused_moe_equals_the_unfused_path_bit_for_bit() {
         let dxn = g.upload(&xn).unwrap();
         let dshared = g.upload(&shared).unwrap();
         // Fused.
-        let mut h = g.upload(&vec![f32::NAN; 16 * inter]).unwrap();
-        let mut y = g.upload(&vec![f32::NAN; 16 * hidden]).unwrap();
+        let mut h = nans(&g, 16 * inter);
+        let mut y = nans(&g, 16 * hidden);
         let mut x = g.upload(&x0).unwrap();
         g.moe_fused(&refs, &weights, &dxn, &mut h, &mut y, Some(&dshared), &mut x)
             .unwrap();
@@ -1046,16 +1028,7 @@ fn fused_moe_equals_the_unfused_path_bit_for_bit() {
         // Unfused.
         let mut acc = g.zeros(hidden).unwrap();
         for (e, &w) in refs.iter().zip(&weights) {
-            let (mut a, mut b, mut hh, mut o) = (
-                g.zeros(inter).unwrap(),
-                g.zeros(inter).unwrap(),
-                g.zeros(inter).unwrap(),
-                g.zeros(hidden).unwrap(),
-            );
-            e[0].matvec(&g, &dxn, &mut a).unwrap();
-            e[1].matvec(&g, &dxn, &mut b).unwrap();
-            g.swiglu(&a, &b, &mut hh).unwrap();
-            e[2].matvec(&g, &hh, &mut o).unwrap();
+            let o = unfused_expert(&g, e, &dxn, inter, hidden);
             g.axpy(w, &o, &mut acc).unwrap();
         }
         g.axpy(1.0, &dshared, &mut acc).unwrap();
@@ -1093,18 +1066,10 @@ fn fused_moe_equals_the_unfused_path_bit_for_bit() {
 /// scratch size; and `mla_prefill` of a chunk gives every token the bits of its decode.
 #[test]
 fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
-    use deltafin_cuda::MlaShape;
-    let Some(g) = gpu("mla_decode_splits_match_reference_and_prefill_equals_decode") else {
+    let Some((g, mut rng)) = gpu_and_rng("mla_decode_splits_match_reference_and_prefill_equals_decode", 64) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(64);
-    let s = MlaShape {
-        n_heads: 3,
-        nope: 24,
-        rope: 10,
-        v_head_dim: 20,
-        kv_lora_rank: 40,
-    };
+    let s = MLA_SMALL;
     let (nh, nope, rope, vd, kvl) = (s.n_heads, s.nope, s.rope, s.v_head_dim, s.kv_lora_rank);
     let (qk, tmax, scale) = (nope + rope, 300usize, 0.2f32);
     let kvb_h = Host::new(&mut rng, nh * (nope + vd), kvl);
@@ -1154,12 +1119,12 @@ fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
             let mut outs = Vec::new();
             for cap in [t, 300, 1000] {
                 let mut sc = g.zeros(s.scratch_len(cap)).unwrap();
-                let mut o = g.upload(&vec![f32::NAN; nh * vd]).unwrap();
+                let mut o = nans(&g, nh * vd);
                 let pos = g.upload(&[t as i32 - 1]).unwrap();
                 g.mla_decode(s, &dq, &dc, &dk, &kvb, t, scale, None, Some(&pos), &mut sc, &mut o)
                     .unwrap();
                 // Twice on the same scratch: the counters are left at zero.
-                let mut o2 = g.upload(&vec![f32::NAN; nh * vd]).unwrap();
+                let mut o2 = nans(&g, nh * vd);
                 g.mla_decode(s, &dq, &dc, &dk, &kvb, t, scale, None, Some(&pos), &mut sc, &mut o2)
                     .unwrap();
                 let (o, o2) = (g.download(&o).unwrap(), g.download(&o2).unwrap());
@@ -1174,7 +1139,7 @@ fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
         let (t0, n) = (50usize, 100usize);
         let q = rand_vec(&mut rng, n * nh * qk);
         let mut sc = g.zeros(n * s.scratch_len(t0 + n)).unwrap();
-        let mut out = g.upload(&vec![f32::NAN; n * nh * vd]).unwrap();
+        let mut out = nans(&g, n * nh * vd);
         g.mla_prefill(
             s,
             &g.upload(&q).unwrap(),
@@ -1192,7 +1157,7 @@ fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
         let mut dsc = g.zeros(s.scratch_len(tmax)).unwrap();
         for j in 0..n {
             let dq = g.upload(&q[j * nh * qk..(j + 1) * nh * qk]).unwrap();
-            let mut o = g.upload(&vec![f32::NAN; nh * vd]).unwrap();
+            let mut o = nans(&g, nh * vd);
             g.mla_decode(s, &dq, &dc, &dk, &kvb, t0 + j + 1, scale, None, None, &mut dsc, &mut o)
                 .unwrap();
             assert_eq!(
@@ -1212,19 +1177,12 @@ fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
 /// mid-split and end mid-split.
 #[test]
 fn mla_prefill_forms_equal_decode() {
-    use deltafin_cuda::{MlaPrefillForm, MlaShape};
-    let Some(g) = gpu("mla_prefill_forms_equal_decode") else {
+    use deltafin_cuda::MlaPrefillForm;
+    let Some((g, mut rng)) = gpu_and_rng("mla_prefill_forms_equal_decode", 65) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(65);
     for s in [
-        MlaShape {
-            n_heads: 3,
-            nope: 24,
-            rope: 10,
-            v_head_dim: 20,
-            kv_lora_rank: 40,
-        },
+        MLA_SMALL,
         MlaShape {
             n_heads: 16,
             nope: 128,
@@ -1263,7 +1221,7 @@ fn mla_prefill_forms_equal_decode() {
                 let mut outs = Vec::new();
                 for form in [MlaPrefillForm::PerToken, MlaPrefillForm::Tiled] {
                     let mut sc = g.zeros(n * s.scratch_len(t0 + n)).unwrap();
-                    let mut out = g.upload(&vec![f32::NAN; n * nh * vd]).unwrap();
+                    let mut out = nans(&g, n * nh * vd);
                     g.mla_prefill_with(form, s, &dq, &dc, &dk, &kvb, t0, n, 0.125, &mut sc, &mut out)
                         .unwrap();
                     outs.push(g.download(&out).unwrap());
@@ -1271,11 +1229,10 @@ fn mla_prefill_forms_equal_decode() {
                 let mut dsc = g.zeros(s.scratch_len(tmax)).unwrap();
                 for j in 0..n {
                     let dqj = g.upload(&q[j * nh * qk..(j + 1) * nh * qk]).unwrap();
-                    let mut o = g.upload(&vec![f32::NAN; nh * vd]).unwrap();
+                    let mut o = nans(&g, nh * vd);
                     g.mla_decode(s, &dqj, &dc, &dk, &kvb, t0 + j + 1, 0.125, None, None, &mut dsc, &mut o)
                         .unwrap();
                     let o = g.download(&o).unwrap();
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     for (f, out) in outs.iter().enumerate() {
                         assert_eq!(
                             bits(&o),
@@ -1344,11 +1301,12 @@ fn mla_mha_f64(
 
 #[test]
 fn mla_decompressed_prefill_matches_reference_absorbed_form_and_any_chunking() {
-    use deltafin_cuda::MlaShape;
-    let Some(g) = gpu("mla_decompressed_prefill_matches_reference_absorbed_form_and_any_chunking") else {
+    let Some((g, mut rng)) = gpu_and_rng(
+        "mla_decompressed_prefill_matches_reference_absorbed_form_and_any_chunking",
+        66,
+    ) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(66);
     for s in [
         MlaShape {
             n_heads: 3,
@@ -1388,7 +1346,7 @@ fn mla_decompressed_prefill_matches_reference_absorbed_form_and_any_chunking() {
             let kv = g.download(&dkv).unwrap();
             let run = |q: &[f32], t0: usize, n: usize| {
                 let dq = g.upload(q).unwrap();
-                let mut out = g.upload(&vec![f32::NAN; n * nh * vd]).unwrap();
+                let mut out = nans(&g, n * nh * vd);
                 g.mla_prefill_decompressed(s, &dq, &dkv, &dk, t0, n, 0.125, &mut out)
                     .unwrap();
                 g.download(&out).unwrap()
@@ -1493,10 +1451,9 @@ fn gqa_f64(
 /// the block's 128 threads), and a chunk's tokens bit-identical to launching each token alone.
 #[test]
 fn gqa_attend_matches_reference_and_a_chunk_equals_its_tokens() {
-    let Some(g) = gpu("gqa_attend_matches_reference_and_a_chunk_equals_its_tokens") else {
+    let Some((g, mut rng)) = gpu_and_rng("gqa_attend_matches_reference_and_a_chunk_equals_its_tokens", 31) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(31);
     // (n_heads, n_kv_heads, head_dim, window, sinks, t0, n)
     type Case = (usize, usize, usize, Option<usize>, bool, usize, usize);
     let cases: &[Case] = &[
@@ -1523,8 +1480,8 @@ fn gqa_attend_matches_reference_and_a_chunk_equals_its_tokens() {
         let (dk, dv) = (g.upload(&k).unwrap(), g.upload(&v).unwrap());
         let dsinks = g.upload(&sinks).unwrap();
         let sk = with_sinks.then_some(&dsinks);
-        let mut scratch = g.upload(&vec![f32::NAN; n * nh * shape.span(t0, n)]).unwrap();
-        let mut out = g.upload(&vec![f32::NAN; n * nh * hd]).unwrap();
+        let mut scratch = nans(&g, n * nh * shape.span(t0, n));
+        let mut out = nans(&g, n * nh * hd);
         g.gqa_attend(
             shape,
             &g.upload(&q).unwrap(),
@@ -1558,7 +1515,7 @@ fn gqa_attend_matches_reference_and_a_chunk_equals_its_tokens() {
         for j in [0, n / 2, n - 1] {
             let dq = g.upload(&q[j * nh * hd..(j + 1) * nh * hd]).unwrap();
             let mut sc = g.zeros(nh * shape.span(t0 + j, 1)).unwrap();
-            let mut o = g.upload(&vec![f32::NAN; nh * hd]).unwrap();
+            let mut o = nans(&g, nh * hd);
             g.gqa_attend(shape, &dq, &dk, &dv, t0 + j, 1, scale, sk, &mut sc, &mut o)
                 .unwrap();
             assert_eq!(
@@ -1632,11 +1589,10 @@ fn route_cpu(logits: &[f32], k: usize, router: deltafin_cuda::SoftmaxRouter) -> 
 /// renormalisation, on expert counts that are not multiples of 32 and k up to 16.
 #[test]
 fn route_softmax_topk_chooses_as_the_cpu_routers() {
-    let Some(g) = gpu("route_softmax_topk_chooses_as_the_cpu_routers") else {
+    use deltafin_cuda::SoftmaxRouter;
+    let Some((g, mut rng)) = gpu_and_rng("route_softmax_topk_chooses_as_the_cpu_routers", 32) else {
         return;
     };
-    use deltafin_cuda::SoftmaxRouter;
-    let mut rng = StdRng::seed_from_u64(32);
     for (e_n, k, n) in [
         (8usize, 2usize, 1usize),
         (12, 3, 37),
@@ -1657,7 +1613,7 @@ fn route_softmax_topk_chooses_as_the_cpu_routers() {
         ] {
             let mut probs = g.zeros(n * e_n).unwrap();
             let mut ids = g.upload(&vec![-7i32; n * k]).unwrap();
-            let mut w = g.upload(&vec![f32::NAN; n * k]).unwrap();
+            let mut w = nans(&g, n * k);
             g.route_softmax_topk(
                 router,
                 &g.upload(&logits).unwrap(),
@@ -1694,10 +1650,9 @@ fn route_softmax_topk_chooses_as_the_cpu_routers() {
 /// `add_bias_rows` is the CPU's add, bit for bit, on rows of awkward width.
 #[test]
 fn add_bias_rows_is_the_cpu_add() {
-    let Some(g) = gpu("add_bias_rows_is_the_cpu_add") else {
+    let Some((g, mut rng)) = gpu_and_rng("add_bias_rows_is_the_cpu_add", 33) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(33);
     for (n, dim) in [(1usize, 7usize), (5, 33), (3, 2880)] {
         let (y, b) = (rand_vec(&mut rng, n * dim), rand_vec(&mut rng, dim));
         let mut dy = g.upload(&y).unwrap();
@@ -1712,15 +1667,14 @@ fn add_bias_rows_is_the_cpu_add() {
 /// on both sides of the clamp limit.
 #[test]
 fn clamped_swiglu_matches_the_cpu_formula() {
-    let Some(g) = gpu("clamped_swiglu_matches_the_cpu_formula") else {
+    let Some((g, mut rng)) = gpu_and_rng("clamped_swiglu_matches_the_cpu_formula", 34) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(34);
     let (alpha, limit) = (1.702f32, 7.0f32);
     for (n, inter) in [(1usize, 5usize), (3, 33), (7, 2880)] {
         let gu: Vec<f32> = rand_vec(&mut rng, n * 2 * inter).iter().map(|x| 12.0 * x).collect();
         let b = rand_vec(&mut rng, 2 * inter);
-        let mut h = g.upload(&vec![f32::NAN; n * inter]).unwrap();
+        let mut h = nans(&g, n * inter);
         g.clamped_swiglu(&g.upload(&gu).unwrap(), &g.upload(&b).unwrap(), n, alpha, limit, &mut h)
             .unwrap();
         let mut want = Vec::with_capacity(n * inter);
@@ -1742,10 +1696,9 @@ fn clamped_swiglu_matches_the_cpu_formula() {
 /// interleaved layout over a rotary part at an offset (MLA's).
 #[test]
 fn rope_tokens_is_the_cpu_rotation_bit_for_bit() {
-    let Some(g) = gpu("rope_tokens_is_the_cpu_rotation_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("rope_tokens_is_the_cpu_rotation_bit_for_bit", 35) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(35);
     // (tokens, vectors a token, stride, offset, half, interleaved)
     for (n, v, stride, offset, half, interleaved) in [
         (5usize, 3usize, 22usize, 0usize, 11usize, false),
@@ -1807,29 +1760,17 @@ fn rope_tokens_is_the_cpu_rotation_bit_for_bit() {
 fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
     use deltafin_cuda::GroupedShape;
     use rand::seq::SliceRandom;
-    let Some(g) = gpu("grouped_experts_equal_the_per_expert_matmuls_bit_for_bit") else {
+    let Some((g, mut rng)) = gpu_and_rng("grouped_experts_equal_the_per_expert_matmuls_bit_for_bit", 71) else {
         return;
     };
-    let mut rng = StdRng::seed_from_u64(71);
     for (inter, hidden, counts) in [
         (33usize, 64usize, vec![1usize, 8, 9]),
         (96, 200, vec![17, 0, 3, 8, 2]),
         (70, 257, vec![5, 12]),
     ] {
         let n_exp = counts.len();
-        let hosts: Vec<[Host; 3]> = (0..n_exp)
-            .map(|_| {
-                [
-                    Host::new(&mut rng, inter, hidden),
-                    Host::new(&mut rng, inter, hidden),
-                    Host::new(&mut rng, hidden, inter),
-                ]
-            })
-            .collect();
-        let experts: Vec<[GpuMat; 3]> = hosts
-            .iter()
-            .map(|h| [0, 1, 2].map(|i| GpuMat::upload(&g, &h[i].mats()[2]).unwrap()))
-            .collect();
+        let hosts: Vec<[Host; 3]> = (0..n_exp).map(|_| expert_hosts(&mut rng, inter, hidden)).collect();
+        let experts: Vec<[GpuMat; 3]> = hosts.iter().map(|h| upload_expert(&g, h, 2)).collect();
         let mut table = g.expert_table(n_exp, inter, hidden).unwrap();
         let all: Vec<&[GpuMat; 3]> = experts.iter().collect();
         table.set(&g, 0, &all).unwrap();
@@ -1852,7 +1793,7 @@ fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
         let tiles = tiles_of(g.grouped_shape(&table).tokens);
         let xg_host = rand_vec(&mut rng, pairs * hidden);
         let xg = g.upload(&xg_host).unwrap();
-        let mut h = g.upload(&vec![f32::NAN; pairs * inter]).unwrap();
+        let mut h = nans(&g, pairs * inter);
         let mut y = g.upload(&vec![7.0f32; y_rows * hidden]).unwrap();
         g.moe_grouped(&table, &tiles, &xg, &dst, &mut h, &mut y).unwrap();
         let got = g.download(&y).unwrap();
@@ -1881,24 +1822,16 @@ fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
             }
             off += m;
         }
-        let diff = got
-            .iter()
-            .zip(&want)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
+        let diff = bits_differ(&got, &want);
         assert_eq!(diff, 0, "[{inter}, {hidden}] counts {counts:?}: {diff} values differ");
         // Every kernel shape gives the same bits.
         for shape in GroupedShape::ALL {
-            let mut h = g.upload(&vec![f32::NAN; pairs * inter]).unwrap();
+            let mut h = nans(&g, pairs * inter);
             let mut y = g.upload(&vec![7.0f32; y_rows * hidden]).unwrap();
             g.moe_grouped_with(shape, &table, &tiles_of(shape.tokens), &xg, &dst, &mut h, &mut y)
                 .unwrap();
             let got = g.download(&y).unwrap();
-            let diff = got
-                .iter()
-                .zip(&want)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
+            let diff = bits_differ(&got, &want);
             assert_eq!(
                 diff, 0,
                 "{shape:?} [{inter}, {hidden}] counts {counts:?}: {diff} values differ"
@@ -1922,12 +1855,8 @@ fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
     }
     // An int8 expert in the table is not taken.
     let (inter, hidden) = (40usize, 48usize);
-    let host = [
-        Host::new(&mut rng, inter, hidden),
-        Host::new(&mut rng, inter, hidden),
-        Host::new(&mut rng, hidden, inter),
-    ];
-    let e8: [GpuMat; 3] = [0, 1, 2].map(|i| GpuMat::upload(&g, &host[i].mats()[1]).unwrap());
+    let host = expert_hosts(&mut rng, inter, hidden);
+    let e8 = upload_expert(&g, &host, 1);
     let mut table = g.expert_table(1, inter, hidden).unwrap();
     table.set(&g, 0, &[&e8]).unwrap();
     let xg = g.upload(&rand_vec(&mut rng, hidden)).unwrap();

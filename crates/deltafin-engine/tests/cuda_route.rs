@@ -19,14 +19,44 @@ fn values(seed: u64, n: usize, r: f32) -> Vec<f32> {
         .collect()
 }
 
+/// Opens cuda:0, or prints why the test is skipped.
+fn gpu(test: &str) -> Option<Gpu> {
+    match Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            eprintln!("SKIPPED {test}: {e}");
+            None
+        }
+    }
+}
+
+/// `n` tokens of `e` logits from `seed`: on a coarse grid (many exact ties) for the first half
+/// of the tokens, fine for the rest.
+fn tied_logits(seed: u64, n: usize, e: usize) -> Vec<f32> {
+    let mut logits = values(seed, n * e, 4.0);
+    for v in logits[..(n / 2) * e].iter_mut() {
+        *v = (*v * 2.0).round() / 2.0;
+    }
+    logits
+}
+
+/// The device's experts and weights of one token equal the host's: the same ids, weights
+/// within 4 ulp.
+fn assert_same_route(ids: &[i32], w: &[f32], want: &deltafin_engine::moe::Routing, what: &str) {
+    let got: Vec<usize> = ids.iter().map(|&v| v as usize).collect();
+    assert_eq!(got, want.experts, "{what}: experts");
+    for (a, b) in w.iter().zip(&want.weights) {
+        assert!(
+            (a - b).abs() <= 4.0 * f32::EPSILON * b.abs(),
+            "{what}: weight {a} vs {b}"
+        );
+    }
+}
+
 #[test]
 fn device_router_chooses_what_the_host_router_chooses() {
-    let g = match Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED device_router_chooses_what_the_host_router_chooses: {e}");
-            return;
-        }
+    let Some(g) = gpu("device_router_chooses_what_the_host_router_chooses") else {
+        return;
     };
     // (experts, top_k, groups, kept groups, norm, scale): DeepSeek-V3's shape, no groups, Kimi
     // K3's 896 choose 16, groups of one and of several lanes (the kernel's register form), and
@@ -41,11 +71,7 @@ fn device_router_chooses_what_the_host_router_chooses() {
     ];
     for (ci, &(e, k, ng, tg, norm, scale)) in cases.iter().enumerate() {
         let n = 33;
-        // Logits on a coarse grid (many exact ties) for half the tokens, fine for the rest.
-        let mut logits = values(ci as u64 + 1, n * e, 4.0);
-        for v in logits[..(n / 2) * e].iter_mut() {
-            *v = (*v * 2.0).round() / 2.0;
-        }
+        let logits = tied_logits(ci as u64 + 1, n, e);
         let bias = values(ci as u64 + 100, e, 0.05);
         let shape = RouterShape {
             n_experts: e,
@@ -71,14 +97,8 @@ fn device_router_chooses_what_the_host_router_chooses() {
         assert_eq!(&ids[..3], &[-1, -1, -1], "case {ci}: wrote before the offset");
         for t in 0..n {
             let want = route(&cfg, &logits[t * e..(t + 1) * e], &bias);
-            let got: Vec<usize> = ids[3 + t * k..3 + (t + 1) * k].iter().map(|&v| v as usize).collect();
-            assert_eq!(got, want.experts, "case {ci} token {t}: experts");
-            for (a, b) in w[3 + t * k..3 + (t + 1) * k].iter().zip(&want.weights) {
-                assert!(
-                    (a - b).abs() <= 4.0 * f32::EPSILON * b.abs(),
-                    "case {ci} token {t}: weight {a} vs {b}"
-                );
-            }
+            let (at, what) = (3 + t * k..3 + (t + 1) * k, format!("case {ci} token {t}"));
+            assert_same_route(&ids[at.clone()], &w[at], &want, &what);
         }
     }
     // Shapes the kernel cannot take are refused with the reason.
@@ -108,23 +128,15 @@ fn device_router_chooses_what_the_host_router_chooses() {
 fn device_softmax_routers_choose_what_the_host_routers_choose() {
     use deltafin_cuda::SoftmaxRouter;
     use deltafin_engine::moe::{route_softmax, route_topk_softmax};
-    let g = match Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED device_softmax_routers_choose_what_the_host_routers_choose: {e}");
-            return;
-        }
+    let Some(g) = gpu("device_softmax_routers_choose_what_the_host_routers_choose") else {
+        return;
     };
     // (experts, top_k): Mixtral, the Qwen3-MoE fixtures, Qwen3-MoE 30B-A3B, gpt-oss 20b / 120b,
     // and odd counts up to k = 16.
     let cases = [(8usize, 2usize), (12, 3), (128, 8), (32, 4), (128, 4), (61, 16), (5, 5)];
     for (ci, &(e, k)) in cases.iter().enumerate() {
         let n = 33;
-        // Logits on a coarse grid (many exact ties) for half the tokens, fine for the rest.
-        let mut logits = values(ci as u64 + 7, n * e, 4.0);
-        for v in logits[..(n / 2) * e].iter_mut() {
-            *v = (*v * 2.0).round() / 2.0;
-        }
+        let logits = tied_logits(ci as u64 + 7, n, e);
         for router in [
             SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob: true },
             SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob: false },
@@ -154,14 +166,8 @@ fn device_softmax_routers_choose_what_the_host_routers_choose() {
                     }
                     SoftmaxRouter::TopKThenSoftmax => route_topk_softmax(row, k),
                 };
-                let got: Vec<usize> = ids[t * k..(t + 1) * k].iter().map(|&v| v as usize).collect();
-                assert_eq!(got, want.experts, "case {ci} {router:?} token {t}: experts");
-                for (a, b) in w[t * k..(t + 1) * k].iter().zip(&want.weights) {
-                    assert!(
-                        (a - b).abs() <= 4.0 * f32::EPSILON * b.abs(),
-                        "case {ci} {router:?} token {t}: weight {a} vs {b}"
-                    );
-                }
+                let (at, what) = (t * k..(t + 1) * k, format!("case {ci} {router:?} token {t}"));
+                assert_same_route(&ids[at.clone()], &w[at], &want, &what);
             }
         }
     }

@@ -459,16 +459,21 @@ fn check_self_drafting(case: &str, dir: &Path, p: &[u32], plain: &[u32]) {
     }
 }
 
+/// [`check_lookup_speculation`] and [`check_self_drafting`] on every `(family, case)`.
+fn speculation_keeps_greedy_output_on(cases: &[(&str, &str)]) {
+    let tmp = tempfile::tempdir().unwrap();
+    for &(family, case) in cases {
+        let (dir, p, plain) = check_lookup_speculation(family, case, tmp.path());
+        check_self_drafting(case, &dir, &p, &plain);
+    }
+}
+
 /// Speculative decoding on Qwen3-Next / Qwen3.5-MoE (lookup and self-drafting) rolls the gated
 /// DeltaNet states back (replay from the committed state) and the attention caches, and keeps
 /// the greedy output.
 #[test]
 fn qwen3_next_speculation_keeps_greedy_output() {
-    let tmp = tempfile::tempdir().unwrap();
-    for (family, case) in [("qwen3_next", "qwen3_next_a"), ("qwen3_5_moe", "qwen3_5_moe_b")] {
-        let (dir, p, plain) = check_lookup_speculation(family, case, tmp.path());
-        check_self_drafting(case, &dir, &p, &plain);
-    }
+    speculation_keeps_greedy_output_on(&[("qwen3_next", "qwen3_next_a"), ("qwen3_5_moe", "qwen3_5_moe_b")]);
 }
 
 /// Speculative decoding on Kimi Linear / K3 rolls the KDA states back (no state copies) and keeps
@@ -478,11 +483,7 @@ fn qwen3_next_speculation_keeps_greedy_output() {
 /// the shared experts alone, mostly rejected).
 #[test]
 fn kimi_speculation_keeps_greedy_output() {
-    let tmp = tempfile::tempdir().unwrap();
-    for (family, case) in [("kimi_linear", "kl_b"), ("kimi_k3", "k3_a")] {
-        let (dir, p, plain) = check_lookup_speculation(family, case, tmp.path());
-        check_self_drafting(case, &dir, &p, &plain);
-    }
+    speculation_keeps_greedy_output_on(&[("kimi_linear", "kl_b"), ("kimi_k3", "k3_a")]);
 }
 
 /// The GQA families (Qwen3-MoE with dense and MoE layers and q/k norms; Mixtral with and without
@@ -512,13 +513,9 @@ fn gqa_batched_prefill_equals_token_at_a_time() {
 /// the drafter propose) and self-drafting with all and with no experts resident.
 #[test]
 fn gqa_speculation_keeps_greedy_output() {
-    let tmp = tempfile::tempdir().unwrap();
-    for (family, case) in [
+    speculation_keeps_greedy_output_on(&[
         ("qwen3_moe", "qwen3_moe_b"),
         ("mixtral", "mixtral_b"),
         ("gpt_oss", "gpt_oss_a"),
-    ] {
-        let (dir, p, plain) = check_lookup_speculation(family, case, tmp.path());
-        check_self_drafting(case, &dir, &p, &plain);
-    }
+    ]);
 }

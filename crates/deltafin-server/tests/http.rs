@@ -208,6 +208,21 @@ fn wait_for_requests(addr: SocketAddr, endpoint: &str, want: &[(u16, f64)]) {
     }
 }
 
+/// Starts a streaming chat generation of `tokens` tokens and returns its reader once the first
+/// `data:` line has been read.
+fn stream_to_first_data(a: SocketAddr, tokens: usize) -> BufReader<TcpStream> {
+    let mut body = chat_body(tokens);
+    body["stream"] = json!(true);
+    let s = send(a, "POST", "/v1/chat/completions", body.to_string().as_bytes(), &[]);
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+    }
+    r
+}
+
 fn assert_openai_error(r: &Resp, status: u16) {
     assert_eq!(r.status, status, "{}", r.body);
     let v = r.json();
@@ -232,6 +247,40 @@ fn with(mut body: Value, extra: Value) -> Value {
 
 fn chat_body(max_tokens: usize) -> Value {
     json!({"model": MODEL, "messages": hello(), "max_tokens": max_tokens, "ignore_eos": true})
+}
+
+/// `POST /v1/chat/completions` of [`chat_body`]`(max_tokens)` with the fields of `extra` set.
+fn chat_with(a: SocketAddr, max_tokens: usize, extra: Value) -> Resp {
+    post(a, "/v1/chat/completions", &with(chat_body(max_tokens), extra))
+}
+
+/// `POST /v1/completions` of the prompt "Hi" for `max_tokens`, with the fields of `extra` set.
+fn cmpl_with(a: SocketAddr, max_tokens: usize, extra: Value) -> Resp {
+    post(
+        a,
+        "/v1/completions",
+        &with(json!({"model": MODEL, "prompt": "Hi", "max_tokens": max_tokens}), extra),
+    )
+}
+
+/// `POST /v1/messages` of [`hello`] for `max_tokens`, with the fields of `extra` set.
+fn messages_with(a: SocketAddr, max_tokens: usize, extra: Value) -> Resp {
+    post(
+        a,
+        "/v1/messages",
+        &with(
+            json!({"model": MODEL, "max_tokens": max_tokens, "messages": hello()}),
+            extra,
+        ),
+    )
+}
+
+/// `send` answers every body of `extras` with a 200.
+fn assert_accepted(send: impl Fn(Value) -> Resp, extras: impl IntoIterator<Item = Value>) {
+    for extra in extras {
+        let r = send(extra.clone());
+        assert_eq!(r.status, 200, "{extra}: {}", r.body);
+    }
 }
 
 #[test]
@@ -491,15 +540,7 @@ fn without_a_queue_twenty_concurrent_requests_one_runs_the_rest_get_429() {
 #[test]
 fn disconnect_cancels_within_a_step_and_frees_the_slot() {
     let a = start(|c| c.step_delay = Duration::from_millis(20));
-    let mut body = chat_body(100);
-    body["stream"] = json!(true);
-    let s = send(a, "POST", "/v1/chat/completions", body.to_string().as_bytes(), &[]);
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    while !line.starts_with("data: ") {
-        line.clear();
-        r.read_line(&mut line).unwrap();
-    }
+    let r = stream_to_first_data(a, 100);
     // The role chunk can be sent before the compute thread picks the job up: wait for it.
     let t_active = Instant::now();
     while metric(a, "deltafin_generation_active") != 1.0 {
@@ -696,14 +737,8 @@ fn context_overflow_names_the_endpoints_prompt_field() {
 #[test]
 fn unsupported_options_are_refused_not_ignored() {
     let a = start(|_| {});
-    let chat = |extra: Value| post(a, "/v1/chat/completions", &with(chat_body(2), extra));
-    let cmpl = |extra: Value| {
-        post(
-            a,
-            "/v1/completions",
-            &with(json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2}), extra),
-        )
-    };
+    let chat = |extra: Value| chat_with(a, 2, extra);
+    let cmpl = |extra: Value| cmpl_with(a, 2, extra);
     let refused = [
         (chat(json!({"response_format": {"type": "xml"}})), "response_format"),
         (
@@ -790,7 +825,7 @@ fn huge_integers_name_the_parameter_and_range() {
 #[test]
 fn chat_tools_and_tool_choice_are_type_checked() {
     let a = start(|_| {});
-    let chat = |extra: Value| post(a, "/v1/chat/completions", &with(chat_body(2), extra));
+    let chat = |extra: Value| chat_with(a, 2, extra);
     let tool = json!({"type": "function", "function": {"name": "get_weather", "description": "Weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
     let refused = [
@@ -849,18 +884,18 @@ fn chat_tools_and_tool_choice_are_type_checked() {
         assert_eq!(r.json()["error"]["param"], *param, "{extra}: {}", r.body);
         assert_eq!(r.json()["error"]["message"].as_str().unwrap().lines().count(), 1);
     }
-    for extra in [
-        json!({"tools": [tool]}),
-        json!({"tools": [tool], "tool_choice": "required"}),
-        json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
-        json!({"tools": [tool], "tool_choice": "auto"}),
-        json!({"tools": [tool], "tool_choice": "none"}),
-        json!({"tools": [], "tool_choice": "auto"}),
-        json!({"tools": null, "tool_choice": null}),
-    ] {
-        let r = chat(extra.clone());
-        assert_eq!(r.status, 200, "{extra}: {}", r.body);
-    }
+    assert_accepted(
+        chat,
+        [
+            json!({"tools": [tool]}),
+            json!({"tools": [tool], "tool_choice": "required"}),
+            json!({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+            json!({"tools": [tool], "tool_choice": "auto"}),
+            json!({"tools": [tool], "tool_choice": "none"}),
+            json!({"tools": [], "tool_choice": "auto"}),
+            json!({"tools": null, "tool_choice": null}),
+        ],
+    );
 }
 
 /// `/v1/messages` takes custom tools (rendered to the template in OpenAI's shape): a malformed
@@ -869,13 +904,7 @@ fn chat_tools_and_tool_choice_are_type_checked() {
 #[test]
 fn anthropic_tools_are_checked_and_accepted() {
     let a = start(|_| {});
-    let msg = |extra: Value| {
-        post(
-            a,
-            "/v1/messages",
-            &with(json!({"model": MODEL, "max_tokens": 2, "messages": hello()}), extra),
-        )
-    };
+    let msg = |extra: Value| messages_with(a, 2, extra);
     let tool = json!({"name": "get_weather", "description": "Wetter in München", "input_schema": {"type": "object"}});
     for (extra, names) in [
         (json!({"tools": "x"}), "tools"),
@@ -907,20 +936,20 @@ fn anthropic_tools_are_checked_and_accepted() {
         assert!(m.starts_with(&format!("{names}:")), "{extra}: {m}");
         assert_eq!(m.lines().count(), 1, "{m}");
     }
-    for extra in [
-        json!({"tools": [tool]}),
-        json!({"tools": [tool], "tool_choice": {"type": "auto"}}),
-        json!({"tools": [tool], "tool_choice": {"type": "none"}}),
-        json!({"tools": [tool], "tool_choice": {"type": "any"}}),
-        json!({"tools": [tool], "tool_choice": {"type": "tool", "name": "get_weather"}}),
-        json!({"tools": []}),
-        json!({"tools": null}),
-        json!({"tool_choice": {"type": "auto"}}),
-        json!({"tool_choice": {"type": "none"}}),
-    ] {
-        let r = msg(extra.clone());
-        assert_eq!(r.status, 200, "{extra}: {}", r.body);
-    }
+    assert_accepted(
+        msg,
+        [
+            json!({"tools": [tool]}),
+            json!({"tools": [tool], "tool_choice": {"type": "auto"}}),
+            json!({"tools": [tool], "tool_choice": {"type": "none"}}),
+            json!({"tools": [tool], "tool_choice": {"type": "any"}}),
+            json!({"tools": [tool], "tool_choice": {"type": "tool", "name": "get_weather"}}),
+            json!({"tools": []}),
+            json!({"tools": null}),
+            json!({"tool_choice": {"type": "auto"}}),
+            json!({"tool_choice": {"type": "none"}}),
+        ],
+    );
 }
 
 /// Anthropic `thinking` is accepted (enabled with a budget, or disabled) and checked; a bad one
@@ -929,20 +958,14 @@ fn anthropic_tools_are_checked_and_accepted() {
 #[test]
 fn thinking_reasoning_effort_and_template_kwargs() {
     let a = start(|_| {});
-    let msg = |extra: Value| {
-        post(
-            a,
-            "/v1/messages",
-            &with(json!({"model": MODEL, "max_tokens": 2, "messages": hello()}), extra),
-        )
-    };
-    for ok in [
-        json!({"thinking": {"type": "enabled", "budget_tokens": 1024}}),
-        json!({"thinking": {"type": "disabled"}}),
-    ] {
-        let r = msg(ok.clone());
-        assert_eq!(r.status, 200, "{ok}: {}", r.body);
-    }
+    let msg = |extra: Value| messages_with(a, 2, extra);
+    assert_accepted(
+        msg,
+        [
+            json!({"thinking": {"type": "enabled", "budget_tokens": 1024}}),
+            json!({"thinking": {"type": "disabled"}}),
+        ],
+    );
     for bad in [
         json!({"thinking": {"type": "enabled"}}),
         json!({"thinking": {"type": "enabled", "budget_tokens": 100}}),
@@ -954,7 +977,7 @@ fn thinking_reasoning_effort_and_template_kwargs() {
         let m = r.json()["error"]["message"].as_str().unwrap().to_string();
         assert!(m.starts_with("thinking:"), "{bad}: {m}");
     }
-    let chat = |extra: Value| post(a, "/v1/chat/completions", &with(chat_body(2), extra));
+    let chat = |extra: Value| chat_with(a, 2, extra);
     assert_eq!(chat(json!({"reasoning_effort": "high"})).status, 200);
     assert_eq!(
         chat(json!({"chat_template_kwargs": {"enable_thinking": false}})).status,
@@ -1236,11 +1259,7 @@ fn every_sampling_field_has_its_effect() {
 
     // Anthropic `top_k` 1 at temperature 1 is the greedy answer.
     let msg = |extra: Value| {
-        let r = post(
-            a,
-            "/v1/messages",
-            &with(json!({"model": MODEL, "max_tokens": 8, "messages": hello()}), extra),
-        );
+        let r = messages_with(a, 8, extra);
         assert_eq!(r.status, 200, "{}", r.body);
         r.json()["content"][0]["text"].clone()
     };
@@ -1252,14 +1271,8 @@ fn every_sampling_field_has_its_effect() {
 #[test]
 fn sampling_fields_out_of_range_are_400_naming_the_field() {
     let a = start(|_| {});
-    let chat = |extra: &Value| post(a, "/v1/chat/completions", &with(chat_body(1), extra.clone()));
-    let cmpl = |extra: &Value| {
-        post(
-            a,
-            "/v1/completions",
-            &with(json!({"model": MODEL, "prompt": "Hi", "max_tokens": 1}), extra.clone()),
-        )
-    };
+    let chat = |extra: &Value| chat_with(a, 1, extra.clone());
+    let cmpl = |extra: &Value| cmpl_with(a, 1, extra.clone());
     for (extra, param, needle) in [
         (json!({"logit_bias": {"7": 101}}), "logit_bias", "from -100 to 100"),
         (json!({"logit_bias": {"7": -100.5}}), "logit_bias", "from -100 to 100"),
@@ -1331,15 +1344,7 @@ fn wait_for_metric(addr: SocketAddr, name: &str, want: f64) {
 
 /// Starts a streaming generation of `tokens` tokens and returns once it runs (its reader).
 fn start_running(a: SocketAddr, tokens: usize) -> BufReader<TcpStream> {
-    let mut body = chat_body(tokens);
-    body["stream"] = json!(true);
-    let s = send(a, "POST", "/v1/chat/completions", body.to_string().as_bytes(), &[]);
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    while !line.starts_with("data: ") {
-        line.clear();
-        r.read_line(&mut line).unwrap();
-    }
+    let r = stream_to_first_data(a, tokens);
     wait_for_metric(a, "deltafin_generation_active", 1.0);
     r
 }

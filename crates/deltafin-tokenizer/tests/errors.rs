@@ -24,6 +24,13 @@ fn write(dir: &Path, name: &str, text: &str) {
     std::fs::write(dir.join(name), text).unwrap();
 }
 
+/// The load error of the `hf_bpe` fixture with its file `name` replaced by `text`.
+fn hf_bpe_error_with(name: &str, text: &str) -> TokenizerError {
+    let tmp = copy_fixture("hf_bpe");
+    write(tmp.path(), name, text);
+    Tokenizer::from_dir(tmp.path()).unwrap_err()
+}
+
 #[test]
 fn empty_dir_has_no_tokenizer() {
     let tmp = tempfile::tempdir().unwrap();
@@ -52,18 +59,14 @@ fn tokenizer_config_is_optional() {
 
 #[test]
 fn malformed_tokenizer_json_names_the_file() {
-    let tmp = copy_fixture("hf_bpe");
-    write(tmp.path(), "tokenizer.json", "{\"model\": ");
-    let err = Tokenizer::from_dir(tmp.path()).unwrap_err();
+    let err = hf_bpe_error_with("tokenizer.json", "{\"model\": ");
     assert!(matches!(err, TokenizerError::TokenizerJson { .. }), "{err}");
     assert!(err.to_string().contains("tokenizer.json"), "{err}");
 }
 
 #[test]
 fn malformed_tokenizer_config_names_the_file() {
-    let tmp = copy_fixture("hf_bpe");
-    write(tmp.path(), "tokenizer_config.json", "{\"bos_token\": \"<|bos|>\",,}");
-    let err = Tokenizer::from_dir(tmp.path()).unwrap_err();
+    let err = hf_bpe_error_with("tokenizer_config.json", "{\"bos_token\": \"<|bos|>\",,}");
     assert!(matches!(err, TokenizerError::Json { .. }), "{err}");
     assert!(err.to_string().contains("tokenizer_config.json"), "{err}");
 }
@@ -80,9 +83,7 @@ fn wrong_field_types_name_the_field() {
         (r#"{"add_bos_token": true}"#, "add_bos_token"),
     ];
     for (json, field) in cases {
-        let tmp = copy_fixture("hf_bpe");
-        write(tmp.path(), "tokenizer_config.json", json);
-        let err = Tokenizer::from_dir(tmp.path()).unwrap_err();
+        let err = hf_bpe_error_with("tokenizer_config.json", json);
         match &err {
             TokenizerError::Field { field: f, path, .. } => {
                 assert_eq!(f, field, "{json}");

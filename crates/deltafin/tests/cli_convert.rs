@@ -33,13 +33,9 @@ fn convert_names_a_model_directory_and_dry_run_notes_force() {
 fn convert_rejects_an_unknown_model_type() {
     let tmp = tempfile::tempdir().unwrap();
     let hf = copy_case("dsv3_a", tmp.path());
-    let cfg_path = hf.join("config.json");
-    let mut cfg = read_json(&cfg_path);
-    cfg["model_type"] = "llama".into();
-    std::fs::write(&cfg_path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    edit_config(&hf, |cfg| cfg["model_type"] = "llama".into());
     let out = tmp.path().join("m");
-    expect_error(&convert(&hf, &out, &[]), &["config.json", "model_type", "llama"]);
-    assert_no_output(&out);
+    convert_refused(&hf, &out, &["config.json", "model_type", "llama"]);
 }
 
 /// A context of 0 positions (or any other zero-sized hyperparameter) is refused at convert,
@@ -51,16 +47,9 @@ fn convert_rejects_a_zero_context() {
         let tmp = tempfile::tempdir().unwrap();
         let hf = tmp.path().join("hf");
         copy_dir(&root.join(case), &hf);
-        let cfg_path = hf.join("config.json");
-        let mut cfg = read_json(&cfg_path);
-        cfg["max_position_embeddings"] = 0.into();
-        std::fs::write(&cfg_path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+        edit_config(&hf, |cfg| cfg["max_position_embeddings"] = 0.into());
         let out = tmp.path().join("m");
-        expect_error(
-            &convert(&hf, &out, &[]),
-            &["config.json", "max_position_embeddings", "greater than 0"],
-        );
-        assert_no_output(&out);
+        convert_refused(&hf, &out, &["config.json", "max_position_embeddings", "greater than 0"]);
     }
 }
 
@@ -121,8 +110,7 @@ fn convert_rejects_a_missing_tensor() {
         copy_dir(&fixture("dsv3_a"), &hf);
         rewrite_safetensors(&st, |ts| ts.retain(|t| t.0 != missing));
         let out = tmp.path().join("m");
-        expect_error(&convert(&hf, &out, &[]), &["missing tensor", missing]);
-        assert_no_output(&out);
+        convert_refused(&hf, &out, &["missing tensor", missing]);
     }
 }
 
@@ -137,11 +125,7 @@ fn convert_rejects_a_shape_mismatch() {
         t.2 = vec![64, 32];
     });
     let out = tmp.path().join("m");
-    expect_error(
-        &convert(&hf, &out, &[]),
-        &["model.safetensors", name, "[64, 32]", "[32, 64]"],
-    );
-    assert_no_output(&out);
+    convert_refused(&hf, &out, &["model.safetensors", name, "[64, 32]", "[32, 64]"]);
 }
 
 #[test]
@@ -156,8 +140,7 @@ fn convert_rejects_fp8_weights() {
         t.3 = vec![0x38; n];
     });
     let out = tmp.path().join("m");
-    expect_error(&convert(&hf, &out, &[]), &["model.safetensors", name, "F8_E4M3", "FP8"]);
-    assert_no_output(&out);
+    convert_refused(&hf, &out, &["model.safetensors", name, "F8_E4M3", "FP8"]);
 }
 
 #[test]
@@ -170,9 +153,8 @@ fn convert_rejects_a_truncated_safetensors_file() {
     // Cut in the tensor data, one byte short, and inside the header.
     for cut in [full.len() / 2, full.len() - 1, 100] {
         std::fs::write(&st, &full[..cut]).unwrap();
-        let line = expect_error(&convert(&hf, &out, &[]), &["model.safetensors"]);
+        let line = convert_refused(&hf, &out, &["model.safetensors"]);
         assert!(line.contains("truncated"), "cut at {cut}: {line}");
-        assert_no_output(&out);
     }
 }
 
@@ -184,11 +166,7 @@ fn convert_rejects_a_shard_of_the_index_that_is_truncated() {
     let full = std::fs::read(&st).unwrap();
     std::fs::write(&st, &full[..full.len() - 4096]).unwrap();
     let out = tmp.path().join("m");
-    expect_error(
-        &convert(&hf, &out, &[]),
-        &["model-00002-of-00002.safetensors", "truncated"],
-    );
-    assert_no_output(&out);
+    convert_refused(&hf, &out, &["model-00002-of-00002.safetensors", "truncated"]);
 }
 
 #[test]
@@ -199,23 +177,20 @@ fn convert_rejects_a_garbage_safetensors_header() {
     let out = tmp.path().join("m");
     // Not a safetensors file at all: the first 8 bytes read as an absurd header length.
     std::fs::write(&st, b"this is not a safetensors file, just some text\n").unwrap();
-    expect_error(&convert(&hf, &out, &[]), &["model.safetensors", "header"]);
-    assert_no_output(&out);
+    convert_refused(&hf, &out, &["model.safetensors", "header"]);
     // A plausible header length followed by bytes that are not JSON.
     let mut bad = 24u64.to_le_bytes().to_vec();
     bad.extend_from_slice(b"{\"oops\": not json at all");
     bad.extend_from_slice(&[0u8; 64]);
     std::fs::write(&st, &bad).unwrap();
-    expect_error(&convert(&hf, &out, &[]), &["model.safetensors"]);
-    assert_no_output(&out);
+    convert_refused(&hf, &out, &["model.safetensors"]);
     // Valid JSON whose offsets point past the data.
     let header = br#"{"lm_head.weight":{"dtype":"F32","shape":[512,64],"data_offsets":[0,131072]}}"#;
     let mut bad = (header.len() as u64).to_le_bytes().to_vec();
     bad.extend_from_slice(header);
     bad.extend_from_slice(&[0u8; 16]);
     std::fs::write(&st, &bad).unwrap();
-    expect_error(&convert(&hf, &out, &[]), &["model.safetensors"]);
-    assert_no_output(&out);
+    convert_refused(&hf, &out, &["model.safetensors"]);
 }
 
 #[test]

@@ -2,16 +2,13 @@
 
 use assert_cmd::Command;
 
+mod common;
+
 #[test]
 fn info_reports_cuda_devices_or_why_none() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
-    Command::cargo_bin("deltafin")
-        .unwrap()
-        .args(["synth", "--preset", "tiny", "--out"])
-        .arg(&model)
-        .assert()
-        .success();
+    common::synth("tiny", &model);
     let out = Command::cargo_bin("deltafin")
         .unwrap()
         .arg("info")
@@ -41,12 +38,7 @@ fn info_reports_cuda_devices_or_why_none() {
 fn gpu_flags_are_refused_clearly_where_they_cannot_apply() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
-    Command::cargo_bin("deltafin")
-        .unwrap()
-        .args(["synth", "--preset", "tiny", "--out"])
-        .arg(&model)
-        .assert()
-        .success();
+    common::synth("tiny", &model);
     let fails = |args: &[&str], want: &str| {
         let out = Command::cargo_bin("deltafin")
             .unwrap()

@@ -8,10 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use assert_cmd::Command;
-use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
 mod common;
-use common::{deltafin_within, exec, expect_error, ok, text};
+use common::{assert_no_output, deltafin_within, exec, expect_error, ok, rewrite_safetensors, text, RawTensor};
 use serde_json::{json, Value};
 
 fn deltafin() -> Command {
@@ -50,15 +49,6 @@ fn convert(hf: &Path, out: &Path, extra: &[&str]) -> Output {
     exec(deltafin().arg("convert").arg(hf).arg(out).args(extra))
 }
 
-fn assert_no_output(out: &Path) {
-    assert!(!out.exists(), "{} was created", out.display());
-    let partial = out
-        .parent()
-        .unwrap()
-        .join(format!(".{}.partial", out.file_name().unwrap().to_string_lossy()));
-    assert!(!partial.exists(), "{} was left behind", partial.display());
-}
-
 fn run_ids(model: &Path, ids: &str, extra: &[&str]) -> Output {
     exec(
         deltafin()
@@ -73,26 +63,6 @@ fn mkfifo(p: &Path) {
     let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
     // SAFETY: a valid NUL-terminated path.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {}", p.display());
-}
-
-type RawTensor = (String, Dtype, Vec<usize>, Vec<u8>);
-
-/// Rewrites a safetensors file after letting `edit` change its tensors.
-fn rewrite_safetensors(path: &Path, edit: impl FnOnce(&mut Vec<RawTensor>)) {
-    let bytes = std::fs::read(path).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut ts: Vec<RawTensor> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
-        .collect();
-    ts.sort_by(|a, b| a.0.cmp(&b.0));
-    edit(&mut ts);
-    let views: Vec<(String, TensorView<'_>)> = ts
-        .iter()
-        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
 }
 
 /// Sets every value of f32 tensor `name` to `x`.

@@ -6,46 +6,22 @@
 use std::path::Path;
 
 use assert_cmd::Command;
-use serde_json::Value;
+
+mod common;
 
 fn deltafin() -> Command {
     Command::new(assert_cmd::cargo::cargo_bin!("deltafin"))
 }
 
 fn generated(model: &Path, extra: &[&str], stats: &Path) -> Vec<u64> {
-    deltafin()
-        .args(["run", "--model"])
-        .arg(model)
-        .args([
-            "--prompt",
-            "ka mi lo ka mi lo ka mi lo ka mi",
-            "--max-new-tokens",
-            "24",
-            "--ignore-eos",
-        ])
-        .args(extra)
-        .arg("--stats-json")
-        .arg(stats)
-        .assert()
-        .success();
-    let s: Value = serde_json::from_slice(&std::fs::read(stats).unwrap()).unwrap();
-    s["generated_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap())
-        .collect()
+    common::generated_ids(model, common::K3_PROMPT, extra, stats)
 }
 
 #[test]
 fn k3_layout_chat_speculation_and_info() {
     let t = tempfile::tempdir().unwrap();
     let m = t.path().join("k3");
-    deltafin()
-        .args(["synth", "--preset", "k3-tiny", "--out"])
-        .arg(&m)
-        .assert()
-        .success();
+    common::synth("k3-tiny", &m);
     let out = deltafin()
         .args(["run", "--model"])
         .arg(&m)

@@ -280,12 +280,65 @@ fn deltafin() -> Command {
 
 fn run_ok(args: &[&str]) -> Output {
     let out = deltafin().args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "deltafin {args:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "deltafin {args:?} failed:\n{}", stderr_of(&out));
     out
+}
+
+/// `deltafin args`, whatever its exit status.
+fn run_any(args: &[&str]) -> Output {
+    deltafin().args(args).output().unwrap()
+}
+
+fn stdout_of(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr_of(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// The lines of `stderr` that start with `error:`.
+fn error_lines(stderr: &str) -> Vec<&str> {
+    stderr.lines().filter(|l| l.starts_with("error:")).collect()
+}
+
+/// `cache verify` of `model` succeeds and says `ok: `.
+fn assert_cache_verifies(model: &Path) {
+    let v = stdout_of(&run_ok(&["cache", "verify", s(model)]));
+    assert!(v.contains("ok: "), "{v}");
+}
+
+/// `cache verify` of a streaming install succeeds, and `cache stats` says some records are
+/// present but not all 48.
+fn assert_verified_and_partly_cached(model: &Path) {
+    assert_cache_verifies(model);
+    let stats = stdout_of(&run_ok(&["cache", "stats", s(model)]));
+    assert!(
+        !stats.contains("total: 0 of") && !stats.contains("total: 48 of"),
+        "{stats}"
+    );
+}
+
+/// Flips 4,096 bytes in the middle of the first shard that `ng` serves for `dsv3_b` and keeps
+/// its size and modification time, so that nginx sends the same ETag; returns the shard's name.
+fn replace_served_shard_under_the_same_etag(ng: &Nginx) -> &'static str {
+    let shard = "model-00001-of-00002.safetensors";
+    let served = ng._dir.path().join("srv/dsv3_b/resolve/main").join(shard);
+    let mtime = std::fs::metadata(&served).unwrap().modified().unwrap();
+    let mut b = read(&served);
+    let n = b.len();
+    for x in &mut b[n / 2..n / 2 + 4096] {
+        *x ^= 0x10;
+    }
+    std::fs::write(&served, &b).unwrap();
+    // Same size and modification time: nginx sends the same ETag.
+    std::fs::File::options()
+        .write(true)
+        .open(&served)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    shard
 }
 
 fn s(p: &Path) -> &str {
@@ -346,7 +399,7 @@ fn full_and_streaming_installs_match_a_local_convert() {
 
     // Full: downloaded (two shards + index, sha256-verified), converted.
     let out = run_ok(&["pull", &ng.url("dsv3_b"), s(&t.join("full")), "--full"]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("pulled (full)"));
+    assert!(stderr_of(&out).contains("pulled (full)"));
     assert_same_model(&t.join("ref"), &t.join("full"));
     assert!(!t.join(".full.download").exists(), "download directory left behind");
 
@@ -358,26 +411,23 @@ fn full_and_streaming_installs_match_a_local_convert() {
         std::fs::metadata(t.join("st/experts.pack")).unwrap().len()
     );
     assert!(!t.join(".st.stream-src").exists());
-    let stats = String::from_utf8_lossy(&run_ok(&["cache", "stats", s(&t.join("st"))]).stdout).into_owned();
+    let stats = stdout_of(&run_ok(&["cache", "stats", s(&t.join("st"))]));
     assert!(
         stats.contains("streaming install") && stats.contains("total: 0 of 48 records"),
         "{stats}"
     );
 
     // Without network permission: a clear error naming the expert and the fix.
-    let out = deltafin()
-        .args([
-            "run",
-            "--model",
-            s(&t.join("st")),
-            "--prompt-ids",
-            "5,17",
-            "--max-new-tokens",
-            "1",
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let out = run_any(&[
+        "run",
+        "--model",
+        s(&t.join("st")),
+        "--prompt-ids",
+        "5,17",
+        "--max-new-tokens",
+        "1",
+    ]);
+    let err = stderr_of(&out);
     assert!(!out.status.success());
     assert!(
         err.contains("layer ")
@@ -390,25 +440,22 @@ fn full_and_streaming_installs_match_a_local_convert() {
 
     // With it: experts fetched on demand; ids and logits identical to the full install.
     let want = logits(&t.join("full"), &[], &t.join("full.json"));
-    let out = deltafin()
-        .args([
-            "run",
-            "--model",
-            s(&t.join("st")),
-            "--prompt-ids",
-            "5,17,42,7,3",
-            "--max-new-tokens",
-            "6",
-            "--ignore-eos",
-            "--ram-budget",
-            "0",
-            "--allow-network",
-            "--logits-out",
-            s(&t.join("st.json")),
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let out = run_any(&[
+        "run",
+        "--model",
+        s(&t.join("st")),
+        "--prompt-ids",
+        "5,17,42,7,3",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+        "--ram-budget",
+        "0",
+        "--allow-network",
+        "--logits-out",
+        s(&t.join("st.json")),
+    ]);
+    let err = stderr_of(&out);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("expert records on demand"), "{err}");
     assert!(
@@ -418,17 +465,11 @@ fn full_and_streaming_installs_match_a_local_convert() {
     // A second run needs no network: the fetched records are local now.
     assert!(want == logits(&t.join("st"), &[], &t.join("st2.json")));
 
-    let v = String::from_utf8_lossy(&run_ok(&["cache", "verify", s(&t.join("st"))]).stdout).into_owned();
-    assert!(v.contains("ok: "), "{v}");
-    let stats = String::from_utf8_lossy(&run_ok(&["cache", "stats", s(&t.join("st"))]).stdout).into_owned();
-    assert!(
-        !stats.contains("total: 0 of") && !stats.contains("total: 48 of"),
-        "{stats}"
-    );
+    assert_verified_and_partly_cached(&t.join("st"));
 
     // Upgrade to full: keeps what is cached, fetches the rest, ends identical to a full convert.
     let out = run_ok(&["pull", &ng.url("dsv3_b"), s(&t.join("st")), "--full"]);
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = stderr_of(&out);
     assert!(
         err.contains("pulled (upgrade)") && err.contains("already cached and kept"),
         "{err}"
@@ -442,16 +483,16 @@ fn full_and_streaming_installs_match_a_local_convert() {
 
 #[test]
 fn retries_500s_refetches_a_corrupted_body_and_names_a_server_ignoring_range() {
-    let Some(ng) = Nginx::start(&["dsv3_a"]) else { return };
-    let px = Proxy::start(ng.port);
-    let tmp = tempfile::tempdir().unwrap();
+    let Some((_ng, px, tmp)) = serve_behind_proxy("dsv3_a") else {
+        return;
+    };
     let t = tmp.path();
     local_convert("dsv3_a", &t.join("ref"));
 
     // 500s, then the server recovers.
     px.with(|f| f.fail_next = 3);
     let out = run_ok(&["pull", &px.url("dsv3_a"), s(&t.join("a")), "--full"]);
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = stderr_of(&out);
     assert!(err.contains("3 retries"), "{err}");
     assert_same_model(&t.join("ref"), &t.join("a"));
 
@@ -472,11 +513,8 @@ fn retries_500s_refetches_a_corrupted_body_and_names_a_server_ignoring_range() {
 
     // A server that ignores Range: a streaming install says so and leaves no model behind.
     px.with(|f| f.strip_range = true);
-    let out = deltafin()
-        .args(["pull", &px.url("dsv3_a"), s(&t.join("c")), "--stream"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let out = run_any(&["pull", &px.url("dsv3_a"), s(&t.join("c")), "--stream"]);
+    let err = stderr_of(&out);
     assert!(!out.status.success());
     assert!(
         err.contains("ignored the Range request") && err.contains("--full"),
@@ -491,20 +529,34 @@ fn retries_500s_refetches_a_corrupted_body_and_names_a_server_ignoring_range() {
         "{err}"
     );
     let out = run_ok(&["cache", "gc", s(&t.join("c"))]);
-    assert!(String::from_utf8_lossy(&out.stdout).contains("removed"));
+    assert!(stdout_of(&out).contains("removed"));
     assert!(!left.exists());
     // A source that is not there: nothing fetched, nothing left behind to resume.
     px.with(|f| f.strip_range = false);
-    let out = deltafin()
-        .args(["pull", &px.url("no-such-repo"), s(&t.join("e")), "--stream"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let out = run_any(&["pull", &px.url("no-such-repo"), s(&t.join("e")), "--stream"]);
+    let err = stderr_of(&out);
     assert!(!out.status.success() && !err.contains("resumes"), "{err}");
     assert!(!t.join("e").exists() && !t.join(".e.stream-src").exists(), "{err}");
     // A full install does not need Range.
     run_ok(&["pull", &px.url("dsv3_a"), s(&t.join("d")), "--full"]);
     assert_same_model(&t.join("ref"), &t.join("d"));
+}
+
+/// nginx serving fixture `case`, the fault proxy in front of it, and a temporary directory;
+/// `None` (the test is skipped) without nginx.
+fn serve_behind_proxy(case: &str) -> Option<(Nginx, Proxy, tempfile::TempDir)> {
+    let ng = Nginx::start(&[case])?;
+    let px = Proxy::start(ng.port);
+    Some((ng, px, tempfile::tempdir().unwrap()))
+}
+
+/// A `synth --preset tiny` model in `t/src`, served flat at `/mirror/<file>` by nginx with the
+/// fault proxy in front; `None` (the test is skipped) without nginx.
+fn tiny_mirror(t: &Path) -> Option<(Nginx, Proxy)> {
+    run_ok(&["synth", "--preset", "tiny", "--out", s(&t.join("src"))]);
+    let ng = Nginx::start_with(&[], &[("mirror", &t.join("src"))])?;
+    let px = Proxy::start(ng.port);
+    Some((ng, px))
 }
 
 fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
@@ -517,9 +569,9 @@ fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
 
 #[test]
 fn a_killed_download_resumes_with_range() {
-    let Some(ng) = Nginx::start(&["dsv3_a"]) else { return };
-    let px = Proxy::start(ng.port);
-    let tmp = tempfile::tempdir().unwrap();
+    let Some((_ng, px, tmp)) = serve_behind_proxy("dsv3_a") else {
+        return;
+    };
     let t = tmp.path();
     local_convert("dsv3_a", &t.join("ref"));
     let size = std::fs::metadata(fixture("dsv3_a").join("model.safetensors"))
@@ -572,18 +624,18 @@ fn journal_entries(model: &Path) -> u64 {
 
 #[test]
 fn warm_killed_then_verified_and_resumed() {
-    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
-    let px = Proxy::start(ng.port);
-    let tmp = tempfile::tempdir().unwrap();
+    let Some((_ng, px, tmp)) = serve_behind_proxy("dsv3_b") else {
+        return;
+    };
     let t = tmp.path();
     local_convert("dsv3_b", &t.join("ref"));
     let m = t.join("m");
     run_ok(&["pull", &px.url("dsv3_b"), s(&m), "--stream"]);
 
     // Warm without permission: refused, nothing fetched.
-    let out = deltafin().args(["warm", s(&m)]).output().unwrap();
+    let out = run_any(&["warm", s(&m)]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--allow-network"));
+    assert!(stderr_of(&out).contains("--allow-network"));
 
     // Slow link, killed mid-way.
     px.with(|f| f.throttle = Some(40_000));
@@ -597,20 +649,14 @@ fn warm_killed_then_verified_and_resumed() {
     });
     child.kill().unwrap();
     child.wait().unwrap();
-    let v = String::from_utf8_lossy(&run_ok(&["cache", "verify", s(&m)]).stdout).into_owned();
-    assert!(v.contains("ok: "), "{v}");
-    let stats = String::from_utf8_lossy(&run_ok(&["cache", "stats", s(&m)]).stdout).into_owned();
-    assert!(
-        !stats.contains("total: 0 of") && !stats.contains("total: 48 of"),
-        "{stats}"
-    );
+    assert_verified_and_partly_cached(&m);
 
     // Resume: everything present, byte-identical to a full convert; gc finds nothing to fix.
     px.with(|f| f.throttle = None);
     let out = run_ok(&["warm", s(&m), "--allow-network"]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("48 of 48 records present"));
+    assert!(stderr_of(&out).contains("48 of 48 records present"));
     run_ok(&["cache", "verify", s(&m)]);
-    let gc = String::from_utf8_lossy(&run_ok(&["cache", "gc", s(&m)]).stdout).into_owned();
+    let gc = stdout_of(&run_ok(&["cache", "gc", s(&m)]));
     assert!(gc.contains("0 incomplete records freed"), "{gc}");
     assert!(read(&t.join("ref/experts.pack")) == read(&m.join("experts.pack")));
 }
@@ -660,17 +706,13 @@ fn a_full_disk_during_warm_leaves_a_consistent_cache() {
         .status()
         .unwrap();
     assert!(cp.success());
-    let out = deltafin()
-        .args(["warm", s(&m), "--allow-network", "--concurrency", "1"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let out = run_any(&["warm", s(&m), "--allow-network", "--concurrency", "1"]);
+    let err = stderr_of(&out);
     assert!(!out.status.success(), "warm onto a full disk must fail: {err}");
     assert!(err.contains("No space left on device"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
-    let v = String::from_utf8_lossy(&run_ok(&["cache", "verify", s(&m)]).stdout).into_owned();
-    assert!(v.contains("ok: "), "{v}");
-    let stats = String::from_utf8_lossy(&run_ok(&["cache", "stats", s(&m)]).stdout).into_owned();
+    assert_cache_verifies(&m);
+    let stats = stdout_of(&run_ok(&["cache", "stats", s(&m)]));
     assert!(!stats.contains("total: 48 of"), "{stats}");
     // gc frees the blocks of the record that did not fit.
     run_ok(&["cache", "gc", s(&m)]);
@@ -681,11 +723,9 @@ fn a_full_disk_during_warm_leaves_a_consistent_cache() {
 fn a_mirror_of_a_full_install_streams_checksummed_records() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    run_ok(&["synth", "--preset", "tiny", "--out", s(&t.join("src"))]);
-    let Some(ng) = Nginx::start_with(&[], &[("mirror", &t.join("src"))]) else {
+    let Some((_ng, px)) = tiny_mirror(t) else {
         return;
     };
-    let px = Proxy::start(ng.port);
     let st = t.join("st");
     run_ok(&["pull", &px.url("mirror"), s(&st), "--stream", "--flat"]);
     assert!(read(&t.join("src/backbone.bin")) == read(&st.join("backbone.bin")));
@@ -721,19 +761,16 @@ fn a_mirror_of_a_full_install_streams_checksummed_records() {
     assert_same_model(&t.join("src"), &st);
     // A mirror serves converted files: convert options are refused, not ignored.
     for mode in ["--stream", "--full"] {
-        let out = deltafin()
-            .args([
-                "pull",
-                &px.url("mirror"),
-                s(&t.join("bf")),
-                mode,
-                "--flat",
-                "--backbone",
-                "bf16",
-            ])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
+        let out = run_any(&[
+            "pull",
+            &px.url("mirror"),
+            s(&t.join("bf")),
+            mode,
+            "--flat",
+            "--backbone",
+            "bf16",
+        ]);
+        let err = stderr_of(&out);
         assert!(
             !out.status.success() && err.contains("mirror") && err.contains("--backbone"),
             "{err}"
@@ -744,9 +781,9 @@ fn a_mirror_of_a_full_install_streams_checksummed_records() {
 
 #[test]
 fn a_killed_streaming_pull_resumes_the_ranges_it_has() {
-    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
-    let px = Proxy::start(ng.port);
-    let tmp = tempfile::tempdir().unwrap();
+    let Some((_ng, px, tmp)) = serve_behind_proxy("dsv3_b") else {
+        return;
+    };
     let t = tmp.path();
     let shard_ranges = |px: &Proxy| px.with(|f| f.log.iter().filter(|l| l.contains(".safetensors bytes=")).count());
     run_ok(&["pull", &px.url("dsv3_b"), s(&t.join("fresh")), "--stream"]);
@@ -816,8 +853,7 @@ fn a_k3_checkpoint_with_mxfp4_experts_streams_bit_for_bit() {
     let want = logits(&t.join("ref"), &[], &t.join("ref.json"));
     let got = logits(&t.join("st"), &["--allow-network"], &t.join("st.json"));
     assert!(want == got, "streaming K3 run differs from the local convert");
-    let v = String::from_utf8_lossy(&run_ok(&["cache", "verify", s(&t.join("st"))]).stdout).into_owned();
-    assert!(v.contains("ok: "), "{v}");
+    assert_cache_verifies(&t.join("st"));
     run_ok(&["pull", &ng.url("k3_a"), s(&t.join("st")), "--full", "--flat"]);
     assert_same_model(&t.join("ref"), &t.join("st"));
 }
@@ -862,7 +898,7 @@ fn a_gated_repository_installs_by_repository_id_with_a_token() {
         .args(["pull", "acme/dsv3_b", s(&t.join("no")), "--full"])
         .output()
         .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = stderr_of(&out);
     assert!(
         !out.status.success() && err.contains("HTTP 401") && err.contains("HF_TOKEN"),
         "{err}"
@@ -883,7 +919,7 @@ fn a_gated_repository_installs_by_repository_id_with_a_token() {
         ])
         .output()
         .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = stderr_of(&out);
     assert!(out.status.success(), "{err}");
     assert!(!err.contains(token), "the token was logged");
     assert_same_model(&t.join("ref"), &t.join("full"));
@@ -919,7 +955,7 @@ fn a_gated_repository_installs_by_repository_id_with_a_token() {
         c
     };
     let out = gen(&t.join("no.json")).output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = stderr_of(&out);
     assert!(!out.status.success() && err.contains("HTTP 401"), "{err}");
     let out = gen(&t.join("st.json")).env("HF_TOKEN", token).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -933,23 +969,15 @@ fn a_gated_repository_installs_by_repository_id_with_a_token() {
         files_containing(t, token.as_bytes())
     );
 }
-fn stdout_of(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr_of(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
 /// Issue #19, item 7: a record corrupted in transit from a Hugging Face layout (no per-record
 /// checksum) and fetched on demand is stored as received; `pull`, `info` and `cache verify` say
 /// such records are unverifiable, and `cache verify --source` finds the bad one and replaces it
 /// from the source.
 #[test]
 fn records_streamed_from_a_hugging_face_layout_are_compared_with_the_source_on_request() {
-    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
-    let px = Proxy::start(ng.port);
-    let tmp = tempfile::tempdir().unwrap();
+    let Some((_ng, px, tmp)) = serve_behind_proxy("dsv3_b") else {
+        return;
+    };
     let t = tmp.path();
     // bf16 records hold the bf16 source values exactly: any flipped source byte shows.
     run_ok(&["convert", s(&fixture("dsv3_b")), s(&t.join("ref")), "--experts", "bf16"]);
@@ -982,10 +1010,7 @@ fn records_streamed_from_a_hugging_face_layout_are_compared_with_the_source_on_r
         .unwrap_or_else(|| panic!("{v}"));
     assert!(n > 1, "{v}");
 
-    let out = deltafin()
-        .args(["cache", "verify", s(&m), "--source"])
-        .output()
-        .unwrap();
+    let out = run_any(&["cache", "verify", s(&m), "--source"]);
     let (so, se) = (stdout_of(&out), stderr_of(&out));
     assert!(!out.status.success(), "{so}{se}");
     assert_eq!(so.matches("replaced by the source's bytes").count(), 1, "{so}");
@@ -1012,27 +1037,9 @@ fn a_source_file_replaced_under_the_same_etag_is_found_by_whole_file_verificatio
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("m");
     run_ok(&["pull", &ng.url("dsv3_b"), s(&m), "--stream"]);
-    let shard = "model-00001-of-00002.safetensors";
-    let served = ng._dir.path().join("srv/dsv3_b/resolve/main").join(shard);
-    let mtime = std::fs::metadata(&served).unwrap().modified().unwrap();
-    let mut b = read(&served);
-    let n = b.len();
-    for x in &mut b[n / 2..n / 2 + 4096] {
-        *x ^= 0x10;
-    }
-    std::fs::write(&served, &b).unwrap();
-    // Same size and modification time: nginx sends the same ETag.
-    std::fs::File::options()
-        .write(true)
-        .open(&served)
-        .unwrap()
-        .set_modified(mtime)
-        .unwrap();
+    let shard = replace_served_shard_under_the_same_etag(&ng);
     logits(&m, &["--allow-network"], &tmp.path().join("l.json"));
-    let out = deltafin()
-        .args(["cache", "verify", s(&m), "--source", "--whole-files"])
-        .output()
-        .unwrap();
+    let out = run_any(&["cache", "verify", s(&m), "--source", "--whole-files"]);
     let (so, se) = (stdout_of(&out), stderr_of(&out));
     assert!(!out.status.success(), "{so}{se}");
     assert!(so.contains(&format!("FAILED source file {shard}")), "{so}");
@@ -1054,10 +1061,7 @@ fn pull_force_refuses_a_model_directory_holding_other_files() {
     std::fs::create_dir(m.join("src")).unwrap();
     std::fs::write(m.join("src/lib.rs"), "// mine").unwrap();
     for mode in ["--full", "--stream"] {
-        let out = deltafin()
-            .args(["pull", &ng.url("dsv3_a"), s(&m), mode, "--force"])
-            .output()
-            .unwrap();
+        let out = run_any(&["pull", &ng.url("dsv3_a"), s(&m), mode, "--force"]);
         let err = stderr_of(&out);
         assert!(
             !out.status.success() && err.contains("did not write") && err.contains("src"),
@@ -1076,11 +1080,9 @@ fn pull_force_refuses_a_model_directory_holding_other_files() {
 fn a_mirror_backbone_corrupted_in_transit_is_downloaded_again() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    run_ok(&["synth", "--preset", "tiny", "--out", s(&t.join("src"))]);
-    let Some(ng) = Nginx::start_with(&[], &[("mirror", &t.join("src"))]) else {
+    let Some((_ng, px)) = tiny_mirror(t) else {
         return;
     };
-    let px = Proxy::start(ng.port);
     let bb = std::fs::metadata(t.join("src/backbone.bin")).unwrap().len() as usize;
     let biggest_before = [
         "manifest.json",
@@ -1166,12 +1168,9 @@ fn a_hostile_mirror_manifest_is_refused_before_anything_is_written() {
     for ((name, _, needle), (served, _)) in cases.iter().zip(&dirs) {
         for mode in ["--full", "--stream"] {
             let m = t.join(format!("m-{name}"));
-            let out = deltafin()
-                .args(["pull", &ng.url(served), s(&m), mode, "--flat"])
-                .output()
-                .unwrap();
+            let out = run_any(&["pull", &ng.url(served), s(&m), mode, "--flat"]);
             let err = stderr_of(&out);
-            let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+            let lines = error_lines(&err);
             assert!(
                 out.status.code().is_some_and(|c| c != 0) && !err.contains("panicked"),
                 "{name} {mode}: {err}"
@@ -1197,9 +1196,9 @@ fn a_hostile_mirror_manifest_is_refused_before_anything_is_written() {
 /// and none of its records is stored.
 #[test]
 fn a_warm_that_completes_a_source_file_checks_its_published_sha256() {
-    let Some(ng) = Nginx::start(&["dsv3_b"]) else { return };
-    let px = Proxy::start(ng.port);
-    let tmp = tempfile::tempdir().unwrap();
+    let Some((ng, px, tmp)) = serve_behind_proxy("dsv3_b") else {
+        return;
+    };
     let t = tmp.path();
     run_ok(&["convert", s(&fixture("dsv3_b")), s(&t.join("ref")), "--experts", "bf16"]);
     let m = t.join("m");
@@ -1246,13 +1245,13 @@ fn a_warm_that_completes_a_source_file_checks_its_published_sha256() {
     run_ok(&["pull", &px.url("dsv3_b"), s(&m3), "--stream", "--experts", "bf16"]);
     assert!(px.with(|f| f.flip_next_over.is_none()), "no body was corrupted");
     run_ok(&["cache", "verify", s(&m3)]);
-    let out = deltafin().args(["warm", s(&m3), "--allow-network"]).output().unwrap();
+    let out = run_any(&["warm", s(&m3), "--allow-network"]);
     let se = stderr_of(&out);
     assert!(
         out.status.code().is_some_and(|c| c != 0) && !se.contains("panicked"),
         "{se}"
     );
-    let lines: Vec<&str> = se.lines().filter(|l| l.starts_with("error:")).collect();
+    let lines = error_lines(&se);
     assert_eq!(lines.len(), 1, "{se}");
     assert!(
         lines[0].contains("backbone.bin") && lines[0].contains("corrupted") && lines[0].contains("install it again"),
@@ -1262,25 +1261,11 @@ fn a_warm_that_completes_a_source_file_checks_its_published_sha256() {
     // A second install, then the server's shard is replaced under the same size and ETag.
     let m2 = t.join("m2");
     run_ok(&["pull", &ng.url("dsv3_b"), s(&m2), "--stream", "--experts", "bf16"]);
-    let shard = "model-00001-of-00002.safetensors";
-    let served = ng._dir.path().join("srv/dsv3_b/resolve/main").join(shard);
-    let mtime = std::fs::metadata(&served).unwrap().modified().unwrap();
-    let mut b = read(&served);
-    let n = b.len();
-    for x in &mut b[n / 2..n / 2 + 4096] {
-        *x ^= 0x10;
-    }
-    std::fs::write(&served, &b).unwrap();
-    std::fs::File::options()
-        .write(true)
-        .open(&served)
-        .unwrap()
-        .set_modified(mtime)
-        .unwrap();
-    let out = deltafin().args(["warm", s(&m2), "--allow-network"]).output().unwrap();
+    let shard = replace_served_shard_under_the_same_etag(&ng);
+    let out = run_any(&["warm", s(&m2), "--allow-network"]);
     let (so, se) = (stdout_of(&out), stderr_of(&out));
     assert!(out.status.code().is_some_and(|c| c != 0), "{so}{se}");
-    let lines: Vec<&str> = se.lines().filter(|l| l.starts_with("error:")).collect();
+    let lines = error_lines(&se);
     assert_eq!(lines.len(), 1, "{se}");
     assert!(
         lines[0].contains(shard) && lines[0].contains("sha256") && lines[0].contains("were not stored"),

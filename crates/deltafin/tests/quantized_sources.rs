@@ -22,6 +22,9 @@ use serde_json::Value;
 /// Relative L2 error allowed in the lossless layout (issue #2).
 const LOSSLESS_REL_L2: f64 = 1e-4;
 
+mod common;
+use common::{ok, text};
+
 fn deltafin() -> Command {
     let mut c = Command::new(assert_cmd::cargo::cargo_bin!("deltafin"));
     c.timeout(Duration::from_secs(120));
@@ -32,21 +35,6 @@ fn fixture(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/quantized")
         .join(case)
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn ok(out: Output) -> Output {
-    assert!(
-        out.status.success(),
-        "deltafin failed ({}):\nstdout: {}\nstderr: {}",
-        out.status,
-        text(&out.stdout),
-        text(&out.stderr)
-    );
-    out
 }
 
 fn ids(v: &Value) -> Vec<u64> {

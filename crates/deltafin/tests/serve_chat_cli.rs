@@ -24,6 +24,28 @@ fn converted(tmp: &Path) -> PathBuf {
     out
 }
 
+/// The stderr of `deltafin <args> <model> <extra>` (`args` ending in `--model`), which must
+/// fail within 30 seconds.
+fn failed_stderr(args: &[&str], model: &Path, extra: &[&str]) -> String {
+    let out = Command::new(bin())
+        .args(args)
+        .arg(model)
+        .args(extra)
+        .timeout(Duration::from_secs(30))
+        .assert()
+        .failure()
+        .get_output()
+        .clone();
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A refusal at startup: one line, and the server never listened (`what` prefixes the failure
+/// message).
+fn assert_one_line_refusal(err: &str, what: &str) {
+    assert_eq!(err.trim_end().lines().count(), 1, "{what}{err}");
+    assert!(!err.contains("listening"), "{what}{err}");
+}
+
 #[test]
 fn chat_streams_answers_reuses_the_cache_and_prints_stats() {
     let tmp = tempfile::tempdir().unwrap();
@@ -113,15 +135,7 @@ fn serve_answers_on_loopback_and_reports_bad_flags() {
     // A port in use is a one-line error, not a panic.
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let p = busy.local_addr().unwrap().port().to_string();
-    let out = Command::new(bin())
-        .args(["serve", "--port", &p, "--model"])
-        .arg(&model)
-        .timeout(Duration::from_secs(30))
-        .assert()
-        .failure()
-        .get_output()
-        .clone();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = failed_stderr(&["serve", "--port", &p, "--model"], &model, &[]);
     assert!(err.contains("listening on 127.0.0.1"), "{err}");
 }
 
@@ -144,19 +158,9 @@ fn serve_refuses_unusable_flags_at_startup() {
         (&["--model-id", ""], "--model-id is empty"),
     ];
     for (flags, want) in cases {
-        let out = Command::new(bin())
-            .args(["serve", "--port", "0", "--model"])
-            .arg(&model)
-            .args(flags)
-            .timeout(Duration::from_secs(30))
-            .assert()
-            .failure()
-            .get_output()
-            .clone();
-        let err = String::from_utf8_lossy(&out.stderr);
+        let err = failed_stderr(&["serve", "--port", "0", "--model"], &model, flags);
         assert!(err.contains(want), "{flags:?}: {err}");
-        assert_eq!(err.trim_end().lines().count(), 1, "{flags:?}: {err}");
-        assert!(!err.contains("listening"), "{flags:?}: {err}");
+        assert_one_line_refusal(&err, &format!("{flags:?}: "));
     }
 }
 
@@ -209,29 +213,16 @@ fn serve_warns_about_missing_records_of_a_streaming_install() {
 
     // No record at all: refused with one line.
     make_streaming(&model, |_| true);
-    let out = Command::new(bin())
-        .args(["serve", "--port", "0", "--model"])
-        .arg(&model)
-        .timeout(Duration::from_secs(30))
-        .assert()
-        .failure()
-        .get_output()
-        .clone();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = failed_stderr(&["serve", "--port", "0", "--model"], &model, &[]);
     assert!(err.contains(&format!("none of the {total} expert records")), "{err}");
     assert!(err.contains("--allow-network"), "{err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
-    assert!(!err.contains("listening"), "{err}");
+    assert_one_line_refusal(&err, "");
     // `run` warns the same way, then fails naming the first record it needs.
-    let out = Command::new(bin())
-        .args(["run", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--model"])
-        .arg(&model)
-        .timeout(Duration::from_secs(30))
-        .assert()
-        .failure()
-        .get_output()
-        .clone();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = failed_stderr(
+        &["run", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--model"],
+        &model,
+        &[],
+    );
     assert!(
         err.contains(&format!("warning: {total} of {total} expert records")),
         "{err}"

@@ -124,6 +124,19 @@ fn reference(dir: &ModelDir) -> std::collections::HashMap<(usize, usize), Vec<u8
     out
 }
 
+/// [`opts`] with speculative reads on or off.
+fn opts_prefetch(budget: u64, io: IoMode, policy: CachePolicy, prefetch: bool) -> StoreOptions {
+    StoreOptions {
+        prefetch,
+        ..opts(budget, io, policy)
+    }
+}
+
+/// [`opts`] with speculative reads on, LRU.
+fn prefetching(budget: u64, io: IoMode) -> StoreOptions {
+    opts_prefetch(budget, io, CachePolicy::Lru, true)
+}
+
 fn opts(budget: u64, io: IoMode, policy: CachePolicy) -> StoreOptions {
     StoreOptions {
         budget,
@@ -188,6 +201,15 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 
 const RECORD: u64 = 8192;
 
+/// How many speculative chunk reads have started.
+fn spec_chunks(hooks: &Hooks) -> usize {
+    hooks
+        .events()
+        .iter()
+        .filter(|e| matches!(e, Event::SpecChunk(_)))
+        .count()
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tests.
 
@@ -216,14 +238,7 @@ fn every_policy_and_budget_returns_identical_bytes() {
         for policy in [CachePolicy::Lru, CachePolicy::Lfu, CachePolicy::Pinned] {
             for budget in [0, RECORD, all / 2, all] {
                 for prefetch in [false, true] {
-                    let store = ExpertStore::open(
-                        &dir,
-                        StoreOptions {
-                            prefetch,
-                            ..opts(budget, io, policy)
-                        },
-                    )
-                    .unwrap();
+                    let store = ExpertStore::open(&dir, opts_prefetch(budget, io, policy, prefetch)).unwrap();
                     assert_eq!(store.record_bytes(), RECORD);
                     let mut rng = Rng(0x5EED);
                     let steps = 60;
@@ -399,15 +414,7 @@ fn short_read_at_end_of_file() {
         assert_eq!(got[0].as_bytes(), want[&(3, 15)].as_slice(), "{io}");
         assert_eq!(got[1].as_bytes(), want[&(3, 14)].as_slice(), "{io}");
         // Speculative reads in 4 KiB chunks: the second chunk of the last record is short.
-        let store = ExpertStore::open_with(
-            &dir,
-            StoreOptions {
-                prefetch: true,
-                ..opts(RECORD * 4, io, CachePolicy::Lru)
-            },
-            4096,
-        )
-        .unwrap();
+        let store = ExpertStore::open_with(&dir, prefetching(RECORD * 4, io), 4096).unwrap();
         store.prefetch(3, &[15]);
         wait_until("prefetch of the last record", || store.cached_bytes() == RECORD);
         let got = store.get(3, &[15]).unwrap();
@@ -418,28 +425,24 @@ fn short_read_at_end_of_file() {
     }
 }
 
+/// Flips the bits `mask` of the byte `at` bytes into the record of `(layer, expert)` in the pack
+/// of the model directory `path`.
+fn corrupt_record(path: &Path, (layer, expert): (usize, usize), at: u64, mask: u8) {
+    let off = ModelDir::open(path).unwrap().record(layer, expert).offset + at;
+    let pack = path.join("experts.pack");
+    let mut bytes = std::fs::read(&pack).unwrap();
+    bytes[off as usize] ^= mask;
+    std::fs::write(&pack, bytes).unwrap();
+}
+
 #[test]
 fn checksum_failure_names_layer_and_expert() {
     let (_tmp, path) = convert_fixture();
-    let off = {
-        let dir = ModelDir::open(&path).unwrap();
-        dir.record(2, 7).offset + 100
-    };
-    let pack = path.join("experts.pack");
-    let mut bytes = std::fs::read(&pack).unwrap();
-    bytes[off as usize] ^= 0x40;
-    std::fs::write(&pack, bytes).unwrap();
+    corrupt_record(&path, (2, 7), 100, 0x40);
     let dir = ModelDir::open(&path).unwrap();
     for io in modes(&dir) {
         for prefetch in [false, true] {
-            let store = ExpertStore::open(
-                &dir,
-                StoreOptions {
-                    prefetch,
-                    ..opts(RECORD * 8, io, CachePolicy::Lru)
-                },
-            )
-            .unwrap();
+            let store = ExpertStore::open(&dir, opts_prefetch(RECORD * 8, io, CachePolicy::Lru, prefetch)).unwrap();
             store.prefetch(2, &[7]);
             let results: Vec<_> = store.fetch(2, &[3, 7]).unwrap().collect();
             assert_eq!(results.len(), 2);
@@ -612,9 +615,8 @@ fn prefetch_never_delays_demand() {
     let store = ExpertStore::open_with(
         &dir,
         StoreOptions {
-            prefetch: true,
             readers: 8,
-            ..opts(all, IoMode::Buffered, CachePolicy::Lru)
+            ..prefetching(all, IoMode::Buffered)
         },
         4096,
     )
@@ -663,14 +665,7 @@ fn demand_joins_running_prefetch_without_reading_twice() {
     let (_tmp, path) = convert_fixture();
     let dir = ModelDir::open(&path).unwrap();
     for io in modes(&dir) {
-        let store = ExpertStore::open(
-            &dir,
-            StoreOptions {
-                prefetch: true,
-                ..opts(RECORD * 8, io, CachePolicy::Lru)
-            },
-        )
-        .unwrap();
+        let store = ExpertStore::open(&dir, prefetching(RECORD * 8, io)).unwrap();
         let hooks = &store.shared.hooks;
         hooks.close_gate();
         store.prefetch(2, &[5]);
@@ -690,12 +685,7 @@ fn demand_joins_running_prefetch_without_reading_twice() {
         assert_eq!(c.bytes_read_speculative, RECORD, "{io}");
         assert_eq!(c.bytes_read_demand, RECORD, "{io}: only (2, 6) read on demand");
         assert_eq!(c.prefetch_wasted_bytes, 0);
-        let spec_chunks = hooks
-            .events()
-            .iter()
-            .filter(|e| matches!(e, Event::SpecChunk(_)))
-            .count();
-        assert_eq!(spec_chunks, 1);
+        assert_eq!(spec_chunks(hooks), 1);
     }
 }
 
@@ -708,9 +698,8 @@ fn demand_promotes_queued_prefetch() {
     let store = ExpertStore::open(
         &dir,
         StoreOptions {
-            prefetch: true,
             readers: 8,
-            ..opts(RECORD * 48, IoMode::Buffered, CachePolicy::Lru)
+            ..prefetching(RECORD * 48, IoMode::Buffered)
         },
     )
     .unwrap();
@@ -719,14 +708,7 @@ fn demand_promotes_queued_prefetch() {
     let predicted: Vec<usize> = (0..8).collect();
     store.prefetch(3, &predicted);
     // At most readers / 2 = 4 speculative reads run; the other 4 stay queued.
-    wait_until("four speculative reads to start", || {
-        hooks
-            .events()
-            .iter()
-            .filter(|e| matches!(e, Event::SpecChunk(_)))
-            .count()
-            == 4
-    });
+    wait_until("four speculative reads to start", || spec_chunks(hooks) == 4);
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(hooks.events().len(), 4);
     let got = store.get(3, &[7]).unwrap();
@@ -745,14 +727,7 @@ fn demand_promotes_queued_prefetch() {
 fn unused_prefetch_counts_as_wasted_when_evicted() {
     let (_tmp, path) = convert_fixture();
     let dir = ModelDir::open(&path).unwrap();
-    let store = ExpertStore::open(
-        &dir,
-        StoreOptions {
-            prefetch: true,
-            ..opts(RECORD * 2, IoMode::Buffered, CachePolicy::Lru)
-        },
-    )
-    .unwrap();
+    let store = ExpertStore::open(&dir, prefetching(RECORD * 2, IoMode::Buffered)).unwrap();
     store.prefetch(1, &[0, 1]);
     wait_until("prefetch", || store.cached_bytes() == RECORD * 2);
     store.get(1, &[1]).unwrap();
@@ -823,14 +798,7 @@ fn model_output_is_identical_for_every_store_configuration() {
     ];
     let mut first: Option<Vec<Vec<u32>>> = None;
     for (budget, policy, io, prefetch) in configs {
-        let model = DeepseekV3::load_with(
-            &dir,
-            StoreOptions {
-                prefetch,
-                ..opts(budget, io, policy)
-            },
-        )
-        .unwrap();
+        let model = DeepseekV3::load_with(&dir, opts_prefetch(budget, io, policy, prefetch)).unwrap();
         let mut cache = model.new_state();
         let mut bits = Vec::new();
         for t in [0u32, 5, 17, 3, 5, 9, 17, 0] {
@@ -964,10 +932,9 @@ fn resume_yielded_prefetch(
     let store = ExpertStore::open_with(
         dir,
         StoreOptions {
-            prefetch: true,
             readers: 4,
             demand_chunk,
-            ..opts(RECORD * 8, IoMode::Buffered, CachePolicy::Lru)
+            ..prefetching(RECORD * 8, IoMode::Buffered)
         },
         4096,
     )
@@ -1005,14 +972,7 @@ fn resume_yielded_prefetch(
 #[test]
 fn checksum_with_chunks_landing_out_of_order() {
     let (_tmp, path) = convert_fixture();
-    let off = {
-        let dir = ModelDir::open(&path).unwrap();
-        dir.record(2, 7).offset + 4500
-    };
-    let pack = path.join("experts.pack");
-    let mut bytes = std::fs::read(&pack).unwrap();
-    bytes[off as usize] ^= 0x01;
-    std::fs::write(&pack, &bytes).unwrap();
+    corrupt_record(&path, (2, 7), 4500, 0x01);
     let dir = ModelDir::open(&path).unwrap();
     let want = reference(&dir);
     for io in modes(&dir) {

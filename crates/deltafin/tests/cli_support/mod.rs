@@ -24,7 +24,7 @@ pub use serde_json::Value;
 
 #[path = "../common/mod.rs"]
 mod common;
-pub use common::{exec, ok, text};
+pub use common::{assert_no_output, exec, ok, rewrite_safetensors, text, RawTensor};
 
 /// Relative L2 error allowed between our logits and the reference's in the lossless layout
 /// (issue #2, section 7).
@@ -299,38 +299,24 @@ pub fn expected_stdout(dir: &Path, generated: &[u32]) -> String {
     format!("{}\n", tokenizer(dir).decode(generated, true).unwrap())
 }
 
-pub type RawTensor = (String, Dtype, Vec<usize>, Vec<u8>);
-
-/// Rewrites a safetensors file after letting `edit` change its tensors.
-pub fn rewrite_safetensors(path: &Path, edit: impl FnOnce(&mut Vec<RawTensor>)) {
-    let bytes = std::fs::read(path).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut ts: Vec<RawTensor> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
-        .collect();
-    ts.sort_by(|a, b| a.0.cmp(&b.0));
-    edit(&mut ts);
-    let views: Vec<(String, TensorView<'_>)> = ts
-        .iter()
-        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap();
-}
-
 pub fn find<'a>(ts: &'a mut [RawTensor], name: &str) -> &'a mut RawTensor {
     ts.iter_mut()
         .find(|t| t.0 == name)
         .unwrap_or_else(|| panic!("fixture lacks {name}"))
 }
 
-/// Asserts a failed convert left neither the output nor its partial directory behind.
-pub fn assert_no_output(out: &Path) {
-    assert!(!out.exists(), "{} was created", out.display());
-    let partial = out
-        .parent()
-        .unwrap()
-        .join(format!(".{}.partial", out.file_name().unwrap().to_string_lossy()));
-    assert!(!partial.exists(), "{} was left behind", partial.display());
+/// `convert hf out` fails cleanly (one error line holding every needle: [`expect_error`]) and
+/// leaves nothing at `out` ([`assert_no_output`]). Returns the error line.
+pub fn convert_refused(hf: &Path, out: &Path, needles: &[&str]) -> String {
+    let line = expect_error(&convert(hf, out, &[]), needles);
+    assert_no_output(out);
+    line
+}
+
+/// Rewrites `hf/config.json` with `edit` applied.
+pub fn edit_config(hf: &Path, edit: impl FnOnce(&mut Value)) {
+    let cfg_path = hf.join("config.json");
+    let mut cfg = read_json(&cfg_path);
+    edit(&mut cfg);
+    std::fs::write(&cfg_path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
 }

@@ -1,14 +1,18 @@
 //! Helpers shared by the CLI test files that drive the real `deltafin` binary and demand clean
 //! one-line failures (`hostile_inputs.rs`, `integrity.rs`, and through `cli_support` the
-//! `cli_*.rs` files).
+//! `cli_*.rs` files), the greedy-ids runs of `k3_layout.rs` and `cuda_fixtures.rs`, and the
+//! safetensors rewriting of the broken-checkpoint tests.
 
 #![allow(dead_code)]
 
 use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
 
 use assert_cmd::Command;
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
 
 /// The `deltafin` binary with a wall-clock limit of `secs` (a hang fails the test).
 pub fn deltafin_within(secs: u64) -> Command {
@@ -78,4 +82,67 @@ pub fn expect_error_with(out: &Output, needles: &[&str], usage_hint: bool) -> St
         assert!(line.contains(n), "error line lacks {n:?}: {line}");
     }
     line.to_string()
+}
+
+/// `deltafin synth --preset <preset> --out <out>`, which must succeed.
+pub fn synth(preset: &str, out: &Path) {
+    Command::new(assert_cmd::cargo::cargo_bin!("deltafin"))
+        .args(["synth", "--preset", preset, "--out"])
+        .arg(out)
+        .assert()
+        .success();
+}
+
+/// The prompt of the K3 runs (`synth --preset k3-tiny` models), as `run` arguments.
+pub const K3_PROMPT: [&str; 2] = ["--prompt", "ka mi lo ka mi lo ka mi lo ka mi"];
+
+/// The greedy ids of `deltafin run --model <model> <prompt> --max-new-tokens 24 --ignore-eos
+/// <extra> --stats-json <stats>`, which must succeed, read from its stats file.
+pub fn generated_ids(model: &Path, prompt: [&str; 2], extra: &[&str], stats: &Path) -> Vec<u64> {
+    Command::new(assert_cmd::cargo::cargo_bin!("deltafin"))
+        .args(["run", "--model"])
+        .arg(model)
+        .args([prompt[0], prompt[1], "--max-new-tokens", "24", "--ignore-eos"])
+        .args(extra)
+        .arg("--stats-json")
+        .arg(stats)
+        .assert()
+        .success();
+    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(stats).unwrap()).unwrap();
+    s["generated_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect()
+}
+
+pub type RawTensor = (String, Dtype, Vec<usize>, Vec<u8>);
+
+/// Rewrites a safetensors file after letting `edit` change its tensors.
+pub fn rewrite_safetensors(path: &Path, edit: impl FnOnce(&mut Vec<RawTensor>)) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut ts: Vec<RawTensor> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    ts.sort_by(|a, b| a.0.cmp(&b.0));
+    edit(&mut ts);
+    let views: Vec<(String, TensorView<'_>)> = ts
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// Asserts a failed convert left neither the output nor its partial directory behind.
+pub fn assert_no_output(out: &Path) {
+    assert!(!out.exists(), "{} was created", out.display());
+    let partial = out
+        .parent()
+        .unwrap()
+        .join(format!(".{}.partial", out.file_name().unwrap().to_string_lossy()));
+    assert!(!partial.exists(), "{} was left behind", partial.display());
 }
