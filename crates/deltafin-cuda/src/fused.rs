@@ -836,10 +836,17 @@ impl GroupedShape {
     pub const DEFAULT: Self = Self::new(8, 1, 1, 2);
 
     /// The shape the engine uses where it fits (see [`Gpu::grouped_shape`]): the fastest
-    /// measured on the H200 (`grouped_bench`, the `bench` preset's experts: 3.51 ms at 512
-    /// tokens and 11.86 ms at 2,000, against 5.83 / 21.22 ms for [`GroupedShape::DEFAULT`] in
-    /// the same run; bench/NOTES.md).
-    pub const DEFAULT_STAGED: Self = Self::staged(8, 4, 8, 256, 2, true);
+    /// measured on the H200 (`grouped_bench`, the `bench` preset's experts at 2,000 tokens:
+    /// 8.77 ms, against 9.39 ms with prefetch at 2 blocks an SM and 21.83 ms for the fastest
+    /// unstaged shape in the same run; bench/NOTES.md, session 9).
+    /// Taken where three blocks' tiles fit an SM's shared memory (a hidden size up to about
+    /// 2,000 columns), else [`GroupedShape::STAGED_WIDE`].
+    pub const DEFAULT_STAGED: Self = Self::staged(8, 4, 8, 256, 3, false);
+
+    /// The staged shape for rows too long for three tiles an SM: registers capped for two
+    /// blocks, the next MX block's codes loaded ahead (the default before session 9's
+    /// measurements; 9.39 ms in the run above).
+    pub const STAGED_WIDE: Self = Self::staged(8, 4, 8, 256, 2, true);
 
     /// Every shape that has kernels.
     pub const ALL: [Self; 22] = [
@@ -965,13 +972,17 @@ const STAGED_WARPS: u32 = 4;
 
 impl Gpu {
     /// The shape [`Gpu::moe_grouped`] uses for `table`'s experts: [`GroupedShape::DEFAULT_STAGED`]
-    /// when its shared memory fits this device for both projections, else
-    /// [`GroupedShape::DEFAULT`]. Tiles for `moe_grouped` hold at most its `tokens` pairs.
+    /// when three blocks' tiles (plus each block's 1 KiB scale table and the 1 KiB the driver
+    /// reserves) fit in the shared memory one block may opt into, else
+    /// [`GroupedShape::STAGED_WIDE`] when one block's tile fits, else [`GroupedShape::DEFAULT`].
+    /// Every shape gives the same bits. Tiles for `moe_grouped` hold at most its `tokens` pairs.
     pub fn grouped_shape(&self, table: &ExpertTable) -> GroupedShape {
-        let s = GroupedShape::DEFAULT_STAGED;
-        let need = s.shared_bytes(table.hidden).max(s.shared_bytes(table.inter));
-        if need <= self.info().shared_bytes_optin {
-            s
+        let need = |s: GroupedShape| s.shared_bytes(table.hidden).max(s.shared_bytes(table.inter));
+        let optin = self.info().shared_bytes_optin;
+        if 3 * (need(GroupedShape::DEFAULT_STAGED) + 2048) <= optin {
+            GroupedShape::DEFAULT_STAGED
+        } else if need(GroupedShape::STAGED_WIDE) <= optin {
+            GroupedShape::STAGED_WIDE
         } else {
             GroupedShape::DEFAULT
         }
