@@ -28,6 +28,7 @@ use crate::model::{
     LayerRoutes, RoutedExperts,
 };
 use crate::models::decoder::DecoderWeights;
+use crate::models::family_config;
 use crate::moe::{route, route_masked, RouterConfig, Routing};
 use crate::rope::{yarn_mscale, RotaryEmbedding};
 use crate::EngineError;
@@ -188,10 +189,7 @@ impl DeepseekV3 {
     /// Errors: a missing or malformed tensor in the backbone, unreadable files, O_DIRECT refused.
     pub fn load_with(dir: &ModelDir, opts: StoreOptions) -> Result<Self, EngineError> {
         let config = dir.manifest.config.clone();
-        let cfg = config
-            .as_deepseek_v3()
-            .ok_or_else(|| EngineError::Invalid(format!("{}: not a deepseek_v3 model", dir.path.display())))?
-            .clone();
+        let cfg = family_config(dir, "deepseek_v3", ModelConfig::as_deepseek_v3)?;
         let backbone = dir.load_backbone()?;
         let names: Vec<LayerNames> = (0..cfg.num_hidden_layers).map(LayerNames::new).collect();
         // Every tensor the forward pass uses, resolved once, so a bad directory fails at load.

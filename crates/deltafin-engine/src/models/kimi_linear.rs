@@ -40,6 +40,7 @@ use crate::model::{
     state_as, BatchOutput, CausalLm, DecodeState, GluTensorNames, GluTensors, LayerRoutes, Numerics, RoutedExperts,
 };
 use crate::models::decoder::DecoderWeights;
+use crate::models::family_config;
 use crate::moe::{route, route_masked, RouterConfig, Routing};
 use crate::EngineError;
 
@@ -304,10 +305,7 @@ impl KimiLinear {
     /// the forward pass uses is checked here), unreadable files.
     pub fn load_with(dir: &ModelDir, opts: StoreOptions) -> Result<Self, EngineError> {
         let config = dir.manifest.config.clone();
-        let cfg = config
-            .as_kimi_linear()
-            .ok_or_else(|| EngineError::Invalid(format!("{}: not a kimi_linear model", dir.path.display())))?
-            .clone();
+        let cfg = family_config(dir, "kimi_linear", ModelConfig::as_kimi_linear)?;
         let backbone = dir.load_backbone()?;
         let names: Vec<LayerNames> = (0..cfg.num_hidden_layers).map(LayerNames::new).collect();
         // Every tensor the forward pass reads is in the converter's table for this config;
