@@ -73,6 +73,21 @@ pub struct PullReport {
     pub records_unchecked: bool,
 }
 
+impl PullReport {
+    /// A report of a pull in `mode` that started at `t0`: the bytes and retries `http` counted
+    /// and the seconds since `t0`; the record fields at their defaults (set them with struct
+    /// update syntax).
+    fn finished(mode: &'static str, http: &Http, t0: Instant) -> Self {
+        PullReport {
+            mode,
+            bytes_fetched: http.bytes_received(),
+            seconds: t0.elapsed().as_secs_f64(),
+            retries: http.retries(),
+            ..PullReport::default()
+        }
+    }
+}
+
 const INDEX_FILE: &str = "model.safetensors.index.json";
 
 fn refuse_existing(model_dir: &Path, force: bool) -> Result<(), PullError> {
@@ -184,13 +199,7 @@ pub fn pull_full(
     if !opts.keep_download {
         std::fs::remove_dir_all(&dl).map_err(io_err(&dl))?;
     }
-    Ok(PullReport {
-        mode: "full",
-        bytes_fetched: http.bytes_received(),
-        seconds: t0.elapsed().as_secs_f64(),
-        retries: http.retries(),
-        ..PullReport::default()
-    })
+    Ok(PullReport::finished("full", http, t0))
 }
 
 fn upgrade(
@@ -256,13 +265,10 @@ fn upgrade(
         }
     }
     Ok(PullReport {
-        mode: "upgrade",
-        bytes_fetched: http.bytes_received(),
         records_fetched: fetched,
         records_kept: kept,
-        seconds: t0.elapsed().as_secs_f64(),
-        retries: http.retries(),
         records_unchecked,
+        ..PullReport::finished("upgrade", http, t0)
     })
 }
 
@@ -376,12 +382,8 @@ pub fn pull_stream(
     convert::convert_stream(&sd, model_dir, &opts.convert, &extras, progress)?;
     std::fs::remove_dir_all(&sd).map_err(io_err(&sd))?;
     Ok(PullReport {
-        mode: "stream",
-        bytes_fetched: http.bytes_received(),
-        seconds: t0.elapsed().as_secs_f64(),
-        retries: http.retries(),
         records_unchecked: true,
-        ..PullReport::default()
+        ..PullReport::finished("stream", http, t0)
     })
 }
 
@@ -761,13 +763,7 @@ fn mirror_full(
     if !opts.keep_download {
         std::fs::remove_dir_all(&dl).map_err(io_err(&dl))?;
     }
-    Ok(PullReport {
-        mode: "full",
-        bytes_fetched: http.bytes_received(),
-        seconds: t0.elapsed().as_secs_f64(),
-        retries: http.retries(),
-        ..PullReport::default()
-    })
+    Ok(PullReport::finished("full", http, t0))
 }
 
 fn mirror_stream(
@@ -829,11 +825,5 @@ fn mirror_stream(
         write_atomic(&tmp.join(STREAM_INDEX), &index_json)
     })?;
     std::fs::remove_dir_all(&sd).map_err(io_err(&sd))?;
-    Ok(PullReport {
-        mode: "stream",
-        bytes_fetched: http.bytes_received(),
-        seconds: t0.elapsed().as_secs_f64(),
-        retries: http.retries(),
-        ..PullReport::default()
-    })
+    Ok(PullReport::finished("stream", http, t0))
 }
