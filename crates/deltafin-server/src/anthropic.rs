@@ -14,16 +14,15 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest};
-use futures_util::stream::{self, Stream};
+use futures_util::stream::Stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -32,6 +31,7 @@ use crate::agent::{template_extra, Reply, ReplyParser};
 use crate::body::parse_body;
 use crate::chat_messages;
 use crate::error::{ApiError, Flavor};
+use crate::sse::{sse_reply, JobStream};
 use crate::structured::{call_family, forced_tools, Constraint, Forced};
 use crate::tools::Event as ParsedEvent;
 use crate::worker::JobEvent;
@@ -406,6 +406,26 @@ impl StreamState {
         }
     }
 
+    fn fail(&mut self, message: &str) {
+        let e = ApiError::internal(message).anthropic().body();
+        self.push("error", e);
+        self.done = true;
+    }
+}
+
+impl JobStream for StreamState {
+    fn pop_ready(&mut self) -> Option<Event> {
+        self.queue.pop_front()
+    }
+
+    fn is_done(&self) -> bool {
+        self.done
+    }
+
+    fn rx(&mut self) -> &mut UnboundedReceiver<JobEvent> {
+        &mut self.rx
+    }
+
     fn on_event(&mut self, ev: Option<JobEvent>) {
         match ev {
             Some(JobEvent::Delta(d)) => match self.parser.as_mut() {
@@ -437,12 +457,6 @@ impl StreamState {
             Some(JobEvent::Done(Err(e))) => self.fail(&format!("generation failed: {e}")),
             None => self.fail("the generation ended without a result"),
         }
-    }
-
-    fn fail(&mut self, message: &str) {
-        let e = ApiError::internal(message).anthropic().body();
-        self.push("error", e);
-        self.done = true;
     }
 }
 
@@ -477,19 +491,7 @@ fn sse(
     if st.parser.is_none() {
         st.block("text", json!({"type": "text", "text": ""}));
     }
-    let events = stream::unfold(st, |mut st| async move {
-        loop {
-            if let Some(e) = st.queue.pop_front() {
-                return Some((Ok(e), st));
-            }
-            if st.done {
-                return None;
-            }
-            let ev = st.rx.recv().await;
-            st.on_event(ev);
-        }
-    });
-    Sse::new(events).keep_alive(KeepAlive::new().interval(Duration::from_secs(5)))
+    sse_reply(st)
 }
 
 #[cfg(test)]

@@ -10,17 +10,16 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::fmt::Write;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest, TokenLogprob};
 use deltafin_tokenizer::Tokenizer;
-use futures_util::stream::{self, Stream};
+use futures_util::stream::Stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -31,6 +30,7 @@ use crate::chat_messages;
 use crate::error::{ApiError, Flavor};
 use crate::limits::MAX_TOP_LOGPROBS;
 use crate::sampling_fields::SamplingFields;
+use crate::sse::{sse_reply, JobStream};
 use crate::structured::{call_family, forced_tools, Constraint, Forced};
 use crate::tools::Event as ParsedEvent;
 use crate::worker::{JobEvent, Ticket};
@@ -896,6 +896,32 @@ impl StreamState {
         self.push_json(&c);
     }
 
+    fn fail(&mut self, message: &str) {
+        self.flush_held(None);
+        let e = ApiError::internal(message).body();
+        self.push_json(&e);
+        self.finish();
+    }
+
+    fn finish(&mut self) {
+        self.queue.push_back(Event::default().data("[DONE]"));
+        self.done = true;
+    }
+}
+
+impl JobStream for StreamState {
+    fn pop_ready(&mut self) -> Option<Event> {
+        self.queue.pop_front()
+    }
+
+    fn is_done(&self) -> bool {
+        self.done
+    }
+
+    fn rx(&mut self) -> &mut UnboundedReceiver<JobEvent> {
+        &mut self.rx
+    }
+
     fn on_event(&mut self, ev: Option<JobEvent>) {
         match ev {
             Some(JobEvent::Delta(d)) if self.parser.is_some() => {
@@ -936,18 +962,6 @@ impl StreamState {
             None => self.fail("the generation ended without a result"),
         }
     }
-
-    fn fail(&mut self, message: &str) {
-        self.flush_held(None);
-        let e = ApiError::internal(message).body();
-        self.push_json(&e);
-        self.finish();
-    }
-
-    fn finish(&mut self) {
-        self.queue.push_back(Event::default().data("[DONE]"));
-        self.done = true;
-    }
 }
 
 /// The SSE response of a generation; `parser` (chat only) turns the text into content,
@@ -972,19 +986,7 @@ fn sse_with(
         let c = st.chunk("", &[], None, true);
         st.push_json(&c);
     }
-    let events = stream::unfold(st, |mut st| async move {
-        loop {
-            if let Some(e) = st.queue.pop_front() {
-                return Some((Ok(e), st));
-            }
-            if st.done {
-                return None;
-            }
-            let ev = st.rx.recv().await;
-            st.on_event(ev);
-        }
-    });
-    Sse::new(events).keep_alive(KeepAlive::new().interval(Duration::from_secs(5)))
+    sse_reply(st)
 }
 
 #[cfg(test)]
