@@ -24,7 +24,7 @@ use deltafin_kernels::{sigmoid, MatRef};
 
 use crate::experts::{Expert, StoreOptions};
 use crate::gqa::{Buffers, GqaNames};
-use crate::model::{gather_rows, RoutedExperts};
+use crate::model::{add_into, gather_rows, RoutedExperts};
 use crate::models::family_config;
 use crate::models::gqa_cuda::{ExpertKind, MlpSpec};
 use crate::models::gqa_lm::{decoder_shape, GqaLm, GqaMlp, MlpStep};
@@ -95,9 +95,7 @@ impl Router {
         let weight = bb.mat(&self.weight);
         logits.resize(weight.rows, 0.0);
         weight.matvec(xn, logits);
-        for (a, b) in logits.iter_mut().zip(bb.vec(&self.bias)) {
-            *a += b;
-        }
+        add_into(logits, bb.vec(&self.bias));
     }
 }
 
@@ -178,9 +176,7 @@ impl GqaMlp for GptOssMlp {
         let routings: Vec<Routing> = logits
             .chunks_exact_mut(w.rows)
             .map(|lg| {
-                for (a, b) in lg.iter_mut().zip(bias) {
-                    *a += b;
-                }
+                add_into(lg, bias);
                 route_topk_softmax(lg, k)
             })
             .collect();
