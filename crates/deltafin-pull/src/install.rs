@@ -88,6 +88,14 @@ impl PullReport {
     }
 }
 
+/// Removes the download directory `dl` of a full pull unless `--keep-download` keeps it.
+fn remove_download(dl: &Path, opts: &PullOptions) -> Result<(), PullError> {
+    if !opts.keep_download {
+        std::fs::remove_dir_all(dl).map_err(io_err(dl))?;
+    }
+    Ok(())
+}
+
 const INDEX_FILE: &str = "model.safetensors.index.json";
 
 fn refuse_existing(model_dir: &Path, force: bool) -> Result<(), PullError> {
@@ -196,9 +204,7 @@ pub fn pull_full(
         }
     }
     convert::convert(&dl, model_dir, &opts.convert, progress)?;
-    if !opts.keep_download {
-        std::fs::remove_dir_all(&dl).map_err(io_err(&dl))?;
-    }
+    remove_download(&dl, opts)?;
     Ok(PullReport::finished("full", http, t0))
 }
 
@@ -760,9 +766,7 @@ fn mirror_full(
     files.push(&m.backbone.file);
     files.push(&m.experts.file);
     place(model_dir, opts.convert.force, &dl, &files, &m, |_| Ok(()))?;
-    if !opts.keep_download {
-        std::fs::remove_dir_all(&dl).map_err(io_err(&dl))?;
-    }
+    remove_download(&dl, opts)?;
     Ok(PullReport::finished("full", http, t0))
 }
 
