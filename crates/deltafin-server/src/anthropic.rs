@@ -11,7 +11,6 @@
 //! `input_json_delta`), with `stop_reason: "tool_use"` after a call. `tools` are rendered to
 //! the chat template in OpenAI's shape; `thinking` sets the template's thinking switch.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 
@@ -31,7 +30,7 @@ use crate::agent::{template_extra, Reply, ReplyParser};
 use crate::body::parse_body;
 use crate::chat_messages;
 use crate::error::{ApiError, Flavor};
-use crate::sse::{sse_reply, JobStream};
+use crate::sse::{sse_reply, JobStream, Outbox};
 use crate::structured::{call_family, forced_tools, Constraint, Forced};
 use crate::tools::Event as ParsedEvent;
 use crate::worker::JobEvent;
@@ -320,10 +319,9 @@ fn content_blocks(r: &Reply) -> Vec<Value> {
 }
 
 struct StreamState {
-    rx: UnboundedReceiver<JobEvent>,
-    queue: VecDeque<Event>,
+    /// The job's events in, the reply's events out.
+    out: Outbox,
     stops: Vec<String>,
-    done: bool,
     /// With a family parser, blocks open as the reply needs them (else one text block).
     parser: Option<ReplyParser>,
     /// The open block: its index and type.
@@ -337,7 +335,9 @@ struct StreamState {
 
 impl StreamState {
     fn push(&mut self, name: &str, v: Value) {
-        self.queue.push_back(Event::default().event(name).data(v.to_string()));
+        self.out
+            .queue
+            .push_back(Event::default().event(name).data(v.to_string()));
     }
 
     fn close_block(&mut self) {
@@ -409,21 +409,13 @@ impl StreamState {
     fn fail(&mut self, message: &str) {
         let e = ApiError::internal(message).anthropic().body();
         self.push("error", e);
-        self.done = true;
+        self.out.done = true;
     }
 }
 
 impl JobStream for StreamState {
-    fn pop_ready(&mut self) -> Option<Event> {
-        self.queue.pop_front()
-    }
-
-    fn is_done(&self) -> bool {
-        self.done
-    }
-
-    fn rx(&mut self) -> &mut UnboundedReceiver<JobEvent> {
-        &mut self.rx
+    fn outbox(&mut self) -> &mut Outbox {
+        &mut self.out
     }
 
     fn on_event(&mut self, ev: Option<JobEvent>) {
@@ -452,7 +444,7 @@ impl JobStream for StreamState {
                            "usage": {"output_tokens": out.generated_ids.len()}}),
                 );
                 self.push("message_stop", json!({"type": "message_stop"}));
-                self.done = true;
+                self.out.done = true;
             }
             Some(JobEvent::Done(Err(e))) => self.fail(&format!("generation failed: {e}")),
             None => self.fail("the generation ended without a result"),
@@ -469,10 +461,8 @@ fn sse(
     parser: ReplyParser,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let mut st = StreamState {
-        rx,
-        queue: VecDeque::new(),
+        out: Outbox::new(rx),
         stops,
-        done: false,
         parser: Some(parser).filter(ReplyParser::active),
         open: None,
         blocks: 0,

@@ -6,7 +6,6 @@
 //! with empty `choices` and the `usage`, then `data: [DONE]`, also after an error (sent first
 //! as `data: {"error": {...}}`).
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::fmt::Write;
 use std::sync::Arc;
@@ -30,7 +29,7 @@ use crate::chat_messages;
 use crate::error::{ApiError, Flavor};
 use crate::limits::MAX_TOP_LOGPROBS;
 use crate::sampling_fields::SamplingFields;
-use crate::sse::{sse_reply, JobStream};
+use crate::sse::{sse_reply, JobStream, Outbox};
 use crate::structured::{call_family, forced_tools, Constraint, Forced};
 use crate::tools::Event as ParsedEvent;
 use crate::worker::{JobEvent, Ticket};
@@ -767,13 +766,12 @@ struct Meta {
 
 /// The SSE state machine: queued events out first; then the next job event.
 struct StreamState {
-    rx: UnboundedReceiver<JobEvent>,
+    /// The job's events in, the reply's events out.
+    out: Outbox,
     meta: Meta,
-    queue: VecDeque<Event>,
     /// The content chunk held back so that the last one can carry `finish_reason`.
     held_text: String,
     held_logprobs: Vec<TokenLogprob>,
-    done: bool,
     /// Chat with a family parser: its deltas replace the plain `content` deltas.
     parser: Option<ReplyParser>,
     /// The parsed delta held back so that the last one can carry `finish_reason`.
@@ -880,7 +878,7 @@ impl StreamState {
     }
 
     fn push_json(&mut self, v: &Value) {
-        self.queue.push_back(Event::default().data(v.to_string()));
+        self.out.queue.push_back(Event::default().data(v.to_string()));
     }
 
     fn flush_held(&mut self, finish: Option<&str>) {
@@ -904,22 +902,14 @@ impl StreamState {
     }
 
     fn finish(&mut self) {
-        self.queue.push_back(Event::default().data("[DONE]"));
-        self.done = true;
+        self.out.queue.push_back(Event::default().data("[DONE]"));
+        self.out.done = true;
     }
 }
 
 impl JobStream for StreamState {
-    fn pop_ready(&mut self) -> Option<Event> {
-        self.queue.pop_front()
-    }
-
-    fn is_done(&self) -> bool {
-        self.done
-    }
-
-    fn rx(&mut self) -> &mut UnboundedReceiver<JobEvent> {
-        &mut self.rx
+    fn outbox(&mut self) -> &mut Outbox {
+        &mut self.out
     }
 
     fn on_event(&mut self, ev: Option<JobEvent>) {
@@ -972,12 +962,10 @@ fn sse_with(
     parser: Option<ReplyParser>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let mut st = StreamState {
-        rx,
+        out: Outbox::new(rx),
         meta,
-        queue: VecDeque::new(),
         held_text: String::new(),
         held_logprobs: Vec::new(),
-        done: false,
         parser: parser.filter(ReplyParser::active),
         held_delta: None,
         called: false,

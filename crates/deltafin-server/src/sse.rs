@@ -1,7 +1,8 @@
 //! The server-sent-event reply of a generation, shared by the OpenAI and the Anthropic
 //! endpoints: each keeps its own per-reply state ([`JobStream`]) that turns the worker's
-//! [`JobEvent`]s into queued events; [`sse_reply`] sends those as they come.
+//! [`JobEvent`]s into events in its [`Outbox`]; [`sse_reply`] sends those as they come.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -11,14 +12,30 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::worker::JobEvent;
 
-/// The state of one streamed reply: events ready to go out, and the job they come from.
+/// The events of one streamed reply waiting to go out, and the job they come from.
+pub(crate) struct Outbox {
+    rx: UnboundedReceiver<JobEvent>,
+    /// Events ready to go out, first queued first.
+    pub(crate) queue: VecDeque<Event>,
+    /// The reply is complete: no event follows those queued.
+    pub(crate) done: bool,
+}
+
+impl Outbox {
+    /// An empty outbox for the events of the job behind `rx`.
+    pub(crate) fn new(rx: UnboundedReceiver<JobEvent>) -> Self {
+        Outbox {
+            rx,
+            queue: VecDeque::new(),
+            done: false,
+        }
+    }
+}
+
+/// The state of one streamed reply.
 pub(crate) trait JobStream: Send + 'static {
-    /// The next event ready to go out, first queued first.
-    fn pop_ready(&mut self) -> Option<Event>;
-    /// Whether the reply is complete: no event follows those queued.
-    fn is_done(&self) -> bool;
-    /// The worker's events of this job.
-    fn rx(&mut self) -> &mut UnboundedReceiver<JobEvent>;
+    /// Where the reply's events wait.
+    fn outbox(&mut self) -> &mut Outbox;
     /// Queues the events one job event (None: the job ended without a result) makes.
     fn on_event(&mut self, ev: Option<JobEvent>);
 }
@@ -28,13 +45,14 @@ pub(crate) trait JobStream: Send + 'static {
 pub(crate) fn sse_reply<S: JobStream>(st: S) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let events = stream::unfold(st, |mut st| async move {
         loop {
-            if let Some(e) = st.pop_ready() {
+            let out = st.outbox();
+            if let Some(e) = out.queue.pop_front() {
                 return Some((Ok(e), st));
             }
-            if st.is_done() {
+            if out.done {
                 return None;
             }
-            let ev = st.rx().recv().await;
+            let ev = out.rx.recv().await;
             st.on_event(ev);
         }
     });
