@@ -19,7 +19,7 @@ use deltafin_format::{MixtralConfig, ModelConfig, ModelDir};
 
 use crate::experts::StoreOptions;
 use crate::gqa::{Buffers, GqaNames};
-use crate::model::{softmax_moe, softmax_moe_batch, RoutedExperts};
+use crate::model::{softmax_moe_batch, RoutedExperts};
 use crate::models::family_config;
 use crate::models::gqa_cuda::MlpSpec;
 use crate::models::gqa_lm::{decoder_shape, GqaLm, GqaMlp, MlpStep};
@@ -71,19 +71,7 @@ impl GqaMlp for MixtralMoe {
         let (l, bb) = (step.layer, step.backbone);
         // Prefetch: the next layer's router on this hidden state predicts its experts.
         let next = gate.get(l + 1).map(|g| (l + 1, bb.mat(g)));
-        let (y, routing) = softmax_moe(
-            step.routed,
-            l,
-            bb.mat(&gate[l]),
-            next,
-            true,
-            xn,
-            &mut buf.router,
-            &mut buf.probs,
-            step.draft,
-        )?;
-        out.copy_from_slice(&y);
-        Ok(Some(routing))
+        step.softmax_moe(bb.mat(&gate[l]), next, true, xn, buf, out)
     }
 
     fn forward_chunk(

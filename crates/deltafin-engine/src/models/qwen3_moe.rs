@@ -20,7 +20,7 @@ use deltafin_format::{ModelConfig, ModelDir, Qwen3MoeConfig};
 
 use crate::experts::StoreOptions;
 use crate::gqa::{Buffers, GqaNames};
-use crate::model::{softmax_moe, softmax_moe_batch, swiglu_batch, swiglu_into, RoutedExperts};
+use crate::model::{softmax_moe_batch, swiglu_batch, swiglu_into, RoutedExperts};
 use crate::models::family_config;
 use crate::models::gqa_cuda::MlpSpec;
 use crate::models::gqa_lm::{decoder_shape, GqaLm, GqaMlp, MlpStep};
@@ -127,19 +127,7 @@ impl GqaMlp for Qwen3MoeMlp {
                     Qwen3MoeMlpWeights::Sparse { gate } => Some((k, bb.mat(gate))),
                     Qwen3MoeMlpWeights::Dense { .. } => None,
                 });
-                let (y, routing) = softmax_moe(
-                    step.routed,
-                    l,
-                    bb.mat(gate),
-                    next,
-                    self.cfg.norm_topk_prob,
-                    xn,
-                    &mut buf.router,
-                    &mut buf.probs,
-                    step.draft,
-                )?;
-                out.copy_from_slice(&y);
-                Ok(Some(routing))
+                step.softmax_moe(bb.mat(gate), next, self.cfg.norm_topk_prob, xn, buf, out)
             }
             Qwen3MoeMlpWeights::Dense {
                 gate_proj,
