@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -609,7 +609,29 @@ fn to_format(path: &Path) -> impl Fn(PullError) -> FormatError + '_ {
     }
 }
 
-/// Downloads the mirror's tokenizer files into `dir`; returns their names.
+/// The start of both pulls from a deltafin mirror: refuses convert options
+/// ([`refuse_convert_options_for_mirror`]), prepares the work directory
+/// [`sibling`]`(model_dir, suffix)` for `source` ([`work_dir`]) and downloads the mirror's
+/// tokenizer files into it; returns that directory.
+///
+/// Errors: `--backbone` / `--experts` given, a tokenizer file that is not a plain name or is
+/// missing (HTTP 404), HTTP errors after retries, I/O.
+fn mirror_work_dir(
+    http: &Http,
+    source: &Source,
+    model_dir: &Path,
+    m: &Manifest,
+    opts: &PullOptions,
+    suffix: &str,
+) -> Result<PathBuf, PullError> {
+    refuse_convert_options_for_mirror(opts, m)?;
+    let dir = sibling(model_dir, suffix);
+    work_dir(&dir, source)?;
+    mirror_small_files(http, source, m, &dir)?;
+    Ok(dir)
+}
+
+/// Downloads the mirror's tokenizer files into `dir`.
 fn mirror_small_files(http: &Http, source: &Source, m: &Manifest, dir: &Path) -> Result<(), PullError> {
     for f in &m.tokenizer_files {
         if f.contains('/') || f.contains("..") {
@@ -708,10 +730,7 @@ fn mirror_full(
     progress: &dyn Progress,
 ) -> Result<PullReport, PullError> {
     let t0 = Instant::now();
-    refuse_convert_options_for_mirror(opts, &m)?;
-    let dl = sibling(model_dir, "download");
-    work_dir(&dl, source)?;
-    mirror_small_files(http, source, &m, &dl)?;
+    let dl = mirror_work_dir(http, source, model_dir, &m, opts, "download")?;
     for f in [&m.backbone.file, &m.experts.file] {
         if f.contains('/') || f.contains("..") {
             return Err(PullError::Invalid(format!(
@@ -779,10 +798,7 @@ fn mirror_stream(
     transfer: &dyn Transfer,
 ) -> Result<PullReport, PullError> {
     let t0 = Instant::now();
-    refuse_convert_options_for_mirror(opts, &m)?;
-    let sd = sibling(model_dir, "stream-src");
-    work_dir(&sd, source)?;
-    mirror_small_files(http, source, &m, &sd)?;
+    let sd = mirror_work_dir(http, source, model_dir, &m, opts, "stream-src")?;
     if m.backbone.file.contains('/') || m.experts.file.contains('/') {
         return Err(PullError::Invalid(
             "mirror manifest names a file that is not a plain name".into(),
