@@ -32,7 +32,7 @@ use deltafin_format::Rope;
 use deltafin_kernels::{dot, rms_norm_inplace, softmax_inplace};
 use rayon::prelude::*;
 
-use crate::model::DecodeState;
+use crate::model::{add_into, DecodeState};
 use crate::rope::RotaryEmbedding;
 use crate::EngineError;
 
@@ -332,7 +332,7 @@ impl GqaAttention {
         self.attend(bb, w, layer, &buf.q, pos, 1, cache, &mut buf.scores, &mut buf.ctx);
         bb.mat(&w.o_proj).matvec(&buf.ctx, out);
         if let Some([.., bo]) = &w.biases {
-            add_bias(out, bb.vec(bo));
+            add_into(out, bb.vec(bo));
         }
     }
 
@@ -375,7 +375,7 @@ impl GqaAttention {
         bb.mat(&w.o_proj).matmul(&ctx, nt, out);
         if let Some([.., bo]) = &w.biases {
             let bo = bb.vec(bo);
-            out.chunks_exact_mut(d.hidden).for_each(|o| add_bias(o, bo));
+            out.chunks_exact_mut(d.hidden).for_each(|o| add_into(o, bo));
         }
     }
 
@@ -397,7 +397,7 @@ impl GqaAttention {
         if let Some([bq, bk, bv, _]) = &w.biases {
             for (y, b, width) in [(&mut *q, bq, qd), (&mut *k, bk, kd), (&mut *v, bv, kd)] {
                 let b = bb.vec(b);
-                y.chunks_exact_mut(width).for_each(|row| add_bias(row, b));
+                y.chunks_exact_mut(width).for_each(|row| add_into(row, b));
             }
         }
         if let Some(n) = &w.q_norm {
@@ -509,12 +509,6 @@ impl GqaAttention {
                 }
             }
         }
-    }
-}
-
-fn add_bias(y: &mut [f32], b: &[f32]) {
-    for (a, b) in y.iter_mut().zip(b) {
-        *a += b;
     }
 }
 

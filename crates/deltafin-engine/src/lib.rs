@@ -91,8 +91,53 @@ impl EngineError {
     }
 }
 
+/// The one of `all` whose command-line name (`name`) is `s`: the `FromStr` of an option's
+/// enum.
+///
+/// Errors: `unknown {what} {s:?} (expected a, b or c)`, listing the names of `all` in order.
+pub(crate) fn parse_name<T: Copy>(s: &str, what: &str, all: &[T], name: fn(T) -> &'static str) -> Result<T, String> {
+    if let Some(&v) = all.iter().find(|&&v| name(v) == s) {
+        return Ok(v);
+    }
+    let names: Vec<&str> = all.iter().map(|&v| name(v)).collect();
+    let expected = match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+        _ => names.concat(),
+    };
+    Err(format!("unknown {what} {s:?} (expected {expected})"))
+}
+
 pub use blocks::mla::MlaForm;
 pub use device::{load_model_on, Device, GpuOptions};
 pub use gpu_experts::GpuCacheStats;
 pub use model::BatchForm;
 pub use model::{load_model, CausalLm, DecodeState, LayerRoutes, Numerics, Profile};
+
+#[cfg(test)]
+mod tests {
+    use std::str::FromStr;
+
+    use crate::experts::{CachePolicy, IoMode};
+    use crate::speculate::SpeculateMode;
+
+    /// The option enums read their names, and a wrong one gets the same message as before
+    /// [`super::parse_name`] (word for word).
+    #[test]
+    fn option_names_parse_and_list_the_choices() {
+        assert_eq!(IoMode::from_str("buffered"), Ok(IoMode::Buffered));
+        assert_eq!(
+            IoMode::from_str("x").unwrap_err(),
+            "unknown I/O mode \"x\" (expected direct or buffered)"
+        );
+        assert_eq!(CachePolicy::from_str("pinned"), Ok(CachePolicy::Pinned));
+        assert_eq!(
+            CachePolicy::from_str("LRU").unwrap_err(),
+            "unknown cache policy \"LRU\" (expected lru, lfu or pinned)"
+        );
+        assert_eq!(SpeculateMode::from_str("self"), Ok(SpeculateMode::SelfDraft));
+        assert_eq!(
+            SpeculateMode::from_str("").unwrap_err(),
+            "unknown speculation mode \"\" (expected off, auto, lookup or self)"
+        );
+    }
+}

@@ -1058,6 +1058,14 @@ pub fn gather_rows(x: &[f32], width: usize, tokens: &[usize]) -> Vec<f32> {
     xs
 }
 
+/// `y += x` element by element (over the shorter of the two): a residual connection, a shared
+/// expert's output or a bias added in place.
+pub fn add_into(y: &mut [f32], x: &[f32]) {
+    for (a, b) in y.iter_mut().zip(x) {
+        *a += b;
+    }
+}
+
 /// [`swiglu`] into caller buffers (no allocation once they have grown): `gate_buf`, `up_buf`
 /// become `[rows of gate]`, `out: [rows of down]`.
 pub fn swiglu_into(

@@ -45,7 +45,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::model::{CausalLm, DecodeState, LayerRoutes};
 use crate::sampler::Sampler;
-use crate::EngineError;
+use crate::{parse_name, EngineError};
 
 /// Most tokens drafted per step.
 pub const MAX_DRAFT: usize = 8;
@@ -88,15 +88,13 @@ impl fmt::Display for SpeculateMode {
 impl FromStr for SpeculateMode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "off" => Ok(SpeculateMode::Off),
-            "auto" => Ok(SpeculateMode::Auto),
-            "lookup" => Ok(SpeculateMode::Lookup),
-            "self" => Ok(SpeculateMode::SelfDraft),
-            _ => Err(format!(
-                "unknown speculation mode {s:?} (expected off, auto, lookup or self)"
-            )),
-        }
+        let all = [
+            SpeculateMode::Off,
+            SpeculateMode::Auto,
+            SpeculateMode::Lookup,
+            SpeculateMode::SelfDraft,
+        ];
+        parse_name(s, "speculation mode", &all, SpeculateMode::name)
     }
 }
 

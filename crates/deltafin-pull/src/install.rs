@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -71,6 +71,29 @@ pub struct PullReport {
     /// layout, which publishes a sha256 per file, not per record: they cannot be checked
     /// against the source as they arrive (issue #19, item 7).
     pub records_unchecked: bool,
+}
+
+impl PullReport {
+    /// A report of a pull in `mode` that started at `t0`: the bytes and retries `http` counted
+    /// and the seconds since `t0`; the record fields at their defaults (set them with struct
+    /// update syntax).
+    fn finished(mode: &'static str, http: &Http, t0: Instant) -> Self {
+        PullReport {
+            mode,
+            bytes_fetched: http.bytes_received(),
+            seconds: t0.elapsed().as_secs_f64(),
+            retries: http.retries(),
+            ..PullReport::default()
+        }
+    }
+}
+
+/// Removes the download directory `dl` of a full pull unless `--keep-download` keeps it.
+fn remove_download(dl: &Path, opts: &PullOptions) -> Result<(), PullError> {
+    if !opts.keep_download {
+        std::fs::remove_dir_all(dl).map_err(io_err(dl))?;
+    }
+    Ok(())
 }
 
 const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -181,16 +204,8 @@ pub fn pull_full(
         }
     }
     convert::convert(&dl, model_dir, &opts.convert, progress)?;
-    if !opts.keep_download {
-        std::fs::remove_dir_all(&dl).map_err(io_err(&dl))?;
-    }
-    Ok(PullReport {
-        mode: "full",
-        bytes_fetched: http.bytes_received(),
-        seconds: t0.elapsed().as_secs_f64(),
-        retries: http.retries(),
-        ..PullReport::default()
-    })
+    remove_download(&dl, opts)?;
+    Ok(PullReport::finished("full", http, t0))
 }
 
 fn upgrade(
@@ -256,13 +271,10 @@ fn upgrade(
         }
     }
     Ok(PullReport {
-        mode: "upgrade",
-        bytes_fetched: http.bytes_received(),
         records_fetched: fetched,
         records_kept: kept,
-        seconds: t0.elapsed().as_secs_f64(),
-        retries: http.retries(),
         records_unchecked,
+        ..PullReport::finished("upgrade", http, t0)
     })
 }
 
@@ -376,12 +388,8 @@ pub fn pull_stream(
     convert::convert_stream(&sd, model_dir, &opts.convert, &extras, progress)?;
     std::fs::remove_dir_all(&sd).map_err(io_err(&sd))?;
     Ok(PullReport {
-        mode: "stream",
-        bytes_fetched: http.bytes_received(),
-        seconds: t0.elapsed().as_secs_f64(),
-        retries: http.retries(),
         records_unchecked: true,
-        ..PullReport::default()
+        ..PullReport::finished("stream", http, t0)
     })
 }
 
@@ -601,7 +609,29 @@ fn to_format(path: &Path) -> impl Fn(PullError) -> FormatError + '_ {
     }
 }
 
-/// Downloads the mirror's tokenizer files into `dir`; returns their names.
+/// The start of both pulls from a deltafin mirror: refuses convert options
+/// ([`refuse_convert_options_for_mirror`]), prepares the work directory
+/// [`sibling`]`(model_dir, suffix)` for `source` ([`work_dir`]) and downloads the mirror's
+/// tokenizer files into it; returns that directory.
+///
+/// Errors: `--backbone` / `--experts` given, a tokenizer file that is not a plain name or is
+/// missing (HTTP 404), HTTP errors after retries, I/O.
+fn mirror_work_dir(
+    http: &Http,
+    source: &Source,
+    model_dir: &Path,
+    m: &Manifest,
+    opts: &PullOptions,
+    suffix: &str,
+) -> Result<PathBuf, PullError> {
+    refuse_convert_options_for_mirror(opts, m)?;
+    let dir = sibling(model_dir, suffix);
+    work_dir(&dir, source)?;
+    mirror_small_files(http, source, m, &dir)?;
+    Ok(dir)
+}
+
+/// Downloads the mirror's tokenizer files into `dir`.
 fn mirror_small_files(http: &Http, source: &Source, m: &Manifest, dir: &Path) -> Result<(), PullError> {
     for f in &m.tokenizer_files {
         if f.contains('/') || f.contains("..") {
@@ -700,10 +730,7 @@ fn mirror_full(
     progress: &dyn Progress,
 ) -> Result<PullReport, PullError> {
     let t0 = Instant::now();
-    refuse_convert_options_for_mirror(opts, &m)?;
-    let dl = sibling(model_dir, "download");
-    work_dir(&dl, source)?;
-    mirror_small_files(http, source, &m, &dl)?;
+    let dl = mirror_work_dir(http, source, model_dir, &m, opts, "download")?;
     for f in [&m.backbone.file, &m.experts.file] {
         if f.contains('/') || f.contains("..") {
             return Err(PullError::Invalid(format!(
@@ -758,16 +785,8 @@ fn mirror_full(
     files.push(&m.backbone.file);
     files.push(&m.experts.file);
     place(model_dir, opts.convert.force, &dl, &files, &m, |_| Ok(()))?;
-    if !opts.keep_download {
-        std::fs::remove_dir_all(&dl).map_err(io_err(&dl))?;
-    }
-    Ok(PullReport {
-        mode: "full",
-        bytes_fetched: http.bytes_received(),
-        seconds: t0.elapsed().as_secs_f64(),
-        retries: http.retries(),
-        ..PullReport::default()
-    })
+    remove_download(&dl, opts)?;
+    Ok(PullReport::finished("full", http, t0))
 }
 
 fn mirror_stream(
@@ -779,10 +798,7 @@ fn mirror_stream(
     transfer: &dyn Transfer,
 ) -> Result<PullReport, PullError> {
     let t0 = Instant::now();
-    refuse_convert_options_for_mirror(opts, &m)?;
-    let sd = sibling(model_dir, "stream-src");
-    work_dir(&sd, source)?;
-    mirror_small_files(http, source, &m, &sd)?;
+    let sd = mirror_work_dir(http, source, model_dir, &m, opts, "stream-src")?;
     if m.backbone.file.contains('/') || m.experts.file.contains('/') {
         return Err(PullError::Invalid(
             "mirror manifest names a file that is not a plain name".into(),
@@ -829,11 +845,5 @@ fn mirror_stream(
         write_atomic(&tmp.join(STREAM_INDEX), &index_json)
     })?;
     std::fs::remove_dir_all(&sd).map_err(io_err(&sd))?;
-    Ok(PullReport {
-        mode: "stream",
-        bytes_fetched: http.bytes_received(),
-        seconds: t0.elapsed().as_secs_f64(),
-        retries: http.retries(),
-        ..PullReport::default()
-    })
+    Ok(PullReport::finished("stream", http, t0))
 }

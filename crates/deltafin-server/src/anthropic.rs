@@ -11,19 +11,17 @@
 //! `input_json_delta`), with `stop_reason: "tool_use"` after a call. `tools` are rendered to
 //! the chat template in OpenAI's shape; `thinking` sets the template's thinking switch.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest};
-use futures_util::stream::{self, Stream};
+use futures_util::stream::Stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -32,6 +30,7 @@ use crate::agent::{template_extra, Reply, ReplyParser};
 use crate::body::parse_body;
 use crate::chat_messages;
 use crate::error::{ApiError, Flavor};
+use crate::sse::{sse_reply, JobStream, Outbox};
 use crate::structured::{call_family, forced_tools, Constraint, Forced};
 use crate::tools::Event as ParsedEvent;
 use crate::worker::JobEvent;
@@ -320,10 +319,9 @@ fn content_blocks(r: &Reply) -> Vec<Value> {
 }
 
 struct StreamState {
-    rx: UnboundedReceiver<JobEvent>,
-    queue: VecDeque<Event>,
+    /// The job's events in, the reply's events out.
+    out: Outbox,
     stops: Vec<String>,
-    done: bool,
     /// With a family parser, blocks open as the reply needs them (else one text block).
     parser: Option<ReplyParser>,
     /// The open block: its index and type.
@@ -337,7 +335,9 @@ struct StreamState {
 
 impl StreamState {
     fn push(&mut self, name: &str, v: Value) {
-        self.queue.push_back(Event::default().event(name).data(v.to_string()));
+        self.out
+            .queue
+            .push_back(Event::default().event(name).data(v.to_string()));
     }
 
     fn close_block(&mut self) {
@@ -406,6 +406,18 @@ impl StreamState {
         }
     }
 
+    fn fail(&mut self, message: &str) {
+        let e = ApiError::internal(message).anthropic().body();
+        self.push("error", e);
+        self.out.done = true;
+    }
+}
+
+impl JobStream for StreamState {
+    fn outbox(&mut self) -> &mut Outbox {
+        &mut self.out
+    }
+
     fn on_event(&mut self, ev: Option<JobEvent>) {
         match ev {
             Some(JobEvent::Delta(d)) => match self.parser.as_mut() {
@@ -432,17 +444,11 @@ impl StreamState {
                            "usage": {"output_tokens": out.generated_ids.len()}}),
                 );
                 self.push("message_stop", json!({"type": "message_stop"}));
-                self.done = true;
+                self.out.done = true;
             }
             Some(JobEvent::Done(Err(e))) => self.fail(&format!("generation failed: {e}")),
             None => self.fail("the generation ended without a result"),
         }
-    }
-
-    fn fail(&mut self, message: &str) {
-        let e = ApiError::internal(message).anthropic().body();
-        self.push("error", e);
-        self.done = true;
     }
 }
 
@@ -455,10 +461,8 @@ fn sse(
     parser: ReplyParser,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let mut st = StreamState {
-        rx,
-        queue: VecDeque::new(),
+        out: Outbox::new(rx),
         stops,
-        done: false,
         parser: Some(parser).filter(ReplyParser::active),
         open: None,
         blocks: 0,
@@ -477,19 +481,7 @@ fn sse(
     if st.parser.is_none() {
         st.block("text", json!({"type": "text", "text": ""}));
     }
-    let events = stream::unfold(st, |mut st| async move {
-        loop {
-            if let Some(e) = st.queue.pop_front() {
-                return Some((Ok(e), st));
-            }
-            if st.done {
-                return None;
-            }
-            let ev = st.rx.recv().await;
-            st.on_event(ev);
-        }
-    });
-    Sse::new(events).keep_alive(KeepAlive::new().interval(Duration::from_secs(5)))
+    sse_reply(st)
 }
 
 #[cfg(test)]

@@ -22,6 +22,7 @@ pub mod limits;
 pub mod metrics;
 pub mod openai;
 mod sampling_fields;
+mod sse;
 pub mod structured;
 pub mod tools;
 pub mod worker;

@@ -6,21 +6,19 @@
 //! with empty `choices` and the `usage`, then `data: [DONE]`, also after an error (sent first
 //! as `data: {"error": {...}}`).
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::fmt::Write;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest, TokenLogprob};
 use deltafin_tokenizer::Tokenizer;
-use futures_util::stream::{self, Stream};
+use futures_util::stream::Stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -31,6 +29,7 @@ use crate::chat_messages;
 use crate::error::{ApiError, Flavor};
 use crate::limits::MAX_TOP_LOGPROBS;
 use crate::sampling_fields::SamplingFields;
+use crate::sse::{sse_reply, JobStream, Outbox};
 use crate::structured::{call_family, forced_tools, Constraint, Forced};
 use crate::tools::Event as ParsedEvent;
 use crate::worker::{JobEvent, Ticket};
@@ -767,13 +766,12 @@ struct Meta {
 
 /// The SSE state machine: queued events out first; then the next job event.
 struct StreamState {
-    rx: UnboundedReceiver<JobEvent>,
+    /// The job's events in, the reply's events out.
+    out: Outbox,
     meta: Meta,
-    queue: VecDeque<Event>,
     /// The content chunk held back so that the last one can carry `finish_reason`.
     held_text: String,
     held_logprobs: Vec<TokenLogprob>,
-    done: bool,
     /// Chat with a family parser: its deltas replace the plain `content` deltas.
     parser: Option<ReplyParser>,
     /// The parsed delta held back so that the last one can carry `finish_reason`.
@@ -880,7 +878,7 @@ impl StreamState {
     }
 
     fn push_json(&mut self, v: &Value) {
-        self.queue.push_back(Event::default().data(v.to_string()));
+        self.out.queue.push_back(Event::default().data(v.to_string()));
     }
 
     fn flush_held(&mut self, finish: Option<&str>) {
@@ -894,6 +892,24 @@ impl StreamState {
         }
         let c = self.chunk(&text, &lps, finish, false);
         self.push_json(&c);
+    }
+
+    fn fail(&mut self, message: &str) {
+        self.flush_held(None);
+        let e = ApiError::internal(message).body();
+        self.push_json(&e);
+        self.finish();
+    }
+
+    fn finish(&mut self) {
+        self.out.queue.push_back(Event::default().data("[DONE]"));
+        self.out.done = true;
+    }
+}
+
+impl JobStream for StreamState {
+    fn outbox(&mut self) -> &mut Outbox {
+        &mut self.out
     }
 
     fn on_event(&mut self, ev: Option<JobEvent>) {
@@ -936,18 +952,6 @@ impl StreamState {
             None => self.fail("the generation ended without a result"),
         }
     }
-
-    fn fail(&mut self, message: &str) {
-        self.flush_held(None);
-        let e = ApiError::internal(message).body();
-        self.push_json(&e);
-        self.finish();
-    }
-
-    fn finish(&mut self) {
-        self.queue.push_back(Event::default().data("[DONE]"));
-        self.done = true;
-    }
 }
 
 /// The SSE response of a generation; `parser` (chat only) turns the text into content,
@@ -958,12 +962,10 @@ fn sse_with(
     parser: Option<ReplyParser>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let mut st = StreamState {
-        rx,
+        out: Outbox::new(rx),
         meta,
-        queue: VecDeque::new(),
         held_text: String::new(),
         held_logprobs: Vec::new(),
-        done: false,
         parser: parser.filter(ReplyParser::active),
         held_delta: None,
         called: false,
@@ -972,19 +974,7 @@ fn sse_with(
         let c = st.chunk("", &[], None, true);
         st.push_json(&c);
     }
-    let events = stream::unfold(st, |mut st| async move {
-        loop {
-            if let Some(e) = st.queue.pop_front() {
-                return Some((Ok(e), st));
-            }
-            if st.done {
-                return None;
-            }
-            let ev = st.rx.recv().await;
-            st.on_event(ev);
-        }
-    });
-    Sse::new(events).keep_alive(KeepAlive::new().interval(Duration::from_secs(5)))
+    sse_reply(st)
 }
 
 #[cfg(test)]

@@ -70,7 +70,7 @@ use deltafin_format::model_dir::{matrix_from_bytes, ExpertTensorLayout};
 use deltafin_format::{AlignedBuf, ModelDir, StoredDtype};
 use deltafin_kernels::MatRef;
 
-use crate::EngineError;
+use crate::{parse_name, EngineError};
 use cache::Cache;
 use io::{round_up, PackFile};
 use readers::{Chunked, Class, Delivery, InFlight, Job, Phase, State, Waiter};
@@ -114,11 +114,7 @@ impl fmt::Display for IoMode {
 impl FromStr for IoMode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "direct" => Ok(IoMode::Direct),
-            "buffered" => Ok(IoMode::Buffered),
-            _ => Err(format!("unknown I/O mode {s:?} (expected direct or buffered)")),
-        }
+        parse_name(s, "I/O mode", &[IoMode::Direct, IoMode::Buffered], IoMode::name)
     }
 }
 
@@ -153,12 +149,8 @@ impl fmt::Display for CachePolicy {
 impl FromStr for CachePolicy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "lru" => Ok(CachePolicy::Lru),
-            "lfu" => Ok(CachePolicy::Lfu),
-            "pinned" => Ok(CachePolicy::Pinned),
-            _ => Err(format!("unknown cache policy {s:?} (expected lru, lfu or pinned)")),
-        }
+        let all = [CachePolicy::Lru, CachePolicy::Lfu, CachePolicy::Pinned];
+        parse_name(s, "cache policy", &all, CachePolicy::name)
     }
 }
 

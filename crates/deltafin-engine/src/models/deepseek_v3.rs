@@ -24,10 +24,11 @@ use deltafin_kernels::{rms_norm, MatRef};
 use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaShape, MlaTensorNames, MlaTensors, MlaVariant};
 use crate::experts::StoreOptions;
 use crate::model::{
-    one_or_chunk, state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, GluTensorNames, GluTensors,
-    LayerRoutes, RoutedExperts,
+    add_into, gather_rows, one_or_chunk, state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState,
+    GluTensorNames, GluTensors, LayerRoutes, RoutedExperts,
 };
 use crate::models::decoder::DecoderWeights;
+use crate::models::family_config;
 use crate::moe::{route, route_masked, RouterConfig, Routing};
 use crate::rope::{yarn_mscale, RotaryEmbedding};
 use crate::EngineError;
@@ -188,10 +189,7 @@ impl DeepseekV3 {
     /// Errors: a missing or malformed tensor in the backbone, unreadable files, O_DIRECT refused.
     pub fn load_with(dir: &ModelDir, opts: StoreOptions) -> Result<Self, EngineError> {
         let config = dir.manifest.config.clone();
-        let cfg = config
-            .as_deepseek_v3()
-            .ok_or_else(|| EngineError::Invalid(format!("{}: not a deepseek_v3 model", dir.path.display())))?
-            .clone();
+        let cfg = family_config(dir, "deepseek_v3", ModelConfig::as_deepseek_v3)?;
         let backbone = dir.load_backbone()?;
         let names: Vec<LayerNames> = (0..cfg.num_hidden_layers).map(LayerNames::new).collect();
         // Every tensor the forward pass uses, resolved once, so a bad directory fails at load.
@@ -275,9 +273,7 @@ impl DeepseekV3 {
         for (l, lw) in self.w.layers.iter().enumerate() {
             rms_norm(&x, bb.vec(&lw.input_layernorm), c.rms_norm_eps, &mut xn);
             let attn = self.routed.time_attention(|| self.attention(l, &xn, pos, cache));
-            for (a, b) in x.iter_mut().zip(&attn) {
-                *a += b;
-            }
+            add_into(&mut x, &attn);
             rms_norm(&x, bb.vec(&lw.post_attention_layernorm), c.rms_norm_eps, &mut xn);
             let mlp = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
                 match &lw.mlp {
@@ -296,9 +292,7 @@ impl DeepseekV3 {
                     }
                 }
             })?;
-            for (a, b) in x.iter_mut().zip(&mlp) {
-                *a += b;
-            }
+            add_into(&mut x, &mlp);
         }
         cache.len += 1;
         self.routed.count_forward();
@@ -388,18 +382,13 @@ impl DeepseekV3 {
             &routings,
             h,
             |e, tokens| {
-                let mut xs = Vec::with_capacity(tokens.len() * h);
-                for &t in tokens {
-                    xs.extend_from_slice(&xn[t * h..(t + 1) * h]);
-                }
+                let xs = gather_rows(xn, h, tokens);
                 swiglu_batch(e.matrix(0), e.matrix(1), e.matrix(2), &xs, tokens.len())
             },
             shared,
         )?;
         if let Some(sh) = shared_out {
-            for (a, b) in out.iter_mut().zip(&sh) {
-                *a += b;
-            }
+            add_into(&mut out, &sh);
         }
         Ok((out, routings))
     }
@@ -423,9 +412,7 @@ impl DeepseekV3 {
             shared,
         );
         if let Some(sh) = shared_out {
-            for (a, b) in out.iter_mut().zip(&sh) {
-                *a += b;
-            }
+            add_into(&mut out, &sh);
         }
         (out, routing)
     }
@@ -461,9 +448,7 @@ impl DeepseekV3 {
             let attn = self
                 .routed
                 .time_attention(|| self.attention_batch(l, &xn, nt, pos0, cache));
-            for (a, b) in x.iter_mut().zip(&attn) {
-                *a += b;
-            }
+            add_into(&mut x, &attn);
             drop(attn);
             let w = bb.vec(&lw.post_attention_layernorm);
             for (a, b) in x.chunks(h).zip(xn.chunks_mut(h)) {
@@ -484,9 +469,7 @@ impl DeepseekV3 {
                     }
                 }
             })?;
-            for (a, b) in x.iter_mut().zip(&mlp) {
-                *a += b;
-            }
+            add_into(&mut x, &mlp);
         }
         cache.len += nt;
         for _ in 0..nt {
@@ -536,9 +519,7 @@ impl DeepseekV3 {
             predict,
         )?;
         if let Some(sh) = shared_out {
-            for (a, b) in out.iter_mut().zip(&sh) {
-                *a += b;
-            }
+            add_into(&mut out, &sh);
         }
         Ok((out, routing))
     }

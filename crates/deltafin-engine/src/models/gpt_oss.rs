@@ -19,12 +19,13 @@
 
 use deltafin_cuda::SoftmaxRouter;
 use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
-use deltafin_format::{GptOssConfig, ModelDir, StoredDtype};
+use deltafin_format::{GptOssConfig, ModelConfig, ModelDir, StoredDtype};
 use deltafin_kernels::{sigmoid, MatRef};
 
 use crate::experts::{Expert, StoreOptions};
 use crate::gqa::{Buffers, GqaNames};
-use crate::model::{gather_rows, RoutedExperts};
+use crate::model::{add_into, gather_rows, RoutedExperts};
+use crate::models::family_config;
 use crate::models::gqa_cuda::{ExpertKind, MlpSpec};
 use crate::models::gqa_lm::{decoder_shape, GqaLm, GqaMlp, MlpStep};
 use crate::moe::{route_topk_softmax, route_topk_softmax_masked, Routing};
@@ -55,12 +56,7 @@ impl GptOss {
     /// Errors: not a `gpt_oss` directory, a missing or malformed tensor in the backbone, expert
     /// biases not stored f32, unreadable files, O_DIRECT refused.
     pub fn load_with(dir: &ModelDir, opts: StoreOptions) -> Result<Self, EngineError> {
-        let cfg = dir
-            .manifest
-            .config
-            .as_gpt_oss()
-            .ok_or_else(|| EngineError::Invalid(format!("{}: not a gpt_oss model", dir.path.display())))?
-            .clone();
+        let cfg = family_config(dir, "gpt_oss", ModelConfig::as_gpt_oss)?;
         // The manifest is input too: its config gets convert's checks again (an edited
         // `swiglu_limit` ≤ 0 would otherwise panic in every expert computation).
         cfg.validate(&dir.path.join("manifest.json"))?;
@@ -99,9 +95,7 @@ impl Router {
         let weight = bb.mat(&self.weight);
         logits.resize(weight.rows, 0.0);
         weight.matvec(xn, logits);
-        for (a, b) in logits.iter_mut().zip(bb.vec(&self.bias)) {
-            *a += b;
-        }
+        add_into(logits, bb.vec(&self.bias));
     }
 }
 
@@ -182,9 +176,7 @@ impl GqaMlp for GptOssMlp {
         let routings: Vec<Routing> = logits
             .chunks_exact_mut(w.rows)
             .map(|lg| {
-                for (a, b) in lg.iter_mut().zip(bias) {
-                    *a += b;
-                }
+                add_into(lg, bias);
                 route_topk_softmax(lg, k)
             })
             .collect();

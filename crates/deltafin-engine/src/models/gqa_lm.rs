@@ -26,7 +26,9 @@ use deltafin_kernels::{rms_norm, MatRef};
 
 use crate::experts::StoreOptions;
 use crate::gqa::{Buffers, GqaAttention, GqaDims, GqaNames, GqaWeights, KvCache};
-use crate::model::{one_or_chunk, state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::model::{
+    one_or_chunk, softmax_moe, state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts,
+};
 use crate::models::gqa_cuda::{ExpertKind, GqaFamily, GqaLayerSpec, MlpSpec};
 use crate::moe::Routing;
 use crate::EngineError;
@@ -101,6 +103,38 @@ pub struct MlpStep<'a> {
     /// Self-drafting: route among the experts resident in the cache, read nothing
     /// ([`RoutedExperts::run_draft`]).
     pub draft: bool,
+}
+
+impl MlpStep<'_> {
+    /// This layer's MoE block with softmax routing ([`softmax_moe`]: Mixtral's
+    /// `block_sparse_moe`, Qwen3-MoE's sparse `mlp`) written into `out`: `router` is the
+    /// layer's `gate` `[n_experts, hidden]`, `next` the next MoE layer and its router (prefetch
+    /// prediction), `buf`'s router logits and probabilities are reused. xn, out: `[hidden]`.
+    ///
+    /// Errors: expert read or checksum failures.
+    pub fn softmax_moe(
+        &self,
+        router: MatRef<'_>,
+        next: Option<(usize, MatRef<'_>)>,
+        norm_topk_prob: bool,
+        xn: &[f32],
+        buf: &mut Buffers,
+        out: &mut [f32],
+    ) -> Result<Option<Routing>, EngineError> {
+        let (y, routing) = softmax_moe(
+            self.routed,
+            self.layer,
+            router,
+            next,
+            norm_topk_prob,
+            xn,
+            &mut buf.router,
+            &mut buf.probs,
+            self.draft,
+        )?;
+        out.copy_from_slice(&y);
+        Ok(Some(routing))
+    }
 }
 
 /// A family's decoder shape, from its config.

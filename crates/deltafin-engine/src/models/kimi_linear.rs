@@ -37,9 +37,11 @@ use crate::blocks::kda::{DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, Kd
 use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaShape, MlaTensorNames, MlaTensors, MlaVariant};
 use crate::experts::{Expert, StoreOptions};
 use crate::model::{
-    state_as, BatchOutput, CausalLm, DecodeState, GluTensorNames, GluTensors, LayerRoutes, Numerics, RoutedExperts,
+    add_into, gather_rows, state_as, BatchOutput, CausalLm, DecodeState, GluTensorNames, GluTensors, LayerRoutes,
+    Numerics, RoutedExperts,
 };
 use crate::models::decoder::DecoderWeights;
+use crate::models::family_config;
 use crate::moe::{route, route_masked, RouterConfig, Routing};
 use crate::EngineError;
 
@@ -304,10 +306,7 @@ impl KimiLinear {
     /// the forward pass uses is checked here), unreadable files.
     pub fn load_with(dir: &ModelDir, opts: StoreOptions) -> Result<Self, EngineError> {
         let config = dir.manifest.config.clone();
-        let cfg = config
-            .as_kimi_linear()
-            .ok_or_else(|| EngineError::Invalid(format!("{}: not a kimi_linear model", dir.path.display())))?
-            .clone();
+        let cfg = family_config(dir, "kimi_linear", ModelConfig::as_kimi_linear)?;
         let backbone = dir.load_backbone()?;
         let names: Vec<LayerNames> = (0..cfg.num_hidden_layers).map(LayerNames::new).collect();
         // Every tensor the forward pass reads is in the converter's table for this config;
@@ -481,9 +480,7 @@ impl KimiLinear {
                     _ => Err(other_state(l)),
                 }
             })?;
-            for (a, b) in s.iter_mut().zip(&mixed) {
-                *a += b;
-            }
+            add_into(&mut s, &mixed);
             let f_in = self.ffn_input(l, &bank, &s);
             rms_norm(&f_in, bb.vec(&lw.post_attention_layernorm), c.rms_norm_eps, &mut xn);
             let ffn = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
@@ -499,9 +496,7 @@ impl KimiLinear {
                     }
                 }
             })?;
-            for (a, b) in s.iter_mut().zip(&ffn) {
-                *a += b;
-            }
+            add_into(&mut s, &ffn);
             x = s;
         }
         st.len += 1;
@@ -573,9 +568,7 @@ impl KimiLinear {
             })?;
             let post_attention_layernorm = bb.vec(&lw.post_attention_layernorm);
             for (t, s) in sums.iter_mut().enumerate() {
-                for (a, b) in s.iter_mut().zip(&mixed[t * h..(t + 1) * h]) {
-                    *a += b;
-                }
+                add_into(s, &mixed[t * h..(t + 1) * h]);
                 let f_in = self.ffn_input(l, &banks[t], s);
                 rms_norm(
                     &f_in,
@@ -600,9 +593,7 @@ impl KimiLinear {
                 }
             })?;
             for (t, mut s) in sums.into_iter().enumerate() {
-                for (a, b) in s.iter_mut().zip(&ffn[t * h..(t + 1) * h]) {
-                    *a += b;
-                }
+                add_into(&mut s, &ffn[t * h..(t + 1) * h]);
                 xs[t] = s;
             }
         }
@@ -670,10 +661,7 @@ impl KimiLinear {
             &routings,
             w,
             |e, toks| {
-                let mut rows = Vec::with_capacity(toks.len() * w);
-                for &t in toks {
-                    rows.extend_from_slice(&xl_ref[t * w..(t + 1) * w]);
-                }
+                let rows = gather_rows(xl_ref, w, toks);
                 glu_mlp_batch(act, e.matrix(0), e.matrix(1), e.matrix(2), &rows, toks.len())
             },
             shared,
@@ -697,9 +685,7 @@ impl KimiLinear {
             None => routed,
         };
         if let Some(sh) = shared_out {
-            for (a, b) in out.iter_mut().zip(&sh) {
-                *a += b;
-            }
+            add_into(&mut out, &sh);
         }
         Ok((out, routings))
     }
@@ -838,9 +824,7 @@ impl KimiLinear {
             None => routed,
         };
         if let Some(sh) = shared_out {
-            for (a, b) in out.iter_mut().zip(&sh) {
-                *a += b;
-            }
+            add_into(&mut out, &sh);
         }
         Ok((out, routing))
     }
@@ -915,18 +899,24 @@ pub fn glu_mlp_with(
         Some(xu) => up.matvec(&xu, &mut u),
         None => up.matvec(x, &mut u),
     }
-    for (a, b) in g.iter_mut().zip(&u) {
-        *a = match act {
-            GluActivation::Silu => silu(*a) * b,
-            GluActivation::Situ { beta, linear_beta } => situ(*a, *b, beta, linear_beta),
-        };
-    }
+    glu_activate(act, &mut g, &u);
     let mut out = vec![0f32; down.rows];
     match rounded(&down, &g) {
         Some(gq) => down.matvec(&gq, &mut out),
         None => down.matvec(&g, &mut out),
     }
     out
+}
+
+/// The GLU's gate applied in place: `g ← silu(g) · u` (SwiGLU) or `situ(g, u)` (SiTU-GLU),
+/// element by element; `g`, `u`: `[rows of gate]` or `[n, rows of gate]`.
+fn glu_activate(act: GluActivation, g: &mut [f32], u: &[f32]) {
+    for (a, b) in g.iter_mut().zip(u) {
+        *a = match act {
+            GluActivation::Silu => silu(*a) * b,
+            GluActivation::Situ { beta, linear_beta } => situ(*a, *b, beta, linear_beta),
+        };
+    }
 }
 
 /// [`glu_mlp`] for `n` tokens at once (matrix-matrix products): x `[n, cols of gate]` →
@@ -944,12 +934,7 @@ pub fn glu_mlp_batch(
     let mut u = vec![0f32; n * up.rows];
     gate.matmul(x, n, &mut g);
     up.matmul(x, n, &mut u);
-    for (a, b) in g.iter_mut().zip(&u) {
-        *a = match act {
-            GluActivation::Silu => silu(*a) * b,
-            GluActivation::Situ { beta, linear_beta } => situ(*a, *b, beta, linear_beta),
-        };
-    }
+    glu_activate(act, &mut g, &u);
     let mut out = vec![0f32; n * down.rows];
     down.matmul(&g, n, &mut out);
     out

@@ -15,11 +15,12 @@
 
 use deltafin_cuda::SoftmaxRouter;
 use deltafin_format::model_dir::{Backbone, MatHandle};
-use deltafin_format::{MixtralConfig, ModelDir};
+use deltafin_format::{MixtralConfig, ModelConfig, ModelDir};
 
 use crate::experts::StoreOptions;
 use crate::gqa::{Buffers, GqaNames};
-use crate::model::{softmax_moe, softmax_moe_batch, RoutedExperts};
+use crate::model::{softmax_moe_batch, RoutedExperts};
+use crate::models::family_config;
 use crate::models::gqa_cuda::MlpSpec;
 use crate::models::gqa_lm::{decoder_shape, GqaLm, GqaMlp, MlpStep};
 use crate::moe::Routing;
@@ -41,12 +42,7 @@ impl Mixtral {
     /// Errors: not a `mixtral` directory, a missing or malformed tensor in the backbone,
     /// unreadable files, O_DIRECT refused.
     pub fn load_with(dir: &ModelDir, opts: StoreOptions) -> Result<Self, EngineError> {
-        let cfg = dir
-            .manifest
-            .config
-            .as_mixtral()
-            .ok_or_else(|| EngineError::Invalid(format!("{}: not a mixtral model", dir.path.display())))?
-            .clone();
+        let cfg = family_config(dir, "mixtral", ModelConfig::as_mixtral)?;
         let shape = decoder_shape!(&cfg, sliding_window: cfg.sliding_window, attn: |l| GqaNames::new(l, false));
         let gate = (0..cfg.num_hidden_layers)
             .map(|l| format!("model.layers.{l}.block_sparse_moe.gate.weight"))
@@ -75,19 +71,7 @@ impl GqaMlp for MixtralMoe {
         let (l, bb) = (step.layer, step.backbone);
         // Prefetch: the next layer's router on this hidden state predicts its experts.
         let next = gate.get(l + 1).map(|g| (l + 1, bb.mat(g)));
-        let (y, routing) = softmax_moe(
-            step.routed,
-            l,
-            bb.mat(&gate[l]),
-            next,
-            true,
-            xn,
-            &mut buf.router,
-            &mut buf.probs,
-            step.draft,
-        )?;
-        out.copy_from_slice(&y);
-        Ok(Some(routing))
+        step.softmax_moe(bb.mat(&gate[l]), next, true, xn, buf, out)
     }
 
     fn forward_chunk(

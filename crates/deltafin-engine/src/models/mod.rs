@@ -23,3 +23,22 @@ pub use kimi_linear_cuda::KimiLinearCuda;
 pub use mixtral::Mixtral;
 pub use qwen3_moe::Qwen3Moe;
 pub use qwen3_next::{Qwen3Next, Qwen3NextState};
+
+use deltafin_format::{ModelConfig, ModelDir};
+
+use crate::EngineError;
+
+/// The config of the model in `dir` as one family's type, cloned: `as_family` is that family's
+/// accessor on [`ModelConfig`] (e.g. [`ModelConfig::as_mixtral`]), `family` its `model_type`.
+///
+/// Errors: [`EngineError::Invalid`] `"{dir}: not a {family} model"` when `dir` holds another
+/// family.
+pub(crate) fn family_config<T: Clone>(
+    dir: &ModelDir,
+    family: &str,
+    as_family: impl FnOnce(&ModelConfig) -> Option<&T>,
+) -> Result<T, EngineError> {
+    as_family(&dir.manifest.config)
+        .cloned()
+        .ok_or_else(|| EngineError::Invalid(format!("{}: not a {family} model", dir.path.display())))
+}

@@ -16,11 +16,12 @@
 
 use deltafin_cuda::SoftmaxRouter;
 use deltafin_format::model_dir::{Backbone, MatHandle};
-use deltafin_format::{ModelDir, Qwen3MoeConfig};
+use deltafin_format::{ModelConfig, ModelDir, Qwen3MoeConfig};
 
 use crate::experts::StoreOptions;
 use crate::gqa::{Buffers, GqaNames};
-use crate::model::{softmax_moe, softmax_moe_batch, swiglu_batch, swiglu_into, RoutedExperts};
+use crate::model::{softmax_moe_batch, swiglu_batch, swiglu_into, RoutedExperts};
+use crate::models::family_config;
 use crate::models::gqa_cuda::MlpSpec;
 use crate::models::gqa_lm::{decoder_shape, GqaLm, GqaMlp, MlpStep};
 use crate::moe::Routing;
@@ -66,12 +67,7 @@ impl Qwen3Moe {
     /// Errors: not a `qwen3_moe` directory, a missing or malformed tensor in the backbone,
     /// unreadable files, O_DIRECT refused.
     pub fn load_with(dir: &ModelDir, opts: StoreOptions) -> Result<Self, EngineError> {
-        let cfg = dir
-            .manifest
-            .config
-            .as_qwen3_moe()
-            .ok_or_else(|| EngineError::Invalid(format!("{}: not a qwen3_moe model", dir.path.display())))?
-            .clone();
+        let cfg = family_config(dir, "qwen3_moe", ModelConfig::as_qwen3_moe)?;
         let shape = decoder_shape!(&cfg, sliding_window: cfg.sliding_window, attn: |l| GqaNames::new(l, true));
         let layers = 0..cfg.num_hidden_layers;
         let names = layers
@@ -131,19 +127,7 @@ impl GqaMlp for Qwen3MoeMlp {
                     Qwen3MoeMlpWeights::Sparse { gate } => Some((k, bb.mat(gate))),
                     Qwen3MoeMlpWeights::Dense { .. } => None,
                 });
-                let (y, routing) = softmax_moe(
-                    step.routed,
-                    l,
-                    bb.mat(gate),
-                    next,
-                    self.cfg.norm_topk_prob,
-                    xn,
-                    &mut buf.router,
-                    &mut buf.probs,
-                    step.draft,
-                )?;
-                out.copy_from_slice(&y);
-                Ok(Some(routing))
+                step.softmax_moe(bb.mat(gate), next, self.cfg.norm_topk_prob, xn, buf, out)
             }
             Qwen3MoeMlpWeights::Dense {
                 gate_proj,

@@ -41,6 +41,7 @@ use crate::model::{
     state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, GluTensorNames, GluTensors, LayerRoutes,
     RoutedExperts,
 };
+use crate::models::family_config;
 use crate::moe::{route_softmax, route_softmax_masked, Routing};
 use crate::rope::RotaryEmbedding;
 use crate::EngineError;
@@ -213,10 +214,7 @@ impl Qwen3Next {
     /// (every tensor the forward pass reads is checked here), unreadable files.
     pub fn load_with(dir: &ModelDir, opts: StoreOptions) -> Result<Self, EngineError> {
         let config = dir.manifest.config.clone();
-        let cfg = config
-            .as_qwen3_next()
-            .ok_or_else(|| EngineError::Invalid(format!("{}: not a qwen3_next model", dir.path.display())))?
-            .clone();
+        let cfg = family_config(dir, "qwen3_next", ModelConfig::as_qwen3_next)?;
         let bb = dir.load_backbone()?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
