@@ -24,16 +24,14 @@ written.
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import realistic_routing as rr  # noqa: E402  (the workloads' prompts)
-
-OTHER = {"prose": "code", "code": "chat", "chat": "prose", "switch": "prose"}
+from bench_common import arg_parser, sh, write_json, write_svg  # noqa: E402
+from realistic_routing import OTHER  # noqa: E402
 # Expert compute + attention per MoE layer of a `bench` decode step on this machine:
 # (0.018 + 0.009) s/token over 16 MoE layers (NOTES, "Verification efficiency", plain).
 COMPUTE_US = 1700
@@ -61,10 +59,7 @@ def record(exe: str, demo: str, work: Path) -> dict:
 
 def replay(exe: str, bench: str, work: Path, name: str, args: list[str]) -> dict:
     sj = work / f"{name}.json"
-    cmd = [exe, "replay", "--model", bench, "--map-experts", *args, "--stats-json", str(sj)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed: {r.stderr}")
+    sh([exe, "replay", "--model", bench, "--map-experts", *args, "--stats-json", str(sj)])
     d = json.loads(sj.read_text())
     d.pop("steps", None)
     d["args"] = args
@@ -103,18 +98,11 @@ def svg_chart(res: dict, path: Path) -> None:
         yy = H - 8 + (j // 3) * 16
         out.append(f'<rect x="{x}" y="{yy - 9}" width="10" height="10" fill="{colors[j]}"/>')
         out.append(f'<text x="{x + 14}" y="{yy}">{labels[c]}</text>')
-    out.append("</svg>")
-    path.write_text("\n".join(out) + "\n")
+    write_svg(path, out)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--deltafin", required=True)
-    ap.add_argument("--demo", required=True)
-    ap.add_argument("--bench", required=True)
-    ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--json", type=Path, required=True)
-    ap.add_argument("--svg", type=Path, required=True)
+    ap = arg_parser(__doc__, ["demo", "bench"], ["work", "json", "svg"])
     ap.add_argument("--workloads", default="prose,code,chat,switch")
     ap.add_argument("--configs", default="lru,lfu,pinned,pinned_warm,prefetch_off,prefetch_on,sweep",
                     help="which replays to run (the chart needs all but sweep)")
@@ -146,7 +134,7 @@ def main() -> None:
             if c in configs:
                 row[c] = replay(exe, a.bench, a.work, f"{w}-{c.replace('_', '-')}", args)
         res["workloads"][w] = row
-        a.json.write_text(json.dumps(res, indent=1) + "\n")
+        write_json(a.json, res)
     if "code" in res["workloads"] and "sweep" in configs:
         sweep = {}
         routes = str(t["code"][0])
@@ -155,7 +143,7 @@ def main() -> None:
                               ["--trace", routes, "--ram-budget", budget, "--cache-policy", "pinned",
                                "--pin-from", str(t["chat"][0]), "--pinned-fraction", f, "--warm-idle"])
         res["pinned_fraction_sweep_code_from_chat"] = sweep
-    a.json.write_text(json.dumps(res, indent=1) + "\n")
+    write_json(a.json, res)
     if len(res["workloads"]) == 4 and all(c in configs for c in ("lru", "lfu", "pinned", "pinned_warm",
                                                                 "prefetch_off", "prefetch_on")):
         svg_chart(res, a.svg)

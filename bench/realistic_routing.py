@@ -26,13 +26,16 @@ section of bench/NOTES.md. Standard library only.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import struct
 import subprocess
+import sys
 from collections import OrderedDict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import arg_parser, sh, write_json, write_svg  # noqa: E402
 
 PROSE = (
     "The borrow checker compares the scopes of references with the lifetimes of the values they "
@@ -52,13 +55,12 @@ QUESTIONS = [
 FRACTIONS = [1 / 16, 1 / 8, 1 / 4, 1 / 3, 1 / 2, 3 / 4, 1.0]
 NEW = 256
 CHAT_NEW = 64
+# The workload whose hottest records a workload's `pinned` cache holds.
+OTHER = {"prose": "code", "code": "chat", "chat": "prose", "switch": "prose"}
 
 
 def run(exe: str, model: str, args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    r = subprocess.run([exe, "run", "--model", model, *args], capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        raise SystemExit(f"deltafin run {' '.join(args)} failed: {r.stderr}")
-    return r
+    return sh([exe, "run", "--model", model, *args], env, what=f"deltafin run {' '.join(args)}")
 
 
 def read_trace(path: Path):
@@ -174,18 +176,11 @@ def svg_chart(results: dict, path: Path) -> None:
     for j, (pol, col) in enumerate(colors.items()):
         out.append(f'<rect x="{10 + j * 150}" y="{y + 12}" width="14" height="4" fill="{col}"/>'
                    f'<text x="{28 + j * 150}" y="{y + 18}">{pol}{" (from another workload)" if pol == "pinned" else ""}</text>')
-    out.append("</svg>")
-    path.write_text("\n".join(out) + "\n")
+    write_svg(path, out)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--deltafin", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--json", type=Path, required=True)
-    ap.add_argument("--svg", type=Path, required=True)
-    a = ap.parse_args()
+    a = arg_parser(__doc__, ["model"], ["work", "json", "svg"]).parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     exe, model = a.deltafin, a.model
     manifest = json.loads((Path(model) / "manifest.json").read_text())
@@ -210,11 +205,10 @@ def main() -> None:
         run(exe, model, [*args, "--ignore-eos", "--trace-routes", str(t["switch"])])
     traces = {w: read_trace(p) for w, p in t.items()}
     n_records = traces["prose"]["n_moe"] * traces["prose"]["n_experts"]
-    other = {"prose": "code", "code": "chat", "chat": "prose", "switch": "prose"}
     res: dict = {"model": model, "pack_bytes": pack, "records": n_records, "workloads": {}}
     curves = {}
     for w, tr in traces.items():
-        pin = heat(traces[other[w]])
+        pin = heat(traces[OTHER[w]])
         pts = {}
         for pol in ("lru", "lfu", "pinned"):
             pts[pol] = [
@@ -223,7 +217,7 @@ def main() -> None:
         curves[w] = pts
         distinct = len(set(requests(tr)))
         res["workloads"][w] = {"tokens": len(tr["tokens"]), "distinct_layer_experts": distinct,
-                               "pinned_from": other[w], "hit_rate": pts}
+                               "pinned_from": OTHER[w], "hit_rate": pts}
     # the engine's own cache on the same traces (`deltafin replay`, reads without computing)
     record = pack // n_records  # records are equal-sized and aligned
     res["engine_replay_one_third"] = {}
@@ -231,13 +225,10 @@ def main() -> None:
         row = {}
         for pol in ("lru", "lfu", "pinned"):
             sj = a.work / f"replay-{w}-{pol}.json"
-            extra = ["--pin-from", str(t[other[w]])] if pol == "pinned" else []
+            extra = ["--pin-from", str(t[OTHER[w]])] if pol == "pinned" else []
             cap = round(n_records / 3)
-            r = subprocess.run([exe, "replay", "--model", model, "--trace", str(t[w]), "--ram-budget",
-                                str(cap * record), "--cache-policy", pol, *extra, "--stats-json", str(sj)],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                raise SystemExit(f"deltafin replay failed: {r.stderr}")
+            sh([exe, "replay", "--model", model, "--trace", str(t[w]), "--ram-budget", str(cap * record),
+                "--cache-policy", pol, *extra, "--stats-json", str(sj)], what="deltafin replay")
             d = json.loads(sj.read_text())
             need = d["tokens"] * traces[w]["n_moe"] * traces[w]["top_k"] * record
             row[pol] = 1 - d["expert_bytes_read_demand"] / need
@@ -276,7 +267,7 @@ def main() -> None:
         eng[w] = e
         del fast, exact
     res["engine_at_one_third_pack"] = {"ram_budget": budget, **eng}
-    a.json.write_text(json.dumps(res, indent=1) + "\n")
+    write_json(a.json, res)
     svg_chart(curves, a.svg)
     print(json.dumps({w: {p: [round(x["hit_rate"], 3) for x in v] for p, v in c.items()} for w, c in curves.items()}, indent=1))
     print(json.dumps(res["chat_consecutive_reuse"]))

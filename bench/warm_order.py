@@ -21,7 +21,6 @@ holds the `<workload>.routes` files bench/at_scale.py records.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -33,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import realistic_routing as rr  # noqa: E402  (the workloads' prompts)
-from at_scale import OTHER  # noqa: E402
+from bench_common import arg_parser, sh, write_json  # noqa: E402
+from realistic_routing import OTHER  # noqa: E402
 
 # A workload's prompt and its full length of new tokens; each is also run for 1 new token (the
 # prompt's prefill: what stands between a user and the first token).
@@ -44,13 +44,6 @@ ARGS = {
 }
 
 
-def sh(cmd: list[str]) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed: {r.stderr}")
-    return r
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -58,12 +51,7 @@ def free_port() -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--deltafin", required=True)
-    ap.add_argument("--demo", required=True)
-    ap.add_argument("--traces", type=Path, required=True)
-    ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--json", type=Path, required=True)
+    ap = arg_parser(__doc__, ["demo"], ["traces", "work", "json"])
     ap.add_argument("--fractions", default="0.125,0.25,0.333,0.5")
     ap.add_argument("--workloads", default="prose,code,chat")
     ap.add_argument("--nginx", default="nginx")
@@ -112,7 +100,7 @@ http {{ access_log off; sendfile on;
                                "distinct_records": st["expert_misses"], "ttft_s": st["ttft_s"]}
                         print(json.dumps(row), flush=True)
                         res["rows"].append(row)
-                        a.json.write_text(json.dumps(res, indent=1) + "\n")
+                        write_json(a.json, res)
     finally:
         server.terminate()
         server.wait()

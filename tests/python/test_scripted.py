@@ -16,10 +16,7 @@ DELTAFIN_SCRIPTED_MODEL, DELTAFIN_API_KEY.
 import json
 import os
 
-import anthropic
 import langchain_openai
-import openai
-import pytest
 from langchain_core.tools import tool
 
 BASE = os.environ["DELTAFIN_SCRIPTED_BASE_URL"].rstrip("/")
@@ -37,16 +34,6 @@ AN_TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_s
 THINKING = {"type": "enabled", "budget_tokens": 1024}
 # The Anthropic SDK takes no `temperature` with thinking on; the default sampling still follows
 # the chain (the next token's logit leads the others by 80).
-
-
-@pytest.fixture(scope="module")
-def oa():
-    return openai.OpenAI(base_url=BASE + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def an():
-    return anthropic.Anthropic(base_url=BASE, api_key=KEY, max_retries=0, timeout=60)
 
 
 def extra(obj, name):

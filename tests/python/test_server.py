@@ -33,16 +33,6 @@ NO_EOS = {"ignore_eos": True}
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 
 
-@pytest.fixture(scope="module")
-def oa():
-    return openai.OpenAI(base_url=BASE + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def an():
-    return anthropic.Anthropic(base_url=BASE, api_key=KEY, max_retries=0, timeout=60)
-
-
 def raw(method, path, body=None, headers=None, timeout=60):
     """One HTTP request; returns (status, headers dict, parsed JSON or text)."""
     conn = http.client.HTTPConnection(HOST.hostname, HOST.port, timeout=timeout)
