@@ -126,15 +126,7 @@ pub trait CausalLm: Send + Sync {
         tokens: &[u32],
         all_logits: bool,
     ) -> Result<BatchOutput, EngineError> {
-        let mut out = BatchOutput::default();
-        for (i, &t) in tokens.iter().enumerate() {
-            let (logits, routes) = self.forward(state, t)?;
-            if all_logits || i + 1 == tokens.len() {
-                out.logits.push(logits);
-            }
-            out.routes.push(routes);
-        }
-        Ok(out)
+        token_at_a_time(tokens, all_logits, |t| self.forward(state, t))
     }
 
     /// Self-drafting pass (speculative decoding): runs `token` at the next position of `state`
@@ -157,7 +149,7 @@ pub trait CausalLm: Send + Sync {
     /// Activation bytes a batched pass holds per token of its chunk (for choosing the prefill
     /// chunk); the default assumes a handful of hidden-sized f32 buffers.
     fn batch_bytes_per_token(&self) -> usize {
-        16 * self.config().hidden_size() * 4
+        default_batch_bytes_per_token(self.config())
     }
 
     /// The routed-expert runtime (store, controls, timings).
@@ -171,13 +163,7 @@ pub trait CausalLm: Send + Sync {
     /// Errors: the family does not implement `numerics` (only [`Numerics::Reference`] is
     /// universal; [`Numerics::LlamaCppCpu`] is implemented for kimi_linear / kimi_k3).
     fn set_numerics(&mut self, numerics: Numerics) -> Result<(), EngineError> {
-        match numerics {
-            Numerics::Reference => Ok(()),
-            other => Err(EngineError::Invalid(format!(
-                "{other:?} numerics are not implemented for model_type {}",
-                self.config().model_type()
-            ))),
-        }
+        reference_numerics_only(self.config(), numerics)
     }
 
     /// Bytes of the resident backbone.
@@ -317,27 +303,181 @@ pub fn state_as<T: 'static>(state: &mut dyn DecodeState) -> Result<&mut T, Engin
         .ok_or_else(|| EngineError::Invalid("decode state belongs to another model".into()))
 }
 
-/// The [`CausalLm::forward_batch`] of the families with a one-token decode path and a chunk
-/// path, over their decode state `S`: one token goes through `token` (the decode path, which also
-/// predicts and prefetches the next layer's experts), any other count through `chunk`.
+/// What a family model says about itself; [`CausalLm`] follows for every such model from the one
+/// generic implementation below (issue #15, part 1: the per-family copies of the state
+/// downcasts, the one-token/chunk dispatch and the accessors are written once here).
 ///
-/// Errors: a state of another model, and what the paths return.
-pub fn one_or_chunk<S: 'static>(
-    state: &mut dyn DecodeState,
+/// `State` is the family's decode state (KV cache, recurrent states). A family with a one-token
+/// decode path and a batched chunk path implements [`FamilyModel::step`] and
+/// [`FamilyModel::chunk`]: one token always goes through `step` (the decode path, which also
+/// predicts and prefetches the next layer's experts), two or more through `chunk`, none returns
+/// an empty [`BatchOutput`].
+pub trait FamilyModel: Send + Sync {
+    /// The family's decode state.
+    type State: DecodeState + 'static;
+
+    /// As [`CausalLm::config`].
+    fn config(&self) -> &ModelConfig;
+
+    /// A fresh, empty decode state for one sequence.
+    fn new_state(&self) -> Self::State;
+
+    /// One token at the next position of `state`: logits `[vocab_size]` and every MoE layer's
+    /// routing. Errors: as [`CausalLm::forward`].
+    fn step(&self, state: &mut Self::State, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError>;
+
+    /// Two or more tokens at the next positions of `state`, as [`CausalLm::forward_batch`].
+    fn chunk(&self, state: &mut Self::State, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError>;
+
+    /// The self-drafting pass ([`CausalLm::forward_draft`]); `None` (the default) when the
+    /// family has none.
+    fn draft_step(&self, state: &mut Self::State, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        let _ = (state, token);
+        Ok(None)
+    }
+
+    /// Whether [`FamilyModel::draft_step`] is implemented.
+    fn supports_draft(&self) -> bool {
+        false
+    }
+
+    /// As [`CausalLm::rollback`]; the default truncates the state.
+    fn rollback(&self, state: &mut Self::State, len: usize) -> bool {
+        state.truncate(len)
+    }
+
+    /// As [`CausalLm::batch_bytes_per_token`].
+    fn batch_bytes_per_token(&self) -> usize {
+        default_batch_bytes_per_token(self.config())
+    }
+
+    /// As [`CausalLm::set_numerics`].
+    fn set_numerics(&mut self, numerics: Numerics) -> Result<(), EngineError> {
+        reference_numerics_only(self.config(), numerics)
+    }
+
+    /// As [`CausalLm::routed`].
+    fn routed(&self) -> &RoutedExperts;
+
+    /// As [`CausalLm::routed_mut`].
+    fn routed_mut(&mut self) -> &mut RoutedExperts;
+
+    /// As [`CausalLm::backbone_bytes`].
+    fn backbone_bytes(&self) -> usize;
+
+    /// As [`CausalLm::gpu_cache_stats`].
+    fn gpu_cache_stats(&self) -> Option<crate::gpu_experts::GpuCacheStats> {
+        None
+    }
+}
+
+impl<M: FamilyModel> CausalLm for M {
+    fn config(&self) -> &ModelConfig {
+        FamilyModel::config(self)
+    }
+
+    fn new_state(&self) -> Box<dyn DecodeState> {
+        Box::new(FamilyModel::new_state(self))
+    }
+
+    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        self.step(state_as::<M::State>(state)?, token)
+    }
+
+    fn rollback(&self, state: &mut dyn DecodeState, len: usize) -> bool {
+        state_as::<M::State>(state).is_ok_and(|s| FamilyModel::rollback(self, s, len))
+    }
+
+    fn forward_batch(
+        &self,
+        state: &mut dyn DecodeState,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<BatchOutput, EngineError> {
+        let s = state_as::<M::State>(state)?;
+        match tokens {
+            [] => Ok(BatchOutput::default()),
+            [t] => {
+                let (logits, routes) = self.step(s, *t)?;
+                Ok(BatchOutput {
+                    logits: vec![logits],
+                    routes: vec![routes],
+                })
+            }
+            _ => self.chunk(s, tokens, all_logits),
+        }
+    }
+
+    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        self.draft_step(state_as::<M::State>(state)?, token)
+    }
+
+    fn supports_draft(&self) -> bool {
+        FamilyModel::supports_draft(self)
+    }
+
+    fn batch_bytes_per_token(&self) -> usize {
+        FamilyModel::batch_bytes_per_token(self)
+    }
+
+    fn routed(&self) -> &RoutedExperts {
+        FamilyModel::routed(self)
+    }
+
+    fn routed_mut(&mut self) -> &mut RoutedExperts {
+        FamilyModel::routed_mut(self)
+    }
+
+    fn set_numerics(&mut self, numerics: Numerics) -> Result<(), EngineError> {
+        FamilyModel::set_numerics(self, numerics)
+    }
+
+    fn backbone_bytes(&self) -> usize {
+        FamilyModel::backbone_bytes(self)
+    }
+
+    fn gpu_cache_stats(&self) -> Option<crate::gpu_experts::GpuCacheStats> {
+        FamilyModel::gpu_cache_stats(self)
+    }
+}
+
+/// `tokens` one at a time through `step` (the default [`CausalLm::forward_batch`]): the logits
+/// of every position (`all_logits`) or of the last, every position's routing.
+///
+/// Errors: the first `step` error (`state` then holds the tokens before it).
+pub fn token_at_a_time(
     tokens: &[u32],
     all_logits: bool,
-    token: impl FnOnce(&mut S, u32) -> Result<(Vec<f32>, LayerRoutes), EngineError>,
-    chunk: impl FnOnce(&mut S, &[u32], bool) -> Result<BatchOutput, EngineError>,
+    mut step: impl FnMut(u32) -> Result<(Vec<f32>, LayerRoutes), EngineError>,
 ) -> Result<BatchOutput, EngineError> {
-    let s = state_as::<S>(state)?;
-    if let [t] = tokens {
-        let (logits, routes) = token(s, *t)?;
-        return Ok(BatchOutput {
-            logits: vec![logits],
-            routes: vec![routes],
-        });
+    let mut out = BatchOutput::default();
+    for (i, &t) in tokens.iter().enumerate() {
+        let (logits, routes) = step(t)?;
+        if all_logits || i + 1 == tokens.len() {
+            out.logits.push(logits);
+        }
+        out.routes.push(routes);
     }
-    chunk(s, tokens, all_logits)
+    Ok(out)
+}
+
+/// The default activation bytes a batched pass holds per token: a handful of hidden-sized f32
+/// buffers.
+fn default_batch_bytes_per_token(config: &ModelConfig) -> usize {
+    16 * config.hidden_size() * 4
+}
+
+/// The default [`CausalLm::set_numerics`]: only [`Numerics::Reference`] is accepted.
+///
+/// Errors: any other numerics, naming the model type.
+fn reference_numerics_only(config: &ModelConfig, numerics: Numerics) -> Result<(), EngineError> {
+    match numerics {
+        Numerics::Reference => Ok(()),
+        other => Err(EngineError::Invalid(format!(
+            "{other:?} numerics are not implemented for model_type {}",
+            config.model_type()
+        ))),
+    }
 }
 
 /// A next-layer prediction: (MoE layer, predicted experts).

@@ -24,8 +24,8 @@ use deltafin_kernels::{rms_norm, MatRef};
 use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaShape, MlaTensorNames, MlaTensors, MlaVariant};
 use crate::experts::StoreOptions;
 use crate::model::{
-    add_into, gather_rows, one_or_chunk, state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState,
-    GluTensorNames, GluTensors, LayerRoutes, RoutedExperts,
+    add_into, gather_rows, swiglu, swiglu_batch, BatchOutput, DecodeState, FamilyModel, GluTensorNames, GluTensors,
+    LayerRoutes, RoutedExperts,
 };
 use crate::models::decoder::DecoderWeights;
 use crate::models::family_config;
@@ -525,42 +525,33 @@ impl DeepseekV3 {
     }
 }
 
-impl CausalLm for DeepseekV3 {
+impl FamilyModel for DeepseekV3 {
+    type State = KvCache;
+
     fn config(&self) -> &ModelConfig {
         &self.config
     }
 
-    fn new_state(&self) -> Box<dyn DecodeState> {
-        Box::new(KvCache {
+    fn new_state(&self) -> KvCache {
+        KvCache {
             kv_lora_rank: self.cfg.kv_lora_rank,
             rope_dim: self.cfg.qk_rope_head_dim,
             c_kv: vec![Vec::new(); self.cfg.num_hidden_layers],
             k_pe: vec![Vec::new(); self.cfg.num_hidden_layers],
             len: 0,
-        })
+        }
     }
 
-    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
-        self.forward_token(state_as::<KvCache>(state)?, token, false)
+    fn step(&self, cache: &mut KvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        self.forward_token(cache, token, false)
     }
 
-    fn forward_batch(
-        &self,
-        state: &mut dyn DecodeState,
-        tokens: &[u32],
-        all_logits: bool,
-    ) -> Result<BatchOutput, EngineError> {
-        one_or_chunk::<KvCache>(
-            state,
-            tokens,
-            all_logits,
-            |c, t| self.forward_token(c, t, false),
-            |c, t, a| self.forward_chunk(c, t, a),
-        )
+    fn chunk(&self, cache: &mut KvCache, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError> {
+        self.forward_chunk(cache, tokens, all_logits)
     }
 
-    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
-        Ok(Some(self.forward_token(state_as::<KvCache>(state)?, token, true)?.0))
+    fn draft_step(&self, cache: &mut KvCache, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        Ok(Some(self.forward_token(cache, token, true)?.0))
     }
 
     fn supports_draft(&self) -> bool {

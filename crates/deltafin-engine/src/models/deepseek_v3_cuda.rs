@@ -39,7 +39,7 @@ use deltafin_format::{ModelConfig, ModelDir};
 use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
-use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::model::{BatchOutput, DecodeState, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
 use crate::models::gpu_fetch::{
     fetch_gpu_experts, gpu_expert_budget, grouped_swiglu_experts, grow_layer_bufs, grown_capacity, open_gpu_for,
@@ -1164,14 +1164,16 @@ impl DeepseekV3Cuda {
     }
 }
 
-impl CausalLm for DeepseekV3Cuda {
+impl FamilyModel for DeepseekV3Cuda {
+    type State = GpuKvCache;
+
     fn config(&self) -> &ModelConfig {
-        self.cpu.config()
+        FamilyModel::config(&self.cpu)
     }
 
-    fn new_state(&self) -> Box<dyn DecodeState> {
+    fn new_state(&self) -> GpuKvCache {
         let c = &self.cpu.cfg;
-        Box::new(GpuKvCache {
+        GpuKvCache {
             gpu: self.gpu.clone(),
             kvl: c.kv_lora_rank,
             rope: c.qk_rope_head_dim,
@@ -1180,32 +1182,15 @@ impl CausalLm for DeepseekV3Cuda {
             k_pe: Vec::new(),
             len: 0,
             capacity: 0,
-        })
+        }
     }
 
-    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
-        let cache = state_as::<GpuKvCache>(state)?;
+    fn step(&self, cache: &mut GpuKvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         self.forward_token(cache, token)
     }
 
-    fn forward_batch(
-        &self,
-        state: &mut dyn DecodeState,
-        tokens: &[u32],
-        all_logits: bool,
-    ) -> Result<BatchOutput, EngineError> {
-        let cache = state_as::<GpuKvCache>(state)?;
-        match tokens {
-            [] => Ok(BatchOutput::default()),
-            [t] => {
-                let (logits, routes) = self.forward_token(cache, *t)?;
-                Ok(BatchOutput {
-                    logits: vec![logits],
-                    routes: vec![routes],
-                })
-            }
-            _ => self.forward_chunk(cache, tokens, all_logits),
-        }
+    fn chunk(&self, cache: &mut GpuKvCache, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError> {
+        self.forward_chunk(cache, tokens, all_logits)
     }
 
     fn routed(&self) -> &RoutedExperts {
@@ -1217,7 +1202,7 @@ impl CausalLm for DeepseekV3Cuda {
     }
 
     fn backbone_bytes(&self) -> usize {
-        self.cpu.backbone_bytes()
+        FamilyModel::backbone_bytes(&self.cpu)
     }
 
     fn gpu_cache_stats(&self) -> Option<GpuCacheStats> {

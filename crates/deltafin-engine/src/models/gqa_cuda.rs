@@ -57,7 +57,7 @@ use crate::experts::Expert;
 use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpertCache};
 use crate::gqa::{GqaAttention, GqaNames};
-use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::model::{BatchOutput, CausalLm, DecodeState, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::gpu_fetch::{
     fetch_gpu_experts_with, gpu_expert_budget, grouped_swiglu_experts, grow_layer_bufs, grown_capacity, open_gpu_for,
     preload_in_file_order, ExpertMajor,
@@ -789,14 +789,16 @@ impl GqaCuda {
     }
 }
 
-impl CausalLm for GqaCuda {
+impl FamilyModel for GqaCuda {
+    type State = GpuGqaCache;
+
     fn config(&self) -> &ModelConfig {
         self.cpu.config()
     }
 
-    fn new_state(&self) -> Box<dyn DecodeState> {
+    fn new_state(&self) -> GpuGqaCache {
         let d = &self.cpu.attention().dims;
-        Box::new(GpuGqaCache {
+        GpuGqaCache {
             gpu: self.gpu.clone(),
             kv_dim: d.n_kv_heads * d.head_dim,
             layers: self.layers.len(),
@@ -804,11 +806,11 @@ impl CausalLm for GqaCuda {
             v: Vec::new(),
             len: 0,
             capacity: 0,
-        })
+        }
     }
 
-    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
-        let cache = state_as::<GpuGqaCache>(state)?;
+    /// A decode step is a chunk of one.
+    fn step(&self, cache: &mut GpuGqaCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
         let mut out = self.forward_chunk(cache, &[token], false)?;
         match (out.logits.pop(), out.routes.pop()) {
             (Some(logits), Some(routes)) => Ok((logits, routes)),
@@ -816,13 +818,7 @@ impl CausalLm for GqaCuda {
         }
     }
 
-    fn forward_batch(
-        &self,
-        state: &mut dyn DecodeState,
-        tokens: &[u32],
-        all_logits: bool,
-    ) -> Result<BatchOutput, EngineError> {
-        let cache = state_as::<GpuGqaCache>(state)?;
+    fn chunk(&self, cache: &mut GpuGqaCache, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError> {
         self.forward_chunk(cache, tokens, all_logits)
     }
 

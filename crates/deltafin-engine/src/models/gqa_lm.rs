@@ -26,9 +26,7 @@ use deltafin_kernels::{rms_norm, MatRef};
 
 use crate::experts::StoreOptions;
 use crate::gqa::{Buffers, GqaAttention, GqaDims, GqaNames, GqaWeights, KvCache};
-use crate::model::{
-    one_or_chunk, softmax_moe, state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts,
-};
+use crate::model::{softmax_moe, BatchOutput, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::gqa_cuda::{ExpertKind, GqaFamily, GqaLayerSpec, MlpSpec};
 use crate::moe::Routing;
 use crate::EngineError;
@@ -421,40 +419,31 @@ fn resolve<F: GqaMlp>(bb: &Backbone, layers: &[LayerNames], family: &F) -> Resul
     })
 }
 
-impl<F: GqaMlp> CausalLm for GqaLm<F> {
+impl<F: GqaMlp> FamilyModel for GqaLm<F> {
+    type State = KvCache;
+
     fn config(&self) -> &ModelConfig {
         &self.config
     }
 
-    fn new_state(&self) -> Box<dyn DecodeState> {
-        Box::new(KvCache::new(self.layers.len(), &self.attn.dims))
+    fn new_state(&self) -> KvCache {
+        KvCache::new(self.layers.len(), &self.attn.dims)
     }
 
-    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
-        self.forward_token(state_as::<KvCache>(state)?, token, false)
+    fn step(&self, cache: &mut KvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        self.forward_token(cache, token, false)
     }
 
-    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
-        Ok(Some(self.forward_token(state_as::<KvCache>(state)?, token, true)?.0))
+    fn chunk(&self, cache: &mut KvCache, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError> {
+        self.forward_chunk(cache, tokens, all_logits)
+    }
+
+    fn draft_step(&self, cache: &mut KvCache, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        Ok(Some(self.forward_token(cache, token, true)?.0))
     }
 
     fn supports_draft(&self) -> bool {
         true
-    }
-
-    fn forward_batch(
-        &self,
-        state: &mut dyn DecodeState,
-        tokens: &[u32],
-        all_logits: bool,
-    ) -> Result<BatchOutput, EngineError> {
-        one_or_chunk::<KvCache>(
-            state,
-            tokens,
-            all_logits,
-            |c, t| self.forward_token(c, t, false),
-            |c, t, a| self.forward_chunk(c, t, a),
-        )
     }
 
     fn batch_bytes_per_token(&self) -> usize {

@@ -37,8 +37,8 @@ use crate::blocks::kda::{DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, Kd
 use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaShape, MlaTensorNames, MlaTensors, MlaVariant};
 use crate::experts::{Expert, StoreOptions};
 use crate::model::{
-    add_into, gather_rows, state_as, BatchOutput, CausalLm, DecodeState, GluTensorNames, GluTensors, LayerRoutes,
-    Numerics, RoutedExperts,
+    add_into, gather_rows, token_at_a_time, BatchOutput, DecodeState, FamilyModel, GluTensorNames, GluTensors,
+    LayerRoutes, Numerics, RoutedExperts,
 };
 use crate::models::decoder::DecoderWeights;
 use crate::models::family_config;
@@ -940,71 +940,43 @@ pub fn glu_mlp_batch(
     out
 }
 
-impl CausalLm for KimiLinear {
+impl FamilyModel for KimiLinear {
+    type State = KimiLinearState;
+
     fn config(&self) -> &ModelConfig {
         &self.config
     }
 
-    fn new_state(&self) -> Box<dyn DecodeState> {
-        Box::new(KimiLinearState {
+    fn new_state(&self) -> KimiLinearState {
+        KimiLinearState {
             layers: self.empty_states.clone(),
             kv_lora_rank: self.cfg.kv_lora_rank,
             rope_dim: self.cfg.qk_rope_head_dim,
             len: 0,
-        })
+        }
     }
 
-    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
-        self.forward_token(state_as::<KimiLinearState>(state)?, token, false)
+    fn step(&self, st: &mut KimiLinearState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        self.forward_token(st, token, false)
     }
 
-    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
-        Ok(Some(
-            self.forward_token(state_as::<KimiLinearState>(state)?, token, true)?.0,
-        ))
+    fn draft_step(&self, st: &mut KimiLinearState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        Ok(Some(self.forward_token(st, token, true)?.0))
     }
 
     fn supports_draft(&self) -> bool {
         true
     }
 
-    fn forward_batch(
-        &self,
-        state: &mut dyn DecodeState,
-        tokens: &[u32],
-        all_logits: bool,
-    ) -> Result<BatchOutput, EngineError> {
-        let st = state_as::<KimiLinearState>(state)?;
+    fn chunk(&self, st: &mut KimiLinearState, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError> {
         if self.numerics != Numerics::Reference {
             // The peer-numerics mode (Q8_0-rounded expert inputs) lives in the one-token path.
-            let mut out = BatchOutput::default();
-            for (i, &t) in tokens.iter().enumerate() {
-                let (logits, routes) = self.forward_token(st, t, false)?;
-                if all_logits || i + 1 == tokens.len() {
-                    out.logits.push(logits);
-                }
-                out.routes.push(routes);
-            }
-            return Ok(out);
-        }
-        if tokens.len() == 1 {
-            // One token: the decode path (it also predicts and prefetches the next layer).
-            let (logits, routes) = self.forward_token(st, tokens[0], false)?;
-            return Ok(BatchOutput {
-                logits: vec![logits],
-                routes: vec![routes],
-            });
-        }
-        if tokens.is_empty() {
-            return Ok(BatchOutput::default());
+            return token_at_a_time(tokens, all_logits, |t| self.forward_token(st, t, false));
         }
         self.forward_chunk(st, tokens, all_logits)
     }
 
-    fn rollback(&self, state: &mut dyn DecodeState, len: usize) -> bool {
-        let Ok(st) = state_as::<KimiLinearState>(state) else {
-            return false;
-        };
+    fn rollback(&self, st: &mut KimiLinearState, len: usize) -> bool {
         if len >= st.len {
             return true;
         }

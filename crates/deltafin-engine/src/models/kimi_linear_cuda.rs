@@ -50,7 +50,7 @@ use deltafin_format::{ModelConfig, ModelDir};
 use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
-use crate::model::{state_as, BatchOutput, CausalLm, DecodeState, LayerRoutes, RoutedExperts};
+use crate::model::{token_at_a_time, BatchOutput, DecodeState, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::gpu_fetch::{fetch_gpu_experts, gpu_expert_budget, open_gpu_for, preload_in_file_order};
 use crate::models::kimi_linear::{KimiLinear, LayerNames, KDA_ROLLBACK_WINDOW, LATENT_NORM_EPS};
 use crate::moe::{route, RouterConfig, Routing};
@@ -1045,18 +1045,20 @@ fn delta(
     g.kda_delta(src, t, d, log, slot, qo)
 }
 
-impl CausalLm for KimiLinearCuda {
+impl FamilyModel for KimiLinearCuda {
+    type State = KimiGpuState;
+
     fn config(&self) -> &ModelConfig {
-        self.cpu.config()
+        FamilyModel::config(&self.cpu)
     }
 
-    fn new_state(&self) -> Box<dyn DecodeState> {
+    fn new_state(&self) -> KimiGpuState {
         let c = &self.cpu.cfg;
         let (p, kk) = (c.kda_width(), c.short_conv_kernel_size);
         let window = KDA_ROLLBACK_WINDOW;
         // The device buffers are allocated by the first forward ([`Self::allocate`]), where a
         // failure can be reported.
-        Box::new(KimiGpuState {
+        KimiGpuState {
             gpu: self.gpu.clone(),
             layers: Vec::new(),
             len: 0,
@@ -1070,41 +1072,24 @@ impl CausalLm for KimiLinearCuda {
             rope: c.qk_rope_head_dim,
             mla_capacity: 0,
             broken: None,
-        })
+        }
     }
 
-    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
-        self.forward_token(state_as::<KimiGpuState>(state)?, token)
+    fn step(&self, st: &mut KimiGpuState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        self.forward_token(st, token)
     }
 
     /// Token at a time (see the module docs): every position computed exactly as
     /// [`CausalLm::forward`]. A chunk that would overflow the rollback log commits first, so a
     /// verification pass of speculative decoding can always be rolled back (the CPU's rule).
-    fn forward_batch(
-        &self,
-        state: &mut dyn DecodeState,
-        tokens: &[u32],
-        all_logits: bool,
-    ) -> Result<BatchOutput, EngineError> {
-        let st = state_as::<KimiGpuState>(state)?;
+    fn chunk(&self, st: &mut KimiGpuState, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError> {
         if (st.len - st.base_len) + tokens.len() > st.window {
             st.try_commit().map_err(cuda)?;
         }
-        let mut out = BatchOutput::default();
-        for (i, &t) in tokens.iter().enumerate() {
-            let (logits, routes) = self.forward_token(st, t)?;
-            if all_logits || i + 1 == tokens.len() {
-                out.logits.push(logits);
-            }
-            out.routes.push(routes);
-        }
-        Ok(out)
+        token_at_a_time(tokens, all_logits, |t| self.forward_token(st, t))
     }
 
-    fn rollback(&self, state: &mut dyn DecodeState, len: usize) -> bool {
-        let Ok(st) = state_as::<KimiGpuState>(state) else {
-            return false;
-        };
+    fn rollback(&self, st: &mut KimiGpuState, len: usize) -> bool {
         match self.try_rollback(st, len) {
             Ok(ok) => ok,
             Err(e) => {
@@ -1123,7 +1108,7 @@ impl CausalLm for KimiLinearCuda {
     }
 
     fn backbone_bytes(&self) -> usize {
-        self.cpu.backbone_bytes()
+        FamilyModel::backbone_bytes(&self.cpu)
     }
 
     fn gpu_cache_stats(&self) -> Option<GpuCacheStats> {

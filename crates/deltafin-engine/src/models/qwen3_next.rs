@@ -38,8 +38,7 @@ use deltafin_kernels::{axpy, dot, rms_norm, rms_norm_inplace, sigmoid, silu, sof
 use crate::blocks::gated_deltanet::{GatedDeltaNet, GdnDims, GdnProj, GdnState, GdnWeights};
 use crate::experts::{Expert, StoreOptions};
 use crate::model::{
-    state_as, swiglu, swiglu_batch, BatchOutput, CausalLm, DecodeState, GluTensorNames, GluTensors, LayerRoutes,
-    RoutedExperts,
+    swiglu, swiglu_batch, BatchOutput, DecodeState, FamilyModel, GluTensorNames, GluTensors, LayerRoutes, RoutedExperts,
 };
 use crate::models::family_config;
 use crate::moe::{route_softmax, route_softmax_masked, Routing};
@@ -625,12 +624,14 @@ fn expert_forward_batch(e: &Expert, fused: bool, x: &[f32], n: usize) -> Vec<f32
     out
 }
 
-impl CausalLm for Qwen3Next {
+impl FamilyModel for Qwen3Next {
+    type State = Qwen3NextState;
+
     fn config(&self) -> &ModelConfig {
         &self.config
     }
 
-    fn new_state(&self) -> Box<dyn DecodeState> {
+    fn new_state(&self) -> Qwen3NextState {
         let layers = self
             .cfg
             .mixers
@@ -643,21 +644,21 @@ impl CausalLm for Qwen3Next {
                 Qwen3NextMixer::GatedDeltaNet => MixerState::DeltaNet(GdnState::new(self.gdn, GDN_ROLLBACK_WINDOW)),
             })
             .collect();
-        Box::new(Qwen3NextState {
+        Qwen3NextState {
             layers,
             kv_dim: self.cfg.num_key_value_heads * self.cfg.head_dim,
             len: 0,
-        })
+        }
     }
 
-    fn forward(&self, state: &mut dyn DecodeState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
-        let mut out = self.forward_tokens(state_as::<Qwen3NextState>(state)?, &[token], false, false, false)?;
+    fn step(&self, st: &mut Qwen3NextState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
+        let mut out = self.forward_tokens(st, &[token], false, false, false)?;
         let logits = out.logits.pop().unwrap_or_default();
         Ok((logits, out.routes.pop().unwrap_or_default()))
     }
 
-    fn forward_draft(&self, state: &mut dyn DecodeState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
-        let mut out = self.forward_tokens(state_as::<Qwen3NextState>(state)?, &[token], false, false, true)?;
+    fn draft_step(&self, st: &mut Qwen3NextState, token: u32) -> Result<Option<Vec<f32>>, EngineError> {
+        let mut out = self.forward_tokens(st, &[token], false, false, true)?;
         Ok(out.logits.pop())
     }
 
@@ -668,17 +669,8 @@ impl CausalLm for Qwen3Next {
     /// A layer-major pass over the chunk: DeltaNet layers in chunks (the reference's prefill
     /// path), attention token by token within the layer, MoE expert-major
     /// ([`RoutedExperts::run_batch`]).
-    fn forward_batch(
-        &self,
-        state: &mut dyn DecodeState,
-        tokens: &[u32],
-        all_logits: bool,
-    ) -> Result<BatchOutput, EngineError> {
-        if tokens.is_empty() {
-            return Ok(BatchOutput::default());
-        }
-        let st = state_as::<Qwen3NextState>(state)?;
-        self.forward_tokens(st, tokens, all_logits, tokens.len() > 1, false)
+    fn chunk(&self, st: &mut Qwen3NextState, tokens: &[u32], all_logits: bool) -> Result<BatchOutput, EngineError> {
+        self.forward_tokens(st, tokens, all_logits, true, false)
     }
 
     /// f32 activations of a batched pass per token: the DeltaNet projections (`in_proj_qkvz` /
@@ -693,10 +685,7 @@ impl CausalLm for Qwen3Next {
         4 * (deltanet.max(attn) + 8 * c.hidden_size + c.num_experts)
     }
 
-    fn rollback(&self, state: &mut dyn DecodeState, len: usize) -> bool {
-        let Ok(st) = state_as::<Qwen3NextState>(state) else {
-            return false;
-        };
+    fn rollback(&self, st: &mut Qwen3NextState, len: usize) -> bool {
         if len >= st.len {
             return true;
         }
