@@ -39,11 +39,11 @@ use deltafin_format::{ModelConfig, ModelDir};
 use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
-use crate::model::{BatchOutput, DecodeState, FamilyModel, LayerRoutes, RoutedExperts};
+use crate::model::{BatchOutput, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
 use crate::models::gpu_fetch::{
-    fetch_gpu_experts, gpu_expert_budget, grouped_swiglu_experts, grow_layer_bufs, grown_capacity, open_gpu_for,
-    preload_in_file_order, CacheChange, ExpertMajor,
+    chunk_logits, cuda, download_routings, fetch_gpu_experts, gpu_expert_budget, grouped_swiglu_experts, open_gpu_for,
+    per_expert_rows, preload_in_file_order, swiglu_rows, CacheChange, ExpertMajor, GpuLayerCache,
 };
 use crate::models::DeepseekV3;
 use crate::moe::RouterConfig;
@@ -63,10 +63,6 @@ fn set<'a>(a: &'a GpuMat, y: &'a mut GpuBuf) -> MvJob<'a> {
 fn buf_ptr(g: &Gpu, b: &GpuBuf) -> u64 {
     use deltafin_cuda::DevicePtr;
     b.device_ptr(g.stream()).0
-}
-
-fn cuda(e: CudaError) -> EngineError {
-    EngineError::Invalid(format!("CUDA: {e}"))
 }
 
 /// One layer's backbone on the GPU (tensor names as in the checkpoint).
@@ -119,53 +115,9 @@ struct GpuExperts {
     tables: Vec<Option<ExpertTable>>,
 }
 
-/// The MLA latent KV cache of every layer in GPU memory; grows by doubling.
-pub struct GpuKvCache {
-    gpu: Arc<Gpu>,
-    kvl: usize,
-    rope: usize,
-    layers: usize,
-    /// `[layer][capacity * kv_lora_rank]` (empty until the first token).
-    c_kv: Vec<GpuBuf>,
-    /// `[layer][capacity * qk_rope_head_dim]`.
-    k_pe: Vec<GpuBuf>,
-    len: usize,
-    capacity: usize,
-}
-
-impl GpuKvCache {
-    fn reserve(&mut self, n: usize) -> Result<(), CudaError> {
-        if n <= self.capacity {
-            return Ok(());
-        }
-        let cap = grown_capacity(n, self.capacity);
-        for (bufs, width) in [(&mut self.c_kv, self.kvl), (&mut self.k_pe, self.rope)] {
-            grow_layer_bufs(&self.gpu, bufs, self.layers, width, self.len, cap)?;
-        }
-        self.capacity = cap;
-        Ok(())
-    }
-}
-
-impl DecodeState for GpuKvCache {
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    fn truncate(&mut self, len: usize) -> bool {
-        // Positions past `len` are overwritten by the next tokens.
-        self.len = self.len.min(len);
-        true
-    }
-
-    fn bytes(&self) -> usize {
-        self.capacity * (self.kvl + self.rope) * 4 * self.c_kv.len()
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
-    }
-}
+/// The MLA latent KV cache of every layer in GPU memory: per layer the latents `c_kv`
+/// `[capacity, kv_lora_rank]` and the rope keys `k_pe` `[capacity, qk_rope_head_dim]`.
+pub type GpuKvCache = GpuLayerCache;
 
 /// Device buffers of one token's forward pass, allocated once at load (no allocation on the
 /// decode path except the attention scores, which grow with the context).
@@ -450,6 +402,7 @@ impl DeepseekV3Cuda {
             c.kv_lora_rank,
         );
         let pos = cache.len;
+        let [c_kv, k_pe] = cache.layer_mut(l);
         let interleaved = self.cpu.rope.interleaved;
         let norm = |weight| PreNorm {
             weight,
@@ -488,8 +441,8 @@ impl DeepseekV3Cuda {
                     interleaved,
                     pos,
                     pos_dev: &w.pos,
-                    c_kv: &mut cache.c_kv[l],
-                    k_pe: &mut cache.k_pe[l],
+                    c_kv,
+                    k_pe,
                 };
                 g.mv_jobs_prep(&w.qa, Some(qn), &mut [set(q_b_proj, &mut w.q)], prep)?;
             }
@@ -512,8 +465,8 @@ impl DeepseekV3Cuda {
                     interleaved,
                     pos,
                     pos_dev: &w.pos,
-                    c_kv: &mut cache.c_kv[l],
-                    k_pe: &mut cache.k_pe[l],
+                    c_kv,
+                    k_pe,
                 })?;
             }
         }
@@ -527,8 +480,8 @@ impl DeepseekV3Cuda {
         g.mla_decode(
             shape,
             &w.q,
-            &cache.c_kv[l],
-            &cache.k_pe[l],
+            c_kv,
+            k_pe,
             &lw.kv_b_proj,
             pos + 1,
             self.cpu.softmax_scale,
@@ -795,7 +748,7 @@ impl DeepseekV3Cuda {
             // decision, so it runs as one captured graph (captured again when the buffers it
             // names change: the KV cache grew, another sequence's cache, another top-k).
             let key = GraphKey {
-                cache: cache.c_kv.iter().chain(&cache.k_pe).map(|b| buf_ptr(g, b)).collect(),
+                cache: cache.buffers().map(|b| buf_ptr(g, b)).collect(),
                 capacity: cache.capacity,
                 scores: buf_ptr(g, &w.scores),
                 top_k: self.cpu.router_cfg().top_k,
@@ -930,7 +883,7 @@ impl DeepseekV3Cuda {
                         Ok(())
                     }
                     Mlp::Dense { gate, up, down } => {
-                        let out = self.swiglu_rows([gate, up, down], &xn, n).map_err(cuda)?;
+                        let out = swiglu_rows(&self.gpu, [gate, up, down], &xn, n).map_err(cuda)?;
                         g.axpy(1.0, &out, &mut x).map_err(cuda)
                     }
                 }
@@ -940,33 +893,10 @@ impl DeepseekV3Cuda {
         for _ in 0..n {
             self.cpu.routed.count_forward();
         }
-        let (first, rows) = if all_logits { (0, n) } else { (n - 1, 1) };
-        let xl = g.copy_range(&x, first * h, rows * h).map_err(cuda)?;
-        let mut xf = z(rows * h)?;
-        g.rms_norm(&xl, &self.norm, rows, c.rms_norm_eps, false, &mut xf)
-            .map_err(cuda)?;
-        let vocab = self.lm_head.rows;
-        let mut logits = z(rows * vocab)?;
-        self.lm_head.matmul(g, &xf, rows, &mut logits).map_err(cuda)?;
-        let flat = g.download(&logits).map_err(cuda)?;
         Ok(BatchOutput {
-            logits: flat.chunks(vocab).map(<[f32]>::to_vec).collect(),
+            logits: chunk_logits(g, x, n, all_logits, (&self.norm, c.rms_norm_eps), &self.lm_head)?,
             routes,
         })
-    }
-
-    /// `down(silu(gate X) * up X)` for `n` rows `x: [n, cols]` → `[n, rows of down]`.
-    fn swiglu_rows(&self, [gate, up, down]: [&GpuMat; 3], x: &GpuBuf, n: usize) -> Result<GpuBuf, CudaError> {
-        let g = &self.gpu;
-        let mut a = g.zeros(n * gate.rows)?;
-        let mut b = g.zeros(n * up.rows)?;
-        gate.matmul(g, x, n, &mut a)?;
-        up.matmul(g, x, n, &mut b)?;
-        let mut hh = g.zeros(n * gate.rows)?;
-        g.swiglu(&a, &b, &mut hh)?;
-        let mut out = g.zeros(n * down.rows)?;
-        down.matmul(g, &hh, n, &mut out)?;
-        Ok(out)
     }
 
     /// MLA of layer `l` for the `n` tokens of a chunk (`xn: [n, hidden]` normalized, `cs` their
@@ -992,6 +922,7 @@ impl DeepseekV3Cuda {
         let qk = nope + rope;
         let half = cs.len() / (2 * n);
         let t0 = cache.len;
+        let [cached_latents, cached_rope_keys] = cache.layer_mut(l);
         let mut q = g.zeros(n * nh * qk)?;
         match &lw.q {
             QProj::Lora {
@@ -1015,8 +946,8 @@ impl DeepseekV3Cuda {
         let mut k_pe = g.zeros(n * rope)?;
         lw.kv_a_rope.matmul(g, xn, n, &mut k_pe)?;
         g.rope_tokens(&mut k_pe, n, 1, rope, 0, cs, half, self.cpu.rope.interleaved)?;
-        g.copy_into(&latent, &mut cache.c_kv[l], t0 * kvl)?;
-        g.copy_into(&k_pe, &mut cache.k_pe[l], t0 * rope)?;
+        g.copy_into(&latent, cached_latents, t0 * kvl)?;
+        g.copy_into(&k_pe, cached_rope_keys, t0 * rope)?;
         let shape = MlaShape {
             n_heads: nh,
             nope,
@@ -1038,14 +969,14 @@ impl DeepseekV3Cuda {
             && g.mla_decompressed_fits(shape)
             && t * lw.kv_b_proj.rows * 4 <= DECOMPRESSED_KV_BYTES;
         if decompressed {
-            let latents = g.copy_range(&cache.c_kv[l], 0, t * kvl)?;
+            let latents = g.copy_range(cached_latents, 0, t * kvl)?;
             let mut kv = g.zeros(t * lw.kv_b_proj.rows)?;
             lw.kv_b_proj.matmul(g, &latents, t, &mut kv)?;
             g.mla_prefill_decompressed(
                 shape,
                 &q,
                 &kv,
-                &cache.k_pe[l],
+                cached_rope_keys,
                 t0,
                 n,
                 self.cpu.softmax_scale,
@@ -1067,8 +998,8 @@ impl DeepseekV3Cuda {
             g.mla_prefill(
                 shape,
                 &qg,
-                &cache.c_kv[l],
-                &cache.k_pe[l],
+                cached_latents,
+                cached_rope_keys,
                 &lw.kv_b_proj,
                 t0 + j0,
                 m,
@@ -1104,7 +1035,7 @@ impl DeepseekV3Cuda {
             return Err(EngineError::Invalid(format!("layer {l} is not a MoE layer")));
         };
         let shared_out = match shared {
-            Some([gt, u, d]) => Some(self.swiglu_rows([gt, u, d], xn, n).map_err(cuda)?),
+            Some([gt, u, d]) => Some(swiglu_rows(&self.gpu, [gt, u, d], xn, n).map_err(cuda)?),
             None => None,
         };
         let e_n = router.rows;
@@ -1117,21 +1048,7 @@ impl DeepseekV3Cuda {
         let mut w_d = g.zeros(n * k).map_err(cuda)?;
         g.route_noaux(rs, &logits, n, bias, &mut ids_d, &mut w_d, 0)
             .map_err(cuda)?;
-        let ids = g.download(&ids_d).map_err(cuda)?;
-        let weights = g.download(&w_d).map_err(cuda)?;
-        if let Some(&bad) = ids.iter().find(|&&e| e < 0 || e as usize >= e_n) {
-            return Err(EngineError::Invalid(format!(
-                "layer {l}: the device router chose expert {bad}"
-            )));
-        }
-        let routings: Vec<crate::moe::Routing> = ids
-            .chunks(k)
-            .zip(weights.chunks(k))
-            .map(|(i, w)| crate::moe::Routing {
-                experts: i.iter().map(|&e| e as usize).collect(),
-                weights: w.to_vec(),
-            })
-            .collect();
+        let routings = download_routings(g, l, &ids_d, &w_d, k, e_n)?;
         let em = ExpertMajor::new(&routings, k);
         let src_d = g.upload(&em.src).map_err(cuda)?;
         let experts = self.experts_of(l, &em.union)?;
@@ -1148,16 +1065,10 @@ impl DeepseekV3Cuda {
                 .map_err(cuda)?;
             return Ok(routings);
         }
-        let dst_d = g.upload(&em.dst).map_err(cuda)?;
-        let mut off = 0;
-        for (e, m) in experts.iter().zip(&em.members) {
-            let rows = m.len();
-            let mut xe = g.zeros(rows * h).map_err(cuda)?;
-            g.gather_rows(xn, &src_d, off, rows, h, &mut xe).map_err(cuda)?;
-            let ye = self.swiglu_rows([&e[0], &e[1], &e[2]], &xe, rows).map_err(cuda)?;
-            g.scatter_rows(&ye, &dst_d, off, rows, h, &mut y).map_err(cuda)?;
-            off += rows;
-        }
+        per_expert_rows(g, &experts, &em, &src_d, (xn, h), &mut y, |e, xe, rows| {
+            swiglu_rows(g, [&e[0], &e[1], &e[2]], xe, rows)
+        })
+        .map_err(cuda)?;
         g.moe_combine_tokens(&y, &w_d, k, h, n, shared_out.as_ref(), x)
             .map_err(cuda)?;
         Ok(routings)
@@ -1173,16 +1084,11 @@ impl FamilyModel for DeepseekV3Cuda {
 
     fn new_state(&self) -> GpuKvCache {
         let c = &self.cpu.cfg;
-        GpuKvCache {
-            gpu: self.gpu.clone(),
-            kvl: c.kv_lora_rank,
-            rope: c.qk_rope_head_dim,
-            layers: c.num_hidden_layers,
-            c_kv: Vec::new(),
-            k_pe: Vec::new(),
-            len: 0,
-            capacity: 0,
-        }
+        GpuLayerCache::new(
+            self.gpu.clone(),
+            c.num_hidden_layers,
+            [c.kv_lora_rank, c.qk_rope_head_dim],
+        )
     }
 
     fn step(&self, cache: &mut GpuKvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {

@@ -1,7 +1,9 @@
 //! What every family's GPU path shares: opening the device with the backbone's size checked,
 //! the GPU expert cache's budget, looking routed experts up for a forward pass (hits from the GPU
 //! expert cache, misses read through the CPU model's expert store and copied to the device),
-//! filling the cache at start, and growing per-layer KV buffers.
+//! filling the cache at start, growing per-layer KV buffers, and the chunk pieces several
+//! families compute alike (a SwiGLU MLP over rows, the device router's choice read back, the
+//! per-expert path of a chunk's routed experts, the final norm and LM head).
 
 use std::sync::Arc;
 
@@ -9,7 +11,14 @@ use deltafin_cuda::{CudaError, CudaSlice, Gpu, GpuBuf, GpuMat};
 
 use crate::experts::{ExpertStore, HostPin};
 use crate::gpu_experts::{GpuExpert, GpuExpertCache};
+use crate::model::DecodeState;
+use crate::moe::Routing;
 use crate::EngineError;
+
+/// A driver error as the engine's one-line error (`CUDA: …`).
+pub fn cuda(e: CudaError) -> EngineError {
+    EngineError::Invalid(format!("CUDA: {e}"))
+}
 
 /// Device memory every family's GPU path leaves free by default beyond the backbone and the
 /// GPU expert cache: KV caches, recurrent states, work buffers, CUDA graphs, bytes.
@@ -176,9 +185,89 @@ pub fn fetch_gpu_experts_with<T: Clone>(
         .collect()
 }
 
+/// A KV cache in GPU memory: for every layer two buffers of positions, `[capacity, widths[0]]`
+/// and `[capacity, widths[1]]` (MLA: the latent `c_kv` and the rope key `k_pe`; GQA: the
+/// rotated, normed keys and the values); grows by doubling. Positions past `len` are stale and
+/// overwritten by the next tokens, so truncating only moves `len`.
+pub struct GpuLayerCache {
+    gpu: Arc<Gpu>,
+    widths: [usize; 2],
+    layers: usize,
+    /// `[kind][layer]`, each `[capacity * widths[kind]]` (empty until the first token).
+    bufs: [Vec<GpuBuf>; 2],
+    /// Positions held.
+    pub len: usize,
+    /// Positions every buffer has room for.
+    pub capacity: usize,
+}
+
+impl GpuLayerCache {
+    /// An empty cache of `layers` layers (no device memory until [`GpuLayerCache::reserve`]).
+    pub fn new(gpu: Arc<Gpu>, layers: usize, widths: [usize; 2]) -> Self {
+        Self {
+            gpu,
+            widths,
+            layers,
+            bufs: [Vec::new(), Vec::new()],
+            len: 0,
+            capacity: 0,
+        }
+    }
+
+    /// Grows every buffer to hold at least `n` positions, keeping the first `len`.
+    ///
+    /// Errors: a driver failure (out of device memory).
+    pub fn reserve(&mut self, n: usize) -> Result<(), CudaError> {
+        if n <= self.capacity {
+            return Ok(());
+        }
+        let cap = grown_capacity(n, self.capacity);
+        for (bufs, width) in self.bufs.iter_mut().zip(self.widths) {
+            grow_layer_bufs(&self.gpu, bufs, self.layers, width, self.len, cap)?;
+        }
+        self.capacity = cap;
+        Ok(())
+    }
+
+    /// Layer `l`'s two buffers. Panics when nothing is reserved yet or `l` is out of range.
+    pub fn layer(&self, l: usize) -> [&GpuBuf; 2] {
+        [&self.bufs[0][l], &self.bufs[1][l]]
+    }
+
+    /// Layer `l`'s two buffers, to write. Panics as [`GpuLayerCache::layer`].
+    pub fn layer_mut(&mut self, l: usize) -> [&mut GpuBuf; 2] {
+        let [a, b] = &mut self.bufs;
+        [&mut a[l], &mut b[l]]
+    }
+
+    /// Every buffer, the first kind's layers then the second's.
+    pub fn buffers(&self) -> impl Iterator<Item = &GpuBuf> {
+        self.bufs[0].iter().chain(&self.bufs[1])
+    }
+}
+
+impl DecodeState for GpuLayerCache {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn truncate(&mut self, len: usize) -> bool {
+        self.len = self.len.min(len);
+        true
+    }
+
+    fn bytes(&self) -> usize {
+        self.capacity * (self.widths[0] + self.widths[1]) * 4 * self.bufs[0].len()
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
 /// Positions a per-layer KV buffer holds after growing to fit `n` (capacity now `capacity`):
 /// doubling, at least 64.
-pub fn grown_capacity(n: usize, capacity: usize) -> usize {
+fn grown_capacity(n: usize, capacity: usize) -> usize {
     n.max(2 * capacity).max(64)
 }
 
@@ -186,7 +275,7 @@ pub fn grown_capacity(n: usize, capacity: usize) -> usize {
 /// `[cap, width]` holding the first `len` positions of the old one (the rest zero).
 ///
 /// Errors: a driver failure (out of device memory).
-pub fn grow_layer_bufs(
+fn grow_layer_bufs(
     gpu: &Gpu,
     bufs: &mut Vec<GpuBuf>,
     layers: usize,
@@ -312,4 +401,106 @@ pub fn grouped_swiglu_experts(
     g.gather_rows(xn, src_d, 0, pairs, hidden, &mut xg)?;
     let mut hh = g.zeros(pairs * inter)?;
     g.moe_grouped(&table, &tiles, &xg, &em.dst, &mut hh, y)
+}
+
+/// `down(silu(gate X) ⊙ up X)` for `n` rows `x: [n, cols]` → `[n, rows of down]` (a dense MLP,
+/// a shared expert, or one routed SwiGLU expert on its gathered rows).
+///
+/// Errors: a driver failure.
+pub fn swiglu_rows(g: &Gpu, [gate, up, down]: [&GpuMat; 3], x: &GpuBuf, n: usize) -> Result<GpuBuf, CudaError> {
+    let mut a = g.zeros(n * gate.rows)?;
+    let mut b = g.zeros(n * up.rows)?;
+    gate.matmul(g, x, n, &mut a)?;
+    up.matmul(g, x, n, &mut b)?;
+    let mut hh = g.zeros(n * gate.rows)?;
+    g.swiglu(&a, &b, &mut hh)?;
+    let mut out = g.zeros(n * down.rows)?;
+    down.matmul(g, &hh, n, &mut out)?;
+    Ok(out)
+}
+
+/// The device router's choice for `n` tokens of MoE layer `l` read back: `ids_d`, `w_d`
+/// `[n, k]` (router order) → one [`Routing`] a token.
+///
+/// Errors: an id outside `0..n_experts` (non-finite router logits), naming the layer; a driver
+/// failure.
+pub fn download_routings(
+    g: &Gpu,
+    l: usize,
+    ids_d: &CudaSlice<i32>,
+    w_d: &GpuBuf,
+    k: usize,
+    n_experts: usize,
+) -> Result<Vec<Routing>, EngineError> {
+    let ids = g.download(ids_d).map_err(cuda)?;
+    let weights = g.download(w_d).map_err(cuda)?;
+    if let Some(&bad) = ids.iter().find(|&&e| e < 0 || e as usize >= n_experts) {
+        return Err(EngineError::Invalid(format!(
+            "layer {l}: the device router chose expert {bad} (non-finite router logits?)"
+        )));
+    }
+    Ok(ids
+        .chunks(k)
+        .zip(weights.chunks(k))
+        .map(|(i, w)| Routing {
+            experts: i.iter().map(|&e| e as usize).collect(),
+            weights: w.to_vec(),
+        })
+        .collect())
+}
+
+/// The per-expert path of a chunk's routed experts: for each expert of `em.union` (`experts[u]`,
+/// its matrices), its tokens' rows of `xn: [n, hidden]` gathered, `expert(matrices, rows, count)`
+/// applied, and the result scattered into its (token, slot) rows of `y: [n * k, hidden]`;
+/// `src_d` is `em.src` on the device.
+///
+/// Errors: what `expert` returns; a driver failure.
+pub fn per_expert_rows<E>(
+    g: &Gpu,
+    experts: &[E],
+    em: &ExpertMajor,
+    src_d: &CudaSlice<i32>,
+    (xn, hidden): (&GpuBuf, usize),
+    y: &mut GpuBuf,
+    mut expert: impl FnMut(&E, &GpuBuf, usize) -> Result<GpuBuf, CudaError>,
+) -> Result<(), CudaError> {
+    let dst_d = g.upload(&em.dst)?;
+    let mut off = 0;
+    for (e, m) in experts.iter().zip(&em.members) {
+        let rows = m.len();
+        let mut xe = g.zeros(rows * hidden)?;
+        g.gather_rows(xn, src_d, off, rows, hidden, &mut xe)?;
+        let ye = expert(e, &xe, rows)?;
+        g.scatter_rows(&ye, &dst_d, off, rows, hidden, y)?;
+        off += rows;
+    }
+    Ok(())
+}
+
+/// Logits of a chunk: `lm_head(rms_norm(x))` `[vocab]` for every position of `x: [n, hidden]`
+/// (`all_logits`) or for the last one, downloaded.
+///
+/// Errors: a driver failure.
+pub fn chunk_logits(
+    g: &Gpu,
+    x: GpuBuf,
+    n: usize,
+    all_logits: bool,
+    (norm, eps): (&GpuBuf, f32),
+    lm_head: &GpuMat,
+) -> Result<Vec<Vec<f32>>, EngineError> {
+    let h = lm_head.cols;
+    let (first, rows) = if all_logits { (0, n) } else { (n - 1, 1) };
+    let xl = if rows == n {
+        x
+    } else {
+        g.copy_range(&x, first * h, rows * h).map_err(cuda)?
+    };
+    let mut xf = g.zeros(rows * h).map_err(cuda)?;
+    g.rms_norm(&xl, norm, rows, eps, false, &mut xf).map_err(cuda)?;
+    let vocab = lm_head.rows;
+    let mut logits = g.zeros(rows * vocab).map_err(cuda)?;
+    lm_head.matmul(g, &xf, rows, &mut logits).map_err(cuda)?;
+    let flat = g.download(&logits).map_err(cuda)?;
+    Ok(flat.chunks(vocab).map(<[f32]>::to_vec).collect())
 }

@@ -57,17 +57,13 @@ use crate::experts::Expert;
 use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpertCache};
 use crate::gqa::{GqaAttention, GqaNames};
-use crate::model::{BatchOutput, CausalLm, DecodeState, FamilyModel, LayerRoutes, RoutedExperts};
+use crate::model::{BatchOutput, CausalLm, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::gpu_fetch::{
-    fetch_gpu_experts_with, gpu_expert_budget, grouped_swiglu_experts, grow_layer_bufs, grown_capacity, open_gpu_for,
-    preload_in_file_order, ExpertMajor,
+    chunk_logits, cuda, download_routings, fetch_gpu_experts_with, gpu_expert_budget, grouped_swiglu_experts,
+    open_gpu_for, per_expert_rows, preload_in_file_order, swiglu_rows, ExpertMajor, GpuLayerCache,
 };
 use crate::moe::Routing;
 use crate::EngineError;
-
-fn cuda(e: CudaError) -> EngineError {
-    EngineError::Invalid(format!("CUDA: {e}"))
-}
 
 /// Checkpoint names of one decoder layer of a GQA family, digested from its CPU model.
 pub struct GqaLayerSpec {
@@ -182,52 +178,9 @@ enum Mlp {
     Moe { router: GpuMat, bias: Option<GpuBuf> },
 }
 
-/// The KV cache of every layer in GPU memory (rotated, normed keys and values,
-/// `[capacity, n_kv_heads * head_dim]` a layer); grows by doubling.
-pub struct GpuGqaCache {
-    gpu: Arc<Gpu>,
-    kv_dim: usize,
-    layers: usize,
-    /// `[layer][capacity * kv_dim]` (empty until the first token).
-    k: Vec<GpuBuf>,
-    v: Vec<GpuBuf>,
-    len: usize,
-    capacity: usize,
-}
-
-impl GpuGqaCache {
-    fn reserve(&mut self, n: usize) -> Result<(), CudaError> {
-        if n <= self.capacity {
-            return Ok(());
-        }
-        let cap = grown_capacity(n, self.capacity);
-        for bufs in [&mut self.k, &mut self.v] {
-            grow_layer_bufs(&self.gpu, bufs, self.layers, self.kv_dim, self.len, cap)?;
-        }
-        self.capacity = cap;
-        Ok(())
-    }
-}
-
-impl DecodeState for GpuGqaCache {
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    fn truncate(&mut self, len: usize) -> bool {
-        // Positions past `len` are overwritten by the next tokens.
-        self.len = self.len.min(len);
-        true
-    }
-
-    fn bytes(&self) -> usize {
-        2 * self.capacity * self.kv_dim * 4 * self.k.len()
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
-    }
-}
+/// The KV cache of every layer in GPU memory: per layer the rotated, normed keys and the values,
+/// `[capacity, n_kv_heads * head_dim]` each.
+pub type GpuGqaCache = GpuLayerCache;
 
 /// A one-token MoE block's device work ([`Gpu::moe_table_with`]): the token's experts by slot,
 /// the slot ids `0..MOE_MAX_K`, the intermediates `[MOE_MAX_K, inter]`.
@@ -467,7 +420,7 @@ impl GqaCuda {
                     }
                     Mlp::Dense(m) => {
                         let [gate, up, down] = &**m;
-                        let out = self.swiglu_rows([gate, up, down], &xn, n).map_err(cuda)?;
+                        let out = swiglu_rows(&self.gpu, [gate, up, down], &xn, n).map_err(cuda)?;
                         g.axpy(1.0, &out, &mut x).map_err(cuda)
                     }
                 }
@@ -478,21 +431,8 @@ impl GqaCuda {
             routed.count_forward();
         }
         // logits = lm_head(norm(x)) of the last position, or of every position
-        let (first, rows) = if all_logits { (0, n) } else { (n - 1, 1) };
-        let xl = if rows == n {
-            x
-        } else {
-            g.copy_range(&x, first * h, rows * h).map_err(cuda)?
-        };
-        let mut xf = g.zeros(rows * h).map_err(cuda)?;
-        g.rms_norm(&xl, &self.norm, rows, self.eps, false, &mut xf)
-            .map_err(cuda)?;
-        let vocab = self.lm_head.rows;
-        let mut logits = g.zeros(rows * vocab).map_err(cuda)?;
-        self.lm_head.matmul(g, &xf, rows, &mut logits).map_err(cuda)?;
-        let flat = g.download(&logits).map_err(cuda)?;
         Ok(BatchOutput {
-            logits: flat.chunks(vocab).map(<[f32]>::to_vec).collect(),
+            logits: chunk_logits(g, x, n, all_logits, (&self.norm, self.eps), &self.lm_head)?,
             routes,
         })
     }
@@ -515,6 +455,7 @@ impl GqaCuda {
         let (nh, nkv, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         let kvd = nkv * hd;
         let t0 = cache.len;
+        let [k_cache, v_cache] = cache.layer_mut(l);
         // q: [n, nh, hd], k, v: [n, nkv, hd]
         let mut q = g.zeros(n * nh * hd)?;
         let mut k = g.zeros(n * kvd)?;
@@ -542,8 +483,8 @@ impl GqaCuda {
         let half = at.rope().inv_freq.len();
         g.rope_tokens(&mut q, n, nh, hd, 0, cs, half, false)?;
         g.rope_tokens(&mut k, n, nkv, hd, 0, cs, half, false)?;
-        g.copy_into(&k, &mut cache.k[l], t0 * kvd)?;
-        g.copy_into(&v, &mut cache.v[l], t0 * kvd)?;
+        g.copy_into(&k, k_cache, t0 * kvd)?;
+        g.copy_into(&v, v_cache, t0 * kvd)?;
         let shape = GqaShape {
             n_heads: nh,
             n_kv_heads: nkv,
@@ -559,8 +500,8 @@ impl GqaCuda {
             g.gqa_attend(
                 shape,
                 &q,
-                &cache.k[l],
-                &cache.v[l],
+                k_cache,
+                v_cache,
                 t0,
                 n,
                 at.scale(),
@@ -577,8 +518,8 @@ impl GqaCuda {
                 g.gqa_attend(
                     shape,
                     &qg,
-                    &cache.k[l],
-                    &cache.v[l],
+                    k_cache,
+                    v_cache,
                     t0 + j0,
                     m,
                     at.scale(),
@@ -598,25 +539,11 @@ impl GqaCuda {
         Ok(out)
     }
 
-    /// `down(silu(gate X) * up X)` for `n` rows `x: [n, cols]` → `[n, rows of down]`.
-    fn swiglu_rows(&self, [gate, up, down]: [&GpuMat; 3], x: &GpuBuf, n: usize) -> Result<GpuBuf, CudaError> {
-        let g = &self.gpu;
-        let mut a = g.zeros(n * gate.rows)?;
-        let mut b = g.zeros(n * up.rows)?;
-        gate.matmul(g, x, n, &mut a)?;
-        up.matmul(g, x, n, &mut b)?;
-        let mut hh = g.zeros(n * gate.rows)?;
-        g.swiglu(&a, &b, &mut hh)?;
-        let mut out = g.zeros(n * down.rows)?;
-        down.matmul(g, &hh, n, &mut out)?;
-        Ok(out)
-    }
-
     /// One routed expert on `n` rows `x: [n, hidden]` → `[n, hidden]` ([`ExpertKind`]).
     fn expert_rows(&self, e: &[GpuMat], x: &GpuBuf, n: usize) -> Result<GpuBuf, CudaError> {
         let g = &self.gpu;
         match (self.expert_kind, e) {
-            (ExpertKind::SwiGlu, [gate, up, down]) => self.swiglu_rows([gate, up, down], x, n),
+            (ExpertKind::SwiGlu, [gate, up, down]) => swiglu_rows(&self.gpu, [gate, up, down], x, n),
             (ExpertKind::ClampedSwiGlu { alpha, limit }, [gate_up, gu_bias, down, down_bias]) => {
                 // gu: [n, 2I] interleaved gate/up; h: [n, I]; out: [n, hidden]
                 let mut gu = g.zeros(n * gate_up.rows)?;
@@ -726,21 +653,7 @@ impl GqaCuda {
         let mut w_d = g.zeros(n * k).map_err(cuda)?;
         g.route_softmax_topk(self.router, &logits, n, e_n, k, &mut probs, &mut ids_d, &mut w_d)
             .map_err(cuda)?;
-        let ids = g.download(&ids_d).map_err(cuda)?;
-        let weights = g.download(&w_d).map_err(cuda)?;
-        if let Some(&bad) = ids.iter().find(|&&e| e < 0 || e as usize >= e_n) {
-            return Err(EngineError::Invalid(format!(
-                "layer {l}: the device router chose expert {bad} (non-finite router logits?)"
-            )));
-        }
-        let routings: Vec<Routing> = ids
-            .chunks(k)
-            .zip(weights.chunks(k))
-            .map(|(i, w)| Routing {
-                experts: i.iter().map(|&e| e as usize).collect(),
-                weights: w.to_vec(),
-            })
-            .collect();
+        let routings = download_routings(g, l, &ids_d, &w_d, k, e_n)?;
         let em = ExpertMajor::new(&routings, k);
         let src_d = g.upload(&em.src).map_err(cuda)?;
         let experts = self.experts_of(l, &em.union)?;
@@ -771,16 +684,10 @@ impl GqaCuda {
             drop(experts);
             return Ok(routings);
         }
-        let dst_d = g.upload(&em.dst).map_err(cuda)?;
-        let mut off = 0;
-        for (e, m) in experts.iter().zip(&em.members) {
-            let rows = m.len();
-            let mut xe = g.zeros(rows * h).map_err(cuda)?;
-            g.gather_rows(xn, &src_d, off, rows, h, &mut xe).map_err(cuda)?;
-            let ye = self.expert_rows(e, &xe, rows).map_err(cuda)?;
-            g.scatter_rows(&ye, &dst_d, off, rows, h, &mut y).map_err(cuda)?;
-            off += rows;
-        }
+        per_expert_rows(g, &experts, &em, &src_d, (xn, h), &mut y, |e, xe, rows| {
+            self.expert_rows(e, xe, rows)
+        })
+        .map_err(cuda)?;
         g.moe_combine_tokens(&y, &w_d, k, h, n, None, x).map_err(cuda)?;
         // `experts` (and the device memory of any evicted among them) is released after the
         // launches above in stream order.
@@ -798,15 +705,8 @@ impl FamilyModel for GqaCuda {
 
     fn new_state(&self) -> GpuGqaCache {
         let d = &self.cpu.attention().dims;
-        GpuGqaCache {
-            gpu: self.gpu.clone(),
-            kv_dim: d.n_kv_heads * d.head_dim,
-            layers: self.layers.len(),
-            k: Vec::new(),
-            v: Vec::new(),
-            len: 0,
-            capacity: 0,
-        }
+        let kv_dim = d.n_kv_heads * d.head_dim;
+        GpuLayerCache::new(self.gpu.clone(), self.layers.len(), [kv_dim, kv_dim])
     }
 
     /// A decode step is a chunk of one.

@@ -51,14 +51,10 @@ use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{token_at_a_time, BatchOutput, DecodeState, FamilyModel, LayerRoutes, RoutedExperts};
-use crate::models::gpu_fetch::{fetch_gpu_experts, gpu_expert_budget, open_gpu_for, preload_in_file_order};
+use crate::models::gpu_fetch::{cuda, fetch_gpu_experts, gpu_expert_budget, open_gpu_for, preload_in_file_order};
 use crate::models::kimi_linear::{KimiLinear, LayerNames, KDA_ROLLBACK_WINDOW, LATENT_NORM_EPS};
 use crate::moe::{route, RouterConfig, Routing};
 use crate::EngineError;
-
-fn cuda(e: CudaError) -> EngineError {
-    EngineError::Invalid(format!("CUDA: {e}"))
-}
 
 /// KDA output gate weights.
 enum OutGate {
