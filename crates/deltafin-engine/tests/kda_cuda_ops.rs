@@ -8,7 +8,7 @@ use deltafin_cuda::{Gpu, GpuBuf, GpuMat, KdaGate};
 use deltafin_engine::blocks::kda::{delta_step, l2_normalize, DecayGate};
 use deltafin_engine::models::kimi_linear::{attn_res_mix, glu_mlp, situ};
 use deltafin_format::kimi_linear::GluActivation;
-use deltafin_kernels::{mxfp4, sigmoid, silu, MatData, MatRef};
+use deltafin_kernels::{mxfp4, sigmoid, silu, MatRef};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 fn gpu(test: &str) -> Option<Gpu> {
@@ -287,15 +287,7 @@ fn attn_res_mix_matches_the_cpu() {
 type HostMat = (usize, usize, Vec<u8>, Vec<u8>);
 
 fn mref(m: &HostMat) -> MatRef<'_> {
-    MatRef::new(
-        m.0,
-        m.1,
-        MatData::Mxfp4 {
-            packed: &m.2,
-            scales: &m.3,
-        },
-    )
-    .unwrap()
+    MatRef::mxfp4(m.0, m.1, &m.2, &m.3).unwrap()
 }
 
 /// The fused SiTU routed experts equal the unfused GPU path bit for bit (matvec, `situ_glu`,

@@ -133,15 +133,7 @@ fn one_thread() -> &'static rayon::ThreadPool {
 
 fn mx_pass(d: &Data, y: &mut [f32]) {
     for m in &d.mx {
-        let mat = MatRef::new(
-            MX_ROWS,
-            MX_COLS,
-            MatData::Mxfp4 {
-                packed: &m.packed,
-                scales: &m.scales,
-            },
-        )
-        .expect("bench shape");
+        let mat = MatRef::mxfp4(MX_ROWS, MX_COLS, &m.packed, &m.scales).expect("bench shape");
         mat.matvec(black_box(&d.x_mx), y);
     }
 }
@@ -162,11 +154,7 @@ fn i8_pass(d: &Data, y: &mut [f32]) {
 }
 
 fn mx_mat(m: &Mx) -> MatRef<'_> {
-    let data = MatData::Mxfp4 {
-        packed: &m.packed,
-        scales: &m.scales,
-    };
-    MatRef::new(MX_ROWS, MX_COLS, data).expect("bench shape")
+    MatRef::mxfp4(MX_ROWS, MX_COLS, &m.packed, &m.scales).expect("bench shape")
 }
 
 fn i8_mat(m: &I8) -> MatRef<'_> {

@@ -14,15 +14,7 @@ fn main() {
         .map(|i| ((i * 2654435761usize) >> 7) as u8)
         .collect();
     let scales = vec![120u8; rows * cols / 32];
-    let m = MatRef::new(
-        rows,
-        cols,
-        MatData::Mxfp4 {
-            packed: &packed,
-            scales: &scales,
-        },
-    )
-    .unwrap();
+    let m = MatRef::mxfp4(rows, cols, &packed, &scales).unwrap();
     let q: Vec<i8> = (0..rows * cols).map(|i| ((i * 2654435761usize) >> 7) as i8).collect();
     let qs = vec![0.01f32; rows];
     let mi = MatRef::new(rows, cols, MatData::Int8 { q: &q, scales: &qs }).unwrap();

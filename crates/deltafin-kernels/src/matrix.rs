@@ -104,6 +104,16 @@ impl<'a> MatRef<'a> {
         Ok(Self { rows, cols, data })
     }
 
+    /// An MXFP4 `[rows, cols]` matrix from its codes (`rows * packed_row_bytes(cols)` bytes)
+    /// and E8M0 block scales (`rows * scale_row_bytes(cols)` bytes): [`MatRef::new`] of
+    /// [`MatData::Mxfp4`].
+    ///
+    /// # Errors
+    /// As [`MatRef::new`].
+    pub fn mxfp4(rows: usize, cols: usize, packed: &'a [u8], scales: &'a [u8]) -> Result<Self, String> {
+        Self::new(rows, cols, MatData::Mxfp4 { packed, scales })
+    }
+
     /// Rows `[start, end)` as a `[end - start, cols]` matrix, borrowing the same storage.
     ///
     /// # Panics

@@ -150,7 +150,7 @@ fn every_level_dot_2x2_equals_four_dots() {
 /// on the rows computed with it.
 #[test]
 fn every_level_mxfp4_edges() {
-    use crate::{mxfp4, MatData, MatRef};
+    use crate::{mxfp4, MatRef};
     use rand::Rng;
     let mut rng = rng(23);
     let special = [0u8, 1, 2, 3, 125, 127, 130, 200, 220];
@@ -177,15 +177,7 @@ fn every_level_mxfp4_edges() {
             }
             // Row 5: every block 2^-127, whose products are lost unless that scale is right.
             scales[5 * sb..6 * sb].fill(0);
-            let m = MatRef::new(
-                rows,
-                cols,
-                MatData::Mxfp4 {
-                    packed: &packed,
-                    scales: &scales,
-                },
-            )
-            .unwrap();
+            let m = MatRef::mxfp4(rows, cols, &packed, &scales).unwrap();
             let mut x = random_vec(&mut rng, cols);
             x[cols / 2] = 3.0e4;
             let what = format!("{:?} mxfp4 [{rows}, {cols}]", k.level);
@@ -235,17 +227,9 @@ fn every_level_mxfp4_edges() {
 /// Zero-width MXFP4 matrices give zeros on every level (no blocks to read).
 #[test]
 fn every_level_mxfp4_zero_cols() {
-    use crate::{MatData, MatRef};
+    use crate::MatRef;
     for k in all_levels() {
-        let m = MatRef::new(
-            3,
-            0,
-            MatData::Mxfp4 {
-                packed: &[],
-                scales: &[],
-            },
-        )
-        .unwrap();
+        let m = MatRef::mxfp4(3, 0, &[], &[]).unwrap();
         let mut y = [f32::NAN; 3];
         m.matvec_with(k, &[], &mut y);
         assert_eq!(y, [0.0; 3]);

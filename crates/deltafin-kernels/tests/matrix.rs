@@ -149,15 +149,7 @@ fn mxfp4_nan_scale_poisons_its_row_only() {
     let mut scales = vec![127u8; 2 * sb];
     scales[2] = 255;
     scales[sb] = 0; // 2^-127: tiny but not zero
-    let m = MatRef::new(
-        2,
-        cols,
-        MatData::Mxfp4 {
-            packed: &packed,
-            scales: &scales,
-        },
-    )
-    .unwrap();
+    let m = MatRef::mxfp4(2, cols, &packed, &scales).unwrap();
     let x = vec![1.0f32; cols];
     let mut y = [0.0f32; 2];
     m.matvec(&x, &mut y);
@@ -180,24 +172,8 @@ fn new_checks_lengths_and_rows_slices() {
     assert!(MatRef::new(3, 4, MatData::Int8 { q: &q, scales: &s }).is_err());
     let p = vec![0u8; 3 * 32];
     let sc = vec![0u8; 3 * 2];
-    assert!(MatRef::new(
-        3,
-        33,
-        MatData::Mxfp4 {
-            packed: &p,
-            scales: &sc
-        }
-    )
-    .is_ok());
-    assert!(MatRef::new(
-        3,
-        32,
-        MatData::Mxfp4 {
-            packed: &p,
-            scales: &sc
-        }
-    )
-    .is_err());
+    assert!(MatRef::mxfp4(3, 33, &p, &sc).is_ok());
+    assert!(MatRef::mxfp4(3, 32, &p, &sc).is_err());
     assert!(MatRef::new(usize::MAX, 2, MatData::F32(&w)).is_err());
 
     let mut rng = rng(15);

@@ -39,15 +39,7 @@ pub fn mxfp4_upload(g: &Gpu, w: &[f32], rows: usize, cols: usize) -> GpuMat {
     let mut packed = vec![0u8; rows * mxfp4::packed_row_bytes(cols)];
     let mut scales = vec![0u8; rows * mxfp4::scale_row_bytes(cols)];
     mxfp4::quantize(w, rows, cols, &mut packed, &mut scales);
-    let m = MatRef::new(
-        rows,
-        cols,
-        MatData::Mxfp4 {
-            packed: &packed,
-            scales: &scales,
-        },
-    )
-    .unwrap();
+    let m = MatRef::mxfp4(rows, cols, &packed, &scales).unwrap();
     GpuMat::upload(g, &m).unwrap()
 }
 
