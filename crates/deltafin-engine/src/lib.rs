@@ -15,6 +15,7 @@
 
 pub mod blocked_attention;
 pub mod blocks;
+pub mod compute;
 pub mod constraint;
 pub mod device;
 pub mod experts;

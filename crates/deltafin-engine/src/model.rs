@@ -17,6 +17,7 @@ use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::{silu, MatRef};
 
 use crate::blocks::mla::MlaForm;
+use crate::compute::{on_cpu, swiglu_rows, Cpu};
 use crate::experts::{Expert, ExpertStore, StoreOptions};
 use crate::moe::{route_softmax, route_softmax_masked, Routing};
 use crate::EngineError;
@@ -1078,16 +1079,7 @@ fn wait_for<T>(rx: &std::sync::mpsc::Receiver<T>) -> Result<T, std::sync::mpsc::
 /// `[n, rows of down]`, each row bit-identical to [`swiglu`] of that row (the kernels'
 /// `matmul` equals `n` matvecs bit for bit).
 pub fn swiglu_batch(gate: MatRef<'_>, up: MatRef<'_>, down: MatRef<'_>, x: &[f32], n: usize) -> Vec<f32> {
-    let mut g = vec![0f32; n * gate.rows];
-    let mut u = vec![0f32; n * up.rows];
-    gate.matmul(x, n, &mut g);
-    up.matmul(x, n, &mut u);
-    for (a, b) in g.iter_mut().zip(&u) {
-        *a = silu(*a) * b;
-    }
-    let mut out = vec![0f32; n * down.rows];
-    down.matmul(&g, n, &mut out);
-    out
+    on_cpu(swiglu_rows(&Cpu, [&gate, &up, &down], x, n))
 }
 
 /// A MoE block with a softmax top-k router and SwiGLU routed experts and no shared expert

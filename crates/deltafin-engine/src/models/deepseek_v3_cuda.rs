@@ -36,6 +36,7 @@ use deltafin_cuda::{
 };
 use deltafin_format::{ModelConfig, ModelDir};
 
+use crate::compute::swiglu_rows;
 use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
@@ -43,7 +44,7 @@ use crate::model::{BatchOutput, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
 use crate::models::gpu_fetch::{
     chunk_logits, cuda, download_routings, fetch_gpu_experts, gpu_expert_budget, grouped_swiglu_experts, open_gpu_for,
-    per_expert_rows, preload_in_file_order, swiglu_rows, CacheChange, ExpertMajor, GpuLayerCache,
+    per_expert_rows, preload_in_file_order, CacheChange, ExpertMajor, GpuLayerCache,
 };
 use crate::models::DeepseekV3;
 use crate::moe::RouterConfig;
@@ -883,7 +884,7 @@ impl DeepseekV3Cuda {
                         Ok(())
                     }
                     Mlp::Dense { gate, up, down } => {
-                        let out = swiglu_rows(&self.gpu, [gate, up, down], &xn, n).map_err(cuda)?;
+                        let out = swiglu_rows(&*self.gpu, [gate, up, down], &xn, n).map_err(cuda)?;
                         g.axpy(1.0, &out, &mut x).map_err(cuda)
                     }
                 }
@@ -1035,7 +1036,7 @@ impl DeepseekV3Cuda {
             return Err(EngineError::Invalid(format!("layer {l} is not a MoE layer")));
         };
         let shared_out = match shared {
-            Some([gt, u, d]) => Some(swiglu_rows(&self.gpu, [gt, u, d], xn, n).map_err(cuda)?),
+            Some([gt, u, d]) => Some(swiglu_rows(&*self.gpu, [gt, u, d], xn, n).map_err(cuda)?),
             None => None,
         };
         let e_n = router.rows;
@@ -1066,7 +1067,7 @@ impl DeepseekV3Cuda {
             return Ok(routings);
         }
         per_expert_rows(g, &experts, &em, &src_d, (xn, h), &mut y, |e, xe, rows| {
-            swiglu_rows(g, [&e[0], &e[1], &e[2]], xe, rows)
+            swiglu_rows(&**g, [&e[0], &e[1], &e[2]], xe, rows)
         })
         .map_err(cuda)?;
         g.moe_combine_tokens(&y, &w_d, k, h, n, shared_out.as_ref(), x)

@@ -2,7 +2,7 @@
 //! the GPU expert cache's budget, looking routed experts up for a forward pass (hits from the GPU
 //! expert cache, misses read through the CPU model's expert store and copied to the device),
 //! filling the cache at start, growing per-layer KV buffers, and the chunk pieces several
-//! families compute alike (a SwiGLU MLP over rows, the device router's choice read back, the
+//! families compute alike (the device router's choice read back, the
 //! per-expert path of a chunk's routed experts, the final norm and LM head).
 
 use std::sync::Arc;
@@ -401,22 +401,6 @@ pub fn grouped_swiglu_experts(
     g.gather_rows(xn, src_d, 0, pairs, hidden, &mut xg)?;
     let mut hh = g.zeros(pairs * inter)?;
     g.moe_grouped(&table, &tiles, &xg, &em.dst, &mut hh, y)
-}
-
-/// `down(silu(gate X) ⊙ up X)` for `n` rows `x: [n, cols]` → `[n, rows of down]` (a dense MLP,
-/// a shared expert, or one routed SwiGLU expert on its gathered rows).
-///
-/// Errors: a driver failure.
-pub fn swiglu_rows(g: &Gpu, [gate, up, down]: [&GpuMat; 3], x: &GpuBuf, n: usize) -> Result<GpuBuf, CudaError> {
-    let mut a = g.zeros(n * gate.rows)?;
-    let mut b = g.zeros(n * up.rows)?;
-    gate.matmul(g, x, n, &mut a)?;
-    up.matmul(g, x, n, &mut b)?;
-    let mut hh = g.zeros(n * gate.rows)?;
-    g.swiglu(&a, &b, &mut hh)?;
-    let mut out = g.zeros(n * down.rows)?;
-    down.matmul(g, &hh, n, &mut out)?;
-    Ok(out)
 }
 
 /// The device router's choice for `n` tokens of MoE layer `l` read back: `ids_d`, `w_d`

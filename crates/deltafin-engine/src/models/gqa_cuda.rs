@@ -52,6 +52,7 @@ use deltafin_format::model_dir::Backbone;
 use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::MatRef;
 
+use crate::compute::swiglu_rows;
 use crate::device::GpuOptions;
 use crate::experts::Expert;
 use crate::experts::StoreOptions;
@@ -60,7 +61,7 @@ use crate::gqa::{GqaAttention, GqaNames};
 use crate::model::{BatchOutput, CausalLm, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::gpu_fetch::{
     chunk_logits, cuda, download_routings, fetch_gpu_experts_with, gpu_expert_budget, grouped_swiglu_experts,
-    open_gpu_for, per_expert_rows, preload_in_file_order, swiglu_rows, ExpertMajor, GpuLayerCache,
+    open_gpu_for, per_expert_rows, preload_in_file_order, ExpertMajor, GpuLayerCache,
 };
 use crate::moe::Routing;
 use crate::EngineError;
@@ -420,7 +421,7 @@ impl GqaCuda {
                     }
                     Mlp::Dense(m) => {
                         let [gate, up, down] = &**m;
-                        let out = swiglu_rows(&self.gpu, [gate, up, down], &xn, n).map_err(cuda)?;
+                        let out = swiglu_rows(&*self.gpu, [gate, up, down], &xn, n).map_err(cuda)?;
                         g.axpy(1.0, &out, &mut x).map_err(cuda)
                     }
                 }
@@ -543,7 +544,7 @@ impl GqaCuda {
     fn expert_rows(&self, e: &[GpuMat], x: &GpuBuf, n: usize) -> Result<GpuBuf, CudaError> {
         let g = &self.gpu;
         match (self.expert_kind, e) {
-            (ExpertKind::SwiGlu, [gate, up, down]) => swiglu_rows(&self.gpu, [gate, up, down], x, n),
+            (ExpertKind::SwiGlu, [gate, up, down]) => swiglu_rows(&*self.gpu, [gate, up, down], x, n),
             (ExpertKind::ClampedSwiGlu { alpha, limit }, [gate_up, gu_bias, down, down_bias]) => {
                 // gu: [n, 2I] interleaved gate/up; h: [n, I]; out: [n, hidden]
                 let mut gu = g.zeros(n * gate_up.rows)?;
