@@ -13,13 +13,14 @@
 //! use it (the fixtures on each backend).
 //!
 //! Written over the seam so far: [`swiglu_rows`] (the dense MLP, the shared experts and a routed
-//! SwiGLU expert on its gathered rows, in every family on both backends).
+//! SwiGLU expert on its gathered rows, in every family on both backends) and [`chunk_logits`]
+//! (the final norm and the LM head of a prompt chunk: DeepSeek-V3 and the GQA families on both).
 
 use std::borrow::Borrow;
 use std::convert::Infallible;
 
 use deltafin_cuda::{CudaError, Gpu, GpuBuf, GpuMat};
-use deltafin_kernels::{silu, MatRef};
+use deltafin_kernels::{rms_norm, silu, MatRef};
 
 /// One compute backend: weight matrices, f32 activations and the operations between them.
 pub trait Backend {
@@ -38,6 +39,9 @@ pub trait Backend {
     /// Rows of `w` (its output width).
     fn rows(w: &Self::Mat<'_>) -> usize;
 
+    /// Columns of `w` (its input width).
+    fn cols(w: &Self::Mat<'_>) -> usize;
+
     /// `y = x Wᵀ` for `n` tokens: `x: [n, cols]` → `y: [n, rows]`, row t bit-identical to the
     /// backend's matvec of token t. Errors: shapes that disagree; a driver failure.
     fn matmul(&self, w: &Self::Mat<'_>, x: &Self::Slice, n: usize, y: &mut Self::Buf) -> Result<(), Self::Error>;
@@ -45,6 +49,25 @@ pub trait Backend {
     /// `gate[i] = silu(gate[i]) · up[i]` (SwiGLU's gating). Errors: lengths that disagree; a
     /// driver failure.
     fn silu_mul(&self, gate: &mut Self::Buf, up: &Self::Slice) -> Result<(), Self::Error>;
+
+    /// RMSNorm of each of the `n` rows of `x: [n, dim]` into `y: [n, dim]`, `weight: [dim]`:
+    /// `y = x / sqrt(mean(x²) + eps) · weight` (Zhang & Sennrich 2019; transformers'
+    /// `DeepseekV3RMSNorm`). Errors: lengths that disagree; a driver failure.
+    fn rms_norm_rows(
+        &self,
+        x: &Self::Slice,
+        weight: &Self::Slice,
+        n: usize,
+        eps: f32,
+        y: &mut Self::Buf,
+    ) -> Result<(), Self::Error>;
+
+    /// Elements `[start, start + len)` of `x` as their own buffer (`x` itself when that is all
+    /// of it). Errors: a range outside `x`; a driver failure.
+    fn take_range(&self, x: Self::Buf, start: usize, len: usize) -> Result<Self::Buf, Self::Error>;
+
+    /// `x: [n, width]` in host memory, one `Vec` a row. Errors: a driver failure.
+    fn host_rows(&self, x: &Self::Slice, width: usize) -> Result<Vec<Vec<f32>>, Self::Error>;
 }
 
 /// The CPU backend: the kernels of `deltafin-kernels` at the process's SIMD level.
@@ -64,6 +87,10 @@ impl Backend for Cpu {
         w.rows
     }
 
+    fn cols(w: &MatRef<'_>) -> usize {
+        w.cols
+    }
+
     fn matmul(&self, w: &MatRef<'_>, x: &[f32], n: usize, y: &mut Vec<f32>) -> Result<(), Infallible> {
         w.matmul(x, n, y);
         Ok(())
@@ -74,6 +101,26 @@ impl Backend for Cpu {
             *a = silu(*a) * b;
         }
         Ok(())
+    }
+
+    fn rms_norm_rows(&self, x: &[f32], weight: &[f32], n: usize, eps: f32, y: &mut Vec<f32>) -> Result<(), Infallible> {
+        let dim = weight.len();
+        for (xr, yr) in x.chunks_exact(dim).zip(y.chunks_exact_mut(dim)).take(n) {
+            rms_norm(xr, weight, eps, yr);
+        }
+        Ok(())
+    }
+
+    fn take_range(&self, x: Vec<f32>, start: usize, len: usize) -> Result<Vec<f32>, Infallible> {
+        Ok(if start == 0 && len == x.len() {
+            x
+        } else {
+            x[start..start + len].to_vec()
+        })
+    }
+
+    fn host_rows(&self, x: &[f32], width: usize) -> Result<Vec<Vec<f32>>, Infallible> {
+        Ok(x.chunks(width).map(<[f32]>::to_vec).collect())
     }
 }
 
@@ -92,6 +139,10 @@ impl Backend for Gpu {
         w.rows
     }
 
+    fn cols(w: &GpuMat) -> usize {
+        w.cols
+    }
+
     fn matmul(&self, w: &GpuMat, x: &GpuBuf, n: usize, y: &mut GpuBuf) -> Result<(), CudaError> {
         w.matmul(self, x, n, y)
     }
@@ -101,6 +152,22 @@ impl Backend for Gpu {
         self.swiglu(gate, up, &mut out)?;
         *gate = out;
         Ok(())
+    }
+
+    fn rms_norm_rows(&self, x: &GpuBuf, weight: &GpuBuf, n: usize, eps: f32, y: &mut GpuBuf) -> Result<(), CudaError> {
+        self.rms_norm(x, weight, n, eps, false, y)
+    }
+
+    fn take_range(&self, x: GpuBuf, start: usize, len: usize) -> Result<GpuBuf, CudaError> {
+        if start == 0 && len == x.len() {
+            Ok(x)
+        } else {
+            self.copy_range(&x, start, len)
+        }
+    }
+
+    fn host_rows(&self, x: &GpuBuf, width: usize) -> Result<Vec<Vec<f32>>, CudaError> {
+        Ok(self.download(x)?.chunks(width).map(<[f32]>::to_vec).collect())
     }
 }
 
@@ -123,6 +190,31 @@ pub fn swiglu_rows<B: Backend>(
     let mut out = b.zeros(n * B::rows(down))?;
     b.matmul(down, g.borrow(), n, &mut out)?;
     Ok(out)
+}
+
+/// Logits of a prompt chunk: `lm_head(rms_norm(x))` `[vocab]` for every position of
+/// `x: [n, hidden]` (`all_logits`) or for the last one, in host memory. `norm` is `model.norm`
+/// (`[hidden]`, eps `eps`), `lm_head` is `lm_head.weight` `[vocab, hidden]`. Row t equals the
+/// decode step's logits of that position bit for bit (a matmul row is the matvec of that row).
+///
+/// Errors: a backend failure (none on the CPU).
+pub fn chunk_logits<B: Backend>(
+    b: &B,
+    x: B::Buf,
+    n: usize,
+    all_logits: bool,
+    (norm, eps): (&B::Slice, f32),
+    lm_head: &B::Mat<'_>,
+) -> Result<Vec<Vec<f32>>, B::Error> {
+    let h = B::cols(lm_head);
+    let (first, rows) = if all_logits { (0, n) } else { (n - 1, 1) };
+    let xl = b.take_range(x, first * h, rows * h)?;
+    let mut xf = b.zeros(rows * h)?;
+    b.rms_norm_rows(xl.borrow(), norm, rows, eps, &mut xf)?;
+    let vocab = B::rows(lm_head);
+    let mut logits = b.zeros(rows * vocab)?;
+    b.matmul(lm_head, xf.borrow(), rows, &mut logits)?;
+    b.host_rows(logits.borrow(), vocab)
 }
 
 /// The value of a CPU result (its error type has no values).

@@ -22,6 +22,7 @@ use deltafin_format::{DeepseekV3Config, ModelConfig, ModelDir, Rope};
 use deltafin_kernels::{rms_norm, MatRef};
 
 use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaShape, MlaTensorNames, MlaTensors, MlaVariant};
+use crate::compute::{chunk_logits, on_cpu, Cpu};
 use crate::experts::StoreOptions;
 use crate::model::{
     add_into, gather_rows, swiglu, swiglu_batch, BatchOutput, DecodeState, FamilyModel, GluTensorNames, GluTensors,
@@ -475,17 +476,8 @@ impl DeepseekV3 {
         for _ in 0..nt {
             self.routed.count_forward();
         }
-        let norm = bb.vec(&self.w.norm);
-        let lm = bb.mat(&self.w.lm_head);
-        let first = if all_logits { 0 } else { nt - 1 };
-        let mut logits = Vec::with_capacity(nt - first);
-        let mut xf = vec![0f32; h];
-        for t in first..nt {
-            rms_norm(&x[t * h..(t + 1) * h], norm, c.rms_norm_eps, &mut xf);
-            let mut lg = vec![0f32; lm.rows];
-            lm.matvec(&xf, &mut lg);
-            logits.push(lg);
-        }
+        let (norm, lm_head) = (bb.vec(&self.w.norm), bb.mat(&self.w.lm_head));
+        let logits = on_cpu(chunk_logits(&Cpu, x, nt, all_logits, (norm, c.rms_norm_eps), &lm_head));
         Ok(BatchOutput { logits, routes })
     }
 

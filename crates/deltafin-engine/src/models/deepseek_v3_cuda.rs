@@ -36,14 +36,14 @@ use deltafin_cuda::{
 };
 use deltafin_format::{ModelConfig, ModelDir};
 
-use crate::compute::swiglu_rows;
+use crate::compute::{chunk_logits, swiglu_rows};
 use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{BatchOutput, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
 use crate::models::gpu_fetch::{
-    chunk_logits, cuda, download_routings, fetch_gpu_experts, gpu_expert_budget, grouped_swiglu_experts, open_gpu_for,
+    cuda, download_routings, fetch_gpu_experts, gpu_expert_budget, grouped_swiglu_experts, open_gpu_for,
     per_expert_rows, preload_in_file_order, CacheChange, ExpertMajor, GpuLayerCache,
 };
 use crate::models::DeepseekV3;
@@ -895,7 +895,7 @@ impl DeepseekV3Cuda {
             self.cpu.routed.count_forward();
         }
         Ok(BatchOutput {
-            logits: chunk_logits(g, x, n, all_logits, (&self.norm, c.rms_norm_eps), &self.lm_head)?,
+            logits: chunk_logits(&**g, x, n, all_logits, (&self.norm, c.rms_norm_eps), &self.lm_head).map_err(cuda)?,
             routes,
         })
     }

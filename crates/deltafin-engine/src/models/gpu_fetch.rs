@@ -3,7 +3,7 @@
 //! expert cache, misses read through the CPU model's expert store and copied to the device),
 //! filling the cache at start, growing per-layer KV buffers, and the chunk pieces several
 //! families compute alike (the device router's choice read back, the
-//! per-expert path of a chunk's routed experts, the final norm and LM head).
+//! per-expert path of a chunk's routed experts).
 
 use std::sync::Arc;
 
@@ -459,32 +459,4 @@ pub fn per_expert_rows<E>(
         off += rows;
     }
     Ok(())
-}
-
-/// Logits of a chunk: `lm_head(rms_norm(x))` `[vocab]` for every position of `x: [n, hidden]`
-/// (`all_logits`) or for the last one, downloaded.
-///
-/// Errors: a driver failure.
-pub fn chunk_logits(
-    g: &Gpu,
-    x: GpuBuf,
-    n: usize,
-    all_logits: bool,
-    (norm, eps): (&GpuBuf, f32),
-    lm_head: &GpuMat,
-) -> Result<Vec<Vec<f32>>, EngineError> {
-    let h = lm_head.cols;
-    let (first, rows) = if all_logits { (0, n) } else { (n - 1, 1) };
-    let xl = if rows == n {
-        x
-    } else {
-        g.copy_range(&x, first * h, rows * h).map_err(cuda)?
-    };
-    let mut xf = g.zeros(rows * h).map_err(cuda)?;
-    g.rms_norm(&xl, norm, rows, eps, false, &mut xf).map_err(cuda)?;
-    let vocab = lm_head.rows;
-    let mut logits = g.zeros(rows * vocab).map_err(cuda)?;
-    lm_head.matmul(g, &xf, rows, &mut logits).map_err(cuda)?;
-    let flat = g.download(&logits).map_err(cuda)?;
-    Ok(flat.chunks(vocab).map(<[f32]>::to_vec).collect())
 }

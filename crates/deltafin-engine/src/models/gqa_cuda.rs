@@ -52,7 +52,7 @@ use deltafin_format::model_dir::Backbone;
 use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::MatRef;
 
-use crate::compute::swiglu_rows;
+use crate::compute::{chunk_logits, swiglu_rows};
 use crate::device::GpuOptions;
 use crate::experts::Expert;
 use crate::experts::StoreOptions;
@@ -60,8 +60,8 @@ use crate::gpu_experts::{GpuCacheStats, GpuExpertCache};
 use crate::gqa::{GqaAttention, GqaNames};
 use crate::model::{BatchOutput, CausalLm, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::gpu_fetch::{
-    chunk_logits, cuda, download_routings, fetch_gpu_experts_with, gpu_expert_budget, grouped_swiglu_experts,
-    open_gpu_for, per_expert_rows, preload_in_file_order, ExpertMajor, GpuLayerCache,
+    cuda, download_routings, fetch_gpu_experts_with, gpu_expert_budget, grouped_swiglu_experts, open_gpu_for,
+    per_expert_rows, preload_in_file_order, ExpertMajor, GpuLayerCache,
 };
 use crate::moe::Routing;
 use crate::EngineError;
@@ -433,7 +433,7 @@ impl GqaCuda {
         }
         // logits = lm_head(norm(x)) of the last position, or of every position
         Ok(BatchOutput {
-            logits: chunk_logits(g, x, n, all_logits, (&self.norm, self.eps), &self.lm_head)?,
+            logits: chunk_logits(&**g, x, n, all_logits, (&self.norm, self.eps), &self.lm_head).map_err(cuda)?,
             routes,
         })
     }

@@ -24,6 +24,7 @@ use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
 use deltafin_format::{ModelConfig, ModelDir, Rope};
 use deltafin_kernels::{rms_norm, MatRef};
 
+use crate::compute::{chunk_logits, on_cpu, Cpu};
 use crate::experts::StoreOptions;
 use crate::gqa::{Buffers, GqaAttention, GqaDims, GqaNames, GqaWeights, KvCache};
 use crate::model::{softmax_moe, BatchOutput, FamilyModel, LayerRoutes, RoutedExperts};
@@ -379,15 +380,8 @@ impl<F: GqaMlp> GqaLm<F> {
             self.routed.count_forward();
         }
         // logits = lm_head(norm(x)) of the positions asked for
-        let first = if all_logits { 0 } else { nt - 1 };
-        let mut logits = Vec::with_capacity(nt - first);
         let (norm, lm_head) = (bb.vec(&w.norm), bb.mat(&w.lm_head));
-        for t in first..nt {
-            rms_norm(&x[t * h..(t + 1) * h], norm, eps, &mut xn[..h]);
-            let mut lg = vec![0f32; lm_head.rows];
-            lm_head.matvec(&xn[..h], &mut lg);
-            logits.push(lg);
-        }
+        let logits = on_cpu(chunk_logits(&Cpu, x, nt, all_logits, (norm, eps), &lm_head));
         Ok(BatchOutput { logits, routes })
     }
 }
