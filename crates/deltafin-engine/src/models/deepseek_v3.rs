@@ -163,7 +163,7 @@ impl DecodeState for KvCache {
 pub struct DeepseekV3 {
     config: ModelConfig,
     pub cfg: DeepseekV3Config,
-    backbone: Backbone,
+    pub(crate) backbone: Backbone,
     /// Every weight, as handles into `backbone`.
     pub(crate) w: Weights,
     /// The names behind `w`, for the CUDA path's upload.
@@ -226,21 +226,6 @@ impl DeepseekV3 {
             router,
             routed,
         })
-    }
-
-    /// The matrix `name`, looked up by name: for load-time code (the CUDA upload), not for a
-    /// forward pass (which reads [`Self::w`]).
-    ///
-    /// Errors: a missing or malformed tensor (named).
-    pub(crate) fn m(&self, name: &str) -> Result<MatRef<'_>, EngineError> {
-        Ok(self.backbone.matrix(name)?)
-    }
-
-    /// The f32 vector `name`, looked up by name (load-time code, as [`Self::m`]).
-    ///
-    /// Errors: a missing or malformed tensor (named).
-    pub(crate) fn v(&self, name: &str) -> Result<&[f32], EngineError> {
-        Ok(self.backbone.vector(name)?)
     }
 
     /// `model.embed_tokens.weight [vocab_size, hidden]`.

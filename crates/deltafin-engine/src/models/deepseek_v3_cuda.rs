@@ -44,8 +44,9 @@ use crate::model::{BatchOutput, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
 use crate::models::gpu_fetch::{
     cuda, download_routings, fetch_gpu_experts, gpu_expert_budget, grouped_swiglu_experts, open_gpu_for,
-    per_expert_rows, preload_in_file_order, CacheChange, ExpertMajor, GpuLayerCache,
+    per_expert_rows, preload_in_file_order, CacheChange, ExpertMajor, GpuLayerCache, Upload,
 };
+use crate::models::mla_gpu::{MlaGpu, MlaLayout, QProj};
 use crate::models::DeepseekV3;
 use crate::moe::RouterConfig;
 use crate::EngineError;
@@ -70,27 +71,9 @@ fn buf_ptr(g: &Gpu, b: &GpuBuf) -> u64 {
 struct GpuLayer {
     input_layernorm: GpuBuf,
     post_attention_layernorm: GpuBuf,
-    /// `q_a_proj`, `q_a_layernorm`, `q_b_proj` (q-LoRA), or `q_proj` alone.
-    q: QProj,
-    /// `kv_a_proj_with_mqa` rows `[0, kv_lora_rank)`: the latent part.
-    kv_a_latent: GpuMat,
-    /// `kv_a_proj_with_mqa` rows `[kv_lora_rank, kv_lora_rank + rope)`: the shared rope key.
-    kv_a_rope: GpuMat,
-    kv_a_layernorm: GpuBuf,
-    kv_b_proj: GpuMat,
-    o_proj: GpuMat,
+    /// `self_attn.*`.
+    self_attn: MlaGpu,
     mlp: Mlp,
-}
-
-enum QProj {
-    Lora {
-        q_a_proj: GpuMat,
-        q_a_layernorm: GpuBuf,
-        q_b_proj: GpuMat,
-    },
-    Full {
-        q_proj: GpuMat,
-    },
 }
 
 enum Mlp {
@@ -212,23 +195,20 @@ impl DeepseekV3Cuda {
         let backbone = cpu.backbone_bytes() as u64;
         let gpu = open_gpu_for(ordinal, backbone, &cpu.routed.store)?;
         let c = cpu.cfg.clone();
-        let up = |name: &str| -> Result<GpuMat, EngineError> { GpuMat::upload(&gpu, &cpu.m(name)?).map_err(cuda) };
-        let vec = |name: &str| -> Result<GpuBuf, EngineError> { gpu.upload(cpu.v(name)?).map_err(cuda) };
+        let upl = Upload {
+            gpu: &gpu,
+            backbone: &cpu.backbone,
+        };
+        let (up, vec) = (|name: &str| upl.mat(name), |name: &str| upl.vec(name));
+        let mla = MlaLayout {
+            q_lora: c.q_lora_rank.is_some(),
+            kv_lora_rank: c.kv_lora_rank,
+            qk_rope_head_dim: c.qk_rope_head_dim,
+            output_gate: false,
+        };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             let n: &LayerNames = &cpu.names[l];
-            let q = match c.q_lora_rank {
-                Some(_) => QProj::Lora {
-                    q_a_proj: up(&n.self_attn.q_a_proj)?,
-                    q_a_layernorm: vec(&n.self_attn.q_a_layernorm)?,
-                    q_b_proj: up(&n.self_attn.q_b_proj)?,
-                },
-                None => QProj::Full {
-                    q_proj: up(&n.self_attn.q_proj)?,
-                },
-            };
-            let kv_a = cpu.m(&n.self_attn.kv_a_proj_with_mqa)?;
-            let kvl = c.kv_lora_rank;
             let mlp = if c.is_moe_layer(l) {
                 let shared = if c.n_shared_experts > 0 {
                     Some([
@@ -254,12 +234,7 @@ impl DeepseekV3Cuda {
             layers.push(GpuLayer {
                 input_layernorm: vec(&n.input_layernorm)?,
                 post_attention_layernorm: vec(&n.post_attention_layernorm)?,
-                q,
-                kv_a_latent: GpuMat::upload(&gpu, &kv_a.rows(0, kvl)).map_err(cuda)?,
-                kv_a_rope: GpuMat::upload(&gpu, &kv_a.rows(kvl, kvl + c.qk_rope_head_dim)).map_err(cuda)?,
-                kv_a_layernorm: vec(&n.self_attn.kv_a_layernorm)?,
-                kv_b_proj: up(&n.self_attn.kv_b_proj)?,
-                o_proj: up(&n.self_attn.o_proj)?,
+                self_attn: MlaGpu::upload(&upl, &n.self_attn, &mla)?,
                 mlp,
             });
         }
@@ -411,7 +386,7 @@ impl DeepseekV3Cuda {
             one_plus: false,
             out: None,
         };
-        match &lw.q {
+        match &lw.self_attn.q {
             QProj::Lora {
                 q_a_proj,
                 q_a_layernorm,
@@ -422,8 +397,8 @@ impl DeepseekV3Cuda {
                     Some(norm(&lw.input_layernorm)),
                     &mut [
                         set(q_a_proj, &mut w.qa),
-                        set(&lw.kv_a_latent, &mut w.ckv),
-                        set(&lw.kv_a_rope, &mut w.k_pe),
+                        set(&lw.self_attn.kv_a_latent, &mut w.ckv),
+                        set(&lw.self_attn.kv_a_rope, &mut w.k_pe),
                     ],
                 )?;
                 let qn = PreNorm {
@@ -435,7 +410,7 @@ impl DeepseekV3Cuda {
                 // q_b's launch also writes the latent and the rope key into the cache.
                 let prep = MlaPrepArg {
                     ckv_raw: &w.ckv,
-                    norm: &lw.kv_a_layernorm,
+                    norm: &lw.self_attn.kv_a_layernorm,
                     eps: LATENT_NORM_EPS,
                     kpe_raw: &w.k_pe,
                     cs: &w.cs,
@@ -447,19 +422,19 @@ impl DeepseekV3Cuda {
                 };
                 g.mv_jobs_prep(&w.qa, Some(qn), &mut [set(q_b_proj, &mut w.q)], prep)?;
             }
-            QProj::Full { q_proj } => {
+            QProj::Full(q_proj) => {
                 g.mv_jobs(
                     &w.x,
                     Some(norm(&lw.input_layernorm)),
                     &mut [
                         set(q_proj, &mut w.q),
-                        set(&lw.kv_a_latent, &mut w.ckv),
-                        set(&lw.kv_a_rope, &mut w.k_pe),
+                        set(&lw.self_attn.kv_a_latent, &mut w.ckv),
+                        set(&lw.self_attn.kv_a_rope, &mut w.k_pe),
                     ],
                 )?;
                 g.mla_prep(MlaPrepArg {
                     ckv_raw: &w.ckv,
-                    norm: &lw.kv_a_layernorm,
+                    norm: &lw.self_attn.kv_a_layernorm,
                     eps: LATENT_NORM_EPS,
                     kpe_raw: &w.k_pe,
                     cs: &w.cs,
@@ -483,7 +458,7 @@ impl DeepseekV3Cuda {
             &w.q,
             c_kv,
             k_pe,
-            &lw.kv_b_proj,
+            &lw.self_attn.kv_b_proj,
             pos + 1,
             self.cpu.softmax_scale,
             Some((&w.cs, interleaved)),
@@ -495,7 +470,7 @@ impl DeepseekV3Cuda {
             &w.heads,
             None,
             &mut [MvJob {
-                a: &lw.o_proj,
+                a: &lw.self_attn.o_proj,
                 b: None,
                 kind: MvKind::Add,
                 y: &mut w.x,
@@ -925,7 +900,7 @@ impl DeepseekV3Cuda {
         let t0 = cache.len;
         let [cached_latents, cached_rope_keys] = cache.layer_mut(l);
         let mut q = g.zeros(n * nh * qk)?;
-        match &lw.q {
+        match &lw.self_attn.q {
             QProj::Lora {
                 q_a_proj,
                 q_a_layernorm,
@@ -937,15 +912,22 @@ impl DeepseekV3Cuda {
                 g.rms_norm(&qa, q_a_layernorm, n, LATENT_NORM_EPS, false, &mut qan)?;
                 q_b_proj.matmul(g, &qan, n, &mut q)?;
             }
-            QProj::Full { q_proj } => q_proj.matmul(g, xn, n, &mut q)?,
+            QProj::Full(q_proj) => q_proj.matmul(g, xn, n, &mut q)?,
         }
         g.rope_tokens(&mut q, n, nh, qk, nope, cs, half, self.cpu.rope.interleaved)?;
         let mut ckv = g.zeros(n * kvl)?;
-        lw.kv_a_latent.matmul(g, xn, n, &mut ckv)?;
+        lw.self_attn.kv_a_latent.matmul(g, xn, n, &mut ckv)?;
         let mut latent = g.zeros(n * kvl)?;
-        g.rms_norm(&ckv, &lw.kv_a_layernorm, n, LATENT_NORM_EPS, false, &mut latent)?;
+        g.rms_norm(
+            &ckv,
+            &lw.self_attn.kv_a_layernorm,
+            n,
+            LATENT_NORM_EPS,
+            false,
+            &mut latent,
+        )?;
         let mut k_pe = g.zeros(n * rope)?;
-        lw.kv_a_rope.matmul(g, xn, n, &mut k_pe)?;
+        lw.self_attn.kv_a_rope.matmul(g, xn, n, &mut k_pe)?;
         g.rope_tokens(&mut k_pe, n, 1, rope, 0, cs, half, self.cpu.rope.interleaved)?;
         g.copy_into(&latent, cached_latents, t0 * kvl)?;
         g.copy_into(&k_pe, cached_rope_keys, t0 * rope)?;
@@ -968,11 +950,11 @@ impl DeepseekV3Cuda {
             .mla()
             .decompressed_for(&self.cpu.mla_shape(), n, t0)
             && g.mla_decompressed_fits(shape)
-            && t * lw.kv_b_proj.rows * 4 <= DECOMPRESSED_KV_BYTES;
+            && t * lw.self_attn.kv_b_proj.rows * 4 <= DECOMPRESSED_KV_BYTES;
         if decompressed {
             let latents = g.copy_range(cached_latents, 0, t * kvl)?;
-            let mut kv = g.zeros(t * lw.kv_b_proj.rows)?;
-            lw.kv_b_proj.matmul(g, &latents, t, &mut kv)?;
+            let mut kv = g.zeros(t * lw.self_attn.kv_b_proj.rows)?;
+            lw.self_attn.kv_b_proj.matmul(g, &latents, t, &mut kv)?;
             g.mla_prefill_decompressed(
                 shape,
                 &q,
@@ -984,7 +966,7 @@ impl DeepseekV3Cuda {
                 &mut heads,
             )?;
             let mut out = g.zeros(n * c.hidden_size)?;
-            lw.o_proj.matmul(g, &heads, n, &mut out)?;
+            lw.self_attn.o_proj.matmul(g, &heads, n, &mut out)?;
             return Ok(out);
         }
         // Token groups whose MLA scratch fits PREFILL_SCORE_BYTES; each group a launch.
@@ -1001,7 +983,7 @@ impl DeepseekV3Cuda {
                 &qg,
                 cached_latents,
                 cached_rope_keys,
-                &lw.kv_b_proj,
+                &lw.self_attn.kv_b_proj,
                 t0 + j0,
                 m,
                 self.cpu.softmax_scale,
@@ -1012,7 +994,7 @@ impl DeepseekV3Cuda {
             j0 += m;
         }
         let mut out = g.zeros(n * c.hidden_size)?;
-        lw.o_proj.matmul(g, &heads, n, &mut out)?;
+        lw.self_attn.o_proj.matmul(g, &heads, n, &mut out)?;
         Ok(out)
     }
 

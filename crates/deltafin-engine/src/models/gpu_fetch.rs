@@ -9,6 +9,8 @@ use std::sync::Arc;
 
 use deltafin_cuda::{CudaError, CudaSlice, Gpu, GpuBuf, GpuMat};
 
+use deltafin_format::model_dir::Backbone;
+
 use crate::experts::{ExpertStore, HostPin};
 use crate::gpu_experts::{GpuExpert, GpuExpertCache};
 use crate::model::DecodeState;
@@ -40,6 +42,36 @@ pub fn open_gpu_for(ordinal: usize, backbone: u64, store: &ExpertStore) -> Resul
     }
     store.set_host_pin(Arc::new(CudaHostPin(gpu.clone())));
     Ok(gpu)
+}
+
+/// Load-time uploads of backbone tensors to the device, looked up by checkpoint name (never in a
+/// forward pass).
+pub struct Upload<'a> {
+    pub gpu: &'a Gpu,
+    pub backbone: &'a Backbone,
+}
+
+impl Upload<'_> {
+    /// The matrix `name`.
+    ///
+    /// Errors: a missing or malformed tensor (named); a driver failure.
+    pub fn mat(&self, name: &str) -> Result<GpuMat, EngineError> {
+        GpuMat::upload(self.gpu, &self.backbone.matrix(name)?).map_err(cuda)
+    }
+
+    /// Rows `[start, end)` of the matrix `name`.
+    ///
+    /// Errors: as [`Upload::mat`]. Panics when the range is outside the matrix.
+    pub fn mat_rows(&self, name: &str, start: usize, end: usize) -> Result<GpuMat, EngineError> {
+        GpuMat::upload(self.gpu, &self.backbone.matrix(name)?.rows(start, end)).map_err(cuda)
+    }
+
+    /// The f32 vector `name`.
+    ///
+    /// Errors: as [`Upload::mat`].
+    pub fn vec(&self, name: &str) -> Result<GpuBuf, EngineError> {
+        self.gpu.upload(self.backbone.vector(name)?).map_err(cuda)
+    }
 }
 
 /// The expert store's [`HostPin`] on a CUDA device: `cuMemHostRegister` when a record buffer is

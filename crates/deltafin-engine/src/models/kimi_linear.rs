@@ -375,21 +375,6 @@ impl KimiLinear {
         Ok(model)
     }
 
-    /// The matrix `name`, looked up by name: for load-time code (the CUDA upload), not for a
-    /// forward pass (which reads [`Self::w`]).
-    ///
-    /// Errors: a missing or malformed tensor (named).
-    pub(crate) fn m(&self, name: &str) -> Result<MatRef<'_>, EngineError> {
-        Ok(self.backbone.matrix(name)?)
-    }
-
-    /// The f32 vector `name`, looked up by name (load-time code, as [`Self::m`]).
-    ///
-    /// Errors: a missing or malformed tensor (named).
-    pub(crate) fn v(&self, name: &str) -> Result<&[f32], EngineError> {
-        Ok(self.backbone.vector(name)?)
-    }
-
     /// `model.embed_tokens.weight [vocab_size, hidden]`.
     pub(crate) fn embed_tokens(&self) -> MatRef<'_> {
         self.backbone.mat(&self.w.embed_tokens)

@@ -51,8 +51,11 @@ use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{token_at_a_time, BatchOutput, DecodeState, FamilyModel, LayerRoutes, RoutedExperts};
-use crate::models::gpu_fetch::{cuda, fetch_gpu_experts, gpu_expert_budget, open_gpu_for, preload_in_file_order};
+use crate::models::gpu_fetch::{
+    cuda, fetch_gpu_experts, gpu_expert_budget, open_gpu_for, preload_in_file_order, Upload,
+};
 use crate::models::kimi_linear::{KimiLinear, LayerNames, KDA_ROLLBACK_WINDOW, LATENT_NORM_EPS};
+use crate::models::mla_gpu::{MlaGpu, MlaLayout, QProj};
 use crate::moe::{route, RouterConfig, Routing};
 use crate::EngineError;
 
@@ -80,28 +83,6 @@ struct KdaGpu {
     gate: OutGate,
     /// `[d]`.
     o_norm: GpuBuf,
-    o_proj: GpuMat,
-}
-
-enum QProj {
-    Lora {
-        q_a_proj: GpuMat,
-        q_a_layernorm: GpuBuf,
-        q_b_proj: GpuMat,
-    },
-    Full(GpuMat),
-}
-
-/// One NoPE MLA layer's weights on the device.
-struct MlaGpu {
-    q: QProj,
-    /// `kv_a_proj_with_mqa` rows `[0, kv_lora_rank)` and `[kv_lora_rank, + rope)`.
-    kv_a_latent: GpuMat,
-    kv_a_rope: GpuMat,
-    kv_a_layernorm: GpuBuf,
-    kv_b_proj: GpuMat,
-    /// K3's output gate `g_proj` `[n_heads * v_head_dim, hidden]` (`mla_use_output_gate`).
-    g_proj: Option<GpuMat>,
     o_proj: GpuMat,
 }
 
@@ -390,8 +371,17 @@ impl KimiLinearCuda {
         let backbone = cpu.backbone_bytes() as u64;
         let gpu = open_gpu_for(ordinal, backbone, &cpu.routed.store)?;
         let c = cpu.cfg.clone();
-        let up = |name: &str| -> Result<GpuMat, EngineError> { GpuMat::upload(&gpu, &cpu.m(name)?).map_err(cuda) };
-        let vec = |name: &str| -> Result<GpuBuf, EngineError> { gpu.upload(cpu.v(name)?).map_err(cuda) };
+        let upl = Upload {
+            gpu: &gpu,
+            backbone: &cpu.backbone,
+        };
+        let (up, vec) = (|name: &str| upl.mat(name), |name: &str| upl.vec(name));
+        let mla = MlaLayout {
+            q_lora: c.q_lora_rank.is_some(),
+            kv_lora_rank: c.kv_lora_rank,
+            qk_rope_head_dim: c.qk_rope_head_dim,
+            output_gate: c.mla_use_output_gate,
+        };
         let flat =
             |name: &str| -> Result<GpuBuf, EngineError> { gpu.upload(cpu.backbone.f32_tensor(name)?.0).map_err(cuda) };
         let fused = |scores: &[f32]| gpu.upload(scores).map_err(cuda);
@@ -420,30 +410,7 @@ impl KimiLinearCuda {
                         o_proj: up(&k.o_proj)?,
                     }))
                 }
-                MixerKind::Mla => {
-                    let kv_a = cpu.m(&n.mla.kv_a_proj_with_mqa)?;
-                    let kvl = c.kv_lora_rank;
-                    Mixer::Mla(Box::new(MlaGpu {
-                        q: match c.q_lora_rank {
-                            Some(_) => QProj::Lora {
-                                q_a_proj: up(&n.mla.q_a_proj)?,
-                                q_a_layernorm: vec(&n.mla.q_a_layernorm)?,
-                                q_b_proj: up(&n.mla.q_b_proj)?,
-                            },
-                            None => QProj::Full(up(&n.mla.q_proj)?),
-                        },
-                        kv_a_latent: GpuMat::upload(&gpu, &kv_a.rows(0, kvl)).map_err(cuda)?,
-                        kv_a_rope: GpuMat::upload(&gpu, &kv_a.rows(kvl, kvl + c.qk_rope_head_dim)).map_err(cuda)?,
-                        kv_a_layernorm: vec(&n.mla.kv_a_layernorm)?,
-                        kv_b_proj: up(&n.mla.kv_b_proj)?,
-                        g_proj: if c.mla_use_output_gate {
-                            Some(up(&n.mla.g_proj)?)
-                        } else {
-                            None
-                        },
-                        o_proj: up(&n.mla.o_proj)?,
-                    }))
-                }
+                MixerKind::Mla => Mixer::Mla(Box::new(MlaGpu::upload(&upl, &n.mla, &mla)?)),
             };
             let ffn = if c.is_moe_layer(l) {
                 Ffn::Moe {

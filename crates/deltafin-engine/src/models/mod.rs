@@ -10,6 +10,7 @@ pub mod gqa_lm;
 pub mod kimi_linear;
 pub mod kimi_linear_cuda;
 pub mod mixtral;
+pub(crate) mod mla_gpu;
 pub mod qwen3_moe;
 pub mod qwen3_next;
 
