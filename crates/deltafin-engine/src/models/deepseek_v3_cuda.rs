@@ -46,7 +46,7 @@ use crate::models::gpu_fetch::{
     cuda, download_routings, fetch_gpu_experts, gpu_expert_budget, grouped_swiglu_experts, open_gpu_for,
     per_expert_rows, preload_in_file_order, CacheChange, ExpertMajor, GpuLayerCache, Upload,
 };
-use crate::models::mla_gpu::{MlaGpu, MlaLayout, QProj};
+use crate::models::mla_gpu::{MlaGpu, QProj};
 use crate::models::DeepseekV3;
 use crate::moe::RouterConfig;
 use crate::EngineError;
@@ -200,12 +200,6 @@ impl DeepseekV3Cuda {
             backbone: &cpu.backbone,
         };
         let (up, vec) = (|name: &str| upl.mat(name), |name: &str| upl.vec(name));
-        let mla = MlaLayout {
-            q_lora: c.q_lora_rank.is_some(),
-            kv_lora_rank: c.kv_lora_rank,
-            qk_rope_head_dim: c.qk_rope_head_dim,
-            output_gate: false,
-        };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             let n: &LayerNames = &cpu.names[l];
@@ -234,7 +228,7 @@ impl DeepseekV3Cuda {
             layers.push(GpuLayer {
                 input_layernorm: vec(&n.input_layernorm)?,
                 post_attention_layernorm: vec(&n.post_attention_layernorm)?,
-                self_attn: MlaGpu::upload(&upl, &n.self_attn, &mla)?,
+                self_attn: MlaGpu::upload(&upl, &cpu.w.layers[l].self_attn, c.kv_lora_rank, c.qk_rope_head_dim)?,
                 mlp,
             });
         }

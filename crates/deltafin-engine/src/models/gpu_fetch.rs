@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use deltafin_cuda::{CudaError, CudaSlice, Gpu, GpuBuf, GpuMat};
 
-use deltafin_format::model_dir::Backbone;
+use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
+use deltafin_kernels::MatRef;
 
 use crate::experts::{ExpertStore, HostPin};
 use crate::gpu_experts::{GpuExpert, GpuExpertCache};
@@ -59,11 +60,25 @@ impl Upload<'_> {
         GpuMat::upload(self.gpu, &self.backbone.matrix(name)?).map_err(cuda)
     }
 
-    /// Rows `[start, end)` of the matrix `name`.
+    /// The matrix a load-time handle names.
     ///
-    /// Errors: as [`Upload::mat`]. Panics when the range is outside the matrix.
-    pub fn mat_rows(&self, name: &str, start: usize, end: usize) -> Result<GpuMat, EngineError> {
-        GpuMat::upload(self.gpu, &self.backbone.matrix(name)?.rows(start, end)).map_err(cuda)
+    /// Errors: a driver failure.
+    pub fn mat_of(&self, h: &MatHandle) -> Result<GpuMat, EngineError> {
+        self.matrix(&self.backbone.mat(h))
+    }
+
+    /// The vector a load-time handle names.
+    ///
+    /// Errors: a driver failure.
+    pub fn vec_of(&self, h: &VecHandle) -> Result<GpuBuf, EngineError> {
+        self.gpu.upload(self.backbone.vec(h)).map_err(cuda)
+    }
+
+    /// `m` (a view of this backbone, or of part of it).
+    ///
+    /// Errors: a driver failure.
+    pub fn matrix(&self, m: &MatRef<'_>) -> Result<GpuMat, EngineError> {
+        GpuMat::upload(self.gpu, m).map_err(cuda)
     }
 
     /// The f32 vector `name`.

@@ -55,7 +55,7 @@ use crate::models::gpu_fetch::{
     cuda, fetch_gpu_experts, gpu_expert_budget, open_gpu_for, preload_in_file_order, Upload,
 };
 use crate::models::kimi_linear::{KimiLinear, LayerNames, KDA_ROLLBACK_WINDOW, LATENT_NORM_EPS};
-use crate::models::mla_gpu::{MlaGpu, MlaLayout, QProj};
+use crate::models::mla_gpu::{MlaGpu, QProj};
 use crate::moe::{route, RouterConfig, Routing};
 use crate::EngineError;
 
@@ -376,12 +376,6 @@ impl KimiLinearCuda {
             backbone: &cpu.backbone,
         };
         let (up, vec) = (|name: &str| upl.mat(name), |name: &str| upl.vec(name));
-        let mla = MlaLayout {
-            q_lora: c.q_lora_rank.is_some(),
-            kv_lora_rank: c.kv_lora_rank,
-            qk_rope_head_dim: c.qk_rope_head_dim,
-            output_gate: c.mla_use_output_gate,
-        };
         let flat =
             |name: &str| -> Result<GpuBuf, EngineError> { gpu.upload(cpu.backbone.f32_tensor(name)?.0).map_err(cuda) };
         let fused = |scores: &[f32]| gpu.upload(scores).map_err(cuda);
@@ -410,7 +404,14 @@ impl KimiLinearCuda {
                         o_proj: up(&k.o_proj)?,
                     }))
                 }
-                MixerKind::Mla => Mixer::Mla(Box::new(MlaGpu::upload(&upl, &n.mla, &mla)?)),
+                MixerKind::Mla => {
+                    let crate::models::kimi_linear::Mixer::Mla(t) = &cpu.w.layers[l].self_attn else {
+                        return Err(EngineError::Invalid(format!(
+                            "layer {l}: the CPU model has no MLA here"
+                        )));
+                    };
+                    Mixer::Mla(Box::new(MlaGpu::upload(&upl, t, c.kv_lora_rank, c.qk_rope_head_dim)?))
+                }
             };
             let ffn = if c.is_moe_layer(l) {
                 Ffn::Moe {

@@ -1,10 +1,10 @@
 //! One MLA layer's weights on the device, as DeepSeek-V3 / Kimi K2 and the MLA layers of Kimi
-//! Linear / K3 run them on CUDA, uploaded once from the checkpoint names of `blocks/mla.rs`
-//! ([`MlaTensorNames`]). Source: DeepSeek-V2 §2.1 (MLA); transformers' `DeepseekV3Attention`.
+//! Linear / K3 run them on CUDA, uploaded once from the tensors the CPU model resolved at load
+//! (`blocks/mla.rs`'s [`MlaTensors`]). Source: DeepSeek-V2 §2.1 (MLA); transformers' `DeepseekV3Attention`.
 
 use deltafin_cuda::{GpuBuf, GpuMat};
 
-use crate::blocks::mla::MlaTensorNames;
+use crate::blocks::mla::{MlaQueryTensors, MlaTensors};
 use crate::models::gpu_fetch::Upload;
 use crate::EngineError;
 
@@ -33,38 +33,39 @@ pub(crate) struct MlaGpu {
     pub(crate) o_proj: GpuMat,
 }
 
-/// What decides which MLA tensors a layer has and how `kv_a_proj_with_mqa` splits.
-pub(crate) struct MlaLayout {
-    /// `q_lora_rank` is set (q-LoRA) rather than a plain `q_proj`.
-    pub(crate) q_lora: bool,
-    pub(crate) kv_lora_rank: usize,
-    pub(crate) qk_rope_head_dim: usize,
-    /// `mla_use_output_gate` (K3).
-    pub(crate) output_gate: bool,
-}
-
 impl MlaGpu {
-    /// Uploads the layer named by `n` through `up`.
+    /// Uploads the layer whose tensors the CPU model resolved at load (`t`, handles into
+    /// `up.backbone`); `kv_a_proj_with_mqa` splits at `kv_lora_rank` (its last
+    /// `qk_rope_head_dim` rows are the rope key).
     ///
-    /// Errors: a missing or malformed tensor (named); a driver failure.
-    pub(crate) fn upload(up: &Upload<'_>, n: &MlaTensorNames, layout: &MlaLayout) -> Result<Self, EngineError> {
-        let (kvl, rope) = (layout.kv_lora_rank, layout.qk_rope_head_dim);
+    /// Errors: a driver failure.
+    pub(crate) fn upload(
+        up: &Upload<'_>,
+        t: &MlaTensors,
+        kv_lora_rank: usize,
+        qk_rope_head_dim: usize,
+    ) -> Result<Self, EngineError> {
+        let kv_a = up.backbone.mat(&t.kv_a_proj_with_mqa);
+        let kv_end = kv_lora_rank + qk_rope_head_dim;
         Ok(Self {
-            q: if layout.q_lora {
-                QProj::Lora {
-                    q_a_proj: up.mat(&n.q_a_proj)?,
-                    q_a_layernorm: up.vec(&n.q_a_layernorm)?,
-                    q_b_proj: up.mat(&n.q_b_proj)?,
-                }
-            } else {
-                QProj::Full(up.mat(&n.q_proj)?)
+            q: match &t.query {
+                MlaQueryTensors::Lora {
+                    q_a_proj,
+                    q_a_layernorm,
+                    q_b_proj,
+                } => QProj::Lora {
+                    q_a_proj: up.mat_of(q_a_proj)?,
+                    q_a_layernorm: up.vec_of(q_a_layernorm)?,
+                    q_b_proj: up.mat_of(q_b_proj)?,
+                },
+                MlaQueryTensors::Plain { q_proj } => QProj::Full(up.mat_of(q_proj)?),
             },
-            kv_a_latent: up.mat_rows(&n.kv_a_proj_with_mqa, 0, kvl)?,
-            kv_a_rope: up.mat_rows(&n.kv_a_proj_with_mqa, kvl, kvl + rope)?,
-            kv_a_layernorm: up.vec(&n.kv_a_layernorm)?,
-            kv_b_proj: up.mat(&n.kv_b_proj)?,
-            g_proj: layout.output_gate.then(|| up.mat(&n.g_proj)).transpose()?,
-            o_proj: up.mat(&n.o_proj)?,
+            kv_a_latent: up.matrix(&kv_a.rows(0, kv_lora_rank))?,
+            kv_a_rope: up.matrix(&kv_a.rows(kv_lora_rank, kv_end))?,
+            kv_a_layernorm: up.vec_of(&t.kv_a_layernorm)?,
+            kv_b_proj: up.mat_of(&t.kv_b_proj)?,
+            g_proj: t.g_proj.as_ref().map(|g| up.mat_of(g)).transpose()?,
+            o_proj: up.mat_of(&t.o_proj)?,
         })
     }
 }
