@@ -26,7 +26,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::agent::{template_extra, Reply, ReplyParser};
+use crate::agent::{template_vars, Reply, ReplyParser};
 use crate::body::parse_body;
 use crate::chat_messages;
 use crate::error::{ApiError, Flavor};
@@ -232,7 +232,7 @@ pub async fn count_tokens(State(s): State<Shared>, body: Result<Bytes, BytesReje
         let (tools, _, _) = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
         let thinking = check_thinking(r.thinking.as_ref())?;
         let messages = chat_messages::anthropic_messages(&r.messages, r.system.as_ref())?;
-        let extra = template_extra(&s, None, "", tools, thinking, None, "")?;
+        let extra = template_vars(s.family, None, "", tools, thinking, None, "")?;
         // The queue place taken for rendering is given back at once (nothing is generated).
         let (_ticket, prompt) = chat_prompt(&s, messages, extra).await?;
         Ok::<_, ApiError>(Json(json!({"input_tokens": prompt.ids.len()})).into_response())
@@ -251,7 +251,7 @@ async fn run(s: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response,
     let sampling = sampling(r.temperature, r.top_p, r.top_k, None, 1.0)?;
     let stops = stop_strings(r.stop_sequences.as_ref(), "stop_sequences")?;
     let messages = chat_messages::anthropic_messages(&r.messages, r.system.as_ref())?;
-    let extra = template_extra(&s, None, "", tools.clone(), thinking, None, "")?;
+    let extra = template_vars(s.family, None, "", tools.clone(), thinking, None, "")?;
     let (ticket, rendered) = chat_prompt(&s, messages, extra).await?;
     let (constraint, family) = match (forced, &tools) {
         (Some((f, parallel)), Some(t)) => {

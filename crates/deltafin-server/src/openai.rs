@@ -23,7 +23,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::agent::{template_extra, Reply, ReplyParser};
+use crate::agent::{template_vars, Reply, ReplyParser};
 use crate::body::parse_body;
 use crate::chat_messages;
 use crate::error::{ApiError, Flavor};
@@ -512,8 +512,8 @@ pub async fn chat_completions(
     }
     let parallel = r.parallel_tool_calls.as_ref().and_then(Value::as_bool).unwrap_or(true);
     let messages = chat_messages::openai_messages(r.messages.as_deref().unwrap_or(&[]))?;
-    let extra = template_extra(
-        &s,
+    let extra = template_vars(
+        s.family,
         r.chat_template_kwargs.as_ref(),
         "chat_template_kwargs",
         tools.clone(),
