@@ -13,7 +13,7 @@ use deltafin_format::{ModelDir, StoredDtype};
 use serde_json::Value;
 
 mod common;
-use common::{ids, read_json, rel_l2_f32};
+use common::{greedy, ids, read_json, rel_l2_f32};
 
 fn cases(family: &str) -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -123,11 +123,8 @@ fn run_chunked(
         .iter()
         .map(|p| {
             let opts = GenerateOptions {
-                max_new_tokens: ids(&p["generated_ids"]).len(),
-                ignore_eos: true,
-                record_logits: true,
                 prefill_chunk,
-                ..Default::default()
+                ..greedy(ids(&p["generated_ids"]).len())
             };
             let out = generate(model.as_ref(), &ids(&p["prompt_ids"]), &opts, |_| true).unwrap();
             (out.generated_ids, out.step_logits)
@@ -561,11 +558,8 @@ fn k3_tiny_on_cuda_matches_the_cpu_and_rolls_back_exactly() {
     let steps = |device: Device, prefill_chunk: usize| {
         let (model, _) = load_model_on(&dir, StoreOptions::new(1 << 30), device, GpuOptions::default()).unwrap();
         let opts = GenerateOptions {
-            max_new_tokens: 16,
-            ignore_eos: true,
-            record_logits: true,
             prefill_chunk,
-            ..Default::default()
+            ..greedy(16)
         };
         let prompt: Vec<u32> = (3..40).collect();
         let out = generate(model.as_ref(), &prompt, &opts, |_| true).unwrap();

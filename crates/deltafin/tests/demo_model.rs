@@ -18,7 +18,7 @@ use deltafin_format::ModelDir;
 use serde_json::Value;
 
 mod common;
-use common::{floats, ids, read_json, rel_l2_f32};
+use common::{floats, greedy, ids, read_json, rel_l2_f32};
 
 /// Relative L2 error allowed between our logits and the reference's (as the lossless layout in
 /// tests/reference_fixtures.rs).
@@ -48,12 +48,8 @@ fn trained_demo_model_matches_transformers() {
         let want = ids(&p["generated_ids"]);
         let trace = tmp.path().join(format!("p{pi}.routes"));
         let opts = GenerateOptions {
-            max_new_tokens: want.len(),
-            eos_token_ids: vec![],
-            ignore_eos: true,
-            record_logits: true,
             trace_routes: Some(trace.clone()),
-            ..Default::default()
+            ..greedy(want.len())
         };
         let got = generate(model.as_ref(), &prompt, &opts, |_| true).unwrap();
         assert_eq!(got.generated_ids, want, "prompt {pi}: greedy ids");

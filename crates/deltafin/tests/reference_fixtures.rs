@@ -18,7 +18,7 @@ use deltafin_format::{ModelDir, StoredDtype};
 use serde_json::Value;
 
 mod common;
-use common::{floats, ids, read_json, rel_l2_f32};
+use common::{floats, greedy, ids, read_json, rel_l2_f32};
 
 /// Relative L2 error allowed in the lossless layout (issue #2).
 const LOSSLESS_REL_L2: f64 = 1e-4;
@@ -50,18 +50,6 @@ fn family_cases(family: &str, min: usize) -> Vec<PathBuf> {
 
 fn cases() -> Vec<PathBuf> {
     family_cases("deepseek_v3", 3)
-}
-
-/// Greedy generation of `n` tokens, past any end-of-sequence id, recording the step logits.
-fn greedy(n: usize) -> GenerateOptions {
-    GenerateOptions {
-        max_new_tokens: n,
-        eos_token_ids: vec![],
-        ignore_eos: true,
-        record_logits: true,
-        trace_routes: None,
-        ..Default::default()
-    }
 }
 
 /// `case` converted with `backbone` / `experts` into a model directory inside a temporary

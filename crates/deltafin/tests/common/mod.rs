@@ -187,3 +187,15 @@ pub fn rel_l2(a: &[f64], reference: &[f64]) -> f64 {
 pub fn rel_l2_f32(a: &[f32], reference: &[f64]) -> f64 {
     rel_l2(&a.iter().map(|&x| f64::from(x)).collect::<Vec<_>>(), reference)
 }
+
+/// Greedy generation of `n` tokens, past any end-of-sequence id, recording the step logits.
+pub fn greedy(n: usize) -> deltafin_engine::generate::GenerateOptions {
+    deltafin_engine::generate::GenerateOptions {
+        max_new_tokens: n,
+        eos_token_ids: vec![],
+        ignore_eos: true,
+        record_logits: true,
+        trace_routes: None,
+        ..Default::default()
+    }
+}
