@@ -20,7 +20,7 @@ use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest};
+use deltafin_engine::session::{Delta, FinishReason, GenerationOutput, GenerationRequest};
 use futures_util::stream::Stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -405,12 +405,6 @@ impl StreamState {
             }
         }
     }
-
-    fn fail(&mut self, message: &str) {
-        let e = ApiError::internal(message).anthropic().body();
-        self.push("error", e);
-        self.out.done = true;
-    }
 }
 
 impl JobStream for StreamState {
@@ -418,37 +412,40 @@ impl JobStream for StreamState {
         &mut self.out
     }
 
-    fn on_event(&mut self, ev: Option<JobEvent>) {
-        match ev {
-            Some(JobEvent::Delta(d)) => match self.parser.as_mut() {
-                Some(p) => {
-                    let events = p.push(&d.text);
-                    self.on_parsed(events);
-                }
-                None if !d.text.is_empty() => self.delta(0, json!({"type": "text_delta", "text": d.text})),
-                None => {}
-            },
-            Some(JobEvent::Done(Ok(out))) => {
-                if let Some(p) = self.parser.as_mut() {
-                    let events = p.finish();
-                    self.on_parsed(events);
-                    if self.blocks == 0 {
-                        self.block("text", json!({"type": "text", "text": ""}));
-                    }
-                }
-                self.close_block();
-                let (reason, seq) = stop_reason(&out, &self.stops, self.called);
-                self.push(
-                    "message_delta",
-                    json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                           "usage": {"output_tokens": out.generated_ids.len()}}),
-                );
-                self.push("message_stop", json!({"type": "message_stop"}));
-                self.out.done = true;
+    fn on_delta(&mut self, d: Delta) {
+        match self.parser.as_mut() {
+            Some(p) => {
+                let events = p.push(&d.text);
+                self.on_parsed(events);
             }
-            Some(JobEvent::Done(Err(e))) => self.fail(&format!("generation failed: {e}")),
-            None => self.fail("the generation ended without a result"),
+            None if !d.text.is_empty() => self.delta(0, json!({"type": "text_delta", "text": d.text})),
+            None => {}
         }
+    }
+
+    fn on_done(&mut self, out: GenerationOutput) {
+        if let Some(p) = self.parser.as_mut() {
+            let events = p.finish();
+            self.on_parsed(events);
+            if self.blocks == 0 {
+                self.block("text", json!({"type": "text", "text": ""}));
+            }
+        }
+        self.close_block();
+        let (reason, seq) = stop_reason(&out, &self.stops, self.called);
+        self.push(
+            "message_delta",
+            json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                   "usage": {"output_tokens": out.generated_ids.len()}}),
+        );
+        self.push("message_stop", json!({"type": "message_stop"}));
+        self.out.done = true;
+    }
+
+    fn fail(&mut self, message: &str) {
+        let e = ApiError::internal(message).anthropic().body();
+        self.push("error", e);
+        self.out.done = true;
     }
 }
 
