@@ -6,9 +6,10 @@
 //! family's config and answers through this trait.
 //!
 //! Also what several families share, so that each family file says only what is specific to
-//! it: the table builders (`decoder_backbone`, GQA and MLA attention, gated MLPs, GLU experts),
-//! the checks of GQA heads, top-k, group-limited routing and dense layers, and
-//! `family_items!`, the `impl Family` items every family answers alike.
+//! it: the table builders (`decoder_backbone`, GQA and MLA attention, gated MLPs, the sigmoid
+//! router and shared experts of DeepSeek-V3 and Kimi, GLU experts), the checks of GQA heads,
+//! top-k, group-limited routing and dense layers, and `family_items!`, the `impl Family` items
+//! every family answers alike.
 
 use std::path::Path;
 
