@@ -30,7 +30,7 @@ use serde_json::Value;
 
 use crate::quantization::{CtGroup, SourceQuantization};
 use crate::source_dtypes::{self, Mxfp4Source, ScaleDtype};
-use crate::FormatError;
+use crate::{io_err, FormatError};
 
 /// Name prefixes of non-text towers in multimodal checkpoints (Kimi K2.5 etc.): skipped.
 const IGNORED_PREFIXES: &[&str] = &[
@@ -141,13 +141,6 @@ pub struct Checkpoint {
     pub skipped: Vec<String>,
 }
 
-fn io_err(path: &Path, e: std::io::Error) -> FormatError {
-    FormatError::Io {
-        path: path.to_path_buf(),
-        error: e,
-    }
-}
-
 impl Checkpoint {
     /// Opens the safetensors files of a checkpoint directory and validates their headers.
     ///
@@ -164,7 +157,7 @@ impl Checkpoint {
         let index_path = dir.join("model.safetensors.index.json");
         let mut weight_map: Option<HashMap<String, String>> = None;
         let files: Vec<String> = if index_path.exists() {
-            let text = deltafin_fs::read_to_string(&index_path).map_err(|e| io_err(&index_path, e))?;
+            let text = deltafin_fs::read_to_string(&index_path).map_err(io_err(&index_path))?;
             let v: Value = serde_json::from_str(&text).map_err(|e| FormatError::Json {
                 path: index_path.clone(),
                 message: e.to_string(),
@@ -202,7 +195,7 @@ impl Checkpoint {
             files
         } else {
             let mut files: Vec<String> = std::fs::read_dir(dir)
-                .map_err(|e| io_err(dir, e))?
+                .map_err(io_err(dir))?
                 .filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
                 .filter(|n| n.ends_with(".safetensors"))
@@ -227,7 +220,7 @@ impl Checkpoint {
         let mut skipped = Vec::new();
         for (si, fname) in files.iter().enumerate() {
             let path = dir.join(fname);
-            let file = deltafin_fs::open_regular(&path).map_err(|e| io_err(&path, e))?;
+            let file = deltafin_fs::open_regular(&path).map_err(io_err(&path))?;
             let entries = read_header(&path, &file)?;
             for mut e in entries {
                 e.shard = si;
@@ -507,7 +500,7 @@ fn read_bytes(shards: &[Shard], e: &TensorEntry) -> Result<Vec<u8>, FormatError>
     shard
         .file
         .read_exact_at(&mut bytes, e.offset)
-        .map_err(|err| io_err(&shard.path, err))?;
+        .map_err(io_err(&shard.path))?;
     Ok(bytes)
 }
 
@@ -591,7 +584,7 @@ fn resolve_quantized(
                     SourceQuantization::from_config(&raw, &cfg_path)?
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-                Err(e) => return Err(io_err(&cfg_path, e)),
+                Err(e) => return Err(io_err(&cfg_path)(e)),
             };
             quant = Some(q);
         }
@@ -849,7 +842,7 @@ fn read_shape_tensor(shards: &[Shard], e: &TensorEntry) -> Result<Vec<usize>, St
 }
 
 fn read_header(path: &Path, file: &File) -> Result<Vec<TensorEntry>, FormatError> {
-    let len = file.metadata().map_err(|e| io_err(path, e))?.len();
+    let len = file.metadata().map_err(io_err(path))?.len();
     let bad = |m: String| FormatError::Safetensors {
         path: path.to_path_buf(),
         message: m,
@@ -858,7 +851,7 @@ fn read_header(path: &Path, file: &File) -> Result<Vec<TensorEntry>, FormatError
         return Err(bad(format!("file is {len} bytes, too short for a safetensors header")));
     }
     let mut nb = [0u8; 8];
-    file.read_exact_at(&mut nb, 0).map_err(|e| io_err(path, e))?;
+    file.read_exact_at(&mut nb, 0).map_err(io_err(path))?;
     let n = u64::from_le_bytes(nb);
     if n > 100 << 20 || 8 + n > len {
         return Err(bad(format!(
@@ -868,7 +861,7 @@ fn read_header(path: &Path, file: &File) -> Result<Vec<TensorEntry>, FormatError
     // Validate with the safetensors crate on a map of the file; only the header pages are touched.
     // SAFETY: the map is read-only and dropped before this function returns; we only let the
     // safetensors crate parse the header, whose extent we checked against the file length above.
-    let mmap = unsafe { memmap2::Mmap::map(file) }.map_err(|e| io_err(path, e))?;
+    let mmap = unsafe { memmap2::Mmap::map(file) }.map_err(io_err(path))?;
     let st = SafeTensors::deserialize(&mmap).map_err(|e| match e {
         safetensors::SafeTensorError::MetadataIncompleteBuffer => {
             match declared_data_end(&mmap[8..8 + n as usize]).map(|end| 8 + n + end) {

@@ -20,7 +20,7 @@ use crate::manifest::{
     matrix_dims, record_layout, BackboneIndex, ExpertPackIndex, ExpertRecord, ExpertTensorLayout, Manifest,
     StoredDtype, TensorRecord, COPIED_FILES, FORMAT_NAME, FORMAT_VERSION,
 };
-use crate::FormatError;
+use crate::{io_err, FormatError};
 
 /// Conversion settings.
 #[derive(Debug, Clone)]
@@ -132,13 +132,6 @@ pub fn encode_matrix(dtype: StoredDtype, w: &[f32], rows: usize, cols: usize) ->
         }
     }
     out
-}
-
-fn io(path: &Path) -> impl Fn(std::io::Error) -> FormatError + '_ {
-    move |e| FormatError::Io {
-        path: path.to_path_buf(),
-        error: e,
-    }
 }
 
 /// Converts `hf_dir` into a deltafin model directory at `out_dir`.
@@ -344,7 +337,7 @@ fn write_all(
 
     // Backbone.
     let bb_path = out.join("backbone.bin");
-    let mut bb = BufWriter::with_capacity(8 << 20, File::create(&bb_path).map_err(io(&bb_path))?);
+    let mut bb = BufWriter::with_capacity(8 << 20, File::create(&bb_path).map_err(io_err(&bb_path))?);
     let mut pos = 0u64;
     let mut tensors = std::collections::BTreeMap::new();
     for t in &table {
@@ -357,8 +350,9 @@ fn write_all(
         let (rows, cols) = matrix_dims(shape);
         let bytes = encode_matrix(dtype, &w, rows, cols);
         let off = align_up(pos, TENSOR_ALIGN);
-        bb.write_all(&vec![0u8; (off - pos) as usize]).map_err(io(&bb_path))?;
-        bb.write_all(&bytes).map_err(io(&bb_path))?;
+        bb.write_all(&vec![0u8; (off - pos) as usize])
+            .map_err(io_err(&bb_path))?;
+        bb.write_all(&bytes).map_err(io_err(&bb_path))?;
         pos = off + bytes.len() as u64;
         let scales_offset = match dtype {
             StoredDtype::Int8 | StoredDtype::Mxfp4 => Some(off + dtype.value_bytes(rows, cols) as u64),
@@ -377,15 +371,15 @@ fn write_all(
         );
         progress.advance(ck.entry(n).map(|e| e.len).unwrap_or(0));
     }
-    let bb_file = bb.into_inner().map_err(|e| io(&bb_path)(e.into_error()))?;
-    bb_file.sync_all().map_err(io(&bb_path))?;
+    let bb_file = bb.into_inner().map_err(|e| io_err(&bb_path)(e.into_error()))?;
+    bb_file.sync_all().map_err(io_err(&bb_path))?;
     let backbone_bytes = pos;
 
     // Expert pack.
     let (layout, rec_len) = record_layout(&mats, opts.experts);
     let stride = align_up(rec_len, RECORD_ALIGN);
     let ep_path = out.join("experts.pack");
-    let mut ep = File::create(&ep_path).map_err(io(&ep_path))?;
+    let mut ep = File::create(&ep_path).map_err(io_err(&ep_path))?;
     let mut records = Vec::new();
     let mut offset = 0u64;
     let moe_layers: Vec<usize> = cfg.moe_layers().collect();
@@ -410,8 +404,8 @@ fn write_all(
                 progress.advance(src);
             }
         }
-        ep.set_len(offset).map_err(io(&ep_path))?;
-        ep.seek(std::io::SeekFrom::End(0)).map_err(io(&ep_path))?;
+        ep.set_len(offset).map_err(io_err(&ep_path))?;
+        ep.seek(std::io::SeekFrom::End(0)).map_err(io_err(&ep_path))?;
     }
     for &l in moe_layers.iter().filter(|_| stream.is_none()) {
         let experts: Vec<usize> = (0..cfg.n_routed_experts()).collect();
@@ -457,7 +451,7 @@ fn write_all(
             for r in encoded {
                 let (e, rec, src) = r?;
                 let hash = xxhash_rust::xxh3::xxh3_64(&rec[..rec_len as usize]);
-                ep.write_all(&rec).map_err(io(&ep_path))?;
+                ep.write_all(&rec).map_err(io_err(&ep_path))?;
                 records.push(ExpertRecord {
                     layer: l as u32,
                     expert: e as u32,
@@ -470,13 +464,13 @@ fn write_all(
             }
         }
     }
-    ep.sync_all().map_err(io(&ep_path))?;
+    ep.sync_all().map_err(io_err(&ep_path))?;
     debug_assert_eq!(ep.stream_position().unwrap_or(offset), offset);
 
     for (name, bytes) in stream.map(|s| s.files.as_slice()).unwrap_or_default() {
         let dst = out.join(name);
-        std::fs::write(&dst, bytes).map_err(io(&dst))?;
-        File::open(&dst).and_then(|x| x.sync_all()).map_err(io(&dst))?;
+        std::fs::write(&dst, bytes).map_err(io_err(&dst))?;
+        File::open(&dst).and_then(|x| x.sync_all()).map_err(io_err(&dst))?;
     }
 
     // Tokenizer and generation files.
@@ -488,12 +482,12 @@ fn write_all(
         let mut from = match deltafin_fs::open_regular(&src) {
             Ok(from) => from,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(io(&src)(e)),
+            Err(e) => return Err(io_err(&src)(e)),
         };
         let dst = out.join(f);
-        let mut to = File::create(&dst).map_err(io(&dst))?;
-        std::io::copy(&mut from, &mut to).map_err(io(&dst))?;
-        to.sync_all().map_err(io(&dst))?;
+        let mut to = File::create(&dst).map_err(io_err(&dst))?;
+        std::io::copy(&mut from, &mut to).map_err(io_err(&dst))?;
+        to.sync_all().map_err(io_err(&dst))?;
         copied.push(f.to_string());
     }
 

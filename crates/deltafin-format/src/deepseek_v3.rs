@@ -11,8 +11,9 @@ use serde_json::Value;
 use std::path::Path;
 
 use crate::family::{
-    decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors, per_expert, tensors,
-    BackboneTensor, ExpertGroups, ExpertMatrix, ExpertSource, Family, Mla, TensorRole, GATE_UP_DOWN,
+    decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors, mla_widths,
+    noaux_router_tensors, per_expert, shared_experts_tensors, BackboneTensor, ExpertGroups, ExpertMatrix, ExpertSource,
+    Family, GATE_UP_DOWN,
 };
 use crate::json::{
     bool_or, eos_bos, f32_in, field_err, get, read_json, require_nonzero_fields, require_only, require_silu,
@@ -233,27 +234,18 @@ impl Family for DeepseekV3Config {
     /// The backbone tensors of a DeepSeek-V3 checkpoint with their shapes, in checkpoint order.
     fn backbone_tensors(&self) -> Vec<BackboneTensor> {
         let h = self.hidden_size;
-        let mla = Mla {
-            n_heads: self.num_attention_heads,
-            q_lora_rank: self.q_lora_rank,
-            kv_lora_rank: self.kv_lora_rank,
-            qk_nope_head_dim: self.qk_nope_head_dim,
-            qk_rope_head_dim: self.qk_rope_head_dim,
-            v_head_dim: self.v_head_dim,
-        };
+        let mla = mla_widths!(self);
         decoder_backbone("model", self.vocab_size, h, self.num_hidden_layers, |l, p| {
             let mut t = mla_tensors(&format!("{p}.self_attn"), h, &mla, false);
             let m = format!("{p}.mlp");
             if self.is_moe_layer(l) {
-                let e = self.n_routed_experts;
-                t.extend(tensors([
-                    (format!("{m}.gate.weight"), vec![e, h], TensorRole::F32),
-                    (format!("{m}.gate.e_score_correction_bias"), vec![e], TensorRole::F32),
-                ]));
-                if self.n_shared_experts > 0 {
-                    let si = self.moe_intermediate_size * self.n_shared_experts;
-                    t.extend(glu_mlp_tensors(&format!("{m}.shared_experts"), h, si));
-                }
+                t.extend(noaux_router_tensors(&m, h, self.n_routed_experts));
+                t.extend(shared_experts_tensors(
+                    &m,
+                    h,
+                    self.moe_intermediate_size,
+                    self.n_shared_experts,
+                ));
             } else {
                 t.extend(glu_mlp_tensors(&m, h, self.intermediate_size));
             }

@@ -6,9 +6,10 @@
 //! family's config and answers through this trait.
 //!
 //! Also what several families share, so that each family file says only what is specific to
-//! it: the table builders (`decoder_backbone`, GQA and MLA attention, gated MLPs, GLU experts),
-//! the checks of GQA heads, top-k, group-limited routing and dense layers, and
-//! `family_items!`, the `impl Family` items every family answers alike.
+//! it: the table builders (`decoder_backbone`, GQA and MLA attention, gated MLPs, the sigmoid
+//! router and shared experts of DeepSeek-V3 and Kimi, GLU experts), the checks of GQA heads,
+//! top-k, group-limited routing and dense layers, and `family_items!`, the `impl Family` items
+//! every family answers alike.
 
 use std::path::Path;
 
@@ -254,6 +255,23 @@ pub(crate) struct Mla {
     pub v_head_dim: usize,
 }
 
+/// The [`Mla`] widths of a config that names them as transformers does (`num_attention_heads`,
+/// `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`):
+/// DeepSeek-V3's and Kimi Linear's.
+macro_rules! mla_widths {
+    ($c:expr) => {
+        crate::family::Mla {
+            n_heads: $c.num_attention_heads,
+            q_lora_rank: $c.q_lora_rank,
+            kv_lora_rank: $c.kv_lora_rank,
+            qk_nope_head_dim: $c.qk_nope_head_dim,
+            qk_rope_head_dim: $c.qk_rope_head_dim,
+            v_head_dim: $c.v_head_dim,
+        }
+    };
+}
+pub(crate) use mla_widths;
+
 /// The tensors of one MLA block under `a` (`model.layers.{l}.self_attn`), in checkpoint order:
 /// the query projection(s), `kv_a_proj_with_mqa [kv_lora_rank + qk_rope_head_dim, hidden]`,
 /// `kv_a_layernorm [kv_lora_rank]`, `kv_b_proj [n_heads * (qk_nope_head_dim + v_head_dim),
@@ -287,6 +305,30 @@ pub(crate) fn mla_tensors(a: &str, hidden: usize, m: &Mla, output_gate: bool) ->
     }
     t.push((format!("{a}.o_proj.weight"), vec![h, nh * m.v_head_dim], Matrix));
     tensors(t)
+}
+
+/// The router of a sigmoid-scored MoE block (DeepSeek-V3 `noaux_tc`, Kimi) under `m`
+/// (`model.layers.{l}.mlp`, Kimi's `block_sparse_moe`): `gate.weight [n_experts, hidden]` and
+/// `gate.e_score_correction_bias [n_experts]`, both f32.
+pub(crate) fn noaux_router_tensors(m: &str, hidden: usize, n_experts: usize) -> Vec<BackboneTensor> {
+    tensors([
+        (format!("{m}.gate.weight"), vec![n_experts, hidden], TensorRole::F32),
+        (
+            format!("{m}.gate.e_score_correction_bias"),
+            vec![n_experts],
+            TensorRole::F32,
+        ),
+    ])
+}
+
+/// The `n_shared` shared experts of the MoE block under `m`, fused into one gated MLP
+/// `{m}.shared_experts` of width `n_shared × moe_inter` ([`glu_mlp_tensors`]); none when
+/// `n_shared` is 0.
+pub(crate) fn shared_experts_tensors(m: &str, hidden: usize, moe_inter: usize, n_shared: usize) -> Vec<BackboneTensor> {
+    if n_shared == 0 {
+        return Vec::new();
+    }
+    glu_mlp_tensors(&format!("{m}.shared_experts"), hidden, moe_inter * n_shared)
 }
 
 /// Expert matrices from `(name, rows, cols, role)`, in record order.

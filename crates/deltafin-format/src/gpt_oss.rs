@@ -32,8 +32,8 @@ use crate::family::{
     ExpertMatrix, ExpertSource, Family, TensorRole,
 };
 use crate::json::{
-    bool_or, eos_bos, f32_in, f64_or, field_err, get, opt_usize, reject_true, require_nonzero_fields, require_silu,
-    resolve_aliases, text_config, usize_null_or, usize_or, Aliases, Range,
+    bool_or, eos_bos, f32_in, f64_or, field_err, get, opt_usize, reject_tied_embeddings, require_nonzero_fields,
+    require_silu, resolve_aliases, text_config, usize_null_or, usize_or, Aliases, Range,
 };
 use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
@@ -97,12 +97,7 @@ impl GptOssConfig {
                 "gpt-oss without attention biases is not supported",
             ));
         }
-        reject_true(
-            tc,
-            path,
-            "tie_word_embeddings",
-            "tied embeddings are not supported (gpt-oss checkpoints have an untied lm_head)",
-        )?;
+        reject_tied_embeddings(tc, path, "gpt-oss")?;
         let hidden_size = usize_or(tc, path, "hidden_size", 2880)?;
         let num_attention_heads = usize_or(tc, path, "num_attention_heads", 64)?;
         let num_key_value_heads = usize_null_or(tc, path, "num_key_value_heads", num_attention_heads, 8)?;

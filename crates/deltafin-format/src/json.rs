@@ -278,6 +278,19 @@ pub(crate) fn reject_true(obj: &Value, path: &Path, key: &str, message: &str) ->
     Ok(())
 }
 
+/// Rejects `tie_word_embeddings: true` in `tc`, saying that `checkpoints` (`Mixtral`,
+/// `gpt-oss`) checkpoints have an untied `lm_head`.
+///
+/// Errors: the field true, or not a boolean (`tie_word_embeddings` named).
+pub(crate) fn reject_tied_embeddings(tc: &Value, path: &Path, checkpoints: &str) -> Result<(), FormatError> {
+    reject_true(
+        tc,
+        path,
+        "tie_word_embeddings",
+        &format!("tied embeddings are not supported ({checkpoints} checkpoints have an untied lm_head)"),
+    )
+}
+
 /// Reads `eos_token_id`-style fields: an integer or a list of integers.
 pub fn token_ids(v: Option<&Value>) -> Vec<u32> {
     match v {

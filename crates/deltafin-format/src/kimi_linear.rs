@@ -14,8 +14,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::family::{
-    decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors, tensors, whole,
-    BackboneTensor, ExpertGroups, ExpertMatrix, ExpertSource, Family, Mla, TensorRole,
+    decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors, mla_widths,
+    noaux_router_tensors, shared_experts_tensors, tensors, whole, BackboneTensor, ExpertGroups, ExpertMatrix,
+    ExpertSource, Family, TensorRole,
 };
 use crate::json::{
     bool_or as bool_of, check_range, eos_bos, f32_in, field_err as err, get, opt_usize, require_nonzero, require_only,
@@ -444,14 +445,7 @@ impl Family for KimiLinearConfig {
     fn backbone_tensors(&self) -> Vec<BackboneTensor> {
         use TensorRole::{Matrix, F32};
         let h = self.hidden_size;
-        let mla = Mla {
-            n_heads: self.num_attention_heads,
-            q_lora_rank: self.q_lora_rank,
-            kv_lora_rank: self.kv_lora_rank,
-            qk_nope_head_dim: self.qk_nope_head_dim,
-            qk_rope_head_dim: self.qk_rope_head_dim,
-            v_head_dim: self.v_head_dim,
-        };
+        let mla = mla_widths!(self);
         let mut t = decoder_backbone("model", self.vocab_size, h, self.num_hidden_layers, |l, p| {
             let mut t: Vec<(String, Vec<usize>, TensorRole)> = Vec::new();
             if self.attn_res_block_size.is_some() {
@@ -498,23 +492,21 @@ impl Family for KimiLinearConfig {
             };
             if self.is_moe_layer(l) {
                 let m = format!("{p}.block_sparse_moe");
-                let e = self.num_experts;
-                let mut moe = vec![
-                    (format!("{m}.gate.weight"), vec![e, h], F32),
-                    (format!("{m}.gate.e_score_correction_bias"), vec![e], F32),
-                ];
+                t.extend(noaux_router_tensors(&m, h, self.num_experts));
                 if let Some(lat) = self.routed_expert_hidden_size {
-                    moe.push((format!("{m}.routed_expert_down_proj.weight"), vec![lat, h], Matrix));
+                    let mut latent = vec![(format!("{m}.routed_expert_down_proj.weight"), vec![lat, h], Matrix)];
                     if self.latent_moe_use_norm {
-                        moe.push((format!("{m}.routed_expert_norm.weight"), vec![lat], F32));
+                        latent.push((format!("{m}.routed_expert_norm.weight"), vec![lat], F32));
                     }
-                    moe.push((format!("{m}.routed_expert_up_proj.weight"), vec![h, lat], Matrix));
+                    latent.push((format!("{m}.routed_expert_up_proj.weight"), vec![h, lat], Matrix));
+                    t.extend(tensors(latent));
                 }
-                t.extend(tensors(moe));
-                if self.num_shared_experts > 0 {
-                    let si = self.moe_intermediate_size * self.num_shared_experts;
-                    t.extend(glu_mlp_tensors(&format!("{m}.shared_experts"), h, si));
-                }
+                t.extend(shared_experts_tensors(
+                    &m,
+                    h,
+                    self.moe_intermediate_size,
+                    self.num_shared_experts,
+                ));
             } else {
                 t.extend(glu_mlp_tensors(&format!("{p}.mlp"), h, self.intermediate_size));
             }

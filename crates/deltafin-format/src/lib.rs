@@ -55,7 +55,7 @@ pub use qwen3_moe::Qwen3MoeConfig;
 pub use qwen3_next::Qwen3NextConfig;
 pub use rope::Rope;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Errors of checkpoint reading, conversion and model-directory loading. Each names the file
 /// (and tensor or field) at fault.
@@ -104,4 +104,12 @@ pub enum FormatError {
     ModelDir { path: PathBuf, message: String },
     #[error("{path}: {message}")]
     Output { path: PathBuf, message: String },
+}
+
+/// An I/O error on `path` as [`FormatError::Io`], for `map_err`.
+pub(crate) fn io_err(path: &Path) -> impl Fn(std::io::Error) -> FormatError + '_ {
+    move |error| FormatError::Io {
+        path: path.to_path_buf(),
+        error,
+    }
 }

@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::aligned::TENSOR_ALIGN;
 use crate::family::{ExpertMatrix, TensorRole};
-use crate::{FormatError, ModelConfig};
+use crate::{io_err, FormatError, ModelConfig};
 
 /// Current model-directory format version; readers refuse other versions.
 pub const FORMAT_VERSION: u32 = 2;
@@ -184,22 +184,15 @@ pub struct StreamSource {
 /// this last: a directory is a model only once its manifest exists.
 pub fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), FormatError> {
     use std::io::Write;
-    let io = |p: &Path| {
-        let p = p.to_path_buf();
-        move |e: std::io::Error| FormatError::Io {
-            path: p.clone(),
-            error: e,
-        }
-    };
     let mpath = dir.join("manifest.json");
     let json = serde_json::to_vec_pretty(manifest).map_err(|e| FormatError::Json {
         path: mpath.clone(),
         message: e.to_string(),
     })?;
-    let mut mf = File::create(&mpath).map_err(io(&mpath))?;
-    mf.write_all(&json).map_err(io(&mpath))?;
-    mf.sync_all().map_err(io(&mpath))?;
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))?;
+    let mut mf = File::create(&mpath).map_err(io_err(&mpath))?;
+    mf.write_all(&json).map_err(io_err(&mpath))?;
+    mf.sync_all().map_err(io_err(&mpath))?;
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))?;
     Ok(())
 }
 

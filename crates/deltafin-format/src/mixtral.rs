@@ -17,8 +17,8 @@ use crate::family::{
     BackboneTensor, ExpertMatrix, ExpertSource, Family, TensorRole,
 };
 use crate::json::{
-    eos_bos, f32_in, field_err, opt_usize, reject_true, require_nonzero_fields, require_silu, resolve_aliases,
-    text_config, usize_null_or, usize_or, Aliases, Range,
+    eos_bos, f32_in, field_err, opt_usize, reject_tied_embeddings, require_nonzero_fields, require_silu,
+    resolve_aliases, text_config, usize_null_or, usize_or, Aliases, Range,
 };
 use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
@@ -64,12 +64,7 @@ impl MixtralConfig {
         let raw = &*resolve_aliases(raw, path, ALIASES)?;
         let tc = text_config(raw);
         require_silu(tc, path)?;
-        reject_true(
-            tc,
-            path,
-            "tie_word_embeddings",
-            "tied embeddings are not supported (Mixtral checkpoints have an untied lm_head)",
-        )?;
+        reject_tied_embeddings(tc, path, "Mixtral")?;
         let hidden_size = usize_or(tc, path, "hidden_size", 4096)?;
         let num_attention_heads = usize_or(tc, path, "num_attention_heads", 32)?;
         // `num_key_value_heads: null` means as many as the query heads; absent means 8.

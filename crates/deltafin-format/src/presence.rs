@@ -24,7 +24,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::manifest::ExpertRecord;
-use crate::{FormatError, ModelDir};
+use crate::{io_err, FormatError, ModelDir};
 
 pub use crate::manifest::JOURNAL_FILE;
 const MAGIC: &[u8; 8] = b"DFPRES01";
@@ -88,13 +88,6 @@ pub struct Scan {
     pub no_header: bool,
 }
 
-fn io(path: &Path) -> impl Fn(std::io::Error) -> FormatError + '_ {
-    move |e| FormatError::Io {
-        path: path.to_path_buf(),
-        error: e,
-    }
-}
-
 /// Reads the journal of model directory `dir` (a missing file is an empty journal).
 ///
 /// Errors: the file cannot be read, or it starts with another magic (not a presence journal).
@@ -108,7 +101,7 @@ pub fn scan(dir: &Path) -> Result<Scan, FormatError> {
                 ..Scan::default()
             })
         }
-        Err(e) => return Err(io(&path)(e)),
+        Err(e) => return Err(io_err(&path)(e)),
     };
     if bytes.len() < HEADER as usize {
         return Ok(Scan {
@@ -201,7 +194,7 @@ impl Journal {
             0,
             &path,
         )
-        .map_err(io(&path))?;
+        .map_err(io_err(&path))?;
         Ok(Journal { file, path })
     }
 
@@ -216,7 +209,7 @@ impl Journal {
     /// Errors: I/O (no space left, ...); the journal then ends at most in a torn entry, which
     /// readers ignore.
     pub fn append(&self, entries: &[Entry]) -> Result<(), FormatError> {
-        let err = io(&self.path);
+        let err = io_err(&self.path);
         // SAFETY: plain syscall on a valid, open descriptor.
         if unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_EX) } != 0 {
             return Err(err(std::io::Error::last_os_error()));
@@ -283,7 +276,7 @@ pub fn commit_records(
                 ),
             });
         }
-        pack.write_all_at(bytes, r.offset).map_err(io(pack_path))?;
+        pack.write_all_at(bytes, r.offset).map_err(io_err(pack_path))?;
         entries.push(Entry {
             layer: r.layer,
             expert: r.expert,
@@ -292,7 +285,7 @@ pub fn commit_records(
             xxh3: xxhash_rust::xxh3::xxh3_64(bytes),
         });
     }
-    pack.sync_data().map_err(io(pack_path))?;
+    pack.sync_data().map_err(io_err(pack_path))?;
     journal.append(&entries)?;
     Ok(entries.iter().map(|e| e.xxh3).collect())
 }
@@ -312,10 +305,10 @@ pub fn rewrite(dir: &Path, entries: &[Entry]) -> Result<(), FormatError> {
     for e in entries {
         buf.extend_from_slice(&e.encode());
     }
-    std::fs::write(&tmp, &buf).map_err(io(&tmp))?;
-    File::open(&tmp).and_then(|f| f.sync_all()).map_err(io(&tmp))?;
-    std::fs::rename(&tmp, &path).map_err(io(&path))?;
-    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))?;
+    std::fs::write(&tmp, &buf).map_err(io_err(&tmp))?;
+    File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err(&tmp))?;
+    std::fs::rename(&tmp, &path).map_err(io_err(&path))?;
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))?;
     Ok(())
 }
 

@@ -18,8 +18,8 @@ use crate::family::{
     ExpertSource, Family, TensorRole, GATE_UP_DOWN,
 };
 use crate::json::{
-    bool_or, eos_bos, f32_in, field_err, layer_indices, opt_usize, reject_true, require_nonzero_fields, require_silu,
-    resolve_aliases, text_config, usize_or, Aliases, Range,
+    bool_or, eos_bos, f32_in, field_err, layer_indices, opt_usize, reject_tied_embeddings, reject_true,
+    require_nonzero_fields, require_silu, resolve_aliases, text_config, usize_or, Aliases, Range,
 };
 use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
@@ -77,12 +77,7 @@ impl Qwen3MoeConfig {
         let tc = text_config(raw);
         require_silu(tc, path)?;
         reject_true(tc, path, "attention_bias", "attention biases are not supported")?;
-        reject_true(
-            tc,
-            path,
-            "tie_word_embeddings",
-            "tied embeddings are not supported (Qwen3-MoE checkpoints have an untied lm_head)",
-        )?;
+        reject_tied_embeddings(tc, path, "Qwen3-MoE")?;
         let hidden_size = usize_or(tc, path, "hidden_size", 2048)?;
         let num_attention_heads = usize_or(tc, path, "num_attention_heads", 32)?;
         let head_dim = opt_usize(tc, path, "head_dim")?.unwrap_or(hidden_size / num_attention_heads.max(1));

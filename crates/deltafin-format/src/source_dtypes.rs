@@ -231,6 +231,22 @@ impl Mxfp4Source {
             Mxfp4Source::CompressedTensors => cols.div_ceil(2),
         }
     }
+
+    /// Checks the parts of a `[rows, cols]` matrix from this source: `packed` of
+    /// [`Self::row_bytes`] per row, `scales` of `ceil(cols/32)` per row. Returns the row bytes.
+    ///
+    /// Errors: odd `cols` for compressed-tensors, or a part whose length does not match.
+    fn check_parts(self, packed: &[u8], scales: &[u8], rows: usize, cols: usize) -> Result<usize, SourceError> {
+        if self == Mxfp4Source::CompressedTensors && !cols.is_multiple_of(2) {
+            return Err(SourceError::Unsupported(format!(
+                "{cols} columns: MXFP4 rows hold pairs of values"
+            )));
+        }
+        let src_rb = self.row_bytes(cols);
+        check_len("packed values (bytes)", packed.len(), rows, cols, rows * src_rb)?;
+        check_len("scales", scales.len(), rows, cols, rows * scale_row_bytes(cols))?;
+        Ok(src_rb)
+    }
 }
 
 /// Bytes of a deltafin MXFP4 matrix, bit for bit from an MXFP4 source: the E2M1 codes
@@ -251,15 +267,8 @@ pub fn mxfp4_record(
     rows: usize,
     cols: usize,
 ) -> Result<Vec<u8>, SourceError> {
-    if source == Mxfp4Source::CompressedTensors && !cols.is_multiple_of(2) {
-        return Err(SourceError::Unsupported(format!(
-            "{cols} columns: MXFP4 rows hold pairs of values"
-        )));
-    }
-    let src_rb = source.row_bytes(cols);
+    let src_rb = source.check_parts(packed, scales, rows, cols)?;
     let (rb, sb) = (packed_row_bytes(cols), scale_row_bytes(cols));
-    check_len("packed values (bytes)", packed.len(), rows, cols, rows * src_rb)?;
-    check_len("scales", scales.len(), rows, cols, rows * sb)?;
     let mut out = Vec::with_capacity(rows * (rb + sb));
     if src_rb == rb {
         out.extend_from_slice(packed);
@@ -286,15 +295,8 @@ pub fn dequant_mxfp4(
     rows: usize,
     cols: usize,
 ) -> Result<Vec<f32>, SourceError> {
-    if source == Mxfp4Source::CompressedTensors && !cols.is_multiple_of(2) {
-        return Err(SourceError::Unsupported(format!(
-            "{cols} columns: MXFP4 rows hold pairs of values"
-        )));
-    }
-    let src_rb = source.row_bytes(cols);
+    let src_rb = source.check_parts(packed, scales, rows, cols)?;
     let sb = scale_row_bytes(cols);
-    check_len("packed values (bytes)", packed.len(), rows, cols, rows * src_rb)?;
-    check_len("scales", scales.len(), rows, cols, rows * sb)?;
     let mut out = Vec::with_capacity(rows * cols);
     for i in 0..rows {
         let prow = &packed[i * src_rb..(i + 1) * src_rb];

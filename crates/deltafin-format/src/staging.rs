@@ -7,14 +7,7 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use crate::FormatError;
-
-fn io(path: &Path) -> impl Fn(std::io::Error) -> FormatError + '_ {
-    move |e| FormatError::Io {
-        path: path.to_path_buf(),
-        error: e,
-    }
-}
+use crate::{io_err, FormatError};
 
 /// Builds a model directory at `out_dir` by calling `write` on a fresh staging directory, then
 /// moving it into place. `source` (the checkpoint being read, if any) must not be `out_dir` or
@@ -57,12 +50,12 @@ pub fn write_dir_atomically<T>(
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    std::fs::create_dir_all(&parent).map_err(io(&parent))?;
+    std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
     let tmp = parent.join(format!(".{name}.partial"));
     if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
     }
-    std::fs::create_dir(&tmp).map_err(io(&tmp))?;
+    std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
     match write(&tmp) {
         Ok(v) => {
             finalize(&tmp, out_dir, &parent)?;
@@ -93,10 +86,10 @@ pub fn check_replaceable(out_dir: &Path, force: bool) -> Result<(), FormatError>
         return Ok(());
     }
     let entries: Vec<std::ffi::OsString> = std::fs::read_dir(out_dir)
-        .map_err(io(out_dir))?
+        .map_err(io_err(out_dir))?
         .map(|e| e.map(|e| e.file_name()))
         .collect::<Result<_, _>>()
-        .map_err(io(out_dir))?;
+        .map_err(io_err(out_dir))?;
     if entries.is_empty() {
         return Ok(());
     }
@@ -165,12 +158,12 @@ pub fn deltafin_files(manifest: &Path) -> Vec<String> {
 
 fn finalize(tmp: &Path, out_dir: &Path, parent: &Path) -> Result<(), FormatError> {
     if out_dir.exists() {
-        exchange(tmp, out_dir).map_err(io(out_dir))?;
-        std::fs::remove_dir_all(tmp).map_err(io(tmp))?;
+        exchange(tmp, out_dir).map_err(io_err(out_dir))?;
+        std::fs::remove_dir_all(tmp).map_err(io_err(tmp))?;
     } else {
-        std::fs::rename(tmp, out_dir).map_err(io(out_dir))?;
+        std::fs::rename(tmp, out_dir).map_err(io_err(out_dir))?;
     }
-    File::open(parent).and_then(|d| d.sync_all()).map_err(io(parent))?;
+    File::open(parent).and_then(|d| d.sync_all()).map_err(io_err(parent))?;
     Ok(())
 }
 

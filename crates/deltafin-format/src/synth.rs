@@ -20,7 +20,7 @@ use crate::manifest::{
     matrix_dims, record_layout, tensor_xxh3, write_manifest, BackboneIndex, ExpertPackIndex, ExpertRecord,
     ExpertTensorLayout, Manifest, StoredDtype, TensorRecord, COPIED_FILES, FORMAT_NAME, FORMAT_VERSION,
 };
-use crate::{FormatError, ModelConfig};
+use crate::{io_err, FormatError, ModelConfig};
 
 /// Shape of a synthetic checkpoint.
 #[derive(Debug, Clone)]
@@ -398,14 +398,7 @@ fn values(name: &str, shape: &[usize], seed: u64) -> Vec<f32> {
 /// Writes `config.json` and `model.safetensors` (bf16) of a synthetic checkpoint into `dir`.
 /// Returns the bytes of weights written.
 pub fn write_checkpoint(dir: &Path, spec: &SynthSpec, bos: u32, eos: u32) -> Result<u64, FormatError> {
-    let io = |p: &Path| {
-        let p = p.to_path_buf();
-        move |e: std::io::Error| FormatError::Io {
-            path: p.clone(),
-            error: e,
-        }
-    };
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let config = spec.config_json(bos, eos);
     let cpath = dir.join("config.json");
     let cfg = ModelConfig::from_value(&config, &cpath)?;
@@ -451,13 +444,13 @@ pub fn write_checkpoint(dir: &Path, spec: &SynthSpec, bos: u32, eos: u32) -> Res
         path: cpath.clone(),
         message: e.to_string(),
     })?;
-    std::fs::write(&cpath, text).map_err(io(&cpath))?;
+    std::fs::write(&cpath, text).map_err(io_err(&cpath))?;
     let gpath = dir.join("generation_config.json");
     std::fs::write(
         &gpath,
         json!({"bos_token_id": bos, "eos_token_id": eos, "do_sample": false}).to_string(),
     )
-    .map_err(io(&gpath))?;
+    .map_err(io_err(&gpath))?;
     Ok(total)
 }
 
@@ -531,13 +524,6 @@ pub struct SynthReport {
     pub expert_records: usize,
     /// Bytes of one expert record including alignment padding.
     pub record_stride: u64,
-}
-
-fn io_err(path: &Path) -> impl Fn(std::io::Error) -> FormatError + '_ {
-    move |e| FormatError::Io {
-        path: path.to_path_buf(),
-        error: e,
-    }
 }
 
 fn align_up(x: u64, a: u64) -> u64 {

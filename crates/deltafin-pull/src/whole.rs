@@ -176,9 +176,16 @@ pub fn warm_whole_files(
             })
             .collect();
         spans.sort_by_key(|s| s.offset);
-        let mut entries: Vec<Entry> = Vec::new();
-        let mut differ: Vec<(Key, Vec<u8>)> = Vec::new();
-        let mut seen: BTreeMap<Key, u64> = BTreeMap::new();
+        let mut cut = Cut {
+            dir,
+            src,
+            present,
+            pack,
+            pack_path: &pack_path,
+            entries: Vec::new(),
+            differ: Vec::new(),
+            seen: BTreeMap::new(),
+        };
         // Records of this file being cut out, and this file's parts of records spanning files.
         let mut pending: HashMap<Key, Pending> = HashMap::new();
         let mut parts_across: Vec<(Key, usize, u64, Vec<u8>)> = Vec::new();
@@ -202,9 +209,9 @@ pub fn warm_whole_files(
                 check_hash.reset();
                 bad_ranges.clear();
                 // A new attempt: everything is cut out again.
-                entries.clear();
-                differ.clear();
-                seen.clear();
+                cut.entries.clear();
+                cut.differ.clear();
+                cut.seen.clear();
                 pending.clear();
                 parts_across.clear();
                 cursor = 0;
@@ -241,20 +248,7 @@ pub fn warm_whole_files(
                         p.missing -= hi - lo;
                         if p.missing == 0 {
                             if let Some(p) = pending.remove(&s.key) {
-                                let done = finish(
-                                    dir,
-                                    src,
-                                    &locs_of[&s.key],
-                                    s.key,
-                                    p.parts,
-                                    present,
-                                    pack,
-                                    &pack_path,
-                                    &mut entries,
-                                    &mut differ,
-                                    &mut seen,
-                                );
-                                if let Err(e) = done {
+                                if let Err(e) = cut.finish(&locs_of[&s.key], s.key, p.parts) {
                                     failure = Some(e);
                                     return;
                                 }
@@ -275,7 +269,7 @@ pub fn warm_whole_files(
         if outcome.is_err() || failure.is_some() {
             // Records written but never journaled: their blocks are freed again (they are
             // absent either way; on a full disk the room is needed).
-            for e in &entries {
+            for e in &cut.entries {
                 let _ = crate::records::punch_hole(pack, e.offset, e.length.div_ceil(4096) * 4096);
             }
         }
@@ -284,10 +278,10 @@ pub fn warm_whole_files(
                 if let Some(e) = failure {
                     return Err(e);
                 }
-                if seen.len() != single.len() {
+                if cut.seen.len() != single.len() {
                     return Err(PullError::Invalid(format!(
                         "{url}: the body held {} of the {} expert records the stream index places in it",
-                        seen.len(),
+                        cut.seen.len(),
                         single.len()
                     )));
                 }
@@ -300,39 +294,28 @@ pub fn warm_whole_files(
                 let whole: Vec<Key> = across.iter().filter(|(_, p)| p.missing == 0).map(|(k, _)| *k).collect();
                 for key in whole {
                     if let Some(p) = across.remove(&key) {
-                        finish(
-                            dir,
-                            src,
-                            &locs_of[&key],
-                            key,
-                            p.parts,
-                            present,
-                            pack,
-                            &pack_path,
-                            &mut entries,
-                            &mut differ,
-                            &mut seen,
-                        )?;
+                        cut.finish(&locs_of[&key], key, p.parts)?;
                     }
                 }
-                if !entries.is_empty() {
+                if !cut.entries.is_empty() {
                     pack.sync_data().map_err(io_err(&pack_path))?;
-                    journal.append(&entries)?;
+                    journal.append(&cut.entries)?;
                 }
-                let replaced: Vec<(&deltafin_format::model_dir::ExpertRecord, &[u8])> = differ
+                let replaced: Vec<(&deltafin_format::model_dir::ExpertRecord, &[u8])> = cut
+                    .differ
                     .iter()
                     .map(|((l, e), b)| (dir.record(*l as usize, *e as usize), b.as_slice()))
                     .collect();
                 if !replaced.is_empty() {
                     commit_records(pack, &pack_path, journal, &replaced)?;
                 }
-                for ((l, e), h) in &seen {
+                for ((l, e), h) in &cut.seen {
                     verified.insert(format!("{l}.{e}"), format!("{h:016x}"));
                 }
-                rep.records_verified += seen.len();
-                rep.records_fetched += entries.len();
-                rep.replaced.extend(differ.iter().map(|(k, _)| *k));
-                advance(entries.iter().map(|e| e.length).sum());
+                rep.records_verified += cut.seen.len();
+                rep.records_fetched += cut.entries.len();
+                rep.replaced.extend(cut.differ.iter().map(|(k, _)| *k));
+                advance(cut.entries.iter().map(|e| e.length).sum());
                 rep.verified.push(file.clone());
                 if let Some((o, l)) = bad_ranges.first() {
                     rep.backbone_mismatch.push((
@@ -358,48 +341,53 @@ pub fn warm_whole_files(
     Ok((rep, handled))
 }
 
-/// One record whose source bytes have all arrived: converted; a chosen record is written to
-/// the pack (journaled once the file verifies), a present one compared with its checksum.
-#[allow(clippy::too_many_arguments)]
-fn finish(
-    dir: &ModelDir,
-    src: &HttpRecordSource,
-    locs: &[&TensorLoc],
-    key: Key,
-    parts: Vec<Vec<u8>>,
-    present: &HashMap<Key, u64>,
-    pack: &File,
-    pack_path: &std::path::Path,
-    entries: &mut Vec<Entry>,
-    differ: &mut Vec<(Key, Vec<u8>)>,
-    seen: &mut BTreeMap<Key, u64>,
-) -> Result<(), PullError> {
-    let rec = src.encode(locs, &parts)?;
-    let r = dir.record(key.0 as usize, key.1 as usize);
-    if rec.len() as u64 != r.length {
-        return Err(PullError::Invalid(format!(
-            "layer {}, expert {}: converted record is {} bytes, the manifest says {}",
-            key.0,
-            key.1,
-            rec.len(),
-            r.length
-        )));
-    }
-    let h = xxhash_rust::xxh3::xxh3_64(&rec);
-    seen.insert(key, h);
-    match present.get(&key) {
-        Some(&have) if have == h => {}
-        Some(_) => differ.push((key, rec)),
-        None => {
-            pack.write_all_at(&rec, r.offset).map_err(io_err(pack_path))?;
-            entries.push(Entry {
-                layer: r.layer,
-                expert: r.expert,
-                offset: r.offset,
-                length: r.length,
-                xxh3: h,
-            });
+/// The records cut out of one completing source file: where they go (the model directory, its
+/// expert pack, the checksums of the records present) and what came of them.
+struct Cut<'a> {
+    dir: &'a ModelDir,
+    src: &'a HttpRecordSource,
+    present: &'a HashMap<Key, u64>,
+    pack: &'a File,
+    pack_path: &'a std::path::Path,
+    /// Records written to the pack, journaled once the file verifies.
+    entries: Vec<Entry>,
+    /// Present records whose bytes differ from the source's, with the source's bytes.
+    differ: Vec<(Key, Vec<u8>)>,
+    /// Every record cut out, with its xxh3.
+    seen: BTreeMap<Key, u64>,
+}
+
+impl Cut<'_> {
+    /// One record whose source bytes have all arrived: converted; a chosen record is written
+    /// to the pack (journaled once the file verifies), a present one compared with its checksum.
+    fn finish(&mut self, locs: &[&TensorLoc], key: Key, parts: Vec<Vec<u8>>) -> Result<(), PullError> {
+        let rec = self.src.encode(locs, &parts)?;
+        let r = self.dir.record(key.0 as usize, key.1 as usize);
+        if rec.len() as u64 != r.length {
+            return Err(PullError::Invalid(format!(
+                "layer {}, expert {}: converted record is {} bytes, the manifest says {}",
+                key.0,
+                key.1,
+                rec.len(),
+                r.length
+            )));
         }
+        let h = xxhash_rust::xxh3::xxh3_64(&rec);
+        self.seen.insert(key, h);
+        match self.present.get(&key) {
+            Some(&have) if have == h => {}
+            Some(_) => self.differ.push((key, rec)),
+            None => {
+                self.pack.write_all_at(&rec, r.offset).map_err(io_err(self.pack_path))?;
+                self.entries.push(Entry {
+                    layer: r.layer,
+                    expert: r.expert,
+                    offset: r.offset,
+                    length: r.length,
+                    xxh3: h,
+                });
+            }
+        }
+        Ok(())
     }
-    Ok(())
 }

@@ -6,7 +6,7 @@
 use serde_json::{Map, Value};
 
 use crate::tools::{Event, Family, Options, Parser};
-use crate::{new_id, ApiError, AppState};
+use crate::{new_id, ApiError};
 
 /// The generated text turned into events: through the family's [`Parser`], or all content.
 pub(crate) struct ReplyParser {
@@ -103,23 +103,11 @@ impl Reply {
 /// The chat-template variables of a request: `chat_template_kwargs` (an object), then
 /// `tools` (OpenAI shape), thinking on or off (the family's variable, see
 /// [`Family::thinking_kwarg`]) and the reasoning effort (see [`Family::effort_kwarg`]); the
-/// request's own fields win over the same names in `chat_template_kwargs`.
+/// request's own fields win over the same names in `chat_template_kwargs`, for a model of
+/// markup `family` (the server's [`AppState::family`](crate::AppState)).
 ///
 /// Errors: 400 naming `kwargs_param` when it is not an object, or `effort_param` when the
 /// effort is not a string.
-pub(crate) fn template_extra(
-    s: &AppState,
-    kwargs: Option<&Value>,
-    kwargs_param: &str,
-    tools: Option<Value>,
-    thinking: Option<bool>,
-    effort: Option<&Value>,
-    effort_param: &str,
-) -> Result<Value, ApiError> {
-    template_vars(s.family, kwargs, kwargs_param, tools, thinking, effort, effort_param)
-}
-
-/// [`template_extra`] for a model of markup `family`.
 pub(crate) fn template_vars(
     family: Option<Family>,
     kwargs: Option<&Value>,

@@ -20,13 +20,13 @@ use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest};
+use deltafin_engine::session::{Delta, FinishReason, GenerationOutput, GenerationRequest};
 use futures_util::stream::Stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::agent::{template_extra, Reply, ReplyParser};
+use crate::agent::{template_vars, Reply, ReplyParser};
 use crate::body::parse_body;
 use crate::chat_messages;
 use crate::error::{ApiError, Flavor};
@@ -232,7 +232,7 @@ pub async fn count_tokens(State(s): State<Shared>, body: Result<Bytes, BytesReje
         let (tools, _, _) = check_tools(r.tools.as_ref(), r.tool_choice.as_ref())?;
         let thinking = check_thinking(r.thinking.as_ref())?;
         let messages = chat_messages::anthropic_messages(&r.messages, r.system.as_ref())?;
-        let extra = template_extra(&s, None, "", tools, thinking, None, "")?;
+        let extra = template_vars(s.family, None, "", tools, thinking, None, "")?;
         // The queue place taken for rendering is given back at once (nothing is generated).
         let (_ticket, prompt) = chat_prompt(&s, messages, extra).await?;
         Ok::<_, ApiError>(Json(json!({"input_tokens": prompt.ids.len()})).into_response())
@@ -251,7 +251,7 @@ async fn run(s: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response,
     let sampling = sampling(r.temperature, r.top_p, r.top_k, None, 1.0)?;
     let stops = stop_strings(r.stop_sequences.as_ref(), "stop_sequences")?;
     let messages = chat_messages::anthropic_messages(&r.messages, r.system.as_ref())?;
-    let extra = template_extra(&s, None, "", tools.clone(), thinking, None, "")?;
+    let extra = template_vars(s.family, None, "", tools.clone(), thinking, None, "")?;
     let (ticket, rendered) = chat_prompt(&s, messages, extra).await?;
     let (constraint, family) = match (forced, &tools) {
         (Some((f, parallel)), Some(t)) => {
@@ -405,12 +405,6 @@ impl StreamState {
             }
         }
     }
-
-    fn fail(&mut self, message: &str) {
-        let e = ApiError::internal(message).anthropic().body();
-        self.push("error", e);
-        self.out.done = true;
-    }
 }
 
 impl JobStream for StreamState {
@@ -418,37 +412,40 @@ impl JobStream for StreamState {
         &mut self.out
     }
 
-    fn on_event(&mut self, ev: Option<JobEvent>) {
-        match ev {
-            Some(JobEvent::Delta(d)) => match self.parser.as_mut() {
-                Some(p) => {
-                    let events = p.push(&d.text);
-                    self.on_parsed(events);
-                }
-                None if !d.text.is_empty() => self.delta(0, json!({"type": "text_delta", "text": d.text})),
-                None => {}
-            },
-            Some(JobEvent::Done(Ok(out))) => {
-                if let Some(p) = self.parser.as_mut() {
-                    let events = p.finish();
-                    self.on_parsed(events);
-                    if self.blocks == 0 {
-                        self.block("text", json!({"type": "text", "text": ""}));
-                    }
-                }
-                self.close_block();
-                let (reason, seq) = stop_reason(&out, &self.stops, self.called);
-                self.push(
-                    "message_delta",
-                    json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                           "usage": {"output_tokens": out.generated_ids.len()}}),
-                );
-                self.push("message_stop", json!({"type": "message_stop"}));
-                self.out.done = true;
+    fn on_delta(&mut self, d: Delta) {
+        match self.parser.as_mut() {
+            Some(p) => {
+                let events = p.push(&d.text);
+                self.on_parsed(events);
             }
-            Some(JobEvent::Done(Err(e))) => self.fail(&format!("generation failed: {e}")),
-            None => self.fail("the generation ended without a result"),
+            None if !d.text.is_empty() => self.delta(0, json!({"type": "text_delta", "text": d.text})),
+            None => {}
         }
+    }
+
+    fn on_done(&mut self, out: GenerationOutput) {
+        if let Some(p) = self.parser.as_mut() {
+            let events = p.finish();
+            self.on_parsed(events);
+            if self.blocks == 0 {
+                self.block("text", json!({"type": "text", "text": ""}));
+            }
+        }
+        self.close_block();
+        let (reason, seq) = stop_reason(&out, &self.stops, self.called);
+        self.push(
+            "message_delta",
+            json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                   "usage": {"output_tokens": out.generated_ids.len()}}),
+        );
+        self.push("message_stop", json!({"type": "message_stop"}));
+        self.out.done = true;
+    }
+
+    fn fail(&mut self, message: &str) {
+        let e = ApiError::internal(message).anthropic().body();
+        self.push("error", e);
+        self.out.done = true;
     }
 }
 

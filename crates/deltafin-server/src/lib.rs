@@ -27,7 +27,6 @@ pub mod structured;
 pub mod tools;
 pub mod worker;
 
-use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -44,7 +43,7 @@ use serde_json::json;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::Semaphore;
 
-pub use conn::ConnLimits;
+pub use conn::{serve, ConnLimits};
 pub use error::{ApiError, Flavor};
 use metrics::Metrics;
 use worker::{JobEvent, Ticket, Worker};
@@ -152,19 +151,6 @@ pub fn router(config: ServerConfig, session: Session) -> std::io::Result<Router>
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(body_timeout))
         .with_state(state))
-}
-
-/// Serves `router` on `listener` until `shutdown` resolves, with the connection cap and
-/// timeouts of `limits` ([`conn::serve`]).
-///
-/// Errors: accepting connections failed.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    router: Router,
-    limits: &ConnLimits,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    conn::serve(listener, router, limits, shutdown).await
 }
 
 /// `{"status": "ok"}`, or 503 with `{"status": "error", "error": ...}` once the compute thread

@@ -16,14 +16,14 @@ use axum::extract::{Path, State};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest, TokenLogprob};
+use deltafin_engine::session::{Delta, FinishReason, GenerationOutput, GenerationRequest, TokenLogprob};
 use deltafin_tokenizer::Tokenizer;
 use futures_util::stream::Stream;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::agent::{template_extra, Reply, ReplyParser};
+use crate::agent::{template_vars, Reply, ReplyParser};
 use crate::body::parse_body;
 use crate::chat_messages;
 use crate::error::{ApiError, Flavor};
@@ -512,8 +512,8 @@ pub async fn chat_completions(
     }
     let parallel = r.parallel_tool_calls.as_ref().and_then(Value::as_bool).unwrap_or(true);
     let messages = chat_messages::openai_messages(r.messages.as_deref().unwrap_or(&[]))?;
-    let extra = template_extra(
-        &s,
+    let extra = template_vars(
+        s.family,
         r.chat_template_kwargs.as_ref(),
         "chat_template_kwargs",
         tools.clone(),
@@ -894,13 +894,6 @@ impl StreamState {
         self.push_json(&c);
     }
 
-    fn fail(&mut self, message: &str) {
-        self.flush_held(None);
-        let e = ApiError::internal(message).body();
-        self.push_json(&e);
-        self.finish();
-    }
-
     fn finish(&mut self) {
         self.out.queue.push_back(Event::default().data("[DONE]"));
         self.out.done = true;
@@ -912,45 +905,48 @@ impl JobStream for StreamState {
         &mut self.out
     }
 
-    fn on_event(&mut self, ev: Option<JobEvent>) {
-        match ev {
-            Some(JobEvent::Delta(d)) if self.parser.is_some() => {
-                self.held_logprobs.extend(d.logprob);
-                let events = self.parser.as_mut().map(|p| p.push(&d.text)).unwrap_or_default();
-                self.on_parsed(events);
+    fn on_delta(&mut self, d: Delta) {
+        if let Some(p) = self.parser.as_mut() {
+            self.held_logprobs.extend(d.logprob);
+            let events = p.push(&d.text);
+            self.on_parsed(events);
+        } else {
+            if !d.text.is_empty() && !self.held_text.is_empty() {
+                self.flush_held(None);
             }
-            Some(JobEvent::Delta(d)) => {
-                if !d.text.is_empty() && !self.held_text.is_empty() {
-                    self.flush_held(None);
-                }
-                self.held_text.push_str(&d.text);
-                self.held_logprobs.extend(d.logprob);
-            }
-            Some(JobEvent::Done(Ok(out))) => {
-                let events = self.parser.as_mut().map(ReplyParser::finish).unwrap_or_default();
-                self.on_parsed(events);
-                let reason = match self.parser {
-                    Some(_) => chat_finish_reason(&out.finish, self.called),
-                    None => finish_reason(&out.finish),
-                };
-                self.flush_held(Some(reason));
-                if self.meta.include_usage {
-                    let m = &self.meta;
-                    let u = json!({
-                        "id": m.id,
-                        "object": if m.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
-                        "created": m.created,
-                        "model": m.model,
-                        "choices": [],
-                        "usage": usage(&out),
-                    });
-                    self.push_json(&u);
-                }
-                self.finish();
-            }
-            Some(JobEvent::Done(Err(e))) => self.fail(&format!("generation failed: {e}")),
-            None => self.fail("the generation ended without a result"),
+            self.held_text.push_str(&d.text);
+            self.held_logprobs.extend(d.logprob);
         }
+    }
+
+    fn on_done(&mut self, out: GenerationOutput) {
+        let events = self.parser.as_mut().map(ReplyParser::finish).unwrap_or_default();
+        self.on_parsed(events);
+        let reason = match self.parser {
+            Some(_) => chat_finish_reason(&out.finish, self.called),
+            None => finish_reason(&out.finish),
+        };
+        self.flush_held(Some(reason));
+        if self.meta.include_usage {
+            let m = &self.meta;
+            let u = json!({
+                "id": m.id,
+                "object": if m.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
+                "created": m.created,
+                "model": m.model,
+                "choices": [],
+                "usage": usage(&out),
+            });
+            self.push_json(&u);
+        }
+        self.finish();
+    }
+
+    fn fail(&mut self, message: &str) {
+        self.flush_held(None);
+        let e = ApiError::internal(message).body();
+        self.push_json(&e);
+        self.finish();
     }
 }
 

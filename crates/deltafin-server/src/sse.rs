@@ -10,6 +10,8 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use futures_util::stream::{self, Stream};
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use deltafin_engine::session::{Delta, GenerationOutput};
+
 use crate::worker::JobEvent;
 
 /// The events of one streamed reply waiting to go out, and the job they come from.
@@ -36,8 +38,22 @@ impl Outbox {
 pub(crate) trait JobStream: Send + 'static {
     /// Where the reply's events wait.
     fn outbox(&mut self) -> &mut Outbox;
+    /// Queues the events of one decode step's output.
+    fn on_delta(&mut self, d: Delta);
+    /// Queues the events that end the reply of a finished generation.
+    fn on_done(&mut self, out: GenerationOutput);
+    /// Queues the error event that ends the reply.
+    fn fail(&mut self, message: &str);
+
     /// Queues the events one job event (None: the job ended without a result) makes.
-    fn on_event(&mut self, ev: Option<JobEvent>);
+    fn on_event(&mut self, ev: Option<JobEvent>) {
+        match ev {
+            Some(JobEvent::Delta(d)) => self.on_delta(d),
+            Some(JobEvent::Done(Ok(out))) => self.on_done(out),
+            Some(JobEvent::Done(Err(e))) => self.fail(&format!("generation failed: {e}")),
+            None => self.fail("the generation ended without a result"),
+        }
+    }
 }
 
 /// The SSE response of `st`: its queued events, then those of each job event as it arrives,

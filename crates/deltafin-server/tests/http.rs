@@ -41,6 +41,15 @@ fn load_model() -> DeepseekV3 {
     DeepseekV3::load(&ModelDir::open(model_dir()).unwrap(), 1 << 20).unwrap()
 }
 
+/// [`start`] with steps of 10 ms (a generation is still running when the next request comes)
+/// and room for `max_queue` waiting requests.
+fn start_slow(max_queue: usize) -> SocketAddr {
+    start(|c| {
+        c.step_delay = Duration::from_millis(10);
+        c.max_queue = max_queue;
+    })
+}
+
 /// [`start`] serving `model`.
 fn start_with(model: Arc<dyn CausalLm>, configure: impl FnOnce(&mut ServerConfig)) -> SocketAddr {
     serve_dir(model_dir(), model, configure)
@@ -1351,10 +1360,7 @@ fn start_running(a: SocketAddr, tokens: usize) -> BufReader<TcpStream> {
 
 #[test]
 fn requests_queue_in_arrival_order_and_429_only_when_the_queue_is_full() {
-    let a = start(|c| {
-        c.step_delay = Duration::from_millis(10);
-        c.max_queue = 2;
-    });
+    let a = start_slow(2);
     let running = start_running(a, 60);
     let done = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut waiting = Vec::new();
@@ -1394,10 +1400,7 @@ fn requests_queue_in_arrival_order_and_429_only_when_the_queue_is_full() {
 
 #[test]
 fn a_queued_request_whose_client_leaves_gives_its_place_back_and_never_runs() {
-    let a = start(|c| {
-        c.step_delay = Duration::from_millis(10);
-        c.max_queue = 1;
-    });
+    let a = start_slow(1);
     let running = start_running(a, 100);
     let queued = send(
         a,
@@ -1450,10 +1453,7 @@ fn metrics_report_queue_depth_and_latency_histograms() {
 
 #[test]
 fn an_over_long_prompt_is_refused_by_bytes_before_it_is_queued_or_tokenized() {
-    let a = start(|c| {
-        c.step_delay = Duration::from_millis(10);
-        c.max_queue = 0;
-    });
+    let a = start_slow(0);
     // The fixture's context is 128 tokens: at most 128 × 16 bytes of prompt text.
     let max = deltafin_server::limits::max_prompt_bytes(128);
     let long = "a".repeat(max + 1);

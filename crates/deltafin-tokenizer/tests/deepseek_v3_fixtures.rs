@@ -8,16 +8,11 @@ use std::path::{Path, PathBuf};
 use deltafin_tokenizer::{eos_token_ids_union, Tokenizer};
 use serde_json::Value;
 
+mod common;
+use common::ids;
+
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/deepseek_v3")
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap_or_else(|| panic!("ids array: {v}"))
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 fn load_expected(dir: &Path) -> Option<Value> {

@@ -6,6 +6,9 @@ use std::path::PathBuf;
 use deltafin_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 use serde_json::Value;
 
+mod common;
+use common::ids;
+
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tokenizer")
 }
@@ -14,14 +17,6 @@ fn expected() -> Value {
     let path = fixtures().join("expected.json");
     let text = std::fs::read_to_string(&path).expect("read expected.json");
     serde_json::from_str(&text).expect("parse expected.json")
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("ids array")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
 }
 
 /// Checks vocab size, bos/eos, token_to_id, every recorded encode and decode.

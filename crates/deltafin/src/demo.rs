@@ -60,19 +60,27 @@ const TRAINED_FILES: &[(&str, &[u8])] = &[
 /// The question the trained demo answers unless `--prompt` says otherwise.
 pub const DEFAULT_PROMPT: &str = "What does json.dumps do?";
 
-/// What `deltafin demo` runs.
-pub struct DemoOptions {
-    /// Where to keep the files (a temporary directory, removed afterwards, when `None`).
+/// Flags of `deltafin demo`.
+#[derive(clap::Args)]
+pub struct DemoArgs {
+    /// Where to keep the demo files (default: a temporary directory, removed afterwards).
+    #[arg(long)]
     pub dir: Option<PathBuf>,
-    /// Tokens to generate (at least 1).
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 64, allow_negative_numbers = true)]
     pub max_new_tokens: usize,
-    /// Pass `--raw-output` to the child `deltafin run`.
+    /// Write the generated text exactly, control characters included, also to a terminal
+    /// (where they are shown escaped by default, as `\u{1b}`).
+    #[arg(long)]
     pub raw_output: bool,
-    /// The synthetic random-weight model instead of the trained one.
+    /// Synthesize and run a random-weight model of the same family instead (meaningless text).
+    #[arg(long)]
     pub random: bool,
-    /// The question for the trained model (sent as one user message with its chat template).
+    /// The question for the trained model (default: "What does json.dumps do?").
+    #[arg(long)]
     pub prompt: Option<String>,
-    /// Where the child `deltafin run` computes (`--device`).
+    /// Where to compute, as for `run`: `cpu` (the default), `cuda`, `cuda:N` or `auto`.
+    #[arg(long, default_value = "cpu")]
     pub device: deltafin_engine::Device,
 }
 
@@ -80,7 +88,7 @@ pub struct DemoOptions {
 ///
 /// Errors: `max_new_tokens` 0, `--prompt` with `--random`, files that cannot be written, a
 /// failing child run.
-pub fn run(o: DemoOptions) -> Result<()> {
+pub fn run(o: DemoArgs) -> Result<()> {
     if o.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }

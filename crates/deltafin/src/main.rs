@@ -104,27 +104,7 @@ enum Cmd {
     Run(run_cmd::RunArgs),
     /// Ask the embedded trained model (a small DeepSeek-V3-architecture MoE) a question with an
     /// expert pack four times the expert cache budget, so experts stream from disk (no download).
-    Demo {
-        /// Where to keep the demo files (default: a temporary directory, removed afterwards).
-        #[arg(long)]
-        dir: Option<PathBuf>,
-        /// Tokens to generate.
-        #[arg(long, default_value_t = 64, allow_negative_numbers = true)]
-        max_new_tokens: usize,
-        /// Write the generated text exactly, control characters included, also to a terminal
-        /// (where they are shown escaped by default, as `\u{1b}`).
-        #[arg(long)]
-        raw_output: bool,
-        /// Synthesize and run a random-weight model of the same family instead (meaningless text).
-        #[arg(long)]
-        random: bool,
-        /// The question for the trained model (default: "What does json.dumps do?").
-        #[arg(long)]
-        prompt: Option<String>,
-        /// Where to compute, as for `run`: `cpu` (the default), `cuda`, `cuda:N` or `auto`.
-        #[arg(long, default_value = "cpu")]
-        device: deltafin_engine::Device,
-    },
+    Demo(demo::DemoArgs),
     /// Serve the model over HTTP: OpenAI-compatible and Anthropic Messages APIs.
     Serve(serve::ServeArgs),
     /// Chat with the model in the terminal (multi-turn, streamed, KV cache reused).
@@ -201,21 +181,7 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Run(args) => run_cmd::run(&args),
-        Cmd::Demo {
-            dir,
-            max_new_tokens,
-            raw_output,
-            random,
-            prompt,
-            device,
-        } => demo::run(demo::DemoOptions {
-            dir,
-            max_new_tokens,
-            raw_output,
-            random,
-            prompt,
-            device,
-        }),
+        Cmd::Demo(args) => demo::run(args),
         Cmd::Serve(args) => serve::run(&args),
         Cmd::Chat(args) => chat::run(&args),
         Cmd::Synth(args) => synth_cmd::run(&args),

@@ -13,6 +13,7 @@ use deltafin_format::{ModelDir, StoredDtype};
 use serde_json::Value;
 
 mod common;
+use common::{greedy, ids, read_json, rel_l2_f32};
 
 fn cases(family: &str) -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -28,20 +29,6 @@ fn cases(family: &str) -> Vec<PathBuf> {
     v
 }
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - y).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| y * y).sum();
-    (num / den).sqrt()
-}
-
 fn gpu_or_skip(test: &str) -> bool {
     match deltafin_cuda::probe() {
         Ok(_) => true,
@@ -50,11 +37,6 @@ fn gpu_or_skip(test: &str) -> bool {
             false
         }
     }
-}
-
-/// A case's `expected.json` (or another golden file of it).
-fn read_json(path: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
 
 /// Prints the worst relative L2 of `what` against `vs` (the figure to report) and asserts it is
@@ -141,11 +123,8 @@ fn run_chunked(
         .iter()
         .map(|p| {
             let opts = GenerateOptions {
-                max_new_tokens: ids(&p["generated_ids"]).len(),
-                ignore_eos: true,
-                record_logits: true,
                 prefill_chunk,
-                ..Default::default()
+                ..greedy(ids(&p["generated_ids"]).len())
             };
             let out = generate(model.as_ref(), &ids(&p["prompt_ids"]), &opts, |_| true).unwrap();
             (out.generated_ids, out.step_logits)
@@ -477,7 +456,7 @@ fn worst_vs(a: &[(Vec<u32>, Vec<Vec<f32>>)], b: &[(Vec<u32>, Vec<Vec<f32>>)], wh
         assert_eq!(al.len(), bl.len(), "{what}: step counts differ");
         for (x, y) in al.iter().zip(bl) {
             let y64: Vec<f64> = y.iter().map(|v| *v as f64).collect();
-            worst = worst.max(rel_l2(x, &y64));
+            worst = worst.max(rel_l2_f32(x, &y64));
         }
     }
     worst
@@ -494,7 +473,7 @@ fn worst_vs_golden(got: &[(Vec<u32>, Vec<Vec<f32>>)], expected: &Value, what: &s
         );
         for (g, w) in got_logits.iter().zip(p["step_logits"].as_array().unwrap()) {
             let w: Vec<f64> = w.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
-            worst = worst.max(rel_l2(g, &w));
+            worst = worst.max(rel_l2_f32(g, &w));
         }
     }
     worst
@@ -579,11 +558,8 @@ fn k3_tiny_on_cuda_matches_the_cpu_and_rolls_back_exactly() {
     let steps = |device: Device, prefill_chunk: usize| {
         let (model, _) = load_model_on(&dir, StoreOptions::new(1 << 30), device, GpuOptions::default()).unwrap();
         let opts = GenerateOptions {
-            max_new_tokens: 16,
-            ignore_eos: true,
-            record_logits: true,
             prefill_chunk,
-            ..Default::default()
+            ..greedy(16)
         };
         let prompt: Vec<u32> = (3..40).collect();
         let out = generate(model.as_ref(), &prompt, &opts, |_| true).unwrap();

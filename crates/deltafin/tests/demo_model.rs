@@ -17,6 +17,9 @@ use deltafin_engine::{load_model, CausalLm};
 use deltafin_format::ModelDir;
 use serde_json::Value;
 
+mod common;
+use common::{floats, greedy, ids, read_json, rel_l2_f32};
+
 /// Relative L2 error allowed between our logits and the reference's (as the lossless layout in
 /// tests/reference_fixtures.rs).
 const REL_L2: f64 = 1e-4;
@@ -26,23 +29,7 @@ fn model_dir() -> PathBuf {
 }
 
 fn expected() -> Value {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/demo_model/expected.json");
-    serde_json::from_slice(&std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
-}
-
-fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id list")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
-
-fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len(), "logit vector lengths differ");
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - y).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| y * y).sum();
-    (num / den).sqrt()
+    read_json(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/demo_model/expected.json"))
 }
 
 #[test]
@@ -57,23 +44,18 @@ fn trained_demo_model_matches_transformers() {
     assert!(prompts.len() >= 3);
     let tmp = tempfile::tempdir().unwrap();
     for (pi, p) in prompts.iter().enumerate() {
-        let prompt = u32s(&p["prompt_ids"]);
-        let want = u32s(&p["generated_ids"]);
+        let prompt = ids(&p["prompt_ids"]);
+        let want = ids(&p["generated_ids"]);
         let trace = tmp.path().join(format!("p{pi}.routes"));
         let opts = GenerateOptions {
-            max_new_tokens: want.len(),
-            eos_token_ids: vec![],
-            ignore_eos: true,
-            record_logits: true,
             trace_routes: Some(trace.clone()),
-            ..Default::default()
+            ..greedy(want.len())
         };
         let got = generate(model.as_ref(), &prompt, &opts, |_| true).unwrap();
         assert_eq!(got.generated_ids, want, "prompt {pi}: greedy ids");
         let mut worst = 0f64;
         for (k, w) in p["step_logits"].as_array().unwrap().iter().enumerate() {
-            let w: Vec<f64> = w.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
-            worst = worst.max(rel_l2(&got.step_logits[k], &w));
+            worst = worst.max(rel_l2_f32(&got.step_logits[k], &floats(w)));
         }
         eprintln!("prompt {pi} ({} tokens): max rel L2 {worst:.3e}", prompt.len());
         assert!(worst <= REL_L2, "prompt {pi}: rel L2 {worst:.3e} > {REL_L2}");
@@ -92,7 +74,7 @@ fn trained_demo_model_matches_transformers() {
             let rows = rows.as_array().unwrap();
             assert_eq!(rows.len(), n_pos);
             for (pos, row) in rows.iter().enumerate() {
-                let want_set = u32s(row);
+                let want_set = ids(row);
                 let got_set: Vec<u32> = records[pos].1[(l - first) * k..(l - first + 1) * k]
                     .iter()
                     .map(|&e| e as u32)

@@ -10,7 +10,9 @@ use std::process::Output;
 use assert_cmd::Command;
 use safetensors::Dtype;
 mod common;
-use common::{assert_no_output, deltafin_within, exec, expect_error, ok, rewrite_safetensors, text, RawTensor};
+use common::{
+    assert_no_output, deltafin_within, exec, expect_error, ok, read_json, rewrite_safetensors, text, RawTensor,
+};
 use serde_json::{json, Value};
 
 fn deltafin() -> Command {
@@ -33,10 +35,6 @@ fn copy_case(case: &str, tmp: &Path) -> PathBuf {
         }
     }
     hf
-}
-
-fn read_json(p: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
 }
 
 fn edit_json(p: &Path, edit: impl FnOnce(&mut Value)) {

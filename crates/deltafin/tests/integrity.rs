@@ -8,7 +8,7 @@ use std::process::Output;
 
 use assert_cmd::Command;
 mod common;
-use common::{deltafin_within, exec, expect_error, ok, text};
+use common::{deltafin_within, exec, expect_error, ok, read_json, text};
 use serde_json::Value;
 
 fn deltafin() -> Command {
@@ -23,10 +23,6 @@ fn fixture(case: &str) -> PathBuf {
 
 fn convert(hf: &Path, out: &Path, extra: &[&str]) -> Output {
     exec(deltafin().arg("convert").arg(hf).arg(out).args(extra))
-}
-
-fn read_json(p: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
 }
 
 fn write_json(p: &Path, v: &Value) {

@@ -302,6 +302,27 @@ fn error_lines(stderr: &str) -> Vec<&str> {
     stderr.lines().filter(|l| l.starts_with("error:")).collect()
 }
 
+/// The one `error:` line of a command that failed (nonzero exit code, no panic), and its whole
+/// stderr; `what` starts the assertion messages.
+fn the_error_line(out: &Output, what: &str) -> (String, String) {
+    let err = stderr_of(out);
+    assert!(
+        out.status.code().is_some_and(|c| c != 0) && !err.contains("panicked"),
+        "{what}{err}"
+    );
+    let lines = error_lines(&err);
+    assert_eq!(lines.len(), 1, "{what}{err}");
+    (lines[0].to_string(), err)
+}
+
+/// Fetches a record of the streaming install `model` on demand (a run's logits into `json`)
+/// while `px` flips a byte of the next body over 10,000 bytes: the record arrives corrupted.
+fn fetch_a_corrupted_record(px: &Proxy, model: &Path, json: &Path) {
+    px.with(|f| f.flip_next_over = Some(10_000));
+    logits(model, &["--allow-network"], json);
+    assert!(px.with(|f| f.flip_next_over.is_none()), "no body was corrupted");
+}
+
 /// `cache verify` of `model` succeeds and says `ok: `.
 fn assert_cache_verifies(model: &Path) {
     let v = stdout_of(&run_ok(&["cache", "verify", s(model)]));
@@ -993,10 +1014,8 @@ fn records_streamed_from_a_hugging_face_layout_are_compared_with_the_source_on_r
     // The backbone tensors came by range too: their checksums were computed on arrival.
     assert!(info.contains("unverifiable against the source"), "{info}");
 
-    px.with(|f| f.flip_next_over = Some(10_000));
     // On-demand fetches by range (a `warm` completing a file would check its sha256).
-    logits(&m, &["--allow-network"], &t.join("l.json"));
-    assert!(px.with(|f| f.flip_next_over.is_none()), "no body was corrupted");
+    fetch_a_corrupted_record(&px, &m, &t.join("l.json"));
     assert!(
         read(&t.join("ref/experts.pack")) != read(&m.join("experts.pack")),
         "the corrupted record was stored"
@@ -1169,15 +1188,9 @@ fn a_hostile_mirror_manifest_is_refused_before_anything_is_written() {
         for mode in ["--full", "--stream"] {
             let m = t.join(format!("m-{name}"));
             let out = run_any(&["pull", &ng.url(served), s(&m), mode, "--flat"]);
-            let err = stderr_of(&out);
-            let lines = error_lines(&err);
+            let (line, err) = the_error_line(&out, &format!("{name} {mode}: "));
             assert!(
-                out.status.code().is_some_and(|c| c != 0) && !err.contains("panicked"),
-                "{name} {mode}: {err}"
-            );
-            assert_eq!(lines.len(), 1, "{name} {mode}: {err}");
-            assert!(
-                lines[0].contains("manifest.json") && lines[0].contains(needle),
+                line.contains("manifest.json") && line.contains(needle),
                 "{name} {mode}: {err}"
             );
             assert!(!m.exists(), "{name} {mode}: {} was written", m.display());
@@ -1204,9 +1217,7 @@ fn a_warm_that_completes_a_source_file_checks_its_published_sha256() {
     let m = t.join("m");
     run_ok(&["pull", &px.url("dsv3_b"), s(&m), "--stream", "--experts", "bf16"]);
     // A record fetched on demand by range, corrupted on the way: stored as received.
-    px.with(|f| f.flip_next_over = Some(10_000));
-    logits(&m, &["--allow-network"], &t.join("l.json"));
-    assert!(px.with(|f| f.flip_next_over.is_none()), "no body was corrupted");
+    fetch_a_corrupted_record(&px, &m, &t.join("l.json"));
 
     // The full warm: every source file completes. Its first body is corrupted too.
     px.with(|f| {
@@ -1245,16 +1256,9 @@ fn a_warm_that_completes_a_source_file_checks_its_published_sha256() {
     run_ok(&["pull", &px.url("dsv3_b"), s(&m3), "--stream", "--experts", "bf16"]);
     assert!(px.with(|f| f.flip_next_over.is_none()), "no body was corrupted");
     run_ok(&["cache", "verify", s(&m3)]);
-    let out = run_any(&["warm", s(&m3), "--allow-network"]);
-    let se = stderr_of(&out);
+    let (line, se) = the_error_line(&run_any(&["warm", s(&m3), "--allow-network"]), "");
     assert!(
-        out.status.code().is_some_and(|c| c != 0) && !se.contains("panicked"),
-        "{se}"
-    );
-    let lines = error_lines(&se);
-    assert_eq!(lines.len(), 1, "{se}");
-    assert!(
-        lines[0].contains("backbone.bin") && lines[0].contains("corrupted") && lines[0].contains("install it again"),
+        line.contains("backbone.bin") && line.contains("corrupted") && line.contains("install it again"),
         "{se}"
     );
 
@@ -1263,15 +1267,11 @@ fn a_warm_that_completes_a_source_file_checks_its_published_sha256() {
     run_ok(&["pull", &ng.url("dsv3_b"), s(&m2), "--stream", "--experts", "bf16"]);
     let shard = replace_served_shard_under_the_same_etag(&ng);
     let out = run_any(&["warm", s(&m2), "--allow-network"]);
-    let (so, se) = (stdout_of(&out), stderr_of(&out));
-    assert!(out.status.code().is_some_and(|c| c != 0), "{so}{se}");
-    let lines = error_lines(&se);
-    assert_eq!(lines.len(), 1, "{se}");
+    let (line, se) = the_error_line(&out, &stdout_of(&out));
     assert!(
-        lines[0].contains(shard) && lines[0].contains("sha256") && lines[0].contains("were not stored"),
+        line.contains(shard) && line.contains("sha256") && line.contains("were not stored"),
         "{se}"
     );
-    assert!(!se.contains("panicked"), "{se}");
     // What was stored is intact and equal to the local convert; the refused records are absent.
     let v = stdout_of(&run_ok(&["cache", "verify", s(&m2)]));
     assert!(!v.contains("FAILED"), "{v}");

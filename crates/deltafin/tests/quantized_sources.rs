@@ -23,7 +23,7 @@ use serde_json::Value;
 const LOSSLESS_REL_L2: f64 = 1e-4;
 
 mod common;
-use common::{ok, text};
+use common::{floats, ids, ok, rel_l2, text};
 
 fn deltafin() -> Command {
     let mut c = Command::new(assert_cmd::cargo::cargo_bin!("deltafin"));
@@ -35,29 +35,6 @@ fn fixture(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/quantized")
         .join(case)
-}
-
-fn ids(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .expect("id list")
-        .iter()
-        .map(|x| x.as_u64().expect("id"))
-        .collect()
-}
-
-fn floats(v: &Value) -> Vec<f64> {
-    v.as_array()
-        .expect("float list")
-        .iter()
-        .map(|x| x.as_f64().expect("float"))
-        .collect()
-}
-
-fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len(), "logit vector lengths differ");
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| y * y).sum();
-    (num / den).sqrt()
 }
 
 fn convert_lossless(hf: &Path, out: &Path) -> Output {

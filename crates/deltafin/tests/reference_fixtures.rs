@@ -17,6 +17,9 @@ use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
 use deltafin_format::{ModelDir, StoredDtype};
 use serde_json::Value;
 
+mod common;
+use common::{floats, greedy, ids, read_json, rel_l2_f32};
+
 /// Relative L2 error allowed in the lossless layout (issue #2).
 const LOSSLESS_REL_L2: f64 = 1e-4;
 /// Relative L2 error allowed for the default int8-backbone / MXFP4-expert layout on these
@@ -47,46 +50,6 @@ fn family_cases(family: &str, min: usize) -> Vec<PathBuf> {
 
 fn cases() -> Vec<PathBuf> {
     family_cases("deepseek_v3", 3)
-}
-
-fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len(), "logit vector lengths differ");
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - y).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| y * y).sum();
-    (num / den).sqrt()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id list")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
-
-fn floats(v: &Value) -> Vec<f64> {
-    v.as_array()
-        .expect("float list")
-        .iter()
-        .map(|x| x.as_f64().expect("float"))
-        .collect()
-}
-
-/// The JSON file at `path`.
-fn read_json(path: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
-}
-
-/// Greedy generation of `n` tokens, past any end-of-sequence id, recording the step logits.
-fn greedy(n: usize) -> GenerateOptions {
-    GenerateOptions {
-        max_new_tokens: n,
-        eos_token_ids: vec![],
-        ignore_eos: true,
-        record_logits: true,
-        trace_routes: None,
-        ..Default::default()
-    }
 }
 
 /// `case` converted with `backbone` / `experts` into a model directory inside a temporary
@@ -153,7 +116,7 @@ fn run_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, budget: u6
         // Compare logits step by step while the ids agree (after a divergence the inputs differ).
         let mut prompt_worst = 0f64;
         for (k, (g, w)) in got.step_logits.iter().zip(&want_logits).enumerate() {
-            let e = rel_l2(g, w);
+            let e = rel_l2_f32(g, w);
             prompt_worst = prompt_worst.max(e);
             if k < want_ids.len() && got.generated_ids[k] != want_ids[k] {
                 break;
@@ -553,7 +516,7 @@ fn kimi_k3_matches_llama_cpp_with_its_cpu_numerics() {
             let steps = p["step_logits"].as_array().unwrap();
             assert_eq!(got.step_logits.len(), steps.len());
             for (k, want) in steps.iter().enumerate() {
-                let e = rel_l2(&got.step_logits[k], &floats(want));
+                let e = rel_l2_f32(&got.step_logits[k], &floats(want));
                 assert!(
                     e < K3_FLIP_REL_L2,
                     "{}: prompt of {}, step {k}: rel L2 {e:.3e}",
@@ -568,7 +531,7 @@ fn kimi_k3_matches_llama_cpp_with_its_cpu_numerics() {
                 ..opts
             };
             let r = generate(reference.as_ref(), &prompt, &one, |_| true).unwrap();
-            reference_worst = reference_worst.max(rel_l2(&r.step_logits[0], &floats(&steps[0])));
+            reference_worst = reference_worst.max(rel_l2_f32(&r.step_logits[0], &floats(&steps[0])));
         }
         eprintln!(
             "{}: reference numerics at the prompts' last positions: rel L2 {reference_worst:.3e}",
@@ -702,7 +665,7 @@ fn kimi_k3_matches_llama_cpp_f32_experts_within_1e3() {
             .unwrap();
             assert_eq!(got.generated_ids, want_ids, "{}: greedy ids differ", case.display());
             for (g, w) in got.step_logits.iter().zip(p["step_logits"].as_array().unwrap()) {
-                worst = worst.max(rel_l2(g, &floats(w)));
+                worst = worst.max(rel_l2_f32(g, &floats(w)));
             }
         }
         eprintln!("{}: max rel L2 {worst:.3e} vs llama.cpp (f32 experts)", case.display());

@@ -56,10 +56,7 @@ mod tests {
 
     #[test]
     fn v31_bare_calls_after_reasoning() {
-        let o = Options {
-            prompt_tail: "<｜Assistant｜><think>".into(),
-            ..opts()
-        };
+        let o = opts_after("<｜Assistant｜><think>");
         let text = "plan</think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{\"q\": \"日本\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
         let ev = parse_every_split(Family::DeepSeek, &o, text);
         let mut want = vec![reasoning("plan")];

@@ -203,15 +203,9 @@ mod tests {
 
     #[test]
     fn output_starts_in_the_body_the_prompt_opened() {
-        let o = Options {
-            prompt_tail: "<|start|>assistant<|channel|>final<|message|>".into(),
-            ..opts()
-        };
+        let o = opts_after("<|start|>assistant<|channel|>final<|message|>");
         assert_eq!(parse_every_split(Family::Harmony, &o, "Hi é"), vec![content("Hi é")]);
-        let o = Options {
-            prompt_tail: "<|start|>assistant<|channel|>analysis<|message|>".into(),
-            ..opts()
-        };
+        let o = opts_after("<|start|>assistant<|channel|>analysis<|message|>");
         let ev = parse_every_split(
             Family::Harmony,
             &o,

@@ -61,10 +61,7 @@ mod tests {
 
     #[test]
     fn singular_section_spelling_and_call_right_after_reasoning() {
-        let o = Options {
-            prompt_tail: "<|im_assistant|>assistant<|im_middle|><think>".into(),
-            ..opts()
-        };
+        let o = opts_after("<|im_assistant|>assistant<|im_middle|><think>");
         let text = "hmm<|tool_call_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\":1}<|tool_call_end|><|tool_call_section_end|>";
         let ev = parse_every_split(Family::KimiK2, &o, text);
         let mut want = vec![reasoning("hmm")];

@@ -111,10 +111,7 @@ mod tests {
     use super::super::*;
 
     fn k3() -> Options {
-        Options {
-            prompt_tail: "<|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|>".into(),
-            ..opts()
-        }
+        opts_after("<|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|>")
     }
 
     #[test]
@@ -134,10 +131,7 @@ mod tests {
 
     #[test]
     fn thinking_off_starts_in_the_response() {
-        let o = Options {
-            prompt_tail: "<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>".into(),
-            ..opts()
-        };
+        let o = opts_after("<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>");
         let ev = parse_every_split(Family::KimiK3, &o, "Hi!<|close|>response<|sep|><|close|>message<|sep|>");
         assert_eq!(ev, vec![content("Hi!")]);
     }

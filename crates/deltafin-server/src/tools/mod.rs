@@ -414,6 +414,14 @@ pub(crate) mod test_util {
         }
     }
 
+    /// [`opts`] for an output that follows a prompt ending in `prompt_tail`.
+    pub fn opts_after(prompt_tail: &str) -> Options {
+        Options {
+            prompt_tail: prompt_tail.into(),
+            ..opts()
+        }
+    }
+
     pub fn call(index: usize, id: &str, name: &str, args: &str) -> Vec<Event> {
         vec![
             Event::ToolCallStart {

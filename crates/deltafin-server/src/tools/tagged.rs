@@ -247,17 +247,11 @@ mod tests {
 
     #[test]
     fn output_starts_inside_think_when_the_prompt_opened_it() {
-        let o = Options {
-            prompt_tail: "<｜Assistant｜><think>\n".into(),
-            ..opts()
-        };
+        let o = opts_after("<｜Assistant｜><think>\n");
         let ev = parse_every_split(Family::Think, &o, "still thinking</think>done");
         assert_eq!(ev, vec![reasoning("still thinking"), content("done")]);
         // A prompt that closed the block (thinking off) starts in content.
-        let o = Options {
-            prompt_tail: "<｜Assistant｜></think>".into(),
-            ..opts()
-        };
+        let o = opts_after("<｜Assistant｜></think>");
         let ev = parse_every_split(Family::Think, &o, "plain</think> text");
         assert_eq!(ev, vec![content("plain</think> text")]);
     }

@@ -1,5 +1,8 @@
 //! Helpers shared by the tokenizer's integration tests.
 
+// Each test file uses a subset of them.
+#![allow(dead_code)]
+
 use std::path::PathBuf;
 
 use deltafin_tokenizer::Tokenizer;
@@ -29,4 +32,13 @@ pub fn gpt2_char(b: u8) -> char {
         }
     }
     unreachable!()
+}
+
+/// A list of token ids in an expected-output JSON file.
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("ids array: {v}"))
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
 }

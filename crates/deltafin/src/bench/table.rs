@@ -22,80 +22,41 @@ fn fmt_spread(v: &Value, scale: f64) -> String {
 /// A table row: its label and how to format one configuration's summary.
 type Row<'a> = (&'a str, Box<dyn Fn(&Value) -> String>);
 
+/// A row's format: the spread of summary field `key`, times `scale`, as [`fmt_spread`] writes it.
+fn spread(key: &'static str, scale: f64) -> Box<dyn Fn(&Value) -> String> {
+    Box::new(move |c: &Value| fmt_spread(&c[key], scale))
+}
+
+/// A row's format: summary field `key` with about four significant digits, or `absent`.
+fn single(key: &'static str, absent: &'static str) -> Box<dyn Fn(&Value) -> String> {
+    Box::new(move |c: &Value| c[key].as_f64().map(sig).unwrap_or_else(|| absent.into()))
+}
+
 pub(super) fn print_table(report: &Value, configs: &[Config]) {
     let cs = report["configs"].as_array().cloned().unwrap_or_default();
     let mib = 1.0 / (1u64 << 20) as f64;
     let rows: Vec<Row> = vec![
-        (
-            "steady decode tok/s",
-            Box::new(|c: &Value| fmt_spread(&c["steady_decode_tokens_per_s"], 1.0)),
-        ),
-        (
-            "seconds per token",
-            Box::new(|c: &Value| fmt_spread(&c["seconds_per_token"], 1.0)),
-        ),
-        (
-            "time to first token s",
-            Box::new(|c: &Value| fmt_spread(&c["ttft_s"], 1.0)),
-        ),
-        (
-            "prefill tok/s",
-            Box::new(|c: &Value| fmt_spread(&c["prefill_tokens_per_s"], 1.0)),
-        ),
-        (
-            "demand MiB/token",
-            Box::new(move |c: &Value| fmt_spread(&c["demand_bytes_per_token"], mib)),
-        ),
+        ("steady decode tok/s", spread("steady_decode_tokens_per_s", 1.0)),
+        ("seconds per token", spread("seconds_per_token", 1.0)),
+        ("time to first token s", spread("ttft_s", 1.0)),
+        ("prefill tok/s", spread("prefill_tokens_per_s", 1.0)),
+        ("demand MiB/token", spread("demand_bytes_per_token", mib)),
         (
             "speculative MiB/token (run)",
-            Box::new(move |c: &Value| fmt_spread(&c["speculative_bytes_per_generated_token"], mib)),
+            spread("speculative_bytes_per_generated_token", mib),
         ),
-        (
-            "cache hit rate %",
-            Box::new(|c: &Value| fmt_spread(&c["hit_rate"], 100.0)),
-        ),
+        ("cache hit rate %", spread("hit_rate", 100.0)),
         (
             "storage floor s/token",
-            Box::new(|c: &Value| {
-                c["storage_floor_s_per_token"]
-                    .as_f64()
-                    .map(sig)
-                    .unwrap_or_else(|| "n/a (no --floor-bandwidth)".into())
-            }),
+            single("storage_floor_s_per_token", "n/a (no --floor-bandwidth)"),
         ),
-        (
-            "s/token ÷ floor",
-            Box::new(|c: &Value| {
-                c["seconds_per_token_over_floor"]
-                    .as_f64()
-                    .map(sig)
-                    .unwrap_or_else(|| "n/a".into())
-            }),
-        ),
-        (
-            "step: io wait s",
-            Box::new(|c: &Value| fmt_spread(&c["step_io_wait_s"], 1.0)),
-        ),
-        (
-            "step: expert compute s",
-            Box::new(|c: &Value| fmt_spread(&c["step_expert_compute_s"], 1.0)),
-        ),
-        (
-            "step: attention s",
-            Box::new(|c: &Value| fmt_spread(&c["step_attention_s"], 1.0)),
-        ),
-        (
-            "step: other s",
-            Box::new(|c: &Value| fmt_spread(&c["step_other_s"], 1.0)),
-        ),
-        (
-            "peak RSS MiB",
-            Box::new(move |c: &Value| fmt_spread(&c["peak_rss_bytes"], mib)),
-        ),
-        (
-            "cgroup peak MiB (+cache)",
-            Box::new(move |c: &Value| fmt_spread(&c["cgroup_peak_bytes"], mib)),
-        ),
+        ("s/token ÷ floor", single("seconds_per_token_over_floor", "n/a")),
+        ("step: io wait s", spread("step_io_wait_s", 1.0)),
+        ("step: expert compute s", spread("step_expert_compute_s", 1.0)),
+        ("step: attention s", spread("step_attention_s", 1.0)),
+        ("step: other s", spread("step_other_s", 1.0)),
+        ("peak RSS MiB", spread("peak_rss_bytes", mib)),
+        ("cgroup peak MiB (+cache)", spread("cgroup_peak_bytes", mib)),
         (
             "io / cache / prefetch",
             Box::new(|c: &Value| {

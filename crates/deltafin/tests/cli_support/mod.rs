@@ -24,7 +24,7 @@ pub use serde_json::Value;
 
 #[path = "../common/mod.rs"]
 mod common;
-pub use common::{assert_no_output, exec, ok, rewrite_safetensors, text, RawTensor};
+pub use common::{assert_no_output, exec, floats, ids, ok, read_json, rel_l2, rewrite_safetensors, text, RawTensor};
 
 /// Relative L2 error allowed between our logits and the reference's in the lossless layout
 /// (issue #2, section 7).
@@ -88,36 +88,8 @@ pub fn convert_lossless(hf: &Path, out: &Path) {
     ok(convert(hf, out, &["--backbone", "f32", "--experts", "f32"]));
 }
 
-pub fn read_json(p: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
-        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
-}
-
-pub fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("an id list")
-        .iter()
-        .map(|x| x.as_u64().expect("an id") as u32)
-        .collect()
-}
-
-pub fn floats(v: &Value) -> Vec<f64> {
-    v.as_array()
-        .expect("a float list")
-        .iter()
-        .map(|x| x.as_f64().expect("a float"))
-        .collect()
-}
-
 pub fn join_ids(ids: &[u32]) -> String {
     ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
-}
-
-pub fn rel_l2(a: &[f64], reference: &[f64]) -> f64 {
-    assert_eq!(a.len(), reference.len(), "logit vector lengths differ");
-    let num: f64 = a.iter().zip(reference).map(|(x, y)| (x - y).powi(2)).sum();
-    let den: f64 = reference.iter().map(|y| y * y).sum();
-    (num / den).sqrt()
 }
 
 /// `deltafin run --model <m> --prompt-ids <ids> --ignore-eos --logits-out <f>` plus `extra`.

@@ -146,3 +146,56 @@ pub fn assert_no_output(out: &Path) {
         .join(format!(".{}.partial", out.file_name().unwrap().to_string_lossy()));
     assert!(!partial.exists(), "{} was left behind", partial.display());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Reference expectations (`expected.json` of a fixture: ids and float32 logits)
+// ---------------------------------------------------------------------------------------------
+
+/// The JSON file at `p` (its path named in a failure).
+pub fn read_json(p: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// A list of token ids.
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("an id list")
+        .iter()
+        .map(|x| x.as_u64().expect("an id") as u32)
+        .collect()
+}
+
+/// A list of floats (a logits vector).
+pub fn floats(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array()
+        .expect("a float list")
+        .iter()
+        .map(|x| x.as_f64().expect("a float"))
+        .collect()
+}
+
+/// Relative L2 error `|a - reference| / |reference|` of two logit vectors of the same length.
+pub fn rel_l2(a: &[f64], reference: &[f64]) -> f64 {
+    assert_eq!(a.len(), reference.len(), "logit vector lengths differ");
+    let num: f64 = a.iter().zip(reference).map(|(x, y)| (x - y).powi(2)).sum();
+    let den: f64 = reference.iter().map(|y| y * y).sum();
+    (num / den).sqrt()
+}
+
+/// [`rel_l2`] of the engine's f32 logits `a` against the reference's.
+pub fn rel_l2_f32(a: &[f32], reference: &[f64]) -> f64 {
+    rel_l2(&a.iter().map(|&x| f64::from(x)).collect::<Vec<_>>(), reference)
+}
+
+/// Greedy generation of `n` tokens, past any end-of-sequence id, recording the step logits.
+pub fn greedy(n: usize) -> deltafin_engine::generate::GenerateOptions {
+    deltafin_engine::generate::GenerateOptions {
+        max_new_tokens: n,
+        eos_token_ids: vec![],
+        ignore_eos: true,
+        record_logits: true,
+        trace_routes: None,
+        ..Default::default()
+    }
+}
