@@ -14,13 +14,17 @@
 //!
 //! Written over the seam so far: [`swiglu_rows`] (the dense MLP, the shared experts and a routed
 //! SwiGLU expert on its gathered rows, in every family on both backends) and [`chunk_logits`]
-//! (the final norm and the LM head of a prompt chunk: DeepSeek-V3 and the GQA families on both).
+//! (the final norm and the LM head of a prompt chunk: DeepSeek-V3 and the GQA families on both),
+//! and [`decoder_layers`], the pre-norm residual skeleton of a chunk's pass through the layers
+//! (the same four models: each says only what its attention and its MLP compute).
 
 use std::borrow::Borrow;
 use std::convert::Infallible;
 
 use deltafin_cuda::{CudaError, Gpu, GpuBuf, GpuMat};
 use deltafin_kernels::{rms_norm, silu, MatRef};
+
+use crate::EngineError;
 
 /// One compute backend: weight matrices, f32 activations and the operations between them.
 pub trait Backend {
@@ -35,6 +39,9 @@ pub trait Backend {
 
     /// `len` zeros. Errors: out of device memory.
     fn zeros(&self, len: usize) -> Result<Self::Buf, Self::Error>;
+
+    /// Elements of `x`.
+    fn len(x: &Self::Slice) -> usize;
 
     /// Rows of `w` (its output width).
     fn rows(w: &Self::Mat<'_>) -> usize;
@@ -68,6 +75,13 @@ pub trait Backend {
 
     /// `x: [n, width]` in host memory, one `Vec` a row. Errors: a driver failure.
     fn host_rows(&self, x: &Self::Slice, width: usize) -> Result<Vec<Vec<f32>>, Self::Error>;
+
+    /// `x += y` element by element (a residual add: one rounding an element). Errors: lengths
+    /// that disagree; a driver failure.
+    fn add_into(&self, x: &mut Self::Buf, y: &Self::Slice) -> Result<(), Self::Error>;
+
+    /// The engine's error for a backend failure (`CUDA: …` on the device).
+    fn engine_error(e: Self::Error) -> EngineError;
 }
 
 /// The CPU backend: the kernels of `deltafin-kernels` at the process's SIMD level.
@@ -81,6 +95,10 @@ impl Backend for Cpu {
 
     fn zeros(&self, len: usize) -> Result<Vec<f32>, Infallible> {
         Ok(vec![0f32; len])
+    }
+
+    fn len(x: &[f32]) -> usize {
+        x.len()
     }
 
     fn rows(w: &MatRef<'_>) -> usize {
@@ -122,6 +140,17 @@ impl Backend for Cpu {
     fn host_rows(&self, x: &[f32], width: usize) -> Result<Vec<Vec<f32>>, Infallible> {
         Ok(x.chunks(width).map(<[f32]>::to_vec).collect())
     }
+
+    fn add_into(&self, x: &mut Vec<f32>, y: &[f32]) -> Result<(), Infallible> {
+        for (a, b) in x.iter_mut().zip(y) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    fn engine_error(e: Infallible) -> EngineError {
+        match e {}
+    }
 }
 
 /// The CUDA backend: a device opened by [`Gpu::open`], its kernels on its stream.
@@ -133,6 +162,10 @@ impl Backend for Gpu {
 
     fn zeros(&self, len: usize) -> Result<GpuBuf, CudaError> {
         Gpu::zeros(self, len)
+    }
+
+    fn len(x: &GpuBuf) -> usize {
+        x.len()
     }
 
     fn rows(w: &GpuMat) -> usize {
@@ -168,6 +201,15 @@ impl Backend for Gpu {
 
     fn host_rows(&self, x: &GpuBuf, width: usize) -> Result<Vec<Vec<f32>>, CudaError> {
         Ok(self.download(x)?.chunks(width).map(<[f32]>::to_vec).collect())
+    }
+
+    /// `x += 1.0 · y` (an exact product, so one rounding an element as on the CPU).
+    fn add_into(&self, x: &mut GpuBuf, y: &GpuBuf) -> Result<(), CudaError> {
+        self.axpy(1.0, y, x)
+    }
+
+    fn engine_error(e: CudaError) -> EngineError {
+        EngineError::Invalid(format!("CUDA: {e}"))
     }
 }
 
@@ -215,6 +257,44 @@ pub fn chunk_logits<B: Backend>(
     let mut logits = b.zeros(rows * vocab)?;
     b.matmul(lm_head, xf.borrow(), rows, &mut logits)?;
     b.host_rows(logits.borrow(), vocab)
+}
+
+/// A chunk of `n` tokens through the layers of a pre-norm decoder (transformers'
+/// `*DecoderLayer.forward`): for each layer `l < layers`, with `(input_layernorm,
+/// post_attention_layernorm) = norms(l)` (`[hidden]` each, eps `eps`),
+/// `h = x + self_attn(input_layernorm(x))` and then `x = h + mlp(post_attention_layernorm(h))`.
+/// `x: [n, hidden]` is the residual stream, updated in place. `attention(l, xn, out)` puts the
+/// layer's attention output `[n, hidden]` into `out` (filling it or replacing it); `mlp(l, xn,
+/// x)` adds the layer's feed-forward output into `x` itself (a backend may fuse that add).
+///
+/// Errors: the first error of `attention` or `mlp`; a backend failure.
+#[allow(clippy::too_many_arguments)]
+pub fn decoder_layers<'w, B: Backend>(
+    b: &B,
+    x: &mut B::Buf,
+    n: usize,
+    (layers, eps): (usize, f32),
+    norms: impl Fn(usize) -> (&'w B::Slice, &'w B::Slice),
+    mut attention: impl FnMut(usize, &B::Slice, &mut B::Buf) -> Result<(), EngineError>,
+    mut mlp: impl FnMut(usize, &B::Slice, &mut B::Buf) -> Result<(), EngineError>,
+) -> Result<(), EngineError>
+where
+    B::Slice: 'w,
+{
+    let len = B::len((*x).borrow());
+    let mut xn = b.zeros(len).map_err(B::engine_error)?;
+    let mut out = b.zeros(len).map_err(B::engine_error)?;
+    for l in 0..layers {
+        let (input_layernorm, post_attention_layernorm) = norms(l);
+        b.rms_norm_rows((*x).borrow(), input_layernorm, n, eps, &mut xn)
+            .map_err(B::engine_error)?;
+        attention(l, xn.borrow(), &mut out)?;
+        b.add_into(x, out.borrow()).map_err(B::engine_error)?;
+        b.rms_norm_rows((*x).borrow(), post_attention_layernorm, n, eps, &mut xn)
+            .map_err(B::engine_error)?;
+        mlp(l, xn.borrow(), x)?;
+    }
+    Ok(())
 }
 
 /// The value of a CPU result (its error type has no values).

@@ -22,7 +22,7 @@ use deltafin_format::{DeepseekV3Config, ModelConfig, ModelDir, Rope};
 use deltafin_kernels::{rms_norm, MatRef};
 
 use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaShape, MlaTensorNames, MlaTensors, MlaVariant};
-use crate::compute::{chunk_logits, on_cpu, Cpu};
+use crate::compute::{chunk_logits, decoder_layers, on_cpu, Cpu};
 use crate::experts::StoreOptions;
 use crate::model::{
     add_into, gather_rows, swiglu, swiglu_batch, BatchOutput, DecodeState, FamilyModel, GluTensorNames, GluTensors,
@@ -424,39 +424,45 @@ impl DeepseekV3 {
         for (row, &t) in x.chunks_mut(h).zip(tokens) {
             embed.row_into(t as usize, row);
         }
-        let mut xn = vec![0f32; nt * h];
         let mut routes: Vec<LayerRoutes> = vec![Vec::new(); nt];
-        for (l, lw) in self.w.layers.iter().enumerate() {
-            let w = bb.vec(&lw.input_layernorm);
-            for (a, b) in x.chunks(h).zip(xn.chunks_mut(h)) {
-                rms_norm(a, w, c.rms_norm_eps, b);
-            }
-            let attn = self
-                .routed
-                .time_attention(|| self.attention_batch(l, &xn, nt, pos0, cache));
-            add_into(&mut x, &attn);
-            drop(attn);
-            let w = bb.vec(&lw.post_attention_layernorm);
-            for (a, b) in x.chunks(h).zip(xn.chunks_mut(h)) {
-                rms_norm(a, w, c.rms_norm_eps, b);
-            }
-            let mlp = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
-                match &lw.mlp {
-                    Mlp::Moe { .. } => {
-                        let (out, rs) = self.moe_batch(l, &xn, nt)?;
-                        for (r, routing) in routes.iter_mut().zip(rs) {
-                            r.push((l, routing));
+        let layers = &self.w.layers;
+        decoder_layers(
+            &Cpu,
+            &mut x,
+            nt,
+            (layers.len(), c.rms_norm_eps),
+            |l| {
+                (
+                    bb.vec(&layers[l].input_layernorm),
+                    bb.vec(&layers[l].post_attention_layernorm),
+                )
+            },
+            |l, xn, out| {
+                *out = self
+                    .routed
+                    .time_attention(|| self.attention_batch(l, xn, nt, pos0, cache));
+                Ok(())
+            },
+            |l, xn, x| {
+                let mlp = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
+                    match &layers[l].mlp {
+                        Mlp::Moe { .. } => {
+                            let (out, rs) = self.moe_batch(l, xn, nt)?;
+                            for (r, routing) in routes.iter_mut().zip(rs) {
+                                r.push((l, routing));
+                            }
+                            Ok(out)
                         }
-                        Ok(out)
+                        Mlp::Dense(d) => {
+                            let [g, u, d] = d.view(bb);
+                            Ok(swiglu_batch(g, u, d, xn, nt))
+                        }
                     }
-                    Mlp::Dense(d) => {
-                        let [g, u, d] = d.view(bb);
-                        Ok(swiglu_batch(g, u, d, &xn, nt))
-                    }
-                }
-            })?;
-            add_into(&mut x, &mlp);
-        }
+                })?;
+                add_into(x, &mlp);
+                Ok(())
+            },
+        )?;
         cache.len += nt;
         for _ in 0..nt {
             self.routed.count_forward();

@@ -36,7 +36,7 @@ use deltafin_cuda::{
 };
 use deltafin_format::{ModelConfig, ModelDir};
 
-use crate::compute::{chunk_logits, swiglu_rows};
+use crate::compute::{chunk_logits, decoder_layers, swiglu_rows, Backend};
 use crate::device::GpuOptions;
 use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
@@ -828,37 +828,40 @@ impl DeepseekV3Cuda {
         }
         let mut x = g.upload(&x_host).map_err(cuda)?;
         let cs = g.upload(&cs_host).map_err(cuda)?;
-        let z = |len: usize| g.zeros(len.max(1)).map_err(cuda);
-        let mut xn = z(n * h)?;
         let mut routes: Vec<LayerRoutes> = vec![Vec::new(); n];
-        for l in 0..c.num_hidden_layers {
-            let lw = &self.layers[l];
-            g.rms_norm(&x, &lw.input_layernorm, n, c.rms_norm_eps, false, &mut xn)
-                .map_err(cuda)?;
-            let attn = self
-                .cpu
-                .routed
-                .time_attention(|| self.attention_chunk(l, &xn, &cs, n, cache))
-                .map_err(cuda)?;
-            g.axpy(1.0, &attn, &mut x).map_err(cuda)?;
-            g.rms_norm(&x, &lw.post_attention_layernorm, n, c.rms_norm_eps, false, &mut xn)
-                .map_err(cuda)?;
-            self.cpu.routed.time_mlp(|| -> Result<(), EngineError> {
-                match &lw.mlp {
-                    Mlp::Moe { .. } => {
-                        let rs = self.moe_chunk(l, &xn, n, &mut x)?;
-                        for (t, r) in rs.into_iter().enumerate() {
-                            routes[t].push((l, r));
+        let layers = &self.layers;
+        decoder_layers(
+            &**g,
+            &mut x,
+            n,
+            (c.num_hidden_layers, c.rms_norm_eps),
+            |l| (&layers[l].input_layernorm, &layers[l].post_attention_layernorm),
+            |l, xn, out| {
+                *out = self
+                    .cpu
+                    .routed
+                    .time_attention(|| self.attention_chunk(l, xn, &cs, n, cache))
+                    .map_err(cuda)?;
+                Ok(())
+            },
+            |l, xn, x| {
+                self.cpu.routed.time_mlp(|| -> Result<(), EngineError> {
+                    match &layers[l].mlp {
+                        Mlp::Moe { .. } => {
+                            let rs = self.moe_chunk(l, xn, n, x)?;
+                            for (t, r) in rs.into_iter().enumerate() {
+                                routes[t].push((l, r));
+                            }
+                            Ok(())
                         }
-                        Ok(())
+                        Mlp::Dense { gate, up, down } => {
+                            let out = swiglu_rows(&**g, [gate, up, down], xn, n).map_err(cuda)?;
+                            g.add_into(x, &out).map_err(cuda)
+                        }
                     }
-                    Mlp::Dense { gate, up, down } => {
-                        let out = swiglu_rows(&*self.gpu, [gate, up, down], &xn, n).map_err(cuda)?;
-                        g.axpy(1.0, &out, &mut x).map_err(cuda)
-                    }
-                }
-            })?;
-        }
+                })
+            },
+        )?;
         cache.len += n;
         for _ in 0..n {
             self.cpu.routed.count_forward();

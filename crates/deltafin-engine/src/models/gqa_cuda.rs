@@ -52,7 +52,7 @@ use deltafin_format::model_dir::Backbone;
 use deltafin_format::{ModelConfig, ModelDir};
 use deltafin_kernels::MatRef;
 
-use crate::compute::{chunk_logits, swiglu_rows};
+use crate::compute::{chunk_logits, decoder_layers, swiglu_rows, Backend};
 use crate::device::GpuOptions;
 use crate::experts::Expert;
 use crate::experts::StoreOptions;
@@ -396,37 +396,40 @@ impl GqaCuda {
         }
         let mut x = g.upload(&x_host).map_err(cuda)?;
         let cs = g.upload(&cs_host).map_err(cuda)?;
-        let mut xn = g.zeros(n * h).map_err(cuda)?;
         let routed = self.cpu.routed();
         let mut routes: Vec<LayerRoutes> = vec![Vec::new(); n];
-        for (l, lw) in self.layers.iter().enumerate() {
-            // h = x + self_attn(input_layernorm(x))
-            g.rms_norm(&x, &lw.input_layernorm, n, self.eps, false, &mut xn)
-                .map_err(cuda)?;
-            let attn = routed
-                .time_attention(|| self.attention(l, &xn, &cs, n, cache))
-                .map_err(cuda)?;
-            g.axpy(1.0, &attn, &mut x).map_err(cuda)?;
-            // x = h + mlp(post_attention_layernorm(h))
-            g.rms_norm(&x, &lw.post_attention_layernorm, n, self.eps, false, &mut xn)
-                .map_err(cuda)?;
-            routed.time_mlp(|| -> Result<(), EngineError> {
-                match &lw.mlp {
-                    Mlp::Moe { router, bias } => {
-                        let rs = self.moe_chunk(l, router, bias.as_ref(), &xn, n, &mut x)?;
-                        for (t, r) in rs.into_iter().enumerate() {
-                            routes[t].push((l, r));
+        let layers = &self.layers;
+        decoder_layers(
+            &**g,
+            &mut x,
+            n,
+            (layers.len(), self.eps),
+            |l| (&layers[l].input_layernorm, &layers[l].post_attention_layernorm),
+            |l, xn, out| {
+                *out = routed
+                    .time_attention(|| self.attention(l, xn, &cs, n, cache))
+                    .map_err(cuda)?;
+                Ok(())
+            },
+            |l, xn, x| {
+                routed.time_mlp(|| -> Result<(), EngineError> {
+                    match &layers[l].mlp {
+                        Mlp::Moe { router, bias } => {
+                            let rs = self.moe_chunk(l, router, bias.as_ref(), xn, n, x)?;
+                            for (t, r) in rs.into_iter().enumerate() {
+                                routes[t].push((l, r));
+                            }
+                            Ok(())
                         }
-                        Ok(())
+                        Mlp::Dense(m) => {
+                            let [gate, up, down] = &**m;
+                            let out = swiglu_rows(&**g, [gate, up, down], xn, n).map_err(cuda)?;
+                            g.add_into(x, &out).map_err(cuda)
+                        }
                     }
-                    Mlp::Dense(m) => {
-                        let [gate, up, down] = &**m;
-                        let out = swiglu_rows(&*self.gpu, [gate, up, down], &xn, n).map_err(cuda)?;
-                        g.axpy(1.0, &out, &mut x).map_err(cuda)
-                    }
-                }
-            })?;
-        }
+                })
+            },
+        )?;
         cache.len += n;
         for _ in 0..n {
             routed.count_forward();

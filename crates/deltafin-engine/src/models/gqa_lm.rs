@@ -24,10 +24,10 @@ use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
 use deltafin_format::{ModelConfig, ModelDir, Rope};
 use deltafin_kernels::{rms_norm, MatRef};
 
-use crate::compute::{chunk_logits, on_cpu, Cpu};
+use crate::compute::{chunk_logits, decoder_layers, on_cpu, Cpu};
 use crate::experts::StoreOptions;
 use crate::gqa::{Buffers, GqaAttention, GqaDims, GqaNames, GqaWeights, KvCache};
-use crate::model::{softmax_moe, BatchOutput, FamilyModel, LayerRoutes, RoutedExperts};
+use crate::model::{add_into, softmax_moe, BatchOutput, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::gqa_cuda::{ExpertKind, GqaFamily, GqaLayerSpec, MlpSpec};
 use crate::moe::Routing;
 use crate::EngineError;
@@ -344,37 +344,37 @@ impl<F: GqaMlp> GqaLm<F> {
         for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
             embed_tokens.row_into(t as usize, row);
         }
-        let mut xn = vec![0f32; nt * h];
-        let mut out = vec![0f32; nt * h];
         let mut routes: Vec<LayerRoutes> = vec![Vec::new(); nt];
-        for (l, (lw, mw)) in w.layers.iter().zip(&w.mlp).enumerate() {
-            // h = x + self_attn(input_layernorm(x))
-            let norm = bb.vec(&lw.input_layernorm);
-            for (a, b) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
-                rms_norm(a, norm, eps, b);
-            }
-            self.routed
-                .time_attention(|| self.attn.forward_batch(bb, &lw.attn, l, &xn, nt, cache, &mut out));
-            for (a, o) in x.iter_mut().zip(&out) {
-                *a += o;
-            }
-            // x = h + mlp(post_attention_layernorm(h))
-            let norm = bb.vec(&lw.post_attention_layernorm);
-            for (a, b) in x.chunks_exact(h).zip(xn.chunks_exact_mut(h)) {
-                rms_norm(a, norm, eps, b);
-            }
-            let (y, rs) = self
-                .routed
-                .time_mlp(|| self.family.forward_chunk(&self.routed, bb, mw, l, &xn, nt))?;
-            if let Some(rs) = rs {
-                for (r, routing) in routes.iter_mut().zip(rs) {
-                    r.push((l, routing));
+        decoder_layers(
+            &Cpu,
+            &mut x,
+            nt,
+            (w.layers.len(), eps),
+            |l| {
+                (
+                    bb.vec(&w.layers[l].input_layernorm),
+                    bb.vec(&w.layers[l].post_attention_layernorm),
+                )
+            },
+            |l, xn, out| {
+                let lw = &w.layers[l];
+                self.routed
+                    .time_attention(|| self.attn.forward_batch(bb, &lw.attn, l, xn, nt, cache, out));
+                Ok(())
+            },
+            |l, xn, x| {
+                let (y, rs) = self
+                    .routed
+                    .time_mlp(|| self.family.forward_chunk(&self.routed, bb, &w.mlp[l], l, xn, nt))?;
+                if let Some(rs) = rs {
+                    for (r, routing) in routes.iter_mut().zip(rs) {
+                        r.push((l, routing));
+                    }
                 }
-            }
-            for (a, o) in x.iter_mut().zip(&y) {
-                *a += o;
-            }
-        }
+                add_into(x, &y);
+                Ok(())
+            },
+        )?;
         cache.advance_by(nt);
         for _ in 0..nt {
             self.routed.count_forward();
