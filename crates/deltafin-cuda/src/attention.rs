@@ -145,39 +145,34 @@ impl Gpu {
         let cs_ptr = rope_cs.map(|(cs, _)| cs.device_ptr(self.stream()).0).unwrap_or(null);
         let il = rope_cs.is_some_and(|(_, i)| i) as i32;
         let pos_ptr = pos_dev.map(|p| p.device_ptr(self.stream()).0).unwrap_or(null);
-        match &kv_b.data {
-            GpuMatData::Int8 { q: w, scales } => {
-                let mut b = self.stream().launch_builder(self.k.get("mla_decode_i8")?);
-                b.arg(q).arg(ckv).arg(kpe).arg(w).arg(scales);
-                b.arg(&nope)
-                    .arg(&rope)
-                    .arg(&vd)
-                    .arg(&kvl_i)
-                    .arg(&t_i)
-                    .arg(&softmax_scale);
-                b.arg(&cs_ptr).arg(&il).arg(&pos_ptr).arg(&s_cap_i).arg(scores).arg(out);
-                // SAFETY: matches `mla_decode_i8` in ops.cu; lengths checked above.
-                unsafe { b.launch(cfg) }.ctx("launch mla_decode_i8")?;
-            }
-            GpuMatData::F32(w) => {
-                let mut b = self.stream().launch_builder(self.k.get("mla_decode_f32")?);
-                b.arg(q).arg(ckv).arg(kpe).arg(w);
-                b.arg(&nope)
-                    .arg(&rope)
-                    .arg(&vd)
-                    .arg(&kvl_i)
-                    .arg(&t_i)
-                    .arg(&softmax_scale);
-                b.arg(&cs_ptr).arg(&il).arg(&pos_ptr).arg(&s_cap_i).arg(scores).arg(out);
-                // SAFETY: matches `mla_decode_f32` in ops.cu; lengths checked above.
-                unsafe { b.launch(cfg) }.ctx("launch mla_decode_f32")?;
-            }
+        let (w, wsc) = match &kv_b.data {
+            GpuMatData::Int8 { q: w, scales } => (w.device_ptr(self.stream()).0, Some(scales)),
+            GpuMatData::F32(w) => (w.device_ptr(self.stream()).0, None),
             GpuMatData::Mxfp4 { .. } => {
                 return Err(CudaError::Shape(
                     "mla_decode: an MXFP4 kv_b_proj is not supported".into(),
                 ))
             }
+        };
+        let (name, what) = match wsc {
+            Some(_) => ("mla_decode_i8", "launch mla_decode_i8"),
+            None => ("mla_decode_f32", "launch mla_decode_f32"),
+        };
+        let mut b = self.stream().launch_builder(self.k.get(name)?);
+        b.arg(q).arg(ckv).arg(kpe).arg(&w);
+        if let Some(sc) = wsc {
+            b.arg(sc);
         }
+        b.arg(&nope)
+            .arg(&rope)
+            .arg(&vd)
+            .arg(&kvl_i)
+            .arg(&t_i)
+            .arg(&softmax_scale);
+        b.arg(&cs_ptr).arg(&il).arg(&pos_ptr).arg(&s_cap_i).arg(scores).arg(out);
+        // SAFETY: matches `mla_decode_i8` / `mla_decode_f32` in ops.cu (the int8 form takes the
+        // row scales after the weights); lengths checked above.
+        unsafe { b.launch(cfg) }.ctx(what)?;
         Ok(())
     }
 

@@ -206,12 +206,6 @@ extern "C" __global__ void attn_res_mix(const float* __restrict__ bank, int n_ba
 extern "C" __global__ void moe_gate_up_situ_mxfp4(MoePtrs gate, MoePtrs up, int inter, int hidden,
                                                   const float* __restrict__ x, float beta, float lbeta,
                                                   int has_lin, float* __restrict__ h) {
-    __shared__ float lut_s[16];
-    const float* lut = lut_init(lut_s);
-    const int k = blockIdx.y;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= inter) return;
-    float g, u;
-    moe_gate_up_row(gate, up, k, row, hidden, lut, x, &g, &u);
-    if ((threadIdx.x & 31) == 0) h[(size_t)k * inter + row] = df_situ(g, u, beta, lbeta, has_lin);
+    moe_gate_up_glu(gate, up, inter, hidden, x, h,
+                    [=](float g, float u) { return df_situ(g, u, beta, lbeta, has_lin); });
 }

@@ -1356,10 +1356,11 @@ __device__ __forceinline__ void moe_gate_up_row(const MoePtrs& gate, const MoePt
     *u = warp_sum(b[0][0]);
 }
 
-// h[k, r] = silu(gate_k[r] . x) * (up_k[r] . x); gate_k, up_k: [inter, hidden]; one warp a row,
-// blockIdx.y = expert.
-extern "C" __global__ void moe_gate_up_mxfp4(MoePtrs gate, MoePtrs up, int inter, int hidden,
-                                             const float* __restrict__ x, float* __restrict__ h) {
+// h[k, r] = act(gate_k[r] . x, up_k[r] . x); gate_k, up_k: [inter, hidden]; one warp a row,
+// blockIdx.y = expert. The body of every fused gate/up launch; `act` is its GLU.
+template <typename Act>
+__device__ __forceinline__ void moe_gate_up_glu(MoePtrs gate, MoePtrs up, int inter, int hidden,
+                                                const float* __restrict__ x, float* __restrict__ h, Act act) {
     __shared__ float lut_s[16];
     const float* lut = lut_init(lut_s);
     const int k = blockIdx.y;
@@ -1367,7 +1368,13 @@ extern "C" __global__ void moe_gate_up_mxfp4(MoePtrs gate, MoePtrs up, int inter
     if (row >= inter) return;
     float g, u;
     moe_gate_up_row(gate, up, k, row, hidden, lut, x, &g, &u);
-    if ((threadIdx.x & 31) == 0) h[(size_t)k * inter + row] = g / (1.0f + exp_f32(-g)) * u;
+    if ((threadIdx.x & 31) == 0) h[(size_t)k * inter + row] = act(g, u);
+}
+
+// SwiGLU: h[k, r] = silu(gate_k[r] . x) * (up_k[r] . x).
+extern "C" __global__ void moe_gate_up_mxfp4(MoePtrs gate, MoePtrs up, int inter, int hidden,
+                                             const float* __restrict__ x, float* __restrict__ h) {
+    moe_gate_up_glu(gate, up, inter, hidden, x, h, [](float g, float u) { return g / (1.0f + exp_f32(-g)) * u; });
 }
 
 // y[k, r] = down_k[r] . h[k]; down_k: [hidden, inter]; one warp a row, blockIdx.y = expert.
