@@ -373,8 +373,8 @@ fn bench_memory_limit_needs_no_source_tree() {
     std::fs::copy(bin(), &installed).unwrap();
     let cwd = t.join("elsewhere");
     std::fs::create_dir(&cwd).unwrap();
-    let out = Command::new(&installed)
-        .current_dir(&cwd)
+    let mut cmd = Command::new(&installed);
+    cmd.current_dir(&cwd)
         .args([
             "bench",
             s(&m),
@@ -385,8 +385,18 @@ fn bench_memory_limit_needs_no_source_tree() {
             "--new-tokens",
             "3",
         ])
-        .args(["--prompt-ids", "5,17", "--work-dir", s(&t.join("work"))])
-        .output()
+        .args(["--prompt-ids", "5,17", "--work-dir", s(&t.join("work"))]);
+    // A test thread that forks while the copy's write descriptor is open lends it to its child
+    // until that child execs: executing the new file then fails with ETXTBSY for a moment.
+    let out = (0..50)
+        .find_map(|_| match cmd.output() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                None
+            }
+            other => Some(other),
+        })
+        .expect("the copied binary stayed busy for a second")
         .unwrap();
     let err = text(&out.stderr);
     assert!(!err.contains("not found"), "{err}");
