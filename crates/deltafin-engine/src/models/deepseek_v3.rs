@@ -19,7 +19,7 @@
 //! infallible [`Backbone::mat`] / [`Backbone::vec`]: a forward pass looks nothing up by name.
 
 use deltafin_format::{DeepseekV3Config, ModelConfig, ModelDir, Rope};
-use deltafin_kernels::{rms_norm, MatRef};
+use deltafin_kernels::MatRef;
 
 use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaShape, MlaTensorNames, MlaTensors, MlaVariant};
 use crate::compute::{chunk_logits, decoder_layers, on_cpu, Cpu};
@@ -254,38 +254,45 @@ impl DeepseekV3 {
         let bb = &self.backbone;
         let mut x = vec![0f32; h];
         bb.mat(&self.w.embed_tokens).row_into(token as usize, &mut x);
-        let mut xn = vec![0f32; h];
         let mut routes = Vec::new();
-        for (l, lw) in self.w.layers.iter().enumerate() {
-            rms_norm(&x, bb.vec(&lw.input_layernorm), c.rms_norm_eps, &mut xn);
-            let attn = self.routed.time_attention(|| self.attention(l, &xn, pos, cache));
-            add_into(&mut x, &attn);
-            rms_norm(&x, bb.vec(&lw.post_attention_layernorm), c.rms_norm_eps, &mut xn);
-            let mlp = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
-                match &lw.mlp {
-                    Mlp::Moe { .. } => {
-                        let (out, r) = if draft {
-                            self.moe_draft(l, &xn)
-                        } else {
-                            self.moe(l, &xn)?
-                        };
-                        routes.push((l, r));
-                        Ok(out)
+        let layers = &self.w.layers;
+        decoder_layers(
+            &Cpu,
+            &mut x,
+            1,
+            (layers.len(), c.rms_norm_eps),
+            |l| {
+                (
+                    bb.vec(&layers[l].input_layernorm),
+                    bb.vec(&layers[l].post_attention_layernorm),
+                )
+            },
+            |l, xn, out| {
+                *out = self.routed.time_attention(|| self.attention(l, xn, pos, cache));
+                Ok(())
+            },
+            |l, xn, x| {
+                let mlp = self.routed.time_mlp(|| -> Result<Vec<f32>, EngineError> {
+                    match &layers[l].mlp {
+                        Mlp::Moe { .. } => {
+                            let (out, r) = if draft { self.moe_draft(l, xn) } else { self.moe(l, xn)? };
+                            routes.push((l, r));
+                            Ok(out)
+                        }
+                        Mlp::Dense(d) => {
+                            let [g, u, d] = d.view(bb);
+                            Ok(swiglu(g, u, d, xn))
+                        }
                     }
-                    Mlp::Dense(d) => {
-                        let [g, u, d] = d.view(bb);
-                        Ok(swiglu(g, u, d, &xn))
-                    }
-                }
-            })?;
-            add_into(&mut x, &mlp);
-        }
+                })?;
+                add_into(x, &mlp);
+                Ok(())
+            },
+        )?;
         cache.len += 1;
         self.routed.count_forward();
-        rms_norm(&x.clone(), bb.vec(&self.w.norm), c.rms_norm_eps, &mut x);
-        let lm = bb.mat(&self.w.lm_head);
-        let mut logits = vec![0f32; lm.rows];
-        lm.matvec(&x, &mut logits);
+        let (norm, lm_head) = (bb.vec(&self.w.norm), bb.mat(&self.w.lm_head));
+        let logits = on_cpu(chunk_logits(&Cpu, x, 1, false, (norm, c.rms_norm_eps), &lm_head)).remove(0);
         Ok((logits, routes))
     }
 
