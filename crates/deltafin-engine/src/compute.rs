@@ -268,7 +268,6 @@ pub fn chunk_logits<B: Backend>(
 /// x)` adds the layer's feed-forward output into `x` itself (a backend may fuse that add).
 ///
 /// Errors: the first error of `attention` or `mlp`; a backend failure.
-#[allow(clippy::too_many_arguments)]
 pub fn decoder_layers<'w, B: Backend>(
     b: &B,
     x: &mut B::Buf,
