@@ -7,7 +7,7 @@ use std::sync::Arc;
 use deltafin_engine::generate::{generate, GenerateOptions};
 use deltafin_engine::models::DeepseekV3;
 use deltafin_engine::sampler::SamplingParams;
-use deltafin_engine::session::{FinishReason, GenerationRequest, Session};
+use deltafin_engine::session::{FinishReason, GenerationOutput, GenerationRequest, Session};
 use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
 use deltafin_format::ModelDir;
 use deltafin_tokenizer::Tokenizer;
@@ -30,6 +30,21 @@ fn req(prompt: Vec<u32>, n: usize) -> GenerationRequest {
         ignore_eos: true,
         ..Default::default()
     }
+}
+
+/// Generates from `[0, 5]` (up to 30 tokens) with a callback that returns false at the
+/// `steps`-th delta: the request must end `Cancelled` with exactly `steps` generated ids.
+fn cancelled_after(s: &mut Session, steps: usize) -> GenerationOutput {
+    let mut n = 0;
+    let out = s
+        .generate(&req(vec![0, 5], 30), &|| false, |_| {
+            n += 1;
+            n < steps
+        })
+        .unwrap();
+    assert_eq!(out.finish, FinishReason::Cancelled);
+    assert_eq!(out.generated_ids.len(), steps);
+    out
 }
 
 #[test]
@@ -114,15 +129,7 @@ fn seeds_stops_and_cancellation() {
     assert_eq!(stopped.text, full.text[..at]);
     assert_eq!(streamed, stopped.text);
     // The callback returning false cancels after that step.
-    let mut n = 0;
-    let cancelled = s
-        .generate(&req(vec![0, 5], 30), &never, |_| {
-            n += 1;
-            n < 3
-        })
-        .unwrap();
-    assert_eq!(cancelled.finish, FinishReason::Cancelled);
-    assert_eq!(cancelled.generated_ids.len(), 3);
+    cancelled_after(&mut s, 3);
 }
 
 /// The adaptive speculation state lives as long as the session: two 20-token requests
@@ -203,15 +210,7 @@ fn chunked_prefill_and_speculation_match_the_plain_session() {
             assert!(passes > 0, "{mode}: no speculative pass ran");
         }
         // A cancellation mid-way through a speculative pass's tokens.
-        let mut n = 0;
-        let c = s
-            .generate(&req(vec![0, 5], 30), &never, |_| {
-                n += 1;
-                n < 4
-            })
-            .unwrap();
-        assert_eq!(c.finish, FinishReason::Cancelled);
-        assert_eq!(c.generated_ids.len(), 4);
+        let c = cancelled_after(&mut s, 4);
         let fresh = plain.generate(&req(vec![0, 5], 4), &never, |_| true).unwrap();
         assert_eq!(c.generated_ids, fresh.generated_ids, "{mode}: cancelled prefix");
     }

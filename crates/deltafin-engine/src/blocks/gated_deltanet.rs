@@ -384,96 +384,100 @@ fn recurrence(
     beta: &[f32],
     o: Option<&mut [f32]>,
 ) {
-    let (kd, vd, nv, r) = (d.key_dim(), d.value_dim(), d.nv, d.nv / d.nk);
+    let (kd, vd, nv) = (d.key_dim(), d.value_dim(), d.nv);
     let n = g.len() / nv;
+    each_value_head(d, s, n, o, |h, kh, sh| {
+        let mut oh = vec![0f32; if q.is_some() { n * d.dv } else { 0 }];
+        let mut gv = vec![0f32; d.dk];
+        for t in 0..n {
+            gv.fill(g[t * nv + h]);
+            let kr = t * kd + kh * d.dk..t * kd + (kh + 1) * d.dk;
+            let qt = q.map(|q| &q[kr.clone()]);
+            let out_t = if q.is_some() {
+                Some(&mut oh[t * d.dv..(t + 1) * d.dv])
+            } else {
+                None
+            };
+            delta_step_kv(
+                None,
+                sh,
+                d.dk,
+                d.dv,
+                qt,
+                &k[kr],
+                &v[t * vd + h * d.dv..t * vd + (h + 1) * d.dv],
+                &gv,
+                beta[t * nv + h],
+                out_t,
+            );
+        }
+        oh
+    });
+}
+
+/// The chunked form of [`recurrence`] (always with outputs), chunks of [`GDN_CHUNK_SIZE`].
+#[allow(clippy::too_many_arguments)]
+fn chunked_rule(d: &GdnDims, s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], o: &mut [f32]) {
+    let (kd, vd, nv) = (d.key_dim(), d.value_dim(), d.nv);
+    let n = g.len() / nv;
+    each_value_head(d, s, n, Some(o), |h, kh, sh| {
+        let gather = |a: &[f32], width: usize, stride: usize, head: usize| -> Vec<f32> {
+            (0..n)
+                .flat_map(|t| {
+                    a[t * stride + head * width..t * stride + (head + 1) * width]
+                        .iter()
+                        .copied()
+                })
+                .collect()
+        };
+        let (qh, kh_, vh) = (gather(q, d.dk, kd, kh), gather(k, d.dk, kd, kh), gather(v, d.dv, vd, h));
+        let gh: Vec<f32> = (0..n).flat_map(|t| std::iter::repeat_n(g[t * nv + h], d.dk)).collect();
+        let bh: Vec<f32> = (0..n).map(|t| beta[t * nv + h]).collect();
+        let mut oh = vec![0f32; n * d.dv];
+        let mut t0 = 0;
+        while t0 < n {
+            let t1 = (t0 + GDN_CHUNK_SIZE).min(n);
+            let (rk, rv) = (t0 * d.dk..t1 * d.dk, t0 * d.dv..t1 * d.dv);
+            chunk_step_kv(
+                None,
+                sh,
+                d.dk,
+                d.dv,
+                &qh[rk.clone()],
+                &kh_[rk.clone()],
+                &vh[rv.clone()],
+                &gh[rk],
+                &bh[t0..t1],
+                &mut oh[rv],
+            );
+            t0 = t1;
+        }
+        oh
+    });
+}
+
+/// Runs `head(h, kh, s_h)` for every value head `h` in parallel: `kh = h / (nv / nk)` is the
+/// key head it shares (`q`, `k` heads repeat over value heads), `s_h: [dk, dv]` its slice of
+/// the state `s: [nv, dk, dv]`; `head` returns the head's outputs `[n, dv]` (or nothing), which
+/// go to the head's columns of `o: [n, value_dim]` when `o` is given.
+fn each_value_head(
+    d: &GdnDims,
+    s: &mut [f32],
+    n: usize,
+    o: Option<&mut [f32]>,
+    head: impl Fn(usize, usize, &mut [f32]) -> Vec<f32> + Sync + Send,
+) {
+    let (vd, r) = (d.value_dim(), d.nv / d.nk);
     let per_head: Vec<Vec<f32>> = s
         .par_chunks_mut(d.dk * d.dv)
         .enumerate()
-        .map(|(h, sh)| {
-            let kh = h / r;
-            let mut oh = vec![0f32; if q.is_some() { n * d.dv } else { 0 }];
-            let mut gv = vec![0f32; d.dk];
-            for t in 0..n {
-                gv.fill(g[t * nv + h]);
-                let kr = t * kd + kh * d.dk..t * kd + (kh + 1) * d.dk;
-                let qt = q.map(|q| &q[kr.clone()]);
-                let out_t = if q.is_some() {
-                    Some(&mut oh[t * d.dv..(t + 1) * d.dv])
-                } else {
-                    None
-                };
-                delta_step_kv(
-                    None,
-                    sh,
-                    d.dk,
-                    d.dv,
-                    qt,
-                    &k[kr],
-                    &v[t * vd + h * d.dv..t * vd + (h + 1) * d.dv],
-                    &gv,
-                    beta[t * nv + h],
-                    out_t,
-                );
-            }
-            oh
-        })
+        .map(|(h, sh)| head(h, h / r, sh))
         .collect();
     if let Some(o) = o {
         for (h, oh) in per_head.iter().enumerate() {
             for t in 0..n {
                 o[t * vd + h * d.dv..t * vd + (h + 1) * d.dv].copy_from_slice(&oh[t * d.dv..(t + 1) * d.dv]);
             }
-        }
-    }
-}
-
-/// The chunked form of [`recurrence`] (always with outputs), chunks of [`GDN_CHUNK_SIZE`].
-#[allow(clippy::too_many_arguments)]
-fn chunked_rule(d: &GdnDims, s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], o: &mut [f32]) {
-    let (kd, vd, nv, r) = (d.key_dim(), d.value_dim(), d.nv, d.nv / d.nk);
-    let n = g.len() / nv;
-    let per_head: Vec<Vec<f32>> = s
-        .par_chunks_mut(d.dk * d.dv)
-        .enumerate()
-        .map(|(h, sh)| {
-            let kh = h / r;
-            let gather = |a: &[f32], width: usize, stride: usize, head: usize| -> Vec<f32> {
-                (0..n)
-                    .flat_map(|t| {
-                        a[t * stride + head * width..t * stride + (head + 1) * width]
-                            .iter()
-                            .copied()
-                    })
-                    .collect()
-            };
-            let (qh, kh_, vh) = (gather(q, d.dk, kd, kh), gather(k, d.dk, kd, kh), gather(v, d.dv, vd, h));
-            let gh: Vec<f32> = (0..n).flat_map(|t| std::iter::repeat_n(g[t * nv + h], d.dk)).collect();
-            let bh: Vec<f32> = (0..n).map(|t| beta[t * nv + h]).collect();
-            let mut oh = vec![0f32; n * d.dv];
-            let mut t0 = 0;
-            while t0 < n {
-                let t1 = (t0 + GDN_CHUNK_SIZE).min(n);
-                let (rk, rv) = (t0 * d.dk..t1 * d.dk, t0 * d.dv..t1 * d.dv);
-                chunk_step_kv(
-                    None,
-                    sh,
-                    d.dk,
-                    d.dv,
-                    &qh[rk.clone()],
-                    &kh_[rk.clone()],
-                    &vh[rv.clone()],
-                    &gh[rk],
-                    &bh[t0..t1],
-                    &mut oh[rv],
-                );
-                t0 = t1;
-            }
-            oh
-        })
-        .collect();
-    for (h, oh) in per_head.iter().enumerate() {
-        for t in 0..n {
-            o[t * vd + h * d.dv..t * vd + (h + 1) * d.dv].copy_from_slice(&oh[t * d.dv..(t + 1) * d.dv]);
         }
     }
 }

@@ -139,23 +139,38 @@ impl Cache {
             return Insert::NoRoom;
         }
         let size = expert.resident_bytes() as u64;
-        if self.pinned_keys.contains(&key) && self.pinned_used + size <= self.pinned_budget {
+        let pinned = self.pinned_keys.contains(&key) && self.pinned_used + size <= self.pinned_budget;
+        let (rank, evicted) = if pinned {
             self.pinned_used += size;
-            self.map.insert(
-                key,
-                Entry {
-                    expert,
-                    size,
-                    uses: 1,
-                    rank: (0, 0),
-                    pinned: true,
-                    spec_unused,
-                },
-            );
-            return Insert::Cached(Vec::new());
-        }
+            ((0, 0), Vec::new())
+        } else {
+            let Some(evicted) = self.make_room(size) else {
+                return Insert::NoRoom;
+            };
+            let rank = self.next_rank(1);
+            self.order.insert(rank, key);
+            self.general_used += size;
+            (rank, evicted)
+        };
+        self.map.insert(
+            key,
+            Entry {
+                expert,
+                size,
+                uses: 1,
+                rank,
+                pinned,
+                spec_unused,
+            },
+        );
+        Insert::Cached(evicted)
+    }
+
+    /// Evicts the least valuable unheld records of the general tier until `size` more bytes fit
+    /// in its budget; returns them, or `None` (evicting nothing) when they cannot be freed.
+    fn make_room(&mut self, size: u64) -> Option<Vec<Evicted>> {
         if size > self.general_budget {
-            return Insert::NoRoom;
+            return None;
         }
         let need = (self.general_used + size).saturating_sub(self.general_budget);
         let mut victims = Vec::new();
@@ -173,7 +188,7 @@ impl Cache {
                 }
             }
             if freed < need {
-                return Insert::NoRoom;
+                return None;
             }
         }
         let mut evicted = Vec::with_capacity(victims.len());
@@ -187,21 +202,7 @@ impl Cache {
                 });
             }
         }
-        let rank = self.next_rank(1);
-        self.order.insert(rank, key);
-        self.general_used += size;
-        self.map.insert(
-            key,
-            Entry {
-                expert,
-                size,
-                uses: 1,
-                rank,
-                pinned: false,
-                spec_unused,
-            },
-        );
-        Insert::Cached(evicted)
+        Some(evicted)
     }
 
     /// Cached keys (tests).

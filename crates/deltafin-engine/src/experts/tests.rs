@@ -435,6 +435,24 @@ fn corrupt_record(path: &Path, (layer, expert): (usize, usize), at: u64, mask: u
     std::fs::write(&pack, bytes).unwrap();
 }
 
+/// `e` is the checksum failure of the record of layer 2, expert 7 (the one [`corrupt_record`]
+/// damages in the checksum tests), and its message names both; `ctx` prefixes the failure.
+fn assert_checksum_error_of_2_7(e: &EngineError, ctx: &str) {
+    assert!(
+        matches!(
+            e,
+            EngineError::ExpertChecksum {
+                layer: 2,
+                expert: 7,
+                ..
+            }
+        ),
+        "{ctx}: {e:?}"
+    );
+    let msg = e.to_string();
+    assert!(msg.contains("layer 2, expert 7"), "{ctx}: {msg}");
+}
+
 #[test]
 fn checksum_failure_names_layer_and_expert() {
     let (_tmp, path) = convert_fixture();
@@ -452,19 +470,7 @@ fn checksum_failure_names_layer_and_expert() {
                     Ok((i, _)) => assert_eq!(i, 0),
                     Err(e) => {
                         errors += 1;
-                        assert!(
-                            matches!(
-                                e,
-                                EngineError::ExpertChecksum {
-                                    layer: 2,
-                                    expert: 7,
-                                    ..
-                                }
-                            ),
-                            "{e:?}"
-                        );
-                        let msg = e.to_string();
-                        assert!(msg.contains("layer 2, expert 7"), "{msg}");
+                        assert_checksum_error_of_2_7(&e, "");
                     }
                 }
             }
@@ -997,17 +1003,7 @@ fn checksum_with_chunks_landing_out_of_order() {
                 }
                 Err(e) => {
                     errors += 1;
-                    assert!(
-                        matches!(
-                            e,
-                            EngineError::ExpertChecksum {
-                                layer: 2,
-                                expert: 7,
-                                ..
-                            }
-                        ),
-                        "{io}: {e:?}"
-                    );
+                    assert_checksum_error_of_2_7(&e, &io.to_string());
                 }
             }
         }

@@ -89,6 +89,25 @@ impl GptOss {
     }
 }
 
+impl GptOssMlp {
+    /// Routed expert `e` (its record) on `n` tokens `x: [n, hidden]` → `[n, hidden]`: the
+    /// clamped SwiGLU with this model's `swiglu_alpha` and `swiglu_limit`
+    /// ([`clamped_swiglu_expert`]; `n = 1` is the decode step). [CLAMPED_SWIGLU]
+    fn expert(&self, e: &Expert, x: &[f32], n: usize) -> Vec<f32> {
+        let (alpha, limit) = (self.cfg.swiglu_alpha, self.cfg.swiglu_limit);
+        clamped_swiglu_expert(
+            e.matrix(0),
+            e.f32_part(1),
+            e.matrix(2),
+            e.f32_part(3),
+            alpha,
+            limit,
+            x,
+            n,
+        )
+    }
+}
+
 impl Router {
     /// `weight · xn + bias` `[num_local_experts]`, the weights read in `bb`.
     fn logits(&self, bb: &Backbone, xn: &[f32], logits: &mut Vec<f32>) {
@@ -125,10 +144,7 @@ impl GqaMlp for GptOssMlp {
         let k = routed.experts_per_token();
         let logits = &mut buf.router;
         router[l].logits(bb, xn, logits);
-        let (alpha, limit) = (self.cfg.swiglu_alpha, self.cfg.swiglu_limit);
-        let expert = |e: &Expert| {
-            clamped_swiglu_expert(e.matrix(0), e.f32_part(1), e.matrix(2), e.f32_part(3), alpha, limit, xn)
-        };
+        let expert = |e: &Expert| self.expert(e, xn, 1);
         let (y, routing) = if step.draft {
             let (y, _, routing) = routed.run_draft(
                 l,
@@ -158,7 +174,7 @@ impl GqaMlp for GptOssMlp {
 
     /// The block on a chunk, expert-major ([`RoutedExperts::run_batch`]): router logits as one
     /// matrix-matrix product, each expert chosen in the chunk read once and applied to its
-    /// tokens ([`clamped_swiglu_expert_batch`]).
+    /// tokens ([`clamped_swiglu_expert`]).
     fn forward_chunk(
         &self,
         routed: &RoutedExperts,
@@ -180,24 +196,11 @@ impl GqaMlp for GptOssMlp {
                 route_topk_softmax(lg, k)
             })
             .collect();
-        let (alpha, limit) = (self.cfg.swiglu_alpha, self.cfg.swiglu_limit);
         let (y, _) = routed.run_batch(
             l,
             &routings,
             h,
-            |e, tokens| {
-                let xs = gather_rows(xn, h, tokens);
-                clamped_swiglu_expert_batch(
-                    e.matrix(0),
-                    e.f32_part(1),
-                    e.matrix(2),
-                    e.f32_part(3),
-                    alpha,
-                    limit,
-                    &xs,
-                    tokens.len(),
-                )
-            },
+            |e, tokens| self.expert(e, &gather_rows(xn, h, tokens), tokens.len()),
             None::<fn() -> Vec<f32>>,
         )?;
         Ok((y, Some(routings)))
@@ -227,9 +230,9 @@ impl GqaMlp for GptOssMlp {
     }
 }
 
-/// One routed gpt-oss expert on `xn: [hidden]` → `[hidden]`, from its record (parts in the order
-/// of `GptOssConfig::expert_matrices`: `gate_up_proj [2I, hidden]`, `gate_up_proj_bias [2I]`,
-/// `down_proj [hidden, I]`, `down_proj_bias [hidden]`):
+/// One routed gpt-oss expert on `n` tokens at once, `x: [n, hidden]` → `[n, hidden]`, from its
+/// record (parts in the order of `GptOssConfig::expert_matrices`: `gate_up_proj [2I, hidden]`,
+/// `gate_up_proj_bias [2I]`, `down_proj [hidden, I]`, `down_proj_bias [hidden]`), per token:
 /// ```text
 /// gu = gate_up_proj @ xn + gate_up_proj_bias          # [2I]
 /// gate, up = gu[0::2], gu[1::2]                       # interleaved columns
@@ -237,45 +240,11 @@ impl GqaMlp for GptOssMlp {
 /// h = (up + 1) * gate * sigmoid(alpha * gate)         # [I]
 /// out = down_proj @ h + down_proj_bias                # [hidden]
 /// ```
+/// The decode step is `n = 1`; a prompt chunk's row t is bit-identical to the decode step of that
+/// token (`matmul` of one row is its matvec, and `n` rows equal `n` matvecs bit for bit).
 /// Source: transformers `GptOssExperts._apply_gate` / `forward`. [CLAMPED_SWIGLU]
-pub fn clamped_swiglu_expert(
-    gate_up: MatRef<'_>,
-    gate_up_bias: &[f32],
-    down: MatRef<'_>,
-    down_bias: &[f32],
-    alpha: f32,
-    limit: f32,
-    xn: &[f32],
-) -> Vec<f32> {
-    let mut gu = vec![0f32; gate_up.rows];
-    gate_up.matvec(xn, &mut gu);
-    let h: Vec<f32> = gu
-        .chunks_exact(2)
-        .zip(gate_up_bias.chunks_exact(2))
-        .map(|(v, b)| clamped_glu(v, b, alpha, limit))
-        .collect();
-    let mut out = vec![0f32; down.rows];
-    down.matvec(&h, &mut out);
-    for (o, b) in out.iter_mut().zip(down_bias) {
-        *o += b;
-    }
-    out
-}
-
-/// One unit of the clamped SwiGLU: `v = [gate, up]` (an interleaved pair of `gate_up_proj`'s
-/// output) plus its bias `b` → `(up + 1) * gate * sigmoid(alpha * gate)` after the clamps.
-/// [CLAMPED_SWIGLU]
-fn clamped_glu(v: &[f32], b: &[f32], alpha: f32, limit: f32) -> f32 {
-    let gate = (v[0] + b[0]).min(limit);
-    let up = (v[1] + b[1]).clamp(-limit, limit);
-    (up + 1.0) * (gate * sigmoid(gate * alpha))
-}
-
-/// [`clamped_swiglu_expert`] for `n` tokens at once (matrix-matrix products): `x: [n, hidden]`
-/// → `[n, hidden]`, each row bit-identical to [`clamped_swiglu_expert`] of that row (`matmul`
-/// equals `n` matvecs bit for bit; the element-wise steps are the same). [CLAMPED_SWIGLU]
 #[allow(clippy::too_many_arguments)]
-pub fn clamped_swiglu_expert_batch(
+pub fn clamped_swiglu_expert(
     gate_up: MatRef<'_>,
     gate_up_bias: &[f32],
     down: MatRef<'_>,
@@ -305,6 +274,15 @@ pub fn clamped_swiglu_expert_batch(
     out
 }
 
+/// One unit of the clamped SwiGLU: `v = [gate, up]` (an interleaved pair of `gate_up_proj`'s
+/// output) plus its bias `b` → `(up + 1) * gate * sigmoid(alpha * gate)` after the clamps.
+/// [CLAMPED_SWIGLU]
+fn clamped_glu(v: &[f32], b: &[f32], alpha: f32, limit: f32) -> f32 {
+    let gate = (v[0] + b[0]).min(limit);
+    let up = (v[1] + b[1]).clamp(-limit, limit);
+    (up + 1.0) * (gate * sigmoid(gate * alpha))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -325,6 +303,7 @@ mod tests {
             a,
             lim,
             &x,
+            1,
         );
         // j=0: gate 1, up 2 → 3 · 1 · σ(1.702); j=1: gate 10 → 7 (clamped), up -19 → -7 →
         // (-6) · 7 · σ(7 · 1.702). Output = sum + 0.5.

@@ -20,7 +20,7 @@ use deltafin_format::{ModelConfig, ModelDir, Qwen3MoeConfig};
 
 use crate::experts::StoreOptions;
 use crate::gqa::{Buffers, GqaNames};
-use crate::model::{softmax_moe_batch, swiglu_batch, swiglu_into, RoutedExperts};
+use crate::model::{softmax_moe_batch, swiglu_batch, swiglu_into, GluTensorNames, GluTensors, RoutedExperts};
 use crate::models::family_config;
 use crate::models::gqa_cuda::MlpSpec;
 use crate::models::gqa_lm::{decoder_shape, GqaLm, GqaMlp, MlpStep};
@@ -44,7 +44,7 @@ enum MlpNames {
     /// `Qwen3MoeSparseMoeBlock`: the router `mlp.gate.weight [num_experts, hidden]`.
     Sparse { gate: String },
     /// `Qwen3MoeMLP`: `mlp.{gate,up,down}_proj.weight`.
-    Dense([String; 3]),
+    Dense(GluTensorNames),
 }
 
 /// One layer's `mlp` weights, resolved in the backbone at load.
@@ -52,13 +52,9 @@ enum MlpNames {
 pub enum Qwen3MoeMlpWeights {
     /// The router `gate` `[num_experts, hidden]`.
     Sparse { gate: MatHandle },
-    /// `gate_proj`, `up_proj` `[intermediate_size, hidden]`, `down_proj`
+    /// `Qwen3MoeMLP`: `gate_proj`, `up_proj` `[intermediate_size, hidden]`, `down_proj`
     /// `[hidden, intermediate_size]`.
-    Dense {
-        gate_proj: MatHandle,
-        up_proj: MatHandle,
-        down_proj: MatHandle,
-    },
+    Dense(GluTensors),
 }
 
 impl Qwen3Moe {
@@ -79,7 +75,7 @@ impl Qwen3Moe {
                         gate: format!("{m}.gate.weight"),
                     }
                 } else {
-                    MlpNames::Dense(["gate_proj", "up_proj", "down_proj"].map(|p| format!("{m}.{p}.weight")))
+                    MlpNames::Dense(GluTensorNames::new(&m))
                 }
             })
             .collect();
@@ -103,11 +99,7 @@ impl GqaMlp for Qwen3MoeMlp {
             MlpNames::Sparse { gate } => Qwen3MoeMlpWeights::Sparse {
                 gate: bb.matrix_handle(gate)?,
             },
-            MlpNames::Dense([g, u, d]) => Qwen3MoeMlpWeights::Dense {
-                gate_proj: bb.matrix_handle(g)?,
-                up_proj: bb.matrix_handle(u)?,
-                down_proj: bb.matrix_handle(d)?,
-            },
+            MlpNames::Dense(names) => Qwen3MoeMlpWeights::Dense(GluTensors::resolve(bb, names)?),
         })
     }
 
@@ -125,16 +117,12 @@ impl GqaMlp for Qwen3MoeMlp {
                 // Prefetch: the next MoE layer's router on this hidden state predicts its experts.
                 let next = self.next_moe[l].and_then(|k| match &layers[k] {
                     Qwen3MoeMlpWeights::Sparse { gate } => Some((k, bb.mat(gate))),
-                    Qwen3MoeMlpWeights::Dense { .. } => None,
+                    Qwen3MoeMlpWeights::Dense(_) => None,
                 });
                 step.softmax_moe(bb.mat(gate), next, self.cfg.norm_topk_prob, xn, buf, out)
             }
-            Qwen3MoeMlpWeights::Dense {
-                gate_proj,
-                up_proj,
-                down_proj,
-            } => {
-                let (g, u, d) = (bb.mat(gate_proj), bb.mat(up_proj), bb.mat(down_proj));
+            Qwen3MoeMlpWeights::Dense(dense) => {
+                let [g, u, d] = dense.view(bb);
                 swiglu_into(g, u, d, xn, &mut buf.gate, &mut buf.up, out);
                 Ok(None)
             }
@@ -155,12 +143,8 @@ impl GqaMlp for Qwen3MoeMlp {
                 let (y, routings) = softmax_moe_batch(routed, l, bb.mat(gate), self.cfg.norm_topk_prob, xn, nt)?;
                 Ok((y, Some(routings)))
             }
-            Qwen3MoeMlpWeights::Dense {
-                gate_proj,
-                up_proj,
-                down_proj,
-            } => {
-                let (g, u, d) = (bb.mat(gate_proj), bb.mat(up_proj), bb.mat(down_proj));
+            Qwen3MoeMlpWeights::Dense(dense) => {
+                let [g, u, d] = dense.view(bb);
                 Ok((swiglu_batch(g, u, d, xn, nt), None))
             }
         }
@@ -176,7 +160,7 @@ impl GqaMlp for Qwen3MoeMlp {
                 router: gate.clone(),
                 router_bias: None,
             },
-            MlpNames::Dense(names) => MlpSpec::Dense(names.clone()),
+            MlpNames::Dense(n) => MlpSpec::Dense([&n.gate_proj, &n.up_proj, &n.down_proj].map(String::clone)),
         }
     }
 

@@ -33,12 +33,14 @@
 use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
 use deltafin_format::qwen3_next::Qwen3NextMixer;
 use deltafin_format::{ModelConfig, ModelDir, Qwen3NextConfig};
-use deltafin_kernels::{axpy, dot, rms_norm, rms_norm_inplace, sigmoid, silu, softmax_inplace};
+use deltafin_kernels::{axpy, dot, rms_norm_inplace, sigmoid, silu, softmax_inplace};
 
 use crate::blocks::gated_deltanet::{GatedDeltaNet, GdnDims, GdnProj, GdnState, GdnWeights};
+use crate::compute::{chunk_logits, decoder_layers, on_cpu, Cpu};
 use crate::experts::{Expert, StoreOptions};
 use crate::model::{
-    swiglu, swiglu_batch, BatchOutput, DecodeState, FamilyModel, GluTensorNames, GluTensors, LayerRoutes, RoutedExperts,
+    add_into, swiglu, swiglu_batch, BatchOutput, DecodeState, FamilyModel, GluTensorNames, GluTensors, LayerRoutes,
+    RoutedExperts,
 };
 use crate::models::family_config;
 use crate::moe::{route_softmax, route_softmax_masked, Routing};
@@ -519,6 +521,9 @@ impl Qwen3Next {
             return Err(EngineError::Invalid("decode state belongs to another model".into()));
         }
         EngineError::check_tokens(tokens, c.vocab_size)?;
+        if n == 0 {
+            return Ok(BatchOutput::default());
+        }
         let bb = &self.backbone;
         let embed = bb.mat(&self.embed_tokens);
         let mut x = vec![0f32; n * h];
@@ -527,70 +532,51 @@ impl Qwen3Next {
         }
         let pos0 = st.len;
         let mut routes: Vec<LayerRoutes> = vec![Vec::new(); n];
-        let mut xn = vec![0f32; n * h];
-        for l in 0..c.num_hidden_layers {
-            let layer = &self.layers[l];
-            // h = x + mixer(input_layernorm(x))
-            for t in 0..n {
-                rms_norm(
-                    &x[t * h..(t + 1) * h],
-                    &layer.input_ln,
-                    c.rms_norm_eps,
-                    &mut xn[t * h..(t + 1) * h],
-                );
-            }
-            let out = self.routed.time_attention(|| -> Result<Vec<f32>, EngineError> {
-                match (&layer.mixer, &mut st.layers[l]) {
-                    (Mixer::Attention(w), MixerState::Kv { k, v }) => Ok(self.attention(w, &xn, n, pos0, k, v)),
-                    (Mixer::DeltaNet(w), MixerState::DeltaNet(s)) => {
-                        let mut out = vec![0f32; n * h];
-                        self.deltanet(w).forward(s, &xn, n, &mut out, chunked);
-                        Ok(out)
+        let layers = &self.layers;
+        decoder_layers(
+            &Cpu,
+            &mut x,
+            n,
+            (layers.len(), c.rms_norm_eps),
+            |l| (&layers[l].input_ln[..], &layers[l].post_ln[..]),
+            |l, xn, out| {
+                *out = self.routed.time_attention(|| -> Result<Vec<f32>, EngineError> {
+                    match (&layers[l].mixer, &mut st.layers[l]) {
+                        (Mixer::Attention(w), MixerState::Kv { k, v }) => Ok(self.attention(w, xn, n, pos0, k, v)),
+                        (Mixer::DeltaNet(w), MixerState::DeltaNet(s)) => {
+                            let mut out = vec![0f32; n * h];
+                            self.deltanet(w).forward(s, xn, n, &mut out, chunked);
+                            Ok(out)
+                        }
+                        _ => Err(EngineError::Invalid(format!(
+                            "layer {l}: the decode state is not this model's (another mixer kind)"
+                        ))),
                     }
-                    _ => Err(EngineError::Invalid(format!(
-                        "layer {l}: the decode state is not this model's (another mixer kind)"
-                    ))),
+                })?;
+                Ok(())
+            },
+            |l, xn, x| {
+                let (y, r) = self.routed.time_mlp(|| self.mlp(l, xn, n, draft))?;
+                add_into(x, &y);
+                for (t, rt) in r.into_iter().enumerate() {
+                    routes[t].push((l, rt));
                 }
-            })?;
-            for (a, o) in x.iter_mut().zip(&out) {
-                *a += o;
-            }
-            // x = h + mlp(post_attention_layernorm(h))
-            for t in 0..n {
-                rms_norm(
-                    &x[t * h..(t + 1) * h],
-                    &layer.post_ln,
-                    c.rms_norm_eps,
-                    &mut xn[t * h..(t + 1) * h],
-                );
-            }
-            let (y, r) = self.routed.time_mlp(|| self.mlp(l, &xn, n, draft))?;
-            for (a, o) in x.iter_mut().zip(&y) {
-                *a += o;
-            }
-            for (t, rt) in r.into_iter().enumerate() {
-                routes[t].push((l, rt));
-            }
-        }
+                Ok(())
+            },
+        )?;
         st.len += n;
         for _ in 0..n {
             self.routed.count_forward();
         }
-        // logits = lm_head(norm(x))
-        let lm = bb.mat(&self.lm_head);
-        let mut out = BatchOutput {
-            logits: Vec::new(),
-            routes,
-        };
-        for t in 0..n {
-            if all_logits || t + 1 == n {
-                rms_norm(&x[t * h..(t + 1) * h], &self.final_norm, c.rms_norm_eps, &mut xn[..h]);
-                let mut logits = vec![0f32; lm.rows];
-                lm.matvec(&xn[..h], &mut logits);
-                out.logits.push(logits);
-            }
-        }
-        Ok(out)
+        let logits = on_cpu(chunk_logits(
+            &Cpu,
+            x,
+            n,
+            all_logits,
+            (&self.final_norm, c.rms_norm_eps),
+            &bb.mat(&self.lm_head),
+        ));
+        Ok(BatchOutput { logits, routes })
     }
 }
 
