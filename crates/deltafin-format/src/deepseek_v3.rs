@@ -12,8 +12,7 @@ use std::path::Path;
 
 use crate::family::{
     decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors, mla_widths,
-    noaux_router_tensors, per_expert, shared_experts_tensors, BackboneTensor, ExpertGroups, ExpertMatrix, ExpertSource,
-    Family, GATE_UP_DOWN,
+    noaux_router_tensors, shared_experts_tensors, BackboneTensor, ExpertGroups, ExpertMatrix, Family, GATE_UP_DOWN,
 };
 use crate::json::{
     bool_or, eos_bos, f32_in, field_err, get, require_nonzero_fields, require_only, require_silu, resolve_aliases,
@@ -250,10 +249,6 @@ impl Family for DeepseekV3Config {
     fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.moe_intermediate_size);
         glu_expert_matrices(GATE_UP_DOWN, h, i)
-    }
-
-    fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
-        per_expert(&format!("model.layers.{layer}.mlp"), expert, m)
     }
 
     /// Names the converter deliberately skips: MTP layers (index ≥ num_hidden_layers) and rotary

@@ -53,8 +53,12 @@ pub trait Family {
     /// The matrices of one routed-expert record, in record order.
     fn expert_matrices(&self) -> Vec<ExpertMatrix>;
     /// Where matrix `m` (an entry of [`Self::expert_matrices`]) of routed expert `expert` in
-    /// layer `layer` comes from in the checkpoint.
-    fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource;
+    /// layer `layer` comes from in the checkpoint. By default transformers' layout of one
+    /// tensor per expert and matrix under the layer's `mlp` block,
+    /// `model.layers.{layer}.mlp.experts.{expert}.{m.name}.weight` ([`per_expert`]).
+    fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
+        per_expert(&format!("model.layers.{layer}.mlp"), expert, m)
+    }
     /// Checkpoint tensors deliberately not converted (e.g. multi-token-prediction layers,
     /// rotary buffers). By default the rotary frequency buffers (`…rotary_emb.inv_freq`).
     fn is_ignored(&self, name: &str) -> bool {
