@@ -446,6 +446,27 @@ pub(crate) fn check_mlp_only_layers(
     Ok(())
 }
 
+/// Checks that a per-layer list of `len` entries (config field `field`, each one of `entries`:
+/// `entries`, `layer kinds`) covers the model's `n_layers` decoder layers.
+///
+/// Errors: another length (`field` named: "{len} {entries} for num_hidden_layers {n_layers}").
+pub(crate) fn check_layer_count(
+    path: &Path,
+    field: &str,
+    entries: &str,
+    len: usize,
+    n_layers: usize,
+) -> Result<(), FormatError> {
+    if len != n_layers {
+        return Err(field_err(
+            path,
+            field,
+            format!("{len} {entries} for num_hidden_layers {n_layers}"),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks that a model with dense layers (layers [`Family::is_moe_layer`] says no to) has a
 /// dense MLP width `intermediate_size`.
 ///

@@ -28,8 +28,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::family::{
-    check_gqa, check_top_k, decoder_backbone, fused, gqa_attention_tensors, matrices, tensors, BackboneTensor,
-    ExpertMatrix, ExpertSource, Family, TensorRole,
+    check_gqa, check_layer_count, check_top_k, decoder_backbone, fused, gqa_attention_tensors, matrices, tensors,
+    BackboneTensor, ExpertMatrix, ExpertSource, Family, TensorRole,
 };
 use crate::json::{
     bool_or, eos_bos, f32_in, f64_or, field_err, get, opt_usize, reject_tied_embeddings, require_nonzero_fields,
@@ -187,17 +187,13 @@ impl GptOssConfig {
             self.num_local_experts,
             "num_local_experts",
         )?;
-        if self.sliding_layers.len() != self.num_hidden_layers {
-            return Err(field_err(
-                path,
-                "layer_types",
-                format!(
-                    "{} entries for num_hidden_layers {}",
-                    self.sliding_layers.len(),
-                    self.num_hidden_layers
-                ),
-            ));
-        }
+        check_layer_count(
+            path,
+            "layer_types",
+            "entries",
+            self.sliding_layers.len(),
+            self.num_hidden_layers,
+        )?;
         // The clamped SwiGLU clamps `up` to [-limit, limit]: a limit ≤ 0 makes the bounds cross
         // (`f32::clamp` panics in every expert computation).
         if !(self.swiglu_limit.is_finite() && self.swiglu_limit > 0.0) {
