@@ -299,24 +299,20 @@ mod tests {
         assert_eq!(&c.sliding_layers[..4], &[true, false, true, false]);
         assert_eq!((c.layer_window(0), c.layer_window(1)), (Some(128), None));
         assert!(!c.mxfp4_experts);
-        match c.rope {
+        assert_eq!(
+            c.rope,
             Rope::Yarn {
-                theta,
-                factor,
-                original_max_position_embeddings,
-                beta_fast,
-                beta_slow,
-                truncate,
-                ..
-            } => {
-                assert_eq!(
-                    (theta, factor, original_max_position_embeddings),
-                    (150000.0, 32.0, 4096.0)
-                );
-                assert_eq!((beta_fast, beta_slow, truncate), (32.0, 1.0, false));
+                theta: 150000.0,
+                factor: 32.0,
+                original_max_position_embeddings: 4096.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: None,
+                mscale_all_dim: None,
+                attention_factor: None,
+                truncate: false,
             }
-            r => panic!("{r:?}"),
-        }
+        );
     }
 
     #[test]
