@@ -925,6 +925,18 @@ mod tests {
         safetensors::serialize_to_file(views, None, path).unwrap();
     }
 
+    /// A tensor of [`write_st`] with an owned name.
+    type Owned = (String, Dtype, Vec<usize>, Vec<u8>);
+
+    /// [`write_st`] of tensors with owned names.
+    fn write_owned(path: &Path, tensors: &[Owned]) {
+        let t: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), b.clone()))
+            .collect();
+        write_st(path, &t);
+    }
+
     #[test]
     fn reads_f32_bf16_f16() {
         let dir = tempfile::tempdir().unwrap();
@@ -1076,25 +1088,28 @@ mod tests {
         let words = le(&[0xFCBA_9870u32, 0x8888_885D], u32::to_le_bytes);
         let scales = bf16s(&[0.5, 2.0, -1.0, 1.0078125]);
         let p = |s: &str| format!("{EXPERT}.{s}");
-        write_st(
-            &dir.path().join("model.safetensors"),
-            &[
-                (&p("weight_packed"), Dtype::I32, vec![2, 1], words.clone()),
-                (&p("weight_scale"), Dtype::BF16, vec![2, 2], scales.clone()),
-                (
-                    &p("weight_shape"),
-                    Dtype::I32,
-                    vec![2],
-                    le(&[2i32, 8], i32::to_le_bytes),
-                ),
-                (
-                    "model.layers.0.self_attn.o_proj.weight",
-                    Dtype::BF16,
-                    vec![1, 2],
-                    bf16s(&[1.0, 2.0]),
-                ),
-            ],
-        );
+        // The three tensors of pack-quantized module `m`: the words, the scales, and
+        // `weight_shape` `[2, cols]` stored as `shape_dtype` (I32 or I64).
+        let packed = |m: &str, shape_dtype: Dtype, cols: i64| -> Vec<Owned> {
+            let shape = match shape_dtype {
+                Dtype::I64 => le(&[2i64, cols], i64::to_le_bytes),
+                _ => le(&[2i32, cols as i32], i32::to_le_bytes),
+            };
+            vec![
+                (format!("{m}.weight_packed"), Dtype::I32, vec![2, 1], words.clone()),
+                (format!("{m}.weight_scale"), Dtype::BF16, vec![2, 2], scales.clone()),
+                (format!("{m}.weight_shape"), shape_dtype, vec![2], shape),
+            ]
+        };
+        let st = dir.path().join("model.safetensors");
+        let mut tensors = packed(EXPERT, Dtype::I32, 8);
+        tensors.push((
+            "model.layers.0.self_attn.o_proj.weight".into(),
+            Dtype::BF16,
+            vec![1, 2],
+            bf16s(&[1.0, 2.0]),
+        ));
+        write_owned(&st, &tensors);
         let ck = Checkpoint::open(dir.path()).unwrap();
         let w = format!("{EXPERT}.weight");
         assert_eq!(
@@ -1113,95 +1128,31 @@ mod tests {
         assert!(e.contains("[8, 2]") && e.contains("[2, 8]"), "{e}");
 
         // An I64 weight_shape reads the same.
-        write_st(
-            &dir.path().join("model.safetensors"),
-            &[
-                (&p("weight_packed"), Dtype::I32, vec![2, 1], words.clone()),
-                (&p("weight_scale"), Dtype::BF16, vec![2, 2], scales.clone()),
-                (
-                    &p("weight_shape"),
-                    Dtype::I64,
-                    vec![2],
-                    le(&[2i64, 8], i64::to_le_bytes),
-                ),
-            ],
-        );
+        write_owned(&st, &packed(EXPERT, Dtype::I64, 8));
         let ck = Checkpoint::open(dir.path()).unwrap();
         assert_eq!(ck.read_f32(&w, &[2, 8]).unwrap()[7], 14.0);
 
         // Errors, each naming the tensor: missing scale, a module the config ignores, a shape that
         // does not match the packed words.
-        type Owned = (String, Dtype, Vec<usize>, Vec<u8>);
+        let mut no_scale = packed(EXPERT, Dtype::I32, 8);
+        no_scale.remove(1);
         let cases: Vec<(Vec<Owned>, &[&str])> = vec![
+            (no_scale, &["weight_packed", "has no", "weight_scale"]),
             (
-                vec![
-                    (p("weight_packed"), Dtype::I32, vec![2, 1], words.clone()),
-                    (p("weight_shape"), Dtype::I32, vec![2], le(&[2i32, 8], i32::to_le_bytes)),
-                ],
-                &["weight_packed", "has no", "weight_scale"],
-            ),
-            (
-                vec![
-                    (
-                        "model.layers.0.self_attn.o_proj.weight_packed".into(),
-                        Dtype::I32,
-                        vec![2, 1],
-                        words.clone(),
-                    ),
-                    (
-                        "model.layers.0.self_attn.o_proj.weight_scale".into(),
-                        Dtype::BF16,
-                        vec![2, 2],
-                        scales.clone(),
-                    ),
-                    (
-                        "model.layers.0.self_attn.o_proj.weight_shape".into(),
-                        Dtype::I32,
-                        vec![2],
-                        le(&[2i32, 8], i32::to_le_bytes),
-                    ),
-                ],
+                packed("model.layers.0.self_attn.o_proj", Dtype::I32, 8),
                 &["o_proj", "ignore", "re:.*self_attn.*"],
             ),
-            (
-                vec![
-                    (p("weight_packed"), Dtype::I32, vec![2, 1], words.clone()),
-                    (p("weight_scale"), Dtype::BF16, vec![2, 2], scales.clone()),
-                    (
-                        p("weight_shape"),
-                        Dtype::I32,
-                        vec![2],
-                        le(&[2i32, 16], i32::to_le_bytes),
-                    ),
-                ],
-                &["weight_packed", "[2, 2]"],
-            ),
+            (packed(EXPERT, Dtype::I32, 16), &["weight_packed", "[2, 2]"]),
         ];
         for (tensors, needles) in cases {
-            let t: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = tensors
-                .iter()
-                .map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), b.clone()))
-                .collect();
-            write_st(&dir.path().join("model.safetensors"), &t);
+            write_owned(&st, &tensors);
             let e = Checkpoint::open(dir.path()).err().expect("must fail").to_string();
             assert!(needles.iter().all(|n| e.contains(n)), "{needles:?}: {e}");
         }
 
         // A packed weight without a compressed-tensors config.
         std::fs::remove_file(dir.path().join("config.json")).unwrap();
-        write_st(
-            &dir.path().join("model.safetensors"),
-            &[
-                (&p("weight_packed"), Dtype::I32, vec![2, 1], words),
-                (&p("weight_scale"), Dtype::BF16, vec![2, 2], scales),
-                (
-                    &p("weight_shape"),
-                    Dtype::I32,
-                    vec![2],
-                    le(&[2i32, 8], i32::to_le_bytes),
-                ),
-            ],
-        );
+        write_owned(&st, &packed(EXPERT, Dtype::I32, 8));
         let e = Checkpoint::open(dir.path()).err().unwrap().to_string();
         assert!(e.contains("compressed-tensors") && e.contains("weight_packed"), "{e}");
     }

@@ -18,7 +18,7 @@ use crate::checkpoint::Checkpoint;
 use crate::family::{ExpertSource, Select, TensorRole};
 use crate::manifest::{
     matrix_dims, record_layout, BackboneIndex, ExpertPackIndex, ExpertRecord, ExpertTensorLayout, Manifest,
-    StoredDtype, TensorRecord, COPIED_FILES, FORMAT_NAME, FORMAT_VERSION,
+    StoredDtype, TensorRecord, COPIED_FILES,
 };
 use crate::{io_err, FormatError};
 
@@ -491,30 +491,14 @@ fn write_all(
         copied.push(f.to_string());
     }
 
-    let manifest = Manifest {
-        format: FORMAT_NAME.into(),
-        format_version: FORMAT_VERSION,
-        family: cfg.family().into(),
-        config: cfg.clone(),
-        source_config: raw,
-        backbone: BackboneIndex {
-            file: "backbone.bin".into(),
-            bytes: backbone_bytes,
-            matrix_dtype: opts.backbone,
-            tensors,
-        },
-        experts: ExpertPackIndex {
-            file: "experts.pack".into(),
-            bytes: offset,
-            dtype: opts.experts,
-            record_align: RECORD_ALIGN,
-            layout,
-            records,
-        },
-        tokenizer_files: copied,
-        created_by: format!("deltafin {}", env!("CARGO_PKG_VERSION")),
-        stream: stream.map(|x| x.source.clone()),
-    };
+    let manifest = Manifest::new(
+        cfg,
+        raw,
+        BackboneIndex::new(backbone_bytes, opts.backbone, tensors),
+        ExpertPackIndex::new(offset, opts.experts, layout, records),
+        copied,
+        stream.map(|x| x.source.clone()),
+    );
     crate::manifest::write_manifest(out, &manifest)?;
     progress.finish();
     Ok(ConvertReport {

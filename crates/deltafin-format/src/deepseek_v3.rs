@@ -12,12 +12,11 @@ use std::path::Path;
 
 use crate::family::{
     decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors, mla_widths,
-    noaux_router_tensors, per_expert, shared_experts_tensors, BackboneTensor, ExpertGroups, ExpertMatrix, ExpertSource,
-    Family, GATE_UP_DOWN,
+    noaux_router_tensors, shared_experts_tensors, BackboneTensor, ExpertGroups, ExpertMatrix, Family, GATE_UP_DOWN,
 };
 use crate::json::{
-    bool_or, eos_bos, f32_in, field_err, get, read_json, require_nonzero_fields, require_only, require_silu,
-    resolve_aliases, text_config, usize_or, Aliases, Range,
+    bool_or, eos_bos, f32_in, field_err, get, require_nonzero_fields, require_only, require_silu, resolve_aliases,
+    text_config, usize_or, Aliases, Range,
 };
 use crate::rope::{resolve_rope, Rope};
 use crate::FormatError;
@@ -72,19 +71,12 @@ const DEEPSEEK_V3_ALIASES: Aliases = &[("num_local_experts", "n_routed_experts")
 pub const MODEL_TYPES: &[&str] = &["deepseek_v3", "kimi_k2"];
 
 impl DeepseekV3Config {
-    /// Reads and resolves `config.json`.
-    ///
-    /// Errors: unreadable file, malformed JSON, unknown `model_type`, a field of the wrong type,
-    /// or a setting this implementation does not support (`scoring_func` other than `sigmoid`,
-    /// `topk_method` other than `noaux_tc`, `hidden_act` other than `silu`, a RoPE type other than
-    /// `default`/`yarn`, inconsistent expert grouping).
-    pub fn from_file(path: &Path) -> Result<(Self, Value), FormatError> {
-        let raw = read_json(path)?;
-        let cfg = Self::from_value(&raw, path)?;
-        Ok((cfg, raw))
-    }
-
     /// Resolves a parsed `config.json` (`path` is only used in error messages).
+    ///
+    /// Errors: unknown `model_type`, a field of the wrong type, or a setting this implementation
+    /// does not support (`scoring_func` other than `sigmoid`, `topk_method` other than
+    /// `noaux_tc`, `hidden_act` other than `silu`, a RoPE type other than `default`/`yarn`,
+    /// inconsistent expert grouping), or what [`Self::validate`] rejects; each names the field.
     pub fn from_value(raw: &Value, path: &Path) -> Result<Self, FormatError> {
         let raw = &*resolve_aliases(raw, path, DEEPSEEK_V3_ALIASES)?;
         let tc = text_config(raw);
@@ -257,10 +249,6 @@ impl Family for DeepseekV3Config {
     fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.moe_intermediate_size);
         glu_expert_matrices(GATE_UP_DOWN, h, i)
-    }
-
-    fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
-        per_expert(&format!("model.layers.{layer}.mlp"), expert, m)
     }
 
     /// Names the converter deliberately skips: MTP layers (index ≥ num_hidden_layers) and rotary

@@ -53,8 +53,12 @@ pub trait Family {
     /// The matrices of one routed-expert record, in record order.
     fn expert_matrices(&self) -> Vec<ExpertMatrix>;
     /// Where matrix `m` (an entry of [`Self::expert_matrices`]) of routed expert `expert` in
-    /// layer `layer` comes from in the checkpoint.
-    fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource;
+    /// layer `layer` comes from in the checkpoint. By default transformers' layout of one
+    /// tensor per expert and matrix under the layer's `mlp` block,
+    /// `model.layers.{layer}.mlp.experts.{expert}.{m.name}.weight` ([`per_expert`]).
+    fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
+        per_expert(&format!("model.layers.{layer}.mlp"), expert, m)
+    }
     /// Checkpoint tensors deliberately not converted (e.g. multi-token-prediction layers,
     /// rotary buffers). By default the rotary frequency buffers (`…rotary_emb.inv_freq`).
     fn is_ignored(&self, name: &str) -> bool {
@@ -437,6 +441,27 @@ pub(crate) fn check_mlp_only_layers(
             path,
             "mlp_only_layers",
             format!("layer {l} does not exist (num_hidden_layers {n_layers})"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that a per-layer list of `len` entries (config field `field`, each one of `entries`:
+/// `entries`, `layer kinds`) covers the model's `n_layers` decoder layers.
+///
+/// Errors: another length (`field` named: "{len} {entries} for num_hidden_layers {n_layers}").
+pub(crate) fn check_layer_count(
+    path: &Path,
+    field: &str,
+    entries: &str,
+    len: usize,
+    n_layers: usize,
+) -> Result<(), FormatError> {
+    if len != n_layers {
+        return Err(field_err(
+            path,
+            field,
+            format!("{len} {entries} for num_hidden_layers {n_layers}"),
         ));
     }
     Ok(())

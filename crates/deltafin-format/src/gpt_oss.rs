@@ -28,8 +28,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::family::{
-    check_gqa, check_top_k, decoder_backbone, fused, gqa_attention_tensors, matrices, tensors, BackboneTensor,
-    ExpertMatrix, ExpertSource, Family, TensorRole,
+    check_gqa, check_layer_count, check_top_k, decoder_backbone, fused, gqa_attention_tensors, matrices, tensors,
+    BackboneTensor, ExpertMatrix, ExpertSource, Family, TensorRole,
 };
 use crate::json::{
     bool_or, eos_bos, f32_in, f64_or, field_err, get, opt_usize, reject_tied_embeddings, require_nonzero_fields,
@@ -187,17 +187,13 @@ impl GptOssConfig {
             self.num_local_experts,
             "num_local_experts",
         )?;
-        if self.sliding_layers.len() != self.num_hidden_layers {
-            return Err(field_err(
-                path,
-                "layer_types",
-                format!(
-                    "{} entries for num_hidden_layers {}",
-                    self.sliding_layers.len(),
-                    self.num_hidden_layers
-                ),
-            ));
-        }
+        check_layer_count(
+            path,
+            "layer_types",
+            "entries",
+            self.sliding_layers.len(),
+            self.num_hidden_layers,
+        )?;
         // The clamped SwiGLU clamps `up` to [-limit, limit]: a limit ≤ 0 makes the bounds cross
         // (`f32::clamp` panics in every expert computation).
         if !(self.swiglu_limit.is_finite() && self.swiglu_limit > 0.0) {
@@ -303,24 +299,20 @@ mod tests {
         assert_eq!(&c.sliding_layers[..4], &[true, false, true, false]);
         assert_eq!((c.layer_window(0), c.layer_window(1)), (Some(128), None));
         assert!(!c.mxfp4_experts);
-        match c.rope {
+        assert_eq!(
+            c.rope,
             Rope::Yarn {
-                theta,
-                factor,
-                original_max_position_embeddings,
-                beta_fast,
-                beta_slow,
-                truncate,
-                ..
-            } => {
-                assert_eq!(
-                    (theta, factor, original_max_position_embeddings),
-                    (150000.0, 32.0, 4096.0)
-                );
-                assert_eq!((beta_fast, beta_slow, truncate), (32.0, 1.0, false));
+                theta: 150000.0,
+                factor: 32.0,
+                original_max_position_embeddings: 4096.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: None,
+                mscale_all_dim: None,
+                attention_factor: None,
+                truncate: false,
             }
-            r => panic!("{r:?}"),
-        }
+        );
     }
 
     #[test]

@@ -155,13 +155,30 @@ pub(crate) fn layer_indices(obj: &Value, path: &Path, key: &str) -> Result<Vec<u
     }
 }
 
-pub(crate) fn f64_or(obj: &Value, path: &Path, key: &str, default: f64) -> Result<f64, FormatError> {
+/// Field `key` of `obj` as read by `read` (`Value::as_f64`, `Value::as_bool`); None when absent
+/// or null.
+///
+/// Errors: a value `read` does not accept (field named: "expected `expected`, got" the value).
+fn opt_typed<T>(
+    obj: &Value,
+    path: &Path,
+    key: &str,
+    read: fn(&Value) -> Option<T>,
+    expected: &str,
+) -> Result<Option<T>, FormatError> {
     match get(obj, key) {
-        None => Ok(default),
-        Some(v) => v
-            .as_f64()
-            .ok_or_else(|| field_err(path, key, format!("expected a number, got {v}"))),
+        None => Ok(None),
+        Some(v) => read(v)
+            .map(Some)
+            .ok_or_else(|| field_err(path, key, format!("expected {expected}, got {v}"))),
     }
+}
+
+/// Real-valued field `key` of `obj` (absent or null: `default`).
+///
+/// Errors: not a number (field named).
+pub(crate) fn f64_or(obj: &Value, path: &Path, key: &str, default: f64) -> Result<f64, FormatError> {
+    Ok(opt_f64(obj, path, key)?.unwrap_or(default))
 }
 
 /// Which values of a real-valued config field make sense.
@@ -210,14 +227,11 @@ pub(crate) fn f32_in(obj: &Value, path: &Path, key: &str, default: f64, range: R
     Ok(check_range(path, key, x, range)? as f32)
 }
 
+/// Optional real-valued field `key` of `obj` (absent or null: None).
+///
+/// Errors: not a number (field named).
 pub(crate) fn opt_f64(obj: &Value, path: &Path, key: &str) -> Result<Option<f64>, FormatError> {
-    match get(obj, key) {
-        None => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .map(Some)
-            .ok_or_else(|| field_err(path, key, format!("expected a number, got {v}"))),
-    }
+    opt_typed(obj, path, key, Value::as_f64, "a number")
 }
 
 /// Spellings transformers accepts for one field: `attribute_map` entries of a config class
@@ -258,13 +272,11 @@ pub(crate) fn resolve_aliases<'a>(
     Ok(std::borrow::Cow::Owned(out))
 }
 
+/// Boolean field `key` of `obj` (absent or null: `default`).
+///
+/// Errors: not `true` or `false` (field named).
 pub(crate) fn bool_or(obj: &Value, path: &Path, key: &str, default: bool) -> Result<bool, FormatError> {
-    match get(obj, key) {
-        None => Ok(default),
-        Some(v) => v
-            .as_bool()
-            .ok_or_else(|| field_err(path, key, format!("expected true or false, got {v}"))),
-    }
+    Ok(opt_typed(obj, path, key, Value::as_bool, "true or false")?.unwrap_or(default))
 }
 
 /// Fails with `message` when boolean field `key` of `obj` is true (absent or null: false): a

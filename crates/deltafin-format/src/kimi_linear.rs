@@ -14,9 +14,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::family::{
-    decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors, mla_widths,
-    noaux_router_tensors, shared_experts_tensors, tensors, whole, BackboneTensor, ExpertGroups, ExpertMatrix,
-    ExpertSource, Family, TensorRole,
+    check_layer_count, decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors,
+    mla_widths, noaux_router_tensors, shared_experts_tensors, tensors, whole, BackboneTensor, ExpertGroups,
+    ExpertMatrix, ExpertSource, Family, TensorRole,
 };
 use crate::json::{
     bool_or as bool_of, check_range, eos_bos, f32_in, field_err as err, get, opt_usize, require_nonzero, require_only,
@@ -337,17 +337,13 @@ impl KimiLinearConfig {
                 return Err(err(path, k, "must be greater than 0 when set"));
             }
         }
-        if self.mixers.len() != self.num_hidden_layers {
-            return Err(err(
-                path,
-                "linear_attn_config",
-                format!(
-                    "{} layer kinds for num_hidden_layers {}",
-                    self.mixers.len(),
-                    self.num_hidden_layers
-                ),
-            ));
-        }
+        check_layer_count(
+            path,
+            "linear_attn_config",
+            "layer kinds",
+            self.mixers.len(),
+            self.num_hidden_layers,
+        )?;
         if self.mixers.contains(&MixerKind::Mla) && (self.num_attention_heads == 0 || self.kv_lora_rank == 0) {
             return Err(err(
                 path,

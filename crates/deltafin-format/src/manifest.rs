@@ -160,6 +160,68 @@ pub struct Manifest {
     pub stream: Option<StreamSource>,
 }
 
+impl BackboneIndex {
+    /// The index of `backbone.bin`: `bytes` long, 2-D weight matrices stored as
+    /// `matrix_dtype`, the resident tensors by checkpoint name.
+    pub(crate) fn new(bytes: u64, matrix_dtype: StoredDtype, tensors: BTreeMap<String, TensorRecord>) -> Self {
+        BackboneIndex {
+            file: "backbone.bin".into(),
+            bytes,
+            matrix_dtype,
+            tensors,
+        }
+    }
+}
+
+impl ExpertPackIndex {
+    /// The index of `experts.pack`: `bytes` long, routed experts stored as `dtype`, records
+    /// [`RECORD_ALIGN`](crate::aligned::RECORD_ALIGN)-aligned, each laid out as `layout`, ordered
+    /// by (layer, expert).
+    pub(crate) fn new(
+        bytes: u64,
+        dtype: StoredDtype,
+        layout: Vec<ExpertTensorLayout>,
+        records: Vec<ExpertRecord>,
+    ) -> Self {
+        ExpertPackIndex {
+            file: "experts.pack".into(),
+            bytes,
+            dtype,
+            record_align: crate::aligned::RECORD_ALIGN,
+            layout,
+            records,
+        }
+    }
+}
+
+impl Manifest {
+    /// The manifest this build writes ([`FORMAT_NAME`] version [`FORMAT_VERSION`], `created_by`
+    /// `deltafin <version>`) for `config` (its family named) resolved from `source_config`, with
+    /// its two data files, the `tokenizer_files` copied beside them, and `stream` for a
+    /// streaming install.
+    pub(crate) fn new(
+        config: &ModelConfig,
+        source_config: Value,
+        backbone: BackboneIndex,
+        experts: ExpertPackIndex,
+        tokenizer_files: Vec<String>,
+        stream: Option<StreamSource>,
+    ) -> Self {
+        Manifest {
+            format: FORMAT_NAME.into(),
+            format_version: FORMAT_VERSION,
+            family: config.family().into(),
+            config: config.clone(),
+            source_config,
+            backbone,
+            experts,
+            tokenizer_files,
+            created_by: format!("deltafin {}", env!("CARGO_PKG_VERSION")),
+            stream,
+        }
+    }
+}
+
 /// The source of a streaming install. Its expert records start absent (`experts.pack` is a
 /// sparse file of full size, record offsets as in a full convert, the manifest's `xxh3` empty);
 /// a record becomes present when its bytes are written and fsynced and an entry with its

@@ -14,8 +14,8 @@ use serde_json::Value;
 
 use crate::family::{
     check_dense_width, check_gqa, check_mlp_only_layers, check_top_k, decoder_backbone, glu_expert_matrices,
-    glu_mlp_tensors, gqa_attention_tensors, per_expert, sparse_step_moe_layer, tensors, BackboneTensor, ExpertMatrix,
-    ExpertSource, Family, TensorRole, GATE_UP_DOWN,
+    glu_mlp_tensors, gqa_attention_tensors, sparse_step_moe_layer, tensors, BackboneTensor, ExpertMatrix, Family,
+    TensorRole, GATE_UP_DOWN,
 };
 use crate::json::{
     bool_or, eos_bos, f32_in, field_err, layer_indices, opt_usize, reject_tied_embeddings, reject_true,
@@ -177,10 +177,6 @@ impl Family for Qwen3MoeConfig {
     fn expert_matrices(&self) -> Vec<ExpertMatrix> {
         let (h, i) = (self.hidden_size, self.moe_intermediate_size);
         glu_expert_matrices(GATE_UP_DOWN, h, i)
-    }
-
-    fn expert_source(&self, layer: usize, expert: usize, m: &ExpertMatrix) -> ExpertSource {
-        per_expert(&format!("model.layers.{layer}.mlp"), expert, m)
     }
 }
 

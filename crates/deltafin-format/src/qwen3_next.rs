@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::family::{
-    check_dense_width, check_kv_heads, check_mlp_only_layers, check_top_k, decoder_backbone, fused,
+    check_dense_width, check_kv_heads, check_layer_count, check_mlp_only_layers, check_top_k, decoder_backbone, fused,
     glu_expert_matrices, glu_mlp_tensors, matrices, per_expert, sparse_step_moe_layer, tensors, BackboneTensor,
     ExpertMatrix, ExpertSource, Family, TensorRole, GATE_UP_DOWN,
 };
@@ -155,13 +155,7 @@ impl Qwen3NextConfig {
                     .collect()
             }
         };
-        if mixers.len() != n_layers {
-            return Err(field_err(
-                path,
-                "layer_types",
-                format!("{} entries for num_hidden_layers {n_layers}", mixers.len()),
-            ));
-        }
+        check_layer_count(path, "layer_types", "entries", mixers.len(), n_layers)?;
         let mlp_only_layers = if qwen35 {
             Vec::new()
         } else {
@@ -237,17 +231,13 @@ impl Qwen3NextConfig {
         require_nonzero_fields!(path, self; vocab_size, max_position_embeddings, hidden_size, num_hidden_layers,
             num_attention_heads, num_key_value_heads, head_dim, linear_conv_kernel_dim, linear_key_head_dim,
             linear_value_head_dim, linear_num_key_heads, linear_num_value_heads, decoder_sparse_step)?;
-        if self.mixers.len() != self.num_hidden_layers {
-            return Err(field_err(
-                path,
-                "layer_types",
-                format!(
-                    "{} entries for num_hidden_layers {}",
-                    self.mixers.len(),
-                    self.num_hidden_layers
-                ),
-            ));
-        }
+        check_layer_count(
+            path,
+            "layer_types",
+            "entries",
+            self.mixers.len(),
+            self.num_hidden_layers,
+        )?;
         if self.rotary_dim == 0 || !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
             return Err(field_err(
                 path,

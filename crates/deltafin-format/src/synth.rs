@@ -18,7 +18,7 @@ use crate::convert::{encode_matrix, Progress};
 use crate::family::TensorRole;
 use crate::manifest::{
     matrix_dims, record_layout, tensor_xxh3, write_manifest, BackboneIndex, ExpertPackIndex, ExpertRecord,
-    ExpertTensorLayout, Manifest, StoredDtype, TensorRecord, COPIED_FILES, FORMAT_NAME, FORMAT_VERSION,
+    ExpertTensorLayout, Manifest, StoredDtype, TensorRecord, COPIED_FILES,
 };
 use crate::{io_err, FormatError, ModelConfig};
 
@@ -790,30 +790,14 @@ fn write_files(
         tokenizer_files.push(f.to_string());
     }
 
-    let manifest = Manifest {
-        format: FORMAT_NAME.into(),
-        format_version: FORMAT_VERSION,
-        family: cfg.family().into(),
-        config: cfg.clone(),
-        source_config: config,
-        backbone: BackboneIndex {
-            file: "backbone.bin".into(),
-            bytes: backbone_bytes,
-            matrix_dtype: StoredDtype::Int8,
-            tensors,
-        },
-        experts: ExpertPackIndex {
-            file: "experts.pack".into(),
-            bytes: n_records as u64 * stride,
-            dtype: StoredDtype::Mxfp4,
-            record_align: RECORD_ALIGN,
-            layout,
-            records,
-        },
+    let manifest = Manifest::new(
+        cfg,
+        config,
+        BackboneIndex::new(backbone_bytes, StoredDtype::Int8, tensors),
+        ExpertPackIndex::new(n_records as u64 * stride, StoredDtype::Mxfp4, layout, records),
         tokenizer_files,
-        created_by: format!("deltafin {}", env!("CARGO_PKG_VERSION")),
-        stream: None,
-    };
+        None,
+    );
     write_manifest(out, &manifest)?;
     progress.finish();
     Ok(SynthReport {

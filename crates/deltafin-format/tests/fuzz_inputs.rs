@@ -184,6 +184,29 @@ fn no_panic_one_line(what: &str, input: &Value, f: impl FnOnce() -> Result<(), S
     true
 }
 
+/// Runs `check` on `n` mutants of `base(i)` ([`mutate`] with `keys`, one generator seeded with
+/// `seed`), each through [`no_panic_one_line`] (`what` names the check); returns how many it
+/// accepted and how many it refused.
+fn fuzz(
+    what: &str,
+    n: usize,
+    seed: u64,
+    keys: &[&str],
+    base: impl Fn(usize) -> Value,
+    check: impl Fn(&Value) -> Result<(), String>,
+) -> (usize, usize) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut accepted = 0;
+    for i in 0..n {
+        let mut v = base(i);
+        mutate(&mut rng, &mut v, keys);
+        if no_panic_one_line(what, &v, || check(&v)) {
+            accepted += 1;
+        }
+    }
+    (accepted, n - accepted)
+}
+
 fn fixture_configs() -> Vec<Value> {
     let mut out = Vec::new();
     for family in std::fs::read_dir(fixtures()).unwrap() {
@@ -212,35 +235,24 @@ fn fixture_configs() -> Vec<Value> {
 #[test]
 fn fuzzed_configs_never_panic() {
     let bases = fixture_configs();
-    let mut rng = StdRng::seed_from_u64(19);
-    let (mut parsed, mut refused) = (0, 0);
-    for i in 0..4000 {
-        let mut v = bases[i % bases.len()].clone();
-        mutate(&mut rng, &mut v, KEYS);
-        let input = v.clone();
-        let accepted = no_panic_one_line("config parsing", &input, || {
-            let c = ModelConfig::from_value(&v, Path::new("config.json")).map_err(|e| e.to_string())?;
-            let f = Footprint::of(&c);
-            let _ = f.seconds_per_token(1e9);
-            let mats = c.expert_matrices();
-            for l in c.moe_layers().take(2) {
-                for m in &mats {
-                    let _ = c.expert_source(l, c.n_routed_experts() - 1, m);
-                }
+    let base = |i: usize| bases[i % bases.len()].clone();
+    let (parsed, refused) = fuzz("config parsing", 4000, 19, KEYS, base, |v| {
+        let c = ModelConfig::from_value(v, Path::new("config.json")).map_err(|e| e.to_string())?;
+        let f = Footprint::of(&c);
+        let _ = f.seconds_per_token(1e9);
+        let mats = c.expert_matrices();
+        for l in c.moe_layers().take(2) {
+            for m in &mats {
+                let _ = c.expert_source(l, c.n_routed_experts() - 1, m);
             }
-            let _ = (c.backbone_tensors().len(), c.max_experts_per_tok(), c.eos_token_id());
-            // What a manifest stores must read back.
-            let back: ModelConfig = serde_json::from_value(serde_json::to_value(&c).map_err(|e| e.to_string())?)
-                .map_err(|e| e.to_string())?;
-            assert_eq!(back, c, "manifest round trip");
-            Ok(())
-        });
-        if accepted {
-            parsed += 1;
-        } else {
-            refused += 1;
         }
-    }
+        let _ = (c.backbone_tensors().len(), c.max_experts_per_tok(), c.eos_token_id());
+        // What a manifest stores must read back.
+        let back: ModelConfig =
+            serde_json::from_value(serde_json::to_value(&c).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+        assert_eq!(back, c, "manifest round trip");
+        Ok(())
+    });
     assert!(parsed > 200 && refused > 1000, "{parsed} parsed, {refused} refused");
 }
 
@@ -271,13 +283,14 @@ fn fuzzed_manifests_never_panic() {
         "scales_offset",
         "layout",
     ]);
-    let mut rng = StdRng::seed_from_u64(4);
-    let (mut opened, mut refused) = (0, 0);
-    for _ in 0..1500 {
-        let mut v = original.clone();
-        mutate(&mut rng, &mut v, &keys);
-        std::fs::write(&mpath, serde_json::to_vec(&v).unwrap()).unwrap();
-        let ok = no_panic_one_line("model directory loading", &v, || {
+    let (opened, refused) = fuzz(
+        "model directory loading",
+        1500,
+        4,
+        &keys,
+        |_| original.clone(),
+        |v| {
+            std::fs::write(&mpath, serde_json::to_vec(v).unwrap()).unwrap();
             let d = ModelDir::open(&dir).map_err(|e| e.to_string())?;
             let bb = d.load_backbone().map_err(|e| e.to_string())?;
             for t in d.manifest.config.backbone_tensors() {
@@ -292,13 +305,8 @@ fn fuzzed_manifests_never_panic() {
                 assert!(r.offset + r.length <= d.manifest.experts.bytes);
             }
             Ok(())
-        });
-        if ok {
-            opened += 1;
-        } else {
-            refused += 1;
-        }
-    }
+        },
+    );
     assert!(opened > 50 && refused > 500, "{opened} opened, {refused} refused");
     std::fs::write(&mpath, serde_json::to_vec(&original).unwrap()).unwrap();
     ModelDir::open(&dir).unwrap();

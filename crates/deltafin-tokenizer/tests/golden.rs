@@ -7,7 +7,7 @@ use deltafin_tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 use serde_json::Value;
 
 mod common;
-use common::ids;
+use common::{assert_token_ids, ids};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tokenizer")
@@ -34,13 +34,7 @@ fn check_tokenizer(dir: &str) {
         "{dir} bos"
     );
     assert_eq!(tok.eos_token_ids(), ids(&exp["eos_token_ids"]), "{dir} eos");
-    for (token, id) in exp["token_to_id"].as_object().unwrap() {
-        assert_eq!(
-            tok.token_to_id(token).map(u64::from),
-            id.as_u64(),
-            "{dir} token_to_id({token:?})"
-        );
-    }
+    assert_token_ids(&tok, exp["token_to_id"].as_object().unwrap(), dir);
     let mut n = 0;
     for case in exp["encode"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();

@@ -42,3 +42,15 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
         .map(|x| x.as_u64().expect("id") as u32)
         .collect()
 }
+
+/// Asserts that `tok` gives every token of `expected` (an expected-output JSON object, token →
+/// id) its id; `what` labels a failure.
+pub fn assert_token_ids(tok: &Tokenizer, expected: &serde_json::Map<String, serde_json::Value>, what: &str) {
+    for (token, id) in expected {
+        assert_eq!(
+            tok.token_to_id(token).map(u64::from),
+            id.as_u64(),
+            "{what} token_to_id({token:?})"
+        );
+    }
+}
