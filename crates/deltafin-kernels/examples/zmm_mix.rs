@@ -17,31 +17,37 @@ mod probe {
     use std::arch::asm;
     use std::time::Instant;
 
+    /// Seconds of the fastest of 5 calls of `run`.
+    fn best_of_5(mut run: impl FnMut()) -> f64 {
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t = Instant::now();
+            run();
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        best
+    }
+
     /// Seconds per iteration of `$body` (16 operations on registers 0-15 from 20 and 21), best
     /// of 5 runs of `ITERS` iterations.
     macro_rules! per_iter {
         ($body:expr) => {{
             const ITERS: u64 = 2_000_000;
-            let mut best = f64::INFINITY;
-            for _ in 0..5 {
-                let t = Instant::now();
-                // SAFETY: register-only AVX-512F instructions (checked by the caller); every
-                // register written is declared clobbered.
-                unsafe {
-                    asm!(
-                        "vpxord zmm20, zmm20, zmm20", "vpxord zmm21, zmm21, zmm21",
-                        "2:", $body, "dec {i}", "jnz 2b",
-                        i = inout(reg) ITERS => _,
-                        out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
-                        out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-                        out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
-                        out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
-                        out("zmm20") _, out("zmm21") _,
-                        options(nostack, nomem),
-                    );
-                }
-                best = best.min(t.elapsed().as_secs_f64());
-            }
+            // SAFETY: register-only AVX-512F instructions (checked by the caller); every
+            // register written is declared clobbered.
+            let best = best_of_5(|| unsafe {
+                asm!(
+                    "vpxord zmm20, zmm20, zmm20", "vpxord zmm21, zmm21, zmm21",
+                    "2:", $body, "dec {i}", "jnz 2b",
+                    i = inout(reg) ITERS => _,
+                    out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                    out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                    out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                    out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
+                    out("zmm20") _, out("zmm21") _,
+                    options(nostack, nomem),
+                );
+            });
             best / ITERS as f64
         }};
     }
@@ -49,21 +55,16 @@ mod probe {
     /// Clock in Hz: 64 dependent one-cycle adds per iteration.
     fn clock_hz() -> f64 {
         const ITERS: u64 = 5_000_000;
-        let mut best = f64::INFINITY;
-        for _ in 0..5 {
-            let t = Instant::now();
-            // SAFETY: integer register arithmetic only.
-            unsafe {
-                asm!(
-                    "2:",
-                    ".rept 64", "add {x}, 1", ".endr",
-                    "dec {i}", "jnz 2b",
-                    i = inout(reg) ITERS => _, x = inout(reg) 0u64 => _,
-                    options(nostack, nomem),
-                );
-            }
-            best = best.min(t.elapsed().as_secs_f64());
-        }
+        // SAFETY: integer register arithmetic only.
+        let best = best_of_5(|| unsafe {
+            asm!(
+                "2:",
+                ".rept 64", "add {x}, 1", ".endr",
+                "dec {i}", "jnz 2b",
+                i = inout(reg) ITERS => _, x = inout(reg) 0u64 => _,
+                options(nostack, nomem),
+            );
+        });
         64.0 * ITERS as f64 / best
     }
 

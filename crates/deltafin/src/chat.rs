@@ -16,8 +16,6 @@ use deltafin_format::ModelDir;
 use deltafin_tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
-use crate::size;
-
 /// Flags of `deltafin chat`.
 #[derive(clap::Args)]
 pub struct ChatArgs {
@@ -35,15 +33,8 @@ pub struct ChatArgs {
     /// shown escaped by default, as `\u{1b}`).
     #[arg(long)]
     raw_output: bool,
-    /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
-    #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
-    ram_budget: Option<u64>,
     #[command(flatten)]
-    device: crate::device_args::DeviceArgs,
-    #[command(flatten)]
-    store: crate::model_args::StoreArgs,
-    #[command(flatten)]
-    passes: crate::model_args::PassArgs,
+    load: crate::model_args::LoadArgs,
 }
 
 const HELP: &str =
@@ -56,7 +47,7 @@ pub fn run(a: &ChatArgs) -> Result<()> {
     }
     let dir = ModelDir::open(&a.model)?;
     let sampling = a.sampling.params(dir.manifest.config.vocab_size())?;
-    let budget = crate::model_args::ram_budget(a.ram_budget);
+    let budget = crate::model_args::ram_budget(a.load.ram_budget);
     let tokenizer = Arc::new(
         Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?,
     );
@@ -70,12 +61,13 @@ pub fn run(a: &ChatArgs) -> Result<()> {
         );
     }
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
-    let (_network, model) = crate::model_args::open_model(&dir, budget, &a.store, &a.passes, &a.device, false)?;
-    a.store.warm_pinned(model.as_ref());
+    let (_network, model) =
+        crate::model_args::open_model(&dir, budget, &a.load.store, &a.load.passes, &a.load.device, false)?;
+    a.load.store.warm_pinned(model.as_ref());
     let model: Arc<dyn CausalLm> = Arc::from(model);
     let mut session = Session::new(Arc::clone(&model), Arc::clone(&tokenizer), eos);
-    session.set_prefill_chunk(a.passes.prefill_chunk);
-    session.set_speculate(a.passes.speculate);
+    session.set_prefill_chunk(a.load.passes.prefill_chunk);
+    session.set_speculate(a.load.passes.speculate);
 
     // Ctrl-C during an answer stops it; at the prompt it leaves.
     let generating = Arc::new(AtomicBool::new(false));

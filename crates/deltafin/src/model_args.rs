@@ -209,6 +209,21 @@ impl StoreArgs {
     }
 }
 
+/// The flags of the commands that load a model and keep it for many generations (`chat`,
+/// `serve`): the expert cache budget ([`ram_budget`]), then what [`open_model`] takes.
+#[derive(clap::Args)]
+pub(crate) struct LoadArgs {
+    /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
+    #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
+    pub(crate) ram_budget: Option<u64>,
+    #[command(flatten)]
+    pub(crate) device: DeviceArgs,
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    #[command(flatten)]
+    pub(crate) passes: PassArgs,
+}
+
 /// Default expert cache budget: a quarter of the memory this process may use, that is of
 /// physical memory (`MemTotal`) or of the memory cgroup's limit when that is lower (cgroup v1
 /// `memory.limit_in_bytes` or v2 `memory.max`, found through `/proc/self/cgroup`); 4 GiB if

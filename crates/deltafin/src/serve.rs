@@ -34,15 +34,8 @@ pub struct ServeArgs {
     /// Largest request body, e.g. 1MiB (larger bodies get 413).
     #[arg(long, value_parser = size::parse_size, default_value = "16MiB", allow_negative_numbers = true)]
     max_request_bytes: u64,
-    /// Expert cache budget, e.g. 512MiB, 4G (default: a quarter of physical memory or of the memory cgroup limit, whichever is lower).
-    #[arg(long, value_parser = size::parse_size, allow_hyphen_values = true)]
-    ram_budget: Option<u64>,
     #[command(flatten)]
-    device: crate::device_args::DeviceArgs,
-    #[command(flatten)]
-    store: crate::model_args::StoreArgs,
-    #[command(flatten)]
-    passes: crate::model_args::PassArgs,
+    load: crate::model_args::LoadArgs,
     /// Model id clients send in `model` (default: the model directory's name).
     #[arg(long)]
     model_id: Option<String>,
@@ -104,7 +97,7 @@ fn check_flags(a: &ServeArgs) -> Result<()> {
 pub fn run(a: &ServeArgs) -> Result<()> {
     check_flags(a)?;
     let dir = ModelDir::open(&a.model)?;
-    let budget = crate::model_args::ram_budget(a.ram_budget);
+    let budget = crate::model_args::ram_budget(a.load.ram_budget);
     let tokenizer = Arc::new(
         Tokenizer::from_dir(&a.model).with_context(|| format!("loading the tokenizer of {}", a.model.display()))?,
     );
@@ -112,8 +105,9 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         eprintln!("warning: {e}: chat requests will fail; /v1/completions works");
     }
     let eos = deltafin_tokenizer::eos_token_ids_union(&a.model, &tokenizer)?;
-    let (_network, model) = crate::model_args::open_model(&dir, budget, &a.store, &a.passes, &a.device, true)?;
-    a.store.warm_pinned(model.as_ref());
+    let (_network, model) =
+        crate::model_args::open_model(&dir, budget, &a.load.store, &a.load.passes, &a.load.device, true)?;
+    a.load.store.warm_pinned(model.as_ref());
     let model: Arc<dyn CausalLm> = Arc::from(model);
     let model_id = match &a.model_id {
         Some(id) => id.clone(),
@@ -126,8 +120,8 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     };
     let context = model.context_length();
     let mut session = Session::new(model, tokenizer, eos);
-    session.set_prefill_chunk(a.passes.prefill_chunk);
-    session.set_speculate(a.passes.speculate);
+    session.set_prefill_chunk(a.load.passes.prefill_chunk);
+    session.set_speculate(a.load.passes.speculate);
     let mut config = ServerConfig::new(model_id.clone());
     config.api_key = a.api_key.clone();
     config.max_tokens = a.max_tokens;

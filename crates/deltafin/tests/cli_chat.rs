@@ -10,19 +10,14 @@ use cli_support::*;
 
 #[test]
 fn text_prompt_encodes_like_the_reference_and_streams_the_decoded_text() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m");
-    convert_lossless(&fixture("dsv3_a"), &model);
+    let (tmp, model) = converted("dsv3_a", &LOSSLESS);
     let expected = read_json(&fixture("dsv3_a").join("expected.json"));
     // Prompt 1 is a short text encoded with add_special_tokens=True.
     let p = &expected["prompts"][1];
     let prompt_text = p["prompt_info"]["text"].as_str().unwrap();
     let f = tmp.path().join("logits.json");
     let out = ok(exec(
-        deltafin()
-            .args(["run", "--model"])
-            .arg(&model)
-            .args(["--prompt", prompt_text])
+        on_model("run", &model, &["--prompt", prompt_text])
             .args(["--max-new-tokens", "8", "--ignore-eos", "--logits-out"])
             .arg(&f),
     ));
@@ -41,36 +36,23 @@ fn text_prompt_encodes_like_the_reference_and_streams_the_decoded_text() {
 /// `run --chat` and `chat` fail with one line naming the template.
 #[test]
 fn a_broken_chat_template_only_fails_chat() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m");
-    ok(convert(&fixture("dsv3_a"), &model, &[]));
-    let cfg_path = model.join("tokenizer_config.json");
-    let mut cfg = read_json(&cfg_path);
-    cfg["chat_template"] = "{% if %}".into();
-    std::fs::write(&cfg_path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    let (_tmp, model) = converted("dsv3_a", &[]);
+    edit_json(&model.join("tokenizer_config.json"), |cfg| {
+        cfg["chat_template"] = "{% if %}".into()
+    });
     let _ = std::fs::remove_file(model.join("chat_template.jinja"));
-    let run = |extra: &[&str]| {
-        exec(
-            deltafin()
-                .args(["run", "--model"])
-                .arg(&model)
-                .args(["--prompt", "hi", "--max-new-tokens", "2"])
-                .args(extra),
-        )
-    };
+    let run = |extra: &[&str]| exec(on_model("run", &model, &["--prompt", "hi", "--max-new-tokens", "2"]).args(extra));
     ok(run(&[]));
     let err = expect_error(&run(&["--chat"]), &["--chat", "chat_template"]);
     assert_eq!(err.lines().count(), 1, "{err}");
-    let out = exec(deltafin().args(["chat", "--model"]).arg(&model).write_stdin(""));
+    let out = exec(on_model("chat", &model, &[]).write_stdin(""));
     expect_error(&out, &["chat_template"]);
 }
 
 #[test]
 fn chat_wraps_the_prompt_with_the_chat_template() {
     for case in ["dsv3_a", "dsv3_b"] {
-        let tmp = tempfile::tempdir().unwrap();
-        let model = tmp.path().join("m");
-        convert_lossless(&fixture(case), &model);
+        let (tmp, model) = converted(case, &LOSSLESS);
         let tok_expected = read_json(&fixture(case).join("tokenizer_expected.json"));
         let render = tok_expected["chat_template_renders"]
             .as_array()
@@ -82,10 +64,7 @@ fn chat_wraps_the_prompt_with_the_chat_template() {
         let f = tmp.path().join("logits.json");
         // Enough tokens that byte-level pieces of multi-byte characters are likely to appear.
         let out = ok(exec(
-            deltafin()
-                .args(["run", "--model"])
-                .arg(&model)
-                .args(["--chat", "--prompt", question])
+            on_model("run", &model, &["--chat", "--prompt", question])
                 .args(["--max-new-tokens", "24", "--ignore-eos", "--logits-out"])
                 .arg(&f),
         ));
@@ -137,10 +116,7 @@ fn qwen3_moe_and_mixtral_convert_and_run_with_chat() {
         let want = ids(&p["generated_ids"]);
         let f = tmp.path().join("logits.json");
         let out = ok(exec(
-            deltafin()
-                .args(["run", "--model"])
-                .arg(&model)
-                .args(["--chat", "--prompt", question])
+            on_model("run", &model, &["--chat", "--prompt", question])
                 .args([
                     "--max-new-tokens",
                     &want.len().to_string(),
@@ -164,10 +140,7 @@ fn qwen3_moe_and_mixtral_convert_and_run_with_chat() {
         let text_prompt = expected["prompts"][1]["prompt_info"]["text"].as_str().unwrap();
         let f = tmp.path().join("q.json");
         ok(exec(
-            deltafin()
-                .args(["run", "--model"])
-                .arg(&q)
-                .args(["--prompt", text_prompt])
+            on_model("run", &q, &["--prompt", text_prompt])
                 .args(["--max-new-tokens", "4", "--ignore-eos", "--logits-out"])
                 .arg(&f),
         ));
@@ -187,9 +160,7 @@ fn qwen3_moe_and_mixtral_convert_and_run_with_chat() {
 /// flag.
 #[test]
 fn run_and_chat_sampling_flags() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m");
-    ok(convert(&fixture("dsv3_a"), &model, &[]));
+    let (tmp, model) = converted("dsv3_a", &[]);
     let f = tmp.path().join("logits.json");
     let gen = |n: usize, extra: &[&str]| {
         ok(run_ids(&model, &[0, 5, 6], n, &f, extra));
@@ -264,11 +235,7 @@ fn run_and_chat_sampling_flags() {
 
     // chat: +100 on token 300 makes every answer token 300.
     let out = ok(exec(
-        deltafin()
-            .args(["chat", "--model"])
-            .arg(&model)
-            .args(["--max-tokens", "3", "--logit-bias", "300=100"])
-            .write_stdin("hi\n"),
+        on_model("chat", &model, &["--max-tokens", "3", "--logit-bias", "300=100"]).write_stdin("hi\n"),
     ));
     let t = deltafin_tokenizer::Tokenizer::from_dir(&model).unwrap();
     let want = t.decode(&[300, 300, 300], true).unwrap();

@@ -57,9 +57,7 @@ fn convert_rejects_a_zero_context() {
 /// "unexpected argument '-5'"; `chat --top-k -1` means off, as the server's `top_k`.
 #[test]
 fn negative_numbers_get_the_flags_error() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m");
-    ok(convert(&fixture("dsv3_a"), &model, &[]));
+    let (_tmp, model) = converted("dsv3_a", &[]);
     let m = model.to_str().unwrap();
     for (args, needles) in [
         (
@@ -114,33 +112,41 @@ fn convert_rejects_a_missing_tensor() {
     }
 }
 
-#[test]
-fn convert_rejects_a_shape_mismatch() {
+/// `convert` of a copy of `dsv3_a` whose tensor `name` in `model.safetensors` was changed by
+/// `edit` fails cleanly naming the file, the tensor and every needle ([`convert_refused`]).
+fn refused_with_edited_tensor(name: &str, edit: impl FnOnce(&mut RawTensor), needles: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let hf = copy_case("dsv3_a", tmp.path());
-    let name = "model.layers.0.self_attn.q_a_proj.weight";
-    rewrite_safetensors(&hf.join("model.safetensors"), |ts| {
-        let t = find(ts, name);
-        assert_eq!(t.2, [32, 64]);
-        t.2 = vec![64, 32];
-    });
+    rewrite_safetensors(&hf.join("model.safetensors"), |ts| edit(find(ts, name)));
     let out = tmp.path().join("m");
-    convert_refused(&hf, &out, &["model.safetensors", name, "[64, 32]", "[32, 64]"]);
+    convert_refused(&hf, &out, &[&["model.safetensors", name], needles].concat());
+}
+
+#[test]
+fn convert_rejects_a_shape_mismatch() {
+    let name = "model.layers.0.self_attn.q_a_proj.weight";
+    refused_with_edited_tensor(
+        name,
+        |t| {
+            assert_eq!(t.2, [32, 64]);
+            t.2 = vec![64, 32];
+        },
+        &["[64, 32]", "[32, 64]"],
+    );
 }
 
 #[test]
 fn convert_rejects_fp8_weights() {
-    let tmp = tempfile::tempdir().unwrap();
-    let hf = copy_case("dsv3_a", tmp.path());
     let name = "model.layers.1.mlp.experts.3.up_proj.weight";
-    rewrite_safetensors(&hf.join("model.safetensors"), |ts| {
-        let t = find(ts, name);
-        let n: usize = t.2.iter().product();
-        t.1 = Dtype::F8_E4M3;
-        t.3 = vec![0x38; n];
-    });
-    let out = tmp.path().join("m");
-    convert_refused(&hf, &out, &["model.safetensors", name, "F8_E4M3", "FP8"]);
+    refused_with_edited_tensor(
+        name,
+        |t| {
+            let n: usize = t.2.iter().product();
+            t.1 = Dtype::F8_E4M3;
+            t.3 = vec![0x38; n];
+        },
+        &["F8_E4M3", "FP8"],
+    );
 }
 
 #[test]
@@ -216,11 +222,7 @@ fn convert_refuses_a_non_empty_output_without_force_and_force_replaces_it() {
         &["--force", "--backbone", "f32", "--experts", "f32"],
     ));
     assert!(out.join("manifest.json").is_file());
-    let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .filter(|n| n != "m")
-        .collect();
+    let leftovers = entries_except(tmp.path(), "m");
     assert!(leftovers.is_empty(), "no .partial/.old left: {leftovers:?}");
     let p = &read_json(&fixture("dsv3_a").join("expected.json"))["prompts"][0];
     let f = tmp.path().join("l.json");

@@ -12,9 +12,7 @@ use cli_support::*;
 #[test]
 fn lossless_convert_and_run_match_the_reference() {
     for case in ["dsv3_a", "dsv3_b", "dsv3_c"] {
-        let tmp = tempfile::tempdir().unwrap();
-        let model = tmp.path().join("m");
-        convert_lossless(&fixture(case), &model);
+        let (tmp, model) = converted(case, &LOSSLESS);
         let manifest = read_json(&model.join("manifest.json"));
         let vocab = manifest["config"]["deepseek_v3"]["vocab_size"].as_u64().unwrap() as usize;
         let expected = read_json(&fixture(case).join("expected.json"));
@@ -42,9 +40,7 @@ fn lossless_convert_and_run_match_the_reference() {
 
 #[test]
 fn corrupted_expert_record_fails_its_checksum_naming_layer_and_expert() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m");
-    convert_lossless(&fixture("dsv3_a"), &model);
+    let (tmp, model) = converted("dsv3_a", &LOSSLESS);
     let expected = read_json(&fixture("dsv3_a").join("expected.json"));
     let prompt = ids(&expected["prompts"][0]["prompt_ids"]);
     let f = tmp.path().join("l.json");
@@ -87,9 +83,7 @@ fn corrupted_expert_record_fails_its_checksum_naming_layer_and_expert() {
 
 #[test]
 fn truncated_model_files_fail_at_load() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m");
-    convert_lossless(&fixture("dsv3_a"), &model);
+    let (tmp, model) = converted("dsv3_a", &LOSSLESS);
     let f = tmp.path().join("l.json");
     for file in ["experts.pack", "backbone.bin"] {
         let p = model.join(file);
@@ -112,9 +106,7 @@ fn truncated_model_files_fail_at_load() {
 
 #[test]
 fn missing_model_files_are_named_once() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m");
-    convert_lossless(&fixture("dsv3_a"), &model);
+    let (tmp, model) = converted("dsv3_a", &LOSSLESS);
     std::fs::remove_file(model.join("experts.pack")).unwrap();
     let line = expect_error(
         &run_ids(&model, &[0], 2, &tmp.path().join("l.json"), &[]),
@@ -125,9 +117,7 @@ fn missing_model_files_are_named_once() {
 
 #[test]
 fn prompt_ids_outside_the_vocabulary_are_rejected() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m");
-    ok(convert(&fixture("dsv3_a"), &model, &[]));
+    let (tmp, model) = converted("dsv3_a", &[]);
     let out = run_ids(&model, &[0, 12, 512], 2, &tmp.path().join("l.json"), &[]);
     expect_error(
         &out,
@@ -137,37 +127,23 @@ fn prompt_ids_outside_the_vocabulary_are_rejected() {
     let out = run_ids(&model, &[0, 1_000_000], 2, &tmp.path().join("l.json"), &[]);
     expect_error(&out, &["--prompt-ids", "1000000", "vocabulary"]);
     // Not a number at all: clap names the flag.
-    let out = exec(
-        deltafin()
-            .args(["run", "--model"])
-            .arg(&model)
-            .args(["--prompt-ids", "1,two,3"]),
-    );
+    let out = exec(&mut on_model("run", &model, &["--prompt-ids", "1,two,3"]));
     expect_error(&out, &["--prompt-ids", "two"]);
 }
 
 #[test]
 fn bad_ram_budget_is_rejected() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m");
-    ok(convert(&fixture("dsv3_a"), &model, &[]));
+    let (tmp, model) = converted("dsv3_a", &[]);
     for bad in ["lots", "12X", "-5", "1.5.2G"] {
-        let out = exec(
-            deltafin()
-                .args(["run", "--model"])
-                .arg(&model)
-                .args(["--prompt-ids", "0"])
-                .arg(format!("--ram-budget={bad}")),
-        );
+        let out = exec(on_model("run", &model, &["--prompt-ids", "0"]).arg(format!("--ram-budget={bad}")));
         expect_error(&out, &["--ram-budget", bad]);
     }
     // A negative value as a separate argument is a bad size, not an unknown flag.
-    let out = exec(
-        deltafin()
-            .args(["run", "--model"])
-            .arg(&model)
-            .args(["--prompt-ids", "0", "--ram-budget", "-5"]),
-    );
+    let out = exec(&mut on_model(
+        "run",
+        &model,
+        &["--prompt-ids", "0", "--ram-budget", "-5"],
+    ));
     expect_error(&out, &["--ram-budget", "invalid size \"-5\""]);
     // Units are accepted.
     ok(run_ids(
@@ -186,9 +162,7 @@ fn bad_ram_budget_is_rejected() {
 /// flag and from the variable alike.
 #[test]
 fn batch_form_override_is_checked_and_labelled() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m");
-    ok(convert(&fixture("dsv3_a"), &model, &[]));
+    let (tmp, model) = converted("dsv3_a", &[]);
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 300).collect();
     let out = exec(
         deltafin()
@@ -198,20 +172,14 @@ fn batch_form_override_is_checked_and_labelled() {
             .args(["--prompt-ids", "0"]),
     );
     expect_error(&out, &["DELTAFIN_BATCH_FORM", "quick"]);
-    let out =
-        exec(
-            deltafin()
-                .args(["run", "--model"])
-                .arg(&model)
-                .args(["--prompt-ids", "0", "--batch-form", "quick"]),
-        );
+    let out = exec(&mut on_model(
+        "run",
+        &model,
+        &["--prompt-ids", "0", "--batch-form", "quick"],
+    ));
     expect_error(&out, &["--batch-form", "quick"]);
     let out = ok(exec(
-        deltafin()
-            .args(["chat", "--model"])
-            .arg(&model)
-            .args(["--max-tokens", "1", "--batch-form", "fast"])
-            .write_stdin("hi\n"),
+        on_model("chat", &model, &["--max-tokens", "1", "--batch-form", "fast"]).write_stdin("hi\n"),
     ));
     assert!(
         text(&out.stderr).contains("--batch-form fast (research)"),
@@ -285,12 +253,7 @@ fn run_on_a_directory_that_is_not_a_model() {
     // --chat needs text.
     let model = tmp.path().join("m");
     ok(convert(&fixture("dsv3_a"), &model, &[]));
-    let out = exec(
-        deltafin()
-            .args(["run", "--model"])
-            .arg(&model)
-            .args(["--chat", "--prompt-ids", "0"]),
-    );
+    let out = exec(&mut on_model("run", &model, &["--chat", "--prompt-ids", "0"]));
     expect_error(&out, &["--chat", "--prompt"]);
     // A file given as the model, and a converted model whose manifest was deleted.
     let out = exec(
@@ -301,12 +264,7 @@ fn run_on_a_directory_that_is_not_a_model() {
     );
     expect_error(&out, &["config.json", "a file, not a model directory"]);
     std::fs::remove_file(model.join("manifest.json")).unwrap();
-    let out = exec(
-        deltafin()
-            .args(["run", "--model"])
-            .arg(&model)
-            .args(["--prompt-ids", "0"]),
-    );
+    let out = exec(&mut on_model("run", &model, &["--prompt-ids", "0"]));
     let err = expect_error(&out, &["manifest.json not found", "damaged"]);
     assert!(!err.contains("Hugging Face"), "{err}");
 }
@@ -315,9 +273,7 @@ fn run_on_a_directory_that_is_not_a_model() {
 /// override; with --allow-context-overflow it runs, with a warning.
 #[test]
 fn context_overflow_is_refused_unless_allowed() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m");
-    ok(convert(&fixture("dsv3_a"), &model, &[]));
+    let (tmp, model) = converted("dsv3_a", &[]);
     let ctx = read_json(&model.join("config.json"))["max_position_embeddings"]
         .as_u64()
         .unwrap() as usize;
@@ -344,9 +300,7 @@ fn context_overflow_is_refused_unless_allowed() {
 
 #[test]
 fn unwritable_output_files_fail_before_generating() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m");
-    ok(convert(&fixture("dsv3_a"), &model, &[]));
+    let (tmp, model) = converted("dsv3_a", &[]);
     let bad = tmp.path().join("no-such-dir/logits.json");
     let out = run_ids(&model, &[0], 4, &bad, &[]);
     expect_error(&out, &["--logits-out", "no-such-dir/logits.json", "No such file"]);
@@ -400,9 +354,7 @@ fn unwritable_output_files_fail_before_generating() {
 
 #[test]
 fn ram_budget_changes_io_but_not_results() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m");
-    ok(convert(&fixture("dsv3_b"), &model, &[])); // default layout: int8 + MXFP4
+    let (tmp, model) = converted("dsv3_b", &[]); // default layout: int8 + MXFP4
     let manifest = read_json(&model.join("manifest.json"));
     assert_eq!(manifest["experts"]["dtype"], "mxfp4");
     let expected = read_json(&fixture("dsv3_b").join("expected.json"));

@@ -11,7 +11,8 @@ use assert_cmd::Command;
 use safetensors::Dtype;
 mod common;
 use common::{
-    assert_no_output, deltafin_within, exec, expect_error, ok, read_json, rewrite_safetensors, text, RawTensor,
+    assert_no_output, deltafin_within, edit_json, exec, expect_error, ok, read_json, rewrite_safetensors, text,
+    with_model, RawTensor,
 };
 use serde_json::{json, Value};
 
@@ -37,23 +38,19 @@ fn copy_case(case: &str, tmp: &Path) -> PathBuf {
     hf
 }
 
-fn edit_json(p: &Path, edit: impl FnOnce(&mut Value)) {
-    let mut v = read_json(p);
-    edit(&mut v);
-    std::fs::write(p, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
-}
-
 fn convert(hf: &Path, out: &Path, extra: &[&str]) -> Output {
     exec(deltafin().arg("convert").arg(hf).arg(out).args(extra))
 }
 
 fn run_ids(model: &Path, ids: &str, extra: &[&str]) -> Output {
     exec(
-        deltafin()
-            .args(["run", "--model"])
-            .arg(model)
-            .args(["--prompt-ids", ids, "--max-new-tokens", "3", "--ignore-eos"])
-            .args(extra),
+        with_model(
+            deltafin(),
+            "run",
+            model,
+            &["--prompt-ids", ids, "--max-new-tokens", "3", "--ignore-eos"],
+        )
+        .args(extra),
     )
 }
 
@@ -319,12 +316,12 @@ fn a_fifo_in_place_of_a_tokenizer_file_is_an_error_not_a_hang() {
             std::fs::remove_file(m.join("tokenizer.json")).unwrap();
         }
         mkfifo(&m.join(file));
-        let chat = exec(
-            deltafin()
-                .args(["run", "--model"])
-                .arg(&m)
-                .args(["--prompt", "hi", "--max-new-tokens", "1"]),
-        );
+        let chat = exec(&mut with_model(
+            deltafin(),
+            "run",
+            &m,
+            &["--prompt", "hi", "--max-new-tokens", "1"],
+        ));
         expect_error(&chat, &needles);
         let serve = exec(deltafin().arg("serve").arg(&m).args(["--port", "0"]));
         expect_error(&serve, &needles);
@@ -395,11 +392,11 @@ fn a_model_without_a_tokenizer_runs_on_token_ids() {
         .collect();
     assert_eq!(generated.len(), 3);
     assert_eq!(text(&out.stdout).trim_end(), generated.join(","));
-    let out = exec(
-        deltafin()
-            .args(["run", "--model"])
-            .arg(&m)
-            .args(["--prompt", "hello", "--max-new-tokens", "2"]),
-    );
+    let out = exec(&mut with_model(
+        deltafin(),
+        "run",
+        &m,
+        &["--prompt", "hello", "--max-new-tokens", "2"],
+    ));
     expect_error(&out, &["no tokenizer", "--prompt-ids"]);
 }

@@ -8,7 +8,7 @@ use std::process::Output;
 
 use assert_cmd::Command;
 mod common;
-use common::{deltafin_within, exec, expect_error, ok, read_json, text};
+use common::{deltafin_within, entries_except, exec, expect_error, ok, read_json, text, with_model};
 use serde_json::Value;
 
 fn deltafin() -> Command {
@@ -30,13 +30,12 @@ fn write_json(p: &Path, v: &Value) {
 }
 
 fn run(model: &Path) -> Output {
-    exec(deltafin().args(["run", "--model"]).arg(model).args([
-        "--prompt-ids",
-        "5,17,42",
-        "--max-new-tokens",
-        "3",
-        "--ignore-eos",
-    ]))
+    exec(&mut with_model(
+        deltafin(),
+        "run",
+        model,
+        &["--prompt-ids", "5,17,42", "--max-new-tokens", "3", "--ignore-eos"],
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -141,11 +140,7 @@ fn convert_force_refuses_a_model_directory_holding_other_files() {
         std::fs::read(out.join("backbone.bin")).unwrap() == before,
         "the model is untouched"
     );
-    let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .filter(|n| n != "m")
-        .collect();
+    let leftovers = entries_except(tmp.path(), "m");
     assert!(leftovers.is_empty(), "nothing staged: {leftovers:?}");
 
     // Files deltafin writes (a leftover temp file included) do not stop a replace.

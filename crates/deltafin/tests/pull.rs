@@ -15,6 +15,9 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::serve_connections;
+
 fn fixture(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/deepseek_v3")
@@ -180,17 +183,10 @@ struct Proxy {
 
 impl Proxy {
     fn start(upstream: u16) -> Proxy {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = l.local_addr().unwrap().port();
         let faults = Arc::new(Mutex::new(Faults::default()));
         let f = faults.clone();
-        std::thread::spawn(move || {
-            for c in l.incoming().flatten() {
-                let f = f.clone();
-                std::thread::spawn(move || {
-                    let _ = serve(c, upstream, &f);
-                });
-            }
+        let port = serve_connections(move |c| {
+            let _ = serve(c, upstream, &f);
         });
         Proxy { port, faults }
     }

@@ -134,24 +134,28 @@ fn expect_convert_error(hf: &Path, needles: &[&str]) {
     assert!(!out_dir.exists(), "a failed convert must not leave an output directory");
 }
 
+/// A copy of fixture `case` without the tensor `missing` fails to convert
+/// ([`expect_convert_error`]: one error line holding every needle).
+fn refused_without_tensor(case: &str, missing: &str, needles: &[&str]) {
+    let tmp = tempfile::tempdir().unwrap();
+    edited_copy(case, tmp.path(), |t| t.retain(|(n, _)| n != missing));
+    expect_convert_error(tmp.path(), needles);
+}
+
 #[test]
 fn fp8_weight_without_its_scale_is_an_error_naming_it() {
-    let tmp = tempfile::tempdir().unwrap();
     let name = "model.layers.1.mlp.experts.3.down_proj.weight";
-    edited_copy("dsv3_fp8", tmp.path(), |t| {
-        t.retain(|(n, _)| n.as_str() != format!("{name}_scale_inv"))
-    });
-    expect_convert_error(tmp.path(), &[name, "_scale_inv", "FP8"]);
+    refused_without_tensor("dsv3_fp8", &format!("{name}_scale_inv"), &[name, "_scale_inv", "FP8"]);
 }
 
 #[test]
 fn int4_expert_without_its_scale_is_an_error_naming_it() {
-    let tmp = tempfile::tempdir().unwrap();
     let module = "model.layers.2.mlp.experts.5.gate_proj";
-    edited_copy("kimi_int4", tmp.path(), |t| {
-        t.retain(|(n, _)| n.as_str() != format!("{module}.weight_scale"))
-    });
-    expect_convert_error(tmp.path(), &[module, "weight_scale"]);
+    refused_without_tensor(
+        "kimi_int4",
+        &format!("{module}.weight_scale"),
+        &[module, "weight_scale"],
+    );
 }
 
 #[test]

@@ -13,15 +13,17 @@ fn deltafin() -> Command {
     Command::new(assert_cmd::cargo::cargo_bin!("deltafin"))
 }
 
-/// A trace file: header (n_layers, first_moe, n_experts, top_k), then (position, ids) records.
-fn write_trace(path: &Path, shape: [u32; 4], records: &[(u32, Vec<u16>)]) {
+/// A trace file: header (n_layers, first_moe, n_experts, top_k), then one (position, ids)
+/// record for each of the `n` tokens at positions 0 to n - 1, the token at `p` picking the
+/// experts `picks(p)`.
+fn write_trace(path: &Path, shape: [u32; 4], n: u32, picks: impl Fn(u32) -> Vec<u16>) {
     let mut b = b"DFROUTE1".to_vec();
     for v in shape {
         b.extend_from_slice(&v.to_le_bytes());
     }
-    for (pos, ids) in records {
+    for pos in 0..n {
         b.extend_from_slice(&pos.to_le_bytes());
-        for e in ids {
+        for e in picks(pos) {
             b.extend_from_slice(&e.to_le_bytes());
         }
     }
@@ -68,11 +70,7 @@ fn mapped_replay_counts_bytes_hits_pinning_and_recall() {
     // = 8 distinct records, each token requests 2 × 2 = 4.
     let n = 20u32;
     let trace = w.join("src.routes");
-    write_trace(
-        &trace,
-        [3, 1, 4, 2],
-        &(0..n).map(|p| (p, vec![0, 1, 2, 3])).collect::<Vec<_>>(),
-    );
+    write_trace(&trace, [3, 1, 4, 2], n, |_| vec![0, 1, 2, 3]);
     let tr = trace.to_str().unwrap();
 
     // Without --map-experts the other model's trace is refused, naming the flag.
@@ -136,9 +134,8 @@ fn mapped_replay_counts_bytes_hits_pinning_and_recall() {
     write_trace(
         &pred,
         [3, 2, 4, 2],
-        &(0..n)
-            .map(|p| (p, if p % 2 == 0 { vec![2, 3] } else { vec![0, 1] }))
-            .collect::<Vec<_>>(),
+        n,
+        |p| if p % 2 == 0 { vec![2, 3] } else { vec![0, 1] },
     );
     let s = replay(
         &model,
@@ -237,11 +234,7 @@ fn mapped_replay_with_overlapping_blocks() {
     // MoE layer 1 always picks 5: 2 + 2 + 2 = 6 distinct records.
     let n = 20u32;
     let trace = w.join("top1.routes");
-    write_trace(
-        &trace,
-        [3, 1, 8, 1],
-        &(0..n).map(|p| (p, vec![(p % 2) as u16, 5])).collect::<Vec<_>>(),
-    );
+    write_trace(&trace, [3, 1, 8, 1], n, |p| vec![(p % 2) as u16, 5]);
     let tr = trace.to_str().unwrap();
     let s = replay(&model, w, &["--trace", tr, "--map-experts"]);
     let rec = u(&s, "record_bytes");

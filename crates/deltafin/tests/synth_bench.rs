@@ -2,6 +2,7 @@
 //! identical), loaded and generated from, and benchmarked with two configurations.
 
 use std::path::Path;
+use std::process::Output;
 
 use assert_cmd::Command;
 use serde_json::Value;
@@ -18,13 +19,22 @@ fn synth(out: &Path) {
         .success();
 }
 
-/// Runs `c`, which must fail; its (stdout, stderr).
-fn fails(c: &mut Command) -> (String, String) {
-    let out = c.assert().failure().get_output().clone();
+/// The (stdout, stderr) of a finished command, as text.
+fn texts(out: &Output) -> (String, String) {
     (
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Runs `c`, which must fail; its (stdout, stderr).
+fn fails(c: &mut Command) -> (String, String) {
+    texts(c.assert().failure().get_output())
+}
+
+/// Runs `c`, which must succeed; its (stdout, stderr).
+fn succeeds(c: &mut Command) -> (String, String) {
+    texts(c.assert().success().get_output())
 }
 
 #[test]
@@ -60,14 +70,8 @@ fn synth_tiny_is_deterministic_and_runs() {
     assert!(left.is_empty(), "left behind: {left:?}");
 
     // An existing model is kept unless --force.
-    let out = deltafin()
-        .args(["synth", "--preset", "tiny", "--out"])
-        .arg(&a)
-        .assert()
-        .failure()
-        .get_output()
-        .clone();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
+    let (_, err) = fails(deltafin().args(["synth", "--preset", "tiny", "--out"]).arg(&a));
+    assert!(err.contains("--force"));
     deltafin()
         .args(["synth", "--preset", "tiny", "--force", "--out"])
         .arg(&a)
@@ -75,14 +79,12 @@ fn synth_tiny_is_deterministic_and_runs() {
         .success();
 
     // The engine loads and runs it, from ids and from text.
-    let out = deltafin()
-        .args(["run", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--model"])
-        .arg(&a)
-        .assert()
-        .success()
-        .get_output()
-        .clone();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("generated tokens     4"));
+    let (_, err) = succeeds(
+        deltafin()
+            .args(["run", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--model"])
+            .arg(&a),
+    );
+    assert!(err.contains("generated tokens     4"));
     deltafin()
         .args([
             "run",
@@ -104,38 +106,35 @@ fn bench_on_tiny() {
     let t = tempfile::tempdir().unwrap();
     let model = t.path().join("tiny");
     synth(&model);
-    let help = deltafin()
-        .args(["run", "--help"])
-        .assert()
-        .success()
-        .get_output()
-        .clone();
-    if !String::from_utf8_lossy(&help.stdout).contains("--stats-json") {
+    let (help, _) = succeeds(deltafin().args(["run", "--help"]));
+    if !help.contains("--stats-json") {
         eprintln!("SKIPPED: `deltafin run` has no --stats-json yet; deltafin bench needs it");
         return;
     }
+    // `bench` of 5 new tokens after the prompt 1,2,3, `runs` times per configuration.
+    let bench = |runs: &str| {
+        let mut c = deltafin();
+        c.args(["bench", "--runs", runs, "--new-tokens", "5", "--prompt-ids", "1,2,3"])
+            .arg("--model")
+            .arg(&model);
+        c
+    };
     let (json, svg) = (t.path().join("bench.json"), t.path().join("bench.svg"));
-    let out = deltafin()
-        .args(["bench", "--runs", "2", "--new-tokens", "5", "--prompt-ids", "1,2,3"])
-        .args([
-            "--config",
-            "a=",
-            "--config",
-            "b=--ram-budget 0",
-            "--floor-bandwidth",
-            "1.0",
-        ])
-        .arg("--model")
-        .arg(&model)
-        .arg("--json")
-        .arg(&json)
-        .arg("--plot")
-        .arg(&svg)
-        .assert()
-        .success()
-        .get_output()
-        .clone();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let (stdout, _) = succeeds(
+        bench("2")
+            .args([
+                "--config",
+                "a=",
+                "--config",
+                "b=--ram-budget 0",
+                "--floor-bandwidth",
+                "1.0",
+            ])
+            .arg("--json")
+            .arg(&json)
+            .arg("--plot")
+            .arg(&svg),
+    );
     assert!(stdout.contains("steady decode tok/s"), "{stdout}");
     assert!(stdout.contains("identical in every run"), "{stdout}");
     let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
@@ -166,27 +165,9 @@ fn bench_on_tiny() {
         .iter()
         .map(|v| (v.as_u64().unwrap() + 1).to_string())
         .collect();
-    let out = deltafin()
-        .args([
-            "bench",
-            "--runs",
-            "1",
-            "--new-tokens",
-            "5",
-            "--prompt-ids",
-            "1,2,3",
-            "--expected-ids",
-        ])
-        .arg(ids.join(","))
-        .arg("--model")
-        .arg(&model)
-        .assert()
-        .failure()
-        .get_output()
-        .clone();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (stdout, err) = fails(bench("1").arg("--expected-ids").arg(ids.join(",")));
     assert!(err.contains("no timing is reported"), "{err}");
-    assert!(!String::from_utf8_lossy(&out.stdout).contains("steady decode tok/s"));
+    assert!(!stdout.contains("steady decode tok/s"));
 }
 
 /// A configuration whose `run` arguments do not parse fails before any run starts, naming the

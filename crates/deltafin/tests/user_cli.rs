@@ -9,6 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::{Arc, Mutex};
 
+mod common;
+use common::serve_connections;
+
 fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_deltafin"))
 }
@@ -66,17 +69,10 @@ impl Recorder {
 
     /// Also sends the header line `extra` (e.g. `Location: …`) when not empty.
     fn start_with(status: &'static str, extra: String) -> Recorder {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = l.local_addr().unwrap().port();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let log = seen.clone();
-        std::thread::spawn(move || {
-            for c in l.incoming().flatten() {
-                let (log, extra) = (log.clone(), extra.clone());
-                std::thread::spawn(move || {
-                    let _ = answer(c, status, &extra, &log);
-                });
-            }
+        let port = serve_connections(move |c| {
+            let _ = answer(c, status, &extra, &log);
         });
         Recorder { port, seen }
     }

@@ -321,15 +321,7 @@ const MX_TILE: usize = 6;
 /// [`super::MxMm`] for this level: [`mx_tile`] over row blocks, token tiles and segments.
 pub(super) fn mx_mm(packed: &[u8], scales: &[u8], n: usize, x: &[f32], nt: usize, yt: &mut [f32]) {
     let (pb, sb) = (crate::mxfp4::packed_row_bytes(n), crate::mxfp4::scale_row_bytes(n));
-    assert!(
-        nt > 0 && x.len() == nt * n && yt.len().is_multiple_of(nt),
-        "mx_mm: x or yt length"
-    );
-    let rows = yt.len() / nt;
-    assert!(
-        packed.len() == rows * pb && scales.len() == rows * sb,
-        "mx_mm: packed or scales length"
-    );
+    let rows = super::mx_mm_rows_of(packed.len(), scales.len(), n, x.len(), nt, yt.len());
     let nb = sb;
     let seg = (super::SEG_X_BYTES / (4 * MX_TILE) / BLOCK).max(1);
     // SAFETY (all `unsafe` below): lengths checked above; the level's table is handed out
@@ -399,22 +391,14 @@ macro_rules! dot4_tile {
 macro_rules! dot_tile_level {
     ($name:ident, $feat:literal, $tile:literal) => {
         pub(super) mod $name {
+            // The AVX2 level's `hsum` (`$feat` includes its features, so it inlines).
+            use super::hsum;
             use crate::kernels::{for_tiles, mm_rows_of, row_block, SEG_X_BYTES};
             use half::{bf16, f16};
             use std::arch::x86_64::*;
 
             /// Tokens per tile.
             const TILE: usize = $tile;
-
-            /// The AVX2 level's `hsum` (same operations).
-            #[target_feature(enable = $feat)]
-            #[inline]
-            unsafe fn hsum(v: __m256) -> f32 {
-                let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-                let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0b01));
-                _mm_cvtss_f32(s)
-            }
 
             /// One row `w: [cols]` against tokens `x + t * cols` over elements `[k0, k1)`
             /// (k0, and k1 unless it is `cols`, multiples of 32), partial sums carried in `st:

@@ -447,15 +447,7 @@ const MX_TILE: usize = 6;
 unsafe fn mx_mm(packed: &[u8], scales: &[u8], cols: usize, x: &[f32], n: usize, xps: &[f32], yt: &mut [f32]) {
     let nb = cols.div_ceil(BLOCK);
     let pb = nb * BLOCK_BYTES;
-    assert!(
-        n > 0 && x.len() == n * cols && yt.len().is_multiple_of(n),
-        "mx_mm: x or yt length"
-    );
-    let rows = yt.len() / n;
-    assert!(
-        packed.len() == rows * pb && scales.len() == rows * nb,
-        "mx_mm: packed or scales length"
-    );
+    let rows = super::mx_mm_rows_of(packed.len(), scales.len(), cols, x.len(), n, yt.len());
     if nb == 0 {
         yt.fill(0.0);
         return;

@@ -156,6 +156,23 @@ fn mm_rows_of(w_len: usize, cols: usize, x_len: usize, n: usize, yt_len: usize) 
     rows
 }
 
+/// Checks the [`MxMm`] slice lengths (`packed` and `scales` hold whole MXFP4 rows of `cols`
+/// values); returns the row count.
+#[inline]
+fn mx_mm_rows_of(packed_len: usize, scales_len: usize, cols: usize, x_len: usize, n: usize, yt_len: usize) -> usize {
+    assert!(
+        n > 0 && x_len == n * cols && yt_len.is_multiple_of(n),
+        "mx_mm: x or yt length"
+    );
+    let rows = yt_len / n;
+    assert!(
+        packed_len == rows * crate::mxfp4::packed_row_bytes(cols)
+            && scales_len == rows * crate::mxfp4::scale_row_bytes(cols),
+        "mx_mm: packed or scales length"
+    );
+    rows
+}
+
 /// Visits every (row r, token tile `[t0, t0 + tn)` with tn ≤ `tile`, tiles of balanced sizes, segment `[k0, k1)` of
 /// the row's `units` (columns, blocks or chunks)) as `f(i, r, t0, tn, k0, k1)`, `i` = r's
 /// index in its row block. Rows go in blocks of about [`ROW_BLOCK_BYTES`]; for each block,
@@ -284,15 +301,7 @@ fn mx_mm_by_dot(
         crate::mxfp4::packed_row_bytes(cols),
         crate::mxfp4::scale_row_bytes(cols),
     );
-    assert!(
-        n > 0 && x.len() == n * cols && yt.len().is_multiple_of(n),
-        "mx_mm: x or yt length"
-    );
-    let rows = yt.len() / n;
-    assert!(
-        packed.len() == rows * pb && scales.len() == rows * sb,
-        "mx_mm: packed or scales length"
-    );
+    let rows = mx_mm_rows_of(packed.len(), scales.len(), cols, x.len(), n, yt.len());
     for r in 0..rows {
         for t in 0..n {
             yt[r * n + t] = dot(

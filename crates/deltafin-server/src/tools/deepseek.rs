@@ -47,33 +47,32 @@ mod tests {
     #[test]
     fn v3_fenced_calls_at_every_split() {
         let text = "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
-        let ev = parse_every_split(Family::DeepSeek, &opts(), text);
-        let mut want = vec![content("Let me look.")];
-        want.extend(call(0, "call_0", "get_weather", "{\"city\": \"Paris\"}"));
-        want.extend(call(1, "call_1", "get_time", "{}"));
-        assert_eq!(ev, want);
+        let want = with_calls(
+            vec![content("Let me look.")],
+            &[
+                ("call_0", "get_weather", "{\"city\": \"Paris\"}"),
+                ("call_1", "get_time", "{}"),
+            ],
+        );
+        assert_eq!(parse_every_split(Family::DeepSeek, &opts(), text), want);
     }
 
     #[test]
     fn v31_bare_calls_after_reasoning() {
         let o = opts_after("<｜Assistant｜><think>");
         let text = "plan</think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{\"q\": \"日本\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
-        let ev = parse_every_split(Family::DeepSeek, &o, text);
-        let mut want = vec![reasoning("plan")];
-        want.extend(call(0, "call_0", "search", "{\"q\": \"日本\"}"));
-        assert_eq!(ev, want);
+        let want = with_calls(vec![reasoning("plan")], &[("call_0", "search", "{\"q\": \"日本\"}")]);
+        assert_eq!(parse_every_split(Family::DeepSeek, &o, text), want);
     }
 
     #[test]
     fn malformed_calls_are_text() {
-        for bad in [
+        let bad = [
             "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}<｜tool▁call▁end｜>",
             "<｜tool▁call▁begin｜>f {}<｜tool▁call▁end｜>",
             "<｜tool▁call▁begin｜>f<｜tool▁sep｜>[1, 2]<｜tool▁call▁end｜>",
-        ] {
-            let text = format!("<｜tool▁calls▁begin｜>{bad}<｜tool▁calls▁end｜>");
-            let ev = parse_every_split(Family::DeepSeek, &opts(), &text);
-            assert_eq!(ev, vec![content(bad)], "{bad}");
-        }
+        ];
+        let wrap = |bad: &str| format!("<｜tool▁calls▁begin｜>{bad}<｜tool▁calls▁end｜>");
+        assert_malformed_calls_are_text(Family::DeepSeek, &opts(), wrap, vec![], &bad);
     }
 }

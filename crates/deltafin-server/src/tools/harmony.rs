@@ -194,11 +194,14 @@ mod tests {
         // The recipient after the channel, then in the role part; the second call ends the
         // output (its `<|call|>` is the end-of-sequence token, not text).
         let text = "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\":\"Oslo\"}<|call|><|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}";
-        let ev = parse_every_split(Family::Harmony, &opts(), text);
-        let mut want = vec![reasoning("Need weather.")];
-        want.extend(call(0, "call_0", "get_weather", "{\"city\":\"Oslo\"}"));
-        want.extend(call(1, "call_1", "get_time", "{}"));
-        assert_eq!(ev, want);
+        let want = with_calls(
+            vec![reasoning("Need weather.")],
+            &[
+                ("call_0", "get_weather", "{\"city\":\"Oslo\"}"),
+                ("call_1", "get_time", "{}"),
+            ],
+        );
+        assert_eq!(parse_every_split(Family::Harmony, &opts(), text), want);
     }
 
     #[test]

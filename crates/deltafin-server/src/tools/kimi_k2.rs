@@ -47,41 +47,35 @@ mod tests {
 
     #[test]
     fn calls_with_reasoning_and_content_at_every_split() {
-        let ev = parse_every_split(Family::KimiK2, &opts(), TWO_CALLS);
-        let mut want = vec![reasoning("need weather"), content("Checking.")];
-        want.extend(call(
-            0,
-            "functions.get_weather:0",
-            "get_weather",
-            "{\"city\": \"Zürich\"}",
-        ));
-        want.extend(call(1, "functions.get_time:1", "get_time", "{}"));
-        assert_eq!(ev, want);
+        let want = with_calls(
+            vec![reasoning("need weather"), content("Checking.")],
+            &[
+                ("functions.get_weather:0", "get_weather", "{\"city\": \"Zürich\"}"),
+                ("functions.get_time:1", "get_time", "{}"),
+            ],
+        );
+        assert_eq!(parse_every_split(Family::KimiK2, &opts(), TWO_CALLS), want);
     }
 
     #[test]
     fn singular_section_spelling_and_call_right_after_reasoning() {
         let o = opts_after("<|im_assistant|>assistant<|im_middle|><think>");
         let text = "hmm<|tool_call_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\":1}<|tool_call_end|><|tool_call_section_end|>";
-        let ev = parse_every_split(Family::KimiK2, &o, text);
-        let mut want = vec![reasoning("hmm")];
-        want.extend(call(0, "functions.f:0", "f", "{\"a\":1}"));
-        assert_eq!(ev, want);
+        let want = with_calls(vec![reasoning("hmm")], &[("functions.f:0", "f", "{\"a\":1}")]);
+        assert_eq!(parse_every_split(Family::KimiK2, &o, text), want);
     }
 
     #[test]
     fn malformed_calls_are_text() {
         // Arguments that are not a JSON object; a call without the argument marker; a call
         // cut off by the end of the output.
-        for bad in [
+        let bad = [
             "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\":<|tool_call_end|>",
             "<|tool_call_begin|>functions.f:0 {}<|tool_call_end|>",
             "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": 1}",
-        ] {
-            let text = format!("<|tool_calls_section_begin|>{bad}");
-            let ev = parse_every_split(Family::KimiK2, &opts(), &text);
-            assert_eq!(ev, vec![content(bad)], "{bad}");
-        }
+        ];
+        let wrap = |bad: &str| format!("<|tool_calls_section_begin|>{bad}");
+        assert_malformed_calls_are_text(Family::KimiK2, &opts(), wrap, vec![], &bad);
     }
 
     #[test]

@@ -117,16 +117,15 @@ mod tests {
     #[test]
     fn think_response_and_typed_calls_at_every_split() {
         let text = "The user wants é.<|close|>think<|sep|><|open|>response<|sep|>Let me check.<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|><|open|>argument key=\"city\" type=\"string\"<|sep|>São \"Paulo\"<|close|>argument<|sep|><|open|>argument key=\"days\" type=\"number\"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|><|open|>call tool=\"run\" index=\"2\"<|sep|><|open|>json type=\"object\"<|sep|>{\"cmd\": \"ls\"}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>";
-        let ev = parse_every_split(Family::KimiK3, &k3(), text);
-        let mut want = vec![reasoning("The user wants é."), content("Let me check.")];
-        want.extend(call(
-            0,
-            "call_0",
-            "get_weather",
-            &json!({"city": "São \"Paulo\"", "days": 3}).to_string(),
-        ));
-        want.extend(call(1, "call_1", "run", "{\"cmd\": \"ls\"}"));
-        assert_eq!(ev, want);
+        let weather = json!({"city": "São \"Paulo\"", "days": 3}).to_string();
+        let want = with_calls(
+            vec![reasoning("The user wants é."), content("Let me check.")],
+            &[
+                ("call_0", "get_weather", &weather),
+                ("call_1", "run", "{\"cmd\": \"ls\"}"),
+            ],
+        );
+        assert_eq!(parse_every_split(Family::KimiK3, &k3(), text), want);
     }
 
     #[test]
@@ -139,23 +138,19 @@ mod tests {
     #[test]
     fn call_straight_after_think_and_escaped_attributes() {
         let text = "x<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool=\"a&amp;b\" index=\"1\"<|sep|><|open|>argument key=\"q&quot;\" type=\"boolean\"<|sep|>true<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>";
-        let ev = parse_every_split(Family::KimiK3, &k3(), text);
-        let mut want = vec![reasoning("x")];
-        want.extend(call(0, "call_0", "a&b", "{\"q\\\"\":true}"));
-        assert_eq!(ev, want);
+        let want = with_calls(vec![reasoning("x")], &[("call_0", "a&b", "{\"q\\\"\":true}")]);
+        assert_eq!(parse_every_split(Family::KimiK3, &k3(), text), want);
     }
 
     #[test]
     fn malformed_calls_are_text() {
-        for bad in [
+        let bad = [
             "<|open|>call index=\"1\"<|sep|><|close|>call<|sep|>",
             "<|open|>call tool=\"f\"<|sep|><|open|>argument key=\"n\" type=\"number\"<|sep|>x1<|close|>argument<|sep|><|close|>call<|sep|>",
             "<|open|>call tool=\"f\"<|sep|><|open|>argument key=\"n\"<|sep|>1<|close|>call<|sep|>",
             "<|open|>call tool=\"f\"<|sep|><|open|>argument key=\"n\"<|sep|>1",
-        ] {
-            let text = format!("r<|close|>think<|sep|><|open|>tools<|sep|>{bad}");
-            let ev = parse_every_split(Family::KimiK3, &k3(), &text);
-            assert_eq!(ev, vec![reasoning("r"), content(bad)], "{bad}");
-        }
+        ];
+        let wrap = |bad: &str| format!("r<|close|>think<|sep|><|open|>tools<|sep|>{bad}");
+        assert_malformed_calls_are_text(Family::KimiK3, &k3(), wrap, vec![reasoning("r")], &bad);
     }
 }

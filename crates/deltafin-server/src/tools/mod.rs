@@ -422,19 +422,41 @@ pub(crate) mod test_util {
         }
     }
 
-    pub fn call(index: usize, id: &str, name: &str, args: &str) -> Vec<Event> {
-        vec![
-            Event::ToolCallStart {
-                index,
-                id: id.into(),
-                name: name.into(),
-            },
-            Event::ToolCallArgs {
-                index,
-                args: args.into(),
-            },
-            Event::ToolCallEnd { index },
-        ]
+    /// The events of an output that holds the text events `lead`, then one tool call per
+    /// `(id, name, arguments)` (indexed from 0 in order, its arguments whole).
+    pub fn with_calls(lead: Vec<Event>, calls: &[(&str, &str, &str)]) -> Vec<Event> {
+        let mut events = lead;
+        for (index, &(id, name, args)) in calls.iter().enumerate() {
+            events.extend([
+                Event::ToolCallStart {
+                    index,
+                    id: id.into(),
+                    name: name.into(),
+                },
+                Event::ToolCallArgs {
+                    index,
+                    args: args.into(),
+                },
+                Event::ToolCallEnd { index },
+            ]);
+        }
+        events
+    }
+
+    /// Asserts that each malformed call of `bad`, put in its markup by `wrap`, parses at every
+    /// split ([`parse_every_split`]) to the events `lead`, then the malformed call as content.
+    pub fn assert_malformed_calls_are_text(
+        family: Family,
+        options: &Options,
+        wrap: impl Fn(&str) -> String,
+        lead: Vec<Event>,
+        bad: &[&str],
+    ) {
+        for &bad in bad {
+            let mut want = lead.clone();
+            want.push(content(bad));
+            assert_eq!(parse_every_split(family, options, &wrap(bad)), want, "{bad}");
+        }
     }
 
     pub fn content(s: &str) -> Event {

@@ -90,11 +90,14 @@ mod tests {
     #[test]
     fn json_calls_after_thinking_at_every_split() {
         let text = "<think>\nuser wants weather\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Köln\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
-        let ev = parse_every_split(Family::Qwen, &opts(), text);
-        let mut want = vec![reasoning("\nuser wants weather\n")];
-        want.extend(call(0, "call_0", "get_weather", "{\"city\":\"Köln\"}"));
-        want.extend(call(1, "call_1", "get_time", "{}"));
-        assert_eq!(ev, want);
+        let want = with_calls(
+            vec![reasoning("\nuser wants weather\n")],
+            &[
+                ("call_0", "get_weather", "{\"city\":\"Köln\"}"),
+                ("call_1", "get_time", "{}"),
+            ],
+        );
+        assert_eq!(parse_every_split(Family::Qwen, &opts(), text), want);
     }
 
     #[test]
@@ -110,27 +113,22 @@ mod tests {
             ..opts()
         };
         let text = "ok</think>\n\nWriting.\n<tool_call>\n<function=write>\n<parameter=path>\n/tmp/a b.txt\n</parameter>\n<parameter=count>\n3\n</parameter>\n<parameter=tags>\n[\"x\"]\n</parameter>\n<parameter=note>\n007\n</parameter>\n</function>\n</tool_call>";
-        let ev = parse_every_split(Family::Qwen, &o, text);
-        let mut want = vec![reasoning("ok"), content("Writing.\n")];
-        want.extend(call(
-            0,
-            "call_0",
-            "write",
-            &json!({"path": "/tmp/a b.txt", "count": 3, "tags": ["x"], "note": "007"}).to_string(),
-        ));
-        assert_eq!(ev, want);
+        let args = json!({"path": "/tmp/a b.txt", "count": 3, "tags": ["x"], "note": "007"}).to_string();
+        let want = with_calls(
+            vec![reasoning("ok"), content("Writing.\n")],
+            &[("call_0", "write", &args)],
+        );
+        assert_eq!(parse_every_split(Family::Qwen, &o, text), want);
     }
 
     #[test]
     fn malformed_calls_are_text() {
-        for bad in [
+        let bad = [
             "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": }\n</tool_call>",
             "<tool_call>\n{\"arguments\": {}}\n</tool_call>",
             "<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>",
             "<tool_call>\n<function=f>\n",
-        ] {
-            let ev = parse_every_split(Family::Qwen, &opts(), bad);
-            assert_eq!(ev, vec![content(bad)], "{bad}");
-        }
+        ];
+        assert_malformed_calls_are_text(Family::Qwen, &opts(), str::to_string, vec![], &bad);
     }
 }

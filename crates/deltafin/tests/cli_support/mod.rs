@@ -24,7 +24,10 @@ pub use serde_json::Value;
 
 #[path = "../common/mod.rs"]
 mod common;
-pub use common::{assert_no_output, exec, floats, ids, ok, read_json, rel_l2, rewrite_safetensors, text, RawTensor};
+pub use common::{
+    assert_no_output, edit_json, entries_except, exec, floats, ids, ok, read_json, rel_l2, rewrite_safetensors, text,
+    RawTensor,
+};
 
 /// Relative L2 error allowed between our logits and the reference's in the lossless layout
 /// (issue #2, section 7).
@@ -48,6 +51,12 @@ pub const STAT_KEYS: &[&str] = &[
 /// The `deltafin` binary with a two-minute wall-clock limit.
 pub fn deltafin() -> Command {
     common::deltafin_within(120)
+}
+
+/// `deltafin <command> --model <model> <args>` ([`common::with_model`]); more arguments or
+/// stdin may follow.
+pub fn on_model(command: &str, model: &Path, args: &[&str]) -> Command {
+    common::with_model(deltafin(), command, model, args)
 }
 
 pub fn fixture(case: &str) -> PathBuf {
@@ -84,8 +93,20 @@ pub fn convert(hf: &Path, out: &Path, extra: &[&str]) -> Output {
     exec(deltafin().arg("convert").arg(hf).arg(out).args(extra))
 }
 
+/// The `convert` arguments of the lossless reference layout (f32 backbone and experts).
+pub const LOSSLESS: [&str; 4] = ["--backbone", "f32", "--experts", "f32"];
+
 pub fn convert_lossless(hf: &Path, out: &Path) {
-    ok(convert(hf, out, &["--backbone", "f32", "--experts", "f32"]));
+    ok(convert(hf, out, &LOSSLESS));
+}
+
+/// Fixture `case` converted (with the `convert` arguments `extra`, which must succeed) into
+/// `m` of a new temporary directory. Returns the directory (removed when dropped) and the model.
+pub fn converted(case: &str, extra: &[&str]) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    ok(convert(&fixture(case), &model, extra));
+    (tmp, model)
 }
 
 pub fn join_ids(ids: &[u32]) -> String {
@@ -287,8 +308,5 @@ pub fn convert_refused(hf: &Path, out: &Path, needles: &[&str]) -> String {
 
 /// Rewrites `hf/config.json` with `edit` applied.
 pub fn edit_config(hf: &Path, edit: impl FnOnce(&mut Value)) {
-    let cfg_path = hf.join("config.json");
-    let mut cfg = read_json(&cfg_path);
-    edit(&mut cfg);
-    std::fs::write(&cfg_path, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    edit_json(&hf.join("config.json"), edit);
 }

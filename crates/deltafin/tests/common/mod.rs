@@ -1,13 +1,16 @@
 //! Helpers shared by the CLI test files that drive the real `deltafin` binary and demand clean
 //! one-line failures (`hostile_inputs.rs`, `integrity.rs`, and through `cli_support` the
 //! `cli_*.rs` files), the greedy-ids runs of `k3_layout.rs` and `cuda_fixtures.rs`, and the
-//! safetensors rewriting of the broken-checkpoint tests.
+//! safetensors rewriting of the broken-checkpoint tests, the local HTTP servers of `pull.rs`
+//! and `user_cli.rs`.
 
 #![allow(dead_code)]
 
+use std::net::{TcpListener, TcpStream};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::Output;
+use std::sync::Arc;
 use std::time::Duration;
 
 use assert_cmd::Command;
@@ -21,9 +24,31 @@ pub fn deltafin_within(secs: u64) -> Command {
     c
 }
 
+/// The `deltafin` command line `cmd` (as [`deltafin_within`] gives) with `<command> --model
+/// <model> <args>` appended; more arguments or stdin may follow.
+pub fn with_model(mut cmd: Command, command: &str, model: &Path, args: &[&str]) -> Command {
+    cmd.args([command, "--model"]).arg(model).args(args);
+    cmd
+}
+
 /// Runs `cmd` and returns its output.
 pub fn exec(cmd: &mut Command) -> Output {
     cmd.output().expect("running deltafin")
+}
+
+/// Starts a server on a free port of 127.0.0.1 that hands each connection to `handle` on a
+/// thread of its own, for as long as the test runs; returns the port.
+pub fn serve_connections(handle: impl Fn(TcpStream) + Send + Sync + 'static) -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let handle = Arc::new(handle);
+    std::thread::spawn(move || {
+        for c in l.incoming().flatten() {
+            let handle = handle.clone();
+            std::thread::spawn(move || handle(c));
+        }
+    });
+    port
 }
 
 /// Bytes as text, lossily.
@@ -155,6 +180,23 @@ pub fn assert_no_output(out: &Path) {
 pub fn read_json(p: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
         .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// Rewrites the JSON file at `p` (pretty-printed) with `edit` applied.
+pub fn edit_json(p: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut v = read_json(p);
+    edit(&mut v);
+    std::fs::write(p, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+}
+
+/// The names of the entries of directory `dir` other than `keep` (what a command left beside
+/// its output).
+pub fn entries_except(dir: &Path, keep: &str) -> Vec<std::ffi::OsString> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n != keep)
+        .collect()
 }
 
 /// A list of token ids.
