@@ -112,7 +112,7 @@ pub use blocks::mla::MlaForm;
 pub use device::{load_model_on, Device, GpuOptions};
 pub use gpu_experts::GpuCacheStats;
 pub use model::BatchForm;
-pub use model::{load_model, CausalLm, DecodeState, LayerRoutes, Numerics, Profile};
+pub use model::{load_model, panic_message, CausalLm, DecodeState, LayerRoutes, Numerics, Profile};
 
 #[cfg(test)]
 mod tests {

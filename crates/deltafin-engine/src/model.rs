@@ -1039,15 +1039,20 @@ impl RoutedExperts {
 /// the pool, where its waiter would block or the panic would resurface far from its cause.
 /// (The panic hook has already reported the panic by the time this returns.)
 fn caught<T>(f: impl FnOnce() -> T) -> Result<T, String> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
-        if let Some(s) = p.downcast_ref::<&str>() {
-            (*s).to_string()
-        } else if let Some(s) = p.downcast_ref::<String>() {
-            s.clone()
-        } else {
-            "a panic without a message".to_string()
-        }
-    })
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| panic_message(p.as_ref()))
+}
+
+/// The message of a caught panic payload (`&str` or `String`, as `panic!` makes them; any
+/// other payload is "a panic without a message"). Used by the compute pool here, the server's
+/// worker thread and the binary's panic hook.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
+    }
 }
 
 /// The error of a compute task of MoE layer `layer` that panicked with `message`.

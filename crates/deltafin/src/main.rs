@@ -140,12 +140,7 @@ fn main() -> ExitCode {
     // Panics on compute-pool threads become errors of their command (or 500s of the server's
     // request); the process never waits on a dead thread.
     std::panic::set_hook(Box::new(|info| {
-        let msg = info
-            .payload()
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| info.payload().downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic without a message".into());
+        let msg = deltafin_engine::panic_message(info.payload());
         let at = info
             .location()
             .map(|l| format!(" at {}:{}", l.file(), l.line()))
