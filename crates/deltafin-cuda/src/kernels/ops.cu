@@ -40,6 +40,18 @@ __device__ __constant__ float E2M1[16] = {
 __device__ __forceinline__ float exp_f32(float x) { return (float)exp((double)x); }
 __device__ __forceinline__ float log_f32(float x) { return (float)log((double)x); }
 
+// w[i] = exp(w[i] - m) / sum for i in 0..n, m the caller's max of w, the sum from zero in index
+// order and every step correctly rounded (no contraction): the CPU's softmax of a short row
+// (gqa.cu's top-k-then-softmax router, kda.cu's attention-residual depth mix).
+__device__ __forceinline__ void softmax_given_max(float* w, int n, float m) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; ++i) {
+        w[i] = exp_f32(__fsub_rn(w[i], m));
+        sum = __fadd_rn(sum, w[i]);
+    }
+    for (int i = 0; i < n; ++i) w[i] = __fdiv_rn(w[i], sum);
+}
+
 __device__ __forceinline__ float e8m0(u8 s) {
     if (s == 255) return __int_as_float(0x7fc00000);
     if (s == 0) return __int_as_float(0x00400000);
