@@ -841,7 +841,7 @@ fn mla_prep_and_rope_inside_decode_equal_the_separate_launches() {
 /// int8 shared expert's down projection inside the combine.
 #[test]
 fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
-    use deltafin_cuda::{MvJob, MvKind};
+    use deltafin_cuda::{CudaSlice, ExpertTable, MoeDown, MvJob, MvKind};
     let Some((g, mut rng)) = gpu_and_rng("moe_table_equals_the_fused_and_unfused_paths_bit_for_bit", 43) else {
         return;
     };
@@ -889,55 +889,30 @@ fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
         let mut xr = g.upload(&x0).unwrap();
         g.axpy(1.0, &acc, &mut xr).unwrap();
         let want = g.download(&xr).unwrap();
+        // The layer through `table` in `form`, slot j's expert `table[ids[j]]`, from x0.
+        let dw = g.upload(&weights).unwrap();
+        let moe_table = |form, table: &ExpertTable, ids: &CudaSlice<i32>, h: &mut GpuBuf| {
+            let mut x = g.upload(&x0).unwrap();
+            let shared = Some((&sm[2], &sh_h));
+            g.moe_table(form, table, &ids.slice(..), &dw.slice(..), k, &dxn, h, shared, &mut x)
+                .unwrap();
+            g.download(&x).unwrap()
+        };
         // By id through the table.
-        let (did, dw) = (g.upload(&ids).unwrap(), g.upload(&weights).unwrap());
+        let did = g.upload(&ids).unwrap();
         let mut h = nans(&g, k * inter);
-        let mut x = g.upload(&x0).unwrap();
-        g.moe_table(
-            &table,
-            &did.slice(..),
-            &dw.slice(..),
-            k,
-            &dxn,
-            &mut h,
-            Some((&sm[2], &sh_h)),
-            &mut x,
-        )
-        .unwrap();
-        assert_eq!(g.download(&x).unwrap(), want, "k={k} fmt={fmt}: by id");
+        let by_id = moe_table(MoeDown::Fused, &table, &did, &mut h);
+        assert_eq!(by_id, want, "k={k} fmt={fmt}: by id");
         let mut hs = nans(&g, k * inter + (k + 1) * hidden);
-        let mut x = g.upload(&x0).unwrap();
-        g.moe_table_with(
-            deltafin_cuda::MoeDown::Split,
-            &table,
-            &did.slice(..),
-            &dw.slice(..),
-            k,
-            &dxn,
-            &mut hs,
-            Some((&sm[2], &sh_h)),
-            &mut x,
-        )
-        .unwrap();
-        assert_eq!(g.download(&x).unwrap(), want, "k={k} fmt={fmt}: by id, split down");
+        let split = moe_table(MoeDown::Split, &table, &did, &mut hs);
+        assert_eq!(split, want, "k={k} fmt={fmt}: by id, split down");
         // By slot.
         let chosen: Vec<&[GpuMat; 3]> = ids.iter().map(|&e| &experts[e as usize]).collect();
         let mut slots = g.expert_table(16, inter, hidden).unwrap();
         slots.set(&g, 0, &chosen).unwrap();
         let iota = g.upload(&(0..16).collect::<Vec<i32>>()).unwrap();
-        let mut x = g.upload(&x0).unwrap();
-        g.moe_table(
-            &slots,
-            &iota.slice(..),
-            &dw.slice(..),
-            k,
-            &dxn,
-            &mut h,
-            Some((&sm[2], &sh_h)),
-            &mut x,
-        )
-        .unwrap();
-        assert_eq!(g.download(&x).unwrap(), want, "k={k} fmt={fmt}: by slot");
+        let by_slot = moe_table(MoeDown::Fused, &slots, &iota, &mut h);
+        assert_eq!(by_slot, want, "k={k} fmt={fmt}: by slot");
         if fmt == 2 {
             let mut y = g.zeros(16 * hidden).unwrap();
             let mut h2 = g.zeros(16 * inter).unwrap();
@@ -1724,12 +1699,13 @@ fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
             }
             tiles
         };
-        let tiles = tiles_of(g.grouped_shape(&table).tokens);
+        let shape = g.grouped_shape(&table);
+        let tiles = tiles_of(shape.tokens);
         let xg_host = rand_vec(&mut rng, pairs * hidden);
         let xg = g.upload(&xg_host).unwrap();
         let mut h = nans(&g, pairs * inter);
         let mut y = g.upload(&vec![7.0f32; y_rows * hidden]).unwrap();
-        g.moe_grouped(&table, &tiles, &xg, &dst, &mut h, &mut y).unwrap();
+        g.moe_grouped(shape, &table, &tiles, &xg, &dst, &mut h, &mut y).unwrap();
         let got = g.download(&y).unwrap();
         // The per-expert path.
         let mut want = vec![7.0f32; y_rows * hidden];
@@ -1762,7 +1738,7 @@ fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
         for shape in GroupedShape::ALL {
             let mut h = nans(&g, pairs * inter);
             let mut y = g.upload(&vec![7.0f32; y_rows * hidden]).unwrap();
-            g.moe_grouped_with(shape, &table, &tiles_of(shape.tokens), &xg, &dst, &mut h, &mut y)
+            g.moe_grouped(shape, &table, &tiles_of(shape.tokens), &xg, &dst, &mut h, &mut y)
                 .unwrap();
             let got = g.download(&y).unwrap();
             let diff = bits_differ(&got, &want);
@@ -1774,7 +1750,7 @@ fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
         // Refusals, each one line, nothing launched.
         let refused =
             |tiles: &[[i32; 3]], dst: &[i32], h: &mut deltafin_cuda::GpuBuf, y: &mut deltafin_cuda::GpuBuf| {
-                let e = refusal(g.moe_grouped(&table, tiles, &xg, dst, h, y));
+                let e = refusal(g.moe_grouped(shape, &table, tiles, &xg, dst, h, y));
                 assert!(!e.contains('\n') && e.contains("moe_grouped"), "{e}");
             };
         let mut bad = tiles.clone();
@@ -1795,6 +1771,7 @@ fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
     table.set(&g, 0, &[&e8]).unwrap();
     let xg = g.upload(&rand_vec(&mut rng, hidden)).unwrap();
     let (mut h, mut y) = (g.zeros(inter).unwrap(), g.zeros(hidden).unwrap());
-    let e = refusal(g.moe_grouped(&table, &[[0, 0, 1]], &xg, &[0], &mut h, &mut y));
+    let shape = g.grouped_shape(&table);
+    let e = refusal(g.moe_grouped(shape, &table, &[[0, 0, 1]], &xg, &[0], &mut h, &mut y));
     assert!(e.contains("not an MXFP4 expert"), "{e}");
 }
