@@ -10,7 +10,7 @@
 use std::time::Instant;
 
 use deltafin_cuda::{
-    CudaError, Gpu, GpuBuf, GpuMat, MlaPrepArg, MlaShape, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape,
+    CudaError, CudaSlice, Gpu, GpuBuf, GpuMat, MlaPrepArg, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape,
 };
 use deltafin_kernels::{MatData, MatRef};
 use rand::{rngs::StdRng, SeedableRng};
@@ -69,7 +69,9 @@ fn main() -> Result<(), CudaError> {
     let g = common::open_gpu("decode_profile");
     println!("device: {} (compute {:?})", g.info().name, g.info().compute_capability);
     let mut rng = StdRng::seed_from_u64(7);
-    let (h, ql, nh, nope, rope, vd, kvl, inter, n_exp, k) = (2048, 512, 16, 64, 32, 64, 256, 1024, 256, 8);
+    let s = common::MLA_BENCH;
+    let (nh, nope, rope, vd, kvl) = (s.n_heads, s.nope, s.rope, s.v_head_dim, s.kv_lora_rank);
+    let (h, ql, inter, n_exp, k) = (2048, 512, 1024, 256, 8);
     let q_a = int8_mat(&g, &mut rng, ql, h);
     let kv_lat = int8_mat(&g, &mut rng, kvl, h);
     let kv_rope = int8_mat(&g, &mut rng, rope, h);
@@ -99,15 +101,8 @@ fn main() -> Result<(), CudaError> {
     let t_long = 1000;
     let mut c_kv = up(rand_vec(&mut rng, t_long * kvl))?;
     let mut k_pe = up(rand_vec(&mut rng, t_long * rope))?;
-    let shape = MlaShape {
-        n_heads: nh,
-        nope,
-        rope,
-        v_head_dim: vd,
-        kv_lora_rank: kvl,
-    };
     // MLA scratch for a 1,024-position cache (16 splits of 64): a captured step's grid.
-    let mut scores = z(shape.scratch_len(1024))?;
+    let mut scores = z(s.scratch_len(1024))?;
     let pos15 = g.upload(&[15i32])?;
     let rs = RouterShape {
         n_experts: n_exp,
@@ -136,7 +131,7 @@ fn main() -> Result<(), CudaError> {
     // Variants of single launches (the layer's own launches are timed below, from `launch`).
     let t = g.time_ms(reps, || {
         g.mla_decode(
-            shape,
+            s,
             &q,
             &c_kv,
             &k_pe,
@@ -158,18 +153,23 @@ fn main() -> Result<(), CudaError> {
     row("post norm + router + shared gate/up, no router tail", t, false);
     let t = g.time_ms(reps, || g.route_noaux(rs, &logits, 1, &bias, &mut ids, &mut wts, 0))?;
     row("route_noaux alone (256 experts, 8 groups, top-8)", t, false);
+    // The layer's routed experts (the first k of `ids`, `wts`) and shared down projection, in `form`.
+    let moe_table =
+        |form, ids: &CudaSlice<i32>, wts: &GpuBuf, xn: &GpuBuf, h: &mut GpuBuf, sh: &GpuBuf, x: &mut GpuBuf| {
+            g.moe_table(
+                form,
+                &table,
+                &ids.slice(..k),
+                &wts.slice(..k),
+                k,
+                xn,
+                h,
+                Some((&sh_down, sh)),
+                x,
+            )
+        };
     let t = g.time_ms(reps, || {
-        g.moe_table_with(
-            MoeDown::Fused,
-            &table,
-            &ids.slice(..k),
-            &wts.slice(..k),
-            k,
-            &xn,
-            &mut moe_h,
-            Some((&sh_down, &shared_h)),
-            &mut x,
-        )
+        moe_table(MoeDown::Fused, &ids, &wts, &xn, &mut moe_h, &shared_h, &mut x)
     })?;
     row("moe_table Fused (8 experts + shared down)", t, false);
 
@@ -195,7 +195,7 @@ fn main() -> Result<(), CudaError> {
                 k_pe: &mut k_pe,
             }),
             3 => g.mla_decode(
-                shape,
+                s,
                 &q,
                 &c_kv,
                 &k_pe,
@@ -227,17 +227,7 @@ fn main() -> Result<(), CudaError> {
                 let jobs = &mut [set(&router, &mut logits), glu(&sh_gate, &sh_up, &mut shared_h)];
                 g.mv_jobs_route(&x, Some(p), jobs, Some(r))
             }
-            _ => g.moe_table_with(
-                MoeDown::Split,
-                &table,
-                &ids.slice(..k),
-                &wts.slice(..k),
-                k,
-                &xn,
-                &mut moe_h,
-                Some((&sh_down, &shared_h)),
-                &mut x,
-            ),
+            _ => moe_table(MoeDown::Split, &ids, &wts, &xn, &mut moe_h, &shared_h, &mut x),
         }
     };
     let names = [
@@ -320,10 +310,10 @@ fn main() -> Result<(), CudaError> {
     row("P f32 matmul router [256, 2048] x 2000", t, 1.0);
     let lat = up(rand_vec(&mut rng, n * kvl))?;
     let kp = up(rand_vec(&mut rng, n * rope))?;
-    let mut sc = z(n * shape.scratch_len(n))?;
+    let mut sc = z(n * s.scratch_len(n))?;
     let mut ho = z(n * nh * vd)?;
     let t = g.time_ms(3, || {
-        g.mla_prefill(shape, &yq, &lat, &kp, &kv_b, 0, n, 0.1, &mut sc, &mut ho)
+        g.mla_prefill(s, &yq, &lat, &kp, &kv_b, 0, n, 0.1, &mut sc, &mut ho)
     })?;
     row("P mla_prefill 2000 tokens from position 0", t, 1.0);
     let (m, e) = (62usize, &experts[1]);

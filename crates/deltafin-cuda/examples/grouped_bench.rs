@@ -1,5 +1,5 @@
 //! The routed experts of a prefill chunk on the GPU, expert-major, in every kernel shape of
-//! [`Gpu::moe_grouped_with`] and in the per-expert form the engine used before it (per expert:
+//! [`Gpu::moe_grouped`] and in the per-expert form the engine used before it (per expert:
 //! a copy of its tokens' inputs, gate and up `matmul`, `swiglu`, down `matmul`), on the `bench`
 //! preset's shape (256 MXFP4 experts of [1,024, 2,048], top-8) for a 2,000-token chunk with
 //! uniformly random routing. Checks that every form gives the same bits and prints each one's
@@ -90,9 +90,7 @@ fn main() {
         let tiles = tiles_of(shape.tokens);
         let mut y = g.zeros(n * top_k * hidden).unwrap();
         let ms = g
-            .time_ms(reps, || {
-                g.moe_grouped_with(shape, &table, &tiles, &xg, &dst, &mut h, &mut y)
-            })
+            .time_ms(reps, || g.moe_grouped(shape, &table, &tiles, &xg, &dst, &mut h, &mut y))
             .unwrap();
         let got = g.download(&y).unwrap();
         let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());

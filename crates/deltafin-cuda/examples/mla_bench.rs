@@ -7,7 +7,7 @@
 //!
 //! `cargo run --release -p deltafin-cuda --example mla_bench [TOKENS] [CHUNK]` on a GPU machine.
 
-use deltafin_cuda::{MlaPrefillForm, MlaShape};
+use deltafin_cuda::MlaPrefillForm;
 use rand::{rngs::StdRng, SeedableRng};
 
 mod common;
@@ -19,26 +19,8 @@ fn main() {
     let mut rng = StdRng::seed_from_u64(9);
     let mut rand = |n: usize| common::rand_vec(&mut rng, n);
     for (label, s) in [
-        (
-            "bench preset",
-            MlaShape {
-                n_heads: 16,
-                nope: 64,
-                rope: 32,
-                v_head_dim: 64,
-                kv_lora_rank: 256,
-            },
-        ),
-        (
-            "DeepSeek-V3 dims, 16 heads",
-            MlaShape {
-                n_heads: 16,
-                nope: 128,
-                rope: 64,
-                v_head_dim: 128,
-                kv_lora_rank: 512,
-            },
-        ),
+        ("bench preset", common::MLA_BENCH),
+        ("DeepSeek-V3 dims, 16 heads", common::MLA_DEEPSEEK_V3_16_HEADS),
     ] {
         let (nh, qk, kvl) = (s.n_heads, s.nope + s.rope, s.kv_lora_rank);
         let rows = nh * (s.nope + s.v_head_dim);

@@ -19,7 +19,7 @@ use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, P
 
 use crate::gpu::{GpuBuf, WARPS};
 use crate::mat::{GpuMat, GpuMatData};
-use crate::moe::MOE_MAX_K;
+use crate::moe::{moe_grid, MOE_MAX_K};
 use crate::{CudaError, DriverContext, Gpu};
 
 /// Most products one [`Gpu::mv_jobs`] launch takes (`MAX_JOBS` in `fused.cu`).
@@ -140,7 +140,7 @@ struct PreNormC {
 // SAFETY: `#[repr(C)]` plain data matching `PreNorm` in fused.cu.
 unsafe impl DeviceRepr for PreNormC {}
 
-/// How [`Gpu::moe_table_with`] launches the down projections.
+/// How [`Gpu::moe_table`] launches the down projections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoeDown {
     /// One launch: a warp computes a row's k dot products and combines them.
@@ -697,31 +697,14 @@ impl Gpu {
     /// The ids are not checked on the host: every id a launch reads must name an entry the
     /// caller filled ([`ExpertTable::set`]) and whose expert is alive.
     ///
+    /// `form` chooses the down projections' launch: `MoeDown::Split` needs `h` to hold
+    /// `k * inter + (k + 1) * hidden` elements (the slots' outputs follow the intermediates).
+    /// Both forms give the same bits.
+    ///
     /// # Errors
     /// `Shape` when lengths disagree; a driver error.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_table(
-        &self,
-        table: &ExpertTable,
-        ids: &CudaView<i32>,
-        w: &CudaView<f32>,
-        k: usize,
-        xn: &GpuBuf,
-        h: &mut GpuBuf,
-        shared: Option<(&GpuMat, &GpuBuf)>,
-        x: &mut GpuBuf,
-    ) -> Result<(), CudaError> {
-        self.moe_table_with(MoeDown::Fused, table, ids, w, k, xn, h, shared, x)
-    }
-
-    /// [`Gpu::moe_table`] with the down projections' launch form chosen; `MoeDown::Split` needs
-    /// `h` to hold `k * inter + (k + 1) * hidden` elements (the slots' outputs follow the
-    /// intermediates). Both forms give the same bits.
-    ///
-    /// # Errors
-    /// As [`Gpu::moe_table`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_table_with(
         &self,
         form: MoeDown,
         table: &ExpertTable,
@@ -754,48 +737,44 @@ impl Gpu {
         let (inter_i, hidden_i, k_i) = (inter as i32, hidden as i32, k as i32);
         let id_v = ids.slice(..k);
         let w_v = w.slice(..k);
-        let grid = |rows: usize, y: u32| LaunchConfig {
-            grid_dim: ((rows as u32).div_ceil(WARPS), y, 1),
-            block_dim: (32 * WARPS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let mut b = self.stream().launch_builder(self.k.get("moe_gate_up_tab")?);
         b.arg(&table.buf).arg(&id_v).arg(&inter_i).arg(xn).arg(&mut *h);
         // SAFETY: matches `moe_gate_up_tab` in fused.cu; the table's entries have [inter, hidden]
         // gate/up (checked by ExpertTable::set), h holds k * inter.
-        unsafe { b.launch(grid(inter, k as u32)) }.ctx("launch moe_gate_up_tab")?;
+        unsafe { b.launch(moe_grid(inter, k)) }.ctx("launch moe_gate_up_tab")?;
         let (sd, sh) = match shared {
             Some((d, sh)) => (d.desc(self), sh.device_ptr(self.stream()).0),
             None => (MatDesc::default(), 0u64),
         };
-        if form == MoeDown::Split {
-            let (mut hs, mut ys) = h.split_at_mut(k * inter);
-            let slots = k as u32 + shared.is_some() as u32;
-            let mut b = self.stream().launch_builder(self.k.get("moe_down_tab")?);
-            b.arg(&table.buf)
-                .arg(&id_v)
-                .arg(&w_v)
-                .arg(&k_i)
-                .arg(&hidden_i)
-                .arg(&inter_i);
-            b.arg(&mut hs).arg(&sd).arg(&sh).arg(&mut ys).arg(x).arg(&self.counters);
-            // SAFETY: matches `moe_down_tab`; down is [hidden, inter] per the table, y (after the
-            // intermediates) holds (k + 1) * hidden, x is [hidden]; the completion counter is
-            // zero between launches (the last block resets it) and only this stream uses it.
-            unsafe { b.launch(grid(hidden, slots)) }.ctx("launch moe_down_tab")?;
-            return Ok(());
-        }
-        let mut b = self.stream().launch_builder(self.k.get("moe_down_combine_tab")?);
+        // Both down forms take the table, the slots, their weights and the dimensions first.
+        let name = match form {
+            MoeDown::Split => "moe_down_tab",
+            MoeDown::Fused => "moe_down_combine_tab",
+        };
+        let mut b = self.stream().launch_builder(self.k.get(name)?);
         b.arg(&table.buf)
             .arg(&id_v)
             .arg(&w_v)
             .arg(&k_i)
             .arg(&hidden_i)
             .arg(&inter_i);
-        b.arg(&*h).arg(&sd).arg(&sh).arg(x);
-        // SAFETY: matches `moe_down_combine_tab`; down is [hidden, inter] per the table, the
-        // shared pair's shapes were checked, x is [hidden].
-        unsafe { b.launch(grid(hidden, 1)) }.ctx("launch moe_down_combine_tab")?;
+        match form {
+            MoeDown::Split => {
+                let (mut hs, mut ys) = h.split_at_mut(k * inter);
+                let slots = k + shared.is_some() as usize;
+                b.arg(&mut hs).arg(&sd).arg(&sh).arg(&mut ys).arg(x).arg(&self.counters);
+                // SAFETY: matches `moe_down_tab`; down is [hidden, inter] per the table, y (after
+                // the intermediates) holds (k + 1) * hidden, x is [hidden]; the completion counter
+                // is zero between launches (the last block resets it) and only this stream uses it.
+                unsafe { b.launch(moe_grid(hidden, slots)) }.ctx("launch moe_down_tab")?;
+            }
+            MoeDown::Fused => {
+                b.arg(&*h).arg(&sd).arg(&sh).arg(x);
+                // SAFETY: matches `moe_down_combine_tab`; down is [hidden, inter] per the table,
+                // the shared pair's shapes were checked, x is [hidden].
+                unsafe { b.launch(moe_grid(hidden, 1)) }.ctx("launch moe_down_combine_tab")?;
+            }
+        }
         Ok(())
     }
 }
@@ -1004,31 +983,16 @@ impl Gpu {
     /// then `warp_sum`), so the result equals `GpuMat::matmul` of gate and up, `Gpu::swiglu`,
     /// `GpuMat::matmul` of down and a scatter, bit for bit (test `grouped_experts_equal_…`).
     ///
+    /// `shape` is the kernels' shape ([`Gpu::grouped_shape`] chooses one for the table; every
+    /// shape gives the same bits), the tiles hold at most `shape.tokens` pairs.
+    ///
     /// # Errors
     /// `Shape` when a tile names an entry that is not an MXFP4 expert of the table, the tiles
     /// do not cover the pairs once, a destination is out of range or repeated, or lengths
-    /// disagree; a driver error.
+    /// disagree; `Shape` for a shape without kernels or whose shared memory does not fit this
+    /// device; a driver error.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_grouped(
-        &self,
-        table: &ExpertTable,
-        tiles: &[[i32; 3]],
-        xg: &GpuBuf,
-        dst: &[i32],
-        h: &mut GpuBuf,
-        y: &mut GpuBuf,
-    ) -> Result<(), CudaError> {
-        self.moe_grouped_with(self.grouped_shape(table), table, tiles, xg, dst, h, y)
-    }
-
-    /// [`Gpu::moe_grouped`] with the kernels' shape chosen (tiles of at most `shape.tokens`
-    /// pairs). Every shape gives the same bits.
-    ///
-    /// # Errors
-    /// As [`Gpu::moe_grouped`], and `Shape` for a shape without kernels or whose shared memory
-    /// does not fit this device.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_grouped_with(
         &self,
         shape: GroupedShape,
         table: &ExpertTable,
@@ -1122,9 +1086,7 @@ impl Gpu {
                 .ctx("cuFuncSetAttribute (down)")?;
         }
         let cta_rows = shape.cta_rows as i32;
-        for tile0 in (0..tiles.len()).step_by(MAX_TILES_PER_LAUNCH) {
-            let nt = (tiles.len() - tile0).min(MAX_TILES_PER_LAUNCH) as u32;
-            let t0 = tile0 as i32;
+        for (t0, nt) in tile_batches(tiles.len()) {
             let mut b = self.stream().launch_builder(gu);
             b.arg(&table.buf).arg(&tiles_d).arg(&t0).arg(&inter_i).arg(&hidden_i);
             if shape.staged {
@@ -1137,9 +1099,7 @@ impl Gpu {
             // is what they index (tokens × blocks × 36 floats) and was allowed above.
             unsafe { b.launch(cfg(inter, shape.gate_up_rows, smem_gu, nt)) }.ctx("launch grouped gate/up")?;
         }
-        for tile0 in (0..tiles.len()).step_by(MAX_TILES_PER_LAUNCH) {
-            let nt = (tiles.len() - tile0).min(MAX_TILES_PER_LAUNCH) as u32;
-            let t0 = tile0 as i32;
+        for (t0, nt) in tile_batches(tiles.len()) {
             let mut b = self.stream().launch_builder(dn);
             b.arg(&table.buf).arg(&tiles_d).arg(&t0).arg(&hidden_i).arg(&inter_i);
             if shape.staged {
@@ -1152,6 +1112,14 @@ impl Gpu {
         }
         Ok(())
     }
+}
+
+/// The launches over `n_tiles` tiles: (first tile, tiles) of at most [`MAX_TILES_PER_LAUNCH`]
+/// each (the grid's y extent).
+fn tile_batches(n_tiles: usize) -> impl Iterator<Item = (i32, u32)> {
+    (0..n_tiles)
+        .step_by(MAX_TILES_PER_LAUNCH)
+        .map(move |tile0| (tile0 as i32, (n_tiles - tile0).min(MAX_TILES_PER_LAUNCH) as u32))
 }
 
 /// Whether entry `e` of `table` holds an MXFP4 expert.

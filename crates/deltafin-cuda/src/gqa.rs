@@ -52,6 +52,15 @@ pub enum SoftmaxRouter {
     TopKThenSoftmax,
 }
 
+impl SoftmaxRouter {
+    /// Every router, each with each of its options (what a test of all of them iterates).
+    pub const ALL: [SoftmaxRouter; 3] = [
+        SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob: true },
+        SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob: false },
+        SoftmaxRouter::TopKThenSoftmax,
+    ];
+}
+
 impl Gpu {
     /// Attention of the `n` tokens of a chunk whose first token sits at position `t0`, their
     /// keys and values already at rows `t0 ..` of the cache: token `j`'s head `h` attends to the

@@ -11,10 +11,11 @@
 //! the device address. Event tracking is off on the context (`Gpu::open`), so the cudarc guards
 //! of those addresses order nothing and are dropped at once; all work is on the one stream.
 
-use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 
-use crate::gpu::{GpuBuf, WARPS};
-use crate::mat::{GpuMat, GpuMatData};
+use crate::gpu::GpuBuf;
+use crate::mat::GpuMat;
+use crate::moe::{moe_grid, MoeWeights};
 use crate::{CudaError, DriverContext, Gpu, MOE_MAX_K};
 
 /// Threads of a KDA per-head block.
@@ -34,27 +35,6 @@ pub enum KdaGate {
         lower_bound: f32,
     },
 }
-
-/// Device pointers of one projection of up to [`MOE_MAX_K`] experts (`MoePtrs` in `ops.cu`).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct MoePtrs {
-    packed: [u64; MOE_MAX_K],
-    scales: [u64; MOE_MAX_K],
-}
-
-// SAFETY: plain `#[repr(C)]` data matching the kernels' struct (device pointers as u64).
-unsafe impl DeviceRepr for MoePtrs {}
-
-/// Router weights in router order (`MoeWeights` in `ops.cu`).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct MoeWeights {
-    w: [f32; MOE_MAX_K],
-}
-
-// SAFETY: plain `#[repr(C)]` f32 array matching the kernels' struct.
-unsafe impl DeviceRepr for MoeWeights {}
 
 fn shape(what: &str, detail: String) -> CudaError {
     CudaError::Shape(format!("{what}: {detail}"))
@@ -404,43 +384,21 @@ impl Gpu {
             ));
         }
         let s = self.stream();
-        let ptrs = |i: usize| -> MoePtrs {
-            let mut p = MoePtrs {
-                packed: [0; MOE_MAX_K],
-                scales: [0; MOE_MAX_K],
-            };
-            for (j, e) in experts.iter().enumerate() {
-                if let GpuMatData::Mxfp4 { packed, scales } = &e[i].data {
-                    p.packed[j] = packed.device_ptr(s).0;
-                    p.scales[j] = scales.device_ptr(s).0;
-                }
-            }
-            p
-        };
-        let (gate, up, down) = (ptrs(0), ptrs(1), ptrs(2));
+        let (gate, up) = (self.moe_ptrs(experts, 0), self.moe_ptrs(experts, 1));
         let (inter_i, cols_i, k_i) = (
             i32_of("moe_situ_fused", inter)?,
             i32_of("moe_situ_fused", cols)?,
             k as i32,
         );
         let (lb, has) = (linear_beta.unwrap_or(1.0), linear_beta.is_some() as i32);
-        let mut wts = MoeWeights { w: [0.0; MOE_MAX_K] };
-        wts.w[..k].copy_from_slice(weights);
-        let grid = |rows: usize| LaunchConfig {
-            grid_dim: ((rows as u32).div_ceil(WARPS), k as u32, 1),
-            block_dim: (32 * WARPS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let wts = MoeWeights::new(weights);
         let mut b = s.launch_builder(self.k.get("moe_gate_up_situ_mxfp4")?);
         b.arg(&gate).arg(&up).arg(&inter_i).arg(&cols_i).arg(x);
         b.arg(&beta).arg(&lb).arg(&has).arg(&mut *h);
         // SAFETY: matches `moe_gate_up_situ_mxfp4` in kda.cu; every expert has [inter, cols]
         // gate/up (moe_fusable), h holds k * inter.
-        unsafe { b.launch(grid(inter)) }.ctx("launch moe_gate_up_situ_mxfp4")?;
-        let mut b = s.launch_builder(self.k.get("moe_down_mxfp4")?);
-        b.arg(&down).arg(&cols_i).arg(&inter_i).arg(&*h).arg(&mut *y);
-        // SAFETY: matches `moe_down_mxfp4` in ops.cu; down is [cols, inter], y holds k * cols.
-        unsafe { b.launch(grid(cols)) }.ctx("launch moe_down_mxfp4")?;
+        unsafe { b.launch(moe_grid(inter, k)) }.ctx("launch moe_gate_up_situ_mxfp4")?;
+        self.moe_down(experts, h, y)?;
         self.fill_zero(acc)?;
         let null: u64 = 0;
         let mut b = s.launch_builder(self.k.get("moe_combine")?);

@@ -25,6 +25,7 @@ mod graph;
 mod kda;
 mod mat;
 mod moe;
+pub mod testing;
 
 pub use attention::{MlaShape, MLA_SPLIT};
 pub use batch::MlaPrefillForm;

@@ -3,51 +3,23 @@
 //! fresh random inputs and outputs poisoned with NaN before each run (ggml `test-backend-ops`
 //! habit). Each test skips with one line when this machine has no CUDA device.
 
+use deltafin_cuda::testing::{gpu_or_skip, nans, refusal, rel_l2};
 use deltafin_cuda::{Decode, Gpu, GpuBuf, GpuMat, Kernel, MlaShape};
 use deltafin_kernels::{int8, mxfp4, reference, MatData, MatRef};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-/// Opens cuda:0, or prints why the test is skipped.
-fn gpu(test: &str) -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            eprintln!("SKIPPED {test}: {e}");
-            None
-        }
-    }
-}
+#[path = "../examples/common/mod.rs"]
+mod common;
+use common::{rand_vec, MLA_BENCH, MLA_DEEPSEEK_V3_16_HEADS};
 
-/// [`gpu`] and the test's random numbers from `seed`.
+/// [`gpu_or_skip`] and the test's random numbers from `seed`.
 fn gpu_and_rng(test: &str, seed: u64) -> Option<(Gpu, StdRng)> {
-    Some((gpu(test)?, StdRng::seed_from_u64(seed)))
-}
-
-fn rand_vec(rng: &mut StdRng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
-
-/// ‖a − b‖ / ‖b‖ in f64.
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    assert!(
-        a.iter().all(|v| v.is_finite()),
-        "non-finite GPU output (unwritten element?)"
-    );
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((*x as f64) - (*y as f64)).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den.max(1e-300)).sqrt()
+    Some((gpu_or_skip(test)?, StdRng::seed_from_u64(seed)))
 }
 
 /// Against a float64 reference, float32 arithmetic in any fixed order lands well under this
 /// (METHOD.md: "float32 arithmetic lands far under 1e-3"; issue #16 asks 1e-5 on logits).
 const TOL: f64 = 1e-5;
-
-/// A device buffer of `n` NaNs: an output poisoned before its run, so that an element the
-/// kernel leaves unwritten shows.
-fn nans(g: &Gpu, n: usize) -> GpuBuf {
-    g.upload(&vec![f32::NAN; n]).unwrap()
-}
 
 /// How many elements of `a` and `b` differ in their bits.
 fn bits_differ(a: &[f32], b: &[f32]) -> usize {
@@ -361,16 +333,16 @@ fn rms_norm_swiglu_axpy_match_cpu() {
 
 #[test]
 fn wrong_shapes_are_errors_not_crashes() {
-    let Some(g) = gpu("wrong_shapes_are_errors_not_crashes") else {
+    let Some(g) = gpu_or_skip("wrong_shapes_are_errors_not_crashes") else {
         return;
     };
     let w = vec![0.5f32; 6];
     let m = GpuMat::upload(&g, &MatRef::new(2, 3, MatData::F32(&w)).unwrap()).unwrap();
     let x = g.zeros(4).unwrap();
     let mut y = g.zeros(2).unwrap();
-    let e = m.matvec(&g, &x, &mut y).unwrap_err().to_string();
+    let e = refusal(m.matvec(&g, &x, &mut y));
     assert!(e.contains("matvec") && e.contains("got 4"), "{e}");
-    let e = m.matmul(&g, &g.zeros(6).unwrap(), 3, &mut y).unwrap_err().to_string();
+    let e = refusal(m.matmul(&g, &g.zeros(6).unwrap(), 3, &mut y));
     assert!(e.contains("matmul"), "{e}");
 }
 
@@ -519,16 +491,10 @@ fn int8_staged_matmul_equals_int8_mm_r4_bit_for_bit() {
     let dm = GpuMat::upload(&g, &MatRef::new(5, 40, MatData::Int8 { q: &q, scales: &qs }).unwrap()).unwrap();
     assert!(!Kernel::best_for(&dm, 2000, info).staged);
     let mut dy = g.zeros(9 * 5).unwrap();
-    let e = dm
-        .matmul_with(&g, staged8, &g.zeros(9 * 40).unwrap(), 9, &mut dy)
-        .unwrap_err()
-        .to_string();
+    let e = refusal(dm.matmul_with(&g, staged8, &g.zeros(9 * 40).unwrap(), 9, &mut dy));
     assert!(e.contains("cols % 16 != 0") && !e.contains('\n'), "{e}");
     // A staged kernel for a format or form that has none.
-    let e = dm
-        .matvec_with(&g, staged8, &g.zeros(40).unwrap(), &mut g.zeros(5).unwrap())
-        .unwrap_err()
-        .to_string();
+    let e = refusal(dm.matvec_with(&g, staged8, &g.zeros(40).unwrap(), &mut g.zeros(5).unwrap()));
     assert!(e.contains("staged"), "{e}");
 }
 
@@ -577,10 +543,7 @@ fn x_stationary_mxfp4_matches_reference_and_its_matmul() {
     // Past 16,384 columns there is no x-stationary kernel: an error, not a wrong answer.
     let h = Host::new(&mut rng, 2, 16_416);
     let dm = GpuMat::upload(&g, &h.mats()[2]).unwrap();
-    let e = dm
-        .matvec_with(&g, xs, &g.zeros(16_416).unwrap(), &mut g.zeros(2).unwrap())
-        .unwrap_err()
-        .to_string();
+    let e = refusal(dm.matvec_with(&g, xs, &g.zeros(16_416).unwrap(), &mut g.zeros(2).unwrap()));
     assert!(e.contains("16,384"), "{e}");
 }
 
@@ -687,9 +650,7 @@ fn mv_jobs_equal_the_unfused_launches_bit_for_bit() {
             kind,
             y: &mut y,
         };
-        g.mv_jobs(&g.zeros(len).unwrap(), None, &mut [job])
-            .unwrap_err()
-            .to_string()
+        refusal(g.mv_jobs(&g.zeros(len).unwrap(), None, &mut [job]))
     };
     let e = refused(31, MvKind::Set);
     assert!(e.contains("mv_jobs"), "{e}");
@@ -880,7 +841,7 @@ fn mla_prep_and_rope_inside_decode_equal_the_separate_launches() {
 /// int8 shared expert's down projection inside the combine.
 #[test]
 fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
-    use deltafin_cuda::{MvJob, MvKind};
+    use deltafin_cuda::{CudaSlice, ExpertTable, MoeDown, MvJob, MvKind};
     let Some((g, mut rng)) = gpu_and_rng("moe_table_equals_the_fused_and_unfused_paths_bit_for_bit", 43) else {
         return;
     };
@@ -928,55 +889,30 @@ fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
         let mut xr = g.upload(&x0).unwrap();
         g.axpy(1.0, &acc, &mut xr).unwrap();
         let want = g.download(&xr).unwrap();
+        // The layer through `table` in `form`, slot j's expert `table[ids[j]]`, from x0.
+        let dw = g.upload(&weights).unwrap();
+        let moe_table = |form, table: &ExpertTable, ids: &CudaSlice<i32>, h: &mut GpuBuf| {
+            let mut x = g.upload(&x0).unwrap();
+            let shared = Some((&sm[2], &sh_h));
+            g.moe_table(form, table, &ids.slice(..), &dw.slice(..), k, &dxn, h, shared, &mut x)
+                .unwrap();
+            g.download(&x).unwrap()
+        };
         // By id through the table.
-        let (did, dw) = (g.upload(&ids).unwrap(), g.upload(&weights).unwrap());
+        let did = g.upload(&ids).unwrap();
         let mut h = nans(&g, k * inter);
-        let mut x = g.upload(&x0).unwrap();
-        g.moe_table(
-            &table,
-            &did.slice(..),
-            &dw.slice(..),
-            k,
-            &dxn,
-            &mut h,
-            Some((&sm[2], &sh_h)),
-            &mut x,
-        )
-        .unwrap();
-        assert_eq!(g.download(&x).unwrap(), want, "k={k} fmt={fmt}: by id");
+        let by_id = moe_table(MoeDown::Fused, &table, &did, &mut h);
+        assert_eq!(by_id, want, "k={k} fmt={fmt}: by id");
         let mut hs = nans(&g, k * inter + (k + 1) * hidden);
-        let mut x = g.upload(&x0).unwrap();
-        g.moe_table_with(
-            deltafin_cuda::MoeDown::Split,
-            &table,
-            &did.slice(..),
-            &dw.slice(..),
-            k,
-            &dxn,
-            &mut hs,
-            Some((&sm[2], &sh_h)),
-            &mut x,
-        )
-        .unwrap();
-        assert_eq!(g.download(&x).unwrap(), want, "k={k} fmt={fmt}: by id, split down");
+        let split = moe_table(MoeDown::Split, &table, &did, &mut hs);
+        assert_eq!(split, want, "k={k} fmt={fmt}: by id, split down");
         // By slot.
         let chosen: Vec<&[GpuMat; 3]> = ids.iter().map(|&e| &experts[e as usize]).collect();
         let mut slots = g.expert_table(16, inter, hidden).unwrap();
         slots.set(&g, 0, &chosen).unwrap();
         let iota = g.upload(&(0..16).collect::<Vec<i32>>()).unwrap();
-        let mut x = g.upload(&x0).unwrap();
-        g.moe_table(
-            &slots,
-            &iota.slice(..),
-            &dw.slice(..),
-            k,
-            &dxn,
-            &mut h,
-            Some((&sm[2], &sh_h)),
-            &mut x,
-        )
-        .unwrap();
-        assert_eq!(g.download(&x).unwrap(), want, "k={k} fmt={fmt}: by slot");
+        let by_slot = moe_table(MoeDown::Fused, &slots, &iota, &mut h);
+        assert_eq!(by_slot, want, "k={k} fmt={fmt}: by slot");
         if fmt == 2 {
             let mut y = g.zeros(16 * hidden).unwrap();
             let mut h2 = g.zeros(16 * inter).unwrap();
@@ -989,12 +925,7 @@ fn moe_table_equals_the_fused_and_unfused_paths_bit_for_bit() {
     // A table refuses experts of another shape.
     let m = |r, c| GpuMat::upload(&g, &Host::new(&mut StdRng::seed_from_u64(1), r, c).mats()[2]).unwrap();
     let bad = [m(8, 32), m(8, 32), m(32, 9)];
-    let e = g
-        .expert_table(2, 8, 32)
-        .unwrap()
-        .set(&g, 0, &[&bad])
-        .unwrap_err()
-        .to_string();
+    let e = refusal(g.expert_table(2, 8, 32).unwrap().set(&g, 0, &[&bad]));
     assert!(e.contains("expert table"), "{e}");
 }
 
@@ -1183,22 +1114,10 @@ fn mla_prefill_forms_equal_decode() {
     };
     for s in [
         MLA_SMALL,
-        MlaShape {
-            n_heads: 16,
-            nope: 128,
-            rope: 64,
-            v_head_dim: 128,
-            kv_lora_rank: 512,
-        },
+        MLA_DEEPSEEK_V3_16_HEADS,
         // The bench preset's attention (the tiled kernel's small instance) and a rank between
         // the two instances (the large one with idle lanes).
-        MlaShape {
-            n_heads: 16,
-            nope: 64,
-            rope: 32,
-            v_head_dim: 64,
-            kv_lora_rank: 256,
-        },
+        MLA_BENCH,
         MlaShape {
             n_heads: 5,
             nope: 16,
@@ -1315,13 +1234,7 @@ fn mla_decompressed_prefill_matches_reference_absorbed_form_and_any_chunking() {
             v_head_dim: 22,
             kv_lora_rank: 40,
         },
-        MlaShape {
-            n_heads: 16,
-            nope: 64,
-            rope: 32,
-            v_head_dim: 64,
-            kv_lora_rank: 256,
-        },
+        MLA_BENCH,
         MlaShape {
             n_heads: 4,
             nope: 128,
@@ -1606,11 +1519,7 @@ fn route_softmax_topk_chooses_as_the_cpu_routers() {
             logits[t * e_n + e_n - 1] = logits[t * e_n + 1];
             logits[t * e_n + 5 % e_n] = logits[t * e_n];
         }
-        for router in [
-            SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob: true },
-            SoftmaxRouter::SoftmaxThenTopK { norm_topk_prob: false },
-            SoftmaxRouter::TopKThenSoftmax,
-        ] {
+        for router in SoftmaxRouter::ALL {
             let mut probs = g.zeros(n * e_n).unwrap();
             let mut ids = g.upload(&vec![-7i32; n * k]).unwrap();
             let mut w = nans(&g, n * k);
@@ -1790,12 +1699,13 @@ fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
             }
             tiles
         };
-        let tiles = tiles_of(g.grouped_shape(&table).tokens);
+        let shape = g.grouped_shape(&table);
+        let tiles = tiles_of(shape.tokens);
         let xg_host = rand_vec(&mut rng, pairs * hidden);
         let xg = g.upload(&xg_host).unwrap();
         let mut h = nans(&g, pairs * inter);
         let mut y = g.upload(&vec![7.0f32; y_rows * hidden]).unwrap();
-        g.moe_grouped(&table, &tiles, &xg, &dst, &mut h, &mut y).unwrap();
+        g.moe_grouped(shape, &table, &tiles, &xg, &dst, &mut h, &mut y).unwrap();
         let got = g.download(&y).unwrap();
         // The per-expert path.
         let mut want = vec![7.0f32; y_rows * hidden];
@@ -1828,7 +1738,7 @@ fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
         for shape in GroupedShape::ALL {
             let mut h = nans(&g, pairs * inter);
             let mut y = g.upload(&vec![7.0f32; y_rows * hidden]).unwrap();
-            g.moe_grouped_with(shape, &table, &tiles_of(shape.tokens), &xg, &dst, &mut h, &mut y)
+            g.moe_grouped(shape, &table, &tiles_of(shape.tokens), &xg, &dst, &mut h, &mut y)
                 .unwrap();
             let got = g.download(&y).unwrap();
             let diff = bits_differ(&got, &want);
@@ -1840,7 +1750,7 @@ fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
         // Refusals, each one line, nothing launched.
         let refused =
             |tiles: &[[i32; 3]], dst: &[i32], h: &mut deltafin_cuda::GpuBuf, y: &mut deltafin_cuda::GpuBuf| {
-                let e = g.moe_grouped(&table, tiles, &xg, dst, h, y).unwrap_err().to_string();
+                let e = refusal(g.moe_grouped(shape, &table, tiles, &xg, dst, h, y));
                 assert!(!e.contains('\n') && e.contains("moe_grouped"), "{e}");
             };
         let mut bad = tiles.clone();
@@ -1861,9 +1771,7 @@ fn grouped_experts_equal_the_per_expert_matmuls_bit_for_bit() {
     table.set(&g, 0, &[&e8]).unwrap();
     let xg = g.upload(&rand_vec(&mut rng, hidden)).unwrap();
     let (mut h, mut y) = (g.zeros(inter).unwrap(), g.zeros(hidden).unwrap());
-    let e = g
-        .moe_grouped(&table, &[[0, 0, 1]], &xg, &[0], &mut h, &mut y)
-        .unwrap_err()
-        .to_string();
+    let shape = g.grouped_shape(&table);
+    let e = refusal(g.moe_grouped(shape, &table, &[[0, 0, 1]], &xg, &[0], &mut h, &mut y));
     assert!(e.contains("not an MXFP4 expert"), "{e}");
 }

@@ -29,6 +29,14 @@ fn cases(family: &str) -> Vec<PathBuf> {
     v
 }
 
+/// Each case of `family` ([`cases`]) with its `expected.json`, read as the loop reaches it.
+fn cases_with_expected(family: &str) -> impl Iterator<Item = (PathBuf, Value)> {
+    cases(family).into_iter().map(|case| {
+        let expected = read_json(&case.join("expected.json"));
+        (case, expected)
+    })
+}
+
 fn gpu_or_skip(test: &str) -> bool {
     match deltafin_cuda::probe() {
         Ok(_) => true,
@@ -86,7 +94,7 @@ fn cuda_matches_golden_and_cpu(
     let worst = worst_vs(&gpu, &cpu, &format!("{what} {name}: cuda vs cpu"));
     assert_within(worst, cpu_bound, &what, &format!("cuda vs cpu ({name})"));
 
-    let dir = convert_case(case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("q"));
+    let dir = convert_default(case, &tmp.path().join("q"));
     let cpu = run_chunked(&dir, Device::Cpu, expected, cpu_chunk);
     let gpu = run(&dir, Device::Cuda(0), expected);
     let worst = worst_vs(&gpu, &cpu, &format!("{what} int8/mxfp4: cuda vs cpu"));
@@ -102,6 +110,22 @@ fn convert_case(case: &Path, backbone: StoredDtype, experts: StoredDtype, out: &
     convert(case, out, &opts, &NoProgress).unwrap_or_else(|e| panic!("convert {}: {e}", case.display()));
     ModelDir::open(out).unwrap()
 }
+
+/// `case` converted to the default layout (int8 backbone, MXFP4 experts) in `out`.
+fn convert_default(case: &Path, out: &Path) -> ModelDir {
+    convert_case(case, StoredDtype::Int8, StoredDtype::Mxfp4, out)
+}
+
+/// The first case of `family` in the default layout ([`convert_default`]), in a fresh temporary
+/// directory that lives as long as the returned guard.
+fn first_case_default(family: &str) -> (tempfile::TempDir, ModelDir) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = convert_default(&cases(family)[0], &tmp.path().join("q"));
+    (tmp, dir)
+}
+
+/// The grouped-query-attention families that run on the GPU.
+const GQA_FAMILIES: [&str; 3] = ["qwen3_moe", "mixtral", "gpt_oss"];
 
 /// Greedy ids and per-step logits of every prompt of `case` on `device`.
 fn run(dir: &ModelDir, device: Device, expected: &Value) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
@@ -140,15 +164,14 @@ fn deepseek_v3_on_cuda_matches_transformers_and_the_cpu_path() {
     if !gpu_or_skip("deepseek_v3_on_cuda_matches_transformers_and_the_cpu_path") {
         return;
     }
-    for case in cases("deepseek_v3") {
-        let expected = read_json(&case.join("expected.json"));
+    for (case, expected) in cases_with_expected("deepseek_v3") {
         let tmp = tempfile::tempdir().unwrap();
         let what = case.display().to_string();
         let dir = convert_case(&case, StoredDtype::F32, StoredDtype::F32, &tmp.path().join("f32"));
         let worst = worst_vs_golden(&run(&dir, Device::Cuda(0), &expected), &expected, &what);
         assert_within(worst, 1e-4, &what, "cuda lossless vs transformers");
 
-        let dir = convert_case(&case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("q"));
+        let dir = convert_default(&case, &tmp.path().join("q"));
         let cpu = run(&dir, Device::Cpu, &expected);
         let gpu = run(&dir, Device::Cuda(0), &expected);
         let worst = worst_vs(&gpu, &cpu, &format!("{what} int8/mxfp4: cuda vs cpu"));
@@ -205,8 +228,7 @@ fn deepseek_v3_decompressed_mla_on_cuda_matches_transformers_the_cpu_and_any_chu
             })
             .collect()
     };
-    for case in cases("deepseek_v3") {
-        let expected = read_json(&case.join("expected.json"));
+    for (case, expected) in cases_with_expected("deepseek_v3") {
         let tmp = tempfile::tempdir().unwrap();
         let what = case.display().to_string();
         let dir = convert_case(&case, StoredDtype::F32, StoredDtype::F32, &tmp.path().join("f32"));
@@ -214,7 +236,7 @@ fn deepseek_v3_decompressed_mla_on_cuda_matches_transformers_the_cpu_and_any_chu
         let worst = worst_vs_golden(&steps(gpu.as_ref(), &expected), &expected, "decompressed MLA on cuda");
         assert_within(worst, 1e-4, &what, "cuda decompressed MLA vs transformers");
 
-        let dir = convert_case(&case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("q"));
+        let dir = convert_default(&case, &tmp.path().join("q"));
         let (cpu, gpu) = (open(&dir, Device::Cpu), open(&dir, Device::Cuda(0)));
         let worst = worst_vs(
             &steps(cpu.as_ref(), &expected),
@@ -255,9 +277,8 @@ fn gqa_families_on_cuda_match_transformers_and_the_cpu_path() {
     if !gpu_or_skip("gqa_families_on_cuda_match_transformers_and_the_cpu_path") {
         return;
     }
-    for family in ["qwen3_moe", "mixtral", "gpt_oss"] {
-        for case in cases(family) {
-            let expected = read_json(&case.join("expected.json"));
+    for family in GQA_FAMILIES {
+        for (case, expected) in cases_with_expected(family) {
             let lossless = ("f32", StoredDtype::F32);
             let golden = (1e-4, "cuda lossless vs transformers");
             cuda_matches_golden_and_cpu(&case, &expected, lossless, golden, 1e-5, 0);
@@ -270,7 +291,7 @@ fn gqa_families_on_cuda_match_transformers_and_the_cpu_path() {
 fn other_families_are_refused_on_cuda_with_one_line() {
     let case = &cases("qwen3_next")[0];
     let tmp = tempfile::tempdir().unwrap();
-    let dir = convert_case(case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("m"));
+    let dir = convert_default(case, &tmp.path().join("m"));
     let e = load_model_on(&dir, StoreOptions::new(1 << 30), Device::Cuda(0), GpuOptions::default())
         .err()
         .unwrap()
@@ -319,10 +340,8 @@ fn gqa_cuda_cache_growth_and_rollback_change_no_bit() {
     if !gpu_or_skip("gqa_cuda_cache_growth_and_rollback_change_no_bit") {
         return;
     }
-    for family in ["qwen3_moe", "mixtral", "gpt_oss"] {
-        let case = &cases(family)[0];
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = convert_case(case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("q"));
+    for family in GQA_FAMILIES {
+        let (_tmp, dir) = first_case_default(family);
         let (model, _) =
             load_model_on(&dir, StoreOptions::new(1 << 30), Device::Cuda(0), GpuOptions::default()).unwrap();
         let tokens: Vec<u32> = (3..83).collect();
@@ -349,8 +368,7 @@ fn gqa_cuda_cache_growth_and_rollback_change_no_bit() {
 /// and of two records: a prompt in one chunk gives each position the bits (logits, routing)
 /// of feeding it token at a time, and so does the next token after it.
 fn chunked_prefill_equals_token_at_a_time(family: &str) {
-    for case in cases(family) {
-        let expected = read_json(&case.join("expected.json"));
+    for (case, expected) in cases_with_expected(family) {
         let tmp = tempfile::tempdir().unwrap();
         for (name, b, e) in [
             ("f32", StoredDtype::F32, StoredDtype::F32),
@@ -408,10 +426,9 @@ fn cuda_decode_graph_equals_queued_launches_bit_for_bit() {
     if !gpu_or_skip("cuda_decode_graph_equals_queued_launches_bit_for_bit") {
         return;
     }
-    for case in cases("deepseek_v3") {
-        let expected = read_json(&case.join("expected.json"));
+    for (case, expected) in cases_with_expected("deepseek_v3") {
         let tmp = tempfile::tempdir().unwrap();
-        let dir = convert_case(&case, StoredDtype::Int8, StoredDtype::Mxfp4, &tmp.path().join("q"));
+        let dir = convert_default(&case, &tmp.path().join("q"));
         let record = dir.manifest.experts.records[0].length;
         let open = |budget, preload| {
             let gpu = GpuOptions { budget, preload };
@@ -491,8 +508,7 @@ fn kimi_linear_on_cuda_matches_transformers_and_the_cpu_path() {
     if !gpu_or_skip("kimi_linear_on_cuda_matches_transformers_and_the_cpu_path") {
         return;
     }
-    for case in cases("kimi_linear") {
-        let expected = read_json(&case.join("expected.json"));
+    for (case, expected) in cases_with_expected("kimi_linear") {
         let lossless = ("f32", StoredDtype::F32);
         let golden = (1e-4, "cuda lossless vs transformers");
         cuda_matches_golden_and_cpu(&case, &expected, lossless, golden, 1e-5, 1);
@@ -623,12 +639,9 @@ fn gqa_run_on_cuda_gives_the_cpu_ids() {
     if !gpu_or_skip("gqa_run_on_cuda_gives_the_cpu_ids") {
         return;
     }
-    for family in ["qwen3_moe", "mixtral", "gpt_oss"] {
-        let case = &cases(family)[0];
-        let tmp = tempfile::tempdir().unwrap();
-        let m = tmp.path().join("q");
-        convert_case(case, StoredDtype::Int8, StoredDtype::Mxfp4, &m);
+    for family in GQA_FAMILIES {
+        let (tmp, dir) = first_case_default(family);
         let prompt = ["--prompt-ids", "3,9,4,9,4,9,4,9,4,9,4,9"];
-        cuda_run_gives_the_cpu_ids(&m, prompt, &tmp.path().join("s.json"), family);
+        cuda_run_gives_the_cpu_ids(&dir.path, prompt, &tmp.path().join("s.json"), family);
     }
 }

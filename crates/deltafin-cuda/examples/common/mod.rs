@@ -1,9 +1,10 @@
 //! Helpers shared by the GPU examples (`mod common;` in each; Cargo builds only
-//! `examples/*.rs`, so this folder is no example of its own).
+//! `examples/*.rs`, so this folder is no example of its own) and by `tests/ops.rs` (through
+//! `#[path]`), which checks the shapes the benches time.
 
 #![allow(dead_code)]
 
-use deltafin_cuda::{Gpu, GpuMat};
+use deltafin_cuda::{Gpu, GpuMat, MlaShape};
 use deltafin_kernels::{int8, mxfp4, MatData, MatRef};
 use rand::{rngs::StdRng, Rng};
 
@@ -17,6 +18,26 @@ pub fn open_gpu(example: &str) -> Gpu {
         }
     }
 }
+
+/// The `bench` preset's attention: 16 heads of 64 + 32, latent rank 256, v 64 (the tiled MLA
+/// prefill kernel's small instance).
+pub const MLA_BENCH: MlaShape = MlaShape {
+    n_heads: 16,
+    nope: 64,
+    rope: 32,
+    v_head_dim: 64,
+    kv_lora_rank: 256,
+};
+
+/// DeepSeek-V3's attention dims (nope 128, rope 64, v 128, latent rank 512: the tiled MLA
+/// prefill kernel's large instance) on 16 heads.
+pub const MLA_DEEPSEEK_V3_16_HEADS: MlaShape = MlaShape {
+    n_heads: 16,
+    nope: 128,
+    rope: 64,
+    v_head_dim: 128,
+    kv_lora_rank: 512,
+};
 
 /// `n` values drawn uniformly from [-1, 1).
 pub fn rand_vec(rng: &mut StdRng, n: usize) -> Vec<f32> {

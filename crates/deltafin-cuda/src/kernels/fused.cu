@@ -895,6 +895,20 @@ __device__ __forceinline__ void mx_rows_staged(const u8* const (&pk)[NM], const 
     }
 }
 
+// The start of a staged grouped kernel: the MX scale table in sct, the block's tile (expert *e,
+// first pair *off, *nt pairs; grouped_tile) and those pairs' rows of x ([pairs, cols]) staged
+// in xs (stage_tile). Returns nb, the MX blocks of a row.
+template <int T>
+__device__ __forceinline__ int grouped_staged_prologue(const int* __restrict__ tiles, int tile0,
+                                                       const float* __restrict__ x, int cols, float* sct,
+                                                       float* __restrict__ xs, int* e, int* off, int* nt) {
+    mx_scale_table(sct);
+    grouped_tile(tiles, tile0, e, off, nt);
+    const int nb = (cols + 31) >> 5;
+    stage_tile<T>(x + (size_t)*off * cols, cols, nb, *nt, xs);
+    return nb;
+}
+
 // h[p, r] = silu(gate_e[r] . xg[p]) * (up_e[r] . xg[p]) (moe_gate_up_grouped's outputs): block
 // (blockIdx.x, tile blockIdx.y + tile0) covers rows blockIdx.x * cta_rows .. + cta_rows, its
 // warps taking R rows at a time in turn.
@@ -905,11 +919,8 @@ __device__ __forceinline__ void moe_gate_up_staged_impl(const Expert* __restrict
     static_assert(2 * R * T == 64, "two outputs a lane");
     extern __shared__ float xs[];
     __shared__ float sct[256];
-    mx_scale_table(sct);
     int e, off, nt;
-    grouped_tile(tiles, tile0, &e, &off, &nt);
-    const int nb = (hidden + 31) >> 5;
-    stage_tile<T>(xg + (size_t)off * hidden, hidden, nb, nt, xs);
+    const int nb = grouped_staged_prologue<T>(tiles, tile0, xg, hidden, sct, xs, &e, &off, &nt);
     const Mat gm = table[e].gate, um = table[e].up;
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int end = min(inter, (blockIdx.x + 1) * cta_rows);
@@ -937,11 +948,8 @@ __device__ __forceinline__ void moe_down_staged_impl(const Expert* __restrict__ 
     static_assert(R * T == 64 && T % 2 == 0, "two outputs a lane, of one row");
     extern __shared__ float xs[];
     __shared__ float sct[256];
-    mx_scale_table(sct);
     int e, off, nt;
-    grouped_tile(tiles, tile0, &e, &off, &nt);
-    const int nb = (inter + 31) >> 5;
-    stage_tile<T>(h + (size_t)off * inter, inter, nb, nt, xs);
+    const int nb = grouped_staged_prologue<T>(tiles, tile0, h, inter, sct, xs, &e, &off, &nt);
     const Mat d = table[e].down;
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int end = min(hidden, (blockIdx.x + 1) * cta_rows);

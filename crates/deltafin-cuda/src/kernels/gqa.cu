@@ -144,12 +144,7 @@ extern "C" __global__ void route_softmax_topk(const float* __restrict__ logits, 
     } else if (mode == 1) {
         float mx = -gqa_inf();
         for (int i = 0; i < k; ++i) mx = fmaxf(mx, w[i]);
-        float sum = 0.0f;
-        for (int i = 0; i < k; ++i) {
-            w[i] = exp_f32(__fsub_rn(w[i], mx));
-            sum = __fadd_rn(sum, w[i]);
-        }
-        for (int i = 0; i < k; ++i) w[i] = __fdiv_rn(w[i], sum);
+        softmax_given_max(w, k, mx);
     }
     // Insertion sort by id (-1, never picked, first; the host refuses those).
     for (int a = 1; a < k; ++a) {

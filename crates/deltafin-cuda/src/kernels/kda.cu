@@ -182,12 +182,7 @@ extern "C" __global__ void attn_res_mix(const float* __restrict__ bank, int n_ba
     if (tid == 0) {
         float m = alpha[0];
         for (int k = 1; k < n; ++k) m = fmaxf(m, alpha[k]);
-        float sum = 0.0f;
-        for (int k = 0; k < n; ++k) {
-            alpha[k] = exp_f32(__fsub_rn(alpha[k], m));
-            sum = __fadd_rn(sum, alpha[k]);
-        }
-        for (int k = 0; k < n; ++k) alpha[k] = __fdiv_rn(alpha[k], sum);
+        softmax_given_max(alpha, n, m);
     }
     __syncthreads();
     for (int i = tid; i < dim; i += 256) {

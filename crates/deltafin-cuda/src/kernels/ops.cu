@@ -40,6 +40,18 @@ __device__ __constant__ float E2M1[16] = {
 __device__ __forceinline__ float exp_f32(float x) { return (float)exp((double)x); }
 __device__ __forceinline__ float log_f32(float x) { return (float)log((double)x); }
 
+// w[i] = exp(w[i] - m) / sum for i in 0..n, m the caller's max of w, the sum from zero in index
+// order and every step correctly rounded (no contraction): the CPU's softmax of a short row
+// (gqa.cu's top-k-then-softmax router, kda.cu's attention-residual depth mix).
+__device__ __forceinline__ void softmax_given_max(float* w, int n, float m) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; ++i) {
+        w[i] = exp_f32(__fsub_rn(w[i], m));
+        sum = __fadd_rn(sum, w[i]);
+    }
+    for (int i = 0; i < n; ++i) w[i] = __fdiv_rn(w[i], sum);
+}
+
 __device__ __forceinline__ float e8m0(u8 s) {
     if (s == 255) return __int_as_float(0x7fc00000);
     if (s == 0) return __int_as_float(0x00400000);
@@ -297,11 +309,15 @@ __device__ __forceinline__ void mxfp4_mm(const u8* __restrict__ packed, const u8
         }
 }
 
-#define MX_KERNEL(NAME, DEC, R, T)                                                                   \
-    extern "C" __global__ void NAME(const u8* __restrict__ packed, const u8* __restrict__ scales,   \
-                                    int rows, int cols, const float* __restrict__ x, int n,         \
-                                    float* __restrict__ y) {                                        \
-        mxfp4_mm<DEC, R, T>(packed, scales, rows, cols, x, n, y);                                   \
+// The parameters of every MXFP4 product's entry point (the MX_, MVP_, MVL_ and XS_KERNEL
+// instances; the host launches them all alike): codes and scale bytes of W [rows, cols], x
+// [n, cols], y [n, rows]. The matvec-only kernels (mvp, mvl) take n = 1 and ignore it.
+#define MXFP4_PARAMS                                                                          \
+    const u8* __restrict__ packed, const u8* __restrict__ scales, int rows, int cols,         \
+        const float* __restrict__ x, int n, float* __restrict__ y
+#define MX_KERNEL(NAME, DEC, R, T)                                                            \
+    extern "C" __global__ void NAME(MXFP4_PARAMS) {                                           \
+        mxfp4_mm<DEC, R, T>(packed, scales, rows, cols, x, n, y);                             \
     }
 // Matrix-vector (n = 1, T = 1): the decoders at one row a warp, and the f16 decoder at 2 and 4.
 MX_KERNEL(mxfp4_mv_const_r1, 0, 1, 1)
@@ -444,11 +460,9 @@ __device__ __forceinline__ void mxfp4_mvp(const u8* __restrict__ packed, const u
     cp_async_wait_all();
 }
 
-#define MVP_KERNEL(NAME, DEC, R)                                                                     \
-    extern "C" __global__ void __launch_bounds__(32 * MVP_WARPS)                                      \
-        NAME(const u8* __restrict__ packed, const u8* __restrict__ scales, int rows, int cols,       \
-             const float* __restrict__ x, int n, float* __restrict__ y) {                            \
-        mxfp4_mvp<DEC, R>(packed, scales, rows, cols, x, y);                                         \
+#define MVP_KERNEL(NAME, DEC, R)                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * MVP_WARPS) NAME(MXFP4_PARAMS) {         \
+        mxfp4_mvp<DEC, R>(packed, scales, rows, cols, x, y);                                  \
     }
 MVP_KERNEL(mxfp4_mvp_f16_r1, 2, 1)
 MVP_KERNEL(mxfp4_mvp_f16_r2, 2, 2)
@@ -579,11 +593,9 @@ __device__ __forceinline__ void mxfp4_mvl(const u8* __restrict__ packed, const u
     }
 }
 
-#define MVL_KERNEL(NAME, R, U)                                                                       \
-    extern "C" __global__ void __launch_bounds__(32 * MVL_WARPS)                                      \
-        NAME(const u8* __restrict__ packed, const u8* __restrict__ scales, int rows, int cols,       \
-             const float* __restrict__ x, int n, float* __restrict__ y) {                            \
-        mxfp4_mvl<R, U>(packed, scales, rows, cols, x, y);                                           \
+#define MVL_KERNEL(NAME, R, U)                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * MVL_WARPS) NAME(MXFP4_PARAMS) {         \
+        mxfp4_mvl<R, U>(packed, scales, rows, cols, x, y);                                    \
     }
 // Measured on the H200, [65,536, 7,168] (bench/NOTES.md, session 8): R = 4, U = 4 fastest.
 MVL_KERNEL(mxfp4_mvl_r1, 1, 8)
@@ -683,11 +695,9 @@ __device__ __forceinline__ void mxfp4_xs(const u8* __restrict__ packed, const u8
     }
 }
 
-#define XS_KERNEL(NAME, NP, T)                                                                       \
-    extern "C" __global__ void __launch_bounds__(XS_THREADS)                                         \
-        NAME(const u8* __restrict__ packed, const u8* __restrict__ scales, int rows, int cols,      \
-             const float* __restrict__ x, int n, float* __restrict__ y) {                           \
-        mxfp4_xs<NP, T>(packed, scales, rows, cols, x, n, y);                                       \
+#define XS_KERNEL(NAME, NP, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(XS_THREADS) NAME(MXFP4_PARAMS) {             \
+        mxfp4_xs<NP, T>(packed, scales, rows, cols, x, n, y);                                 \
     }
 XS_KERNEL(mxfp4_xs_np1_t1, 1, 1)
 XS_KERNEL(mxfp4_xs_np2_t1, 2, 1)

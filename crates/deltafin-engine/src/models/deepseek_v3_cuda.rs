@@ -43,7 +43,7 @@ use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{BatchOutput, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::deepseek_v3::{LayerNames, LATENT_NORM_EPS};
 use crate::models::gpu_fetch::{
-    cuda, download_routings, fetch_gpu_experts, gpu_expert_budget, grouped_swiglu_experts, open_gpu_for,
+    cuda, download_routings, fetch_gpu_experts, gpu_expert_budget, grouped_swiglu_experts, lock, open_gpu_for,
     per_expert_rows, preload_in_file_order, CacheChange, ExpertMajor, GpuLayerCache, Upload,
 };
 use crate::models::mla_gpu::{MlaGpu, QProj};
@@ -323,10 +323,7 @@ impl DeepseekV3Cuda {
     }
 
     fn gpu_cache_stats_now(&self) -> Result<GpuCacheStats, EngineError> {
-        self.experts
-            .lock()
-            .map(|c| c.cache.stats())
-            .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))
+        lock(&self.experts, "GPU expert cache").map(|c| c.cache.stats())
     }
 
     /// RoPE cos/sin of `pos` for the rope head width, `[cos[half], sin[half]]`, with the CPU's
@@ -526,13 +523,10 @@ impl DeepseekV3Cuda {
         let shared_pair = shared.as_ref().map(|[_, _, down]| (down, &w.shared_h));
         let stand_in = self.cpu.routed.compute_only();
         {
-            let ex = self
-                .experts
-                .lock()
-                .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
+            let ex = lock(&self.experts, "GPU expert cache")?;
             if let (false, Some(table)) = (stand_in, &ex.tables[l]) {
                 if ex.cache.resident_in_layer(l) == c.n_routed_experts {
-                    g.moe_table_with(
+                    g.moe_table(
                         MOE_DOWN,
                         table,
                         &w.ids.slice(off..off + k),
@@ -562,7 +556,7 @@ impl DeepseekV3Cuda {
         let experts = self.experts_of(l, &ids)?;
         let refs: Vec<&[GpuMat; 3]> = experts.iter().map(|e| &**e).collect();
         w.slots.set(g, 0, &refs).map_err(cuda)?;
-        g.moe_table_with(
+        g.moe_table(
             MOE_DOWN,
             &w.slots,
             &w.slot_ids.slice(..k),
@@ -583,10 +577,7 @@ impl DeepseekV3Cuda {
     /// The device copies of `ids` (layer `l`), in that order ([`fetch_gpu_experts`]), each
     /// insertion entered in the layer's device table and each eviction cleared from its table.
     fn experts_of(&self, l: usize, ids: &[usize]) -> Result<Vec<GpuExpert>, EngineError> {
-        let mut guard = self
-            .experts
-            .lock()
-            .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
+        let mut guard = lock(&self.experts, "GPU expert cache")?;
         let GpuExperts { cache, tables } = &mut *guard;
         let gpu = &self.gpu;
         fetch_gpu_experts(gpu, cache, &self.cpu.routed, l, ids, &mut |change| {
@@ -611,10 +602,7 @@ impl DeepseekV3Cuda {
         if self.cpu.routed.compute_only() {
             return Ok(false);
         }
-        let ex = self
-            .experts
-            .lock()
-            .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
+        let ex = lock(&self.experts, "GPU expert cache")?;
         Ok((0..c.num_hidden_layers)
             .filter(|&l| c.is_moe_layer(l))
             .all(|l| ex.cache.resident_in_layer(l) == c.n_routed_experts))
@@ -686,10 +674,7 @@ impl DeepseekV3Cuda {
         let g = &self.gpu;
         g.bind_to_thread().map_err(cuda)?;
         cache.reserve(cache.len + 1).map_err(cuda)?;
-        let mut guard = self
-            .work
-            .lock()
-            .map_err(|_| EngineError::Invalid("CUDA work buffers lock poisoned".into()))?;
+        let mut guard = lock(&self.work, "CUDA work buffers")?;
         let w = &mut *guard;
         let mut x_host = vec![0f32; c.hidden_size];
         self.cpu.embed_tokens().row_into(token as usize, &mut x_host);
@@ -768,10 +753,7 @@ impl DeepseekV3Cuda {
         }
         if !from_table.is_empty() {
             // The uses of experts found through a table count as hits and keep them recent.
-            let mut ex = self
-                .experts
-                .lock()
-                .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
+            let mut ex = lock(&self.experts, "GPU expert cache")?;
             for (l, r) in routes.iter().filter(|(l, _)| from_table.contains(l)) {
                 for &e in &r.experts {
                     ex.cache.get(*l, e);

@@ -5,7 +5,7 @@
 //! families compute alike (the device router's choice read back, the
 //! per-expert path of a chunk's routed experts).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use deltafin_cuda::{CudaError, CudaSlice, Gpu, GpuBuf, GpuMat};
 
@@ -21,6 +21,14 @@ use crate::EngineError;
 /// A driver error as the engine's one-line error (`CUDA: …`).
 pub fn cuda(e: CudaError) -> EngineError {
     EngineError::Invalid(format!("CUDA: {e}"))
+}
+
+/// Locks `m`, the GPU path's state named `what` (`"GPU expert cache"`, `"CUDA work buffers"`).
+///
+/// Errors: a lock poisoned by a panic while it was held (`<what> lock poisoned`).
+pub fn lock<'a, T>(m: &'a Mutex<T>, what: &str) -> Result<MutexGuard<'a, T>, EngineError> {
+    m.lock()
+        .map_err(|_| EngineError::Invalid(format!("{what} lock poisoned")))
 }
 
 /// Device memory every family's GPU path leaves free by default beyond the backbone and the
@@ -435,7 +443,8 @@ pub fn grouped_swiglu_experts(
     let mut table = g.expert_table(experts.len(), inter, hidden)?;
     table.set(g, 0, experts)?;
     // tiles[i] = [entry, first pair, pairs]: each expert's pairs, `tmax` at a time.
-    let tmax = g.grouped_shape(&table).tokens;
+    let shape = g.grouped_shape(&table);
+    let tmax = shape.tokens;
     let mut tiles = Vec::with_capacity(pairs / tmax + experts.len());
     let mut off = 0usize;
     for (u, m) in em.members.iter().enumerate() {
@@ -447,7 +456,7 @@ pub fn grouped_swiglu_experts(
     let mut xg = g.zeros(pairs * hidden)?;
     g.gather_rows(xn, src_d, 0, pairs, hidden, &mut xg)?;
     let mut hh = g.zeros(pairs * inter)?;
-    g.moe_grouped(&table, &tiles, &xg, &em.dst, &mut hh, y)
+    g.moe_grouped(shape, &table, &tiles, &xg, &em.dst, &mut hh, y)
 }
 
 /// The device router's choice for `n` tokens of MoE layer `l` read back: `ids_d`, `w_d`

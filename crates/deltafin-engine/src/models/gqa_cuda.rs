@@ -60,7 +60,7 @@ use crate::gpu_experts::{GpuCacheStats, GpuExpertCache};
 use crate::gqa::{GqaAttention, GqaNames};
 use crate::model::{BatchOutput, CausalLm, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::gpu_fetch::{
-    cuda, download_routings, fetch_gpu_experts_with, gpu_expert_budget, grouped_swiglu_experts, open_gpu_for,
+    cuda, download_routings, fetch_gpu_experts_with, gpu_expert_budget, grouped_swiglu_experts, lock, open_gpu_for,
     per_expert_rows, preload_in_file_order, ExpertMajor, GpuLayerCache,
 };
 use crate::moe::Routing;
@@ -183,7 +183,7 @@ enum Mlp {
 /// `[capacity, n_kv_heads * head_dim]` each.
 pub type GpuGqaCache = GpuLayerCache;
 
-/// A one-token MoE block's device work ([`Gpu::moe_table_with`]): the token's experts by slot,
+/// A one-token MoE block's device work ([`Gpu::moe_table`]): the token's experts by slot,
 /// the slot ids `0..MOE_MAX_K`, the intermediates `[MOE_MAX_K, inter]`.
 struct SlotTable {
     table: ExpertTable,
@@ -317,22 +317,14 @@ impl GqaCuda {
             Mlp::Moe { router, .. } => Some((l, router.rows)),
             Mlp::Dense(_) => None,
         });
-        let room = || {
-            self.experts
-                .lock()
-                .map(|c| c.stats().records_free(record))
-                .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))
-        };
+        let room = || lock(&self.experts, "GPU expert cache").map(|c| c.stats().records_free(record));
         preload_in_file_order(layers, room, |l, ids| Ok(self.experts_of(l, ids)?.len()))
     }
 
     /// The device copies of experts `ids` of layer `l`, in that order
     /// ([`fetch_gpu_experts_with`]: every part of each record).
     fn experts_of(&self, l: usize, ids: &[usize]) -> Result<Vec<GqaExpert>, EngineError> {
-        let mut cache = self
-            .experts
-            .lock()
-            .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
+        let mut cache = lock(&self.experts, "GPU expert cache")?;
         let parts = self.expert_kind.parts();
         let upload = |record: &Expert| -> Result<(GqaExpert, u64), CudaError> {
             let mats = (0..parts)
@@ -567,7 +559,7 @@ impl GqaCuda {
     }
 
     /// The routed SwiGLU experts of one token, `experts[j]` in slot `j` with weight `w[j]`,
-    /// added to `x: [hidden]` ([`Gpu::moe_table_with`]: gate/up with SiLU in one launch, the
+    /// added to `x: [hidden]` ([`Gpu::moe_table`]: gate/up with SiLU in one launch, the
     /// down projections and the weighted sum from zero in slot order with the residual add in
     /// another; the bits of the expert-major path's `swiglu` products and
     /// `moe_combine_tokens` for that token, as the DeepSeek path's decode and prefill agree).
@@ -605,7 +597,7 @@ impl GqaCuda {
             return Err(CudaError::Shape("MoE slot table missing".into()));
         };
         st.table.set(g, 0, &refs)?;
-        g.moe_table_with(
+        g.moe_table(
             MoeDown::Fused,
             &st.table,
             &st.slot_ids.slice(..k),

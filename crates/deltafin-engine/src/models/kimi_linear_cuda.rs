@@ -52,7 +52,7 @@ use crate::experts::StoreOptions;
 use crate::gpu_experts::{GpuCacheStats, GpuExpert, GpuExpertCache};
 use crate::model::{token_at_a_time, BatchOutput, DecodeState, FamilyModel, LayerRoutes, RoutedExperts};
 use crate::models::gpu_fetch::{
-    cuda, fetch_gpu_experts, gpu_expert_budget, open_gpu_for, preload_in_file_order, Upload,
+    cuda, fetch_gpu_experts, gpu_expert_budget, lock, open_gpu_for, preload_in_file_order, Upload,
 };
 use crate::models::kimi_linear::{KimiLinear, LayerNames, KDA_ROLLBACK_WINDOW, LATENT_NORM_EPS};
 use crate::models::mla_gpu::{MlaGpu, QProj};
@@ -550,20 +550,12 @@ impl KimiLinearCuda {
         let layers = (0..c.num_hidden_layers)
             .filter(|&l| c.is_moe_layer(l))
             .map(|l| (l, c.num_experts));
-        let room = || {
-            self.experts
-                .lock()
-                .map(|c| c.stats().records_free(record))
-                .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))
-        };
+        let room = || lock(&self.experts, "GPU expert cache").map(|c| c.stats().records_free(record));
         preload_in_file_order(layers, room, |l, ids| Ok(self.experts_of(l, ids)?.len()))
     }
 
     fn experts_of(&self, l: usize, ids: &[usize]) -> Result<Vec<GpuExpert>, EngineError> {
-        let mut cache = self
-            .experts
-            .lock()
-            .map_err(|_| EngineError::Invalid("GPU expert cache lock poisoned".into()))?;
+        let mut cache = lock(&self.experts, "GPU expert cache")?;
         fetch_gpu_experts(&self.gpu, &mut cache, &self.cpu.routed, l, ids, &mut |_| Ok(()))
     }
 
@@ -865,10 +857,7 @@ impl KimiLinearCuda {
             st.try_commit().map_err(cuda)?;
         }
         st.reserve(st.len + 1).map_err(cuda)?;
-        let mut guard = self
-            .work
-            .lock()
-            .map_err(|_| EngineError::Invalid("CUDA work buffers lock poisoned".into()))?;
+        let mut guard = lock(&self.work, "CUDA work buffers")?;
         let w = &mut *guard;
         let h = c.hidden_size;
         let mut x_host = vec![0f32; h];
