@@ -37,11 +37,12 @@ use crate::blocks::kda::{DecayGate, Kda, KdaConfig, KdaState, KdaTensorNames, Kd
 use crate::blocks::mla::{mla_chunk_layer, mla_token, MlaShape, MlaTensorNames, MlaTensors, MlaVariant};
 use crate::experts::{Expert, StoreOptions};
 use crate::model::{
-    add_into, gather_rows, token_at_a_time, BatchOutput, DecodeState, FamilyModel, GluTensorNames, GluTensors,
-    LayerRoutes, Numerics, RoutedExperts,
+    add_into, gather_rows, token_at_a_time, BatchOutput, FamilyModel, GluTensorNames, GluTensors, LayerRoutes,
+    Numerics, RoutedExperts,
 };
 use crate::models::decoder::DecoderWeights;
 use crate::models::family_config;
+use crate::models::hybrid_state::{HybridState, LayerState};
 use crate::moe::{route, route_masked, RouterConfig, Routing};
 use crate::EngineError;
 
@@ -220,9 +221,10 @@ fn resolve(bb: &Backbone, cfg: &KimiLinearConfig, names: &[LayerNames]) -> Resul
     })
 }
 
-/// Decode state of one layer's token mixer.
+/// Decode state of one Kimi Linear layer's token mixer (a [`HybridState`] layer).
 #[derive(Debug, Clone)]
-enum MixerState {
+pub enum MixerState {
+    /// A KDA layer's recurrent state (with its rollback log).
     Kda(KdaState),
     /// MLA latent cache: `c_kv: [n_tokens, kv_lora_rank]` (normalised) and the shared, un-rotated
     /// key part `k_pe: [n_tokens, qk_rope_head_dim]`.
@@ -232,49 +234,32 @@ enum MixerState {
     },
 }
 
-/// Per-sequence decode state: one mixer state per layer. The attention-residual bank is an
-/// activation of the current position only (§2), not part of the state.
-#[derive(Debug, Clone)]
-pub struct KimiLinearState {
-    layers: Vec<MixerState>,
-    kv_lora_rank: usize,
-    rope_dim: usize,
-    len: usize,
-}
-
-impl DecodeState for KimiLinearState {
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    /// MLA caches truncate; KDA states need their layer's weights to roll back, so a bare
-    /// truncate succeeds only when nothing is dropped (use [`CausalLm::rollback`]).
-    fn truncate(&mut self, len: usize) -> bool {
-        len >= self.len
-    }
-
+impl LayerState for MixerState {
     fn commit(&mut self) {
-        for s in &mut self.layers {
-            if let MixerState::Kda(k) = s {
-                k.commit();
-            }
+        if let MixerState::Kda(k) = self {
+            k.commit();
         }
     }
 
     fn bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|s| match s {
-                MixerState::Kda(k) => k.bytes(),
-                MixerState::Mla { c_kv, k_pe } => (c_kv.capacity() + k_pe.capacity()) * 4,
-            })
-            .sum()
+        match self {
+            MixerState::Kda(k) => k.bytes(),
+            MixerState::Mla { c_kv, k_pe } => (c_kv.capacity() + k_pe.capacity()) * 4,
+        }
     }
 
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
+    fn rollback_floor(&self) -> usize {
+        match self {
+            MixerState::Kda(k) => k.committed_len(),
+            MixerState::Mla { .. } => 0,
+        }
     }
 }
+
+/// Per-sequence decode state: one mixer state per layer; `dims` is `(kv_lora_rank,
+/// qk_rope_head_dim)`, the widths of the MLA layers' cache rows. The attention-residual bank is
+/// an activation of the current position only (§2), not part of the state.
+pub type KimiLinearState = HybridState<MixerState, (usize, usize)>;
 
 /// A loaded Kimi Linear / Kimi K3 model.
 pub struct KimiLinear {
@@ -933,12 +918,10 @@ impl FamilyModel for KimiLinear {
     }
 
     fn new_state(&self) -> KimiLinearState {
-        KimiLinearState {
-            layers: self.empty_states.clone(),
-            kv_lora_rank: self.cfg.kv_lora_rank,
-            rope_dim: self.cfg.qk_rope_head_dim,
-            len: 0,
-        }
+        HybridState::new(
+            self.empty_states.clone(),
+            (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim),
+        )
     }
 
     fn step(&self, st: &mut KimiLinearState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
@@ -962,36 +945,19 @@ impl FamilyModel for KimiLinear {
     }
 
     fn rollback(&self, st: &mut KimiLinearState, len: usize) -> bool {
-        if len >= st.len {
-            return true;
-        }
-        // All KDA layers must reach back that far before anything is changed.
-        let reachable = st.layers.iter().all(|s| match s {
-            MixerState::Kda(k) => len >= k.committed_len(),
-            MixerState::Mla { .. } => true,
-        });
-        if !reachable {
-            return false;
-        }
-        let (kvl, rope) = (st.kv_lora_rank, st.rope_dim);
-        for (l, s) in st.layers.iter_mut().enumerate() {
-            match s {
-                MixerState::Kda(k) => {
-                    let Some(Mixer::Kda { cfg, w }) = self.w.layers.get(l).map(|lw| &lw.self_attn) else {
-                        return false;
-                    };
-                    if k.rollback(&self.kda(cfg, w), len).is_err() {
-                        return false;
-                    }
-                }
-                MixerState::Mla { c_kv, k_pe } => {
-                    c_kv.truncate(len * kvl);
-                    k_pe.truncate(len * rope);
-                }
+        st.rollback(len, |l, &(kvl, rope), s| match s {
+            MixerState::Kda(k) => {
+                let Some(Mixer::Kda { cfg, w }) = self.w.layers.get(l).map(|lw| &lw.self_attn) else {
+                    return false;
+                };
+                k.rollback(&self.kda(cfg, w), len).is_ok()
             }
-        }
-        st.len = len;
-        true
+            MixerState::Mla { c_kv, k_pe } => {
+                c_kv.truncate(len * kvl);
+                k_pe.truncate(len * rope);
+                true
+            }
+        })
     }
 
     fn routed(&self) -> &RoutedExperts {

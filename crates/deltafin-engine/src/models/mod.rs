@@ -7,6 +7,7 @@ pub mod gpt_oss;
 pub mod gpu_fetch;
 pub mod gqa_cuda;
 pub mod gqa_lm;
+pub mod hybrid_state;
 pub mod kimi_linear;
 pub mod kimi_linear_cuda;
 pub mod mixtral;

@@ -39,10 +39,10 @@ use crate::blocks::gated_deltanet::{GatedDeltaNet, GdnDims, GdnProj, GdnState, G
 use crate::compute::{chunk_logits, decoder_layers, on_cpu, Cpu};
 use crate::experts::{Expert, StoreOptions};
 use crate::model::{
-    add_into, swiglu, swiglu_batch, BatchOutput, DecodeState, FamilyModel, GluTensorNames, GluTensors, LayerRoutes,
-    RoutedExperts,
+    add_into, swiglu, swiglu_batch, BatchOutput, FamilyModel, GluTensorNames, GluTensors, LayerRoutes, RoutedExperts,
 };
 use crate::models::family_config;
+use crate::models::hybrid_state::{HybridState, LayerState};
 use crate::moe::{route_softmax, route_softmax_masked, Routing};
 use crate::rope::RotaryEmbedding;
 use crate::EngineError;
@@ -131,58 +131,43 @@ struct Layer {
     mlp: Mlp,
 }
 
-/// Decode state of one layer's token mixer.
+/// Decode state of one Qwen3-Next layer's token mixer (a [`HybridState`] layer).
 #[derive(Debug, Clone)]
-enum MixerState {
+pub enum MixerState {
     /// Keys (normalised, rotated) and values `[n_tokens, n_kv_heads · head_dim]`.
     Kv {
         k: Vec<f32>,
         v: Vec<f32>,
     },
+    /// A gated DeltaNet layer's recurrent state (with its rollback log).
     DeltaNet(GdnState),
 }
 
-/// Per-sequence decode state of a Qwen3-Next model.
-#[derive(Debug, Clone)]
-pub struct Qwen3NextState {
-    layers: Vec<MixerState>,
-    kv_dim: usize,
-    len: usize,
-}
-
-impl DecodeState for Qwen3NextState {
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Only [`CausalLm::rollback`] can shorten the DeltaNet states; a bare truncate succeeds
-    /// when nothing is dropped.
-    fn truncate(&mut self, len: usize) -> bool {
-        len >= self.len
-    }
-
+impl LayerState for MixerState {
     fn commit(&mut self) {
-        for s in &mut self.layers {
-            if let MixerState::DeltaNet(g) = s {
-                g.commit();
-            }
+        if let MixerState::DeltaNet(g) = self {
+            g.commit();
         }
     }
 
     fn bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|s| match s {
-                MixerState::Kv { k, v } => (k.capacity() + v.capacity()) * 4,
-                MixerState::DeltaNet(g) => g.bytes(),
-            })
-            .sum()
+        match self {
+            MixerState::Kv { k, v } => (k.capacity() + v.capacity()) * 4,
+            MixerState::DeltaNet(g) => g.bytes(),
+        }
     }
 
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
+    fn rollback_floor(&self) -> usize {
+        match self {
+            MixerState::DeltaNet(g) => g.committed_len(),
+            MixerState::Kv { .. } => 0,
+        }
     }
 }
+
+/// Per-sequence decode state of a Qwen3-Next model: one mixer state per layer; `dims` is the
+/// attention layers' key/value width `n_kv_heads · head_dim`.
+pub type Qwen3NextState = HybridState<MixerState, usize>;
 
 /// A loaded Qwen3-Next / Qwen3.5-MoE model.
 pub struct Qwen3Next {
@@ -517,7 +502,7 @@ impl Qwen3Next {
             .layers
             .iter()
             .any(|s| matches!(s, MixerState::DeltaNet(g) if g.dims() != self.gdn));
-        if foreign || st.layers.len() != c.num_hidden_layers || st.kv_dim != c.num_key_value_heads * c.head_dim {
+        if foreign || st.layers.len() != c.num_hidden_layers || st.dims != c.num_key_value_heads * c.head_dim {
             return Err(EngineError::Invalid("decode state belongs to another model".into()));
         }
         EngineError::check_tokens(tokens, c.vocab_size)?;
@@ -630,11 +615,7 @@ impl FamilyModel for Qwen3Next {
                 Qwen3NextMixer::GatedDeltaNet => MixerState::DeltaNet(GdnState::new(self.gdn, GDN_ROLLBACK_WINDOW)),
             })
             .collect();
-        Qwen3NextState {
-            layers,
-            kv_dim: self.cfg.num_key_value_heads * self.cfg.head_dim,
-            len: 0,
-        }
+        HybridState::new(layers, self.cfg.num_key_value_heads * self.cfg.head_dim)
     }
 
     fn step(&self, st: &mut Qwen3NextState, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
@@ -672,33 +653,14 @@ impl FamilyModel for Qwen3Next {
     }
 
     fn rollback(&self, st: &mut Qwen3NextState, len: usize) -> bool {
-        if len >= st.len {
-            return true;
-        }
-        // Every DeltaNet layer must reach back that far before anything changes.
-        let reachable = st.layers.iter().all(|s| match s {
-            MixerState::DeltaNet(g) => len >= g.committed_len(),
-            MixerState::Kv { .. } => true,
-        });
-        if !reachable {
-            return false;
-        }
-        let kv_dim = st.kv_dim;
-        for s in st.layers.iter_mut() {
-            match s {
-                MixerState::DeltaNet(g) => {
-                    if !g.rollback(len) {
-                        return false;
-                    }
-                }
-                MixerState::Kv { k, v } => {
-                    k.truncate(len * kv_dim);
-                    v.truncate(len * kv_dim);
-                }
+        st.rollback(len, |_, &kv_dim, s| match s {
+            MixerState::DeltaNet(g) => g.rollback(len),
+            MixerState::Kv { k, v } => {
+                k.truncate(len * kv_dim);
+                v.truncate(len * kv_dim);
+                true
             }
-        }
-        st.len = len;
-        true
+        })
     }
 
     fn routed(&self) -> &RoutedExperts {
