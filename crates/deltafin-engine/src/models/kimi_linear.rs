@@ -228,10 +228,7 @@ pub enum MixerState {
     Kda(KdaState),
     /// MLA latent cache: `c_kv: [n_tokens, kv_lora_rank]` (normalised) and the shared, un-rotated
     /// key part `k_pe: [n_tokens, qk_rope_head_dim]`.
-    Mla {
-        c_kv: Vec<f32>,
-        k_pe: Vec<f32>,
-    },
+    Mla { c_kv: Vec<f32>, k_pe: Vec<f32> },
 }
 
 impl LayerState for MixerState {

@@ -135,10 +135,7 @@ struct Layer {
 #[derive(Debug, Clone)]
 pub enum MixerState {
     /// Keys (normalised, rotated) and values `[n_tokens, n_kv_heads · head_dim]`.
-    Kv {
-        k: Vec<f32>,
-        v: Vec<f32>,
-    },
+    Kv { k: Vec<f32>, v: Vec<f32> },
     /// A gated DeltaNet layer's recurrent state (with its rollback log).
     DeltaNet(GdnState),
 }
