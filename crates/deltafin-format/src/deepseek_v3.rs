@@ -12,7 +12,8 @@ use std::path::Path;
 
 use crate::family::{
     decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors, mla_widths,
-    noaux_router_tensors, shared_experts_tensors, BackboneTensor, ExpertGroups, ExpertMatrix, Family, GATE_UP_DOWN,
+    noaux_router_tensors, shared_experts_tensors, BackboneTensor, ExpertGroups, ExpertMatrix, Family, MoeDecoderSizes,
+    GATE_UP_DOWN,
 };
 use crate::json::{
     bool_or, eos_bos, f32_in, field_err, get, require_nonzero_fields, require_only, require_silu, resolve_aliases,
@@ -26,14 +27,11 @@ use crate::FormatError;
 pub struct DeepseekV3Config {
     /// `model_type` of the text config (`deepseek_v3` or `kimi_k2`).
     pub model_type: String,
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    /// Intermediate width of the dense MLP layers (below `first_k_dense_replace`).
-    pub intermediate_size: usize,
-    /// Intermediate width of one routed expert; shared experts use `n_shared_experts ×` this.
-    pub moe_intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
+    /// `vocab_size` … `num_attention_heads`; dense MLP layers are those below
+    /// `first_k_dense_replace`, and shared experts use `n_shared_experts ×
+    /// moe_intermediate_size`.
+    #[serde(flatten)]
+    pub sizes: MoeDecoderSizes,
     pub n_shared_experts: usize,
     pub n_routed_experts: usize,
     /// Multiplier on the routed experts' combined weights, applied once.
@@ -66,6 +64,16 @@ pub struct DeepseekV3Config {
 /// `DeepseekV3Config.attribute_map`: `num_local_experts` is read as `n_routed_experts`.
 /// [TRANSFORMERS_ATTRIBUTE_MAP]
 const DEEPSEEK_V3_ALIASES: Aliases = &[("num_local_experts", "n_routed_experts")];
+
+/// `DeepseekV3Config`'s defaults of the [`MoeDecoderSizes`].
+const SIZES: MoeDecoderSizes = MoeDecoderSizes {
+    vocab_size: 129280,
+    hidden_size: 7168,
+    intermediate_size: 18432,
+    moe_intermediate_size: 2048,
+    num_hidden_layers: 61,
+    num_attention_heads: 128,
+};
 
 /// The text-model types of this family.
 pub const MODEL_TYPES: &[&str] = &["deepseek_v3", "kimi_k2"];
@@ -108,12 +116,7 @@ impl DeepseekV3Config {
         let (eos, bos) = eos_bos(tc, raw);
         let cfg = DeepseekV3Config {
             model_type,
-            vocab_size: usize_or(tc, path, "vocab_size", 129280)?,
-            hidden_size: usize_or(tc, path, "hidden_size", 7168)?,
-            intermediate_size: usize_or(tc, path, "intermediate_size", 18432)?,
-            moe_intermediate_size: usize_or(tc, path, "moe_intermediate_size", 2048)?,
-            num_hidden_layers: usize_or(tc, path, "num_hidden_layers", 61)?,
-            num_attention_heads: usize_or(tc, path, "num_attention_heads", 128)?,
+            sizes: MoeDecoderSizes::read(tc, path, &SIZES)?,
             n_shared_experts: usize_or(tc, path, "n_shared_experts", 1)?,
             n_routed_experts: usize_or(tc, path, "n_routed_experts", 256)?,
             routed_scaling_factor: f32_in(tc, path, "routed_scaling_factor", 2.5, Range::Positive)?,
@@ -213,6 +216,8 @@ impl DeepseekV3Config {
         }
     }
 }
+
+crate::family::deref_to_sizes!(DeepseekV3Config);
 
 impl Family for DeepseekV3Config {
     crate::family::family_items!(

@@ -13,7 +13,10 @@
 
 use std::path::Path;
 
-use crate::json::field_err;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::json::{field_err, usize_or};
 use crate::FormatError;
 
 /// One model family's resolved config: its hyperparameters and its tensor tables. Implemented
@@ -246,6 +249,59 @@ pub(crate) fn glu_mlp_tensors(prefix: &str, hidden: usize, inter: usize) -> Vec<
         (format!("{prefix}.down_proj.weight"), vec![h, i], TensorRole::Matrix),
     ])
 }
+
+/// The sizes that DeepSeek-V3, Kimi Linear and Qwen3-MoE configs name alike and in the same
+/// order: a decoder whose layers are dense or MoE. Each family config holds them as its field
+/// `sizes`, flattened, so that the manifest stores the keys where the family's own fields stood
+/// (after `model_type`, when the family has one), and reads them through `Deref`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeDecoderSizes {
+    /// Rows of the embedding and the LM head.
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Intermediate width of the dense MLP layers (which layers are dense is the family's
+    /// rule: `first_k_dense_replace`, or `mlp_only_layers` and `decoder_sparse_step`).
+    pub intermediate_size: usize,
+    /// Intermediate width of one routed expert (DeepSeek-V3's and Kimi's shared experts are
+    /// a multiple of it).
+    pub moe_intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    /// Attention heads (MLA heads in DeepSeek-V3 and Kimi, query heads in Qwen3-MoE).
+    pub num_attention_heads: usize,
+}
+
+impl MoeDecoderSizes {
+    /// Reads the six sizes from text config `tc` in field order, each absent or null one taking
+    /// the family's transformers default from `defaults`.
+    ///
+    /// Errors: as [`usize_or`] (the first bad field, named).
+    pub(crate) fn read(tc: &Value, path: &Path, defaults: &MoeDecoderSizes) -> Result<Self, FormatError> {
+        Ok(MoeDecoderSizes {
+            vocab_size: usize_or(tc, path, "vocab_size", defaults.vocab_size)?,
+            hidden_size: usize_or(tc, path, "hidden_size", defaults.hidden_size)?,
+            intermediate_size: usize_or(tc, path, "intermediate_size", defaults.intermediate_size)?,
+            moe_intermediate_size: usize_or(tc, path, "moe_intermediate_size", defaults.moe_intermediate_size)?,
+            num_hidden_layers: usize_or(tc, path, "num_hidden_layers", defaults.num_hidden_layers)?,
+            num_attention_heads: usize_or(tc, path, "num_attention_heads", defaults.num_attention_heads)?,
+        })
+    }
+}
+
+/// `impl Deref<Target = MoeDecoderSizes>` for a family config holding them as field `sizes`, so
+/// that `cfg.hidden_size` reads as it did when the sizes were the config's own fields.
+macro_rules! deref_to_sizes {
+    ($config:ty) => {
+        impl std::ops::Deref for $config {
+            type Target = crate::family::MoeDecoderSizes;
+
+            fn deref(&self) -> &crate::family::MoeDecoderSizes {
+                &self.sizes
+            }
+        }
+    };
+}
+pub(crate) use deref_to_sizes;
 
 /// Widths of multi-head latent attention (DeepSeek-V3, Kimi Linear's MLA layers), as the
 /// config names them.

@@ -16,7 +16,7 @@ use serde_json::Value;
 use crate::family::{
     check_layer_count, decoder_backbone, glu_expert_matrices, glu_mlp_tensors, is_beyond_layers, mla_tensors,
     mla_widths, noaux_router_tensors, shared_experts_tensors, tensors, whole, BackboneTensor, ExpertGroups,
-    ExpertMatrix, ExpertSource, Family, TensorRole,
+    ExpertMatrix, ExpertSource, Family, MoeDecoderSizes, TensorRole,
 };
 use crate::json::{
     bool_or as bool_of, check_range, eos_bos, f32_in, field_err as err, get, opt_usize, require_nonzero, require_only,
@@ -50,15 +50,11 @@ pub enum GluActivation {
 pub struct KimiLinearConfig {
     /// Top-level `model_type`: `kimi_linear` or `kimi_k3`.
     pub model_type: String,
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    /// Intermediate width of the dense MLP layers (below `first_k_dense_replace`).
-    pub intermediate_size: usize,
-    /// Intermediate width of one routed expert; the shared MLP uses `num_shared_experts ×` this.
-    pub moe_intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    /// MLA heads.
-    pub num_attention_heads: usize,
+    /// `vocab_size` … `num_attention_heads` (MLA heads); dense MLP layers are those below
+    /// `first_k_dense_replace`, and the shared MLP uses `num_shared_experts ×
+    /// moe_intermediate_size`.
+    #[serde(flatten)]
+    pub sizes: MoeDecoderSizes,
     pub q_lora_rank: Option<usize>,
     pub kv_lora_rank: usize,
     pub qk_nope_head_dim: usize,
@@ -110,6 +106,16 @@ const ALIASES: Aliases = &[
     ("num_local_experts", "num_experts"),
 ];
 
+/// `KimiLinearConfig`'s defaults of the [`MoeDecoderSizes`].
+const SIZES: MoeDecoderSizes = MoeDecoderSizes {
+    vocab_size: 163840,
+    hidden_size: 2304,
+    intermediate_size: 9216,
+    moe_intermediate_size: 1024,
+    num_hidden_layers: 27,
+    num_attention_heads: 32,
+};
+
 /// One-based layer list `key` of `linear_attn_config`.
 fn layer_list(lac: &Value, path: &Path, key: &str) -> Result<Option<Vec<usize>>, FormatError> {
     let field = format!("linear_attn_config.{key}");
@@ -138,7 +144,7 @@ impl KimiLinearConfig {
         let raw = &*resolve_aliases(raw, path, ALIASES)?;
         let tc = text_config(raw);
         let top = raw.get("model_type").and_then(Value::as_str).unwrap_or("kimi_linear");
-        let n_layers = usize_of(tc, path, "num_hidden_layers", 27)?;
+        let n_layers = usize_of(tc, path, "num_hidden_layers", SIZES.num_hidden_layers)?;
         let empty = Value::Object(Default::default());
         let lac = get(tc, "linear_attn_config").unwrap_or(&empty);
         let full = layer_list(lac, path, "full_attn_layers")?;
@@ -233,7 +239,7 @@ impl KimiLinearConfig {
         }
         let q_lora_rank = opt_usize(tc, path, "q_lora_rank")?;
         let (eos, bos) = eos_bos(tc, raw);
-        let num_attention_heads = usize_of(tc, path, "num_attention_heads", 32)?;
+        let num_attention_heads = usize_of(tc, path, "num_attention_heads", SIZES.num_attention_heads)?;
         let kv_heads = usize_of(tc, path, "num_key_value_heads", num_attention_heads)?;
         if kv_heads != num_attention_heads {
             return Err(err(
@@ -249,12 +255,9 @@ impl KimiLinearConfig {
         let n_experts = usize_of(tc, path, "num_experts", usize_of(tc, path, "num_local_experts", 256)?)?;
         let cfg = KimiLinearConfig {
             model_type: top.to_string(),
-            vocab_size: usize_of(tc, path, "vocab_size", 163840)?,
-            hidden_size: usize_of(tc, path, "hidden_size", 2304)?,
-            intermediate_size: usize_of(tc, path, "intermediate_size", 9216)?,
-            moe_intermediate_size: usize_of(tc, path, "moe_intermediate_size", 1024)?,
-            num_hidden_layers: n_layers,
-            num_attention_heads,
+            // Reads `num_hidden_layers` and `num_attention_heads` again: the same values as
+            // `n_layers` and `num_attention_heads` above.
+            sizes: MoeDecoderSizes::read(tc, path, &SIZES)?,
             q_lora_rank,
             kv_lora_rank: usize_of(tc, path, "kv_lora_rank", 512)?,
             qk_nope_head_dim: usize_of(tc, path, "qk_nope_head_dim", 128)?,
@@ -426,6 +429,8 @@ impl KimiLinearConfig {
         }
     }
 }
+
+crate::family::deref_to_sizes!(KimiLinearConfig);
 
 impl Family for KimiLinearConfig {
     crate::family::family_items!(

@@ -15,7 +15,7 @@ use serde_json::Value;
 use crate::family::{
     check_dense_width, check_gqa, check_mlp_only_layers, check_top_k, decoder_backbone, glu_expert_matrices,
     glu_mlp_tensors, gqa_attention_tensors, sparse_step_moe_layer, tensors, BackboneTensor, ExpertMatrix, Family,
-    TensorRole, GATE_UP_DOWN,
+    MoeDecoderSizes, TensorRole, GATE_UP_DOWN,
 };
 use crate::json::{
     bool_or, eos_bos, f32_in, field_err, layer_indices, opt_usize, reject_tied_embeddings, reject_true,
@@ -29,18 +29,23 @@ use crate::FormatError;
 /// [TRANSFORMERS_ATTRIBUTE_MAP]
 const ALIASES: Aliases = &[("num_local_experts", "num_experts")];
 
+/// `Qwen3MoeConfig`'s defaults of the [`MoeDecoderSizes`].
+const SIZES: MoeDecoderSizes = MoeDecoderSizes {
+    vocab_size: 151936,
+    hidden_size: 2048,
+    intermediate_size: 6144,
+    moe_intermediate_size: 768,
+    num_hidden_layers: 24,
+    num_attention_heads: 32,
+};
+
 /// Concrete hyperparameters of a Qwen3-MoE text model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Qwen3MoeConfig {
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    /// Intermediate width of the dense MLP layers (`mlp_only_layers` and the layers
-    /// `decoder_sparse_step` skips).
-    pub intermediate_size: usize,
-    /// Intermediate width of one routed expert.
-    pub moe_intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
+    /// `vocab_size` … `num_attention_heads` (query heads); dense MLP layers are
+    /// `mlp_only_layers` and the layers `decoder_sparse_step` skips.
+    #[serde(flatten)]
+    pub sizes: MoeDecoderSizes,
     /// Key/value heads of grouped-query attention (divides `num_attention_heads`).
     pub num_key_value_heads: usize,
     /// Width of one attention head (explicit in real checkpoints; not `hidden / heads` there).
@@ -78,8 +83,8 @@ impl Qwen3MoeConfig {
         require_silu(tc, path)?;
         reject_true(tc, path, "attention_bias", "attention biases are not supported")?;
         reject_tied_embeddings(tc, path, "Qwen3-MoE")?;
-        let hidden_size = usize_or(tc, path, "hidden_size", 2048)?;
-        let num_attention_heads = usize_or(tc, path, "num_attention_heads", 32)?;
+        let hidden_size = usize_or(tc, path, "hidden_size", SIZES.hidden_size)?;
+        let num_attention_heads = usize_or(tc, path, "num_attention_heads", SIZES.num_attention_heads)?;
         let head_dim = opt_usize(tc, path, "head_dim")?.unwrap_or(hidden_size / num_attention_heads.max(1));
         let mlp_only_layers = layer_indices(tc, path, "mlp_only_layers")?;
         let sliding_window = if bool_or(tc, path, "use_sliding_window", false)? {
@@ -90,12 +95,8 @@ impl Qwen3MoeConfig {
         let max_position_embeddings = usize_or(tc, path, "max_position_embeddings", 32768)?;
         let (eos_token_id, bos_token_id) = eos_bos(tc, raw);
         let cfg = Qwen3MoeConfig {
-            vocab_size: usize_or(tc, path, "vocab_size", 151936)?,
-            hidden_size,
-            intermediate_size: usize_or(tc, path, "intermediate_size", 6144)?,
-            moe_intermediate_size: usize_or(tc, path, "moe_intermediate_size", 768)?,
-            num_hidden_layers: usize_or(tc, path, "num_hidden_layers", 24)?,
-            num_attention_heads,
+            // Reads `hidden_size` and `num_attention_heads` again: the same values as above.
+            sizes: MoeDecoderSizes::read(tc, path, &SIZES)?,
             num_key_value_heads: usize_or(tc, path, "num_key_value_heads", 4)?,
             head_dim,
             num_experts: usize_or(tc, path, "num_experts", 128)?,
@@ -148,6 +149,8 @@ impl Qwen3MoeConfig {
         (0..self.num_hidden_layers).any(|l| self.is_moe_layer(l))
     }
 }
+
+crate::family::deref_to_sizes!(Qwen3MoeConfig);
 
 impl Family for Qwen3MoeConfig {
     crate::family::family_items!(family: "qwen3_moe", routed_experts: num_experts, top_k: num_experts_per_tok);
