@@ -910,9 +910,7 @@ pub fn glu_mlp_batch(
 impl FamilyModel for KimiLinear {
     type State = KimiLinearState;
 
-    fn config(&self) -> &ModelConfig {
-        &self.config
-    }
+    crate::model::resident_items!();
 
     fn new_state(&self) -> KimiLinearState {
         HybridState::new(
@@ -957,21 +955,9 @@ impl FamilyModel for KimiLinear {
         })
     }
 
-    fn routed(&self) -> &RoutedExperts {
-        &self.routed
-    }
-
-    fn routed_mut(&mut self) -> &mut RoutedExperts {
-        &mut self.routed
-    }
-
     fn set_numerics(&mut self, numerics: Numerics) -> Result<(), EngineError> {
         self.numerics = numerics;
         Ok(())
-    }
-
-    fn backbone_bytes(&self) -> usize {
-        self.backbone.bytes()
     }
 }
 
