@@ -105,66 +105,68 @@ pub fn attend_rows<S, M>(
     }
     scores.clear();
     scores.resize(total, 0.0);
-    let lo = windows.iter().map(|w| w.0).min().unwrap_or(0);
-    let hi = windows.iter().map(|w| w.1).max().unwrap_or(0);
     // Scores, key tile by key tile; rows with the same window in pairs, two keys at a time.
-    let mut t0 = lo;
-    while t0 < hi {
-        let t1 = (t0 + KEY_TILE).min(hi);
-        let mut r = 0;
-        while r < windows.len() {
-            let (s, e) = windows[r];
-            let (a, b) = (s.max(t0), e.min(t1));
-            let (o0, paired) = (offsets[r], r + 1 < windows.len() && windows[r + 1] == (s, e));
-            if paired {
-                let o1 = offsets[r + 1];
-                let mut t = a;
-                while t + 2 <= b {
-                    let v = score.score_2x2(r, t);
-                    scores[o0 + t - s] = v[0];
-                    scores[o0 + t + 1 - s] = v[1];
-                    scores[o1 + t - s] = v[2];
-                    scores[o1 + t + 1 - s] = v[3];
-                    t += 2;
-                }
-                if t < b {
-                    scores[o0 + t - s] = score.score(r, t);
-                    scores[o1 + t - s] = score.score(r + 1, t);
-                }
-                r += 2;
-            } else {
-                for t in a..b {
-                    scores[o0 + t - s] = score.score(r, t);
-                }
-                r += 1;
+    for_each_tile(windows, |r, (s, e), (a, b)| {
+        let (o0, paired) = (offsets[r], r + 1 < windows.len() && windows[r + 1] == (s, e));
+        if paired {
+            let o1 = offsets[r + 1];
+            let mut t = a;
+            while t + 2 <= b {
+                let v = score.score_2x2(r, t);
+                scores[o0 + t - s] = v[0];
+                scores[o0 + t + 1 - s] = v[1];
+                scores[o1 + t - s] = v[2];
+                scores[o1 + t + 1 - s] = v[3];
+                t += 2;
             }
+            if t < b {
+                scores[o0 + t - s] = score.score(r, t);
+                scores[o1 + t - s] = score.score(r + 1, t);
+            }
+            2
+        } else {
+            for t in a..b {
+                scores[o0 + t - s] = score.score(r, t);
+            }
+            1
         }
-        t0 = t1;
-    }
+    });
     for (r, &(s, e)) in windows.iter().enumerate() {
         softmax(r, &mut scores[offsets[r]..offsets[r] + e.saturating_sub(s)]);
     }
     // Weighted values, key tile by key tile; per output element ascending t. Runs of four
     // rows with the same window (the heads of one token) share each value load.
+    for_each_tile(windows, |r, (s, e), (a, b)| {
+        if r + 4 <= windows.len() && windows[r + 1..r + 4].iter().all(|&w| w == (s, e)) {
+            let p = [0, 1, 2, 3].map(|i| &scores[offsets[r + i]..offsets[r + i] + e.saturating_sub(s)]);
+            accumulate4(p, &values, s, a, b, &mut ctx[r * dv..(r + 4) * dv]);
+            4
+        } else {
+            let row = &scores[offsets[r]..offsets[r] + e.saturating_sub(s)];
+            let c = &mut ctx[r * dv..(r + 1) * dv];
+            for t in a..b {
+                axpy(row[t - s], values.row(t), c);
+            }
+            1
+        }
+    });
+}
+
+/// The schedule of both passes of [`attend_rows`]: the key positions every row of `windows`
+/// sees, `lo..hi`, in tiles of [`KEY_TILE`], tile by tile in ascending order and, within a tile,
+/// row by row. `visit(r, (start, end), (a, b))` handles row `r` (window `start..end`) on keys
+/// `a..b` of the tile (empty when the window misses it) and returns how many rows, from `r` on,
+/// it handled (rows with the same window are handled together).
+fn for_each_tile(windows: &[(usize, usize)], mut visit: impl FnMut(usize, (usize, usize), (usize, usize)) -> usize) {
+    let lo = windows.iter().map(|w| w.0).min().unwrap_or(0);
+    let hi = windows.iter().map(|w| w.1).max().unwrap_or(0);
     let mut t0 = lo;
     while t0 < hi {
         let t1 = (t0 + KEY_TILE).min(hi);
         let mut r = 0;
         while r < windows.len() {
             let (s, e) = windows[r];
-            let (a, b) = (s.max(t0), e.min(t1));
-            if r + 4 <= windows.len() && windows[r + 1..r + 4].iter().all(|&w| w == (s, e)) {
-                let p = [0, 1, 2, 3].map(|i| &scores[offsets[r + i]..offsets[r + i] + e.saturating_sub(s)]);
-                accumulate4(p, &values, s, a, b, &mut ctx[r * dv..(r + 4) * dv]);
-                r += 4;
-            } else {
-                let row = &scores[offsets[r]..offsets[r] + e.saturating_sub(s)];
-                let c = &mut ctx[r * dv..(r + 1) * dv];
-                for t in a..b {
-                    axpy(row[t - s], values.row(t), c);
-                }
-                r += 1;
-            }
+            r += visit(r, (s, e), (s.max(t0), e.min(t1)));
         }
         t0 = t1;
     }

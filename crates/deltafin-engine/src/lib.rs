@@ -108,6 +108,37 @@ pub(crate) fn parse_name<T: Copy>(s: &str, what: &str, all: &[T], name: fn(T) ->
     Err(format!("unknown {what} {s:?} (expected {expected})"))
 }
 
+/// `name()` (the name on the command line), [`std::fmt::Display`] (that name) and
+/// [`std::str::FromStr`] (one of the names, else [`parse_name`]'s one-line error naming `$what`)
+/// of an option's fieldless enum, from its variants and their names in order: written once for
+/// every such option.
+macro_rules! cli_names {
+    ($ty:ident, $what:literal, { $($variant:ident => $name:literal),+ $(,)? }) => {
+        impl $ty {
+            /// Name as on the command line.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name,)+
+                }
+            }
+        }
+
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+
+        impl std::str::FromStr for $ty {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                $crate::parse_name(s, $what, &[$($ty::$variant),+], $ty::name)
+            }
+        }
+    };
+}
+pub(crate) use cli_names;
+
 pub use blocks::mla::MlaForm;
 pub use device::{load_model_on, Device, GpuOptions};
 pub use gpu_experts::GpuCacheStats;

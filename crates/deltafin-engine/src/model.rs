@@ -372,6 +372,31 @@ pub trait FamilyModel: Send + Sync {
     }
 }
 
+/// The [`FamilyModel`] items every CPU family model answers alike, from its fields `config:
+/// ModelConfig`, `backbone: Backbone` and `routed: RoutedExperts`: [`FamilyModel::config`],
+/// [`FamilyModel::routed`], [`FamilyModel::routed_mut`] and [`FamilyModel::backbone_bytes`]
+/// (the backbone's bytes), written once. A macro because each family is its own struct.
+macro_rules! resident_items {
+    () => {
+        fn config(&self) -> &deltafin_format::ModelConfig {
+            &self.config
+        }
+
+        fn routed(&self) -> &$crate::model::RoutedExperts {
+            &self.routed
+        }
+
+        fn routed_mut(&mut self) -> &mut $crate::model::RoutedExperts {
+            &mut self.routed
+        }
+
+        fn backbone_bytes(&self) -> usize {
+            self.backbone.bytes()
+        }
+    };
+}
+pub(crate) use resident_items;
+
 impl<M: FamilyModel> CausalLm for M {
     fn config(&self) -> &ModelConfig {
         FamilyModel::config(self)

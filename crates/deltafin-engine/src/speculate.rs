@@ -37,15 +37,13 @@
 //! 1/32 ≈ 3 % over the first 32 steps and ⌊log2(n / 32 + 1)⌋ extra steps in an n-step
 //! generation (4 in 512: 0.8 %), plus the drafter's own time for self-drafting.
 
-use std::fmt;
-use std::str::FromStr;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
 use crate::model::{CausalLm, DecodeState, LayerRoutes};
 use crate::sampler::Sampler;
-use crate::{parse_name, EngineError};
+use crate::EngineError;
 
 /// Most tokens drafted per step.
 pub const MAX_DRAFT: usize = 8;
@@ -67,36 +65,12 @@ pub enum SpeculateMode {
     SelfDraft,
 }
 
-impl SpeculateMode {
-    /// Name as on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            SpeculateMode::Off => "off",
-            SpeculateMode::Auto => "auto",
-            SpeculateMode::Lookup => "lookup",
-            SpeculateMode::SelfDraft => "self",
-        }
-    }
-}
-
-impl fmt::Display for SpeculateMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for SpeculateMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let all = [
-            SpeculateMode::Off,
-            SpeculateMode::Auto,
-            SpeculateMode::Lookup,
-            SpeculateMode::SelfDraft,
-        ];
-        parse_name(s, "speculation mode", &all, SpeculateMode::name)
-    }
-}
+crate::cli_names!(SpeculateMode, "speculation mode", {
+    Off => "off",
+    Auto => "auto",
+    Lookup => "lookup",
+    SelfDraft => "self",
+});
 
 /// Which drafter proposed a draft.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

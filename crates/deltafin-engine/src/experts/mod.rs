@@ -57,9 +57,7 @@ mod tests;
 pub use remote::{RecordSource, Remote};
 
 use std::collections::{HashSet, VecDeque};
-use std::fmt;
 use std::path::Path;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
@@ -70,7 +68,7 @@ use deltafin_format::model_dir::{matrix_from_bytes, ExpertTensorLayout};
 use deltafin_format::{AlignedBuf, ModelDir, StoredDtype};
 use deltafin_kernels::MatRef;
 
-use crate::{parse_name, EngineError};
+use crate::EngineError;
 use cache::Cache;
 use io::{round_up, PackFile};
 use readers::{Chunked, Class, Delivery, InFlight, Job, Phase, State, Waiter};
@@ -95,28 +93,7 @@ pub enum IoMode {
     Buffered,
 }
 
-impl IoMode {
-    /// Name as on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            IoMode::Direct => "direct",
-            IoMode::Buffered => "buffered",
-        }
-    }
-}
-
-impl fmt::Display for IoMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for IoMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        parse_name(s, "I/O mode", &[IoMode::Direct, IoMode::Buffered], IoMode::name)
-    }
-}
+crate::cli_names!(IoMode, "I/O mode", { Direct => "direct", Buffered => "buffered" });
 
 /// Which records the cache keeps (see the `cache` module for the exact rules).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -129,30 +106,7 @@ pub enum CachePolicy {
     Pinned,
 }
 
-impl CachePolicy {
-    /// Name as on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            CachePolicy::Lru => "lru",
-            CachePolicy::Lfu => "lfu",
-            CachePolicy::Pinned => "pinned",
-        }
-    }
-}
-
-impl fmt::Display for CachePolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for CachePolicy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let all = [CachePolicy::Lru, CachePolicy::Lfu, CachePolicy::Pinned];
-        parse_name(s, "cache policy", &all, CachePolicy::name)
-    }
-}
+crate::cli_names!(CachePolicy, "cache policy", { Lru => "lru", Lfu => "lfu", Pinned => "pinned" });
 
 /// How to open an [`ExpertStore`].
 #[derive(Debug, Clone, PartialEq)]
@@ -636,36 +590,24 @@ impl ExpertStore {
             #[cfg(test)]
             hooks: tests::Hooks::default(),
         });
-        let mut threads = Vec::with_capacity(readers);
-        for i in 0..readers {
-            let sh = shared.clone();
-            let t = std::thread::Builder::new()
-                .name(format!("deltafin-reader-{i}"))
-                .spawn(move || readers::reader_loop(sh));
-            match t {
-                Ok(t) => threads.push(t),
-                Err(e) => {
-                    let store = ExpertStore {
-                        shared,
-                        opts,
-                        readers,
-                        record_bytes,
-                        threads,
-                        stream,
-                    };
-                    drop(store); // stops the readers already started
-                    return Err(EngineError::Invalid(format!("cannot start expert reader thread: {e}")));
-                }
-            }
-        }
-        Ok(ExpertStore {
+        let mut store = ExpertStore {
             shared,
             opts,
             readers,
             record_bytes,
-            threads,
+            threads: Vec::with_capacity(readers),
             stream,
-        })
+        };
+        for i in 0..readers {
+            let sh = store.shared.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("deltafin-reader-{i}"))
+                .spawn(move || readers::reader_loop(sh));
+            // On an error the store is dropped, which stops the readers already started.
+            let t = t.map_err(|e| EngineError::Invalid(format!("cannot start expert reader thread: {e}")))?;
+            store.threads.push(t);
+        }
+        Ok(store)
     }
 
     /// The I/O mode in use (never changed after open).

@@ -111,6 +111,13 @@ fn convert_fixture() -> (tempfile::TempDir, PathBuf) {
     (tmp, out)
 }
 
+/// [`convert_fixture`], opened: the temporary directory (keep it alive while the model is used)
+/// and the model directory.
+fn open_fixture() -> (tempfile::TempDir, ModelDir) {
+    let (tmp, path) = convert_fixture();
+    (tmp, ModelDir::open(&path).unwrap())
+}
+
 /// Every record's bytes, read with plain `std::fs::read`.
 fn reference(dir: &ModelDir) -> std::collections::HashMap<(usize, usize), Vec<u8>> {
     let pack = std::fs::read(dir.expert_pack_path()).unwrap();
@@ -229,8 +236,7 @@ fn names_parse_and_print() {
 /// bytes for the same random request sequence, and the cache never exceeds its budget.
 #[test]
 fn every_policy_and_budget_returns_identical_bytes() {
-    let (_tmp, path) = convert_fixture();
-    let dir = ModelDir::open(&path).unwrap();
+    let (_tmp, dir) = open_fixture();
     let want = reference(&dir);
     assert!(want.values().all(|b| b.len() == 4960));
     let all = RECORD * (MOE_LAYERS.len() * N_EXPERTS) as u64;
@@ -318,8 +324,7 @@ impl HostPin for CountingPin {
 
 #[test]
 fn pinned_record_buffers_are_unpinned_exactly_once_and_bytes_stay_right() {
-    let (_tmp, path) = convert_fixture();
-    let dir = ModelDir::open(&path).unwrap();
+    let (_tmp, dir) = open_fixture();
     let want = reference(&dir);
     for io in modes(&dir) {
         let pin = Arc::new(CountingPin::default());
@@ -359,8 +364,7 @@ fn pinned_record_buffers_are_unpinned_exactly_once_and_bytes_stay_right() {
 
 #[test]
 fn direct_and_buffered_return_identical_bytes() {
-    let (_tmp, path) = convert_fixture();
-    let dir = ModelDir::open(&path).unwrap();
+    let (_tmp, dir) = open_fixture();
     let modes = modes(&dir);
     let mut got: Vec<Vec<Vec<u8>>> = Vec::new();
     for &io in &modes {
@@ -570,8 +574,7 @@ fn cache_refuses_rather_than_evicting_held_records() {
 
 #[test]
 fn pinned_entries_survive() {
-    let (_tmp, path) = convert_fixture();
-    let dir = ModelDir::open(&path).unwrap();
+    let (_tmp, dir) = open_fixture();
     for io in modes(&dir) {
         // 4 records: the pinned tier takes (1,0) and (1,1); (2,2) does not fit in half.
         let store = ExpertStore::open(&dir, opts(RECORD * 4, io, CachePolicy::Pinned)).unwrap();
@@ -615,8 +618,7 @@ fn pinned_entries_survive() {
 /// moment demand reads are queued and the moment they finish.
 #[test]
 fn prefetch_never_delays_demand() {
-    let (_tmp, path) = convert_fixture();
-    let dir = ModelDir::open(&path).unwrap();
+    let (_tmp, dir) = open_fixture();
     let all = RECORD * 48;
     let store = ExpertStore::open_with(
         &dir,
@@ -668,8 +670,7 @@ fn prefetch_never_delays_demand() {
 /// record is read once, and counts as a useful prefetch.
 #[test]
 fn demand_joins_running_prefetch_without_reading_twice() {
-    let (_tmp, path) = convert_fixture();
-    let dir = ModelDir::open(&path).unwrap();
+    let (_tmp, dir) = open_fixture();
     for io in modes(&dir) {
         let store = ExpertStore::open(&dir, prefetching(RECORD * 8, io)).unwrap();
         let hooks = &store.shared.hooks;
@@ -699,8 +700,7 @@ fn demand_joins_running_prefetch_without_reading_twice() {
 /// demand read and completes even while every running speculative read is stuck.
 #[test]
 fn demand_promotes_queued_prefetch() {
-    let (_tmp, path) = convert_fixture();
-    let dir = ModelDir::open(&path).unwrap();
+    let (_tmp, dir) = open_fixture();
     let store = ExpertStore::open(
         &dir,
         StoreOptions {
@@ -731,8 +731,7 @@ fn demand_promotes_queued_prefetch() {
 /// Speculative records evicted before use count as wasted bytes.
 #[test]
 fn unused_prefetch_counts_as_wasted_when_evicted() {
-    let (_tmp, path) = convert_fixture();
-    let dir = ModelDir::open(&path).unwrap();
+    let (_tmp, dir) = open_fixture();
     let store = ExpertStore::open(&dir, prefetching(RECORD * 2, IoMode::Buffered)).unwrap();
     store.prefetch(1, &[0, 1]);
     wait_until("prefetch", || store.cached_bytes() == RECORD * 2);
@@ -774,8 +773,7 @@ fn direct_io_refused_is_an_error_not_a_fallback() {
 
 #[test]
 fn invalid_requests_are_errors() {
-    let (_tmp, path) = convert_fixture();
-    let dir = ModelDir::open(&path).unwrap();
+    let (_tmp, dir) = open_fixture();
     let store = ExpertStore::open(&dir, opts(0, IoMode::Buffered, CachePolicy::Lru)).unwrap();
     assert!(store.fetch(0, &[0]).is_err(), "layer 0 is dense");
     assert!(store.fetch(1, &[16]).is_err());
@@ -792,8 +790,7 @@ fn invalid_requests_are_errors() {
 fn model_output_is_identical_for_every_store_configuration() {
     use crate::models::deepseek_v3::DeepseekV3;
     use crate::CausalLm;
-    let (_tmp, path) = convert_fixture();
-    let dir = ModelDir::open(&path).unwrap();
+    let (_tmp, dir) = open_fixture();
     let io = *modes(&dir).first().unwrap();
     let configs = [
         (0, CachePolicy::Lru, io, false),
@@ -826,8 +823,7 @@ fn model_output_is_identical_for_every_store_configuration() {
 /// the device keeps 4 chunks in flight and records complete two by two, still in order.
 #[test]
 fn demand_chunks_complete_records_in_order_at_full_queue_depth() {
-    let (_tmp, path) = convert_fixture();
-    let dir = ModelDir::open(&path).unwrap();
+    let (_tmp, dir) = open_fixture();
     let want = reference(&dir);
     let request = [7usize, 3, 12, 0, 9, 5, 14, 1];
     let mut by_offset: Vec<usize> = (0..request.len()).collect();
@@ -891,8 +887,7 @@ fn demand_chunks_complete_records_in_order_at_full_queue_depth() {
 /// One read per record (`demand_chunk = usize::MAX`) still returns the pack's bytes.
 #[test]
 fn whole_record_demand_reads_still_work() {
-    let (_tmp, path) = convert_fixture();
-    let dir = ModelDir::open(&path).unwrap();
+    let (_tmp, dir) = open_fixture();
     let want = reference(&dir);
     for io in modes(&dir) {
         let store = ExpertStore::open(
@@ -922,8 +917,7 @@ fn whole_record_demand_reads_still_work() {
 /// demand, continues as a chunked demand read from where it stopped: nothing is read twice.
 #[test]
 fn demand_resumes_a_yielded_prefetch_from_its_progress() {
-    let (_tmp, path) = convert_fixture();
-    let dir = ModelDir::open(&path).unwrap();
+    let (_tmp, dir) = open_fixture();
     let want = reference(&dir);
     for demand_chunk in [4096, usize::MAX] {
         resume_yielded_prefetch(&dir, &want, demand_chunk);

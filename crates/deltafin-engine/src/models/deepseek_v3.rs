@@ -518,9 +518,7 @@ impl DeepseekV3 {
 impl FamilyModel for DeepseekV3 {
     type State = KvCache;
 
-    fn config(&self) -> &ModelConfig {
-        &self.config
-    }
+    crate::model::resident_items!();
 
     fn new_state(&self) -> KvCache {
         KvCache {
@@ -554,17 +552,5 @@ impl FamilyModel for DeepseekV3 {
         let c = &self.cfg;
         let q = c.num_attention_heads * c.qk_head_dim();
         4 * (8 * c.hidden_size + 2 * q + c.n_routed_experts + 3 * c.moe_intermediate_size * c.n_shared_experts.max(1))
-    }
-
-    fn routed(&self) -> &RoutedExperts {
-        &self.routed
-    }
-
-    fn routed_mut(&mut self) -> &mut RoutedExperts {
-        &mut self.routed
-    }
-
-    fn backbone_bytes(&self) -> usize {
-        self.backbone.bytes()
     }
 }

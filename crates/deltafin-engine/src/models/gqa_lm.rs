@@ -416,9 +416,7 @@ fn resolve<F: GqaMlp>(bb: &Backbone, layers: &[LayerNames], family: &F) -> Resul
 impl<F: GqaMlp> FamilyModel for GqaLm<F> {
     type State = KvCache;
 
-    fn config(&self) -> &ModelConfig {
-        &self.config
-    }
+    crate::model::resident_items!();
 
     fn new_state(&self) -> KvCache {
         KvCache::new(self.layers.len(), &self.attn.dims)
@@ -442,18 +440,6 @@ impl<F: GqaMlp> FamilyModel for GqaLm<F> {
 
     fn batch_bytes_per_token(&self) -> usize {
         self.attn.batch_bytes_per_token(self.family.batch_f32_per_token())
-    }
-
-    fn routed(&self) -> &RoutedExperts {
-        &self.routed
-    }
-
-    fn routed_mut(&mut self) -> &mut RoutedExperts {
-        &mut self.routed
-    }
-
-    fn backbone_bytes(&self) -> usize {
-        self.backbone.bytes()
     }
 }
 

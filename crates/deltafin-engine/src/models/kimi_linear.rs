@@ -553,10 +553,7 @@ impl KimiLinear {
                         }
                         Ok(out)
                     }
-                    Ffn::Dense(d) => {
-                        let [g, u, d] = d.view(bb);
-                        Ok(glu_mlp_batch(c.activation, g, u, d, &xn, nt))
-                    }
+                    Ffn::Dense(d) => Ok(glu_mlp_batch(c.activation, d.view(bb), &xn, nt)),
                 }
             })?;
             for (t, mut s) in sums.into_iter().enumerate() {
@@ -619,8 +616,8 @@ impl KimiLinear {
         };
         let act = c.activation;
         let shared = m.shared_experts.as_ref().map(|s| {
-            let [g, u, d] = s.view(bb);
-            move || glu_mlp_batch(act, g, u, d, xn, nt)
+            let w = s.view(bb);
+            move || glu_mlp_batch(act, w, xn, nt)
         });
         let xl_ref = &xl;
         let (routed, shared_out) = self.routed.run_batch(
@@ -629,7 +626,7 @@ impl KimiLinear {
             w,
             |e, toks| {
                 let rows = gather_rows(xl_ref, w, toks);
-                glu_mlp_batch(act, e.matrix(0), e.matrix(1), e.matrix(2), &rows, toks.len())
+                glu_mlp_batch(act, expert_glu(e), &rows, toks.len())
             },
             shared,
         )?;
@@ -759,7 +756,7 @@ impl KimiLinear {
         let act = c.activation;
         let q8_0_inputs = self.numerics == Numerics::LlamaCppCpu;
         let xl_ref = &xl;
-        let expert = |e: &Expert| glu_mlp_with(act, e.matrix(0), e.matrix(1), e.matrix(2), xl_ref, q8_0_inputs);
+        let expert = |e: &Expert| glu_mlp_with(act, expert_glu(e), xl_ref, q8_0_inputs);
         let (routed, shared_out, routing) = if draft {
             self.routed.run_draft(
                 l,
@@ -840,20 +837,15 @@ pub fn situ(g: f32, u: f32, beta: f32, linear_beta: Option<f32>) -> f32 {
 /// Gated feed-forward `down(act(gate(x), up(x)))` with SwiGLU or SiTU-GLU.
 /// x: `[cols of gate]` → `[rows of down]`.
 pub fn glu_mlp(act: GluActivation, gate: MatRef<'_>, up: MatRef<'_>, down: MatRef<'_>, x: &[f32]) -> Vec<f32> {
-    glu_mlp_with(act, gate, up, down, x, false)
+    glu_mlp_with(act, [gate, up, down], x, false)
 }
 
-/// [`glu_mlp`]; with `q8_0_inputs`, the input of each MXFP4 matrix is first rounded through
-/// ggml's `Q8_0`, as llama.cpp's CPU backend does ([`Numerics::LlamaCppCpu`], `deltafin_kernels::q8_0::round_trip`).
+/// [`glu_mlp`] of the block `w = [gate, up, down]`; with `q8_0_inputs`, the input of each MXFP4
+/// matrix is first rounded through ggml's `Q8_0`, as llama.cpp's CPU backend does
+/// ([`Numerics::LlamaCppCpu`], `deltafin_kernels::q8_0::round_trip`).
 /// x: `[cols of gate]` → `[rows of down]`.
-pub fn glu_mlp_with(
-    act: GluActivation,
-    gate: MatRef<'_>,
-    up: MatRef<'_>,
-    down: MatRef<'_>,
-    x: &[f32],
-    q8_0_inputs: bool,
-) -> Vec<f32> {
+pub fn glu_mlp_with(act: GluActivation, w: [MatRef<'_>; 3], x: &[f32], q8_0_inputs: bool) -> Vec<f32> {
+    let [gate, up, down] = w;
     let rounded = |m: &MatRef<'_>, v: &[f32]| -> Option<Vec<f32>> {
         (q8_0_inputs && matches!(m.data, MatData::Mxfp4 { .. })).then(|| deltafin_kernels::q8_0::round_trip(v))
     };
@@ -875,6 +867,11 @@ pub fn glu_mlp_with(
     out
 }
 
+/// A routed expert's record as a GLU block's `[gate, up, down]` (its matrices 0, 1, 2).
+fn expert_glu(e: &Expert) -> [MatRef<'_>; 3] {
+    [e.matrix(0), e.matrix(1), e.matrix(2)]
+}
+
 /// The GLU's gate applied in place: `g ← silu(g) · u` (SwiGLU) or `situ(g, u)` (SiTU-GLU),
 /// element by element; `g`, `u`: `[rows of gate]` or `[n, rows of gate]`.
 fn glu_activate(act: GluActivation, g: &mut [f32], u: &[f32]) {
@@ -886,17 +883,12 @@ fn glu_activate(act: GluActivation, g: &mut [f32], u: &[f32]) {
     }
 }
 
-/// [`glu_mlp`] for `n` tokens at once (matrix-matrix products): x `[n, cols of gate]` →
+/// [`glu_mlp`] of the block `w = [gate, up, down]` for `n` tokens at once (matrix-matrix
+/// products): x `[n, cols of gate]` →
 /// `[n, rows of down]`, each row equal to [`glu_mlp`] of that row (the kernels' `matmul` equals
 /// `n` matvecs bit for bit).
-pub fn glu_mlp_batch(
-    act: GluActivation,
-    gate: MatRef<'_>,
-    up: MatRef<'_>,
-    down: MatRef<'_>,
-    x: &[f32],
-    n: usize,
-) -> Vec<f32> {
+pub fn glu_mlp_batch(act: GluActivation, w: [MatRef<'_>; 3], x: &[f32], n: usize) -> Vec<f32> {
+    let [gate, up, down] = w;
     let mut g = vec![0f32; n * gate.rows];
     let mut u = vec![0f32; n * up.rows];
     gate.matmul(x, n, &mut g);
@@ -910,9 +902,7 @@ pub fn glu_mlp_batch(
 impl FamilyModel for KimiLinear {
     type State = KimiLinearState;
 
-    fn config(&self) -> &ModelConfig {
-        &self.config
-    }
+    crate::model::resident_items!();
 
     fn new_state(&self) -> KimiLinearState {
         HybridState::new(
@@ -957,21 +947,9 @@ impl FamilyModel for KimiLinear {
         })
     }
 
-    fn routed(&self) -> &RoutedExperts {
-        &self.routed
-    }
-
-    fn routed_mut(&mut self) -> &mut RoutedExperts {
-        &mut self.routed
-    }
-
     fn set_numerics(&mut self, numerics: Numerics) -> Result<(), EngineError> {
         self.numerics = numerics;
         Ok(())
-    }
-
-    fn backbone_bytes(&self) -> usize {
-        self.backbone.bytes()
     }
 }
 

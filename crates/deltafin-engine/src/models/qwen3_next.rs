@@ -595,9 +595,7 @@ fn expert_forward_batch(e: &Expert, fused: bool, x: &[f32], n: usize) -> Vec<f32
 impl FamilyModel for Qwen3Next {
     type State = Qwen3NextState;
 
-    fn config(&self) -> &ModelConfig {
-        &self.config
-    }
+    crate::model::resident_items!();
 
     fn new_state(&self) -> Qwen3NextState {
         let layers = self
@@ -658,17 +656,5 @@ impl FamilyModel for Qwen3Next {
                 true
             }
         })
-    }
-
-    fn routed(&self) -> &RoutedExperts {
-        &self.routed
-    }
-
-    fn routed_mut(&mut self) -> &mut RoutedExperts {
-        &mut self.routed
-    }
-
-    fn backbone_bytes(&self) -> usize {
-        self.backbone.bytes()
     }
 }
