@@ -109,16 +109,7 @@ fn qk_block_body(q: &[f32], dk: usize, kt: &[f32], n_pad: usize, w: usize, wpad:
     assert!(rn <= DRB && w <= n_pad && w <= wpad && s.len() >= rn * wpad && kt.len() >= dk * n_pad);
     let mut k0 = 0;
     while k0 < w {
-        let mut acc = [[0f32; DKB]; DRB];
-        for d in 0..dk {
-            let kv: &[f32; DKB] = kt[d * n_pad + k0..d * n_pad + k0 + DKB].try_into().expect("DKB keys");
-            for (r, a) in acc.iter_mut().enumerate().take(rn) {
-                let qv = q[r * dk + d];
-                for (x, &k) in a.iter_mut().zip(kv) {
-                    *x = qv.mul_add(k, *x);
-                }
-            }
-        }
+        let acc = fma_rows::<DKB>(q, dk, rn, kt, n_pad, k0, dk);
         for (r, a) in acc.iter().enumerate().take(rn) {
             for (dst, &x) in s[r * wpad + k0..r * wpad + k0 + DKB].iter_mut().zip(a) {
                 *dst = x * scale;
@@ -168,19 +159,43 @@ fn pv_lanes<const L: usize>(
     j: usize,
     ctx: &mut [f32],
 ) {
-    let mut acc = [[0f32; L]; DRB];
-    for t in 0..w {
-        let vt: &[f32; L] = v[t * vd_pad + j..t * vd_pad + j + L].try_into().expect("lanes");
-        for (r, a) in acc.iter_mut().enumerate().take(rn) {
-            let pr = p[r * wpad + t];
-            for (x, &y) in a.iter_mut().zip(vt) {
-                *x = pr.mul_add(y, *x);
-            }
-        }
-    }
+    let acc = fma_rows::<L>(p, wpad, rn, v, vd_pad, j, w);
     for (r, a) in acc.iter().enumerate().take(rn) {
         ctx[r * vd_pad + j..r * vd_pad + j + L].copy_from_slice(a);
     }
+}
+
+/// `acc[r][i] = Σ_{t < n} a[r · a_stride + t] · b[t · b_stride + off + i]` for rows `r < rn`
+/// (rows `rn..DRB` stay 0) and lanes `i < L`, each element an FMA chain in ascending `t` from 0:
+/// the scores of [`qk_block_body`] (`a` the queries, `b` the transposed keys) and the sums of
+/// [`pv_lanes`] (`a` the probabilities, `b` the values).
+///
+/// # Panics
+/// If `rn > DRB` or a slice is short.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn fma_rows<const L: usize>(
+    a: &[f32],
+    a_stride: usize,
+    rn: usize,
+    b: &[f32],
+    b_stride: usize,
+    off: usize,
+    n: usize,
+) -> [[f32; L]; DRB] {
+    let mut acc = [[0f32; L]; DRB];
+    for t in 0..n {
+        let bt: &[f32; L] = b[t * b_stride + off..t * b_stride + off + L]
+            .try_into()
+            .expect("L lanes");
+        for (r, row) in acc.iter_mut().enumerate().take(rn) {
+            let ar = a[r * a_stride + t];
+            for (x, &y) in row.iter_mut().zip(bt) {
+                *x = ar.mul_add(y, *x);
+            }
+        }
+    }
+    acc
 }
 
 by_level! {

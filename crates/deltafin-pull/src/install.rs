@@ -125,6 +125,16 @@ fn work_dir(dir: &Path, source: &Source) -> Result<(), PullError> {
     write_atomic(&stamp, want.as_bytes())
 }
 
+/// The sibling work directory `suffix` of a pull from a checkpoint (as [`mirror_work_dir`] is of
+/// a pull from a mirror), prepared by [`work_dir`] and holding the files of [`small_files`]:
+/// that directory and the shard names.
+fn checkpoint_work_dir(p: Pull<'_>, suffix: &str) -> Result<(PathBuf, Vec<String>), PullError> {
+    let dir = sibling(p.model_dir, suffix);
+    work_dir(&dir, p.source)?;
+    let shards = small_files(p.http, p.source, &dir)?;
+    Ok((dir, shards))
+}
+
 /// Fetches `config.json`, the optional files and the index into `dir`; returns the shard names.
 fn small_files(http: &Http, source: &Source, dir: &Path) -> Result<Vec<String>, PullError> {
     let cfg_url = source.file_url("config.json");
@@ -171,57 +181,56 @@ fn small_files(http: &Http, source: &Source, dir: &Path) -> Result<Vec<String>, 
     Ok(shards)
 }
 
+/// One `deltafin pull`: the HTTP client, the source, the model directory to write, the
+/// settings, and where download and conversion progress go; [`pull_full`] or [`pull_stream`]
+/// runs it.
+#[derive(Clone, Copy)]
+pub struct Pull<'a> {
+    pub http: &'a Arc<Http>,
+    pub source: &'a Source,
+    pub model_dir: &'a Path,
+    pub opts: &'a PullOptions,
+    pub transfer: &'a dyn Transfer,
+    pub progress: &'a dyn Progress,
+}
+
 /// `deltafin pull --full`: downloads and converts, or upgrades a streaming install in place.
 ///
 /// Errors: an existing non-empty output without `force` (checked before downloading), HTTP
 /// errors after retries, checksum failures, conversion errors, I/O (no space left...). An
 /// interrupted pull leaves its downloads in `.<name>.download/` and resumes from them.
-pub fn pull_full(
-    http: &Arc<Http>,
-    source: &Source,
-    model_dir: &Path,
-    opts: &PullOptions,
-    transfer: &dyn Transfer,
-    progress: &dyn Progress,
-) -> Result<PullReport, PullError> {
+pub fn pull_full(p: Pull<'_>) -> Result<PullReport, PullError> {
     let t0 = Instant::now();
-    if let Ok(dir) = ModelDir::open(model_dir) {
+    if let Ok(dir) = ModelDir::open(p.model_dir) {
         if dir.manifest.stream.is_some() {
-            return upgrade(http, source, dir, opts, progress);
+            return upgrade(p, dir);
         }
     }
-    refuse_existing(model_dir, opts.convert.force)?;
-    if let Some(m) = probe_mirror(http, source)? {
-        return mirror_full(http, source, model_dir, m, opts, transfer, progress);
+    refuse_existing(p.model_dir, p.opts.convert.force)?;
+    if let Some(m) = probe_mirror(p.http, p.source)? {
+        return mirror_full(p, m);
     }
-    let dl = sibling(model_dir, "download");
-    work_dir(&dl, source)?;
-    let shards = small_files(http, source, &dl)?;
+    let (dl, shards) = checkpoint_work_dir(p, "download")?;
     for s in &shards {
         let dest = dl.join(s);
         if !dest.is_file() {
-            http.download(&source.file_url(s), &dest, transfer)?;
+            p.http.download(&p.source.file_url(s), &dest, p.transfer)?;
         }
     }
-    convert::convert(&dl, model_dir, &opts.convert, progress)?;
-    remove_download(&dl, opts)?;
-    Ok(PullReport::finished("full", http, t0))
+    convert::convert(&dl, p.model_dir, &p.opts.convert, p.progress)?;
+    remove_download(&dl, p.opts)?;
+    Ok(PullReport::finished("full", p.http, t0))
 }
 
-fn upgrade(
-    http: &Arc<Http>,
-    source: &Source,
-    dir: ModelDir,
-    opts: &PullOptions,
-    progress: &dyn Progress,
-) -> Result<PullReport, PullError> {
+/// `--full` on the streaming install `dir` (at `p.model_dir`): fetches the records not yet present.
+fn upgrade(p: Pull<'_>, dir: ModelDir) -> Result<PullReport, PullError> {
     let t0 = Instant::now();
     let s = dir
         .manifest
         .stream
         .clone()
         .ok_or_else(|| PullError::Invalid("not a streaming install".into()))?;
-    if s.url.trim_end_matches('/') != source.url || s.revision != source.revision || s.flat != source.flat {
+    if s.url.trim_end_matches('/') != p.source.url || s.revision != p.source.revision || s.flat != p.source.flat {
         return Err(PullError::Invalid(format!(
             "{}: this streaming install comes from {} (revision {}{}); upgrade it from the same source",
             dir.path.display(),
@@ -230,7 +239,7 @@ fn upgrade(
             if s.flat { ", flat" } else { "" }
         )));
     }
-    let src = HttpRecordSource::open(&dir, http.clone())?;
+    let src = HttpRecordSource::open(&dir, p.http.clone())?;
     let present = deltafin_format::presence::present_checksums(&dir)?;
     let missing: Vec<(u32, u32)> = dir
         .manifest
@@ -241,15 +250,15 @@ fn upgrade(
         .filter(|k| !present.contains_key(k))
         .collect();
     let kept = dir.manifest.experts.records.len() - missing.len();
-    progress.start(
+    p.progress.start(
         missing
             .iter()
             .map(|&(l, e)| dir.record(l as usize, e as usize).length)
             .sum(),
     );
     let records_unchecked = !src.checks_records();
-    let fetched = crate::records::fetch_records(&dir, &src, &missing, opts.concurrency, &|b| progress.advance(b))?;
-    progress.finish();
+    let fetched = crate::records::fetch_records(&dir, &src, &missing, p.opts.concurrency, &|b| p.progress.advance(b))?;
+    p.progress.finish();
     let present = deltafin_format::presence::present_checksums(&dir)?;
     let mut m = dir.manifest.clone();
     for r in &mut m.experts.records {
@@ -274,7 +283,7 @@ fn upgrade(
         records_fetched: fetched,
         records_kept: kept,
         records_unchecked,
-        ..PullReport::finished("upgrade", http, t0)
+        ..PullReport::finished("upgrade", p.http, t0)
     })
 }
 
@@ -283,25 +292,16 @@ fn upgrade(
 /// Errors: an existing non-empty output without `force`, a server without Range support
 /// ([`PullError::RangeIgnored`]), HTTP errors after retries, a malformed shard header,
 /// conversion errors (missing backbone tensor...), I/O.
-pub fn pull_stream(
-    http: &Arc<Http>,
-    source: &Source,
-    model_dir: &Path,
-    opts: &PullOptions,
-    transfer: &dyn Transfer,
-    progress: &dyn Progress,
-) -> Result<PullReport, PullError> {
+pub fn pull_stream(p: Pull<'_>) -> Result<PullReport, PullError> {
     let t0 = Instant::now();
-    refuse_existing(model_dir, opts.convert.force)?;
-    if let Some(m) = probe_mirror(http, source)? {
-        return mirror_stream(http, source, model_dir, m, opts, transfer);
+    refuse_existing(p.model_dir, p.opts.convert.force)?;
+    if let Some(m) = probe_mirror(p.http, p.source)? {
+        return mirror_stream(p, m);
     }
-    let sd = sibling(model_dir, "stream-src");
-    work_dir(&sd, source)?;
-    let shards = small_files(http, source, &sd)?;
+    let (sd, shards) = checkpoint_work_dir(p, "stream-src")?;
     let mut files: BTreeMap<String, RemoteFile> = BTreeMap::new();
     for s in &shards {
-        files.insert(s.clone(), shard_header(http, source, &sd, s)?);
+        files.insert(s.clone(), shard_header(p.http, p.source, &sd, s)?);
     }
     let (mut cfg, _) = ModelConfig::from_file(&sd.join("config.json"))?;
     let ck = Checkpoint::open(&sd)?;
@@ -313,7 +313,15 @@ pub fn pull_stream(
         }
     }
     let ranges = merge(ranges);
-    fetch_ranges(http, source, &sd, &files, ranges.clone(), opts.concurrency, transfer)?;
+    fetch_ranges(
+        p.http,
+        p.source,
+        &sd,
+        &files,
+        ranges.clone(),
+        p.opts.concurrency,
+        p.transfer,
+    )?;
 
     let mut index = StreamIndex::new();
     // What backbone.bin is converted from, as received: checked when a warm verifies the file.
@@ -343,7 +351,7 @@ pub fn pull_stream(
                         source: Mxfp4Source::CompressedTensors,
                         scales,
                         ..
-                    } if opts.convert.experts == StoredDtype::Mxfp4 && src.select == Select::Whole => Some(PartLoc {
+                    } if p.opts.convert.experts == StoredDtype::Mxfp4 && src.select == Select::Whole => Some(PartLoc {
                         file: file_name(ck.shard_path(scales)),
                         offset: scales.offset,
                         len: scales.len,
@@ -353,7 +361,7 @@ pub fn pull_stream(
                 if mxfp4_scales.is_none() && !matches!(t.encoding, Encoding::Plain) {
                     return Err(PullError::Invalid(format!(
                         "{}: tensor {} is quantized in the source (FP8, int4, or MXFP4 not stored as MXFP4 records): streaming installs of such checkpoints are not supported yet; use `deltafin pull --full`",
-                        source.file_url(&file_name(ck.shard_path(t))),
+                        p.source.file_url(&file_name(ck.shard_path(t))),
                         t.file_name
                     )));
                 }
@@ -374,10 +382,10 @@ pub fn pull_stream(
     }
     let extras = StreamExtras {
         source: StreamSource {
-            url: source.url.clone(),
-            revision: source.revision.clone(),
-            flat: source.flat,
-            allow_network: opts.allow_network,
+            url: p.source.url.clone(),
+            revision: p.source.revision.clone(),
+            flat: p.source.flat,
+            allow_network: p.opts.allow_network,
             index: STREAM_INDEX.into(),
         },
         files: vec![(
@@ -385,11 +393,11 @@ pub fn pull_stream(
             serde_json::to_vec(&index).map_err(|e| PullError::Invalid(e.to_string()))?,
         )],
     };
-    convert::convert_stream(&sd, model_dir, &opts.convert, &extras, progress)?;
+    convert::convert_stream(&sd, p.model_dir, &p.opts.convert, &extras, p.progress)?;
     std::fs::remove_dir_all(&sd).map_err(io_err(&sd))?;
     Ok(PullReport {
         records_unchecked: true,
-        ..PullReport::finished("stream", http, t0)
+        ..PullReport::finished("stream", p.http, t0)
     })
 }
 
@@ -720,17 +728,10 @@ fn mirror_backbone(
     }
 }
 
-fn mirror_full(
-    http: &Arc<Http>,
-    source: &Source,
-    model_dir: &Path,
-    m: Manifest,
-    opts: &PullOptions,
-    transfer: &dyn Transfer,
-    progress: &dyn Progress,
-) -> Result<PullReport, PullError> {
+/// [`pull_full`] from a mirror that serves the deltafin manifest `m`.
+fn mirror_full(p: Pull<'_>, m: Manifest) -> Result<PullReport, PullError> {
     let t0 = Instant::now();
-    let dl = mirror_work_dir(http, source, model_dir, &m, opts, "download")?;
+    let dl = mirror_work_dir(p.http, p.source, p.model_dir, &m, p.opts, "download")?;
     for f in [&m.backbone.file, &m.experts.file] {
         if f.contains('/') || f.contains("..") {
             return Err(PullError::Invalid(format!(
@@ -739,10 +740,10 @@ fn mirror_full(
         }
         let dest = dl.join(f);
         if !dest.is_file() {
-            http.download(&source.file_url(f), &dest, transfer)?;
+            p.http.download(&p.source.file_url(f), &dest, p.transfer)?;
         }
     }
-    mirror_backbone(http, source, &m, &dl.join(&m.backbone.file), transfer)?;
+    mirror_backbone(p.http, p.source, &m, &dl.join(&m.backbone.file), p.transfer)?;
     // Every record against the mirror's checksum; a corrupted one is fetched again by range.
     let pack_path = dl.join(&m.experts.file);
     let pack = OpenOptions::new()
@@ -750,7 +751,7 @@ fn mirror_full(
         .write(true)
         .open(&pack_path)
         .map_err(io_err(&pack_path))?;
-    progress.start(m.experts.bytes);
+    p.progress.start(m.experts.bytes);
     let mut buf = Vec::new();
     for r in &m.experts.records {
         buf.resize(r.length as usize, 0);
@@ -759,8 +760,8 @@ fn mirror_full(
         let mut attempt = 0;
         while xxhash_rust::xxh3::xxh3_64(&buf) != want {
             attempt += 1;
-            let url = source.file_url(&m.experts.file);
-            if attempt > http.max_attempts() {
+            let url = p.source.file_url(&m.experts.file);
+            if attempt > p.http.max_attempts() {
                 return Err(PullError::Http {
                     url,
                     message: format!(
@@ -774,31 +775,25 @@ fn mirror_full(
                 r.layer,
                 r.expert
             );
-            buf = http.get_range(&url, r.offset, r.length, None)?.0;
+            buf = p.http.get_range(&url, r.offset, r.length, None)?.0;
             pack.write_all_at(&buf, r.offset).map_err(io_err(&pack_path))?;
         }
-        progress.advance(r.length);
+        p.progress.advance(r.length);
     }
     pack.sync_all().map_err(io_err(&pack_path))?;
-    progress.finish();
+    p.progress.finish();
     let mut files: Vec<&str> = m.tokenizer_files.iter().map(String::as_str).collect();
     files.push(&m.backbone.file);
     files.push(&m.experts.file);
-    place(model_dir, opts.convert.force, &dl, &files, &m, |_| Ok(()))?;
-    remove_download(&dl, opts)?;
-    Ok(PullReport::finished("full", http, t0))
+    place(p.model_dir, p.opts.convert.force, &dl, &files, &m, |_| Ok(()))?;
+    remove_download(&dl, p.opts)?;
+    Ok(PullReport::finished("full", p.http, t0))
 }
 
-fn mirror_stream(
-    http: &Arc<Http>,
-    source: &Source,
-    model_dir: &Path,
-    m: Manifest,
-    opts: &PullOptions,
-    transfer: &dyn Transfer,
-) -> Result<PullReport, PullError> {
+/// [`pull_stream`] from a mirror that serves the deltafin manifest `m`.
+fn mirror_stream(p: Pull<'_>, m: Manifest) -> Result<PullReport, PullError> {
     let t0 = Instant::now();
-    let sd = mirror_work_dir(http, source, model_dir, &m, opts, "stream-src")?;
+    let sd = mirror_work_dir(p.http, p.source, p.model_dir, &m, p.opts, "stream-src")?;
     if m.backbone.file.contains('/') || m.experts.file.contains('/') {
         return Err(PullError::Invalid(
             "mirror manifest names a file that is not a plain name".into(),
@@ -806,13 +801,13 @@ fn mirror_stream(
     }
     let bb = sd.join(&m.backbone.file);
     if !bb.is_file() {
-        http.download(&source.file_url(&m.backbone.file), &bb, transfer)?;
+        p.http.download(&p.source.file_url(&m.backbone.file), &bb, p.transfer)?;
     }
-    mirror_backbone(http, source, &m, &bb, transfer)?;
-    let (_, pack_info) = http.get_range(&source.file_url(&m.experts.file), 0, 1, None)?;
+    mirror_backbone(p.http, p.source, &m, &bb, p.transfer)?;
+    let (_, pack_info) = p.http.get_range(&p.source.file_url(&m.experts.file), 0, 1, None)?;
     if pack_info.size < m.experts.bytes {
         return Err(PullError::Http {
-            url: source.file_url(&m.experts.file),
+            url: p.source.file_url(&m.experts.file),
             message: format!("{} bytes, the manifest says {}", pack_info.size, m.experts.bytes),
         });
     }
@@ -826,10 +821,10 @@ fn mirror_stream(
             .insert(format!("{}.{}", r.layer, r.expert), std::mem::take(&mut r.xxh3));
     }
     local.stream = Some(StreamSource {
-        url: source.url.clone(),
-        revision: source.revision.clone(),
-        flat: source.flat,
-        allow_network: opts.allow_network,
+        url: p.source.url.clone(),
+        revision: p.source.revision.clone(),
+        flat: p.source.flat,
+        allow_network: p.opts.allow_network,
         index: STREAM_INDEX.into(),
     });
     let index_json = serde_json::to_vec(&index).map_err(|e| PullError::Invalid(e.to_string()))?;
@@ -837,7 +832,7 @@ fn mirror_stream(
     files.push(&m.backbone.file);
     let pack_name = m.experts.file.clone();
     let pack_bytes = m.experts.bytes;
-    place(model_dir, opts.convert.force, &sd, &files, &local, move |tmp| {
+    place(p.model_dir, p.opts.convert.force, &sd, &files, &local, move |tmp| {
         let p = tmp.join(&pack_name);
         let f = File::create(&p).map_err(io_err(&p))?;
         f.set_len(pack_bytes).map_err(io_err(&p))?;
@@ -845,5 +840,5 @@ fn mirror_stream(
         write_atomic(&tmp.join(STREAM_INDEX), &index_json)
     })?;
     std::fs::remove_dir_all(&sd).map_err(io_err(&sd))?;
-    Ok(PullReport::finished("stream", http, t0))
+    Ok(PullReport::finished("stream", p.http, t0))
 }

@@ -1580,20 +1580,26 @@ fn connections_beyond_the_cap_wait_until_one_closes() {
     );
 }
 
-/// A model that panics on a forward pass over [`PANIC_TOKEN`] (the way a kernel bug or a bad
-/// hyperparameter would), on a compute-pool thread as the engine's expert tasks do; after a
-/// pass over [`FATAL_TOKEN`] it also panics in `new_state`, so that the compute thread's own
-/// recovery (resetting the cache) fails and the thread dies.
-struct Panicky {
+/// The fixture model with what a test changes: a longer context ([`long_context`]), or panics
+/// ([`panicky`]).
+struct TestModel {
     inner: DeepseekV3,
+    /// The context length instead of the configuration's.
+    context_length: Option<usize>,
+    /// Whether passes over [`PANIC_TOKEN`] and [`FATAL_TOKEN`] panic.
+    panics: bool,
+    /// Set by a pass over [`FATAL_TOKEN`].
     fatal: std::sync::atomic::AtomicBool,
 }
 
 const PANIC_TOKEN: u32 = 511;
 const FATAL_TOKEN: u32 = 510;
 
-impl Panicky {
+impl TestModel {
     fn check(&self, tokens: &[u32]) {
+        if !self.panics {
+            return;
+        }
         if tokens.contains(&FATAL_TOKEN) {
             self.fatal.store(true, std::sync::atomic::Ordering::SeqCst);
         }
@@ -1604,9 +1610,13 @@ impl Panicky {
     }
 }
 
-impl CausalLm for Panicky {
+impl CausalLm for TestModel {
     fn config(&self) -> &deltafin_format::ModelConfig {
         self.inner.config()
+    }
+    fn context_length(&self) -> usize {
+        self.context_length
+            .unwrap_or_else(|| self.config().max_position_embeddings())
     }
     fn new_state(&self) -> Box<dyn deltafin_engine::DecodeState> {
         assert!(
@@ -1643,9 +1653,15 @@ impl CausalLm for Panicky {
     }
 }
 
+/// A model that panics on a forward pass over [`PANIC_TOKEN`] (the way a kernel bug or a bad
+/// hyperparameter would), on a compute-pool thread as the engine's expert tasks do; after a
+/// pass over [`FATAL_TOKEN`] it also panics in `new_state`, so that the compute thread's own
+/// recovery (resetting the cache) fails and the thread dies.
 fn panicky() -> Arc<dyn CausalLm> {
-    Arc::new(Panicky {
+    Arc::new(TestModel {
         inner: load_model(),
+        context_length: None,
+        panics: true,
         fatal: Default::default(),
     })
 }
@@ -2183,46 +2199,17 @@ fn chat_fixtures() -> PathBuf {
 /// The fixture model with 4,096 positions instead of its 128: a real template's tool prompt is
 /// ~1,400 tokens of the fixture's 507-token vocabulary. RoPE is computed per position and the
 /// cache grows as needed, so a longer context is only slower.
-struct LongContext(DeepseekV3);
-
-impl CausalLm for LongContext {
-    fn config(&self) -> &deltafin_format::ModelConfig {
-        self.0.config()
-    }
-    fn context_length(&self) -> usize {
-        4096
-    }
-    fn new_state(&self) -> Box<dyn deltafin_engine::DecodeState> {
-        self.0.new_state()
-    }
-    fn forward(
-        &self,
-        state: &mut dyn deltafin_engine::DecodeState,
-        token: u32,
-    ) -> Result<(Vec<f32>, deltafin_engine::LayerRoutes), deltafin_engine::EngineError> {
-        self.0.forward(state, token)
-    }
-    fn forward_batch(
-        &self,
-        state: &mut dyn deltafin_engine::DecodeState,
-        tokens: &[u32],
-        all_logits: bool,
-    ) -> Result<deltafin_engine::model::BatchOutput, deltafin_engine::EngineError> {
-        self.0.forward_batch(state, tokens, all_logits)
-    }
-    fn routed(&self) -> &deltafin_engine::model::RoutedExperts {
-        self.0.routed()
-    }
-    fn routed_mut(&mut self) -> &mut deltafin_engine::model::RoutedExperts {
-        self.0.routed_mut()
-    }
-    fn backbone_bytes(&self) -> usize {
-        self.0.backbone_bytes()
-    }
+fn long_context() -> Arc<dyn CausalLm> {
+    Arc::new(TestModel {
+        inner: load_model(),
+        context_length: Some(4096),
+        panics: false,
+        fatal: Default::default(),
+    })
 }
 
-/// A fixture conversation's request body (`conversations.json`) and transformers' render of it
-/// through Qwen3's template (`expected.json`).
+/// A fixture conversation's request body (`conversations.json`) with the model set to
+/// [`MODEL`], and transformers' render of it through Qwen3's template (`expected.json`).
 fn chat_fixture(name: &str) -> (Value, String) {
     let read = |f: &str| -> Value {
         serde_json::from_str(&std::fs::read_to_string(chat_fixtures().join(f)).unwrap()).unwrap()
@@ -2239,7 +2226,9 @@ fn chat_fixture(name: &str) -> (Value, String) {
         .as_str()
         .unwrap()
         .to_string();
-    (case["request"].clone(), want)
+    let mut body = case["request"].clone();
+    body["model"] = json!(MODEL);
+    (body, want)
 }
 
 /// Multi-turn tool conversations over HTTP: an OpenAI one (assistant `tool_calls` with null
@@ -2250,28 +2239,29 @@ fn chat_fixture(name: &str) -> (Value, String) {
 #[test]
 fn multi_turn_tool_conversations_reach_the_template_as_transformers_renders_them() {
     let dir = qwen3_template_dir();
-    let a = serve_dir(dir, Arc::new(LongContext(load_model())), |_| {});
+    let a = serve_dir(dir, long_context(), |_| {});
     let tokenizer = Tokenizer::from_dir(dir).unwrap();
     let tokens = |text: &str| tokenizer.encode(text, false).unwrap().len() as u64;
+    // `body` with `max_tokens` 1 posted to `path`, which must answer 200: the `usage` field `key`.
+    let usage = |path: &str, mut body: Value, key: &str| {
+        body["max_tokens"] = json!(1);
+        let r = post(a, path, &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["usage"][key].as_u64()
+    };
 
-    let (mut body, want) = chat_fixture("openai_tool_round_trip");
-    body["model"] = json!(MODEL);
-    body["max_tokens"] = json!(1);
-    let r = post(a, "/v1/chat/completions", &body);
-    assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(r.json()["usage"]["prompt_tokens"].as_u64(), Some(tokens(&want)));
+    let (body, want) = chat_fixture("openai_tool_round_trip");
+    assert_eq!(
+        usage("/v1/chat/completions", body, "prompt_tokens"),
+        Some(tokens(&want))
+    );
 
-    let (mut body, want) = chat_fixture("anthropic_tool_round_trip");
-    body["model"] = json!(MODEL);
+    let (body, want) = chat_fixture("anthropic_tool_round_trip");
     let n = post(a, "/v1/messages/count_tokens", &body).json()["input_tokens"].as_u64();
     assert_eq!(n, Some(tokens(&want)));
-    body["max_tokens"] = json!(1);
-    let r = post(a, "/v1/messages", &body);
-    assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(r.json()["usage"]["input_tokens"].as_u64(), Some(tokens(&want)));
+    assert_eq!(usage("/v1/messages", body, "input_tokens"), Some(tokens(&want)));
 
     let (mut body, _) = chat_fixture("openai_tool_round_trip");
-    body["model"] = json!(MODEL);
     body["messages"][2]["tool_calls"][0]["function"]["arguments"] = json!("{\"city\": ");
     let r = post(a, "/v1/chat/completions", &body);
     assert_openai_error(&r, 400);

@@ -9,7 +9,7 @@ use deltafin_engine::experts::{Remote, StoreOptions};
 use deltafin_format::convert::ConvertOptions;
 use deltafin_format::{ModelDir, StoredDtype};
 use deltafin_pull::http::Transfer;
-use deltafin_pull::install::{pull_full, pull_stream, PullOptions};
+use deltafin_pull::install::{pull_full, pull_stream, Pull, PullOptions};
 use deltafin_pull::{Auth, Http, HttpOptions, HttpRecordSource, Source};
 
 use crate::convert_cmd::{progress_bar, BackboneDtype, ExpertDtype};
@@ -134,11 +134,15 @@ pub(crate) fn run(a: &PullArgs) -> Result<()> {
     let transfer = TransferBar(dl.0.clone());
     let conv = progress_bar("converting");
     let what = if a.full { "full" } else { "streaming" };
-    let r = if a.full {
-        pull_full(&http, &source, model_dir, &opts, &transfer, &conv)
-    } else {
-        pull_stream(&http, &source, model_dir, &opts, &transfer, &conv)
+    let p = Pull {
+        http: &http,
+        source: &source,
+        model_dir,
+        opts: &opts,
+        transfer: &transfer,
+        progress: &conv,
     };
+    let r = if a.full { pull_full(p) } else { pull_stream(p) };
     dl.0.finish_and_clear();
     conv.0.finish_and_clear();
     let r = r.with_context(|| {

@@ -149,13 +149,20 @@ fn convert_rejects_fp8_weights() {
     );
 }
 
+/// A copy of fixture `case` in a fresh temporary directory, to be broken in its weight file
+/// `file`: the directory, the copy, the path of the copy's `file` and the output path of a
+/// convert (`m` in the directory, not created).
+fn case_to_break(case: &str, file: &str) -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = copy_case(case, tmp.path());
+    let (st, out) = (hf.join(file), tmp.path().join("m"));
+    (tmp, hf, st, out)
+}
+
 #[test]
 fn convert_rejects_a_truncated_safetensors_file() {
-    let tmp = tempfile::tempdir().unwrap();
-    let hf = copy_case("dsv3_a", tmp.path());
-    let st = hf.join("model.safetensors");
+    let (_tmp, hf, st, out) = case_to_break("dsv3_a", "model.safetensors");
     let full = std::fs::read(&st).unwrap();
-    let out = tmp.path().join("m");
     // Cut in the tensor data, one byte short, and inside the header.
     for cut in [full.len() / 2, full.len() - 1, 100] {
         std::fs::write(&st, &full[..cut]).unwrap();
@@ -166,21 +173,15 @@ fn convert_rejects_a_truncated_safetensors_file() {
 
 #[test]
 fn convert_rejects_a_shard_of_the_index_that_is_truncated() {
-    let tmp = tempfile::tempdir().unwrap();
-    let hf = copy_case("dsv3_b", tmp.path());
-    let st = hf.join("model-00002-of-00002.safetensors");
+    let (_tmp, hf, st, out) = case_to_break("dsv3_b", "model-00002-of-00002.safetensors");
     let full = std::fs::read(&st).unwrap();
     std::fs::write(&st, &full[..full.len() - 4096]).unwrap();
-    let out = tmp.path().join("m");
     convert_refused(&hf, &out, &["model-00002-of-00002.safetensors", "truncated"]);
 }
 
 #[test]
 fn convert_rejects_a_garbage_safetensors_header() {
-    let tmp = tempfile::tempdir().unwrap();
-    let hf = copy_case("dsv3_a", tmp.path());
-    let st = hf.join("model.safetensors");
-    let out = tmp.path().join("m");
+    let (_tmp, hf, st, out) = case_to_break("dsv3_a", "model.safetensors");
     // Not a safetensors file at all: the first 8 bytes read as an absurd header length.
     std::fs::write(&st, b"this is not a safetensors file, just some text\n").unwrap();
     convert_refused(&hf, &out, &["model.safetensors", "header"]);

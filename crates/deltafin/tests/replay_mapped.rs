@@ -4,7 +4,7 @@
 //! recall are checked exactly against what the mapping implies; and `run --trace-predictions`
 //! replays to the recall `run --prefetch on` measures.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use assert_cmd::Command;
 use serde_json::Value;
@@ -45,8 +45,14 @@ fn replay(model: &Path, work: &Path, args: &[&str]) -> Value {
     serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
 }
 
+/// `deltafin replay --map-experts` of the trace `trace` on `model` with the further `args`;
+/// its stats JSON.
+fn replay_mapped(model: &Path, work: &Path, trace: &str, args: &[&str]) -> Value {
+    replay(model, work, &[&["--trace", trace, "--map-experts"], args].concat())
+}
+
 /// `synth --preset tiny` into `dir/tiny`; returns that path.
-fn tiny_model(dir: &Path) -> std::path::PathBuf {
+fn tiny_model(dir: &Path) -> PathBuf {
     let model = dir.join("tiny");
     deltafin()
         .args(["synth", "--preset", "tiny", "--out"])
@@ -56,22 +62,35 @@ fn tiny_model(dir: &Path) -> std::path::PathBuf {
     model
 }
 
+/// A `tiny` model in a fresh temporary directory and, beside it, the trace `name` of `n` tokens
+/// (as [`write_trace`] writes it): the directory, the model and the trace's path.
+fn tiny_and_trace(
+    name: &str,
+    shape: [u32; 4],
+    n: u32,
+    picks: impl Fn(u32) -> Vec<u16>,
+) -> (tempfile::TempDir, PathBuf, String) {
+    let t = tempfile::tempdir().unwrap();
+    let model = tiny_model(t.path());
+    let trace = t.path().join(name);
+    write_trace(&trace, shape, n, picks);
+    let trace = trace.to_str().unwrap().to_string();
+    (t, model, trace)
+}
+
 fn u(v: &Value, k: &str) -> u64 {
     v[k].as_u64().unwrap_or_else(|| panic!("{k} missing in {v}"))
 }
 
 #[test]
 fn mapped_replay_counts_bytes_hits_pinning_and_recall() {
-    let t = tempfile::tempdir().unwrap();
-    let (model, w) = (tiny_model(t.path()), t.path());
     // Source: 3 layers (MoE from 1: 2 MoE layers) × 4 experts, top-2; every token picks
     // {0, 1} in MoE layer 0 and {2, 3} in MoE layer 1. Mapped onto tiny (8 experts, top-2)
     // each source expert owns 2 target experts used in turn: 2 layers × 2 picks × 2 members
     // = 8 distinct records, each token requests 2 × 2 = 4.
     let n = 20u32;
-    let trace = w.join("src.routes");
-    write_trace(&trace, [3, 1, 4, 2], n, |_| vec![0, 1, 2, 3]);
-    let tr = trace.to_str().unwrap();
+    let (t, model, tr) = tiny_and_trace("src.routes", [3, 1, 4, 2], n, |_| vec![0, 1, 2, 3]);
+    let (w, tr) = (t.path(), tr.as_str());
 
     // Without --map-experts the other model's trace is refused, naming the flag.
     let out = deltafin()
@@ -84,7 +103,7 @@ fn mapped_replay_counts_bytes_hits_pinning_and_recall() {
     assert!(!out.status.success() && err.contains("--map-experts"), "{err}");
 
     // No cache: every request is read, exactly the no-cache need.
-    let s = replay(&model, w, &["--trace", tr, "--map-experts"]);
+    let s = replay_mapped(&model, w, tr, &[]);
     let rec = u(&s, "record_bytes");
     assert_eq!(u(&s, "requests_per_token"), 4);
     assert_eq!(u(&s, "need_bytes_per_token"), 4 * rec);
@@ -94,25 +113,23 @@ fn mapped_replay_counts_bytes_hits_pinning_and_recall() {
 
     // A cache of the 8 records: cold misses only.
     let budget = format!("{}", 8 * rec);
-    let s = replay(&model, w, &["--trace", tr, "--map-experts", "--ram-budget", &budget]);
+    let s = replay_mapped(&model, w, tr, &["--ram-budget", &budget]);
     assert_eq!(u(&s, "expert_bytes_read_demand"), 8 * rec);
     assert_eq!((u(&s, "misses"), u(&s, "hits")), (8, u64::from(n) * 4 - 8));
 
     // A cache of 2 records under LRU: the 4 requests of a token cycle through 8 records, so
     // every request misses again.
     let small = format!("{}", 2 * rec);
-    let s = replay(&model, w, &["--trace", tr, "--map-experts", "--ram-budget", &small]);
+    let s = replay_mapped(&model, w, tr, &["--ram-budget", &small]);
     assert_eq!(u(&s, "hits"), 0);
 
     // Pinned from the same (mapped) trace, the whole budget, warmed before the first token:
     // no demand read at all, the 8 records read once by the warm-up.
-    let s = replay(
+    let s = replay_mapped(
         &model,
         w,
+        tr,
         &[
-            "--trace",
-            tr,
-            "--map-experts",
             "--ram-budget",
             &budget,
             "--cache-policy",
@@ -137,11 +154,7 @@ fn mapped_replay_counts_bytes_hits_pinning_and_recall() {
         n,
         |p| if p % 2 == 0 { vec![2, 3] } else { vec![0, 1] },
     );
-    let s = replay(
-        &model,
-        w,
-        &["--trace", tr, "--map-experts", "--predictions", pred.to_str().unwrap()],
-    );
+    let s = replay_mapped(&model, w, tr, &["--predictions", pred.to_str().unwrap()]);
     assert_eq!(s["prefetch_recall"].as_f64(), Some(0.5));
     assert_eq!(u(&s, "prefetch_issued"), 0, "prefetch off: recall only");
     // --prefetch on without predictions is refused.
@@ -228,40 +241,25 @@ fn traced_predictions_replay_to_the_runs_recall() {
 /// and every token requests `tiny`'s own 2 × 2 records.
 #[test]
 fn mapped_replay_with_overlapping_blocks() {
-    let t = tempfile::tempdir().unwrap();
-    let (model, w) = (tiny_model(t.path()), t.path());
     // MoE layer 0 alternates experts 0 and 1 (blocks at positions 0–1 and 2–3: disjoint),
     // MoE layer 1 always picks 5: 2 + 2 + 2 = 6 distinct records.
     let n = 20u32;
-    let trace = w.join("top1.routes");
-    write_trace(&trace, [3, 1, 8, 1], n, |p| vec![(p % 2) as u16, 5]);
-    let tr = trace.to_str().unwrap();
-    let s = replay(&model, w, &["--trace", tr, "--map-experts"]);
+    let (t, model, tr) = tiny_and_trace("top1.routes", [3, 1, 8, 1], n, |p| vec![(p % 2) as u16, 5]);
+    let (w, tr) = (t.path(), tr.as_str());
+    let s = replay_mapped(&model, w, tr, &[]);
     let rec = u(&s, "record_bytes");
     assert_eq!(u(&s, "requests_per_token"), 4);
     assert_eq!(u(&s, "expert_bytes_read_demand"), u64::from(n) * 4 * rec);
     // A cache of 6 records: each read once.
     let budget = format!("{}", 6 * rec);
-    let s = replay(&model, w, &["--trace", tr, "--map-experts", "--ram-budget", &budget]);
+    let s = replay_mapped(&model, w, tr, &["--ram-budget", &budget]);
     assert_eq!((u(&s, "misses"), u(&s, "hits")), (6, u64::from(n) * 4 - 6));
     // One record fewer under LRU. A layer's hits are taken before its misses are read, so
     // after the first two tokens (6 cold misses) a token's layer-0 pair has one record left
     // from two tokens before (a hit) and misses the other, evicting the record the last token
     // left: one miss per token, and layer 1's two records always hit.
     let five = format!("{}", 5 * rec);
-    let s = replay(
-        &model,
-        w,
-        &[
-            "--trace",
-            tr,
-            "--map-experts",
-            "--ram-budget",
-            &five,
-            "--cache-policy",
-            "lru",
-        ],
-    );
+    let s = replay_mapped(&model, w, tr, &["--ram-budget", &five, "--cache-policy", "lru"]);
     let misses = 6 + u64::from(n - 2);
     assert_eq!((u(&s, "misses"), u(&s, "hits")), (misses, u64::from(n) * 4 - misses));
 }

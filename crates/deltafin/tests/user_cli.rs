@@ -42,6 +42,13 @@ fn run(c: &mut Command) -> (Output, String) {
     (out, err)
 }
 
+/// `deltafin pull REPO DIR MODE --endpoint ENDPOINT`, which must fail: its stderr.
+fn pull_refused(repo: &str, dir: &Path, mode: &str, endpoint: &str) -> String {
+    let (out, err) = run(deltafin().args(["pull", repo, s(dir), mode, "--endpoint", endpoint]));
+    assert!(!out.status.success(), "{err}");
+    err
+}
+
 /// A request as the recording server saw it: the request line and the headers, lowercased names.
 #[derive(Debug, Clone)]
 struct Seen {
@@ -178,15 +185,7 @@ fn pull_resolves_repository_ids_against_the_endpoint() {
     let t = tmp.path();
     let hub = Recorder::start("404 Not Found");
     // --endpoint, with a revision after @.
-    let (out, err) = run(deltafin().args([
-        "pull",
-        "some-org/Some.Model_1@v2.0",
-        s(&t.join("a")),
-        "--stream",
-        "--endpoint",
-        &hub.url(),
-    ]));
-    assert!(!out.status.success());
+    let err = pull_refused("some-org/Some.Model_1@v2.0", &t.join("a"), "--stream", &hub.url());
     assert!(err.contains("no config.json here"), "{err}");
     let seen = hub.seen();
     assert!(
@@ -259,15 +258,7 @@ fn pull_resolves_repository_ids_against_the_endpoint() {
 
     // A gated repository without a token: the error says how to give one.
     let gated = Recorder::start("401 Unauthorized");
-    let (out, err) = run(deltafin().args([
-        "pull",
-        "org/gated",
-        s(&t.join("e")),
-        "--full",
-        "--endpoint",
-        &gated.url(),
-    ]));
-    assert!(!out.status.success());
+    let err = pull_refused("org/gated", &t.join("e"), "--full", &gated.url());
     assert!(
         err.contains("HTTP 401") && err.contains("HF_TOKEN") && err.contains("--token"),
         "{err}"
