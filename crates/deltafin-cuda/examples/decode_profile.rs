@@ -10,7 +10,8 @@
 use std::time::Instant;
 
 use deltafin_cuda::{
-    CudaError, CudaSlice, Gpu, GpuBuf, GpuMat, MlaPrepArg, MoeDown, MvJob, PreNorm, RouteTailArg, RouterShape,
+    CudaError, CudaSlice, Gpu, GpuBuf, GpuMat, MlaPrefillForm, MlaPrepArg, MoeDown, MvJob, PreNorm, RouteTailArg,
+    RouterShape,
 };
 use deltafin_kernels::{MatData, MatRef};
 use rand::{rngs::StdRng, SeedableRng};
@@ -278,7 +279,19 @@ fn main() -> Result<(), CudaError> {
     let mut sc = z(n * s.scratch_len(n))?;
     let mut ho = z(n * nh * vd)?;
     let t = g.time_ms(3, || {
-        g.mla_prefill(s, &yq, &lat, &kp, &kv_b, 0, n, 0.1, &mut sc, &mut ho)
+        g.mla_prefill(
+            MlaPrefillForm::best(s),
+            s,
+            &yq,
+            &lat,
+            &kp,
+            &kv_b,
+            0,
+            n,
+            0.1,
+            &mut sc,
+            &mut ho,
+        )
     })?;
     row("P mla_prefill 2000 tokens from position 0", t, 1.0);
     let (m, e) = (62usize, &experts[1]);

@@ -31,8 +31,8 @@
 use std::sync::{Arc, Mutex};
 
 use deltafin_cuda::{
-    CudaError, CudaView, ExpertTable, Gpu, GpuBuf, GpuMat, GpuMatData, Graph, MlaPrepArg, MlaShape, MoeDown, MvJob,
-    Pinned, PreNorm, RouteTailArg, RouterShape, MOE_MAX_K,
+    CudaError, CudaView, ExpertTable, Gpu, GpuBuf, GpuMat, GpuMatData, Graph, MlaPrefillForm, MlaPrepArg, MlaShape,
+    MoeDown, MvJob, Pinned, PreNorm, RouteTailArg, RouterShape, MOE_MAX_K,
 };
 use deltafin_format::{ModelConfig, ModelDir};
 
@@ -841,6 +841,7 @@ impl DeepseekV3Cuda {
             let qg = g.copy_range(&q, j0 * nh * qk, m * nh * qk)?;
             let mut og = g.zeros(m * nh * c.v_head_dim)?;
             g.mla_prefill(
+                MlaPrefillForm::best(shape),
                 shape,
                 &qg,
                 cached_latents,
