@@ -10,7 +10,8 @@
 use std::time::Instant;
 
 use deltafin_cuda::{
-    CudaError, CudaSlice, Gpu, GpuBuf, GpuMat, MlaPrepArg, MoeDown, MvJob, MvKind, PreNorm, RouteTailArg, RouterShape,
+    CudaError, CudaSlice, Gpu, GpuBuf, GpuMat, MlaPrefillForm, MlaPrepArg, MoeDown, MvJob, PreNorm, RouteTailArg,
+    RouterShape,
 };
 use deltafin_kernels::{MatData, MatRef};
 use rand::{rngs::StdRng, SeedableRng};
@@ -25,44 +26,6 @@ fn int8_mat(g: &Gpu, rng: &mut StdRng, rows: usize, cols: usize) -> GpuMat {
 fn f32_mat(g: &Gpu, rng: &mut StdRng, rows: usize, cols: usize) -> GpuMat {
     let w = rand_vec(rng, rows * cols);
     GpuMat::upload(g, &MatRef::new(rows, cols, MatData::F32(&w)).unwrap()).unwrap()
-}
-
-/// The RMSNorm of a launch's input with weight `w` (ε 1e-6).
-fn pn(w: &GpuBuf) -> PreNorm<'_> {
-    PreNorm {
-        weight: w,
-        eps: 1e-6,
-        one_plus: false,
-        out: None,
-    }
-}
-
-/// [`pn`], also writing the normed input to `out`.
-fn pn_out<'a>(w: &'a GpuBuf, out: &'a mut GpuBuf) -> PreNorm<'a> {
-    PreNorm {
-        out: Some(out),
-        ..pn(w)
-    }
-}
-
-/// The job `y = a x`.
-fn set<'a>(a: &'a GpuMat, y: &'a mut GpuBuf) -> MvJob<'a> {
-    MvJob {
-        a,
-        b: None,
-        kind: MvKind::Set,
-        y,
-    }
-}
-
-/// The job `y = swiglu(gate x, up x)`.
-fn glu<'a>(gate: &'a GpuMat, up: &'a GpuMat, y: &'a mut GpuBuf) -> MvJob<'a> {
-    MvJob {
-        a: gate,
-        b: Some(up),
-        kind: MvKind::Glu,
-        y,
-    }
 }
 
 fn main() -> Result<(), CudaError> {
@@ -146,8 +109,11 @@ fn main() -> Result<(), CudaError> {
     })?;
     row("mla_decode at 1000 positions", t, false);
     let t = g.time_ms(reps, || {
-        let p = pn_out(&norm_w, &mut xn);
-        let jobs = &mut [set(&router, &mut logits), glu(&sh_gate, &sh_up, &mut shared_h)];
+        let p = PreNorm::rms(&norm_w, 1e-6).kept_in(&mut xn);
+        let jobs = &mut [
+            MvJob::set(&router, &mut logits),
+            MvJob::glu(&sh_gate, &sh_up, &mut shared_h),
+        ];
         g.mv_jobs(&x, Some(p), jobs)
     })?;
     row("post norm + router + shared gate/up, no router tail", t, false);
@@ -178,10 +144,14 @@ fn main() -> Result<(), CudaError> {
         match i {
             0 => g.mv_jobs(
                 &x,
-                Some(pn(&norm_w)),
-                &mut [set(&q_a, &mut qa), set(&kv_lat, &mut ckv), set(&kv_rope, &mut kpe)],
+                Some(PreNorm::rms(&norm_w, 1e-6)),
+                &mut [
+                    MvJob::set(&q_a, &mut qa),
+                    MvJob::set(&kv_lat, &mut ckv),
+                    MvJob::set(&kv_rope, &mut kpe),
+                ],
             ),
-            1 => g.mv_jobs(&qa, Some(pn(&ql_norm)), &mut [set(&q_b, &mut q)]),
+            1 => g.mv_jobs(&qa, Some(PreNorm::rms(&ql_norm, 1e-6)), &mut [MvJob::set(&q_b, &mut q)]),
             2 => g.mla_prep(MlaPrepArg {
                 ckv_raw: &ckv,
                 norm: &kv_norm,
@@ -207,16 +177,9 @@ fn main() -> Result<(), CudaError> {
                 &mut scores,
                 &mut heads,
             ),
-            4 => g.mv_jobs(
-                &heads,
-                None,
-                &mut [MvJob {
-                    kind: MvKind::Add,
-                    ..set(&o_proj, &mut x)
-                }],
-            ),
+            4 => g.mv_jobs(&heads, None, &mut [MvJob::add(&o_proj, &mut x)]),
             5 => {
-                let p = pn_out(&norm_w, &mut xn);
+                let p = PreNorm::rms(&norm_w, 1e-6).kept_in(&mut xn);
                 let r = RouteTailArg {
                     cfg: rs,
                     bias: &bias,
@@ -224,7 +187,10 @@ fn main() -> Result<(), CudaError> {
                     weights: &mut wts,
                     off: 0,
                 };
-                let jobs = &mut [set(&router, &mut logits), glu(&sh_gate, &sh_up, &mut shared_h)];
+                let jobs = &mut [
+                    MvJob::set(&router, &mut logits),
+                    MvJob::glu(&sh_gate, &sh_up, &mut shared_h),
+                ];
                 g.mv_jobs_route(&x, Some(p), jobs, Some(r))
             }
             _ => moe_table(MoeDown::Split, &ids, &wts, &xn, &mut moe_h, &shared_h, &mut x),
@@ -313,7 +279,19 @@ fn main() -> Result<(), CudaError> {
     let mut sc = z(n * s.scratch_len(n))?;
     let mut ho = z(n * nh * vd)?;
     let t = g.time_ms(3, || {
-        g.mla_prefill(s, &yq, &lat, &kp, &kv_b, 0, n, 0.1, &mut sc, &mut ho)
+        g.mla_prefill(
+            MlaPrefillForm::best(s),
+            s,
+            &yq,
+            &lat,
+            &kp,
+            &kv_b,
+            0,
+            n,
+            0.1,
+            &mut sc,
+            &mut ho,
+        )
     })?;
     row("P mla_prefill 2000 tokens from position 0", t, 1.0);
     let (m, e) = (62usize, &experts[1]);

@@ -7,7 +7,7 @@
 //!
 //! `cargo run --release -p deltafin-cuda --example grouped_bench [TOKENS]` on a GPU machine.
 
-use deltafin_cuda::{GpuMat, GroupedShape};
+use deltafin_cuda::{GpuMat, GroupedShape, RowCopy};
 use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 
 mod common;
@@ -74,7 +74,7 @@ fn main() {
             e[1].matmul(&g, &xe, rows, &mut b)?;
             g.swiglu(&a, &b, &mut hh)?;
             e[2].matmul(&g, &hh, rows, &mut o)?;
-            g.scatter_rows(&o, &dst_d, off, rows, hidden, y)?;
+            g.copy_rows(RowCopy::Scatter, &o, &dst_d, off, rows, hidden, y)?;
             off += rows;
         }
         Ok(())

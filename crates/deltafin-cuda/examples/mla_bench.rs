@@ -1,5 +1,5 @@
 //! MLA over the chunks of a 2,000-token prompt on the GPU in both kernel forms of
-//! [`Gpu::mla_prefill_with`] (one block a (split, token); tiled: one block a (split, group of
+//! [`Gpu::mla_prefill`] (one block a (split, token); tiled: one block a (split, group of
 //! tokens)), on the `bench` preset's attention (16 heads, latent rank 256, nope 64, rope 32,
 //! v 64, int8 `kv_b_proj`) and DeepSeek-V3's (rank 512, nope 128, rope 64, v 128). Checks that
 //! both forms give the same bits and prints each chunk's time (median of CUDA-event timings)
@@ -39,7 +39,7 @@ fn main() {
                 let mut out = g.zeros(n * nh * s.v_head_dim).unwrap();
                 let ms = g
                     .time_ms(5, || {
-                        g.mla_prefill_with(form, s, &q, &ckv, &kpe, &kvb, t0, n, 0.1, &mut sc, &mut out)
+                        g.mla_prefill(form, s, &q, &ckv, &kpe, &kvb, t0, n, 0.1, &mut sc, &mut out)
                     })
                     .unwrap();
                 times.push(ms);

@@ -3,7 +3,7 @@
 use crate::gpu::GpuBuf;
 use crate::mat::{GpuMat, GpuMatData};
 use crate::{CudaError, DriverContext, Gpu};
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg};
 
 /// Shapes of one MLA layer (DeepSeek-V3 config names).
 #[derive(Debug, Clone, Copy)]
@@ -45,6 +45,40 @@ impl MlaShape {
     /// The splits a scratch buffer of `len` floats holds per head (the launch's grid height).
     fn splits_in(&self, len: usize) -> usize {
         len.saturating_sub(self.counter_floats()) / (self.n_heads * (self.kv_lora_rank + 2)).max(1)
+    }
+}
+
+/// `kv_b_proj` as the MLA kernels take it: the weights' address and, when int8, the row scales
+/// (the `*_i8` kernels, which take them right after the weights; f32: the `*_f32` kernels).
+pub(crate) struct KvB<'a> {
+    w: u64,
+    scales: Option<&'a CudaSlice<f32>>,
+}
+
+impl<'a> KvB<'a> {
+    /// `kv_b` on `g`'s stream; `op` names the operation in the refusal of an MXFP4 one.
+    pub(crate) fn of(g: &Gpu, kv_b: &'a GpuMat, op: &str) -> Result<Self, CudaError> {
+        let (w, scales) = match &kv_b.data {
+            GpuMatData::Int8 { q: w, scales } => (w.device_ptr(g.stream()).0, Some(scales)),
+            GpuMatData::F32(w) => (w.device_ptr(g.stream()).0, None),
+            GpuMatData::Mxfp4 { .. } => {
+                return Err(CudaError::Shape(format!("{op}: an MXFP4 kv_b_proj is not supported")))
+            }
+        };
+        Ok(Self { w, scales })
+    }
+
+    /// Whether the kernels' int8 form takes it (else the f32 form).
+    pub(crate) fn int8(&self) -> bool {
+        self.scales.is_some()
+    }
+
+    /// Pushes the weights, then the row scales when int8, onto a launch's arguments.
+    pub(crate) fn push<'b>(&'b self, b: &mut LaunchArgs<'b>) {
+        b.arg(&self.w);
+        if let Some(sc) = self.scales {
+            b.arg(sc);
+        }
     }
 }
 
@@ -145,24 +179,15 @@ impl Gpu {
         let cs_ptr = rope_cs.map(|(cs, _)| cs.device_ptr(self.stream()).0).unwrap_or(null);
         let il = rope_cs.is_some_and(|(_, i)| i) as i32;
         let pos_ptr = pos_dev.map(|p| p.device_ptr(self.stream()).0).unwrap_or(null);
-        let (w, wsc) = match &kv_b.data {
-            GpuMatData::Int8 { q: w, scales } => (w.device_ptr(self.stream()).0, Some(scales)),
-            GpuMatData::F32(w) => (w.device_ptr(self.stream()).0, None),
-            GpuMatData::Mxfp4 { .. } => {
-                return Err(CudaError::Shape(
-                    "mla_decode: an MXFP4 kv_b_proj is not supported".into(),
-                ))
-            }
-        };
-        let (name, what) = match wsc {
-            Some(_) => ("mla_decode_i8", "launch mla_decode_i8"),
-            None => ("mla_decode_f32", "launch mla_decode_f32"),
+        let kvb = KvB::of(self, kv_b, "mla_decode")?;
+        let (name, what) = if kvb.int8() {
+            ("mla_decode_i8", "launch mla_decode_i8")
+        } else {
+            ("mla_decode_f32", "launch mla_decode_f32")
         };
         let mut b = self.stream().launch_builder(self.k.get(name)?);
-        b.arg(q).arg(ckv).arg(kpe).arg(&w);
-        if let Some(sc) = wsc {
-            b.arg(sc);
-        }
+        b.arg(q).arg(ckv).arg(kpe);
+        kvb.push(&mut b);
         b.arg(&nope)
             .arg(&rope)
             .arg(&vd)

@@ -4,12 +4,12 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
-use crate::attention::{MlaShape, MLA_SPLIT};
+use crate::attention::{KvB, MlaShape, MLA_SPLIT};
 use crate::gpu::GpuBuf;
-use crate::mat::{GpuMat, GpuMatData};
+use crate::mat::GpuMat;
 use crate::{CudaError, DriverContext, Gpu};
 
-/// The kernel form of [`Gpu::mla_prefill_with`]; both give every token its decode bits.
+/// The kernel form of [`Gpu::mla_prefill`]; both give every token its decode bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MlaPrefillForm {
     /// One block a (split, token), every head in it (`mla_prefill_*` in ops.cu).
@@ -42,6 +42,16 @@ fn i32_of(what: &str, v: usize) -> Result<i32, CudaError> {
 fn elems(n: usize) -> Result<LaunchConfig, CudaError> {
     let n = u32::try_from(n).map_err(|_| CudaError::Shape(format!("{n} elements is more than one launch takes")))?;
     Ok(LaunchConfig::for_num_elems(n.max(1)))
+}
+
+/// Which way [`Gpu::copy_rows`] moves rows (`gather_rows` / `scatter_rows` in ops.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowCopy {
+    /// `dst[i] = src[idx[off + i]]` (`dst: [m, dim]`).
+    Gather,
+    /// `dst[idx[off + i]] = src[i]` (`src: [m, dim]`), destination rows distinct and inside
+    /// `dst`.
+    Scatter,
 }
 
 /// Query rows of one block of `mla_mha_prefill_*` (`MHA_QT` in ops.cu).
@@ -176,38 +186,18 @@ impl Gpu {
     }
 
     /// MLA for the `n` tokens of a chunk whose first token sits at position `t0` (their latents
-    /// and rope keys already in `ckv`/`kpe`): token `j` attends to positions `0..=t0 + j`,
-    /// exactly as [`Gpu::mla_decode`] of that token (bit for bit). `q: [n, n_heads, nope + rope]`,
-    /// `scores`: scratch of at least `n *` [`MlaShape::scratch_len`]`(t0 + n)` floats,
-    /// `out: [n, n_heads * v_head_dim]`.
+    /// and rope keys already in `ckv`/`kpe`), in kernel form `form` ([`MlaPrefillForm::best`]
+    /// where the caller has no reason to choose; every form gives the same bits): token `j`
+    /// attends to positions `0..=t0 + j`, exactly as [`Gpu::mla_decode`] of that token (bit for
+    /// bit). `q: [n, n_heads, nope + rope]`, `scores`: scratch of at least `n *`
+    /// [`MlaShape::scratch_len`]`(t0 + n)` floats, `out: [n, n_heads * v_head_dim]`.
     ///
     /// # Errors
-    /// `Shape` for inconsistent lengths or an MXFP4 `kv_b`; a driver error.
+    /// `Shape` for inconsistent lengths or an MXFP4 `kv_b`, and for [`MlaPrefillForm::Tiled`]
+    /// on a shape it does not take (`kv_lora_rank` > 512, `qk_rope_head_dim` > 64 or more than
+    /// 128 heads); a driver error.
     #[allow(clippy::too_many_arguments)]
     pub fn mla_prefill(
-        &self,
-        s: MlaShape,
-        q: &GpuBuf,
-        ckv: &GpuBuf,
-        kpe: &GpuBuf,
-        kv_b: &GpuMat,
-        t0: usize,
-        n: usize,
-        softmax_scale: f32,
-        scores: &mut GpuBuf,
-        out: &mut GpuBuf,
-    ) -> Result<(), CudaError> {
-        let form = MlaPrefillForm::best(s);
-        self.mla_prefill_with(form, s, q, ckv, kpe, kv_b, t0, n, softmax_scale, scores, out)
-    }
-
-    /// [`Gpu::mla_prefill`] in a chosen kernel form; every form gives the same bits.
-    ///
-    /// # Errors
-    /// As [`Gpu::mla_prefill`], and `Shape` for [`MlaPrefillForm::Tiled`] on a shape it does not
-    /// take (`kv_lora_rank` > 512, `qk_rope_head_dim` > 64 or more than 128 heads).
-    #[allow(clippy::too_many_arguments)]
-    pub fn mla_prefill_with(
         &self,
         form: MlaPrefillForm,
         s: MlaShape,
@@ -250,23 +240,13 @@ impl Gpu {
         let mut qabs = self.zeros(n * s.n_heads * kvl)?;
         let (nope, rope, vd, kvl_i) = (s.nope as i32, s.rope as i32, s.v_head_dim as i32, kvl as i32);
         let (t0_i, s_cap_i, nh) = (i32_of("position", t0)?, s_cap as i32, s.n_heads as i32);
-        let (w, wsc) = match &kv_b.data {
-            GpuMatData::Int8 { q: w, scales } => (w.device_ptr(self.stream()).0, Some(scales)),
-            GpuMatData::F32(w) => (w.device_ptr(self.stream()).0, None),
-            GpuMatData::Mxfp4 { .. } => {
-                return Err(CudaError::Shape(
-                    "mla_prefill: an MXFP4 kv_b_proj is not supported".into(),
-                ))
-            }
-        };
+        let kvb = KvB::of(self, kv_b, "mla_prefill")?;
         // q_abs of every (token, head): one block each.
         let mut b =
             self.stream()
-                .launch_builder(self.k.get(if wsc.is_some() { "mla_qabs_i8" } else { "mla_qabs_f32" })?);
-        b.arg(q).arg(&w);
-        if let Some(sc) = wsc {
-            b.arg(sc);
-        }
+                .launch_builder(self.k.get(if kvb.int8() { "mla_qabs_i8" } else { "mla_qabs_f32" })?);
+        b.arg(q);
+        kvb.push(&mut b);
         b.arg(&nope).arg(&rope).arg(&vd).arg(&kvl_i).arg(&mut qabs);
         let qcfg = LaunchConfig {
             grid_dim: (s.n_heads as u32, n as u32, 1),
@@ -286,16 +266,14 @@ impl Gpu {
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: ((2 * kvl + s.rope + MLA_SPLIT) * 4) as u32,
                 };
-                let name = if wsc.is_some() {
+                let name = if kvb.int8() {
                     "mla_prefill_i8"
                 } else {
                     "mla_prefill_f32"
                 };
                 let mut b = self.stream().launch_builder(self.k.get(name)?);
-                b.arg(q).arg(ckv).arg(kpe).arg(&w);
-                if let Some(sc) = wsc {
-                    b.arg(sc);
-                }
+                b.arg(q).arg(ckv).arg(kpe);
+                kvb.push(&mut b);
                 b.arg(&nh)
                     .arg(&nope)
                     .arg(&rope)
@@ -350,16 +328,14 @@ impl Gpu {
                 // partials in `scores` ([n, nh, s_cap, kvl + 2]) checked above; shared memory
                 // MLA_SPLIT * nqp + 32 floats as the kernel indexes it.
                 unsafe { b.launch(cfg) }.ctx("launch mla_prefill_tiled")?;
-                let name = if wsc.is_some() {
+                let name = if kvb.int8() {
                     "mla_prefill_combine_i8"
                 } else {
                     "mla_prefill_combine_f32"
                 };
                 let mut b = self.stream().launch_builder(self.k.get(name)?);
-                b.arg(&*scores).arg(&w);
-                if let Some(sc) = wsc {
-                    b.arg(sc);
-                }
+                b.arg(&*scores);
+                kvb.push(&mut b);
                 b.arg(&nope).arg(&vd).arg(&kvl_i).arg(&t0_i).arg(&s_cap_i).arg(out);
                 let cfg = LaunchConfig {
                     grid_dim: (s.n_heads as u32, n as u32, 1),
@@ -374,22 +350,26 @@ impl Gpu {
         Ok(())
     }
 
+    /// Copies `m` rows of width `dim` between `src` and `dst` through the indices
+    /// `idx[off .. off + m]`, the way `way` says. The caller guarantees every index is a row of
+    /// the large side (the engine builds them from routing it owns).
+    ///
+    /// # Errors
+    /// `Shape` when the extents disagree; a driver error.
     #[allow(clippy::too_many_arguments)]
-    fn rows_op(
+    pub fn copy_rows(
         &self,
-        name: &'static str,
+        way: RowCopy,
         src: &GpuBuf,
         idx: &CudaSlice<i32>,
         off: usize,
         m: usize,
         dim: usize,
         dst: &mut GpuBuf,
-        gather: bool,
     ) -> Result<(), CudaError> {
-        let (small, big) = if gather {
-            (dst.len(), src.len())
-        } else {
-            (src.len(), dst.len())
+        let (name, small, big) = match way {
+            RowCopy::Gather => ("gather_rows", dst.len(), src.len()),
+            RowCopy::Scatter => ("scatter_rows", src.len(), dst.len()),
         };
         if m == 0 || dim == 0 || off + m > idx.len() || small != m * dim || big % dim != 0 {
             return Err(CudaError::Shape(format!(
@@ -403,45 +383,9 @@ impl Gpu {
         let mut b = self.stream().launch_builder(self.k.get(name)?);
         b.arg(src).arg(idx).arg(&off_i).arg(&m_i).arg(&dim_i).arg(dst);
         // SAFETY: matches `gather_rows`/`scatter_rows` in ops.cu; the small side holds m rows;
-        // the indices are checked by the caller to lie within the large side (see below).
+        // the indices are checked by the caller to lie within the large side (see above).
         unsafe { b.launch(elems(m * dim)?) }.ctx("launch gather/scatter")?;
         Ok(())
-    }
-
-    /// `dst[i] = src[idx[off + i]]` for `m` rows of width `dim` (`dst: [m, dim]`). The caller
-    /// guarantees every index is a row of `src` (the engine builds them from routing it owns).
-    ///
-    /// # Errors
-    /// `Shape` when the extents disagree; a driver error.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gather_rows(
-        &self,
-        src: &GpuBuf,
-        idx: &CudaSlice<i32>,
-        off: usize,
-        m: usize,
-        dim: usize,
-        dst: &mut GpuBuf,
-    ) -> Result<(), CudaError> {
-        self.rows_op("gather_rows", src, idx, off, m, dim, dst, true)
-    }
-
-    /// `dst[idx[off + i]] = src[i]` for `m` rows of width `dim` (`src: [m, dim]`), destination
-    /// rows distinct and inside `dst` (caller's guarantee, as for [`Gpu::gather_rows`]).
-    ///
-    /// # Errors
-    /// `Shape` when the extents disagree; a driver error.
-    #[allow(clippy::too_many_arguments)]
-    pub fn scatter_rows(
-        &self,
-        src: &GpuBuf,
-        idx: &CudaSlice<i32>,
-        off: usize,
-        m: usize,
-        dim: usize,
-        dst: &mut GpuBuf,
-    ) -> Result<(), CudaError> {
-        self.rows_op("scatter_rows", src, idx, off, m, dim, dst, false)
     }
 
     /// [`Gpu::moe_fused`]'s combine for `n` tokens: `x[t] += Σ_j w[t, j] · y[t, j] + shared[t]`

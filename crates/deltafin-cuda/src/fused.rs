@@ -92,6 +92,38 @@ pub struct MvJob<'a> {
     pub y: &'a mut GpuBuf,
 }
 
+impl<'a> MvJob<'a> {
+    /// The job `y = a · x` ([`MvKind::Set`]).
+    pub fn set(a: &'a GpuMat, y: &'a mut GpuBuf) -> Self {
+        Self {
+            a,
+            b: None,
+            kind: MvKind::Set,
+            y,
+        }
+    }
+
+    /// The job `y += a · x` ([`MvKind::Add`]).
+    pub fn add(a: &'a GpuMat, y: &'a mut GpuBuf) -> Self {
+        Self {
+            a,
+            b: None,
+            kind: MvKind::Add,
+            y,
+        }
+    }
+
+    /// The job `y = silu(gate · x) · (up · x)` ([`MvKind::Glu`]).
+    pub fn glu(gate: &'a GpuMat, up: &'a GpuMat, y: &'a mut GpuBuf) -> Self {
+        Self {
+            a: gate,
+            b: Some(up),
+            kind: MvKind::Glu,
+            y,
+        }
+    }
+}
+
 /// An RMSNorm applied to the input of a [`Gpu::mv_jobs`] launch first:
 /// `x̂ = x / sqrt(mean(x²) + eps) · w` (`(1 + w)` when `one_plus`), `rms_norm`'s arithmetic.
 pub struct PreNorm<'a> {
@@ -103,6 +135,23 @@ pub struct PreNorm<'a> {
     pub one_plus: bool,
     /// Where x̂ is also written (for later launches that read it), when given.
     pub out: Option<&'a mut GpuBuf>,
+}
+
+impl<'a> PreNorm<'a> {
+    /// The plain RMSNorm (`w`, not `1 + w`) with `weight` and ε `eps`, its output not kept.
+    pub fn rms(weight: &'a GpuBuf, eps: f32) -> Self {
+        Self {
+            weight,
+            eps,
+            one_plus: false,
+            out: None,
+        }
+    }
+
+    /// This norm, its output `x̂` also written to `out` (for later launches that read it).
+    pub fn kept_in(self, out: &'a mut GpuBuf) -> Self {
+        Self { out: Some(out), ..self }
+    }
 }
 
 #[repr(C)]

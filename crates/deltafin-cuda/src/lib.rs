@@ -28,7 +28,7 @@ mod moe;
 pub mod testing;
 
 pub use attention::{MlaShape, MLA_SPLIT};
-pub use batch::MlaPrefillForm;
+pub use batch::{MlaPrefillForm, RowCopy};
 /// Device buffers and views of any element type (re-exported from `cudarc`).
 pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use device::{probe, DeviceInfo};

@@ -4,7 +4,7 @@
 //! habit). Each test skips with one line when this machine has no CUDA device.
 
 use deltafin_cuda::testing::{gpu_or_skip, nans, refusal, rel_l2};
-use deltafin_cuda::{Decode, Gpu, GpuBuf, GpuMat, Kernel, MlaShape};
+use deltafin_cuda::{Decode, Gpu, GpuBuf, GpuMat, Kernel, MlaPrefillForm, MlaShape};
 use deltafin_kernels::{int8, mxfp4, reference, MatData, MatRef};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -1072,6 +1072,7 @@ fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
         let mut sc = g.zeros(n * s.scratch_len(t0 + n)).unwrap();
         let mut out = nans(&g, n * nh * vd);
         g.mla_prefill(
+            MlaPrefillForm::best(s),
             s,
             &g.upload(&q).unwrap(),
             &dc,
@@ -1108,7 +1109,6 @@ fn mla_decode_splits_match_reference_and_prefill_equals_decode() {
 /// mid-split and end mid-split.
 #[test]
 fn mla_prefill_forms_equal_decode() {
-    use deltafin_cuda::MlaPrefillForm;
     let Some((g, mut rng)) = gpu_and_rng("mla_prefill_forms_equal_decode", 65) else {
         return;
     };
@@ -1141,7 +1141,7 @@ fn mla_prefill_forms_equal_decode() {
                 for form in [MlaPrefillForm::PerToken, MlaPrefillForm::Tiled] {
                     let mut sc = g.zeros(n * s.scratch_len(t0 + n)).unwrap();
                     let mut out = nans(&g, n * nh * vd);
-                    g.mla_prefill_with(form, s, &dq, &dc, &dk, &kvb, t0, n, 0.125, &mut sc, &mut out)
+                    g.mla_prefill(form, s, &dq, &dc, &dk, &kvb, t0, n, 0.125, &mut sc, &mut out)
                         .unwrap();
                     outs.push(g.download(&out).unwrap());
                 }
@@ -1273,6 +1273,7 @@ fn mla_decompressed_prefill_matches_reference_absorbed_form_and_any_chunking() {
             let mut sc = g.zeros(tmax * s.scratch_len(tmax)).unwrap();
             let mut abs = g.zeros(tmax * nh * vd).unwrap();
             g.mla_prefill(
+                MlaPrefillForm::best(s),
                 s,
                 &g.upload(&q).unwrap(),
                 &dc,

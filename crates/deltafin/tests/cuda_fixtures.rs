@@ -37,6 +37,12 @@ fn cases_with_expected(family: &str) -> impl Iterator<Item = (PathBuf, Value)> {
     })
 }
 
+/// What `items` gives when there is a GPU; nothing, after [`gpu_or_skip`]'s one `SKIPPED` line,
+/// when there is not (`items` is not called then).
+fn on_gpu<I: IntoIterator>(test: &str, items: impl FnOnce() -> I) -> impl Iterator<Item = I::Item> {
+    gpu_or_skip(test).then(items).into_iter().flatten()
+}
+
 fn gpu_or_skip(test: &str) -> bool {
     match deltafin_cuda::probe() {
         Ok(_) => true,
@@ -161,10 +167,9 @@ fn run_chunked(
 /// logits within 1e-5 of the CPU path's (issue #16). Prints the measured figures.
 #[test]
 fn deepseek_v3_on_cuda_matches_transformers_and_the_cpu_path() {
-    if !gpu_or_skip("deepseek_v3_on_cuda_matches_transformers_and_the_cpu_path") {
-        return;
-    }
-    for (case, expected) in cases_with_expected("deepseek_v3") {
+    for (case, expected) in on_gpu("deepseek_v3_on_cuda_matches_transformers_and_the_cpu_path", || {
+        cases_with_expected("deepseek_v3")
+    }) {
         let tmp = tempfile::tempdir().unwrap();
         let what = case.display().to_string();
         let dir = convert_case(&case, StoredDtype::F32, StoredDtype::F32, &tmp.path().join("f32"));
@@ -274,10 +279,9 @@ fn deepseek_v3_decompressed_mla_on_cuda_matches_transformers_the_cpu_and_any_chu
 /// logits within 1e-5, issue #16). Prints the measured figures.
 #[test]
 fn gqa_families_on_cuda_match_transformers_and_the_cpu_path() {
-    if !gpu_or_skip("gqa_families_on_cuda_match_transformers_and_the_cpu_path") {
-        return;
-    }
-    for family in GQA_FAMILIES {
+    for family in on_gpu("gqa_families_on_cuda_match_transformers_and_the_cpu_path", || {
+        GQA_FAMILIES
+    }) {
         for (case, expected) in cases_with_expected(family) {
             let lossless = ("f32", StoredDtype::F32);
             let golden = (1e-4, "cuda lossless vs transformers");
@@ -337,10 +341,7 @@ fn gqa_cuda_chunked_prefill_equals_token_at_a_time_bit_for_bit() {
 /// verification's pattern), in the default layout of each family's first case.
 #[test]
 fn gqa_cuda_cache_growth_and_rollback_change_no_bit() {
-    if !gpu_or_skip("gqa_cuda_cache_growth_and_rollback_change_no_bit") {
-        return;
-    }
-    for family in GQA_FAMILIES {
+    for family in on_gpu("gqa_cuda_cache_growth_and_rollback_change_no_bit", || GQA_FAMILIES) {
         let (_tmp, dir) = first_case_default(family);
         let (model, _) =
             load_model_on(&dir, StoreOptions::new(1 << 30), Device::Cuda(0), GpuOptions::default()).unwrap();
@@ -423,10 +424,9 @@ fn chunked_prefill_equals_token_at_a_time(family: &str) {
 /// names other KV-cache buffers, so the step is captured again) and across KV-cache growth.
 #[test]
 fn cuda_decode_graph_equals_queued_launches_bit_for_bit() {
-    if !gpu_or_skip("cuda_decode_graph_equals_queued_launches_bit_for_bit") {
-        return;
-    }
-    for (case, expected) in cases_with_expected("deepseek_v3") {
+    for (case, expected) in on_gpu("cuda_decode_graph_equals_queued_launches_bit_for_bit", || {
+        cases_with_expected("deepseek_v3")
+    }) {
         let tmp = tempfile::tempdir().unwrap();
         let dir = convert_default(&case, &tmp.path().join("q"));
         let record = dir.manifest.experts.records[0].length;
@@ -505,10 +505,9 @@ fn worst_vs_golden(got: &[(Vec<u32>, Vec<Vec<f32>>)], expected: &Value, what: &s
 /// form is the same algebra in another order, and multi_token.rs bounds that separately).
 #[test]
 fn kimi_linear_on_cuda_matches_transformers_and_the_cpu_path() {
-    if !gpu_or_skip("kimi_linear_on_cuda_matches_transformers_and_the_cpu_path") {
-        return;
-    }
-    for (case, expected) in cases_with_expected("kimi_linear") {
+    for (case, expected) in on_gpu("kimi_linear_on_cuda_matches_transformers_and_the_cpu_path", || {
+        cases_with_expected("kimi_linear")
+    }) {
         let lossless = ("f32", StoredDtype::F32);
         let golden = (1e-4, "cuda lossless vs transformers");
         cuda_matches_golden_and_cpu(&case, &expected, lossless, golden, 1e-5, 1);
@@ -636,10 +635,7 @@ fn k3_tiny_on_cuda_matches_the_cpu_and_rolls_back_exactly() {
 /// passes are chunks with every position's logits, rolled back on a miss).
 #[test]
 fn gqa_run_on_cuda_gives_the_cpu_ids() {
-    if !gpu_or_skip("gqa_run_on_cuda_gives_the_cpu_ids") {
-        return;
-    }
-    for family in GQA_FAMILIES {
+    for family in on_gpu("gqa_run_on_cuda_gives_the_cpu_ids", || GQA_FAMILIES) {
         let (tmp, dir) = first_case_default(family);
         let prompt = ["--prompt-ids", "3,9,4,9,4,9,4,9,4,9,4,9"];
         cuda_run_gives_the_cpu_ids(&dir.path, prompt, &tmp.path().join("s.json"), family);

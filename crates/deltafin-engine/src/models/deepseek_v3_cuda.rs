@@ -31,8 +31,8 @@
 use std::sync::{Arc, Mutex};
 
 use deltafin_cuda::{
-    CudaError, ExpertTable, Gpu, GpuBuf, GpuMat, GpuMatData, Graph, MlaPrepArg, MlaShape, MoeDown, MvJob, MvKind,
-    Pinned, PreNorm, RouteTailArg, RouterShape, MOE_MAX_K,
+    CudaError, CudaView, ExpertTable, Gpu, GpuBuf, GpuMat, GpuMatData, Graph, MlaPrefillForm, MlaPrepArg, MlaShape,
+    MoeDown, MvJob, Pinned, PreNorm, RouteTailArg, RouterShape, MOE_MAX_K,
 };
 use deltafin_format::{ModelConfig, ModelDir};
 
@@ -46,20 +46,10 @@ use crate::models::gpu_fetch::{
     cuda, download_routings, fetch_gpu_experts, gpu_expert_budget, grouped_swiglu_experts, lock, open_gpu_for,
     per_expert_rows, preload_in_file_order, CacheChange, ExpertMajor, GpuLayerCache, Upload,
 };
-use crate::models::mla_gpu::{MlaGpu, QProj};
+use crate::models::mla_gpu::{device_mla_shape, MlaGpu, QProj};
 use crate::models::DeepseekV3;
 use crate::moe::RouterConfig;
 use crate::EngineError;
-
-/// `y = a · x` as one job of a fused launch.
-fn set<'a>(a: &'a GpuMat, y: &'a mut GpuBuf) -> MvJob<'a> {
-    MvJob {
-        a,
-        b: None,
-        kind: MvKind::Set,
-        y,
-    }
-}
 
 /// A device buffer's address (to tell whether a captured graph still names it).
 fn buf_ptr(g: &Gpu, b: &GpuBuf) -> u64 {
@@ -341,6 +331,11 @@ impl DeepseekV3Cuda {
         cs
     }
 
+    /// The MLA kernels' shape of every layer (the CPU model's, [`DeepseekV3::mla_shape`]).
+    fn mla_shape(&self) -> MlaShape {
+        device_mla_shape(&self.cpu.mla_shape())
+    }
+
     /// The device router's shape for the current top-k.
     fn router_shape(&self) -> RouterShape {
         let r: RouterConfig = self.cpu.router_cfg();
@@ -362,88 +357,48 @@ impl DeepseekV3Cuda {
         let c = &self.cpu.cfg;
         let g = &self.gpu;
         let lw = &self.layers[l];
-        let (nh, nope, rope, kvl) = (
-            c.num_attention_heads,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.kv_lora_rank,
-        );
         let pos = cache.len;
         let [c_kv, k_pe] = cache.layer_mut(l);
         let interleaved = self.cpu.rope.interleaved;
-        let norm = |weight| PreNorm {
-            weight,
-            eps: c.rms_norm_eps,
-            one_plus: false,
-            out: None,
+        // q_a_proj (q-LoRA) or q_proj, with the latent and the rope key.
+        let (q_in, q_out) = match &lw.self_attn.q {
+            QProj::Lora { q_a_proj, .. } => (q_a_proj, &mut w.qa),
+            QProj::Full(q_proj) => (q_proj, &mut w.q),
+        };
+        g.mv_jobs(
+            &w.x,
+            Some(PreNorm::rms(&lw.input_layernorm, c.rms_norm_eps)),
+            &mut [
+                MvJob::set(q_in, q_out),
+                MvJob::set(&lw.self_attn.kv_a_latent, &mut w.ckv),
+                MvJob::set(&lw.self_attn.kv_a_rope, &mut w.k_pe),
+            ],
+        )?;
+        let prep = MlaPrepArg {
+            ckv_raw: &w.ckv,
+            norm: &lw.self_attn.kv_a_layernorm,
+            eps: LATENT_NORM_EPS,
+            kpe_raw: &w.k_pe,
+            cs: &w.cs,
+            interleaved,
+            pos,
+            pos_dev: &w.pos,
+            c_kv,
+            k_pe,
         };
         match &lw.self_attn.q {
             QProj::Lora {
-                q_a_proj,
                 q_a_layernorm,
                 q_b_proj,
+                ..
             } => {
-                g.mv_jobs(
-                    &w.x,
-                    Some(norm(&lw.input_layernorm)),
-                    &mut [
-                        set(q_a_proj, &mut w.qa),
-                        set(&lw.self_attn.kv_a_latent, &mut w.ckv),
-                        set(&lw.self_attn.kv_a_rope, &mut w.k_pe),
-                    ],
-                )?;
-                let qn = PreNorm {
-                    weight: q_a_layernorm,
-                    eps: LATENT_NORM_EPS,
-                    one_plus: false,
-                    out: None,
-                };
                 // q_b's launch also writes the latent and the rope key into the cache.
-                let prep = MlaPrepArg {
-                    ckv_raw: &w.ckv,
-                    norm: &lw.self_attn.kv_a_layernorm,
-                    eps: LATENT_NORM_EPS,
-                    kpe_raw: &w.k_pe,
-                    cs: &w.cs,
-                    interleaved,
-                    pos,
-                    pos_dev: &w.pos,
-                    c_kv,
-                    k_pe,
-                };
-                g.mv_jobs_prep(&w.qa, Some(qn), &mut [set(q_b_proj, &mut w.q)], prep)?;
+                let qn = PreNorm::rms(q_a_layernorm, LATENT_NORM_EPS);
+                g.mv_jobs_prep(&w.qa, Some(qn), &mut [MvJob::set(q_b_proj, &mut w.q)], prep)?;
             }
-            QProj::Full(q_proj) => {
-                g.mv_jobs(
-                    &w.x,
-                    Some(norm(&lw.input_layernorm)),
-                    &mut [
-                        set(q_proj, &mut w.q),
-                        set(&lw.self_attn.kv_a_latent, &mut w.ckv),
-                        set(&lw.self_attn.kv_a_rope, &mut w.k_pe),
-                    ],
-                )?;
-                g.mla_prep(MlaPrepArg {
-                    ckv_raw: &w.ckv,
-                    norm: &lw.self_attn.kv_a_layernorm,
-                    eps: LATENT_NORM_EPS,
-                    kpe_raw: &w.k_pe,
-                    cs: &w.cs,
-                    interleaved,
-                    pos,
-                    pos_dev: &w.pos,
-                    c_kv,
-                    k_pe,
-                })?;
-            }
+            QProj::Full(_) => g.mla_prep(prep)?,
         }
-        let shape = MlaShape {
-            n_heads: nh,
-            nope,
-            rope,
-            v_head_dim: c.v_head_dim,
-            kv_lora_rank: kvl,
-        };
+        let shape = self.mla_shape();
         g.mla_decode(
             shape,
             &w.q,
@@ -457,16 +412,7 @@ impl DeepseekV3Cuda {
             &mut w.scores,
             &mut w.heads,
         )?;
-        g.mv_jobs(
-            &w.heads,
-            None,
-            &mut [MvJob {
-                a: &lw.self_attn.o_proj,
-                b: None,
-                kind: MvKind::Add,
-                y: &mut w.x,
-            }],
-        )
+        g.mv_jobs(&w.heads, None, &mut [MvJob::add(&lw.self_attn.o_proj, &mut w.x)])
     }
 
     /// The MoE block of layer `l`, added to the residual stream `w.x`: the post-attention norm,
@@ -490,25 +436,10 @@ impl DeepseekV3Cuda {
         let k = rs.top_k;
         let off = l * MOE_MAX_K;
         {
-            let pn = PreNorm {
-                weight: &lw.post_attention_layernorm,
-                eps: c.rms_norm_eps,
-                one_plus: false,
-                out: Some(&mut w.xn),
-            };
-            let mut jobs = vec![MvJob {
-                a: router,
-                b: None,
-                kind: MvKind::Set,
-                y: &mut w.router_logits,
-            }];
+            let pn = PreNorm::rms(&lw.post_attention_layernorm, c.rms_norm_eps).kept_in(&mut w.xn);
+            let mut jobs = vec![MvJob::set(router, &mut w.router_logits)];
             if let Some([gate, up, _]) = shared {
-                jobs.push(MvJob {
-                    a: gate,
-                    b: Some(up),
-                    kind: MvKind::Glu,
-                    y: &mut w.shared_h,
-                });
+                jobs.push(MvJob::glu(gate, up, &mut w.shared_h));
             }
             // The router runs in the same launch, in its last block (`route_noaux`'s bits).
             let route = RouteTailArg {
@@ -521,23 +452,28 @@ impl DeepseekV3Cuda {
             g.mv_jobs_route(&w.x, Some(pn), &mut jobs, Some(route)).map_err(cuda)?;
         }
         let shared_pair = shared.as_ref().map(|[_, _, down]| (down, &w.shared_h));
+        // The chosen experts through `table` (named there by `ids`), their weighted sum, the
+        // shared output and the residual add.
+        let mut moe_from = |table: &ExpertTable, ids: &CudaView<i32>| {
+            g.moe_table(
+                MOE_DOWN,
+                table,
+                ids,
+                &w.weights.slice(off..off + k),
+                k,
+                &w.xn,
+                &mut w.moe_h,
+                shared_pair,
+                &mut w.x,
+            )
+            .map_err(cuda)
+        };
         let stand_in = self.cpu.routed.compute_only();
         {
             let ex = lock(&self.experts, "GPU expert cache")?;
             if let (false, Some(table)) = (stand_in, &ex.tables[l]) {
                 if ex.cache.resident_in_layer(l) == c.n_routed_experts {
-                    g.moe_table(
-                        MOE_DOWN,
-                        table,
-                        &w.ids.slice(off..off + k),
-                        &w.weights.slice(off..off + k),
-                        k,
-                        &w.xn,
-                        &mut w.moe_h,
-                        shared_pair,
-                        &mut w.x,
-                    )
-                    .map_err(cuda)?;
+                    moe_from(table, &w.ids.slice(off..off + k))?;
                     return Ok(true);
                 }
             }
@@ -556,18 +492,7 @@ impl DeepseekV3Cuda {
         let experts = self.experts_of(l, &ids)?;
         let refs: Vec<&[GpuMat; 3]> = experts.iter().map(|e| &**e).collect();
         w.slots.set(g, 0, &refs).map_err(cuda)?;
-        g.moe_table(
-            MOE_DOWN,
-            &w.slots,
-            &w.slot_ids.slice(..k),
-            &w.weights.slice(off..off + k),
-            k,
-            &w.xn,
-            &mut w.moe_h,
-            shared_pair,
-            &mut w.x,
-        )
-        .map_err(cuda)?;
+        moe_from(&w.slots, &w.slot_ids.slice(..k))?;
         // `experts` (and the device memory of any evicted among them) is released after the
         // launches above in stream order.
         drop(experts);
@@ -629,43 +554,18 @@ impl DeepseekV3Cuda {
                         Ok(())
                     }
                     Mlp::Dense { gate, up, down } => {
-                        let pn = PreNorm {
-                            weight: &lw.post_attention_layernorm,
-                            eps: c.rms_norm_eps,
-                            one_plus: false,
-                            out: None,
-                        };
-                        let glu = MvJob {
-                            a: gate,
-                            b: Some(up),
-                            kind: MvKind::Glu,
-                            y: &mut w.dense_h,
-                        };
-                        g.mv_jobs(&w.x, Some(pn), &mut [glu]).map_err(cuda)?;
-                        let add = MvJob {
-                            a: down,
-                            b: None,
-                            kind: MvKind::Add,
-                            y: &mut w.x,
-                        };
-                        g.mv_jobs(&w.dense_h, None, &mut [add]).map_err(cuda)
+                        let pn = PreNorm::rms(&lw.post_attention_layernorm, c.rms_norm_eps);
+                        g.mv_jobs(&w.x, Some(pn), &mut [MvJob::glu(gate, up, &mut w.dense_h)])
+                            .map_err(cuda)?;
+                        g.mv_jobs(&w.dense_h, None, &mut [MvJob::add(down, &mut w.x)])
+                            .map_err(cuda)
                     }
                 }
             })?;
         }
-        let pn = PreNorm {
-            weight: &self.norm,
-            eps: c.rms_norm_eps,
-            one_plus: false,
-            out: None,
-        };
-        let head = MvJob {
-            a: &self.lm_head,
-            b: None,
-            kind: MvKind::Set,
-            y: &mut w.logits,
-        };
-        g.mv_jobs(&w.x, Some(pn), &mut [head]).map_err(cuda)
+        let pn = PreNorm::rms(&self.norm, c.rms_norm_eps);
+        g.mv_jobs(&w.x, Some(pn), &mut [MvJob::set(&self.lm_head, &mut w.logits)])
+            .map_err(cuda)
     }
 
     fn forward_token(&self, cache: &mut GpuKvCache, token: u32) -> Result<(Vec<f32>, LayerRoutes), EngineError> {
@@ -684,13 +584,7 @@ impl DeepseekV3Cuda {
         g.upload_pinned(&w.x_in, &mut w.x).map_err(cuda)?;
         g.upload_pinned(&w.cs_in, &mut w.cs).map_err(cuda)?;
         g.upload_pinned(&w.pos_in, &mut w.pos).map_err(cuda)?;
-        let mla = MlaShape {
-            n_heads: c.num_attention_heads,
-            nope: c.qk_nope_head_dim,
-            rope: c.qk_rope_head_dim,
-            v_head_dim: c.v_head_dim,
-            kv_lora_rank: c.kv_lora_rank,
-        };
+        let mla = self.mla_shape();
         // MLA's scratch sized for the cache's capacity: the grid of a captured step covers
         // every position the cache can hold (the key below names the capacity).
         if w.scores.len() < mla.scratch_len(cache.capacity) {
@@ -868,12 +762,8 @@ impl DeepseekV3Cuda {
         let c = &self.cpu.cfg;
         let g = &self.gpu;
         let lw = &self.layers[l];
-        let (nh, nope, rope, kvl) = (
-            c.num_attention_heads,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.kv_lora_rank,
-        );
+        let shape = self.mla_shape();
+        let (nh, nope, rope, kvl) = (shape.n_heads, shape.nope, shape.rope, shape.kv_lora_rank);
         let qk = nope + rope;
         let half = cs.len() / (2 * n);
         let t0 = cache.len;
@@ -910,13 +800,6 @@ impl DeepseekV3Cuda {
         g.rope_tokens(&mut k_pe, n, 1, rope, 0, cs, half, self.cpu.rope.interleaved)?;
         g.copy_into(&latent, cached_latents, t0 * kvl)?;
         g.copy_into(&k_pe, cached_rope_keys, t0 * rope)?;
-        let shape = MlaShape {
-            n_heads: nh,
-            nope,
-            rope,
-            v_head_dim: c.v_head_dim,
-            kv_lora_rank: kvl,
-        };
         let mut heads = g.zeros(n * nh * c.v_head_dim)?;
         let t = t0 + n;
         // The decompressed form where the batch form asks for it (`--batch-form fast`: the
@@ -958,6 +841,7 @@ impl DeepseekV3Cuda {
             let qg = g.copy_range(&q, j0 * nh * qk, m * nh * qk)?;
             let mut og = g.zeros(m * nh * c.v_head_dim)?;
             g.mla_prefill(
+                MlaPrefillForm::best(shape),
                 shape,
                 &qg,
                 cached_latents,

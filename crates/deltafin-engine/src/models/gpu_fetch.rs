@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use deltafin_cuda::{CudaError, CudaSlice, Gpu, GpuBuf, GpuMat};
+use deltafin_cuda::{CudaError, CudaSlice, Gpu, GpuBuf, GpuMat, RowCopy};
 
 use deltafin_format::model_dir::{Backbone, MatHandle, VecHandle};
 use deltafin_kernels::MatRef;
@@ -454,7 +454,7 @@ pub fn grouped_swiglu_experts(
         off += m.len();
     }
     let mut xg = g.zeros(pairs * hidden)?;
-    g.gather_rows(xn, src_d, 0, pairs, hidden, &mut xg)?;
+    g.copy_rows(RowCopy::Gather, xn, src_d, 0, pairs, hidden, &mut xg)?;
     let mut hh = g.zeros(pairs * inter)?;
     g.moe_grouped(shape, &table, &tiles, &xg, &em.dst, &mut hh, y)
 }
@@ -509,9 +509,9 @@ pub fn per_expert_rows<E>(
     for (e, m) in experts.iter().zip(&em.members) {
         let rows = m.len();
         let mut xe = g.zeros(rows * hidden)?;
-        g.gather_rows(xn, src_d, off, rows, hidden, &mut xe)?;
+        g.copy_rows(RowCopy::Gather, xn, src_d, off, rows, hidden, &mut xe)?;
         let ye = expert(e, &xe, rows)?;
-        g.scatter_rows(&ye, &dst_d, off, rows, hidden, y)?;
+        g.copy_rows(RowCopy::Scatter, &ye, &dst_d, off, rows, hidden, y)?;
         off += rows;
     }
     Ok(())

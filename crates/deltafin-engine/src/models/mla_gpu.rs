@@ -2,11 +2,23 @@
 //! Linear / K3 run them on CUDA, uploaded once from the tensors the CPU model resolved at load
 //! (`blocks/mla.rs`'s [`MlaTensors`]). Source: DeepSeek-V2 §2.1 (MLA); transformers' `DeepseekV3Attention`.
 
-use deltafin_cuda::{GpuBuf, GpuMat};
+use deltafin_cuda::{GpuBuf, GpuMat, MlaShape};
 
-use crate::blocks::mla::{MlaQueryTensors, MlaTensors};
+use crate::blocks::mla::{self, MlaQueryTensors, MlaTensors};
 use crate::models::gpu_fetch::Upload;
 use crate::EngineError;
+
+/// The MLA kernels' shape ([`deltafin_cuda::MlaShape`]) of the CPU block's shape `s` (its
+/// softmax scale and RoPE are passed to the kernels on their own).
+pub(crate) fn device_mla_shape(s: &mla::MlaShape<'_>) -> MlaShape {
+    MlaShape {
+        n_heads: s.n_heads,
+        nope: s.nope,
+        rope: s.rope,
+        v_head_dim: s.v_head_dim,
+        kv_lora_rank: s.kv_lora_rank,
+    }
+}
 
 /// The query projection: q-LoRA (`q_a_proj`, `q_a_layernorm`, `q_b_proj`) or `q_proj` alone.
 pub(crate) enum QProj {
