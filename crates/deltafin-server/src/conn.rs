@@ -10,10 +10,9 @@
 //! - **Slow bodies**: a request body that stalls for [`ConnLimits::body_timeout`] (for example
 //!   one shorter than its `Content-Length`) gets 408 and the connection closes; a declared
 //!   `Content-Length` above the body limit gets 413 before any of the body is read.
-//! - **Half-close**: with [`ConnLimits::half_close`], a client that shuts down its sending side
-//!   after its request still gets the response. Off by default, because the server cannot tell
-//!   a half-close from a client that went away: with it on, a non-streaming request whose client
-//!   has gone runs to its end instead of being cancelled at once.
+//! - **Half-close**: a client that shuts down its sending side after its request still gets the
+//!   response, and one that closed its socket is still cancelled at once: an interim
+//!   `100 Continue` tells them apart ([`HalfClose`], [`crate::half_close`]).
 //!
 //! A response being generated or streamed is not timed: generation time is bounded by
 //! `max_tokens` and the context length, and a client that goes away cancels it.
@@ -25,8 +24,9 @@ use std::time::Duration;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use tokio::sync::Semaphore;
+
+use crate::half_close::{ConnState, HalfClose, ProbedIo, TrackedService};
 
 /// Connection limits and timeouts (the `deltafin serve` flags `--max-connections`,
 /// `--idle-timeout`, `--body-timeout`, `--half-close`).
@@ -40,9 +40,8 @@ pub struct ConnLimits {
     pub idle_timeout: Duration,
     /// Longest wait for the next part of a request body (408 after it). Default 30 s.
     pub body_timeout: Duration,
-    /// Answer clients that shut down their sending side after the request (see the module
-    /// documentation for the trade-off). Default false.
-    pub half_close: bool,
+    /// What a client's end of stream during a request means. Default [`HalfClose::Probe`].
+    pub half_close: HalfClose,
 }
 
 impl Default for ConnLimits {
@@ -51,7 +50,7 @@ impl Default for ConnLimits {
             max_connections: 256,
             idle_timeout: Duration::from_secs(30),
             body_timeout: Duration::from_secs(30),
-            half_close: false,
+            half_close: HalfClose::Probe,
         }
     }
 }
@@ -73,7 +72,7 @@ pub async fn serve(
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(limits.idle_timeout)
-        .half_close(limits.half_close)
+        .half_close(false) // ProbedIo holds back a half-closing client's end of stream
         .keep_alive(true);
     tokio::pin!(shutdown);
     loop {
@@ -96,11 +95,17 @@ pub async fn serve(
             _ = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
-        let conn = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(router.clone()));
-        let conn = graceful.watch(conn);
+        let state = Arc::new(ConnState::default());
+        let io = ProbedIo::new(stream, Arc::clone(&state), limits.half_close);
+        let service = TrackedService::new(router.clone(), Arc::clone(&state));
+        let conn = graceful.watch(builder.serve_connection(TokioIo::new(io), service));
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!("connection closed: {e}");
+            tokio::select! {
+                r = conn => if let Err(e) = r {
+                    tracing::debug!("connection closed: {e}");
+                },
+                // Dropping the connection drops the handler, which cancels its generation.
+                () = state.gone() => tracing::debug!("client gone after a half-close probe"),
             }
             drop(place);
         });

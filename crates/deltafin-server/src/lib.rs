@@ -18,6 +18,7 @@ pub mod body;
 mod chat_messages;
 pub mod conn;
 pub mod error;
+pub mod half_close;
 pub mod limits;
 pub mod metrics;
 pub mod openai;
@@ -45,6 +46,7 @@ use tokio::sync::Semaphore;
 
 pub use conn::{serve, ConnLimits};
 pub use error::{ApiError, Flavor};
+pub use half_close::HalfClose;
 use metrics::Metrics;
 use worker::{JobEvent, Ticket, Worker};
 

@@ -13,7 +13,7 @@ use deltafin_engine::session::Session;
 use deltafin_engine::CausalLm;
 use deltafin_format::convert::{convert, ConvertOptions, NoProgress};
 use deltafin_format::ModelDir;
-use deltafin_server::ServerConfig;
+use deltafin_server::{HalfClose, ServerConfig};
 use deltafin_tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
@@ -84,6 +84,8 @@ fn serve_dir(dir: &Path, model: Arc<dyn CausalLm>, configure: impl FnOnce(&mut S
 }
 
 struct Resp {
+    /// Interim (1xx) statuses received before the final response, in order.
+    interim: Vec<u16>,
     status: u16,
     headers: Vec<(String, String)>,
     body: String,
@@ -125,22 +127,33 @@ fn send(addr: SocketAddr, method: &str, path: &str, body: &[u8], headers: &[(&st
     s
 }
 
+/// Reads a response as HTTP/1.1 clients do: interim 1xx responses (RFC 9110 §15.2) are
+/// skipped (and recorded), then the final one is read to its end.
 fn read_response(s: TcpStream) -> Resp {
     let mut r = BufReader::new(s);
     let mut line = String::new();
-    r.read_line(&mut line).unwrap();
-    let status: u16 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let mut headers = Vec::new();
-    loop {
+    let mut interim = Vec::new();
+    let (status, headers) = loop {
         line.clear();
         r.read_line(&mut line).unwrap();
-        let l = line.trim_end();
-        if l.is_empty() {
-            break;
+        let status: u16 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+        let mut headers = Vec::new();
+        loop {
+            line.clear();
+            r.read_line(&mut line).unwrap();
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            let (k, v) = l.split_once(':').unwrap();
+            headers.push((k.trim().to_string(), v.trim().to_string()));
         }
-        let (k, v) = l.split_once(':').unwrap();
-        headers.push((k.trim().to_string(), v.trim().to_string()));
-    }
+        if (100..200).contains(&status) {
+            interim.push(status);
+        } else {
+            break (status, headers);
+        }
+    };
     let chunked = headers
         .iter()
         .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
@@ -161,6 +174,7 @@ fn read_response(s: TcpStream) -> Resp {
         r.read_to_end(&mut body).unwrap();
     }
     Resp {
+        interim,
         status,
         headers,
         body: String::from_utf8(body).expect("every response is valid UTF-8"),
@@ -1502,18 +1516,90 @@ fn the_bearer_scheme_is_case_insensitive() {
     }
 }
 
-#[test]
-fn with_half_close_a_client_that_shuts_down_its_sending_side_gets_the_answer() {
-    let a = start(|c| c.conn.half_close = true);
-    for stream in [false, true] {
-        let mut body = chat_body(3);
-        body["stream"] = json!(stream);
-        let s = send(a, "POST", "/v1/chat/completions", body.to_string().as_bytes(), &[]);
-        s.shutdown(std::net::Shutdown::Write).unwrap();
-        let r = read_response(s);
-        assert_eq!(r.status, 200, "{}", r.body);
-        assert!(r.body.contains("chat.completion"), "{}", r.body);
+/// A request whose client then shuts down its sending side, after a few decode steps have run
+/// (so the end of stream reaches the server before any of the answer is ready).
+fn half_closed_request(a: SocketAddr, stream: bool) -> TcpStream {
+    let mut body = chat_body(20);
+    body["stream"] = json!(stream);
+    let s = send(a, "POST", "/v1/chat/completions", body.to_string().as_bytes(), &[]);
+    let t0 = Instant::now();
+    while metric(a, "deltafin_generation_active") != 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the generation never became active"
+        );
+        std::thread::sleep(Duration::from_millis(5));
     }
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    s
+}
+
+#[test]
+fn a_client_that_shuts_down_its_sending_side_gets_the_answer() {
+    // The default (`probe`): a 100 Continue before a non-streaming answer, none in a stream
+    // whose headers went out before the end of stream arrived; nothing cancelled.
+    let a = start(|c| c.step_delay = Duration::from_millis(10));
+    for stream in [false, true] {
+        let r = read_response(half_closed_request(a, stream));
+        assert_eq!(r.status, 200, "stream {stream}: {}", r.body);
+        assert!(r.body.contains("chat.completion"), "{}", r.body);
+        // A stream's headers usually go out before the end of stream arrives (then no probe).
+        if stream {
+            assert!(r.interim.len() <= 1, "{:?}", r.interim);
+        } else {
+            assert_eq!(r.interim, [100]);
+        }
+    }
+    assert_eq!(metric(a, "deltafin_generations_cancelled_total"), 0.0);
+    wait_for_requests(a, "/v1/chat/completions", &[(200, 2.0)]);
+    // `answer`: the same answers, never a probe.
+    let a = start(|c| {
+        c.step_delay = Duration::from_millis(10);
+        c.conn.half_close = HalfClose::Answer;
+    });
+    for stream in [false, true] {
+        let r = read_response(half_closed_request(a, stream));
+        assert_eq!((r.status, r.interim.len()), (200, 0), "stream {stream}: {}", r.body);
+    }
+}
+
+#[test]
+fn half_close_disconnect_mode_cancels_at_the_end_of_stream() {
+    let a = start(|c| {
+        c.step_delay = Duration::from_millis(10);
+        c.conn.half_close = HalfClose::Disconnect;
+    });
+    let mut s = half_closed_request(a, false);
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).unwrap();
+    assert!(got.is_empty(), "{}", String::from_utf8_lossy(&got));
+    wait_for_requests(a, "/v1/chat/completions", &[(499, 1.0)]);
+    wait_for_metric(a, "deltafin_generations_cancelled_total", 1.0);
+}
+
+#[test]
+fn a_client_that_closed_its_socket_is_cancelled_by_the_probe() {
+    // Closed without reading: the default mode's probe meets the client kernel's reset, and
+    // the generation stops within a few steps instead of running its 100.
+    let a = start(|c| c.step_delay = Duration::from_millis(20));
+    let s = send(
+        a,
+        "POST",
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": "x", "max_tokens": 100, "ignore_eos": true})
+            .to_string()
+            .as_bytes(),
+        &[],
+    );
+    let t0 = Instant::now();
+    while metric(a, "deltafin_generation_active") != 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(s);
+    wait_for_requests(a, "/v1/completions", &[(499, 1.0)]);
+    wait_for_metric(a, "deltafin_generations_cancelled_total", 1.0);
+    assert!(metric(a, "deltafin_completion_tokens_total") < 50.0);
 }
 
 #[test]

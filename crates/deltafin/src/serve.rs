@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use deltafin_engine::session::Session;
 use deltafin_engine::CausalLm;
 use deltafin_format::ModelDir;
-use deltafin_server::ServerConfig;
+use deltafin_server::{HalfClose, ServerConfig};
 use deltafin_tokenizer::Tokenizer;
 
 use crate::size;
@@ -53,10 +53,13 @@ pub struct ServeArgs {
     /// Seconds a request body may stall before the request fails with 408.
     #[arg(long, default_value_t = 30, allow_negative_numbers = true)]
     body_timeout: u64,
-    /// Answer clients that shut down their sending side after the request (then a client that
-    /// goes away during a non-streaming request is noticed only when its answer is written).
-    #[arg(long)]
-    half_close: bool,
+    /// A client that shuts down its sending side during a request: `probe` answers it unless
+    /// an interim `100 Continue` shows it has gone (then its request is cancelled); `answer`
+    /// always answers (a departed client's non-streaming request runs to its end); `disconnect`
+    /// cancels (no answer). `--half-close` alone means `answer`.
+    #[arg(long, value_name = "MODE", default_value = "probe", num_args = 0..=1, default_missing_value = "answer",
+          value_parser = |s: &str| s.parse::<HalfClose>())]
+    half_close: HalfClose,
     /// Testing aid: sleep this many milliseconds after each decode step.
     #[arg(long, hide = true, default_value_t = 0, allow_negative_numbers = true)]
     debug_step_delay_ms: u64,

@@ -78,6 +78,10 @@ fn negative_numbers_get_the_flags_error() {
             vec!["--floor-bandwidth -3", "positive"],
         ),
         (vec!["serve", "--model", m, "--port", "-1"], vec!["--port", "-1"]),
+        (
+            vec!["serve", "--model", m, "--half-close", "sometimes"],
+            vec!["--half-close", "sometimes", "probe, answer, disconnect"],
+        ),
     ] {
         let out = exec(deltafin().args(&args).write_stdin(""));
         let err = expect_error(&out, &needles);

@@ -130,6 +130,21 @@ fn serve_answers_on_loopback_and_reports_bad_flags() {
     };
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     assert!(resp.contains("\"chat.completion\""), "{resp}");
+    // A client that shuts down its sending side after the request (as `nc -N` does) gets the
+    // answer too, after at most one interim 100 Continue (the default `--half-close probe`).
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut half = String::new();
+    s.read_to_string(&mut half).unwrap();
+    let fin = half.strip_prefix("HTTP/1.1 100 Continue\r\n\r\n").unwrap_or(&half);
+    assert!(fin.starts_with("HTTP/1.1 200"), "{half}");
+    assert!(fin.contains("\"chat.completion\""), "{half}");
     drop(server);
 
     // A port in use is a one-line error, not a panic.

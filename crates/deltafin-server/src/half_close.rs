@@ -1,0 +1,355 @@
+//! Answering a client that half-closes, without serving one that went away.
+//!
+//! A client may shut down its sending side once its request is out (`shutdown(SHUT_WR)`,
+//! `nc -N`, some proxies) and still wait for the answer. At the TCP level that looks exactly
+//! like a client that closed its socket and left: the server reads the end of the stream
+//! either way. What tells them apart is what the client's kernel does with data sent to it: a
+//! socket that is only shut for sending takes it; a closed one answers with a reset.
+//!
+//! So under [`HalfClose::Probe`] (the default), when the end of stream arrives while a request
+//! is being answered and nothing of its response has been written yet, the connection writes
+//! one interim `HTTP/1.1 100 Continue` response (RFC 9110 §15.2: a client must accept 1xx
+//! responses it did not ask for before the final one; hyper, curl, Python's `http.client`,
+//! httpx, Go and Node skip it), hides the end of stream from hyper and watches the socket's
+//! pending error every [`WATCH_PERIOD`]. A reset (the client had gone) cancels the request as
+//! the end of stream always did, a round trip later; otherwise the answer is written as usual
+//! and the connection closes after it. A stream whose response has already begun is not
+//! probed: its next event's write finds a departed client.
+//!
+//! What stays unseen, and is answered to the end (bounded by `max_tokens`, then discarded):
+//! a client that half-closed, read the interim response and only then closed its socket; and
+//! an HTTP/1.0 client that left during a non-streaming request (RFC 9110 forbids interim
+//! responses to HTTP/1.0, so its end of stream is taken as a half-close: one request per
+//! connection, the way `printf … | nc -N` sends it).
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, Response, Version};
+use axum::Router;
+use hyper::body::{Bytes, Frame, Incoming, SizeHint};
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+
+/// What the server does when a client shuts down its sending side during a request
+/// (`deltafin serve --half-close MODE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HalfClose {
+    /// Answer it unless a probe shows the client has gone (see the module documentation).
+    #[default]
+    Probe,
+    /// Always answer: a departed client's non-streaming request runs to its end.
+    Answer,
+    /// Treat the end of stream as a disconnect and cancel (what uvicorn, Go's net/http and
+    /// nginx do): a half-closing client gets no answer.
+    Disconnect,
+}
+
+impl HalfClose {
+    /// The `--half-close` names, in the order the help lists them.
+    pub const NAMES: [&'static str; 3] = ["probe", "answer", "disconnect"];
+}
+
+impl std::str::FromStr for HalfClose {
+    type Err = String;
+
+    /// Errors: a name other than `probe`, `answer`, `disconnect`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "probe" => Ok(HalfClose::Probe),
+            "answer" => Ok(HalfClose::Answer),
+            "disconnect" => Ok(HalfClose::Disconnect),
+            _ => Err(format!(
+                "unknown half-close mode {s:?} (expected one of: {})",
+                HalfClose::NAMES.join(", ")
+            )),
+        }
+    }
+}
+
+/// The interim response written to a client whose end of stream arrived mid-request.
+const PROBE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+/// How often a probed connection's socket is checked for the client's reset.
+pub const WATCH_PERIOD: Duration = Duration::from_millis(20);
+
+/// What one connection is doing, shared by its I/O, its service and its watcher.
+#[derive(Default)]
+struct Phase {
+    /// A request's handler was called and its response body is not finished (or dropped).
+    open: bool,
+    /// That request is HTTP/1.1 (an interim response is allowed).
+    http11: bool,
+    /// Bytes of that request's response have been written.
+    responding: bool,
+    /// The client's end of stream was read and is hidden from hyper until the answer ends.
+    eof_held: bool,
+    /// hyper's read waiting on the held end of stream; woken when the answer ends.
+    read_waker: Option<Waker>,
+}
+
+/// Per-connection state of the half-close handling.
+#[derive(Default)]
+pub(crate) struct ConnState {
+    phase: Mutex<Phase>,
+    /// Signalled when a probe found that the client had gone: the connection is dropped,
+    /// which drops the handler and cancels its generation.
+    gone: Notify,
+}
+
+impl ConnState {
+    fn phase(&self) -> MutexGuard<'_, Phase> {
+        self.phase.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Resolves once a probe has shown that the client is gone.
+    pub(crate) async fn gone(&self) {
+        self.gone.notified().await;
+    }
+
+    fn begin(&self, http11: bool) {
+        let mut p = self.phase();
+        p.open = true;
+        p.http11 = http11;
+        p.responding = false;
+    }
+
+    fn end(&self) {
+        let mut p = self.phase();
+        p.open = false;
+        if let Some(w) = p.read_waker.take() {
+            w.wake();
+        }
+    }
+}
+
+/// The connection's socket as hyper sees it: reads and writes pass through, except a client's
+/// end of stream during a request (handled as [`HalfClose`] says).
+pub(crate) struct ProbedIo {
+    inner: TcpStream,
+    state: Arc<ConnState>,
+    mode: HalfClose,
+    /// The part of the interim response the socket did not take at once; written before
+    /// hyper's next bytes.
+    unsent: &'static [u8],
+    /// Every byte hyper wrote has been flushed (its own buffer is empty then: hyper flushes
+    /// the socket only after writing all it holds), so an interim response cannot land
+    /// inside an earlier response.
+    clean: bool,
+}
+
+impl ProbedIo {
+    pub(crate) fn new(inner: TcpStream, state: Arc<ConnState>, mode: HalfClose) -> Self {
+        ProbedIo {
+            inner,
+            state,
+            mode,
+            unsent: &[],
+            clean: true,
+        }
+    }
+
+    /// Writes the interim response and starts the watcher. Errors: the write failed (the
+    /// client has gone: the caller hands the error to hyper, which closes the connection).
+    fn probe(&mut self) -> io::Result<()> {
+        match self.inner.try_write(PROBE) {
+            Ok(n) => self.unsent = &PROBE[n..],
+            // A full send buffer with nothing of a response in it: no room to probe; answer.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        self.watch();
+        Ok(())
+    }
+
+    /// Checks the socket's pending error until the request ends; a reset means the client
+    /// closed its socket (an RST answers data sent to a closed socket).
+    #[cfg(unix)]
+    fn watch(&self) {
+        use std::os::fd::AsFd;
+        let socket = match self.inner.as_fd().try_clone_to_owned() {
+            Ok(fd) => std::net::TcpStream::from(fd),
+            Err(e) => {
+                tracing::debug!("half-close probe: cannot watch the socket: {e}");
+                return;
+            }
+        };
+        let state = Arc::clone(&self.state);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(WATCH_PERIOD);
+            loop {
+                tick.tick().await;
+                if !state.phase().open {
+                    return;
+                }
+                if !matches!(socket.take_error(), Ok(None)) {
+                    tracing::debug!("client reset the connection after its end of stream: gone");
+                    state.gone.notify_one();
+                    return;
+                }
+            }
+        });
+    }
+
+    #[cfg(not(unix))]
+    fn watch(&self) {}
+
+    /// Writes what is left of the interim response. Ready(Ok) once nothing is left.
+    fn poll_unsent(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while !self.unsent.is_empty() {
+            let n = std::task::ready!(Pin::new(&mut self.inner).poll_write(cx, self.unsent))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.unsent = &self.unsent[n..];
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncRead for ProbedIo {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let me = self.get_mut();
+        {
+            let mut p = me.state.phase();
+            if p.eof_held {
+                if p.open {
+                    p.read_waker = Some(cx.waker().clone());
+                    return Poll::Pending;
+                }
+                return Poll::Ready(Ok(())); // the answer is out: now hyper may see the end
+            }
+        }
+        let before = buf.filled().len();
+        std::task::ready!(Pin::new(&mut me.inner).poll_read(cx, buf))?;
+        if buf.filled().len() > before || buf.remaining() == 0 || me.mode == HalfClose::Disconnect {
+            return Poll::Ready(Ok(()));
+        }
+        // The client's end of stream.
+        let (open, responding, http11) = {
+            let p = me.state.phase();
+            (p.open, p.responding, p.http11)
+        };
+        tracing::debug!(
+            "end of stream: {:?} open={open} responding={responding} http11={http11}",
+            me.mode
+        );
+        if !open {
+            return Poll::Ready(Ok(())); // between requests: hyper closes the connection
+        }
+        // No interim response once the response has begun, to HTTP/1.0, or while an earlier
+        // response is not flushed.
+        if me.mode == HalfClose::Probe && !responding && http11 && me.clean {
+            if let Err(e) = me.probe() {
+                return Poll::Ready(Err(e));
+            }
+        }
+        let mut p = me.state.phase();
+        p.eof_held = true;
+        p.read_waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+impl AsyncWrite for ProbedIo {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let me = self.get_mut();
+        me.clean = false;
+        std::task::ready!(me.poll_unsent(cx))?;
+        let n = std::task::ready!(Pin::new(&mut me.inner).poll_write(cx, buf))?;
+        if n > 0 {
+            let mut p = me.state.phase();
+            if p.open {
+                p.responding = true;
+            }
+        }
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let me = self.get_mut();
+        std::task::ready!(me.poll_unsent(cx))?;
+        std::task::ready!(Pin::new(&mut me.inner).poll_flush(cx))?;
+        me.clean = true;
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let me = self.get_mut();
+        std::task::ready!(me.poll_unsent(cx))?;
+        Pin::new(&mut me.inner).poll_shutdown(cx)
+    }
+}
+
+/// The router as hyper's service, recording each request's start and its response's end in
+/// the connection's [`ConnState`].
+pub(crate) struct TrackedService {
+    inner: TowerToHyperService<Router>,
+    state: Arc<ConnState>,
+}
+
+impl TrackedService {
+    pub(crate) fn new(router: Router, state: Arc<ConnState>) -> Self {
+        TrackedService {
+            inner: TowerToHyperService::new(router),
+            state,
+        }
+    }
+}
+
+impl hyper::service::Service<Request<Incoming>> for TrackedService {
+    type Response = Response<TrackedBody>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn call(&self, req: Request<Incoming>) -> Self::Future {
+        self.state.begin(req.version() == Version::HTTP_11);
+        let end = EndOfAnswer(Arc::clone(&self.state));
+        let answer = hyper::service::Service::call(&self.inner, req);
+        Box::pin(async move {
+            let res = answer.await?;
+            Ok(res.map(|body| TrackedBody { body, _end: end }))
+        })
+    }
+}
+
+/// Marks the request's answer finished when dropped (its body written to the end, or the
+/// handler or body dropped on a disconnect).
+struct EndOfAnswer(Arc<ConnState>);
+
+impl Drop for EndOfAnswer {
+    fn drop(&mut self) {
+        self.0.end();
+    }
+}
+
+/// A response body that ends its request's answer when hyper drops it.
+pub(crate) struct TrackedBody {
+    body: Body,
+    _end: EndOfAnswer,
+}
+
+impl hyper::body::Body for TrackedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
