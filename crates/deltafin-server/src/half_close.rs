@@ -7,14 +7,17 @@
 //! socket that is only shut for sending takes it; a closed one answers with a reset.
 //!
 //! So under [`HalfClose::Probe`] (the default), when the end of stream arrives while a request
-//! is being answered and nothing of its response has been written yet, the connection writes
+//! is being answered (its body read to the end) and nothing of its response has been written
+//! yet (an interim 100 Continue that hyper sent for `Expect: 100-continue` does not count),
+//! the connection writes
 //! one interim `HTTP/1.1 100 Continue` response (RFC 9110 §15.2: a client must accept 1xx
 //! responses it did not ask for before the final one; hyper, curl, Python's `http.client`,
 //! httpx, Go and Node skip it), hides the end of stream from hyper and watches the socket's
 //! pending error every [`WATCH_PERIOD`]. A reset (the client had gone) cancels the request as
 //! the end of stream always did, a round trip later; otherwise the answer is written as usual
 //! and the connection closes after it. A stream whose response has already begun is not
-//! probed: its next event's write finds a departed client.
+//! probed: its next event's write finds a departed client. An end of stream inside a request
+//! body is passed on in every mode: the body can never be complete (400 at once).
 //!
 //! What stays unseen, and is answered to the end (bounded by `max_tokens`, then discarded):
 //! a client that half-closed, read the interim response and only then closed its socket; and
@@ -88,6 +91,8 @@ struct Phase {
     open: bool,
     /// That request is HTTP/1.1 (an interim response is allowed).
     http11: bool,
+    /// Its body has been read to the end (or it has none).
+    body_done: bool,
     /// Bytes of that request's response have been written.
     responding: bool,
     /// The client's end of stream was read and is hidden from hyper until the answer ends.
@@ -115,10 +120,11 @@ impl ConnState {
         self.gone.notified().await;
     }
 
-    fn begin(&self, http11: bool) {
+    fn begin(&self, http11: bool, body_done: bool) {
         let mut p = self.phase();
         p.open = true;
         p.http11 = http11;
+        p.body_done = body_done;
         p.responding = false;
     }
 
@@ -234,16 +240,17 @@ impl AsyncRead for ProbedIo {
             return Poll::Ready(Ok(()));
         }
         // The client's end of stream.
-        let (open, responding, http11) = {
+        let (open, body_done, responding, http11) = {
             let p = me.state.phase();
-            (p.open, p.responding, p.http11)
+            (p.open, p.body_done, p.responding, p.http11)
         };
         tracing::debug!(
-            "end of stream: {:?} open={open} responding={responding} http11={http11}",
+            "end of stream: {:?} open={open} body_done={body_done} responding={responding}",
             me.mode
         );
-        if !open {
-            return Poll::Ready(Ok(())); // between requests: hyper closes the connection
+        if !open || !body_done {
+            // Between requests (hyper closes the connection) or inside a body (it fails).
+            return Poll::Ready(Ok(()));
         }
         // No interim response once the response has begun, to HTTP/1.0, or while an earlier
         // response is not flushed.
@@ -265,7 +272,9 @@ impl AsyncWrite for ProbedIo {
         me.clean = false;
         std::task::ready!(me.poll_unsent(cx))?;
         let n = std::task::ready!(Pin::new(&mut me.inner).poll_write(cx, buf))?;
-        if n > 0 {
+        // hyper's own interim response to `Expect: 100-continue` (the same bytes as the
+        // probe) does not begin the response.
+        if n > 0 && buf[..n] != PROBE[..n.min(PROBE.len())] {
             let mut p = me.state.phase();
             if p.open {
                 p.responding = true;
@@ -311,8 +320,13 @@ impl hyper::service::Service<Request<Incoming>> for TrackedService {
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
 
     fn call(&self, req: Request<Incoming>) -> Self::Future {
-        self.state.begin(req.version() == Version::HTTP_11);
+        self.state.begin(
+            req.version() == Version::HTTP_11,
+            hyper::body::Body::is_end_stream(req.body()),
+        );
         let end = EndOfAnswer(Arc::clone(&self.state));
+        let state = Arc::clone(&self.state);
+        let req = req.map(|body| TrackedRequestBody { body, state });
         let answer = hyper::service::Service::call(&self.inner, req);
         Box::pin(async move {
             let res = answer.await?;
@@ -328,6 +342,33 @@ struct EndOfAnswer(Arc<ConnState>);
 impl Drop for EndOfAnswer {
     fn drop(&mut self) {
         self.0.end();
+    }
+}
+
+/// A request body that records in [`ConnState`] when it has been read to the end.
+pub(crate) struct TrackedRequestBody {
+    body: Incoming,
+    state: Arc<ConnState>,
+}
+
+impl hyper::body::Body for TrackedRequestBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let frame = std::task::ready!(Pin::new(&mut self.body).poll_frame(cx));
+        if frame.is_none() || (matches!(frame, Some(Ok(_))) && self.body.is_end_stream()) {
+            self.state.phase().body_done = true;
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 

@@ -1603,6 +1603,56 @@ fn a_client_that_closed_its_socket_is_cancelled_by_the_probe() {
 }
 
 #[test]
+fn a_client_that_sent_expect_100_continue_and_closed_is_cancelled() {
+    // hyper answers the Expect with its own 100 Continue; that is not the response, so the end
+    // of stream is still probed and the client's reset cancels the generation.
+    let a = start(|c| c.step_delay = Duration::from_millis(20));
+    let body = json!({"model": MODEL, "prompt": "x", "max_tokens": 100, "ignore_eos": true});
+    let mut s = send(
+        a,
+        "POST",
+        "/v1/completions",
+        body.to_string().as_bytes(),
+        &[("Expect", "100-continue")],
+    );
+    // Read hyper's 100 (as curl does): a socket closed with unread data would send a reset
+    // at once, which cancels without any probe.
+    let mut interim = [0u8; 25];
+    s.read_exact(&mut interim).unwrap();
+    assert_eq!(&interim, b"HTTP/1.1 100 Continue\r\n\r\n");
+    let t0 = Instant::now();
+    while metric(a, "deltafin_generation_active") != 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(s);
+    wait_for_requests(a, "/v1/completions", &[(499, 1.0)]);
+    wait_for_metric(a, "deltafin_generations_cancelled_total", 1.0);
+    assert!(metric(a, "deltafin_completion_tokens_total") < 50.0);
+}
+
+#[test]
+fn a_body_cut_short_by_a_half_close_fails_at_once() {
+    // The end of stream inside a body: 400 now, not 408 after the body timeout (30 s here).
+    let a = start(|_| {});
+    for mode_expect in [false, true] {
+        let mut s = TcpStream::connect(a).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let expect = if mode_expect { "Expect: 100-continue\r\n" } else { "" };
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{expect}Content-Length: 100\r\n\r\n{{\"model\":"
+        )
+        .unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let t0 = Instant::now();
+        let r = read_response(s);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    }
+}
+
+#[test]
 fn idle_and_stalled_connections_are_closed() {
     let a = start(|c| {
         c.conn.idle_timeout = Duration::from_millis(500);
