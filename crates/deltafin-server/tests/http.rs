@@ -565,14 +565,7 @@ fn disconnect_cancels_within_a_step_and_frees_the_slot() {
     let a = start(|c| c.step_delay = Duration::from_millis(20));
     let r = stream_to_first_data(a, 100);
     // The role chunk can be sent before the compute thread picks the job up: wait for it.
-    let t_active = Instant::now();
-    while metric(a, "deltafin_generation_active") != 1.0 {
-        assert!(
-            t_active.elapsed() < Duration::from_secs(5),
-            "the generation never became active"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_metric(a, "deltafin_generation_active", 1.0);
     drop(r);
     let t0 = Instant::now();
     let next = post(a, "/v1/chat/completions", &chat_body(2));
@@ -632,23 +625,21 @@ fn conversation_reuse_is_exact() {
     );
 }
 
+/// Sends a non-streaming 100-token completion with `headers` and returns its socket once the
+/// generation runs.
+fn running_completion(a: SocketAddr, headers: &[(&str, &str)]) -> TcpStream {
+    let body = json!({"model": MODEL, "prompt": "x", "max_tokens": 100, "ignore_eos": true});
+    let s = send(a, "POST", "/v1/completions", body.to_string().as_bytes(), headers);
+    wait_for_metric(a, "deltafin_generation_active", 1.0);
+    s
+}
+
+/// A client that closes its socket (the server reads its end of stream; the default
+/// `--half-close probe` then sees the reset its interim response draws) is cancelled.
 #[test]
 fn non_streaming_disconnect_also_cancels() {
     let a = start(|c| c.step_delay = Duration::from_millis(20));
-    let s = send(
-        a,
-        "POST",
-        "/v1/completions",
-        json!({"model": MODEL, "prompt": "x", "max_tokens": 100, "ignore_eos": true})
-            .to_string()
-            .as_bytes(),
-        &[],
-    );
-    let t0 = Instant::now();
-    while metric(a, "deltafin_generation_active") != 1.0 {
-        assert!(t0.elapsed() < Duration::from_secs(5));
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let s = running_completion(a, &[]);
     s.shutdown(std::net::Shutdown::Both).unwrap();
     drop(s);
     let t0 = Instant::now();
@@ -1522,14 +1513,7 @@ fn half_closed_request(a: SocketAddr, stream: bool) -> TcpStream {
     let mut body = chat_body(20);
     body["stream"] = json!(stream);
     let s = send(a, "POST", "/v1/chat/completions", body.to_string().as_bytes(), &[]);
-    let t0 = Instant::now();
-    while metric(a, "deltafin_generation_active") != 1.0 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "the generation never became active"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_metric(a, "deltafin_generation_active", 1.0);
     s.shutdown(std::net::Shutdown::Write).unwrap();
     s
 }
@@ -1578,53 +1562,16 @@ fn half_close_disconnect_mode_cancels_at_the_end_of_stream() {
 }
 
 #[test]
-fn a_client_that_closed_its_socket_is_cancelled_by_the_probe() {
-    // Closed without reading: the default mode's probe meets the client kernel's reset, and
-    // the generation stops within a few steps instead of running its 100.
-    let a = start(|c| c.step_delay = Duration::from_millis(20));
-    let s = send(
-        a,
-        "POST",
-        "/v1/completions",
-        json!({"model": MODEL, "prompt": "x", "max_tokens": 100, "ignore_eos": true})
-            .to_string()
-            .as_bytes(),
-        &[],
-    );
-    let t0 = Instant::now();
-    while metric(a, "deltafin_generation_active") != 1.0 {
-        assert!(t0.elapsed() < Duration::from_secs(5));
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    drop(s);
-    wait_for_requests(a, "/v1/completions", &[(499, 1.0)]);
-    wait_for_metric(a, "deltafin_generations_cancelled_total", 1.0);
-    assert!(metric(a, "deltafin_completion_tokens_total") < 50.0);
-}
-
-#[test]
 fn a_client_that_sent_expect_100_continue_and_closed_is_cancelled() {
     // hyper answers the Expect with its own 100 Continue; that is not the response, so the end
     // of stream is still probed and the client's reset cancels the generation.
     let a = start(|c| c.step_delay = Duration::from_millis(20));
-    let body = json!({"model": MODEL, "prompt": "x", "max_tokens": 100, "ignore_eos": true});
-    let mut s = send(
-        a,
-        "POST",
-        "/v1/completions",
-        body.to_string().as_bytes(),
-        &[("Expect", "100-continue")],
-    );
+    let mut s = running_completion(a, &[("Expect", "100-continue")]);
     // Read hyper's 100 (as curl does): a socket closed with unread data would send a reset
     // at once, which cancels without any probe.
     let mut interim = [0u8; 25];
     s.read_exact(&mut interim).unwrap();
     assert_eq!(&interim, b"HTTP/1.1 100 Continue\r\n\r\n");
-    let t0 = Instant::now();
-    while metric(a, "deltafin_generation_active") != 1.0 {
-        assert!(t0.elapsed() < Duration::from_secs(5));
-        std::thread::sleep(Duration::from_millis(5));
-    }
     drop(s);
     wait_for_requests(a, "/v1/completions", &[(499, 1.0)]);
     wait_for_metric(a, "deltafin_generations_cancelled_total", 1.0);
