@@ -7,7 +7,9 @@
 # Needs: an NVIDIA GPU with ~14 GiB free, ~14 GB of disk in WORK_DIR (default /tmp), python3.
 # Prints one summary line per measurement; nothing else is written outside WORK_DIR.
 #   1. decode, experts preloaded on the GPU, 10-token prompt, 200 tokens (twice), and the same on
-#      the CPU: tok/s and how many greedy ids the two devices share (target 5 is the CPU row);
+#      the CPU: tok/s and how many greedy ids the two devices share (target 5 is the CPU row); the
+#      CPU again with its portable kernels (`--simd portable`: a multiply and an add a term where
+#      the SIMD kernels fuse them), whose ids can part from the SIMD kernels' at a near tie;
 #   2. prefill of 1,000 and 2,000-token prompts (and decode after them), ids against the CPU for
 #      the 1,000-token prompt; the 2,000-token prompt again with `--batch-form fast` (MLA in the
 #      decompressed form);
@@ -26,6 +28,7 @@ P10="--prompt-ids 1,2,3,4,5,6,7,8,9,10"
 "$D" run --model "$M" $P10 $S --device cuda --gpu-preload --stats-json "$W/t1a.json" >/dev/null 2>&1
 "$D" run --model "$M" $P10 $S --device cuda --gpu-preload --stats-json "$W/t1b.json" >/dev/null 2>&1
 "$D" run --model "$M" $P10 $S --device cpu --stats-json "$W/t1c.json" >/dev/null 2>&1
+"$D" run --model "$M" $P10 $S --device cpu --simd portable --stats-json "$W/t1p.json" >/dev/null 2>&1
 P1=$(python3 -c "print(','.join(str(1 + (i * 7919) % 311) for i in range(1000)))")
 P2=$(python3 -c "print(','.join(str(1 + (i * 7919) % 311) for i in range(2000)))")
 L="--max-new-tokens 24 --ignore-eos --ram-budget 16GiB"
@@ -46,10 +49,12 @@ import json, re, sys
 w, dd1, dd2 = sys.argv[1:4]
 r = lambda n: json.load(open(f"{w}/{n}.json"))
 same = lambda a, b: sum(x == y for x, y in zip(a["generated_ids"], b["generated_ids"]))
-a, b, c = r("t1a"), r("t1b"), r("t1c")
+a, b, c, cp = r("t1a"), r("t1b"), r("t1c"), r("t1p")
 print(f"1 decode, preloaded: cuda {a['steady_decode_tokens_per_s']:.1f} / {b['steady_decode_tokens_per_s']:.1f} tok/s, "
       f"cpu {c['steady_decode_tokens_per_s']:.1f} tok/s; ids cuda = cpu {same(a, c)}/{len(c['generated_ids'])}, "
       f"cuda = cuda {same(a, b)}")
+print(f"1 ids, cpu --simd portable ({cp['steady_decode_tokens_per_s']:.1f} tok/s): = cuda {same(a, cp)}/{len(cp['generated_ids'])}, "
+      f"= cpu {same(c, cp)}")
 p1, p1c, p2, p2f = r("t2a"), r("t2c"), r("t2b"), r("t2f")
 for name, x in (("1,000", p1), ("2,000", p2), ("2,000, --batch-form fast", p2f)):
     print(f"2 prompt {name}: prefill {x['prefill_tokens_per_s']:.0f} tok/s (ttft {x['ttft_s']:.3f} s), "
