@@ -8,11 +8,10 @@
 //!
 //! So under [`HalfClose::Probe`] (the default), when the end of stream arrives while a request
 //! is being answered (its body read to the end) and nothing of its response has been written
-//! yet (an interim 100 Continue that hyper sent for `Expect: 100-continue` does not count),
-//! the connection writes
-//! one interim `HTTP/1.1 100 Continue` response (RFC 9110 §15.2: a client must accept 1xx
+//! yet (hyper's own 100 Continue for `Expect: 100-continue` does not count), the connection
+//! writes one interim `HTTP/1.1 100 Continue` (RFC 9110 §15.2: a client must accept 1xx
 //! responses it did not ask for before the final one; hyper, curl, Python's `http.client`,
-//! httpx, Go and Node skip it), hides the end of stream from hyper and watches the socket's
+//! httpx, Go and Node skip it), hides the end of stream from hyper and checks the socket's
 //! pending error every [`WATCH_PERIOD`]. A reset (the client had gone) cancels the request as
 //! the end of stream always did, a round trip later; otherwise the answer is written as usual
 //! and the connection closes after it. A stream whose response has already begun is not
