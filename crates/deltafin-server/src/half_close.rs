@@ -15,8 +15,10 @@
 //! pending error every [`WATCH_PERIOD`]. A reset (the client had gone) cancels the request as
 //! the end of stream always did, a round trip later; otherwise the answer is written as usual
 //! and the connection closes after it. A stream whose response has already begun is not
-//! probed: its next event's write finds a departed client. An end of stream inside a request
-//! body is passed on in every mode: the body can never be complete (400 at once).
+//! probed: its next event's write finds a departed client. The decision waits until the
+//! handler has read the request body to its end (hyper may have the whole body off the wire
+//! before that); a body cut short on the wire never gets there, and its request fails with
+//! 400 after [`BODY_GRACE`].
 //!
 //! What stays unseen, and is answered to the end (bounded by `max_tokens`, then discarded):
 //! a client that half-closed, read the interim response and only then closed its socket; and
@@ -94,9 +96,8 @@ struct Phase {
     body_done: bool,
     /// Bytes of that request's response have been written.
     responding: bool,
-    /// The client's end of stream was read and is hidden from hyper until the answer ends.
-    eof_held: bool,
-    /// hyper's read waiting on the held end of stream; woken when the answer ends.
+    /// hyper's read waiting on the held end of stream; woken when the body has been read to
+    /// the end and when the answer ends.
     read_waker: Option<Waker>,
 }
 
@@ -134,6 +135,14 @@ impl ConnState {
             w.wake();
         }
     }
+
+    fn body_read(&self) {
+        let mut p = self.phase();
+        p.body_done = true;
+        if let Some(w) = p.read_waker.take() {
+            w.wake();
+        }
+    }
 }
 
 /// The connection's socket as hyper sees it: reads and writes pass through, except a client's
@@ -149,7 +158,30 @@ pub(crate) struct ProbedIo {
     /// the socket only after writing all it holds), so an interim response cannot land
     /// inside an earlier response.
     clean: bool,
+    /// What became of the client's end of stream.
+    eof: Eof,
+    /// While the end of stream waits for the handler to read the request body to its end:
+    /// when this fires first, the body was cut short on the wire.
+    body_grace: Option<Pin<Box<tokio::time::Sleep>>>,
 }
+
+/// The client's end of stream, as [`ProbedIo`] handles it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Eof {
+    /// Not read yet.
+    NotSeen,
+    /// Read during a request and hidden from hyper; `decided` once the probe (or none) was
+    /// chosen, which needs the request body read to its end.
+    Held { decided: bool },
+    /// Handed to hyper.
+    Passed,
+}
+
+/// How long an end of stream that arrives before the handler has read the request body to
+/// its end waits for it. hyper may take the whole body off the wire before the handler reads
+/// it (then it comes within microseconds); a body cut short on the wire never comes, and the
+/// request then fails (400) after this wait instead of the body timeout.
+pub const BODY_GRACE: Duration = Duration::from_secs(1);
 
 impl ProbedIo {
     pub(crate) fn new(inner: TcpStream, state: Arc<ConnState>, mode: HalfClose) -> Self {
@@ -159,6 +191,8 @@ impl ProbedIo {
             mode,
             unsent: &[],
             clean: true,
+            eof: Eof::NotSeen,
+            body_grace: None,
         }
     }
 
@@ -223,43 +257,65 @@ impl ProbedIo {
 impl AsyncRead for ProbedIo {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let me = self.get_mut();
-        {
-            let mut p = me.state.phase();
-            if p.eof_held {
-                if p.open {
-                    p.read_waker = Some(cx.waker().clone());
-                    return Poll::Pending;
+        match me.eof {
+            Eof::Passed => return Poll::Ready(Ok(())),
+            Eof::Held { .. } => {}
+            Eof::NotSeen => {
+                let before = buf.filled().len();
+                std::task::ready!(Pin::new(&mut me.inner).poll_read(cx, buf))?;
+                if buf.filled().len() > before || buf.remaining() == 0 {
+                    return Poll::Ready(Ok(()));
                 }
-                return Poll::Ready(Ok(())); // the answer is out: now hyper may see the end
-            }
-        }
-        let before = buf.filled().len();
-        std::task::ready!(Pin::new(&mut me.inner).poll_read(cx, buf))?;
-        if buf.filled().len() > before || buf.remaining() == 0 || me.mode == HalfClose::Disconnect {
-            return Poll::Ready(Ok(()));
-        }
-        // The client's end of stream.
-        let (open, body_done, responding, http11) = {
-            let p = me.state.phase();
-            (p.open, p.body_done, p.responding, p.http11)
-        };
-        tracing::debug!(
-            "end of stream: {:?} open={open} body_done={body_done} responding={responding}",
-            me.mode
-        );
-        if !open || !body_done {
-            // Between requests (hyper closes the connection) or inside a body (it fails).
-            return Poll::Ready(Ok(()));
-        }
-        // No interim response once the response has begun, to HTTP/1.0, or while an earlier
-        // response is not flushed.
-        if me.mode == HalfClose::Probe && !responding && http11 && me.clean {
-            if let Err(e) = me.probe() {
-                return Poll::Ready(Err(e));
+                // The client's end of stream: between requests, or in `disconnect` mode, it
+                // goes to hyper (which closes the connection, cancelling any request).
+                let (open, body_done) = {
+                    let p = me.state.phase();
+                    (p.open, p.body_done)
+                };
+                tracing::debug!(
+                    "end of stream: {:?}, request open {open}, body read {body_done}",
+                    me.mode
+                );
+                if !open || me.mode == HalfClose::Disconnect {
+                    me.eof = Eof::Passed;
+                    return Poll::Ready(Ok(()));
+                }
+                me.eof = Eof::Held { decided: false };
+                if !body_done {
+                    me.body_grace = Some(Box::pin(tokio::time::sleep(BODY_GRACE)));
+                }
             }
         }
         let mut p = me.state.phase();
-        p.eof_held = true;
+        if !p.open {
+            // The answer is out: now hyper may see the end (and close the connection).
+            me.eof = Eof::Passed;
+            return Poll::Ready(Ok(()));
+        }
+        if !p.body_done {
+            let cut_short = me.body_grace.as_mut().is_some_and(|g| g.as_mut().poll(cx).is_ready());
+            if cut_short {
+                // The body never came to its end: hyper fails the request (400).
+                me.eof = Eof::Passed;
+                return Poll::Ready(Ok(()));
+            }
+            p.read_waker = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        me.body_grace = None;
+        if me.eof == (Eof::Held { decided: false }) {
+            me.eof = Eof::Held { decided: true };
+            // No interim response once the response has begun, to HTTP/1.0, or while an
+            // earlier response is not flushed.
+            if me.mode == HalfClose::Probe && !p.responding && p.http11 && me.clean {
+                drop(p);
+                if let Err(e) = me.probe() {
+                    me.eof = Eof::Passed;
+                    return Poll::Ready(Err(e));
+                }
+                p = me.state.phase();
+            }
+        }
         p.read_waker = Some(cx.waker().clone());
         Poll::Pending
     }
@@ -357,7 +413,7 @@ impl hyper::body::Body for TrackedRequestBody {
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let frame = std::task::ready!(Pin::new(&mut self.body).poll_frame(cx));
         if frame.is_none() || (matches!(frame, Some(Ok(_))) && self.body.is_end_stream()) {
-            self.state.phase().body_done = true;
+            self.state.body_read();
         }
         Poll::Ready(frame)
     }
